@@ -1,0 +1,237 @@
+"""Synthetic PLE checkpoints: real safetensors files in the Qwen4Exp naming, for tests and benchmarks.
+
+The table's content is random-looking, always finite, and a pure function of the arguments: each
+shard draws from its own generator seeded with ``(seed, shard index)``, so the file split does not
+change it. Data is streamed in chunks of about 64 MiB, so a 16 GiB table is written without holding
+it in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ple_um.checkpoint.layout import ShardLayout, read_layout
+
+PREFIX = "model.language_model."
+CHUNK_BYTES = 64 << 20
+
+# Accepted spellings (lower case) -> safetensors dtype name.
+_DTYPE_NAMES = {
+    "f8_e4m3": "F8_E4M3",
+    "fp8": "F8_E4M3",
+    "fp8_e4m3": "F8_E4M3",
+    "float8_e4m3fn": "F8_E4M3",
+    "f8_e5m2": "F8_E5M2",
+    "fp8_e5m2": "F8_E5M2",
+    "float8_e5m2": "F8_E5M2",
+    "bf16": "BF16",
+    "bfloat16": "BF16",
+    "f16": "F16",
+    "fp16": "F16",
+    "float16": "F16",
+}
+_TORCH_DTYPES = {
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+}
+_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4}
+
+
+def shard_name(layer: int, index: int) -> str:
+    return f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{index}.weight"
+
+
+def scale_name(layer: int) -> str:
+    return f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_embedding.weight_scale"
+
+
+UNRELATED_NAME = f"{PREFIX}embed_tokens.weight"
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The safetensors name of a storage dtype given as a torch dtype or a usual spelling."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _TORCH_DTYPES:
+            return _TORCH_DTYPES[dtype]
+    elif isinstance(dtype, str) and dtype.strip().lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.strip().lower()]
+    raise ValueError(
+        f"unsupported table dtype {dtype!r}: use torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, "
+        f"torch.float16 or one of {', '.join(sorted(_DTYPE_NAMES))} (any case)"
+    )
+
+
+def shard_rows(num_rows: int, shards: int) -> list[int]:
+    """Rows of each shard in the Qwen4Exp layout: ceil(num_rows / shards) each, the rest trailing."""
+    per_shard = -(-num_rows // shards)
+    return [min(max(num_rows - i * per_shard, 0), per_shard) for i in range(shards)]
+
+
+def scale_value(seed: int) -> float:
+    """The FP8 scale for ``seed``: in [0.01, 0.05), exactly representable in F32, not a power of two."""
+    value = float(np.float32(0.01 + 0.04 * np.random.default_rng([seed, 1 << 33]).random()))
+    if math.frexp(value)[0] == 0.5:  # a power of two would hide a missing or doubled scale
+        value = float(np.float32(value * 1.25))
+    return value
+
+
+def _random_bytes(rng: np.random.Generator, name: str, count: int) -> np.ndarray:
+    """``count`` elements of dtype ``name`` as uint8, finite by construction."""
+    if name == "F8_E4M3":
+        # 254 of the 256 codes: skip 0x7F and 0xFF, the e4m3fn NaNs.
+        data = rng.integers(0, 254, count, dtype=np.uint8)
+        data += data >= 0x7F
+        return data
+    if name == "F8_E5M2":
+        data = rng.integers(0, 256, count, dtype=np.uint8)
+        # Exponent all ones (inf / NaN): clear its lowest bit.
+        data ^= ((data & 0x7C) == 0x7C).view(np.uint8) << 2
+        return data
+    # 16-bit: random sign and mantissa, exponent in 8 steps around 1: magnitudes in [2**-4, 2**4).
+    bits = rng.integers(0, 1 << 16, count, dtype=np.uint16)
+    shift, mask, low = (10, 0x83FF, 15 - 4) if name == "F16" else (7, 0x807F, 127 - 4)
+    exponent = bits >> np.uint16(shift)
+    exponent &= np.uint16(7)
+    exponent += np.uint16(low)
+    exponent <<= np.uint16(shift)
+    bits &= np.uint16(mask)
+    bits |= exponent
+    return bits.view(np.uint8)
+
+
+class _Tensor(NamedTuple):
+    name: str
+    dtype: str
+    shape: list[int]
+    source: int | str  # a shard index, "unrelated" or "scale"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+
+
+def _file_name(k: int, n: int) -> str:
+    return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value}")
+    return int(value)
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    *,
+    num_rows: int,
+    row_dim: int,
+    dtype: torch.dtype | str,
+    shards: int,
+    layer: int = 1,
+    seed: int = 0,
+    files: int | None = None,
+    progress: bool = False,
+) -> ShardLayout:
+    """Write a PLE table of ``num_rows`` x ``row_dim`` in ``shards`` shards over ``files`` files.
+
+    Also writes, for an FP8 table, the F32 global scale; one small unrelated BF16 tensor (which a
+    reader must skip); and ``model.safetensors.index.json``. Existing files of the same names are
+    replaced. Returns ``read_layout(path, layer)``.
+    """
+    num_rows = _check_int("num_rows", num_rows, 1)
+    row_dim = _check_int("row_dim", row_dim, 1)
+    shards = _check_int("shards", shards, 1)
+    layer = _check_int("layer", layer, 0)
+    seed = _check_int("seed", seed, 0)
+    files = min(shards, 4) if files is None else _check_int("files", files, 1)
+    if files > shards:
+        raise ValueError(f"files ({files}) must not exceed shards ({shards}): each file holds at least one")
+    name = dtype_name(dtype)
+    row_bytes = row_dim * _ITEMSIZE[name]
+    rows = shard_rows(num_rows, shards)
+
+    # Contiguous runs of shards per file; the small tensors go in the last file.
+    groups = np.array_split(np.arange(shards), files)
+    directory = os.fspath(path)
+    os.makedirs(directory, exist_ok=True)
+
+    plans: list[tuple[str, list[_Tensor]]] = []
+    for k, group in enumerate(groups):
+        tensors = [_Tensor(shard_name(layer, int(i)), name, [rows[i], row_dim], int(i)) for i in group]
+        if k == files - 1:
+            tensors.append(_Tensor(UNRELATED_NAME, "BF16", [8, row_dim], "unrelated"))
+            if name in ("F8_E4M3", "F8_E5M2"):
+                tensors.append(_Tensor(scale_name(layer), "F32", [], "scale"))
+        # The safetensors package's order: larger alignment first, then by name; it keeps every
+        # tensor aligned to its element size, which loaders that view the data in place need.
+        tensors.sort(key=lambda t: (-_ITEMSIZE[t.dtype], t.name))
+        plans.append((_file_name(k + 1, files), tensors))
+
+    total_bytes = sum(t.nbytes for _, tensors in plans for t in tensors)
+    weight_map: dict[str, str] = {}
+    with tqdm(
+        total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="write", disable=not progress
+    ) as bar:
+        for file_name, tensors in plans:
+            _write_file(os.path.join(directory, file_name), tensors, seed, row_bytes, bar)
+            weight_map.update({t.name: file_name for t in tensors})
+
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    _replace(os.path.join(directory, "model.safetensors.index.json"), json.dumps(index, indent=2).encode())
+    return read_layout(directory, layer)
+
+
+def _write_file(path: str, tensors: list[_Tensor], seed: int, row_bytes: int, bar: tqdm) -> None:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the spec's padding: data starts 8-aligned
+
+    partial = path + ".partial"
+    with open(partial, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors:
+            if t.source == "scale":
+                f.write(struct.pack("<f", scale_value(seed)))
+            elif t.source == "unrelated":
+                rng = np.random.default_rng([seed, 1 << 32])
+                f.write(_random_bytes(rng, t.dtype, math.prod(t.shape)).tobytes())
+            else:
+                _write_shard(f, np.random.default_rng([seed, t.source]), t.dtype, t.shape[0], row_bytes, bar)
+                continue
+            bar.update(t.nbytes)
+    os.replace(partial, path)
+
+
+def _write_shard(f, rng: np.random.Generator, dt: str, rows: int, row_bytes: int, bar: tqdm) -> None:
+    # Chunks of whole rows, sized from row_bytes alone, so the content depends only on the arguments.
+    chunk_rows = max(1, CHUNK_BYTES // row_bytes)
+    count_per_row = row_bytes // _ITEMSIZE[dt]
+    for start in range(0, rows, chunk_rows):
+        n = min(chunk_rows, rows - start)
+        data = _random_bytes(rng, dt, n * count_per_row)
+        f.write(memoryview(data))
+        bar.update(n * row_bytes)
+
+
+def _replace(path: str, data: bytes) -> None:
+    partial = path + ".partial"
+    with open(partial, "wb") as f:
+        f.write(data)
+    os.replace(partial, path)

@@ -1,0 +1,286 @@
+"""ple_um.synthetic: real, deterministic, finite checkpoints that the safetensors package agrees with."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from reference import reference_rows
+from safetensors import safe_open
+
+from ple_um import synthetic
+from ple_um.checkpoint import read_layout, validate
+from ple_um.synthetic import write_checkpoint
+
+INDEX = "model.safetensors.index.json"
+
+
+def files_of(directory) -> list[str]:
+    return sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+
+
+def load_all(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, as the safetensors package loads it."""
+    tensors = {}
+    for name in files_of(directory):
+        with safe_open(os.path.join(directory, name), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def table_bytes(directory, layout) -> np.ndarray:
+    """uint8 [num_rows, row_bytes]: the shards as the safetensors package loads them, concatenated."""
+    tensors = load_all(directory)
+    parts = [tensors[s.tensor].contiguous().view(torch.uint8).numpy().reshape(-1) for s in layout.shards]
+    return np.concatenate(parts).reshape(layout.num_rows, layout.row_bytes)
+
+
+def test_layout_and_names(make_checkpoint):
+    layout = make_checkpoint(num_rows=37, row_dim=24, dtype="fp8", shards=4, layer=5)
+    directory = layout.directory
+    assert files_of(directory) == [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)]
+    assert (layout.layer, layout.num_rows, layout.row_dim, layout.row_bytes) == (5, 37, 24, 24)
+    assert [s.rows for s in layout.shards] == [10, 10, 10, 7]
+    assert [s.tensor for s in layout.shards] == [
+        f"model.language_model.layers.5.ple.ple_embedding.ngram_embedding.shard_{i}.weight" for i in range(4)
+    ]
+    assert (
+        layout.scale_tensor == "model.language_model.layers.5.ple.ple_embedding.ngram_embedding.weight_scale"
+    )
+    assert validate(directory) == []
+
+
+@pytest.mark.parametrize(
+    "num_rows, shards, rows",
+    [(9, 4, [3, 3, 3, 0]), (2, 5, [1, 1, 0, 0, 0]), (1, 1, [1]), (100, 7, [15] * 6 + [10])],
+)
+def test_trailing_empty_shards(make_checkpoint, num_rows, shards, rows):
+    layout = make_checkpoint(num_rows=num_rows, shards=shards, row_dim=3, dtype="bf16")
+    assert [s.rows for s in layout.shards] == rows
+    assert layout.rows_per_shard == math.ceil(num_rows / shards)
+    shapes = {k: list(v.shape) for k, v in load_all(layout.directory).items()}
+    for s in layout.shards:
+        assert shapes[s.tensor] == [s.rows, 3]
+
+
+@pytest.mark.parametrize("files, expected", [(None, 4), (1, 1), (2, 2), (6, 6)])
+def test_file_split_and_index(make_checkpoint, files, expected):
+    layout = make_checkpoint(num_rows=50, row_dim=8, dtype="F8_E5M2", shards=6, files=files)
+    directory = layout.directory
+    names = files_of(directory)
+    assert names == [f"model-{k:05d}-of-{expected:05d}.safetensors" for k in range(1, expected + 1)]
+    with open(os.path.join(directory, INDEX)) as f:
+        index = json.load(f)
+    held = {}
+    total = 0
+    for name in names:
+        with safe_open(os.path.join(directory, name), framework="pt") as f:
+            for key in f.keys():
+                held[key] = name
+                t = f.get_tensor(key)
+                total += t.numel() * t.element_size()
+    assert index["weight_map"] == held
+    assert index["metadata"]["total_size"] == total
+    assert "model.language_model.embed_tokens.weight" in held  # the tensor readers must skip
+    assert len(held) == 6 + 2
+    # Shards split in contiguous runs, in index order.
+    order = [names.index(held[s.tensor]) for s in layout.shards]
+    assert order == sorted(order)
+
+
+def test_files_must_not_exceed_shards(tmp_path):
+    with pytest.raises(ValueError, match=r"files \(5\) must not exceed shards \(4\)"):
+        write_checkpoint(tmp_path, num_rows=10, row_dim=4, dtype="fp8", shards=4, files=5)
+
+
+def test_determinism(make_checkpoint):
+    def content(layout):
+        return {
+            name: open(os.path.join(layout.directory, name), "rb").read()  # noqa: SIM115
+            for name in (*files_of(layout.directory), INDEX)
+        }
+
+    a = make_checkpoint(num_rows=33, row_dim=16, dtype="bf16", shards=3, seed=7)
+    b = make_checkpoint(num_rows=33, row_dim=16, dtype="bf16", shards=3, seed=7)
+    c = make_checkpoint(num_rows=33, row_dim=16, dtype="bf16", shards=3, seed=8)
+    assert content(a) == content(b)
+    assert np.array_equal(table_bytes(a.directory, a), table_bytes(b.directory, b))
+    ta, tc = table_bytes(a.directory, a), table_bytes(c.directory, c)
+    assert (ta != tc).mean() > 0.5
+    # Content depends on the shard index, not on how shards are split over files.
+    d = make_checkpoint(num_rows=33, row_dim=16, dtype="bf16", shards=3, seed=7, files=1)
+    assert np.array_equal(table_bytes(d.directory, d), ta)
+
+
+def test_shards_differ_from_each_other(make_checkpoint):
+    layout = make_checkpoint(num_rows=40, row_dim=32, dtype="fp8", shards=4)
+    table = table_bytes(layout.directory, layout)
+    for i in range(1, 4):
+        assert (table[:10] != table[10 * i : 10 * i + 10]).mean() > 0.5
+
+
+def test_contents_finite_and_random_looking(any_dtype_layout):
+    layout = any_dtype_layout
+    tensors = load_all(layout.directory)
+    for s in layout.shards:
+        t = tensors[s.tensor]
+        assert t.dtype == layout.dtype and list(t.shape) == [s.rows, layout.row_dim]
+        assert torch.isfinite(t.float()).all()
+    raw = table_bytes(layout.directory, layout).reshape(-1)
+    if layout.dtype_name == "F8_E4M3":
+        assert not np.isin(raw, [0x7F, 0xFF]).any()
+    if layout.dtype_name == "F8_E5M2":
+        assert not ((raw & 0x7C) == 0x7C).any()
+    assert len(np.unique(raw)) > 10
+    assert torch.isfinite(tensors["model.language_model.embed_tokens.weight"].float()).all()
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "BF16", "F16"])
+def test_finite_over_many_values(tmp_path, dtype):
+    """Enough values that every byte / exponent code would show up if it could."""
+    layout = write_checkpoint(tmp_path, num_rows=4096, row_dim=64, dtype=dtype, shards=2, seed=11)
+    tensors = load_all(layout.directory)
+    values = torch.cat([tensors[s.tensor].float().reshape(-1) for s in layout.shards])
+    assert torch.isfinite(values).all()
+    if layout.dtype_name in ("BF16", "F16"):
+        magnitude = values.abs()
+        assert magnitude.min() >= 2**-4 and magnitude.max() < 2**4
+        assert (values < 0).float().mean().item() == pytest.approx(0.5, abs=0.02)
+    else:
+        # Every code but the excluded ones appears.
+        raw = table_bytes(layout.directory, layout).reshape(-1)
+        assert len(np.unique(raw)) == (254 if dtype == "F8_E4M3" else 256 - 8)
+
+
+def test_safetensors_package_agrees_with_our_offsets(any_dtype_layout):
+    layout = any_dtype_layout
+    tensors = load_all(layout.directory)
+    for s in layout.shards:
+        with open(s.path, "rb") as f:
+            f.seek(s.offset)
+            ours = f.read(s.rows * layout.row_bytes)
+        assert ours == tensors[s.tensor].contiguous().view(torch.uint8).numpy().tobytes()
+    table = table_bytes(layout.directory, layout)
+    assert np.array_equal(reference_rows(layout, np.arange(layout.num_rows)), table)
+
+
+def test_scale(make_checkpoint):
+    values = set()
+    for seed in range(20):
+        layout = make_checkpoint(num_rows=4, row_dim=2, shards=1, seed=seed)
+        assert 0.01 <= layout.scale < 0.05 * 1.25
+        assert math.frexp(layout.scale)[0] != 0.5  # not a power of two
+        loaded = load_all(layout.directory)[layout.scale_tensor]
+        assert loaded.dtype == torch.float32 and loaded.shape == ()
+        assert loaded.item() == layout.scale
+        values.add(layout.scale)
+    assert len(values) == 20
+    assert synthetic.scale_value(3) == synthetic.scale_value(3)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "F16", "f16"])
+def test_16bit_has_no_scale_tensor(make_checkpoint, dtype):
+    layout = make_checkpoint(dtype=dtype)
+    assert layout.scale is None
+    assert not any(k.endswith("weight_scale") for k in load_all(layout.directory))
+
+
+def test_header_padded_and_data_aligned(make_checkpoint):
+    layout = make_checkpoint(num_rows=13, row_dim=5, dtype="fp8", shards=3, files=3)
+    for name in files_of(layout.directory):
+        with open(os.path.join(layout.directory, name), "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = f.read(length)
+        assert length % 8 == 0  # the data section starts 8-aligned
+        parsed = json.loads(header)
+        assert parsed["__metadata__"] == {"format": "pt"}
+        # Every tensor aligned to its element size, as the safetensors package lays files out.
+        for key, meta in parsed.items():
+            if key != "__metadata__":
+                size = {"F32": 4, "BF16": 2, "F8_E4M3": 1}[meta["dtype"]]
+                assert meta["data_offsets"][0] % size == 0
+
+
+@pytest.mark.parametrize(
+    "spelling, name",
+    [
+        (torch.float8_e4m3fn, "F8_E4M3"),
+        (torch.float8_e5m2, "F8_E5M2"),
+        (torch.bfloat16, "BF16"),
+        (torch.float16, "F16"),
+        ("F8_E4M3", "F8_E4M3"),
+        ("fp8", "F8_E4M3"),
+        ("fp8_e4m3", "F8_E4M3"),
+        ("F8_E5M2", "F8_E5M2"),
+        ("bf16", "BF16"),
+        ("BF16", "BF16"),
+        ("f16", "F16"),
+        ("F16", "F16"),
+    ],
+)
+def test_dtype_spellings(make_checkpoint, spelling, name):
+    layout = make_checkpoint(dtype=spelling, num_rows=3, row_dim=2, shards=1)
+    assert layout.dtype_name == name
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_rows=0), r"num_rows must be at least 1, got 0"),
+        (dict(row_dim=0), r"row_dim must be at least 1"),
+        (dict(shards=0), r"shards must be at least 1"),
+        (dict(num_rows=-5), r"num_rows must be at least 1"),
+        (dict(num_rows=2.5), r"num_rows must be an integer"),
+        (dict(shards=True), r"shards must be an integer"),
+        (dict(seed=-1), r"seed must be at least 0"),
+        (dict(layer=-1), r"layer must be at least 0"),
+        (dict(files=0), r"files must be at least 1"),
+        (dict(dtype="fp32"), r"unsupported table dtype 'fp32'"),
+        (dict(dtype=torch.float32), r"unsupported table dtype torch.float32"),
+        (dict(dtype=None), r"unsupported table dtype None"),
+    ],
+)
+def test_bad_arguments(tmp_path, kwargs, match):
+    args = dict(num_rows=8, row_dim=4, dtype="fp8", shards=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        write_checkpoint(tmp_path / "c", **args)
+    assert not (tmp_path / "c").exists()
+
+
+def test_more_shards_than_rows(make_checkpoint):
+    layout = make_checkpoint(num_rows=3, shards=8, row_dim=4)
+    assert [s.rows for s in layout.shards] == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+def test_many_chunks(make_checkpoint, monkeypatch):
+    monkeypatch.setattr(synthetic, "CHUNK_BYTES", 100)  # a row of 48 bytes: 2 rows per chunk
+    layout = make_checkpoint(num_rows=31, row_dim=24, dtype="bf16", shards=2)
+    tensors = load_all(layout.directory)
+    for s in layout.shards:
+        assert torch.isfinite(tensors[s.tensor].float()).all()
+    assert validate(layout.directory) == []
+
+
+def test_progress_bar(make_checkpoint, capsys):
+    make_checkpoint(progress=True)
+    assert "write" in capsys.readouterr().err
+
+
+def test_rewrite_in_place(tmp_path):
+    write_checkpoint(tmp_path, num_rows=8, row_dim=4, dtype="fp8", shards=2, seed=1)
+    layout = write_checkpoint(tmp_path, num_rows=8, row_dim=4, dtype="fp8", shards=2, seed=2)
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".partial")]
+    assert read_layout(str(tmp_path)) == layout
+
+
+def test_reference_rows_importable_both_ways():
+    from tests.reference import reference_rows as from_package
+
+    assert from_package.__code__.co_code == reference_rows.__code__.co_code
