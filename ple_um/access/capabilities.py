@@ -1,0 +1,121 @@
+"""What a device offers for reading host memory, read through cuda-python (cuda.bindings).
+
+The attributes that pick an access mode:
+- ``pageable_memory_access_uses_host_page_tables`` (cudaDevAttrPageableMemoryAccessUsesHostPageTables):
+  the GPU walks the CPU's page tables (ATS). True on coherent Grace systems (GH200, GB200, GB10 /
+  DGX Spark): the GPU can dereference any host address, an mmap of a file included, and the OS
+  serves its faults (CUDA Programming Guide, "System-Allocated Memory" / "Hardware Coherency").
+- ``pageable_memory_access`` (cudaDevAttrPageableMemoryAccess): the GPU can access pageable memory
+  at all (also true under HMM, where faults migrate pages instead).
+- ``host_register_supported`` and ``read_only_host_register_supported``
+  (CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, read through the driver API because the
+  runtime enum of cuda-bindings 13 lacks it): cudaHostRegister with the ReadOnly flag, which a
+  ``PROT_READ`` file mapping needs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceCapabilities:
+    """The facts the probe decides on. Tests build these directly to inject a machine."""
+
+    cuda: bool  # a CUDA device is present and usable
+    device: str  # "cuda:0", "cpu"
+    name: str = ""
+    pageable_memory_access: bool = False
+    pageable_memory_access_uses_host_page_tables: bool = False
+    host_register_supported: bool = False
+    read_only_host_register_supported: bool = False
+    can_use_host_pointer_for_registered_mem: bool = False
+    integrated: bool = False
+    # The device is the host itself: the Triton interpreter runs kernels on the CPU, where a
+    # kernel dereferences the mmap's host address directly (used to test GPU paths in CI).
+    host_is_device: bool = False
+    errors: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _cuda_device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def resolve_device(device: str | int | torch.device | None) -> torch.device:
+    """None -> the current CUDA device, or the CPU when there is none."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def read_capabilities(device: str | int | torch.device | None = None) -> DeviceCapabilities:
+    """Ask the driver about ``device``; never raises (errors are recorded in ``.errors``)."""
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return DeviceCapabilities(
+            cuda=False, device=str(dev), name="cpu", host_is_device=triton_interpreter()
+        )
+    if not torch.cuda.is_available():
+        return DeviceCapabilities(cuda=False, device=str(dev), errors=("torch.cuda.is_available() is False",))
+    index = _cuda_device_index(dev)
+    errors: list[str] = []
+    values: dict[str, bool] = {}
+    try:
+        from cuda.bindings import driver, runtime
+    except ImportError as exc:  # pragma: no cover - cuda-python is a dependency
+        return DeviceCapabilities(cuda=True, device=f"cuda:{index}", errors=(f"cuda-python missing: {exc}",))
+    torch.cuda.init()
+    runtime_attrs = {
+        "pageable_memory_access": "cudaDevAttrPageableMemoryAccess",
+        "pageable_memory_access_uses_host_page_tables": "cudaDevAttrPageableMemoryAccessUsesHostPageTables",
+        "host_register_supported": "cudaDevAttrHostRegisterSupported",
+        "can_use_host_pointer_for_registered_mem": "cudaDevAttrCanUseHostPointerForRegisteredMem",
+        "integrated": "cudaDevAttrIntegrated",
+    }
+    for key, attr in runtime_attrs.items():
+        enum = getattr(runtime.cudaDeviceAttr, attr, None)
+        if enum is None:
+            errors.append(f"{attr}: not in this cuda-bindings")
+            continue
+        err, value = runtime.cudaDeviceGetAttribute(enum, index)
+        if int(err) != 0:
+            errors.append(f"{attr}: {err}")
+        else:
+            values[key] = bool(value)
+    # ReadOnlyHostRegisterSupported through the driver API (cuda-bindings 13's runtime enum lacks it).
+    err, cu_dev = driver.cuDeviceGet(index)
+    enum = getattr(driver.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED", None)
+    if int(err) != 0 or enum is None:
+        errors.append(
+            f"CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: {err if int(err) else 'missing'}"
+        )
+    else:
+        err, value = driver.cuDeviceGetAttribute(enum, cu_dev)
+        if int(err) != 0:
+            errors.append(f"CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: {err}")
+        else:
+            values["read_only_host_register_supported"] = bool(value)
+    return DeviceCapabilities(
+        cuda=True,
+        device=f"cuda:{index}",
+        name=torch.cuda.get_device_name(index),
+        errors=tuple(errors),
+        **values,
+    )

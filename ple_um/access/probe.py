@@ -1,0 +1,153 @@
+"""The probe: which access mode a device and a table allow, and why each other mode was rejected.
+
+Each mode declares what it needs (the Liger-Kernel ``reason_if_unsatisfied`` idea): a gate returns
+None when satisfied, else a sentence. ``auto`` takes the first of ats, registered, cpu whose gate
+passes; ``device`` is explicit only. ``open_table`` then self-tests the chosen GPU mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ple_um import envs
+from ple_um.access.capabilities import DeviceCapabilities, read_capabilities
+from ple_um.errors import ModeUnavailableError
+
+logger = logging.getLogger(__name__)
+
+AUTO_ORDER = ("ats", "registered", "cpu")
+ALL_MODES = ("ats", "registered", "cpu", "device")
+CAPTURE_SAFE = {"ats": True, "registered": True, "cpu": False, "device": True}
+
+
+@dataclass
+class ProbeReport:
+    """The mode chosen, why every other mode was not, and the capabilities read."""
+
+    mode: str
+    reasons: dict[str, str] = field(default_factory=dict)
+    capabilities: dict = field(default_factory=dict)
+    pin_budget: int | None = None
+
+    def describe(self) -> str:
+        lines = [f"mode: {self.mode}"]
+        lines += [f"  not {m}: {why}" for m, why in self.reasons.items()]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "reasons": dict(self.reasons),
+            "capabilities": dict(self.capabilities),
+            "pin_budget": self.pin_budget,
+        }
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 when unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def pin_budget() -> int:
+    """Most bytes the registered mode may pin: PLE_UM_PIN_BUDGET, else a fraction of MemAvailable."""
+    explicit = envs.PLE_UM_PIN_BUDGET
+    if explicit is not None:
+        return int(explicit)
+    return int(mem_available() * envs.PLE_UM_PIN_FRACTION)
+
+
+def _gb(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def reason_if_unsatisfied(
+    mode: str, caps: DeviceCapabilities, table_bytes: int | None, budget: int | None
+) -> str | None:
+    """None when ``mode`` can serve a table of ``table_bytes`` on this device, else why not."""
+    if mode == "ats":
+        if caps.host_is_device:
+            return None
+        if not caps.cuda:
+            return "no CUDA device"
+        if not caps.pageable_memory_access_uses_host_page_tables:
+            return (
+                "the device does not report PageableMemoryAccessUsesHostPageTables (no ATS): "
+                "it cannot dereference an mmap's host address"
+            )
+        return None
+    if mode == "registered":
+        if not caps.cuda:
+            return "no CUDA device"
+        if not caps.host_register_supported:
+            return "the device does not support cudaHostRegister (HostRegisterSupported = 0)"
+        if not caps.read_only_host_register_supported:
+            return (
+                "the device does not support read-only host registration "
+                "(ReadOnlyHostRegisterSupported = 0), which a PROT_READ file mapping needs"
+            )
+        if table_bytes is not None and budget is not None and table_bytes > budget:
+            return (
+                f"the table ({_gb(table_bytes)}) is larger than the pin budget ({_gb(budget)}); "
+                "raise PLE_UM_PIN_BUDGET or PLE_UM_PIN_FRACTION to allow it"
+            )
+        return None
+    if mode == "cpu":
+        return None
+    if mode == "device":
+        if not (caps.cuda or caps.host_is_device):
+            return "no CUDA device"
+        return None
+    raise ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
+
+
+def decide(
+    caps: DeviceCapabilities,
+    *,
+    mode: str = "auto",
+    table_bytes: int | None = None,
+    budget: int | None = None,
+    exclude: dict[str, str] | None = None,
+) -> ProbeReport:
+    """Pick a mode for ``caps``. ``mode`` other than auto is forced: it must pass its gate or this
+    raises ModeUnavailableError. ``exclude`` maps modes already rejected (a failed self-test) to why."""
+    exclude = dict(exclude or {})
+    reasons: dict[str, str] = {}
+    for m in ALL_MODES:
+        why = exclude.get(m) or reason_if_unsatisfied(m, caps, table_bytes, budget)
+        if why is not None:
+            reasons[m] = why
+    if mode != "auto":
+        if mode in reasons:
+            raise ModeUnavailableError(mode, reasons[mode])
+        chosen = mode
+    else:
+        chosen = next(m for m in AUTO_ORDER if m not in reasons)
+    for m in ALL_MODES:
+        if m != chosen and m not in reasons:
+            if m == "device" and mode == "auto":
+                reasons[m] = "explicit only: it copies the whole table into GPU memory"
+            else:
+                reasons[m] = f"{chosen} comes first" if mode == "auto" else f"{chosen} was asked for"
+    reasons.pop(chosen, None)
+    return ProbeReport(mode=chosen, reasons=reasons, capabilities=caps.as_dict(), pin_budget=budget)
+
+
+def requested_mode(mode: str) -> str:
+    """The mode to use: an explicit argument wins; with "auto" the PLE_UM_MODE knob may force one."""
+    if mode not in ("auto", *ALL_MODES):
+        raise ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
+    return envs.PLE_UM_MODE if mode == "auto" else mode
+
+
+def probe(device=None, *, table_bytes: int | None = None, mode: str = "auto") -> ProbeReport:
+    """Read the device's capabilities and pick a mode (no self-test: that needs a table)."""
+    caps = read_capabilities(device)
+    return decide(caps, mode=requested_mode(mode), table_bytes=table_bytes, budget=pin_budget())

@@ -1,0 +1,55 @@
+"""GpuGather: the kernel's view of a table whose rows the device can address.
+
+The ats, registered and device modes differ only in where the per-shard base addresses come from
+(the mmap's host addresses, the registration's device pointers, or a device allocation); the
+kernel receives them as one int64 tensor and reads rows through them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ple_um.checkpoint import ShardLayout
+from ple_um.kernels import gather_rows
+
+
+class GpuGather:
+    """Holds the device tensors a lookup needs (bases, counters, scale): none is allocated per call."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        bases: list[int],
+        *,
+        device: torch.device,
+        row_start: int,
+        row_end: int,
+        base_align: int,
+        counters: torch.Tensor,
+        scale: torch.Tensor | None,
+    ) -> None:
+        self.layout = layout
+        self.bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.row_start, self.row_end = row_start, row_end
+        self.base_align = base_align
+        self.counters = counters
+        self.scale = scale
+
+    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Flat ids (on the device) into ``out`` [n, row_dim]: raw when out has the storage dtype,
+        else dequantized."""
+        layout = self.layout
+        return gather_rows(
+            self.bases,
+            ids,
+            out,
+            self.counters,
+            storage=layout.dtype,
+            row_start=self.row_start,
+            row_end=self.row_end,
+            num_rows=layout.num_rows,
+            rows_per_shard=layout.rows_per_shard,
+            row_bytes=layout.row_bytes,
+            base_align=self.base_align,
+            scale=self.scale if out.dtype != layout.dtype else None,
+        )

@@ -1,0 +1,292 @@
+"""MappedShards: the read-only mmaps of the files that hold a table's owned rows.
+
+One mapping per file (the union of its owned shard ranges, widened to whole pages), opened
+``PROT_READ`` + ``MAP_SHARED``: the pages are the page cache's, shared by every process that maps
+the same file, and nobody can write them through us. The object owns the file descriptors and the
+address ranges and releases both in ``close()`` (the llama.cpp ``llama_mmap`` idea). Prefetch,
+advice and residency are explicit methods. Failures carry the errno text and the file name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from ple_um.checkpoint import ShardLayout
+from ple_um.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
+MADV_POPULATE_READ = 22  # Linux 5.14+
+_ADVICE = {"normal": MADV_NORMAL, "random": MADV_RANDOM, "willneed": MADV_WILLNEED}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _errno_text() -> str:
+    code = ctypes.get_errno()
+    return f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+
+
+@dataclass
+class MappedRegion:
+    """One file's mapping: ``length`` bytes at ``addr`` showing the file from ``file_offset``."""
+
+    path: str
+    fd: int
+    addr: int
+    length: int
+    file_offset: int
+    st_size: int
+    st_ino: int
+    st_mtime_ns: int
+
+    def array(self) -> np.ndarray:
+        """A uint8 view of the whole mapping (read-only memory: a write through it faults)."""
+        return np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.addr))
+
+
+@dataclass(frozen=True)
+class OwnedShard:
+    """The owned part of shard ``index``: local rows ``[lo, hi)`` lying at host address ``addr``."""
+
+    index: int
+    lo: int
+    hi: int
+    addr: int  # host address of local row lo
+    region: int  # index into MappedShards.regions
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+class MappedShards:
+    """The mmaps of one table's owned rows; owns the fds and the mappings."""
+
+    def __init__(self, layout: ShardLayout, rows: tuple[int, int] | None = None) -> None:
+        self.layout = layout
+        start, end = (0, layout.num_rows) if rows is None else rows
+        self.row_start, self.row_end = max(0, start), min(layout.num_rows, end)
+        self.regions: list[MappedRegion] = []
+        self.owned: dict[int, OwnedShard] = {}
+        self._closed = False
+        try:
+            self._map()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _owned_local(self, index: int, shard_rows: int) -> tuple[int, int]:
+        first = self.layout.shard_start(index)
+        lo = max(self.row_start - first, 0)
+        hi = min(self.row_end - first, shard_rows)
+        return lo, max(lo, hi)
+
+    def _map(self) -> None:
+        rb = self.layout.row_bytes
+        by_file: dict[str, list[tuple[int, int, int, int]]] = {}
+        for spec in self.layout.shards:
+            lo, hi = self._owned_local(spec.index, spec.rows)
+            if hi > lo:
+                by_file.setdefault(spec.path, []).append((spec.index, spec.offset, lo, hi))
+        for path, shards in by_file.items():
+            begin = min(off + lo * rb for _, off, lo, _ in shards)
+            end = max(off + hi * rb for _, off, _, hi in shards)
+            region = self._map_file(path, begin, end)
+            self.regions.append(region)
+            for index, off, lo, hi in shards:
+                addr = region.addr + (off + lo * rb - region.file_offset)
+                self.owned[index] = OwnedShard(index, lo, hi, addr, len(self.regions) - 1)
+
+    def _map_file(self, path: str, begin: int, end: int) -> MappedRegion:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise CheckpointError(f"cannot open shard file: {exc.strerror}", path=path) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError("shard file is not a regular file", path=path)
+            if st.st_size < end:
+                raise CheckpointError(
+                    f"file is {st.st_size} bytes but the table needs bytes up to {end} "
+                    "(truncated or replaced since its header was read)",
+                    path=path,
+                )
+            aligned = begin - begin % PAGE
+            length = end - aligned
+            addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, aligned)
+            if addr in (None, _MAP_FAILED):
+                raise CheckpointError(f"mmap of {length} bytes failed: {_errno_text()}", path=path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return MappedRegion(path, fd, addr, length, aligned, st.st_size, st.st_ino, st.st_mtime_ns)
+
+    # -- addresses ------------------------------------------------------------------------
+    def shard_base(self, index: int) -> int:
+        """Host address of the shard's local row 0 (may lie before the mapping; only owned rows
+        are ever read), or 0 for a shard with no owned rows."""
+        owned = self.owned.get(index)
+        if owned is None:
+            return 0
+        return owned.addr - owned.lo * self.layout.row_bytes
+
+    def host_bases(self) -> list[int]:
+        return [self.shard_base(i) for i in range(self.layout.parts)]
+
+    def shard_rows(self, index: int) -> np.ndarray:
+        """The owned rows of a shard as a uint8 array [rows, row_bytes] over the mapping."""
+        owned = self.owned[index]
+        rb = self.layout.row_bytes
+        region = self.regions[owned.region]
+        start = owned.addr - region.addr
+        flat = region.array()[start : start + owned.rows * rb]
+        return flat.reshape(owned.rows, rb)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(r.length for r in self.regions)
+
+    @property
+    def owned_bytes(self) -> int:
+        return sum(o.rows for o in self.owned.values()) * self.layout.row_bytes
+
+    # -- advice, prefetch, residency -------------------------------------------------------
+    def advise(self, kind: str) -> None:
+        """madvise every mapping: 'random' (no readahead), 'normal' or 'willneed'."""
+        self._check_open()
+        for r in self.regions:
+            if _libc.madvise(r.addr, r.length, _ADVICE[kind]) != 0:
+                logger.warning("madvise(%s) failed on %s: %s", kind, r.path, _errno_text())
+
+    def populate(self, fraction: float = 1.0, workers: int = 8, progress=None) -> int:
+        """Bring the first ``fraction`` of each mapping into the page cache; returns bytes asked for.
+
+        MADV_POPULATE_READ where the kernel has it, else parallel reads through the fds."""
+        self._check_open()
+        chunk = 64 << 20
+        jobs = []
+        for r in self.regions:
+            want = int(r.length * max(0.0, min(1.0, fraction)))
+            jobs += [(r, off, min(chunk, want - off)) for off in range(0, want, chunk)]
+
+        def one(job: tuple[MappedRegion, int, int]) -> int:
+            r, off, n = job
+            if _libc.madvise(r.addr + off, n, MADV_POPULATE_READ) != 0:
+                os.pread(r.fd, n, r.file_offset + off)
+            return n
+
+        total = 0
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for n in pool.map(one, jobs):
+                total += n
+                if progress is not None:
+                    progress(n)
+        return total
+
+    def touch_rows(self, ids: np.ndarray) -> int:
+        """Fault in the pages of the given owned global rows (first and last byte of each row);
+        a prefetch hint. Returns the number of rows touched."""
+        self._check_open()
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = ids[(ids >= self.row_start) & (ids < self.row_end)]
+        if ids.size == 0:
+            return 0
+        S, rb = self.layout.rows_per_shard, self.layout.row_bytes
+        shard = ids // S
+        for index in np.unique(shard).tolist():
+            owned = self.owned.get(int(index))
+            if owned is None:
+                continue
+            local = ids[shard == index] - index * S - owned.lo
+            region = self.regions[owned.region]
+            view = region.array()
+            start = owned.addr - region.addr
+            # Reading one byte of each end of the row faults in every page it spans (rows are
+            # far smaller than a page).
+            int(view[start + local * rb].sum()) + int(view[start + local * rb + rb - 1].sum())
+        return int(ids.size)
+
+    def residency(self) -> list[tuple[str, int, int]]:
+        """(path, resident bytes, mapped bytes) of each mapping, by mincore."""
+        self._check_open()
+        out = []
+        for r in self.regions:
+            pages = (r.length + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(r.addr, r.length, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore failed on {r.path}: {_errno_text()}")
+            resident = int(np.frombuffer(vec, dtype=np.uint8).__and__(1).sum())
+            out.append((r.path, min(resident * PAGE, r.length), r.length))
+        return out
+
+    def changed_files(self) -> list[str]:
+        """Files whose size, inode or mtime on disk differ from what was mapped (replaced or
+        truncated since open): what can be detected without reading the data."""
+        changed = []
+        for r in self.regions:
+            try:
+                st = os.stat(r.path)
+            except OSError:
+                changed.append(r.path)
+                continue
+            if (st.st_size, st.st_ino, st.st_mtime_ns) != (r.st_size, r.st_ino, r.st_mtime_ns):
+                changed.append(r.path)
+            elif os.fstat(r.fd).st_size < r.file_offset + r.length:
+                changed.append(r.path)
+        return changed
+
+    # -- life -----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            from ple_um.errors import TableClosedError
+
+            raise TableClosedError("the mapping is closed")
+
+    def close(self) -> None:
+        """Unmap and close every fd, in reverse order; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for r in reversed(self.regions):
+            if _libc.munmap(r.addr, r.length) != 0:
+                logger.warning("munmap failed on %s: %s", r.path, _errno_text())
+            os.close(r.fd)
+        self.regions.clear()
+        self.owned.clear()
+
+    def __enter__(self) -> MappedShards:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,426 @@
+"""MappedTable and open_table: one PLE table served from its checkpoint files.
+
+The table owns, in the order it builds them and releases them in reverse: the mapping
+(fds + mmaps), the access mode's resources (CUDA registration, device copy, staging buffers and
+threads), and the prefetch threads. Lookups go through the torch op in ``ple_um.ops``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ple_um import envs, ops
+from ple_um.access.capabilities import read_capabilities, resolve_device
+from ple_um.access.prefetch import PagePrefetcher
+from ple_um.access.probe import CAPTURE_SAFE, ProbeReport, decide, pin_budget, requested_mode
+from ple_um.access.registration import RegisteredMapping
+from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError  # noqa: F401
+from ple_um.lookup.cpu_gather import CpuGather
+from ple_um.lookup.gpu_gather import GpuGather
+from ple_um.mapping import MappedShards
+
+logger = logging.getLogger(__name__)
+
+FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _alignment(layout: ShardLayout) -> int:
+    """Widest power-of-two byte alignment (<= 8) of every shard's row 0 and of the row stride."""
+    align = 8
+    for spec in layout.shards:
+        while spec.rows and (spec.offset % align or layout.row_bytes % align):
+            align //= 2
+    return align
+
+
+def _sample_ids(mapping: MappedShards, count: int, seed: int = 0) -> np.ndarray:
+    """Owned ids for the self-test: both ends of every owned shard, then random ones."""
+    S = mapping.layout.rows_per_shard
+    ends = []
+    for index, owned in sorted(mapping.owned.items()):
+        ends += [index * S + owned.lo, index * S + owned.hi - 1]
+    rng = np.random.default_rng(seed)
+    rand = rng.integers(mapping.row_start, mapping.row_end, size=max(0, count - len(ends)))
+    return np.unique(np.concatenate([np.array(ends[:count], dtype=np.int64), rand]))
+
+
+def _file_rows(layout: ShardLayout, ids: np.ndarray) -> np.ndarray:
+    """Rows read with pread through fresh descriptors: the self-test's reference."""
+    out = np.empty((ids.size, layout.row_bytes), dtype=np.uint8)
+    S = layout.rows_per_shard
+    fds: dict[str, int] = {}
+    try:
+        for k, i in enumerate(ids.tolist()):
+            spec = layout.shards[i // S]
+            fd = fds.get(spec.path)
+            if fd is None:
+                fd = fds[spec.path] = os.open(spec.path, os.O_RDONLY)
+            data = os.pread(fd, layout.row_bytes, spec.offset + (i - i // S * S) * layout.row_bytes)
+            if len(data) != layout.row_bytes:
+                raise CheckpointError(f"short read of row {i}", path=spec.path, tensor=spec.tensor)
+            out[k] = np.frombuffer(data, dtype=np.uint8)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
+
+
+@dataclass
+class _HostStats:
+    lookups: int = 0
+    phases: dict = field(default_factory=lambda: {"dedup": 0.0, "gather": 0.0, "stage": 0.0, "wait": 0.0})
+
+
+class MappedTable:
+    """A PLE table served from its mapped checkpoint files through one access mode."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        *,
+        rows: tuple[int, int],
+        device: torch.device,
+        mapping: MappedShards,
+        report: ProbeReport,
+        strict: bool,
+    ) -> None:
+        self.layout = layout
+        self.rows = rows
+        self.device = device
+        self.mapping = mapping
+        self.report = report
+        self.mode = report.mode
+        self.strict = strict
+        self.num_rows = layout.num_rows
+        self.row_dim = layout.row_dim
+        self.dtype = layout.dtype
+        self.scale = layout.scale
+        self.capture_safe = CAPTURE_SAFE[self.mode]
+        self.registration: RegisteredMapping | None = None
+        self.device_copy: torch.Tensor | None = None
+        self.gpu: GpuGather | None = None
+        self.cpu: CpuGather | None = None
+        self.prefetcher: PagePrefetcher | None = None
+        self.open_seconds = 0.0
+        # Device counters: [rows looked up, ids outside the table]; see kernels/gather.py.
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)
+        self._scale_dev = (
+            torch.tensor([layout.scale], dtype=torch.float32, device=device)
+            if layout.scale is not None
+            else None
+        )
+        self._host = _HostStats()
+        self._closed = False
+        self.handle = ops.register_table(self)
+
+    # -- building the access mode ---------------------------------------------------------
+    def _build(self, caps_cuda: bool) -> None:
+        """Create the resources of ``self.mode``; on error the caller closes them."""
+        mode, layout, m = self.mode, self.layout, self.mapping
+        align = _alignment(layout)
+        common = dict(
+            device=self.device,
+            row_start=self.rows[0],
+            row_end=self.rows[1],
+            base_align=align,
+            counters=self.counters,
+            scale=self._scale_dev,
+        )
+        advice = envs.PLE_UM_MADVISE
+        if advice == "auto":
+            advice = "random" if mode in ("cpu", "ats") else "normal"
+        if advice != "none":
+            m.advise(advice)
+        if mode == "ats":
+            if caps_cuda and envs.PLE_UM_ATS_POPULATE:
+                self.registration = RegisteredMapping(m, self.device)
+            self.gpu = GpuGather(layout, m.host_bases(), **common)
+        elif mode == "registered":
+            self.registration = RegisteredMapping(m, self.device)
+            self.gpu = GpuGather(layout, self.registration.device_bases(), **common)
+        elif mode == "device":
+            self.device_copy = torch.empty(m.owned_bytes, dtype=torch.uint8, device=self.device)
+            bases = [0] * layout.parts
+            pos = 0
+            for index, owned in sorted(m.owned.items()):
+                n = owned.rows * layout.row_bytes
+                self.device_copy[pos : pos + n].copy_(torch.from_numpy(m.shard_rows(index).reshape(-1)))
+                bases[index] = self.device_copy.data_ptr() + pos - owned.lo * layout.row_bytes
+                pos += n
+            # The allocation is 256-byte aligned and every shard's rows start at a multiple of row_bytes.
+            self.gpu = GpuGather(layout, bases, **{**common, "base_align": _alignment_rows(layout)})
+        else:
+            self.cpu = CpuGather(
+                m,
+                self.device,
+                threads=envs.PLE_UM_CPU_THREADS,
+                chunk=envs.PLE_UM_CPU_CHUNK,
+                slots=envs.PLE_UM_STAGING_SLOTS,
+            )
+        if mode in ("ats", "cpu"):
+            self.prefetcher = PagePrefetcher(m)
+
+    def _release_access(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for res in (self.prefetcher, self.cpu, self.registration):
+            if res is not None:
+                res.close()
+        self.prefetcher = self.cpu = self.registration = None
+        self.gpu = None
+        self.device_copy = None
+
+    def self_test(self, count: int) -> str | None:
+        """Gather sample rows through this mode and compare them with the bytes read from the files;
+        None when equal, else what differed."""
+        ids_np = _sample_ids(self.mapping, count)
+        expect = _file_rows(self.layout, ids_np)
+        ids = torch.from_numpy(ids_np).to(self.device)
+        before = self.counters.clone()
+        got = self._lookup_flat(ids, None).view(torch.uint8).reshape(ids_np.size, -1)
+        self.counters.copy_(before)  # the self-test is not a lookup
+        got = got.cpu().numpy()
+        if not np.array_equal(got, expect):
+            bad = np.flatnonzero((got != expect).any(axis=1))
+            first = ids_np[bad[0]]
+            return f"self-test: {bad.size} of {ids_np.size} sample rows differ from the file (first: {first})"
+        return None
+
+    # -- lookups --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TableClosedError("the table is closed")
+
+    def _lookup_flat(self, ids: torch.Tensor, out: torch.Tensor | None, out_dtype=None) -> torch.Tensor:
+        """Eager body of a lookup: flat ids on the table's device -> out [n, row_dim]."""
+        n = ids.numel()
+        dtype = out.dtype if out is not None else (out_dtype or self.dtype)
+        if out is None:
+            out = torch.empty((n, self.row_dim), dtype=dtype, device=self.device)
+        if self.gpu is not None:
+            return self.gpu.gather(ids, out)
+        return self._cpu_lookup(ids, out)
+
+    def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        host = ids.to("cpu", torch.int64)
+        in_table = (host >= 0) & (host < self.num_rows)
+        owned = in_table & (host >= self.rows[0]) & (host < self.rows[1])
+        bad = int(host.numel() - int(in_table.sum()))
+        raw = self.cpu.gather(host, owned)
+        rows = raw.view(self.dtype)
+        if out.dtype == self.dtype:
+            out.copy_(rows)
+        elif self._scale_dev is not None:
+            out.copy_(rows.float() * self._scale_dev)
+        else:
+            out.copy_(rows.float())
+        self.counters += torch.tensor([host.numel(), bad], dtype=torch.int64, device="cpu").to(self.device)
+        for key, value in self.cpu.last_phases.items():
+            self._host.phases[key] += value
+        return out
+
+    def lookup(
+        self,
+        ids: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+        strict: bool | None = None,
+    ) -> torch.Tensor:
+        """Rows of the global ``ids`` (any shape): ``ids.shape + (row_dim,)``.
+
+        Storage dtype by default; ``out_dtype`` (bf16/f16/f32) dequantizes: ``float32(row) * scale``
+        cast to it. ``out`` receives the result without allocating (CUDA graphs); its dtype picks raw
+        or dequantized. Ids outside the owned range give zero rows; ids outside the table give zero
+        rows and are counted, or raise IndexError when strict (which synchronizes)."""
+        self._check_open()
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+        if out is not None:
+            out_dtype = out.dtype
+        if out_dtype is not None and out_dtype != self.dtype and out_dtype not in FLOAT_OUT:
+            raise TypeError(f"out_dtype must be {self.dtype} (raw) or one of bf16, f16, f32; got {out_dtype}")
+        shape = (*ids.shape, self.row_dim)
+        if out is not None:
+            if tuple(out.shape) != shape:
+                raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
+            if out.device != self.device:
+                raise ValueError(f"out is on {out.device}, the table on {self.device}")
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous")
+        if ids.device != self.device and not (self.mode == "cpu" and ids.device.type == "cpu"):
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise ValueError(
+                    f"ids are on {ids.device} but the table is on {self.device} (cannot copy during capture)"
+                )
+            ids = ids.to(self.device)
+        if strict if strict is not None else self.strict:
+            bad = ((ids < 0) | (ids >= self.num_rows)).sum().item()
+            if bad:
+                raise IndexError(f"{bad} ids outside [0, {self.num_rows}) (strict lookup)")
+        self._host.lookups += 1  # eager calls; rows are counted on the device (graph replays too)
+        flat = ids.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        # Eager calls skip the op's dispatch (tens of microseconds of Python); torch.compile traces
+        # the op, which it sees as one opaque call with a known output.
+        if out is not None:
+            if torch.compiler.is_compiling():
+                ops.lookup_out(flat, out.view(-1, self.row_dim), self.handle)
+            else:
+                self._lookup_flat(flat, out.view(-1, self.row_dim))
+            return out
+        if torch.compiler.is_compiling():
+            return ops.lookup(flat, self.handle, out_dtype or self.dtype).view(shape)
+        return self._lookup_flat(flat, None, out_dtype).view(shape)
+
+    def prefetch(self, ids) -> Future:
+        """Start bringing the pages of ``ids``' rows into memory (a hint; modes whose pages are
+        resident need none). Returns a Future of the number of rows touched."""
+        self._check_open()
+        if self.prefetcher is None:
+            done: Future = Future()
+            done.set_result(0)
+            return done
+        return self.prefetcher.submit(ids)
+
+    def stats(self) -> dict:
+        """Counters: lookups and rows (rows counted on the device, graph replays included), ids
+        outside the table, bytes, and the cpu mode's phase seconds. Reads the device: synchronizes."""
+        self._check_open()
+        rows, oob = (int(v) for v in self.counters.tolist())
+        return {
+            "mode": self.mode,
+            "lookups": self._host.lookups,
+            "rows": rows,
+            "bytes": rows * self.layout.row_bytes,
+            "out_of_range": oob,
+            "phase_seconds": dict(self._host.phases),
+            "mapped_bytes": self.mapping.mapped_bytes,
+            "pinned_bytes": self.registration.registered_bytes if self.mode == "registered" else 0,
+            "device_bytes": self.device_copy.numel() if self.device_copy is not None else 0,
+            "open_seconds": self.open_seconds,
+        }
+
+    # -- life -----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for the device, then release prefetch, access resources and mappings; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        ops.unregister_table(self.handle)
+        try:
+            self._release_access()
+        finally:
+            self.mapping.close()
+
+    def __enter__(self) -> MappedTable:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self.mode
+        return (
+            f"MappedTable({self.layout.directory!r}, layer={self.layout.layer}, rows={self.rows}, "
+            f"{self.num_rows}x{self.row_dim} {self.dtype}, {state})"
+        )
+
+
+def _alignment_rows(layout: ShardLayout) -> int:
+    align = 8
+    while layout.row_bytes % align:
+        align //= 2
+    return align
+
+
+def open_table(
+    path: str | os.PathLike,
+    *,
+    layer: int | None = None,
+    rows: tuple[int, int] | None = None,
+    mode: str = "auto",
+    device=None,
+    strict: bool | None = None,
+) -> MappedTable:
+    """Open one PLE layer's table from the checkpoint directory ``path`` (see DESIGN.md)."""
+    t0 = time.perf_counter()
+    forced = requested_mode(mode)
+    layout = read_layout(os.fspath(path), layer)
+    if rows is None:
+        rows = (0, layout.num_rows)
+    start, end = rows
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= layout.num_rows):
+        raise ValueError(f"rows={rows!r} must satisfy 0 <= start <= end <= num_rows ({layout.num_rows})")
+    itemsize = torch.tensor([], dtype=layout.dtype).element_size()
+    for spec in layout.shards:
+        if spec.rows and spec.offset % itemsize:
+            raise CheckpointError(
+                f"tensor data starts at byte {spec.offset}, not aligned to its {itemsize}-byte elements",
+                path=spec.path,
+                tensor=spec.tensor,
+            )
+    dev = resolve_device(device)
+    caps = read_capabilities(dev)
+    budget = pin_budget()
+    mapping = MappedShards(layout, (start, end))
+    rejected: dict[str, str] = {}
+    try:
+        while True:
+            report = decide(
+                caps, mode=forced, table_bytes=mapping.mapped_bytes, budget=budget, exclude=rejected
+            )
+            table = MappedTable(
+                layout,
+                rows=(start, end),
+                device=dev,
+                mapping=mapping,
+                report=report,
+                strict=envs.PLE_UM_STRICT if strict is None else strict,
+            )
+            try:
+                table._build(caps.cuda)
+                why = None
+                if table.gpu is not None and mapping.owned:
+                    why = table.self_test(envs.PLE_UM_SELF_TEST_ROWS)
+            except Exception as exc:  # noqa: BLE001 - a mode that fails to build is rejected with its reason
+                why = f"{type(exc).__name__}: {exc}"
+            if why is None:
+                break
+            if forced != "auto":
+                table._release_access()
+                ops.unregister_table(table.handle)
+                raise ModeUnavailableError(report.mode, why)
+            logger.warning("ple-um: %s mode rejected for %s: %s", report.mode, layout.directory, why)
+            table._release_access()
+            ops.unregister_table(table.handle)
+            rejected[report.mode] = why
+    except BaseException:
+        mapping.close()
+        raise
+    if envs.PLE_UM_PREWARM:
+        mapping.populate()
+    table.open_seconds = time.perf_counter() - t0
+    logger.info(
+        "ple-um: %s opened in %s mode (%.2f s)\n%s",
+        layout.directory,
+        table.mode,
+        table.open_seconds,
+        report.describe(),
+    )
+    return table
