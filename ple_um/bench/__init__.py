@@ -1,0 +1,1 @@
+"""`ple-um bench`: every lookup path this machine can run, side by side, in one table."""

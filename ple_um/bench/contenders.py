@@ -1,0 +1,146 @@
+"""The paths ple-um is measured against, each an honest re-implementation of our own:
+
+- ``VllmPinnedHost``: the vLLM 0.33 pinned-host way: the whole table copied into torch pinned host
+  memory and read by a Triton kernel through its device pointer, one program per row copying bytes.
+- ``SeedsCpuPath``: the seeds' gather: ids to the host, np.unique, a thread pool (32 workers, chunks
+  of 2048 rows) indexing np.memmap views of the shards, a pinned staging buffer, an async H2D copy
+  and the expansion on the GPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ple_um.checkpoint import ShardLayout
+
+
+@triton.jit
+def _row_copy_kernel(table_ptr, ids_ptr, out_ptr, row_bytes, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.load(ids_ptr + r).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < row_bytes
+    tl.store(out_ptr + r * row_bytes + o, tl.load(table_ptr + i * row_bytes + o, mask=m), mask=m)
+
+
+class _Address:
+    """Lets a Triton kernel take a raw address as a uint8 pointer argument."""
+
+    dtype = torch.uint8
+
+    def __init__(self, addr: int) -> None:
+        self.addr = addr
+
+    def data_ptr(self) -> int:
+        return self.addr
+
+
+class VllmPinnedHost:
+    """Whole table in pinned host memory (a copy per process), one program per row."""
+
+    def __init__(self, layout: ShardLayout, device: torch.device) -> None:
+        from cuda.bindings import runtime as rt
+
+        self.layout = layout
+        self.device = device
+        self.host = torch.empty((layout.num_rows, layout.row_bytes), dtype=torch.uint8, pin_memory=True)
+        pos = 0
+        for spec in layout.shards:
+            if spec.rows:
+                mm = np.memmap(
+                    spec.path,
+                    dtype=np.uint8,
+                    mode="r",
+                    offset=spec.offset,
+                    shape=(spec.rows, layout.row_bytes),
+                )
+                self.host[pos : pos + spec.rows].numpy()[:] = mm
+                pos += spec.rows
+                del mm
+        err, dptr = rt.cudaHostGetDevicePointer(self.host.data_ptr(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostGetDevicePointer: {err}")
+        self.dptr = _Address(int(dptr))
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        rb = self.layout.row_bytes
+        _row_copy_kernel[(ids.numel(),)](self.dptr, ids, out, rb, BLOCK=triton.next_power_of_2(rb))
+        return out
+
+    def close(self) -> None:
+        self.host = None
+
+
+class SeedsCpuPath:
+    """The seeds' CPU gather, as they run it (32 workers, chunks of 2048 rows)."""
+
+    def __init__(
+        self, layout: ShardLayout, device: torch.device, workers: int = 32, chunk: int = 2048
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.chunk = chunk
+        self.mm = [
+            np.memmap(s.path, dtype=np.uint8, mode="r", offset=s.offset, shape=(s.rows, layout.row_bytes))
+            if s.rows
+            else None
+            for s in layout.shards
+        ]
+        for m in self.mm:
+            if m is not None:
+                m._mmap.madvise(1)  # MADV_RANDOM, as the seeds do
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.pinned: torch.Tensor | None = None
+
+    def _gather(self, uniq: np.ndarray) -> np.ndarray:
+        S = self.layout.rows_per_shard
+        shard = uniq // S
+        local = uniq - shard * S
+        out = np.empty((uniq.size, self.layout.row_bytes), dtype=np.uint8)
+        bounds = np.flatnonzero(np.diff(shard)) + 1
+        starts = np.concatenate(([0], bounds))
+        ends = np.concatenate((bounds, [uniq.size]))
+        tasks = [
+            (int(shard[s]), c, min(c + self.chunk, e))
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
+            for c in range(s, e, self.chunk)
+        ]
+
+        def run(t):
+            si, a, b = t
+            out[a:b] = self.mm[si][local[a:b]]
+
+        if len(tasks) == 1:
+            run(tasks[0])
+        else:
+            list(self.pool.map(run, tasks))
+        return out
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if ids.device.type == "cuda":
+            torch.cuda.current_stream(ids.device).synchronize()
+        ids_np = ids.detach().to("cpu").numpy().reshape(-1)
+        uniq, inverse = np.unique(ids_np, return_inverse=True)
+        rows = self._gather(uniq)
+        if self.device.type == "cuda":
+            if self.pinned is None or self.pinned.shape[0] < rows.shape[0]:
+                self.pinned = torch.empty(
+                    (max(rows.shape[0], 4096), rows.shape[1]), dtype=torch.uint8, pin_memory=True
+                )
+            buf = self.pinned[: rows.shape[0]]
+            buf.numpy()[:] = rows
+            dev = buf.to(self.device, non_blocking=True)
+        else:
+            dev = torch.from_numpy(rows)
+        inv = torch.from_numpy(inverse.reshape(-1)).to(self.device, non_blocking=True)
+        torch.index_select(dev, 0, inv, out=out)
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.mm = []

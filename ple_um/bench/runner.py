@@ -1,0 +1,340 @@
+"""The benchmark: every lookup path this machine can run, on one table, in one run.
+
+Fresh random ids for every timed call (drawn ahead, rotated), warm-up first, CUDA events on a
+GPU (perf_counter on the CPU), medians with p10/p90, GB/s of useful rows, ratios against the table
+resident in GPU memory. Then a graph-captured decode step, and start-up and memory figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import ple_um
+from ple_um import envs
+from ple_um.bench.contenders import SeedsCpuPath, VllmPinnedHost
+from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.synthetic import write_checkpoint
+
+DEFAULT_ROWS = (16, 1024, 16384, 131072)
+
+
+@dataclass
+class Config:
+    directory: str | None = None
+    size: int = 2 << 30
+    row_bytes: int = 160
+    shards: int = 128
+    rows: tuple[int, ...] = DEFAULT_ROWS
+    modes: tuple[str, ...] | None = None
+    repeats: int = 20
+    warmup: int = 3
+    decode_tokens: int = 64
+    heads: int = 16
+    device: str | None = None
+    seed: int = 0
+    results: dict = field(default_factory=dict)
+
+
+def default_table(cfg: Config, progress: bool = True) -> str:
+    """The synthetic FP8 table shaped like Qwen3.8-Flash-Next's, written once into the cache dir."""
+    num_rows = cfg.size // cfg.row_bytes
+    path = os.path.join(envs.PLE_UM_CACHE_DIR, f"bench-fp8-{num_rows}x{cfg.row_bytes}-{cfg.shards}")
+    marker = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(marker):
+        tmp = path + ".partial"
+        write_checkpoint(
+            tmp,
+            num_rows=num_rows,
+            row_dim=cfg.row_bytes,
+            dtype="F8_E4M3",
+            shards=cfg.shards,
+            progress=progress,
+        )
+        if os.path.exists(path):
+            import shutil
+
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    return path
+
+
+class _Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[int], object], calls: int, warmup: int) -> list[float]:
+        """Seconds of each of ``calls`` timed calls of fn(k)."""
+        for k in range(warmup):
+            fn(k)
+        times = []
+        if self.cuda:
+            torch.cuda.synchronize()
+            for k in range(calls):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn(warmup + k)
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) / 1e3)
+        else:
+            for k in range(calls):
+                t0 = time.perf_counter()
+                fn(warmup + k)
+                times.append(time.perf_counter() - t0)
+        return times
+
+
+def _summary(times: list[float], nbytes: int) -> dict:
+    q = np.quantile(times, [0.1, 0.5, 0.9])
+    return {
+        "median_us": q[1] * 1e6,
+        "p10_us": q[0] * 1e6,
+        "p90_us": q[2] * 1e6,
+        "gbps": nbytes / q[1] / 1e9,
+        "calls": len(times),
+    }
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _drop_cache(layout: ShardLayout) -> None:
+    for path in layout.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _warm_cache(layout: ShardLayout) -> None:
+    for path in layout.files:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+
+
+def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
+    device = ple_um.access.capabilities.resolve_device(cfg.device)
+    directory = cfg.directory or default_table(cfg)
+    layout = read_layout(directory)
+    report = ple_um.probe(device, table_bytes=layout.nbytes)
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "table": {
+            "directory": directory,
+            "num_rows": layout.num_rows,
+            "row_bytes": layout.row_bytes,
+            "shards": layout.parts,
+            "bytes": layout.nbytes,
+            "dtype": layout.dtype_name,
+        },
+        "probe": report.as_dict(),
+        "lookup": {},
+        "decode_step": {},
+        "startup": {},
+    }
+    log(
+        f"table: {layout.num_rows} rows x {layout.row_bytes} B = {layout.nbytes / (1 << 30):.2f} GiB in "
+        f"{layout.parts} shards ({directory})"
+    )
+    log(report.describe())
+    if device.type != "cuda":
+        log("no CUDA device: only the cpu mode and the seeds' CPU path run here")
+    timer = _Timer(device)
+    rng = np.random.default_rng(cfg.seed)
+    _warm_cache(layout)
+
+    modes = cfg.modes or (("ats", "registered", "cpu", "device") if device.type == "cuda" else ("cpu",))
+    contenders: dict[str, Callable[[], object]] = {}
+    for mode in modes:
+        contenders[f"ple-um {mode}"] = lambda m=mode: ple_um.open_table(directory, mode=m, device=device)
+    if device.type == "cuda":
+        contenders["vllm pinned-host"] = lambda: VllmPinnedHost(layout, device)
+    contenders["seeds cpu"] = lambda: SeedsCpuPath(layout, device)
+
+    # -- 1. lookups -----------------------------------------------------------------------
+    for name, make in contenders.items():
+        try:
+            t0 = time.perf_counter()
+            impl = make()
+            build = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - a path this machine cannot run is reported, not fatal
+            result["lookup"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+            log(f"{name}: skipped ({exc})")
+            continue
+        entry = {"build_s": build}
+        if isinstance(impl, ple_um.MappedTable):
+            entry["mode"] = impl.mode
+        try:
+            for n in cfg.rows:
+                id_sets = [
+                    torch.from_numpy(rng.integers(0, layout.num_rows, size=n)).to(device)
+                    for _ in range(cfg.repeats + cfg.warmup)
+                ]
+                out = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
+                if isinstance(impl, ple_um.MappedTable):
+                    view = out.view(layout.dtype)
+                    fn = lambda k, ids=id_sets, t=impl, o=view: t.lookup(ids[k], out=o)
+                else:
+                    fn = lambda k, ids=id_sets, t=impl, o=out: t.lookup(ids[k], o)
+                entry[str(n)] = _summary(timer(fn, cfg.repeats, cfg.warmup), n * layout.row_bytes)
+                log(f"{name:22s} {n:>8d} rows  {entry[str(n)]['median_us']:10.1f} us")
+            result["lookup"][name] = entry
+            # -- 2. decode step -----------------------------------------------------------
+            result["decode_step"][name] = _decode_step(impl, layout, device, cfg, rng, timer)
+        finally:
+            impl.close()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    _ratios(result, cfg)
+
+    # -- 3. start-up and memory -------------------------------------------------------------
+    result["startup"] = _startup(directory, layout, device)
+    return result
+
+
+def _decode_step(impl, layout, device, cfg, rng, timer) -> dict:
+    """ids [T, heads] -> lookup -> dequant -> short projection; graph-captured where capture-safe."""
+    T, H = cfg.decode_tokens, cfg.heads
+    proj = torch.randn(layout.row_dim, 64, dtype=torch.bfloat16, device=device) / 16
+    ids = torch.zeros((T * H,), dtype=torch.int64, device=device)
+    raw = torch.empty((T * H, layout.row_bytes), dtype=torch.uint8, device=device)
+    scale = torch.tensor(layout.scale or 1.0, dtype=torch.float32, device=device)
+    is_table = isinstance(impl, ple_um.MappedTable)
+
+    def step():
+        if is_table:
+            impl.lookup(ids, out=raw.view(layout.dtype))
+        else:
+            impl.lookup(ids, raw)
+        rows = (raw.view(layout.dtype).float() * scale).to(torch.bfloat16)
+        return (rows @ proj).view(T, H, -1).sum(1)
+
+    sets = [
+        torch.from_numpy(rng.integers(0, layout.num_rows, size=T * H)).to(device)
+        for _ in range(cfg.repeats + cfg.warmup)
+    ]
+
+    def eager(k):
+        ids.copy_(sets[k])
+        return step()
+
+    res = {"eager": _summary(timer(eager, cfg.repeats, cfg.warmup), T * H * layout.row_bytes)}
+    if device.type == "cuda" and is_table and impl.capture_safe:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = step()
+        ok = True
+        for k in range(3):
+            ids.copy_(sets[k])
+            g.replay()
+            ok &= bool(torch.equal(y, step()))
+        res["graph_replay_equals_eager"] = ok
+
+        def replay(k):
+            ids.copy_(sets[k])
+            g.replay()
+
+        res["graph"] = _summary(timer(replay, cfg.repeats, cfg.warmup), T * H * layout.row_bytes)
+    return res
+
+
+def _ratios(result: dict, cfg: Config) -> None:
+    base = result["lookup"].get("ple-um device", {})
+    for entry in result["lookup"].values():
+        for n in cfg.rows:
+            row = entry.get(str(n))
+            if row and str(n) in base:
+                row["vs_resident"] = row["median_us"] / base[str(n)]["median_us"]
+
+
+def _startup(directory: str, layout: ShardLayout, device: torch.device) -> dict:
+    out = {}
+    for label, prep in (("cold", _drop_cache), ("warm", _warm_cache)):
+        prep(layout)
+        gpu0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        anon0 = _rss_anon()
+        t0 = time.perf_counter()
+        with ple_um.open_table(directory, device=device) as table:
+            seconds = time.perf_counter() - t0
+            stats = table.stats()
+            out[label] = {
+                "mode": table.mode,
+                "open_s": seconds,
+                "gpu_bytes": (torch.cuda.memory_allocated(device) - gpu0) if device.type == "cuda" else 0,
+                "anon_rss_added_bytes": _rss_anon() - anon0,
+                "pinned_bytes": stats["pinned_bytes"],
+            }
+    return out
+
+
+def format_table(result: dict, rows: tuple[int, ...]) -> str:
+    lines = [
+        f"device: {result['device']}   table: {result['table']['bytes'] / (1 << 30):.2f} GiB, "
+        f"{result['table']['row_bytes']} B rows, {result['table']['shards']} shards   "
+        f"auto mode: {result['probe']['mode']}",
+        "",
+    ]
+    head = "| path | " + " | ".join(f"{n} rows: median us (GB/s, x resident)" for n in rows) + " |"
+    lines += [head, "|" + " --- |" * (len(rows) + 1)]
+    for name, entry in result["lookup"].items():
+        if "skipped" in entry:
+            lines.append(f"| {name} | skipped: {entry['skipped']} |")
+            continue
+        cells = []
+        for n in rows:
+            r = entry.get(str(n))
+            if r is None:
+                cells.append("-")
+                continue
+            ratio = f", {r['vs_resident']:.2f}x" if "vs_resident" in r else ""
+            cells.append(f"{r['median_us']:.1f} ({r['gbps']:.2f} GB/s{ratio})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| decode step (64 tokens x 16 rows -> dequant -> proj) | eager median us | graph replay median us |",
+        "| --- | --- | --- |",
+    ]
+    for name, d in result["decode_step"].items():
+        graph = f"{d['graph']['median_us']:.1f}" if "graph" in d else "not capture-safe"
+        lines.append(f"| {name} | {d['eager']['median_us']:.1f} | {graph} |")
+    lines += [
+        "",
+        "| open | mode | seconds | GPU bytes | anon RSS added | pinned bytes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, s in result["startup"].items():
+        lines.append(
+            f"| {label} page cache | {s['mode']} | {s['open_s']:.3f} | {s['gpu_bytes']} | "
+            f"{s['anon_rss_added_bytes'] / (1 << 20):.1f} MiB | {s['pinned_bytes']} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
