@@ -117,8 +117,10 @@ def _gather_kernel(
     else:
         PER_WORD: tl.constexpr = WORD_BITS // ELEM_BITS
         shift = (tl.arange(0, PER_WORD) * ELEM_BITS).to(word_ty)
-        elems = (words[:, :, None] >> shift[None, None, :]) & ((1 << ELEM_BITS) - 1)
-        elems = tl.reshape(elems.to(tl.int32), (ROWS, WORDS * PER_WORD))
+        # Narrow to int32 before masking: the mask of a 16-bit element in a 16-bit word (a 16-bit
+        # table whose rows or bases are only 2-aligned) is out of range for int16.
+        elems = (words[:, :, None] >> shift[None, None, :]).to(tl.int32) & ((1 << ELEM_BITS) - 1)
+        elems = tl.reshape(elems, (ROWS, WORDS * PER_WORD))
         val = _decode(elems, STORAGE)
         if HAS_SCALE:
             val = val * tl.load(scale_ptr)

@@ -32,6 +32,16 @@ def _size(text: str) -> int:
     return int(float(low))
 
 
+def _bulk_rows(text: str) -> str | int:
+    value = text.strip().lower()
+    if value == "auto":
+        return value
+    rows = int(value)
+    if rows < 0:
+        raise ValueError("expected auto or a row count >= 0")
+    return rows
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
@@ -149,12 +159,26 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob("PLE_UM_SELF_TEST_ROWS", int, 64, "rows the auto-mode self-test compares with the file"),
         Knob("PLE_UM_STAGING_SLOTS", int, 3, "cpu mode: pinned staging buffers used in turn"),
+        Knob(
+            "PLE_UM_BULK_ROWS",
+            _bulk_rows,
+            "auto",
+            "GPU modes, eager lookups of at least this many ids take the CPU bulk gather + one copy; "
+            "auto = the crossover measured at open, 0 = never",
+        ),
         Knob("PLE_UM_STRICT", _bool, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(
             "PLE_UM_CACHE_DIR",
             str,
             lambda: os.path.join(os.path.expanduser("~"), ".cache", "ple-um"),
             "where `ple-um bench` keeps its synthetic table",
+        ),
+        Knob(
+            "PLE_UM_METRICS_SEC",
+            float,
+            15.0,
+            "seconds between reads of the GPU modes' device counters and the page-cache residency for "
+            "Prometheus when the stats line is off (0 = never; with PLE_UM_STATS_SEC > 0 that period)",
         ),
     )
 }

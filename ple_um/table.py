@@ -108,8 +108,11 @@ class MappedTable:
         self.device_copy: torch.Tensor | None = None
         self.gpu: GpuGather | None = None
         self.cpu: CpuGather | None = None
+        self.bulk: CpuGather | None = None
+        self.bulk_rows: int | None = None  # eager GPU-mode lookups this big take the bulk path
         self.prefetcher: PagePrefetcher | None = None
         self.open_seconds = 0.0
+        self.bulk_calibration: dict = {}
         # Device counters: [rows looked up, ids outside the table]; see kernels/gather.py.
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         self._scale_dev = (
@@ -167,14 +170,23 @@ class MappedTable:
             )
         if mode in ("ats", "cpu"):
             self.prefetcher = PagePrefetcher(m)
+        if mode in ("ats", "registered") and self.device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0:
+            self.bulk = CpuGather(
+                m,
+                self.device,
+                threads=envs.PLE_UM_CPU_THREADS,
+                chunk=envs.PLE_UM_CPU_CHUNK,
+                slots=envs.PLE_UM_STAGING_SLOTS,
+            )
 
     def _release_access(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for res in (self.prefetcher, self.cpu, self.registration):
+        for res in (self.prefetcher, self.bulk, self.cpu, self.registration):
             if res is not None:
                 res.close()
-        self.prefetcher = self.cpu = self.registration = None
+        self.prefetcher = self.bulk = self.cpu = self.registration = None
+        self.bulk_rows = None
         self.gpu = None
         self.device_copy = None
 
@@ -194,6 +206,40 @@ class MappedTable:
             return f"self-test: {bad.size} of {ids_np.size} sample rows differ from the file (first: {first})"
         return None
 
+    def calibrate_bulk(self, sizes=(4096, 16384, 65536, 262144), repeats: int = 3) -> dict:
+        """Time the GPU gather and the CPU bulk gather on random owned ids of each size and set
+        ``bulk_rows`` to the smallest size from which the bulk path wins (None when it never does).
+        Returns the medians measured, in seconds."""
+        rng = np.random.default_rng(1)
+        start, end = self.rows
+        self.bulk_rows = None
+        measured = {}
+        for n in sizes:
+            out = torch.empty((n, self.row_dim), dtype=self.dtype, device=self.device)
+            ids = [torch.from_numpy(rng.integers(start, end, size=n)) for _ in range(repeats + 1)]
+            ids = [batch.to(self.device) for batch in ids]
+            times = {"gpu": [], "bulk": []}
+            for path in ("gpu", "bulk"):
+                for k, batch in enumerate(ids):
+                    torch.cuda.synchronize(self.device)
+                    t0 = time.perf_counter()
+                    if path == "gpu":
+                        self.gpu.gather(batch, out)
+                    else:
+                        self._cpu_lookup(batch, out, self.bulk)
+                    torch.cuda.synchronize(self.device)
+                    if k:  # the first call of each is a warm-up
+                        times[path].append(time.perf_counter() - t0)
+            measured[n] = {path: float(np.median(t)) for path, t in times.items()}
+            if measured[n]["bulk"] < measured[n]["gpu"] and self.bulk_rows is None:
+                self.bulk_rows = n
+            elif measured[n]["bulk"] >= measured[n]["gpu"]:
+                self.bulk_rows = None
+        self.counters.zero_()
+        for key in self._host.phases:
+            self._host.phases[key] = 0.0
+        return measured
+
     # -- lookups --------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -205,25 +251,25 @@ class MappedTable:
         dtype = out.dtype if out is not None else (out_dtype or self.dtype)
         if out is None:
             out = torch.empty((n, self.row_dim), dtype=dtype, device=self.device)
-        if self.gpu is not None:
-            return self.gpu.gather(ids, out)
-        return self._cpu_lookup(ids, out)
+        if self.gpu is None:
+            return self._cpu_lookup(ids, out, self.cpu)
+        bulk = self.bulk_rows is not None and n >= self.bulk_rows
+        if bulk and not torch.cuda.is_current_stream_capturing():
+            return self._cpu_lookup(ids, out, self.bulk)
+        return self.gpu.gather(ids, out)
 
-    def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor, gather: CpuGather) -> torch.Tensor:
         host = ids.to("cpu", torch.int64)
         in_table = (host >= 0) & (host < self.num_rows)
         owned = in_table & (host >= self.rows[0]) & (host < self.rows[1])
         bad = int(host.numel() - int(in_table.sum()))
-        raw = self.cpu.gather(host, owned)
-        rows = raw.view(self.dtype)
         if out.dtype == self.dtype:
-            out.copy_(rows)
-        elif self._scale_dev is not None:
-            out.copy_(rows.float() * self._scale_dev)
+            gather.gather(host, owned, out.view(torch.uint8))
         else:
-            out.copy_(rows.float())
-        self.counters += torch.tensor([host.numel(), bad], dtype=torch.int64, device="cpu").to(self.device)
-        for key, value in self.cpu.last_phases.items():
+            rows = gather.gather(host, owned).view(self.dtype).float()
+            out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
+        self.counters += torch.tensor([host.numel(), bad], dtype=torch.int64).to(self.device)
+        for key, value in gather.last_phases.items():
             self._host.phases[key] += value
         return out
 
@@ -413,6 +459,12 @@ def open_table(
     except BaseException:
         mapping.close()
         raise
+    if table.bulk is not None and mapping.owned:
+        knob = envs.PLE_UM_BULK_ROWS
+        if knob == "auto":
+            table.bulk_calibration = table.calibrate_bulk()
+        else:
+            table.bulk_rows = int(knob)
     if envs.PLE_UM_PREWARM:
         mapping.populate()
     table.open_seconds = time.perf_counter() - t0

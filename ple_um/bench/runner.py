@@ -39,6 +39,7 @@ class Config:
     decode_tokens: int = 64
     heads: int = 16
     device: str | None = None
+    processes: int = 0
     seed: int = 0
     results: dict = field(default_factory=dict)
 
@@ -167,6 +168,9 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
     contenders: dict[str, Callable[[], object]] = {}
     for mode in modes:
         contenders[f"ple-um {mode}"] = lambda m=mode: ple_um.open_table(directory, mode=m, device=device)
+        if mode in ("ats", "registered") and device.type == "cuda":
+            # The same mode with the GPU kernel for every batch size (no CPU bulk path).
+            contenders[f"ple-um {mode} kernel-only"] = lambda m=mode: _kernel_only(directory, m, device)
     if device.type == "cuda":
         contenders["vllm pinned-host"] = lambda: VllmPinnedHost(layout, device)
     contenders["seeds cpu"] = lambda: SeedsCpuPath(layout, device)
@@ -184,6 +188,8 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
         entry = {"build_s": build}
         if isinstance(impl, ple_um.MappedTable):
             entry["mode"] = impl.mode
+            entry["bulk_rows"] = impl.bulk_rows
+            entry["bulk_calibration_s"] = impl.bulk_calibration
         try:
             for n in cfg.rows:
                 id_sets = [
@@ -209,7 +215,61 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
 
     # -- 3. start-up and memory -------------------------------------------------------------
     result["startup"] = _startup(directory, layout, device)
+    if cfg.processes > 1:
+        result["processes"] = {
+            kind: _processes(directory, kind, cfg.processes, device)
+            for kind in (("ple-um", "vllm pinned-host") if device.type == "cuda" else ("ple-um",))
+        }
     return result
+
+
+def _kernel_only(directory: str, mode: str, device: torch.device):
+    table = ple_um.open_table(directory, mode=mode, device=device)
+    table.bulk_rows = None
+    return table
+
+
+def _mem_available() -> int:
+    return ple_um.access.probe.mem_available()
+
+
+def _serve(directory: str, kind: str, device: str, conn) -> None:
+    """Child process: open the table one way, say ready, wait to be told to exit."""
+    dev = torch.device(device)
+    if kind == "ple-um":
+        impl = ple_um.open_table(directory, device=dev)
+        mode = impl.mode
+    else:
+        impl = VllmPinnedHost(read_layout(directory), dev)
+        mode = "pinned copy"
+    conn.send(mode)
+    conn.recv()
+    impl.close()
+
+
+def _processes(directory: str, kind: str, count: int, device: torch.device) -> dict:
+    """Host memory as ``count`` processes open the same table one after the other (one TP1
+    replica per GPU): MemAvailable before and after each is ready."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    _warm_cache(read_layout(directory))
+    steps = [_mem_available()]
+    children, mode = [], None
+    try:
+        for _ in range(count):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(directory, kind, str(device), child))
+            proc.start()
+            mode = parent.recv()
+            children.append((proc, parent))
+            steps.append(_mem_available())
+    finally:
+        for proc, parent in children:
+            parent.send("exit")
+            proc.join(timeout=120)
+    drops = [steps[0] - s for s in steps[1:]]
+    return {"mode": mode, "mem_available_drop_bytes": drops}
 
 
 def _decode_step(impl, layout, device, cfg, rng, timer) -> dict:
@@ -332,6 +392,15 @@ def format_table(result: dict, rows: tuple[int, ...]) -> str:
             f"| {label} page cache | {s['mode']} | {s['open_s']:.3f} | {s['gpu_bytes']} | "
             f"{s['anon_rss_added_bytes'] / (1 << 20):.1f} MiB | {s['pinned_bytes']} |"
         )
+    if result.get("processes"):
+        lines += [
+            "",
+            "| processes opening the same table | mode | host memory taken after 1st, 2nd, ... |",
+            "| --- | --- | --- |",
+        ]
+        for kind, p in result["processes"].items():
+            drops = ", ".join(f"{d / (1 << 30):.2f} GiB" for d in p["mem_available_drop_bytes"])
+            lines.append(f"| {kind} | {p['mode']} | {drops} |")
     return "\n".join(lines)
 
 

@@ -1,11 +1,12 @@
-"""CpuGather: the cpu access mode, the seeds' gather done properly.
+"""CpuGather: the cpu access mode, the seeds' gather done properly; also the bulk path that GPU
+modes use for big eager batches.
 
-Ids come to the host (a sync: the cpu mode is not capture-safe), are deduplicated, rows are read
-from the mmap by a thread pool into pinned staging, copied to the device asynchronously and
-expanded there. Staging buffers are used in turn and each carries the CUDA event of the copy that
-reads it: a buffer is refilled only after its copy finished (the latest seed overwrote its one
-buffer while the previous copy could still read it). Without a CUDA device everything stays on the
-CPU and the result is a CPU tensor.
+Ids come to the host (a sync: the cpu mode is not capture-safe), are deduplicated (small batches)
+and grouped by file; a thread pool reads the rows from the mmap into pinned staging, which is
+copied to the device asynchronously, in chunks, and expanded there. Staging buffers are used in
+turn and each carries the CUDA event of the copy that reads it: a buffer is refilled only after
+its copy finished (the latest seed overwrote its one buffer while the previous copy could still
+read it). Without a CUDA device everything stays on the CPU and the result is a CPU tensor.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from ple_um.mapping import MappedShards
 
 # Below this many unique rows, a thread pool's dispatch costs more than the reads.
 INLINE_ROWS = 4096
+# Up to this many ids a lookup is deduplicated; above it rows are only grouped by shard.
+DEDUP_ROWS = 16384
+# Rows per host-to-device copy when a big gather is pipelined.
+PIPELINE_ROWS = 16384
 
 
 class _Slot:
@@ -40,7 +46,11 @@ class _Slot:
 
 
 class CpuGather:
-    """Gathers rows of a MappedShards on the host; returns them on ``device``."""
+    """Gathers rows of a MappedShards on the host; returns them on ``device``.
+
+    Rows are read from "row spaces": 2-D views of a mapped file in which a row's position is its
+    index. The shards of one file normally lie back to back, so one file is one row space and a
+    batch needs one indexing call per file, not one per shard."""
 
     def __init__(
         self, mapping: MappedShards, device: torch.device, *, threads: int, chunk: int, slots: int
@@ -48,78 +58,169 @@ class CpuGather:
         layout = mapping.layout
         self.mapping = mapping
         self.device = device
-        self.row_bytes = layout.row_bytes
+        self.row_bytes = rb = layout.row_bytes
         self.rows_per_shard = layout.rows_per_shard
         self.chunk = max(1, chunk)
-        self.shards = {i: torch.from_numpy(mapping.shard_rows(i)) for i in mapping.owned}
-        self.lo = {i: o.lo for i, o in mapping.owned.items()}
-        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ple-um-gather")
+        self.spaces: list[np.ndarray] = []
+        self.space_of_shard = np.full(layout.parts, -1, dtype=np.int32)
+        self.row0_of_shard = np.zeros(layout.parts, dtype=np.int64)
+        where: dict[tuple[int, int], int] = {}
+        for index, owned in sorted(mapping.owned.items()):
+            region = mapping.regions[owned.region]
+            rel = owned.addr - region.addr
+            residue = rel % rb
+            key = (owned.region, residue)
+            if key not in where:
+                where[key] = len(self.spaces)
+                count = (region.length - residue) // rb
+                self.spaces.append(region.array()[residue : residue + count * rb].reshape(count, rb))
+            self.space_of_shard[index] = where[key]
+            self.row0_of_shard[index] = (rel - residue) // rb - owned.lo
+        self.space_dtype = np.int16 if len(self.spaces) < 1 << 15 else np.int32
+        self.space_tensors = [torch.from_numpy(a) for a in self.spaces]
+        self.space_of_shard_t = torch.from_numpy(self.space_of_shard.astype(np.int64))
+        self.row0_of_shard_t = torch.from_numpy(self.row0_of_shard)
+        self.threads = max(1, threads)
+        self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="ple-um-gather")
         self.cuda = device.type == "cuda"
         self._slots = [_Slot() for _ in range(max(1, slots))] if self.cuda else []
         self._next = 0
         self._lock = threading.Lock()  # one gather at a time owns the slot ring
         self.last_phases: dict[str, float] = {}
 
-    def _read(self, uniq: torch.Tensor, out: torch.Tensor) -> None:
-        """Rows of the sorted, owned global ids ``uniq`` into ``out`` [len(uniq), row_bytes].
+    def _plan(self, ids: np.ndarray, owned: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(space, row, inverse, skip): the rows to read, grouped by row space (the first ``skip``
+        are zero rows, for ids not owned), and for each id its position in that list.
 
-        One index_select per shard segment; big batches are cut into about one task per thread
-        (never one task per shard: with 128 shards the dispatch would cost more than the reads)."""
-        shard = torch.div(uniq, self.rows_per_shard, rounding_mode="floor")
-        present, counts = torch.unique_consecutive(shard, return_counts=True)
-        segments = []  # (shard index, start, end) in uniq
-        start = 0
-        for index, count in zip(present.tolist(), counts.tolist(), strict=True):
-            segments.append((index, start, start + count))
-            start += count
+        Small batches are deduplicated (np.unique: repeated n-grams are common and each saved row
+        is a saved page fault); big ones are not. Grouping is a stable radix sort of the 16-bit
+        space numbers: a millisecond where a sort of the ids costs tens."""
+        if ids.size <= DEDUP_ROWS:
+            keys, inverse = np.unique(np.where(owned, ids, -1), return_inverse=True)
+            inverse = inverse.reshape(-1)
+            valid = keys >= 0
+        else:
+            keys, inverse, valid = ids, None, owned
+        shard = np.where(valid, keys // self.rows_per_shard, 0)
+        space = np.where(valid, self.space_of_shard[shard], -1).astype(self.space_dtype)
+        row = self.row0_of_shard[shard] + (keys - shard * self.rows_per_shard)
+        order = np.argsort(space, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        inverse = rank if inverse is None else rank[inverse]
+        skip = int(np.count_nonzero(~valid))
+        return space[order], row[order], inverse, skip
 
-        def run(group) -> None:
-            for index, a, b in group:
-                local = uniq[a:b] - (index * self.rows_per_shard + self.lo[index])
-                torch.index_select(self.shards[index], 0, local, out=out[a:b])
-
-        n = uniq.numel()
-        workers = self.pool._max_workers
-        if n <= INLINE_ROWS or workers == 1:
-            run(segments)
+    def _read(self, space: np.ndarray, row: np.ndarray, out: np.ndarray) -> None:
+        """Rows ``row`` of row spaces ``space`` (grouped by space) into ``out`` [n, row_bytes]."""
+        n = space.size
+        if n == 0:
             return
-        per_task = max(self.chunk, -(-n // workers))
-        groups, group, filled = [], [], 0
-        for index, a, b in segments:
-            while a < b:
-                take = min(b - a, per_task - filled)
-                group.append((index, a, a + take))
-                filled += take
-                a += take
-                if filled == per_task:
-                    groups.append(group)
-                    group, filled = [], 0
-        if group:
-            groups.append(group)
-        for _ in self.pool.map(run, groups):
-            pass
+        bounds = np.flatnonzero(np.diff(space)) + 1
+        starts = [0, *bounds.tolist()]
+        ends = [*bounds.tolist(), n]
+        step = n if n <= INLINE_ROWS else max(self.chunk, -(-n // self.threads))
+        tasks = [
+            (int(space[a]), c, min(c + step, b))
+            for a, b in zip(starts, ends, strict=True)
+            for c in range(a, b, step)
+        ]
 
-    def gather(self, ids: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
-        """Raw rows [n, row_bytes] (uint8, on the device) for flat int64 CPU ``ids``; positions where
-        ``owned`` is False get zeros."""
+        def run(task) -> None:
+            k, a, b = task
+            # np.take releases the GIL for the copy, so tasks overlap across threads; mode="clip"
+            # skips the bounds pass (every row is in range by construction).
+            np.take(self.spaces[k], row[a:b], axis=0, out=out[a:b], mode="clip")
+
+        if len(tasks) == 1:
+            run(tasks[0])
+        else:
+            for _ in self.pool.map(run, tasks):
+                pass
+
+    def gather(self, ids: torch.Tensor, owned: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw rows [n, row_bytes] (uint8, on the device) for flat int64 CPU ``ids``, into ``out``
+        when given; positions where ``owned`` is False get zeros."""
+        if out is None:
+            out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8, device=self.device)
+        if ids.numel() > DEDUP_ROWS:
+            return self._gather_bulk(ids, owned, out)
         t0 = time.perf_counter()
-        keyed = torch.where(owned, ids, -1)
-        uniq, inverse = torch.unique(keyed, sorted=True, return_inverse=True)
-        # A -1 key (rows not owned, or not in the table) sorts first and reads as a zero row.
-        skip = 1 if uniq.numel() and int(uniq[0]) < 0 else 0
+        space, row, inverse, skip = self._plan(ids.numpy(), owned.numpy())
+        n_keys, n = space.size, ids.numel()
         t1 = time.perf_counter()
-        n_uniq = uniq.numel()
         if not self.cuda:
-            rows = torch.empty((n_uniq, self.row_bytes), dtype=torch.uint8)
-            if skip:
-                rows[0].zero_()
-            self._read(uniq[skip:], rows[skip:])
+            rows = torch.empty((n_keys, self.row_bytes), dtype=torch.uint8)
+            rows[:skip].zero_()
+            self._read(space[skip:], row[skip:], rows.numpy()[skip:])
             t2 = time.perf_counter()
-            out = rows[inverse]
+            np.take(rows.numpy(), inverse, axis=0, out=out.numpy(), mode="clip")
+            t3 = time.perf_counter()
+            self.last_phases = {"dedup": t1 - t0, "gather": t2 - t1, "stage": t3 - t2, "wait": 0.0}
+            return out
+        with self._lock:
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % len(self._slots)
+            tw = time.perf_counter()
+            slot.reserve(n_keys, self.row_bytes, n)
+            t_wait = time.perf_counter() - tw
+            rows = slot.rows[:n_keys]
+            rows_np = rows.numpy()
+            rows[:skip].zero_()
+            dev_rows = torch.empty((n_keys, self.row_bytes), dtype=torch.uint8, device=self.device)
+            # Chunks: the copy of one chunk runs while the threads read the next.
+            step = max(PIPELINE_ROWS, -(-n_keys // 8))
+            t_read = 0.0
+            for a in range(0, n_keys, step):
+                b = min(a + step, n_keys)
+                tr = time.perf_counter()
+                lo = max(a, skip)
+                if b > lo:
+                    self._read(space[lo:b], row[lo:b], rows_np[lo:b])
+                t_read += time.perf_counter() - tr
+                dev_rows[a:b].copy_(rows[a:b], non_blocking=True)
+            inv = slot.inverse[:n]
+            inv.copy_(torch.from_numpy(inverse))
+            dev_inv = inv.to(self.device, non_blocking=True)
+            if slot.event is None:
+                slot.event = torch.cuda.Event()
+            slot.event.record(torch.cuda.current_stream(self.device))
+            torch.index_select(dev_rows, 0, dev_inv, out=out)
+        self.last_phases = {
+            "dedup": t1 - t0,
+            "gather": t_read,
+            "stage": time.perf_counter() - t1 - t_read - t_wait,
+            "wait": t_wait,
+        }
+        return out
+
+    def _gather_bulk(self, ids: torch.Tensor, owned: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A big batch: no dedup; rows are grouped by row space (a radix sort of the space numbers),
+        read with one torch.index_select per chunk (torch's own threads), copied to the device chunk
+        by chunk while the next is read, and put in place there with index_copy_."""
+        t0 = time.perf_counter()
+        S = self.rows_per_shard
+        shard = torch.where(owned, ids // S, 0)
+        space = torch.where(owned, self.space_of_shard_t[shard], -1).numpy().astype(self.space_dtype)
+        order_np = np.argsort(space, kind="stable")
+        skip = int(np.count_nonzero(space < 0))
+        order = torch.from_numpy(order_np[skip:])
+        sorted_space = space[order_np[skip:]]
+        row = (self.row0_of_shard_t[shard] + (ids - shard * S))[order]
+        bounds = np.flatnonzero(np.diff(sorted_space)) + 1
+        segments = list(zip([0, *bounds.tolist()], [*bounds.tolist(), sorted_space.size], strict=True))
+        n_valid = sorted_space.size
+        if n_valid < ids.numel():
+            out.zero_()
+        t1 = time.perf_counter()
+        if not self.cuda:
+            for a, b in segments:
+                rows = torch.index_select(self.space_tensors[int(sorted_space[a])], 0, row[a:b])
+                out.index_copy_(0, order[a:b], rows)
             self.last_phases = {
                 "dedup": t1 - t0,
-                "gather": t2 - t1,
-                "stage": time.perf_counter() - t2,
+                "gather": time.perf_counter() - t1,
+                "stage": 0.0,
                 "wait": 0.0,
             }
             return out
@@ -127,26 +228,29 @@ class CpuGather:
             slot = self._slots[self._next]
             self._next = (self._next + 1) % len(self._slots)
             tw = time.perf_counter()
-            slot.reserve(n_uniq, self.row_bytes, ids.numel())
+            slot.reserve(n_valid, self.row_bytes, n_valid)
             t_wait = time.perf_counter() - tw
-            rows = slot.rows[:n_uniq]
-            if skip:
-                rows[0].zero_()
-            self._read(uniq[skip:], rows[skip:])
-            t2 = time.perf_counter()
-            inv = slot.inverse[: ids.numel()]
-            inv.copy_(inverse)
-            stream = torch.cuda.current_stream(self.device)
-            dev_rows = rows.to(self.device, non_blocking=True)
-            dev_inv = inv.to(self.device, non_blocking=True)
+            rows, perm = slot.rows[:n_valid], slot.inverse[:n_valid]
+            dev_rows = torch.empty((n_valid, self.row_bytes), dtype=torch.uint8, device=self.device)
+            t_read = 0.0
+            for a0, b0 in segments:
+                space_t = self.space_tensors[int(sorted_space[a0])]
+                for a in range(a0, b0, PIPELINE_ROWS):
+                    b = min(a + PIPELINE_ROWS, b0)
+                    tr = time.perf_counter()
+                    torch.index_select(space_t, 0, row[a:b], out=rows[a:b])
+                    t_read += time.perf_counter() - tr
+                    dev_rows[a:b].copy_(rows[a:b], non_blocking=True)
+            perm.copy_(order)
+            dev_perm = perm.to(self.device, non_blocking=True)
             if slot.event is None:
                 slot.event = torch.cuda.Event()
-            slot.event.record(stream)
-            out = dev_rows[dev_inv]
+            slot.event.record(torch.cuda.current_stream(self.device))
+            out.index_copy_(0, dev_perm, dev_rows)
         self.last_phases = {
             "dedup": t1 - t0,
-            "gather": t2 - t1 - t_wait,
-            "stage": time.perf_counter() - t2,
+            "gather": t_read,
+            "stage": time.perf_counter() - t1 - t_read - t_wait,
             "wait": t_wait,
         }
         return out
@@ -158,4 +262,4 @@ class CpuGather:
                 slot.event.synchronize()
         self._slots = []
         self.pool.shutdown(wait=True)
-        self.shards.clear()
+        self.spaces = []
