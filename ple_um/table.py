@@ -206,35 +206,38 @@ class MappedTable:
             return f"self-test: {bad.size} of {ids_np.size} sample rows differ from the file (first: {first})"
         return None
 
-    def calibrate_bulk(self, sizes=(4096, 16384, 65536, 262144), repeats: int = 3) -> dict:
-        """Time the GPU gather and the CPU bulk gather on random owned ids of each size and set
-        ``bulk_rows`` to the smallest size from which the bulk path wins (None when it never does).
-        Returns the medians measured, in seconds."""
+    def calibrate_bulk(self, sizes=(262144, 131072, 65536, 32768, 16384, 4096), repeats: int = 3) -> dict:
+        """Time the GPU gather and the CPU bulk gather on random owned ids, largest batch first, and
+        set ``bulk_rows`` to the smallest size from which the bulk path wins at every size measured
+        (None when it does not win at the largest). Returns the medians measured, in seconds."""
         rng = np.random.default_rng(1)
         start, end = self.rows
         self.bulk_rows = None
         measured = {}
-        for n in sizes:
-            out = torch.empty((n, self.row_dim), dtype=self.dtype, device=self.device)
-            ids = [torch.from_numpy(rng.integers(start, end, size=n)) for _ in range(repeats + 1)]
-            ids = [batch.to(self.device) for batch in ids]
+
+        def batches(n: int, count: int) -> list[torch.Tensor]:
+            return [torch.from_numpy(rng.integers(start, end, size=n)).to(self.device) for _ in range(count)]
+
+        out = torch.empty((max(sizes), self.row_dim), dtype=self.dtype, device=self.device)
+        for batch in batches(max(sizes), self.bulk.slots):  # staging buffers allocated before timing
+            self._cpu_lookup(batch, out[: batch.numel()], self.bulk)
+        for n in sorted(sizes, reverse=True):
             times = {"gpu": [], "bulk": []}
             for path in ("gpu", "bulk"):
-                for k, batch in enumerate(ids):
+                for k, batch in enumerate(batches(n, repeats + 1)):
                     torch.cuda.synchronize(self.device)
                     t0 = time.perf_counter()
                     if path == "gpu":
-                        self.gpu.gather(batch, out)
+                        self.gpu.gather(batch, out[:n])
                     else:
-                        self._cpu_lookup(batch, out, self.bulk)
+                        self._cpu_lookup(batch, out[:n], self.bulk)
                     torch.cuda.synchronize(self.device)
                     if k:  # the first call of each is a warm-up
                         times[path].append(time.perf_counter() - t0)
             measured[n] = {path: float(np.median(t)) for path, t in times.items()}
-            if measured[n]["bulk"] < measured[n]["gpu"] and self.bulk_rows is None:
-                self.bulk_rows = n
-            elif measured[n]["bulk"] >= measured[n]["gpu"]:
-                self.bulk_rows = None
+            if measured[n]["bulk"] >= measured[n]["gpu"]:
+                break
+            self.bulk_rows = n
         self.counters.zero_()
         for key in self._host.phases:
             self._host.phases[key] = 0.0
@@ -259,16 +262,16 @@ class MappedTable:
         return self.gpu.gather(ids, out)
 
     def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor, gather: CpuGather) -> torch.Tensor:
-        host = ids.to("cpu", torch.int64)
-        in_table = (host >= 0) & (host < self.num_rows)
-        owned = in_table & (host >= self.rows[0]) & (host < self.rows[1])
-        bad = int(host.numel() - int(in_table.sum()))
+        ids = ids.to(torch.int64)
+        in_table = (ids >= 0) & (ids < self.num_rows)
+        owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
+        bad = int(ids.numel() - int(in_table.sum()))
         if out.dtype == self.dtype:
-            gather.gather(host, owned, out.view(torch.uint8))
+            gather.gather(ids, owned, out.view(torch.uint8))
         else:
-            rows = gather.gather(host, owned).view(self.dtype).float()
+            rows = gather.gather(ids, owned).view(self.dtype).float()
             out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
-        self.counters += torch.tensor([host.numel(), bad], dtype=torch.int64).to(self.device)
+        self.counters += torch.tensor([ids.numel(), bad], dtype=torch.int64).to(self.device)
         for key, value in gather.last_phases.items():
             self._host.phases[key] += value
         return out

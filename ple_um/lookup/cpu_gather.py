@@ -80,10 +80,12 @@ class CpuGather:
         self.space_tensors = [torch.from_numpy(a) for a in self.spaces]
         self.space_of_shard_t = torch.from_numpy(self.space_of_shard.astype(np.int64))
         self.row0_of_shard_t = torch.from_numpy(self.row0_of_shard)
+        self._device_maps: tuple[torch.Tensor, torch.Tensor] | None = None
         self.threads = max(1, threads)
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="ple-um-gather")
         self.cuda = device.type == "cuda"
-        self._slots = [_Slot() for _ in range(max(1, slots))] if self.cuda else []
+        self.slots = max(1, slots)
+        self._slots = [_Slot() for _ in range(self.slots)] if self.cuda else []
         self._next = 0
         self._lock = threading.Lock()  # one gather at a time owns the slot ring
         self.last_phases: dict[str, float] = {}
@@ -139,12 +141,13 @@ class CpuGather:
                 pass
 
     def gather(self, ids: torch.Tensor, owned: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Raw rows [n, row_bytes] (uint8, on the device) for flat int64 CPU ``ids``, into ``out``
-        when given; positions where ``owned`` is False get zeros."""
+        """Raw rows [n, row_bytes] (uint8, on the device) for flat int64 ``ids`` (on the host or the
+        device), into ``out`` when given; positions where ``owned`` is False get zeros."""
         if out is None:
             out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8, device=self.device)
         if ids.numel() > DEDUP_ROWS:
             return self._gather_bulk(ids, owned, out)
+        ids, owned = ids.cpu(), owned.cpu()
         t0 = time.perf_counter()
         space, row, inverse, skip = self._plan(ids.numpy(), owned.numpy())
         n_keys, n = space.size, ids.numel()
@@ -194,59 +197,73 @@ class CpuGather:
         }
         return out
 
+    def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(space of each shard, row of each shard's local row 0 in its space) on ``device``."""
+        if device.type == "cpu":
+            return self.space_of_shard_t, self.row0_of_shard_t
+        if self._device_maps is None:
+            self._device_maps = (self.space_of_shard_t.to(device), self.row0_of_shard_t.to(device))
+        return self._device_maps
+
     def _gather_bulk(self, ids: torch.Tensor, owned: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A big batch: no dedup; rows are grouped by row space (a radix sort of the space numbers),
-        read with one torch.index_select per chunk (torch's own threads), copied to the device chunk
-        by chunk while the next is read, and put in place there with index_copy_."""
+        """A big batch: no dedup. Ids still on the GPU are planned there (the grouping by row space
+        is a GPU sort, the CPU only receives sorted row numbers); ids on the host are grouped with a
+        radix sort of the 16-bit space numbers. Rows are read with one torch.index_select per chunk
+        (torch's own threads), copied to the device chunk by chunk while the next is read, and put
+        in place there with index_copy_."""
         t0 = time.perf_counter()
         S = self.rows_per_shard
+        space_of_shard, row0 = self._maps(ids.device)
         shard = torch.where(owned, ids // S, 0)
-        space = torch.where(owned, self.space_of_shard_t[shard], -1).numpy().astype(self.space_dtype)
-        order_np = np.argsort(space, kind="stable")
-        skip = int(np.count_nonzero(space < 0))
-        order = torch.from_numpy(order_np[skip:])
-        sorted_space = space[order_np[skip:]]
-        row = (self.row0_of_shard_t[shard] + (ids - shard * S))[order]
-        bounds = np.flatnonzero(np.diff(sorted_space)) + 1
-        segments = list(zip([0, *bounds.tolist()], [*bounds.tolist(), sorted_space.size], strict=True))
-        n_valid = sorted_space.size
-        if n_valid < ids.numel():
+        space = torch.where(owned, space_of_shard[shard], -1)
+        row = row0[shard] + (ids - shard * S)
+        if ids.is_cuda:
+            space, order = torch.sort(space)
+            counts = torch.bincount(space + 1, minlength=len(self.spaces) + 1).tolist()
+            row = row[order].cpu()
+        else:
+            order_np = np.argsort(space.numpy().astype(self.space_dtype), kind="stable")
+            counts = np.bincount(space.numpy() + 1, minlength=len(self.spaces) + 1).tolist()
+            order = torch.from_numpy(order_np)
+            row = row[order]
+        skip = counts[0]
+        segments, start = [], skip
+        for k, count in enumerate(counts[1:]):
+            if count:
+                segments.append((k, start - skip, start - skip + count))
+                start += count
+        row = row[skip:]
+        order = order[skip:].to(self.device, non_blocking=True)
+        n_valid = row.numel()
+        if skip:
             out.zero_()
         t1 = time.perf_counter()
         if not self.cuda:
-            for a, b in segments:
-                rows = torch.index_select(self.space_tensors[int(sorted_space[a])], 0, row[a:b])
-                out.index_copy_(0, order[a:b], rows)
-            self.last_phases = {
-                "dedup": t1 - t0,
-                "gather": time.perf_counter() - t1,
-                "stage": 0.0,
-                "wait": 0.0,
-            }
+            for k, a, b in segments:
+                out.index_copy_(0, order[a:b], torch.index_select(self.space_tensors[k], 0, row[a:b]))
+            t2 = time.perf_counter()
+            self.last_phases = {"dedup": t1 - t0, "gather": t2 - t1, "stage": 0.0, "wait": 0.0}
             return out
         with self._lock:
             slot = self._slots[self._next]
             self._next = (self._next + 1) % len(self._slots)
             tw = time.perf_counter()
-            slot.reserve(n_valid, self.row_bytes, n_valid)
+            slot.reserve(n_valid, self.row_bytes, 0)
             t_wait = time.perf_counter() - tw
-            rows, perm = slot.rows[:n_valid], slot.inverse[:n_valid]
+            rows = slot.rows[:n_valid]
             dev_rows = torch.empty((n_valid, self.row_bytes), dtype=torch.uint8, device=self.device)
             t_read = 0.0
-            for a0, b0 in segments:
-                space_t = self.space_tensors[int(sorted_space[a0])]
+            for k, a0, b0 in segments:
                 for a in range(a0, b0, PIPELINE_ROWS):
                     b = min(a + PIPELINE_ROWS, b0)
                     tr = time.perf_counter()
-                    torch.index_select(space_t, 0, row[a:b], out=rows[a:b])
+                    torch.index_select(self.space_tensors[k], 0, row[a:b], out=rows[a:b])
                     t_read += time.perf_counter() - tr
                     dev_rows[a:b].copy_(rows[a:b], non_blocking=True)
-            perm.copy_(order)
-            dev_perm = perm.to(self.device, non_blocking=True)
             if slot.event is None:
                 slot.event = torch.cuda.Event()
             slot.event.record(torch.cuda.current_stream(self.device))
-            out.index_copy_(0, dev_perm, dev_rows)
+            out.index_copy_(0, order, dev_rows)
         self.last_phases = {
             "dedup": t1 - t0,
             "gather": t_read,
