@@ -54,8 +54,9 @@ def _decode(x, STORAGE: tl.constexpr):
 
 @triton.jit
 def _to_bf16_bits(val):
-    """float32 -> bfloat16 bits (int16), round to nearest even, NaN -> 0x7FC0: torch's rounding,
-    done by hand so the compiled kernel and the interpreter agree bit for bit."""
+    """float32 -> bfloat16 bits (int16), round to nearest even (torch's rounding of finite values),
+    every NaN -> the quiet NaN 0x7FC0; done by hand so the compiled kernel and the interpreter agree
+    bit for bit."""
     bits = val.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(val != val, 0x7FC0, rounded)

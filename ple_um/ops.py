@@ -48,7 +48,7 @@ def lookup(ids: torch.Tensor, handle: int, out_dtype: torch.dtype) -> torch.Tens
 @lookup.register_fake
 def _(ids: torch.Tensor, handle: int, out_dtype: torch.dtype) -> torch.Tensor:
     table = _table(handle)
-    return ids.new_empty((ids.shape[0], table.row_dim), dtype=out_dtype)
+    return torch.empty((ids.shape[0], table.row_dim), dtype=out_dtype, device=table.device)
 
 
 @torch.library.custom_op("ple_um::lookup_out", mutates_args=("out",))

@@ -118,6 +118,8 @@ def decide(
 ) -> ProbeReport:
     """Pick a mode for ``caps``. ``mode`` other than auto is forced: it must pass its gate or this
     raises ModeUnavailableError. ``exclude`` maps modes already rejected (a failed self-test) to why."""
+    if mode != "auto" and mode not in ALL_MODES:
+        raise ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
     exclude = dict(exclude or {})
     reasons: dict[str, str] = {}
     for m in ALL_MODES:
