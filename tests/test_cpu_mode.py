@@ -1,0 +1,120 @@
+"""The cpu access mode end to end (ple_um.lookup.cpu_gather through open_table, device cpu): the same
+bytes as the reference reader for duplicated, masked and out-of-table ids, dequantized or raw, on
+the inline path and on the thread pool's.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import ple_um
+
+
+@pytest.fixture(autouse=True)
+def _default_knobs(monkeypatch):
+    for var in ("PLE_UM_MODE", "PLE_UM_STRICT", "PLE_UM_CPU_THREADS", "PLE_UM_CPU_CHUNK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def gather_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("ple-um-gather")}
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "BF16", "F16"])
+def test_random_ids_with_duplicates_masks_and_oob(make_checkpoint, dtype, rng, check_rows, poison):
+    layout = make_checkpoint(num_rows=300, row_dim=9, dtype=dtype, shards=7, seed=int(rng.integers(1 << 30)))
+    S = layout.rows_per_shard
+    boundaries = [k * S + d for k in range(layout.parts + 1) for d in (-1, 0, 1)]  # 24: even
+    for rows in [None, (S - 1, 3 * S + 1), (0, 0)]:
+        with ple_um.open_table(layout.directory, rows=rows, mode="cpu", device="cpu") as table:
+            assert table.mode == "cpu" and table.cpu is not None and table.gpu is None
+            ids = np.concatenate([boundaries, rng.integers(-20, 320, 500), rng.integers(0, 10, 50)])
+            ids = torch.from_numpy(rng.permutation(ids[: ids.size // 2 * 2])).reshape(2, -1)
+            assert len(ids.unique()) < ids.numel()  # duplicates
+            for out_dtype in (None, torch.bfloat16, torch.float16, torch.float32):
+                check_rows(table.lookup(ids, out_dtype=out_dtype), layout, ids, rows=rows)
+                out = poison(torch.empty((*ids.shape, layout.row_dim), dtype=out_dtype or layout.dtype))
+                assert table.lookup(ids, out=out) is out
+                check_rows(out, layout, ids, rows=rows)
+            oob = int(((ids < 0) | (ids >= 300)).sum())
+            stats = table.stats()
+            assert (stats["lookups"], stats["rows"], stats["out_of_range"]) == (8, 8 * ids.numel(), 8 * oob)
+
+
+def test_only_bad_ids_and_empty_ids(make_checkpoint, check_rows):
+    layout = make_checkpoint(num_rows=40, row_dim=4, dtype="bf16", shards=3)
+    with ple_um.open_table(layout.directory, rows=(10, 20), mode="cpu", device="cpu") as table:
+        for ids in ([-1, 40, 99, -7], [0, 5, 25, 39], []):
+            ids = torch.tensor(ids, dtype=torch.int64)
+            got = table.lookup(ids, out_dtype=torch.float32)
+            check_rows(got, layout, ids, rows=(10, 20))
+        assert table.stats()["out_of_range"] == 4
+        assert table.lookup(torch.empty((2, 0), dtype=torch.int32)).shape == (2, 0, 4)
+
+
+def test_thread_pool_paths(make_checkpoint, monkeypatch, rng, check_rows, poison):
+    # Batches with more unique rows than the inline limit (4096), over 64 shards in 4 files, cut
+    # into tasks of at least 100 rows; the biggest also past the deduplication limit (16384).
+    monkeypatch.setenv("PLE_UM_CPU_THREADS", "4")
+    monkeypatch.setenv("PLE_UM_CPU_CHUNK", "100")
+    seed = int(rng.integers(1 << 30))
+    layout = make_checkpoint(num_rows=9000, row_dim=6, dtype="fp8", shards=64, seed=seed)
+    before = gather_threads()
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        assert table.cpu.chunk == 100
+        rows = 0
+        for n in (12000, 20000):
+            ids = torch.from_numpy(rng.integers(-50, 9050, n))
+            assert len(ids.unique()) > 4096
+            for out_dtype in (layout.dtype, torch.float32):
+                check_rows(table.lookup(ids, out_dtype=out_dtype), layout, ids)
+                out = poison(torch.empty((n, layout.row_dim), dtype=out_dtype))
+                check_rows(table.lookup(ids, out=out), layout, ids)
+            rows += 4 * n
+        workers = gather_threads() - before
+        assert 1 < len(workers) <= 4  # the pool ran the reads
+        # Every row of the table once, in order and reversed.
+        ids = torch.arange(9000)
+        check_rows(table.lookup(ids), layout, ids)
+        check_rows(table.lookup(ids.flip(0)), layout, ids.flip(0))
+        assert table.stats()["rows"] == rows + 2 * 9000
+    for t in workers:
+        t.join(timeout=10)
+        assert not t.is_alive()  # close() stopped them
+
+
+def test_one_thread(make_checkpoint, monkeypatch, rng, check_rows):
+    monkeypatch.setenv("PLE_UM_CPU_THREADS", "1")
+    layout = make_checkpoint(num_rows=6000, row_dim=3, dtype="bf16", shards=5)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        ids = torch.from_numpy(rng.permutation(6000))
+        check_rows(table.lookup(ids, out_dtype=torch.float16), layout, ids)
+
+
+def test_concurrent_lookups(make_checkpoint, monkeypatch, rng, check_rows):
+    monkeypatch.setenv("PLE_UM_CPU_THREADS", "2")
+    layout = make_checkpoint(num_rows=6000, row_dim=4, dtype="fp8", shards=8)
+    batches = [torch.from_numpy(rng.integers(-5, 6005, n)) for n in (10, 5000, 300, 4500)]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+
+        def run(k: int) -> None:
+            try:
+                for _ in range(3):
+                    results[k] = table.lookup(batches[k], out_dtype=torch.bfloat16)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(batches))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors
+    for k, ids in enumerate(batches):
+        check_rows(results[k], layout, ids)

@@ -1,0 +1,276 @@
+"""ple_um.mapping: read-only mmaps of the owned rows, their addresses, residency and lifetime.
+
+Real files, real mmaps: read-only-ness is checked by writing through the mapping in a child process
+(which must die of SIGSEGV or SIGBUS, leaving the file unchanged), residency through mincore after
+dropping the files from the page cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from reference import reference_rows
+
+from ple_um.errors import CheckpointError, TableClosedError
+from ple_um.mapping import PAGE, MappedShards
+
+
+def digest(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def drop_from_page_cache(layout) -> None:
+    """Write back and evict the table's files from the page cache (their pages then read as absent)."""
+    for path in layout.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident(mapping) -> int:
+    return sum(r for _, r, _ in mapping.residency())
+
+
+def maps_lines(path) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if line.rstrip().endswith(path)]
+
+
+def read_at(addr: int, n: int) -> np.ndarray:
+    return np.frombuffer(ctypes.string_at(addr, n), dtype=np.uint8)
+
+
+def row_page(layout, row: int) -> int:
+    """The file page that holds ``row`` (rows of 512 bytes never straddle a page)."""
+    spec = layout.shards[row // layout.rows_per_shard]
+    return (spec.offset + (row - spec.index * layout.rows_per_shard) * layout.row_bytes) // PAGE
+
+
+@pytest.fixture
+def big_layout(make_checkpoint):
+    """1 MiB of FP8 rows in one file: 2048 rows of 512 bytes (8 rows a page), 4 shards of 512 rows."""
+    return make_checkpoint(num_rows=2048, row_dim=512, dtype="fp8", shards=4, files=1)
+
+
+@pytest.fixture
+def evictable(big_layout):
+    """big_layout, after checking that its files can be evicted here (not on tmpfs, say)."""
+    drop_from_page_cache(big_layout)
+    with MappedShards(big_layout) as m:
+        if resident(m) > 2 * PAGE:
+            pytest.skip("the page cache keeps these files resident (tmpfs?): residency cannot be observed")
+    return big_layout
+
+
+def test_mapping_is_read_only_and_shared(fp8_layout):
+    with MappedShards(fp8_layout) as m:
+        for region in m.regions:
+            (line,) = maps_lines(region.path)
+            assert line.split()[1] == "r--s", line  # PROT_READ, MAP_SHARED
+
+
+def test_write_through_the_mapping_faults_and_leaves_the_file(fp8_layout):
+    before = {p: digest(p) for p in fp8_layout.files}
+    child = textwrap.dedent(
+        f"""
+        from ple_um.checkpoint import read_layout
+        from ple_um.mapping import MappedShards
+        m = MappedShards(read_layout({fp8_layout.directory!r}))
+        view = m.regions[-1].array()
+        print(int(view[-1]), flush=True)  # reading is fine
+        view[-1] = view[-1] ^ 0xFF
+        print("wrote", flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (done.returncode, done.stderr[-2000:])
+    assert "wrote" not in done.stdout and done.stdout.strip().isdigit()
+    assert {p: digest(p) for p in fp8_layout.files} == before
+
+
+@pytest.mark.parametrize(
+    ("rows", "owned"),
+    [
+        ((1000, 1010), {1: (488, 498)}),
+        ((1020, 1030), {1: (508, 512), 2: (0, 6)}),
+        ((0, 1), {0: (0, 1)}),
+        ((2047, 2048), {3: (511, 512)}),
+        ((0, 2048), {i: (0, 512) for i in range(4)}),
+        ((700, 700), {}),
+        ((-5, 3000), {i: (0, 512) for i in range(4)}),  # clamped to the table
+    ],
+)
+def test_only_the_owned_rows_are_mapped(big_layout, rows, owned):
+    layout = big_layout
+    file_size = os.path.getsize(layout.files[0])
+    with MappedShards(layout, rows) as m:
+        assert (m.row_start, m.row_end) == (max(0, rows[0]), min(layout.num_rows, rows[1]))
+        assert {i: (o.lo, o.hi) for i, o in m.owned.items()} == owned
+        assert m.owned_bytes == sum(hi - lo for lo, hi in owned.values()) * layout.row_bytes
+        if not owned:
+            assert m.regions == [] and m.mapped_bytes == 0
+            assert m.host_bases() == [0] * layout.parts
+            return
+        (region,) = m.regions  # one file
+        first = min(layout.shards[i].offset + lo * layout.row_bytes for i, (lo, _) in owned.items())
+        last = max(layout.shards[i].offset + hi * layout.row_bytes for i, (_, hi) in owned.items())
+        assert region.file_offset % PAGE == 0 and region.addr % PAGE == 0
+        assert region.file_offset == first - first % PAGE
+        assert region.length == last - region.file_offset
+        if m.owned_bytes <= 16 * layout.row_bytes:
+            assert m.mapped_bytes <= 3 * PAGE < file_size
+        # What lies mapped is the file's bytes.
+        for index in owned:
+            got = m.shard_rows(index)
+            lo, hi = owned[index]
+            start = index * layout.rows_per_shard
+            assert np.array_equal(got, reference_rows(layout, range(start + lo, start + hi)))
+
+
+@pytest.mark.parametrize("rows", [None, (300, 1900)])
+def test_shard_base_addresses(make_checkpoint, rows):
+    # Four files; the last one's FP8 data lies 4 mod 8.
+    layout = make_checkpoint(num_rows=2000, row_dim=12, dtype="fp8", shards=6, files=4)
+    rb = layout.row_bytes
+    with MappedShards(layout, rows) as m:
+        bases = m.host_bases()
+        assert len(bases) == layout.parts
+        for spec in layout.shards:
+            owned = m.owned.get(spec.index)
+            if owned is None:
+                assert bases[spec.index] == 0
+                continue
+            region = m.regions[owned.region]
+            assert region.path == spec.path
+            assert bases[spec.index] == m.shard_base(spec.index)
+            assert bases[spec.index] == region.addr + spec.offset - region.file_offset
+            assert bases[spec.index] % 8 == spec.offset % 8  # alignment follows the file offset
+            assert owned.addr == bases[spec.index] + owned.lo * rb
+            # base + local * row_bytes is the row, for the owned local rows (both ends).
+            for local in (owned.lo, owned.hi - 1):
+                row = spec.index * layout.rows_per_shard + local
+                got = read_at(bases[spec.index] + local * rb, rb)
+                assert np.array_equal(got, reference_rows(layout, [row])[0])
+
+
+def test_touch_rows_makes_their_pages_resident(evictable, rng):
+    layout = evictable
+    drop_from_page_cache(layout)
+    with MappedShards(layout) as m:
+        m.advise("random")  # no readahead: a touched row brings in little more than its own page
+        assert resident(m) <= PAGE
+        ids = rng.choice(layout.num_rows, 12, replace=False)
+        outside = np.array([-1, layout.num_rows, 10**9])
+        assert m.touch_rows(np.concatenate([ids, outside])) == ids.size
+        pages = {row_page(layout, int(i)) for i in ids}
+        after = resident(m)
+        # Every touched page, and not the whole file (the page cache may read a few neighbours:
+        # large folios).
+        assert len(pages) * PAGE <= after <= m.mapped_bytes // 2
+        assert m.touch_rows(np.array([], dtype=np.int64)) == 0
+
+
+def test_touch_rows_skips_rows_not_owned(evictable):
+    layout = evictable
+    with MappedShards(layout, (512, 1024)) as m:
+        drop_from_page_cache(layout)
+        m.advise("random")
+        assert m.touch_rows(np.array([0, 100, 511, 1024, 2000])) == 0
+        assert m.touch_rows(np.array([0, 600, 1023])) == 2
+
+
+def test_populate_brings_the_mapping_in(evictable):
+    layout = evictable
+    drop_from_page_cache(layout)
+    with MappedShards(layout) as m:
+        assert resident(m) <= PAGE
+        seen = []
+        asked = m.populate(fraction=0.5, workers=2, progress=seen.append)
+        assert asked == sum(seen) == int(m.mapped_bytes * 0.5)
+        assert resident(m) >= asked - PAGE
+        assert m.populate() == m.mapped_bytes
+        ((path, res, length),) = m.residency()
+        assert (path, res, length) == (layout.files[0], m.mapped_bytes, m.mapped_bytes)
+
+
+def test_close_releases_everything_once(fp8_layout):
+    m = MappedShards(fp8_layout)
+    paths = [r.path for r in m.regions]
+    fds = [r.fd for r in m.regions]
+    assert all(maps_lines(p) for p in paths)
+    m.close()
+    assert m.closed and m.regions == [] and m.owned == {}
+    assert not any(maps_lines(p) for p in paths)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    m.close()  # idempotent
+    for call in (
+        lambda: m.advise("random"),
+        lambda: m.populate(),
+        lambda: m.touch_rows(np.array([0])),
+        lambda: m.residency(),
+    ):
+        with pytest.raises(TableClosedError):
+            call()
+
+
+def test_context_manager_closes(fp8_layout):
+    with MappedShards(fp8_layout) as m:
+        assert not m.closed
+    assert m.closed
+
+
+def test_changed_files_detects_replace_truncate_and_delete(make_checkpoint):
+    layout = make_checkpoint(num_rows=64, row_dim=16, dtype="bf16", shards=4, files=4)
+    a, b, c, d = layout.files
+    with MappedShards(layout) as m:
+        before = m.shard_rows(0).copy()
+        assert m.changed_files() == []
+        # a: replaced by a copy with the same bytes (a new inode), as a re-download would.
+        shutil.copyfile(a, a + ".new")
+        os.replace(a + ".new", a)
+        # b: truncated (never read again here: that would fault).
+        os.truncate(b, os.path.getsize(b) - 1)
+        # c: deleted.
+        os.unlink(c)
+        assert m.changed_files() == [a, b, c]
+        # The mapping still shows the replaced file's old inode.
+        assert np.array_equal(m.shard_rows(0), before)
+        # d: only its modification time changes.
+        st = os.stat(d)
+        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert m.changed_files() == [a, b, c, d]
+
+
+def test_a_file_shorter_than_its_header_says_is_a_checkpoint_error(make_checkpoint):
+    layout = make_checkpoint(num_rows=40, row_dim=8, dtype="fp8", shards=2, files=2)
+    path = layout.shards[0].path
+    os.truncate(path, layout.shards[0].offset + 3 * layout.row_bytes)  # after the header was read
+    with pytest.raises(CheckpointError, match="truncated") as info:
+        MappedShards(layout)
+    assert info.value.path == path
+    # A range that needs none of the missing bytes still maps.
+    with MappedShards(layout, (0, 3)) as m:
+        assert list(m.owned) == [0]
+
+
+def test_a_missing_file_is_a_checkpoint_error(make_checkpoint):
+    layout = make_checkpoint(num_rows=40, row_dim=8, dtype="fp8", shards=2, files=2)
+    os.unlink(layout.shards[1].path)
+    with pytest.raises(CheckpointError) as info:
+        MappedShards(layout)
+    assert info.value.path == layout.shards[1].path

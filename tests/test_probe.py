@@ -1,0 +1,258 @@
+"""ple_um.access.probe: which access mode a machine allows, and why every other mode was not chosen.
+
+Machines are injected as DeviceCapabilities (what read_capabilities would report on them); the
+decision logic is the real one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import ple_um
+from ple_um.access.capabilities import DeviceCapabilities, read_capabilities, triton_interpreter
+from ple_um.access.probe import (
+    ALL_MODES,
+    CAPTURE_SAFE,
+    decide,
+    mem_available,
+    pin_budget,
+    probe,
+    reason_if_unsatisfied,
+    requested_mode,
+)
+from ple_um.errors import ModeUnavailableError
+
+GiB = 1 << 30
+
+# A coherent Grace system (GH200, GB10 / DGX Spark): the GPU walks the CPU's page tables.
+ATS = DeviceCapabilities(
+    cuda=True,
+    device="cuda:0",
+    name="NVIDIA GH200 480GB",
+    pageable_memory_access=True,
+    pageable_memory_access_uses_host_page_tables=True,
+    host_register_supported=True,
+    read_only_host_register_supported=True,
+    can_use_host_pointer_for_registered_mem=True,
+)
+# A discrete GPU (H200 on x86): read-only host registration, no ATS.
+DISCRETE = DeviceCapabilities(
+    cuda=True,
+    device="cuda:0",
+    name="NVIDIA H200",
+    host_register_supported=True,
+    read_only_host_register_supported=True,
+    can_use_host_pointer_for_registered_mem=True,
+)
+NO_REGISTER = DeviceCapabilities(cuda=True, device="cuda:0", name="no register")
+NO_READ_ONLY = DeviceCapabilities(
+    cuda=True, device="cuda:0", name="no read-only register", host_register_supported=True
+)
+NO_CUDA = DeviceCapabilities(cuda=False, device="cpu", name="cpu")
+INTERPRETER = DeviceCapabilities(cuda=False, device="cpu", name="cpu", host_is_device=True)
+
+MACHINES = {
+    "ats": ATS,
+    "discrete": DISCRETE,
+    "no-register": NO_REGISTER,
+    "no-read-only": NO_READ_ONLY,
+    "no-cuda": NO_CUDA,
+    "interpreter": INTERPRETER,
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_mode_knobs(monkeypatch):
+    for var in ("PLE_UM_MODE", "PLE_UM_PIN_BUDGET", "PLE_UM_PIN_FRACTION"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def assert_reasons_complete(report) -> None:
+    """Every mode but the chosen one carries a non-empty reason; the chosen one none."""
+    assert set(report.reasons) == set(ALL_MODES) - {report.mode}
+    assert all(isinstance(why, str) and why.strip() for why in report.reasons.values())
+
+
+def test_ats_system_chooses_ats():
+    report = decide(ATS, table_bytes=60 * GiB, budget=100 * GiB)
+    assert report.mode == "ats"
+    assert_reasons_complete(report)
+    assert report.reasons["registered"] == "ats comes first"
+    assert report.reasons["cpu"] == "ats comes first"
+    assert "explicit only" in report.reasons["device"]
+    assert report.capabilities == ATS.as_dict()
+    assert report.pin_budget == 100 * GiB
+
+
+def test_discrete_gpu_chooses_registered_and_says_why_not_ats():
+    report = decide(DISCRETE, table_bytes=50 * GiB, budget=100 * GiB)
+    assert report.mode == "registered"
+    assert_reasons_complete(report)
+    assert "PageableMemoryAccessUsesHostPageTables" in report.reasons["ats"]
+    assert report.reasons["cpu"] == "registered comes first"
+
+
+def test_no_cuda_chooses_cpu():
+    report = decide(NO_CUDA, table_bytes=GiB, budget=GiB)
+    assert report.mode == "cpu"
+    assert_reasons_complete(report)
+    assert report.reasons == {m: "no CUDA device" for m in ("ats", "registered", "device")}
+
+
+def test_interpreter_host_counts_as_a_device():
+    report = decide(INTERPRETER)
+    assert report.mode == "ats"
+    assert_reasons_complete(report)
+    assert report.reasons["registered"] == "no CUDA device"  # registration needs real CUDA
+    assert decide(INTERPRETER, mode="device").mode == "device"
+
+
+@pytest.mark.parametrize(
+    ("caps", "needle"),
+    [(NO_REGISTER, "HostRegisterSupported = 0"), (NO_READ_ONLY, "ReadOnlyHostRegisterSupported = 0")],
+    ids=["register-unsupported", "read-only-unsupported"],
+)
+def test_registration_unsupported_falls_back_to_cpu(caps, needle):
+    report = decide(caps, table_bytes=GiB, budget=100 * GiB)
+    assert report.mode == "cpu"
+    assert_reasons_complete(report)
+    assert needle in report.reasons["registered"]
+    assert "PageableMemoryAccessUsesHostPageTables" in report.reasons["ats"]
+    with pytest.raises(ModeUnavailableError, match=needle):
+        decide(caps, mode="registered", table_bytes=GiB, budget=100 * GiB)
+
+
+def test_table_over_the_pin_budget_falls_back_to_cpu():
+    report = decide(DISCRETE, table_bytes=60 * GiB, budget=30 * GiB)
+    assert report.mode == "cpu"
+    assert_reasons_complete(report)
+    why = report.reasons["registered"]
+    assert "PLE_UM_PIN_BUDGET" in why and "60.00 GiB" in why and "30.00 GiB" in why
+    # At the budget exactly it fits; without a size or a budget nothing is checked.
+    assert decide(DISCRETE, table_bytes=30 * GiB, budget=30 * GiB).mode == "registered"
+    assert decide(DISCRETE, table_bytes=None, budget=1).mode == "registered"
+    assert decide(DISCRETE, table_bytes=60 * GiB, budget=None).mode == "registered"
+    # The budget does not concern the ats mode, which pins nothing.
+    assert decide(ATS, table_bytes=60 * GiB, budget=1).mode == "ats"
+
+
+@pytest.mark.parametrize(
+    ("caps", "mode", "needle"),
+    [
+        (NO_CUDA, "ats", "no CUDA device"),
+        (NO_CUDA, "registered", "no CUDA device"),
+        (NO_CUDA, "device", "no CUDA device"),
+        (DISCRETE, "ats", "PageableMemoryAccessUsesHostPageTables"),
+        (NO_READ_ONLY, "registered", "ReadOnlyHostRegisterSupported"),
+        (INTERPRETER, "registered", "no CUDA device"),
+    ],
+)
+def test_forced_mode_that_cannot_work_raises(caps, mode, needle):
+    with pytest.raises(ModeUnavailableError, match=needle) as info:
+        decide(caps, mode=mode, table_bytes=GiB, budget=100 * GiB)
+    assert info.value.mode == mode and needle in info.value.reason
+    assert isinstance(info.value, ple_um.PleUmError)
+
+
+def test_forced_registered_over_budget_raises():
+    with pytest.raises(ModeUnavailableError, match="PLE_UM_PIN_BUDGET"):
+        decide(DISCRETE, mode="registered", table_bytes=2 * GiB, budget=GiB)
+
+
+@pytest.mark.parametrize("name", list(MACHINES))
+@pytest.mark.parametrize("mode", ["auto", *ALL_MODES])
+def test_every_decision_explains_every_other_mode(name, mode):
+    caps = MACHINES[name]
+    try:
+        report = decide(caps, mode=mode, table_bytes=GiB, budget=100 * GiB)
+    except ModeUnavailableError as exc:
+        assert exc.mode == mode and exc.reason
+        return
+    assert_reasons_complete(report)
+    for m, why in report.reasons.items():
+        gate = reason_if_unsatisfied(m, caps, GiB, 100 * GiB)
+        if mode != "auto":
+            assert report.mode == mode
+            assert why == (gate or f"{mode} was asked for")
+        elif gate is None and m == "device":
+            assert why == "explicit only: it copies the whole table into GPU memory"
+        else:
+            assert why == (gate or f"{report.mode} comes first")
+    assert f"mode: {report.mode}" in report.describe()
+    for m, why in report.reasons.items():
+        assert f"not {m}: {why}" in report.describe()
+    assert report.as_dict()["mode"] == report.mode and report.as_dict()["reasons"] == report.reasons
+
+
+def test_cpu_can_always_be_forced():
+    for caps in MACHINES.values():
+        report = decide(caps, mode="cpu", table_bytes=GiB, budget=1)
+        assert report.mode == "cpu"
+        assert_reasons_complete(report)
+    assert CAPTURE_SAFE == {"ats": True, "registered": True, "cpu": False, "device": True}
+
+
+def test_excluded_mode_falls_through_to_the_next():
+    failed = "self-test: 3 of 64 sample rows differ from the file (first: row 7)"
+    report = decide(ATS, exclude={"ats": failed}, table_bytes=GiB, budget=100 * GiB)
+    assert report.mode == "registered"
+    assert report.reasons["ats"] == failed
+    assert_reasons_complete(report)
+    report = decide(ATS, exclude={"ats": failed, "registered": "RegistrationError: x"})
+    assert report.mode == "cpu"
+    assert report.reasons["registered"] == "RegistrationError: x"
+    # An excluded mode that was forced is unavailable, with the exclusion as its reason.
+    with pytest.raises(ModeUnavailableError, match="self-test"):
+        decide(ATS, mode="ats", exclude={"ats": failed})
+
+
+def test_unknown_mode_is_a_value_error(monkeypatch):
+    with pytest.raises(ValueError, match="unknown access mode 'gpu'"):
+        requested_mode("gpu")
+    with pytest.raises(ValueError, match="unknown access mode"):
+        probe("cpu", mode="fast")
+    monkeypatch.setenv("PLE_UM_MODE", "fast")
+    with pytest.raises(ValueError, match="PLE_UM_MODE"):
+        requested_mode("auto")
+
+
+def test_decide_rejects_an_unknown_mode():
+    # It once returned a ProbeReport whose mode was the unknown name.
+    with pytest.raises(ValueError, match="unknown access mode 'bogus'"):
+        decide(ATS, mode="bogus")
+
+
+def test_mode_knob_forces_a_mode(monkeypatch):
+    monkeypatch.setenv("PLE_UM_MODE", "cpu")
+    assert requested_mode("auto") == "cpu"
+    assert requested_mode("ats") == "ats"  # an explicit argument wins over the knob
+    assert probe("cpu").mode == "cpu"
+    monkeypatch.setenv("PLE_UM_MODE", "registered")
+    with pytest.raises(ModeUnavailableError, match="no CUDA device"):
+        probe("cpu")
+
+
+@pytest.mark.skipif(not triton_interpreter(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_probe_of_this_host(monkeypatch):
+    caps = read_capabilities("cpu")
+    assert (caps.cuda, caps.device, caps.host_is_device) == (False, "cpu", True)
+    report = probe("cpu")
+    assert report.mode == "ats" and report.capabilities["host_is_device"] is True
+    assert_reasons_complete(report)
+    monkeypatch.delenv("TRITON_INTERPRET")  # a plain CPU-only host
+    report = probe("cpu")
+    assert report.mode == "cpu" and report.capabilities["host_is_device"] is False
+    assert_reasons_complete(report)
+
+
+def test_pin_budget_knobs(monkeypatch):
+    monkeypatch.setenv("PLE_UM_PIN_BUDGET", "3GiB")
+    assert pin_budget() == 3 * GiB
+    monkeypatch.setenv("PLE_UM_PIN_BUDGET", "512m")
+    assert pin_budget() == 512 << 20
+    monkeypatch.delenv("PLE_UM_PIN_BUDGET")
+    monkeypatch.setenv("PLE_UM_PIN_FRACTION", "0")
+    assert pin_budget() == 0
+    monkeypatch.setenv("PLE_UM_PIN_FRACTION", "0.25")
+    assert pin_budget() == int(mem_available() * 0.25) > 0
+    assert probe("cpu", table_bytes=GiB).pin_budget == pin_budget()

@@ -1,0 +1,482 @@
+"""ple_um.table: open_table and MappedTable, the public contract of DESIGN.md, on the CPU.
+
+The ats and device modes run the real kernel and self-test under the Triton interpreter (the host is
+the device); the cpu mode runs the CPU gather. Every lookup is compared element by element with
+the reference reader, into poisoned outputs where the test provides them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+import ple_um
+from ple_um import ops
+from ple_um.access.capabilities import triton_interpreter
+from ple_um.access.probe import CAPTURE_SAFE
+from ple_um.checkpoint import read_layout
+from ple_um.mapping import PAGE
+from ple_um.synthetic import scale_value, write_checkpoint
+from ple_um.table import MappedTable
+
+pytestmark = [
+    pytest.mark.skipif(not triton_interpreter(), reason="GPU paths run on the CPU under TRITON_INTERPRET=1"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+]
+
+MODES = ["ats", "cpu", "device"]  # what a CPU host offers under the interpreter
+ID_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
+
+
+@pytest.fixture(autouse=True)
+def _default_knobs(monkeypatch):
+    for var in ("PLE_UM_MODE", "PLE_UM_STRICT", "PLE_UM_PREWARM", "PLE_UM_SELF_TEST_ROWS", "PLE_UM_MADVISE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def layout(make_checkpoint, rng):
+    """FP8, 120 rows of 10 in 5 shards of 24 over 4 files (the last 4 mod 8), fresh random data."""
+    return make_checkpoint(num_rows=120, row_dim=10, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30)))
+
+
+def maps_of(paths) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if any(line.rstrip().endswith(p) for p in paths)]
+
+
+def all_ids(layout) -> torch.Tensor:
+    return torch.arange(-3, layout.num_rows + 3)
+
+
+def swap_data(layout, path: str) -> None:
+    """Replace ``path`` by a copy whose shard data differ (a new inode: a mapping keeps the old)."""
+    data = bytearray(open(path, "rb").read())
+    for spec in layout.shards:
+        if spec.path == path:
+            for k in range(spec.offset, spec.offset + spec.rows * layout.row_bytes):
+                data[k] ^= 0x01
+    with open(path + ".new", "wb") as f:
+        f.write(data)
+    os.replace(path + ".new", path)
+
+
+# -- opening --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "BF16", "F16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_attributes(make_checkpoint, mode, dtype):
+    layout = make_checkpoint(num_rows=9, row_dim=6, dtype=dtype, shards=4, seed=5)
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        assert isinstance(table, MappedTable)
+        assert table.mode == mode == table.report.mode
+        assert isinstance(table.report, ple_um.ProbeReport)
+        assert set(table.report.reasons) == {"ats", "registered", "cpu", "device"} - {mode}
+        assert (table.num_rows, table.row_dim, table.dtype) == (9, 6, layout.dtype)
+        assert table.scale == (scale_value(5) if dtype.startswith("F8") else None)
+        assert table.capture_safe is CAPTURE_SAFE[mode]
+        assert table.device == torch.device("cpu")
+        assert table.rows == (0, 9)
+        stats = table.stats()
+        assert (stats["mode"], stats["lookups"], stats["rows"], stats["out_of_range"]) == (mode, 0, 0, 0)
+        assert stats["device_bytes"] == (9 * layout.row_bytes if mode == "device" else 0)
+        assert stats["pinned_bytes"] == 0
+        assert stats["mapped_bytes"] == table.mapping.mapped_bytes > 0
+        assert mode in repr(table)
+
+
+def test_auto_picks_ats_on_an_interpreter_host_and_cpu_without(layout, monkeypatch, check_rows):
+    with ple_um.open_table(layout.directory) as table:  # device=None: the CPU here
+        assert table.device == torch.device("cpu")
+        assert table.mode == "ats"
+        assert table.report.reasons["registered"] == "no CUDA device"
+        check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with ple_um.open_table(layout.directory) as table:
+        assert table.mode == "cpu"
+        assert table.report.reasons["ats"] == "no CUDA device"
+        check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
+
+
+def test_mode_knob(layout, monkeypatch):
+    monkeypatch.setenv("PLE_UM_MODE", "device")
+    with ple_um.open_table(layout.directory) as table:
+        assert table.mode == "device"
+    with ple_um.open_table(layout.directory, mode="cpu") as table:  # the argument wins
+        assert table.mode == "cpu"
+    monkeypatch.setenv("PLE_UM_MODE", "registered")
+    with pytest.raises(ple_um.ModeUnavailableError, match="no CUDA device"):
+        ple_um.open_table(layout.directory)
+
+
+def test_registered_mode_needs_cuda(layout):
+    before = len(ops._TABLES)
+    with pytest.raises(ple_um.ModeUnavailableError, match="no CUDA device") as info:
+        ple_um.open_table(layout.directory, mode="registered", device="cpu")
+    assert info.value.mode == "registered"
+    assert not maps_of(layout.files) and len(ops._TABLES) == before  # nothing left behind
+
+
+def test_unknown_mode(layout):
+    with pytest.raises(ValueError, match="unknown access mode"):
+        ple_um.open_table(layout.directory, mode="gpu")
+
+
+def test_layer_selection(tmp_path, check_rows):
+    # Layer 1 in one file, layer 2 in two others; no index: the reader globs *.safetensors.
+    one = write_checkpoint(tmp_path / "one", num_rows=30, row_dim=4, dtype="bf16", shards=2, files=1, seed=1)
+    write_checkpoint(tmp_path / "two", num_rows=50, row_dim=8, dtype="fp8", shards=3, files=2, layer=2)
+    both = tmp_path / "both"
+    both.mkdir()
+    for part in (one.directory, str(tmp_path / "two")):
+        for name in os.listdir(part):
+            if name.endswith(".safetensors"):
+                shutil.copy(os.path.join(part, name), both / name)
+    with pytest.raises(ple_um.CheckpointError, match="1, 2"):
+        ple_um.open_table(both, mode="cpu")
+    with pytest.raises(ple_um.CheckpointError, match="layers with shards: 1, 2"):
+        ple_um.open_table(both, layer=3, mode="cpu")
+    for layer, (rows, dim) in ((1, (30, 4)), (2, (50, 8))):
+        with ple_um.open_table(both, layer=layer, mode="ats") as table:
+            assert (table.num_rows, table.row_dim) == (rows, dim)
+            ids = torch.arange(rows)
+            check_rows(table.lookup(ids), read_layout(str(both), layer), ids)
+    with ple_um.open_table(tmp_path / "one", layer=None, mode="cpu") as table:  # the only layer
+        assert table.layout.layer == 1
+
+
+@pytest.mark.parametrize("rows", [(5, 3), (-1, 3), (0, 121), (0.0, 10), ("0", 10), (None, 10)])
+def test_bad_rows(layout, rows):
+    with pytest.raises(ValueError, match="rows="):
+        ple_um.open_table(layout.directory, rows=rows, mode="cpu")
+    assert not maps_of(layout.files)
+
+
+def test_bad_checkpoints_raise_checkpoint_error(tmp_path):
+    from reference import write_safetensors
+
+    from ple_um.synthetic import shard_name
+
+    cases = {}
+    cases["missing"] = tmp_path / "missing"
+    (tmp_path / "empty").mkdir()
+    cases["empty"] = tmp_path / "empty"
+    # BF16 rows starting at an odd byte: the header's data section is 8-aligned, 3 bytes come first.
+    (tmp_path / "odd").mkdir()
+    write_safetensors(
+        tmp_path / "odd" / "model.safetensors",
+        {"pad": ("U8", [3], b"xyz"), shard_name(1, 0): ("BF16", [4, 2], bytes(16))},
+    )
+    cases["odd"] = tmp_path / "odd"
+    # FP8 without its scale.
+    noscale = tmp_path / "noscale"
+    noscale.mkdir()
+    write_safetensors(
+        noscale / "model.safetensors",
+        {shard_name(1, i): ("F8_E4M3", [4, 4], bytes(16)) for i in range(2)},
+    )
+    cases["noscale"] = noscale
+    for name, path in cases.items():
+        with pytest.raises(ple_um.CheckpointError) as info:
+            ple_um.open_table(path, mode="cpu")
+        assert isinstance(info.value, ValueError), name
+    odd = pytest.raises(ple_um.CheckpointError, match="not aligned to its 2-byte elements")
+    with odd as info:
+        ple_um.open_table(cases["odd"], mode="ats")
+    assert info.value.tensor == shard_name(1, 0)
+    assert info.value.path == str(tmp_path / "odd" / "model.safetensors")
+
+
+# -- lookups --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_lookup_shapes_and_dtypes(layout, mode, rng, check_rows):
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        for shape in [(), (1,), (7,), (3, 5), (2, 3, 4), (0,), (2, 0)]:
+            for id_dtype in ID_DTYPES:
+                info = torch.iinfo(id_dtype)
+                ids = torch.from_numpy(np.asarray(rng.integers(max(info.min, -4), min(info.max, 130), shape)))
+                ids = ids.to(id_dtype)
+                y = table.lookup(ids)
+                assert y.shape == (*shape, layout.row_dim) and y.dtype == layout.dtype
+                assert y.device == torch.device("cpu")
+                check_rows(y, layout, ids.to(torch.int64))
+        ids = torch.from_numpy(rng.integers(-4, 130, (4, 6)))
+        for out_dtype in (torch.bfloat16, torch.float16, torch.float32, layout.dtype):
+            y = table.lookup(ids, out_dtype=out_dtype)
+            assert y.shape == (4, 6, layout.row_dim) and y.dtype == out_dtype
+            check_rows(y, layout, ids)
+        # Non-contiguous ids.
+        wide = torch.from_numpy(rng.integers(0, 120, (6, 8)))
+        check_rows(table.lookup(wide.t()), layout, wide.t().contiguous())
+        check_rows(table.lookup(wide[:, ::3]), layout, wide[:, ::3].contiguous())
+
+
+@pytest.mark.parametrize("dtype", ["F8_E5M2", "BF16", "F16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_dtype_dequantizes(make_checkpoint, mode, dtype, rng, check_rows):
+    layout = make_checkpoint(num_rows=50, row_dim=3, dtype=dtype, shards=3, seed=int(rng.integers(1 << 30)))
+    ids = torch.from_numpy(rng.integers(-2, 52, 64))
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        for out_dtype in (None, torch.bfloat16, torch.float16, torch.float32):
+            check_rows(table.lookup(ids, out_dtype=out_dtype), layout, ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [(20, 61), (0, 24), (119, 120), (50, 50)])
+def test_owned_rows(layout, mode, rows, check_rows):
+    ids = all_ids(layout)
+    with ple_um.open_table(layout.directory, rows=rows, mode=mode, device="cpu") as table:
+        assert table.rows == rows
+        for out_dtype in (None, torch.float32):
+            check_rows(table.lookup(ids, out_dtype=out_dtype), layout, ids, rows=rows)
+        stats = table.stats()
+        assert (stats["rows"], stats["out_of_range"]) == (2 * ids.numel(), 12)
+        assert stats["mapped_bytes"] <= (rows[1] - rows[0]) * layout.row_bytes + 2 * PAGE * len(layout.files)
+        if rows[0] == rows[1]:
+            assert stats["mapped_bytes"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_out_buffers(layout, mode, rng, check_rows, poison):
+    ids = torch.from_numpy(rng.integers(-3, 123, (5, 7)))
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        for dtype in (layout.dtype, torch.bfloat16, torch.float16, torch.float32):
+            out = poison(torch.empty((5, 7, layout.row_dim), dtype=dtype))
+            ptr = out.data_ptr()
+            got = table.lookup(ids, out=out)
+            assert got is out and out.data_ptr() == ptr
+            check_rows(out, layout, ids)
+        # out decides raw or dequantized, whatever out_dtype says.
+        out = poison(torch.empty((5, 7, layout.row_dim), dtype=torch.float32))
+        table.lookup(ids, out=out, out_dtype=torch.bfloat16)
+        check_rows(out, layout, ids)
+        # A contiguous slice of a larger buffer: only the slice is written.
+        buf = poison(torch.empty((40, layout.row_dim), dtype=torch.float16))
+        table.lookup(ids.reshape(-1)[:30], out=buf[5:35])
+        check_rows(buf[5:35], layout, ids.reshape(-1)[:30])
+        assert (buf[:5].view(torch.uint8) == 0xAB).all() and (buf[35:].view(torch.uint8) == 0xAB).all()
+        assert table.stats()["lookups"] == 6
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bad_out_buffers_and_dtypes(layout, mode):
+    ids = torch.arange(6).reshape(2, 3)
+    d = layout.row_dim
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        with pytest.raises(ValueError, match="shape"):
+            table.lookup(ids, out=torch.empty((6, d), dtype=torch.float32))
+        with pytest.raises(ValueError, match="shape"):
+            table.lookup(ids, out=torch.empty((2, 3, d + 1), dtype=torch.float32))
+        with pytest.raises(ValueError, match="contiguous"):
+            table.lookup(ids, out=torch.empty((d, 3, 2), dtype=torch.float32).permute(2, 1, 0))
+        with pytest.raises(ValueError, match="meta"):
+            table.lookup(ids, out=torch.empty((2, 3, d), dtype=torch.float32, device="meta"))
+        for dtype in (torch.int32, torch.uint8, torch.float64, torch.float8_e5m2):
+            with pytest.raises(TypeError, match="out_dtype"):
+                table.lookup(ids, out=torch.empty((2, 3, d), dtype=dtype))
+            with pytest.raises(TypeError, match="out_dtype"):
+                table.lookup(ids, out_dtype=dtype)
+        assert table.stats()["lookups"] == 0 and table.stats()["rows"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_integer_ids(layout, mode):
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        floats, bools = torch.tensor([1.0, 2.0]), torch.tensor([True, False])
+        for ids in (floats, bools, torch.tensor([1], dtype=torch.uint16)):
+            with pytest.raises(TypeError, match="integer"):
+                table.lookup(ids)
+        for ids in ([1, 2], np.array([1, 2]), 3):
+            with pytest.raises(TypeError, match="torch.Tensor"):
+                table.lookup(ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_strict(layout, mode, monkeypatch, check_rows):
+    ids = torch.tensor([0, 5, 119])
+    bad = torch.tensor([0, 120, -1, 7])
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu", strict=True, rows=(10, 50)) as table:
+        check_rows(table.lookup(ids), layout, ids, rows=(10, 50))  # outside the owned range: no error
+        with pytest.raises(IndexError, match=r"2 ids outside \[0, 120\)"):
+            table.lookup(bad)
+        with pytest.raises(IndexError):
+            table.lookup(bad, out=torch.empty((4, layout.row_dim), dtype=torch.float32))
+        check_rows(table.lookup(bad, strict=False), layout, bad, rows=(10, 50))
+        assert table.stats()["out_of_range"] == 2
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        table.lookup(bad)
+        with pytest.raises(IndexError):
+            table.lookup(bad, strict=True)
+    monkeypatch.setenv("PLE_UM_STRICT", "1")
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        with pytest.raises(IndexError):
+            table.lookup(bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stats_count_exactly_the_rows_looked_up(layout, mode, rng):
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        assert table.stats()["rows"] == 0  # the self-test is not a lookup
+        lookups = rows = oob = 0
+        for shape in [(17,), (3, 4), (0,), (1,), (40,)]:
+            ids = torch.from_numpy(rng.integers(-10, 130, shape))
+            table.lookup(ids, out_dtype=torch.float32 if lookups % 2 else None)
+            lookups, rows = lookups + 1, rows + ids.numel()
+            oob += int(((ids < 0) | (ids >= 120)).sum())
+            stats = table.stats()
+            assert (stats["lookups"], stats["rows"], stats["out_of_range"]) == (lookups, rows, oob)
+            assert stats["bytes"] == rows * layout.row_bytes
+        if mode == "cpu":
+            assert set(stats["phase_seconds"]) == {"dedup", "gather", "stage", "wait"}
+            assert sum(stats["phase_seconds"].values()) > 0
+
+
+# -- life -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_close(layout, mode):
+    table = ple_um.open_table(layout.directory, mode=mode, device="cpu")
+    handle = table.handle
+    assert maps_of(layout.files) and handle in ops._TABLES
+    table.close()
+    assert table.closed and "closed" in repr(table)
+    assert not maps_of(layout.files) and handle not in ops._TABLES
+    table.close()  # idempotent
+    for call in (
+        lambda: table.lookup(torch.tensor([1])),
+        lambda: table.lookup(torch.tensor([1]), out=torch.empty((1, layout.row_dim), dtype=torch.float32)),
+        lambda: table.stats(),
+        lambda: table.prefetch(torch.tensor([1])),
+    ):
+        with pytest.raises(ple_um.TableClosedError):
+            call()
+    with pytest.raises(ple_um.TableClosedError):
+        torch.ops.ple_um.lookup(torch.tensor([1]), handle, layout.dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_context_manager(layout, mode):
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        assert not table.closed
+    assert table.closed and not maps_of(layout.files)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+            raise RuntimeError("boom")
+    assert table.closed
+
+
+@pytest.mark.parametrize("mode", ["ats", "device"])
+def test_self_test_compares_with_the_files(layout, mode):
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        assert table.self_test(64) is None
+        assert table.self_test(1) is None
+        assert table.stats()["rows"] == 0
+        # Replace a file under the open table (a new inode): the mapping (or the device copy) keeps
+        # the old bytes, the self-test reads the new ones through the path.
+        swap_data(layout, layout.files[-1])
+        assert table.mapping.changed_files() == [layout.files[-1]]
+        why = table.self_test(64)
+        assert why is not None and why.startswith("self-test:") and "differ from the file" in why
+
+
+def test_self_test_of_no_rows(layout, monkeypatch, check_rows):
+    # PLE_UM_SELF_TEST_ROWS=0 turns the self-test off; it once rejected every GPU mode instead
+    # (an empty sample reshaped to (0, -1)).
+    monkeypatch.setenv("PLE_UM_SELF_TEST_ROWS", "0")
+    with ple_um.open_table(layout.directory, mode="ats", device="cpu") as table:
+        assert table.self_test(0) is None
+        check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
+    with ple_um.open_table(layout.directory, device="cpu") as table:
+        assert table.mode == "ats"
+
+
+@pytest.fixture
+def swap_during_open(monkeypatch):
+    """``swap_during_open(layout, path)``: the file at ``path`` is replaced right after the first
+    access mode is built (after the mapping, before the self-test), as a concurrent re-download would."""
+
+    def arm(layout, path):
+        build = MappedTable._build
+        swapped = []
+
+        def build_then_swap(self, caps_cuda):
+            build(self, caps_cuda)
+            if not swapped:
+                swapped.append(self.mode)
+                swap_data(layout, path)
+
+        monkeypatch.setattr(MappedTable, "_build", build_then_swap)
+        return swapped
+
+    return arm
+
+
+@pytest.mark.parametrize("mode", ["ats", "device"])
+def test_forced_mode_whose_self_test_fails_is_unavailable(layout, mode, swap_during_open):
+    before = len(ops._TABLES)
+    swap_during_open(layout, layout.files[0])
+    with pytest.raises(ple_um.ModeUnavailableError, match="self-test") as info:
+        ple_um.open_table(layout.directory, mode=mode, device="cpu")
+    assert info.value.mode == mode
+    assert not maps_of(layout.files) and len(ops._TABLES) == before  # nothing left behind
+
+
+def test_auto_falls_through_a_failed_self_test(layout, swap_during_open, check_rows):
+    swapped = swap_during_open(layout, layout.files[1])
+    with ple_um.open_table(layout.directory, device="cpu") as table:
+        assert swapped == ["ats"]
+        assert table.mode == "cpu"
+        assert table.report.reasons["ats"].startswith("self-test:")
+        assert table.report.reasons["registered"] == "no CUDA device"
+        # The rows of the untouched files still read as the files say.
+        ids = torch.arange(0, 24)  # shard 0, in the first file
+        check_rows(table.lookup(ids), layout, ids)
+
+
+def test_prewarm_populates(make_checkpoint, monkeypatch):
+    layout = make_checkpoint(num_rows=1024, row_dim=256, dtype="fp8", shards=2, files=1)
+    monkeypatch.setenv("PLE_UM_PREWARM", "1")
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        ((_, resident, mapped),) = table.mapping.residency()
+        assert resident == mapped == table.stats()["mapped_bytes"]
+
+
+def _evict(layout) -> None:
+    for path in layout.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("mode", ["ats", "cpu"])
+def test_prefetch_makes_pages_resident(make_checkpoint, mode, monkeypatch, rng):
+    # 2048 rows of 512 bytes in one file: 8 rows a page. The self-test reads one row (row 0).
+    layout = make_checkpoint(num_rows=2048, row_dim=512, dtype="fp8", shards=4, files=1)
+    monkeypatch.setenv("PLE_UM_SELF_TEST_ROWS", "1")
+    _evict(layout)
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        _evict(layout)
+        before = sum(r for _, r, _ in table.mapping.residency())
+        if before > 4 * PAGE:
+            pytest.skip("the page cache keeps these files resident (tmpfs?): residency cannot be observed")
+        ids = torch.from_numpy(rng.choice(np.arange(1024, 2048), 10, replace=False))
+        future = table.prefetch(torch.cat([ids, torch.tensor([-1, 5000])]))
+        assert isinstance(future, Future)
+        assert future.result(timeout=60) == 10
+        after = sum(r for _, r, _ in table.mapping.residency())
+        spec = layout.shards[3]  # rows 1536.. ; shards lie in order in the file
+        pages = {(spec.offset + (int(i) - 1536) * layout.row_bytes) // PAGE for i in ids}
+        assert after >= before + len(pages) * PAGE
+        assert table.stats()["rows"] == 0  # a prefetch is not a lookup
+
+
+def test_prefetch_in_device_mode_is_a_no_op(layout):
+    with ple_um.open_table(layout.directory, mode="device", device="cpu") as table:
+        future = table.prefetch(torch.arange(10))
+        assert isinstance(future, Future) and future.result(timeout=5) == 0
