@@ -1,0 +1,442 @@
+"""Qwen4ExpPLEMappedEmbedding: vLLM's Qwen4Exp n-gram table served by ple-um from the checkpoint files.
+
+A storage backend beside vLLM's ``Qwen4ExpPLEDeviceEmbedding`` (table in GPU memory) and
+``Qwen4ExpPLEPinnedHostEmbedding`` (table copied into pinned host memory). It owns one
+``MappedTable``: this rank's vocabulary range ``[org_vocab_start_index, org_vocab_end_index)`` of
+the table, mapped read-only from the checkpoint's shard files. It allocates no table memory (its
+``weight`` parameter has zero rows), keeps the FP8 ``weight_scale`` parameter exactly as vLLM loads
+it, and returns rows in the storage dtype, so the inherited ``dequantize()`` is vLLM's own.
+
+Its forward mirrors the device backend's: gather the ids of the data-parallel ranks that share the
+table, look the rows up (zeros outside this rank's range), sum across the embedding-parallel group
+(raw FP8 bytes as int8: each row has one owner), select this rank's tokens. ``lookup_rows`` is the
+one call that reaches the table.
+
+The patched ``Qwen4ExpNGramEmbedding.load_weights`` (``ple_um.vllm.patch``) hands every shard tensor
+to ``receive_shard`` instead of copying it: a view of a file on disk is not read; a tensor in memory
+is compared with the mapped rows; and ``finish_load`` opens, or after a reload from another
+checkpoint directory remaps, the table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture, is_breakable_cudagraph_enabled
+from vllm.config import CUDAGraphMode, get_current_vllm_config
+from vllm.logger import init_logger
+from vllm.models.qwen4_exp.common.ngram_embedding import (
+    Qwen4ExpPLEEmbedding,
+    Qwen4ExpPLEEmbeddingMethod,
+    Qwen4ExpPLEFp8EmbeddingMethod,
+    Qwen4ExpPLENvFp4EmbeddingMethod,
+)
+
+from ple_um import MappedTable, envs, open_table
+from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.errors import CheckpointError, PleUmError
+from ple_um.vllm.source import file_backing, resolve_table_dir
+
+# Under "vllm.": vLLM configures only its own logger tree, so only there do INFO lines reach its log.
+logger = init_logger("vllm.ple_um.backend")
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Rows compared per lookup when a reload delivers a shard from memory.
+_COMPARE_ROWS = 1 << 16
+
+_reported = False
+
+
+class ReloadMismatchError(PleUmError, ValueError):
+    """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
+
+
+def _layer_index(prefix: str) -> int:
+    found = _LAYER.findall(prefix)
+    if not found:
+        raise ValueError(f"cannot find the decoder layer index (layers.<L>.) in the PLE prefix {prefix!r}")
+    return int(found[-1])
+
+
+@eager_break_during_capture
+def _host_lookup(embedding: Qwen4ExpPLEMappedEmbedding, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """The cpu mode's lookup: host work, so a piecewise CUDA graph capture runs it in an eager break
+    (replayed with the same ``ids`` and ``out`` buffers)."""
+    embedding.require_table().lookup(ids, out=out)
+
+
+class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
+    """This rank's rows of a Qwen4Exp PLE table, read from the checkpoint files through ple-um."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        params_dtype: torch.dtype,
+        padding_size: int,
+        prefix: str,
+        embedding_method: Qwen4ExpPLEEmbeddingMethod,
+        num_ngram_heads: int = 1,
+        max_total_tokens: int = 0,
+        data_parallel_rank: int = 0,
+        reduce_results: bool = True,
+    ) -> None:
+        if isinstance(embedding_method, Qwen4ExpPLENvFp4EmbeddingMethod):
+            raise NotImplementedError(
+                f"ple-um serves FP8 (E4M3) and 16-bit PLE tables, not NVFP4 ({prefix}): unset PLE_UM "
+                "(and VLLM_PLE_MMAP) to use vLLM's own backends"
+            )
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            params_dtype=params_dtype,
+            padding_size=padding_size,
+            prefix=prefix,
+            embedding_method=embedding_method,
+            num_ngram_heads=num_ngram_heads,
+            max_total_tokens=max_total_tokens,
+            data_parallel_rank=data_parallel_rank,
+            reduce_results=reduce_results,
+        )
+        self.layer = _layer_index(prefix)
+        # Set by the patched Qwen4ExpNGramEmbedding right after construction.
+        self.split_ngram_parts: int | None = None
+        vllm_config = get_current_vllm_config()
+        self._vllm_config = vllm_config
+        # vLLM builds the model under `with target_device:`; the table serves that device.
+        self._device = torch.empty(0).device
+        load_config = getattr(vllm_config, "load_config", None)
+        self._dummy = getattr(load_config, "load_format", None) == "dummy"
+        self._table: MappedTable | None = None
+        self._table_dir: str | None = None
+        self._source_key: tuple | None = None
+        self._source_dir: str | None = None
+        self._source_files: frozenset[str] = frozenset()
+        self._captured = False
+        self.shards_skipped = 0  # shard tensors delivered as file views: not read
+        self.shards_compared = 0  # shard tensors delivered in memory: compared with the mapped rows
+
+    # -- storage ------------------------------------------------------------------------------
+    def allocate_embedding_weight(
+        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Zero rows: the table stays in the checkpoint files. The parameter keeps the dtype the
+        embedding method chose, which is the lookup's dtype and the one the files must have."""
+        del num_embeddings
+        return torch.empty((0, embedding_dim), dtype=dtype)
+
+    def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
+        """No prefetch stage: the lookup runs in forward."""
+        return None
+
+    def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
+        raise RuntimeError("the ple-um PLE embedding does not support prefetch")
+
+    @property
+    def table(self) -> MappedTable | None:
+        """The open table, or None before weights were loaded."""
+        return self._table
+
+    @property
+    def owned_rows(self) -> tuple[int, int]:
+        """This rank's global row range in the embedding-parallel group."""
+        return self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
+
+    @property
+    def lookup_dtype(self) -> torch.dtype:
+        return self.embedding_method.lookup_dtype(self)
+
+    def _parts(self) -> int:
+        if self.split_ngram_parts is None:
+            raise RuntimeError(f"{self.prefix}: split_ngram_parts was not set (is the vLLM patch applied?)")
+        return self.split_ngram_parts
+
+    def _rows_per_shard(self) -> int:
+        return -(-self.org_vocab_size // self._parts())
+
+    def _shard_rows(self, index: int) -> int:
+        per_shard = self._rows_per_shard()
+        return max(0, min(per_shard, self.org_vocab_size - index * per_shard))
+
+    # -- where the table is ---------------------------------------------------------------------
+    def _resolved_dir(self) -> str:
+        """The directory to map now: PLE_UM_DIR, else the model path or its Hugging Face snapshot.
+        Read afresh at each load, since a reload may point vLLM's model config at another path."""
+        model_config = getattr(self._vllm_config, "model_config", None)
+        load_config = getattr(self._vllm_config, "load_config", None)
+        model = getattr(model_config, "model", None)
+        revision = getattr(model_config, "revision", None)
+        download_dir = getattr(load_config, "download_dir", None)
+        key = (envs.PLE_UM_DIR, model, revision, download_dir)
+        if key != self._source_key:
+            directory = os.path.realpath(resolve_table_dir(model, revision, download_dir))
+            files = frozenset(
+                os.path.realpath(os.path.join(directory, name))
+                for name in os.listdir(directory)
+                if name.endswith(".safetensors")
+            )
+            self._source_key, self._source_dir, self._source_files = key, directory, files
+        assert self._source_dir is not None
+        return self._source_dir
+
+    def _is_table_file(self, path: str) -> bool:
+        """Whether a file vLLM is loading from is one the table is mapped from. With PLE_UM_DIR set,
+        the table is explicitly elsewhere, and shard views of the model's own files are not read."""
+        if envs.PLE_UM_DIR:
+            return True
+        self._resolved_dir()
+        return os.path.realpath(path) in self._source_files
+
+    # -- loading ------------------------------------------------------------------------------
+    def receive_shard(self, index: int, tensor: torch.Tensor) -> None:
+        """Take checkpoint shard ``index`` from a load instead of copying it.
+
+        A view of a checkpoint file on disk (what vLLM's safetensors iterator yields) is skipped
+        without reading its bytes: the table is mapped from those files. A tensor in memory (a
+        reload from an iterator, a weight sync) is compared with the rows this rank maps; a
+        difference raises ReloadMismatchError, since the table is read-only.
+        """
+        parts = self._parts()
+        if not 0 <= index < parts:
+            raise ValueError(
+                f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({self.prefix})"
+            )
+        rows = self._shard_rows(index)
+        if tuple(tensor.shape) != (rows, self.embedding_dim):
+            what = (
+                f"row width {tensor.shape[-1]} != the layer's n-gram head_dim {self.embedding_dim}"
+                if tensor.dim() == 2 and tensor.shape[-1] != self.embedding_dim
+                else f"{tensor.shape[0] if tensor.dim() else 0} rows, expected {rows} "
+                f"(ceil({self.org_vocab_size} rows / {parts} parts) per shard)"
+            )
+            raise ValueError(
+                f"Shape mismatch for PLE embedding shard {index} of {self.prefix}: "
+                f"got {tuple(tensor.shape)}, expected {(rows, self.embedding_dim)}: {what}"
+            )
+        backing = file_backing(tensor)
+        if backing is not None and self._is_table_file(backing[0]):
+            self.shards_skipped += 1
+            return
+        self._compare_shard(index, tensor)
+
+    def _compare_shard(self, index: int, tensor: torch.Tensor) -> None:
+        table = self.ensure_table()
+        start = index * self._rows_per_shard()
+        row_start, row_end = self.owned_rows
+        lo, hi = max(start, row_start), min(start + tensor.shape[0], row_end)
+        self.shards_compared += 1
+        if lo >= hi:
+            return
+        spec = table.layout.shards[index]
+        if tensor.dtype != table.dtype:
+            raise ReloadMismatchError(
+                f"{self.prefix}: shard {index} was delivered as {tensor.dtype}, but the table in "
+                f"{spec.path} ({spec.tensor}) is {table.dtype}; ple-um serves the checkpoint files read-only"
+            )
+        for a in range(lo, hi, _COMPARE_ROWS):
+            b = min(hi, a + _COMPARE_ROWS)
+            mapped = table.lookup(torch.arange(a, b, device=table.device)).view(torch.uint8)
+            given = tensor[a - start : b - start].to(table.device).contiguous().view(torch.uint8)
+            if not torch.equal(mapped, given):
+                row = a + int((mapped != given).any(dim=1).nonzero()[0])
+                raise ReloadMismatchError(
+                    f"{self.prefix}: shard {index} delivered in memory differs from the mapped checkpoint at "
+                    f"row {row} (file {spec.path}, tensor {spec.tensor}). ple-um serves the table read-only "
+                    "from the checkpoint files: write the new table to a checkpoint directory and reload "
+                    "from that path, or unset PLE_UM to keep the table in memory"
+                )
+
+    def finish_load(self) -> None:
+        """After a load: the table is open (remapped if the checkpoint directory changed) and agrees
+        with the layer and with the loaded FP8 scale."""
+        self.ensure_table()
+        self.check_scale()
+
+    def ensure_table(self) -> MappedTable:
+        """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""
+        directory = self._resolved_dir()
+        if self._table is not None and self._table_dir == directory:
+            return self._table
+        if self._table is not None and self._captured:
+            raise RuntimeError(
+                f"{self.prefix}: the PLE table moved from {self._table_dir} to {directory} after CUDA graphs "
+                "captured its lookup; the captured graphs read the old mapping. Restart vLLM on the new "
+                "checkpoint"
+            )
+        # Headers first: a table that does not fit the layer is rejected before anything is mapped
+        # or pinned.
+        self._check_layout(read_layout(directory, self.layer))
+        table = open_table(
+            directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self._device
+        )
+        try:
+            if table.device != self._device:
+                raise RuntimeError(f"{self.prefix}: the table opened on {table.device}, not {self._device}")
+            self._check_cudagraph_mode(table)
+        except BaseException:
+            table.close()
+            raise
+        old, self._table, self._table_dir = self._table, table, directory
+        if old is not None:
+            logger.info("ple-um: %s remapped from %s to %s", self.prefix, old.layout.directory, directory)
+            old.close()
+        self._report(table)
+        return table
+
+    def _check_layout(self, layout: ShardLayout) -> None:
+        """The checkpoint's table must be the one this layer was built for."""
+        first = layout.shards[0]
+        where = {"path": first.path, "tensor": first.tensor}
+        if layout.row_dim != self.embedding_dim:
+            raise CheckpointError(
+                f"{self.prefix}: the table's rows have {layout.row_dim} elements, but the layer's row width "
+                f"(n-gram head_dim = ple_embed_dim / n-gram heads) is {self.embedding_dim}",
+                **where,
+            )
+        if layout.num_rows != self.org_vocab_size:
+            raise CheckpointError(
+                f"{self.prefix}: the table has {layout.num_rows} rows, but the config gives "
+                f"{self.org_vocab_size} (the n-gram vocabulary padded to make_ngram_vocab_size_divisible_by)",
+                **where,
+            )
+        if layout.parts != self._parts():
+            raise CheckpointError(
+                f"{self.prefix}: the table is split into {layout.parts} shards, but the config has "
+                f"split_ngram_parts={self._parts()}",
+                **where,
+            )
+        expected = self.lookup_dtype
+        if layout.dtype != expected:
+            raise CheckpointError(
+                f"{self.prefix}: the table is stored as {layout.dtype_name} ({layout.dtype}), but the "
+                f"layer's {type(self.embedding_method).__name__} serves {expected}: an FP8 table needs an "
+                "FP8 quantization config (or ple_embedding_dtype=float8_e4m3fn), a 16-bit table the model "
+                "dtype",
+                **where,
+            )
+        if isinstance(self.embedding_method, Qwen4ExpPLEFp8EmbeddingMethod) and layout.scale is None:
+            raise CheckpointError(
+                f"{self.prefix}: the FP8 table has no ngram_embedding.weight_scale", **where
+            )
+
+    def _check_cudagraph_mode(self, table: MappedTable) -> None:
+        """A lookup that runs on the host can only live in an eager break of a piecewise graph."""
+        if table.capture_safe:
+            return
+        compilation = getattr(self._vllm_config, "compilation_config", None)
+        mode = getattr(compilation, "cudagraph_mode", None)
+        if mode is None or mode == CUDAGraphMode.NONE:
+            return
+        breakable = is_breakable_cudagraph_enabled()
+        if breakable and not mode.has_full_cudagraphs():
+            return
+        why = (
+            f"cudagraph_mode={mode.name} captures FULL graphs, where an eager break cannot run"
+            if mode.has_full_cudagraphs()
+            else f"cudagraph_mode={mode.name} without VLLM_USE_BREAKABLE_CUDAGRAPH=1 has no eager breaks"
+        )
+        raise RuntimeError(
+            f"ple-um serves {self.prefix} in the {table.mode} mode, whose lookup runs on the host and needs "
+            f"an eager break in the CUDA graph; {why}. Start vLLM with -cc.cudagraph_mode=PIECEWISE and "
+            "VLLM_USE_BREAKABLE_CUDAGRAPH=1 (or -cc.cudagraph_mode=NONE), or make a GPU mode available "
+            f"(why not: {table.report.reasons})"
+        )
+
+    def check_scale(self) -> None:
+        """The FP8 scale vLLM loaded must be the table's own (PLE_UM_DIR could name another table)."""
+        table = self._table
+        scale = getattr(self, "weight_scale", None)
+        if table is None or table.scale is None or scale is None or scale.device.type == "meta":
+            return
+        loaded = scale.detach().float().cpu().reshape(-1)
+        if bool((loaded == torch.finfo(torch.float32).min).any()):
+            return  # not loaded yet; vLLM's own check reports a scale the checkpoint lacks
+        if not torch.equal(loaded, torch.full_like(loaded, table.scale)):
+            raise CheckpointError(
+                f"{self.prefix}: vLLM loaded weight_scale {loaded.tolist()} but the mapped table's scale is "
+                f"{table.scale}: PLE_UM_DIR names a table that does not belong to this checkpoint",
+                path=table.layout.directory,
+                tensor=table.layout.scale_tensor,
+            )
+
+    def _report(self, table: MappedTable) -> None:
+        global _reported
+        start, end = table.rows
+        line = (
+            "ple-um: %s served from %s in the %s mode: rows [%d, %d) of %d, %s, %d B per row, capture-safe=%s"
+        )
+        args = (
+            self.prefix,
+            table.layout.directory,
+            table.mode,
+            start,
+            end,
+            table.num_rows,
+            table.layout.dtype_name,
+            table.layout.row_bytes,
+            table.capture_safe,
+        )
+        if _reported:
+            logger.debug(line, *args)
+            return
+        _reported = True
+        logger.info(line + "\n%s", *args, table.report.describe())
+
+    def close_table(self) -> None:
+        """Release the table's mappings and access resources; idempotent."""
+        table, self._table, self._table_dir = self._table, None, None
+        if table is not None:
+            table.close()
+
+    # -- lookup -------------------------------------------------------------------------------
+    def require_table(self) -> MappedTable:
+        table = self._table
+        if table is None:
+            raise RuntimeError(
+                f"{self.prefix}: the PLE table is not open: the model's load_weights never ran for this layer"
+            )
+        return table
+
+    def lookup_rows(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows of the global n-gram ``ids`` into ``out`` (``ids.shape + (head_dim,)``, the storage
+        dtype); zeros for rows outside this rank's range. The one call that reads the table.
+
+        ats / registered modes: one kernel launch, no host sync, no allocation, capturable in FULL
+        graphs. cpu mode: host work, run in vLLM's eager break during piecewise graph capture.
+        """
+        if self._table is None and self._dummy:
+            return out.zero_()
+        table = self.require_table()
+        if table.capture_safe:
+            if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+                self._captured = True
+            table.lookup(ids, out=out)
+        else:
+            _host_lookup(self, ids, out)
+        return out
+
+    def _reduce(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Sum the partial rows of the embedding-parallel group (each row has one owner)."""
+        if embeddings.dtype in _FP8:
+            return self.parallel_group.all_reduce(embeddings.view(torch.int8)).view(embeddings.dtype)
+        return self.parallel_group.all_reduce(embeddings)
+
+    def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ngram_ids`` [tokens, heads], combined across the ranks that share the table."""
+        slot_size, slot_offset = self._get_dp_gather_slot(ngram_ids.shape[0])
+        ids = self._gather_dp_ids(ngram_ids, slot_size)
+        rows = torch.empty((*ids.shape, self.embedding_dim), dtype=self.lookup_dtype, device=ids.device)
+        self.lookup_rows(ids, rows)
+        if self.reduce_results and self.tp_size > 1:
+            rows = self._reduce(rows)
+        return self._select_embeddings(rows, ngram_ids.shape[0], slot_offset)
+
+    def extra_repr(self) -> str:
+        table = self._table
+        state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
+        start, end = self.owned_rows
+        return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"

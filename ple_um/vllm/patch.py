@@ -1,0 +1,210 @@
+"""The patch the plugin applies to vLLM 0.33 when PLE_UM=1: Qwen4Exp PLE layers get the ple-um backend.
+
+vLLM symbols it replaces (class attributes; the originals are kept on the class under
+``_ple_um_original``, which also makes a second application a no-op):
+
+- ``Qwen4ExpNGramEmbedding.__init__`` (``vllm.models.qwen4_exp.nvidia.ngram_embedding``, or
+  ``vllm.models.qwen4_exp.amd.ple_layer`` on ROCm): runs the stock constructor while that module's
+  names ``Qwen4ExpPLEDeviceEmbedding`` and ``Qwen4ExpPLEPinnedHostEmbedding`` both point at
+  ``Qwen4ExpPLEMappedEmbedding``, so vLLM's own backend selection builds ours with vLLM's own
+  arguments (vocab padding, embedding method, ETP group, DP rank, reduce flag).
+- ``Qwen4ExpNGramEmbedding.load_weights``: shard tensors go to the backend's ``receive_shard``
+  (never copied) before the stock method sees the rest; then ``finish_load`` opens the table.
+- ``Qwen4ExpForCausalLM`` and ``Qwen4ExpForConditionalGeneration`` of the same package, patched
+  when the first ple-um layer is built inside one: ``is_unused_checkpoint_weight`` (vLLM then skips
+  files that hold only shard tensors, even with loaders that read whole files) and
+  ``load_weights`` (``finish_load`` on every ple-um layer once the whole model is loaded).
+
+The patched constructor reads PLE_UM each time a layer is built: with it unset the layer is stock.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+
+import torch
+from vllm.logger import init_logger
+
+from ple_um import envs
+from ple_um.errors import CheckpointError
+from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
+
+logger = init_logger("vllm.ple_um.patch")
+
+NGRAM_CLASS = "Qwen4ExpNGramEmbedding"
+STOCK_BACKENDS = ("Qwen4ExpPLEDeviceEmbedding", "Qwen4ExpPLEPinnedHostEmbedding")
+MODEL_CLASSES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
+ORIGINAL = "_ple_um_original"
+
+# Names as Qwen4ExpNGramEmbedding.load_weights sees them, and as the checkpoint spells them.
+_LAYER_SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.weight$")
+_CHECKPOINT_SHARD = re.compile(r"(?:^|\.)ple_embedding\.ngram_embedding\.shard_\d+\.weight$")
+
+
+def ngram_module_names() -> tuple[str, ...]:
+    """The module defining the Qwen4ExpNGramEmbedding vLLM uses on this platform (as vLLM picks it)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_rocm():
+        return ("vllm.models.qwen4_exp.amd.ple_layer",)
+    return ("vllm.models.qwen4_exp.nvidia.ngram_embedding",)
+
+
+def apply() -> list[str]:
+    """Patch this platform's Qwen4ExpNGramEmbedding; returns the classes patched now (empty when
+    already patched)."""
+    patched = []
+    for name in ngram_module_names():
+        if patch_ngram_class(importlib.import_module(name)):
+            patched.append(f"{name}.{NGRAM_CLASS}")
+    return patched
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return vllm.__version__
+    except Exception:  # noqa: BLE001 - only for a message
+        return "unknown"
+
+
+def patch_ngram_class(module: ModuleType) -> bool:
+    """Patch ``module.Qwen4ExpNGramEmbedding``; False when it already was."""
+    missing = [n for n in (NGRAM_CLASS, *STOCK_BACKENDS) if not hasattr(module, n)]
+    if missing:
+        raise RuntimeError(
+            f"ple-um: {module.__name__} has no {', '.join(missing)}: vLLM {_vllm_version()} is not the "
+            "layout ple-um patches (vLLM 0.33). Unset PLE_UM (and VLLM_PLE_MMAP)."
+        )
+    cls = getattr(module, NGRAM_CLASS)
+    if ORIGINAL in cls.__dict__:
+        return False
+    original = {"__init__": cls.__init__, "load_weights": cls.load_weights}
+    cls.__init__ = _patched_init(module, original["__init__"])
+    cls.load_weights = _patched_load_weights(original["load_weights"])
+    setattr(cls, ORIGINAL, original)
+    return True
+
+
+def unpatch_ngram_class(module: ModuleType) -> None:
+    """Restore the stock methods (for tests)."""
+    cls = getattr(module, NGRAM_CLASS)
+    original = cls.__dict__.get(ORIGINAL)
+    if original is None:
+        return
+    for name, value in original.items():
+        setattr(cls, name, value)
+    delattr(cls, ORIGINAL)
+
+
+def _patched_init(module: ModuleType, original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs) -> None:
+        if not envs.PLE_UM:
+            original(self, *args, **kwargs)
+            return
+        saved = {name: getattr(module, name) for name in STOCK_BACKENDS}
+        for name in STOCK_BACKENDS:
+            setattr(module, name, Qwen4ExpPLEMappedEmbedding)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+        backend = self.ngram_embedding
+        if not isinstance(backend, Qwen4ExpPLEMappedEmbedding):
+            raise RuntimeError(
+                f"ple-um: {module.__name__}.{NGRAM_CLASS} built {type(backend).__name__}, not the ple-um "
+                f"backend: vLLM {_vllm_version()} selects its backend differently than vLLM 0.33"
+            )
+        backend.split_ngram_parts = int(self.split_ngram_parts)
+        _patch_model_classes(module)
+
+    return __init__
+
+
+def _patched_load_weights(original):
+    @functools.wraps(original)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        backend = self.ngram_embedding
+        if not isinstance(backend, Qwen4ExpPLEMappedEmbedding):
+            return original(self, weights)
+        received = 0
+
+        def others() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal received
+            for name, tensor in weights:
+                found = _LAYER_SHARD.match(name)
+                if found is not None:
+                    backend.receive_shard(int(found.group(1)), tensor)
+                    received += 1
+                elif name == "ngram_embedding.weight":
+                    raise CheckpointError(
+                        f"{backend.prefix}: the checkpoint stores the PLE table unsharded; ple-um serves "
+                        "tables split into ngram_embedding.shard_<i>.weight tensors",
+                        tensor=name,
+                    )
+                else:
+                    yield name, tensor
+
+        loaded = original(self, others())
+        if received:
+            loaded.add("ngram_embedding.weight")
+        backend.finish_load()
+        return loaded
+
+    return load_weights
+
+
+def _backends(model) -> tuple[Qwen4ExpPLEMappedEmbedding, ...]:
+    found = model.__dict__.get("_ple_um_backends")
+    if found is None:
+        found = tuple(m for m in model.modules() if isinstance(m, Qwen4ExpPLEMappedEmbedding))
+        model.__dict__["_ple_um_backends"] = found
+    return found
+
+
+def _patch_model_classes(ngram_module: ModuleType) -> None:
+    package = ngram_module.__name__.rpartition(".")[0]
+    model_module = sys.modules.get(f"{package}.model")
+    if model_module is None:
+        return  # a layer built outside a Qwen4Exp model
+    for name in MODEL_CLASSES:
+        cls = getattr(model_module, name, None)
+        if cls is None or ORIGINAL in cls.__dict__:
+            continue
+        original = {
+            "load_weights": cls.__dict__.get("load_weights"),
+            "is_unused_checkpoint_weight": cls.__dict__.get("is_unused_checkpoint_weight"),
+        }
+        cls.load_weights = _model_load_weights(cls.load_weights)
+        cls.is_unused_checkpoint_weight = _model_is_unused(getattr(cls, "is_unused_checkpoint_weight", None))
+        setattr(cls, ORIGINAL, original)
+        logger.debug("ple-um: patched %s.%s", model_module.__name__, name)
+
+
+def _model_load_weights(original):
+    @functools.wraps(original)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = original(self, weights)
+        for backend in _backends(self):
+            backend.finish_load()
+        return loaded
+
+    return load_weights
+
+
+def _model_is_unused(original):
+    def is_unused_checkpoint_weight(self, name: str) -> bool:
+        """Shard tensors of ple-um layers are served from the files, never loaded."""
+        if _CHECKPOINT_SHARD.search(name) and _backends(self):
+            return True
+        return bool(original(self, name)) if original is not None else False
+
+    return is_unused_checkpoint_weight

@@ -1,0 +1,25 @@
+"""The ``vllm.general_plugins`` entry point (``ple_um = "ple_um.vllm.plugin:register"``).
+
+vLLM calls ``register()`` in every process it starts, possibly more than once. With ``PLE_UM=1``
+(alias ``VLLM_PLE_MMAP=1``) it patches this platform's ``Qwen4ExpNGramEmbedding`` so Qwen4Exp PLE
+layers serve their n-gram table with ple-um (see ``ple_um.vllm.patch``); otherwise it imports
+nothing from vLLM and patches nothing.
+"""
+
+from __future__ import annotations
+
+from ple_um import envs
+
+
+def register() -> None:
+    """Apply the patch when PLE_UM is set; idempotent."""
+    if not envs.PLE_UM:
+        return
+    from ple_um.vllm.patch import apply, logger
+
+    patched = apply()
+    if patched:
+        logger.info(
+            "ple-um: PLE_UM is set: Qwen4Exp PLE tables are served from the checkpoint files (%s)",
+            ", ".join(patched),
+        )

@@ -1,0 +1,105 @@
+"""Where the table comes from: the checkpoint directory to map, and whether a delivered tensor is a
+view of a file on disk.
+
+Two questions the vLLM backend asks and nothing else in ple-um does:
+
+- ``resolve_table_dir``: which local directory holds the PLE shard files. ``PLE_UM_DIR`` (alias
+  ``VLLM_PLE_MMAP_DIR``) first, then the model path when it is a local directory, then the local
+  Hugging Face cache snapshot when the model is a repo id. Nothing is downloaded here: vLLM has
+  already fetched the snapshot by the time weights are loaded.
+- ``file_backing``: whether a tensor handed to ``load_weights`` lies in a file mapping of this
+  process (the lazy views vLLM's safetensors iterator yields), and where. Such a tensor's bytes
+  have not been read, and reading them is exactly what the backend avoids.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ple_um import envs
+from ple_um.errors import CheckpointError
+
+
+def resolve_table_dir(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The local directory that holds the PLE table, or CheckpointError saying what was tried.
+
+    ``model``, ``revision`` and ``download_dir`` are vLLM's ``model_config.model``,
+    ``model_config.revision`` and ``load_config.download_dir`` (the Hugging Face cache directory
+    vLLM downloads into; None is the default cache).
+    """
+    tried: list[str] = []
+    override = envs.PLE_UM_DIR
+    if override:
+        found = envs.KNOBS["PLE_UM_DIR"].raw()
+        var = found[0] if found else "PLE_UM_DIR"
+        if os.path.isdir(override):
+            return os.path.abspath(override)
+        raise CheckpointError(
+            f"{var}={override!r} is not a directory: point it at the directory holding the "
+            "checkpoint's *.safetensors files with the PLE shard tensors"
+        )
+    tried.append("PLE_UM_DIR (alias VLLM_PLE_MMAP_DIR): unset")
+    if not model:
+        tried.append("the model path: vLLM has no model config")
+    elif os.path.isdir(model):
+        return os.path.abspath(model)
+    else:
+        tried.append(f"the model path {model!r}: not a local directory")
+        snapshot, why = _hf_snapshot(model, revision, download_dir)
+        if snapshot is not None:
+            return snapshot
+        tried.append(f"the Hugging Face cache snapshot of {model!r}: {why}")
+    raise CheckpointError(
+        "cannot find the checkpoint directory of the PLE table. Tried: "
+        + "; ".join(tried)
+        + ". Set PLE_UM_DIR to the directory holding the *.safetensors files with the "
+        "...ple_embedding.ngram_embedding.shard_<i>.weight tensors."
+    )
+
+
+def _hf_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> tuple[str | None, str]:
+    """(snapshot directory, "") when ``repo_id`` at ``revision`` is in the local cache, else (None, why)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # vLLM depends on huggingface_hub; without it there is no cache to look in
+        return None, "huggingface_hub is not installed"
+    where = f"cache {cache_dir}" if cache_dir else "the default cache"
+    try:
+        path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not usable", and the message says why
+        return None, f"not found in {where} (revision {revision or 'main'}): {type(exc).__name__}: {exc}"
+    if not os.path.isdir(path):
+        return None, f"{path} is not a directory"
+    return path, ""
+
+
+def file_backing(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """(file path, byte offset of the tensor's first byte) when the tensor's data lies wholly in a
+    file mapping of this process, else None (host or device memory, or not Linux).
+
+    vLLM's safetensors iterator yields views of a read-only-used private mapping of each file; their
+    pages are read from disk only when touched. A private mapping that was written to would no
+    longer equal its file, but nothing writes into the tensors a weight iterator yields. The map is
+    read afresh on every call, so a range that was unmapped and reused is never mistaken for a file.
+    """
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        lo_text, _, hi_text = fields[0].partition("-")
+        lo, hi = int(lo_text, 16), int(hi_text, 16)
+        if not lo <= start < hi:
+            continue
+        if end > hi or len(fields) < 6 or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
+            return None
+        return fields[5], start - lo + int(fields[2], 16)
+    return None

@@ -1,0 +1,53 @@
+"""vLLM integration tests: real vLLM 0.33 on the CPU, marked ``vllm`` and skipped only when vLLM is
+not installed (``vllm_harness.needs_vllm``).
+
+One gloo world of one rank serves every in-process test of this folder (``world``); the two-rank
+test runs its own processes. The plugin's patch is applied once (``patched``); each layer is built
+stock or ple-um by the PLE_UM value at build time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import vllm_harness`
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    import vllm_harness
+
+    with vllm_harness.vllm_world(str(tmp_path_factory.mktemp("world"))) as config:
+        yield config
+
+
+@pytest.fixture(scope="session")
+def patched():
+    """The plugin's register() with PLE_UM=1: Qwen4ExpNGramEmbedding is patched for the session."""
+    from ple_um.vllm.plugin import register
+
+    previous = os.environ.get("PLE_UM")
+    os.environ["PLE_UM"] = "1"
+    try:
+        register()
+    finally:
+        if previous is None:
+            del os.environ["PLE_UM"]
+        else:
+            os.environ["PLE_UM"] = previous
+    yield
+
+
+@pytest.fixture
+def table_dir(monkeypatch):
+    """``table_dir(path)``: serve the table from ``path`` (PLE_UM_DIR; the test world has no model config)."""
+
+    def use(path):
+        monkeypatch.setenv("PLE_UM_DIR", os.fspath(path))
+        return path
+
+    monkeypatch.delenv("VLLM_PLE_MMAP_DIR", raising=False)
+    return use

@@ -1,0 +1,97 @@
+"""CUDA graphs and the cpu mode: its host-side lookup runs in vLLM's eager break, and a graph mode
+that cannot break fails at start-up naming the flags to use. (The capture-safe GPU modes are
+exercised by the GPU scripts; a CPU-only host has only the cpu mode.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import vllm_harness as h
+
+pytestmark = [pytest.mark.vllm, h.needs_vllm]
+
+
+@pytest.fixture
+def cudagraph(world, monkeypatch):
+    """``cudagraph(mode_name, breakable)``: the world's compilation config as vLLM would resolve it."""
+    from vllm.config import CUDAGraphMode
+
+    def use(mode: str, breakable: bool) -> None:
+        monkeypatch.setattr(world.compilation_config, "cudagraph_mode", CUDAGraphMode[mode])
+        monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1" if breakable else "0")
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("mode", "breakable"),
+    [("FULL_AND_PIECEWISE", True), ("FULL", True), ("FULL_DECODE_ONLY", False), ("PIECEWISE", False)],
+)
+def test_cpu_mode_refuses_graphs_it_cannot_break(patched, table_dir, tmp_path, cudagraph, mode, breakable):
+    cudagraph(mode, breakable)
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(RuntimeError) as info:
+        h.load(module, layout.directory)
+    message = str(info.value)
+    assert "cpu mode" in message and mode in message
+    assert "-cc.cudagraph_mode=PIECEWISE" in message and "VLLM_USE_BREAKABLE_CUDAGRAPH=1" in message
+    assert module.ngram_embedding.table is None
+
+
+@pytest.mark.parametrize(("mode", "breakable"), [("PIECEWISE", True), ("NONE", False), ("NONE", True)])
+def test_cpu_mode_runs_where_it_can_break(patched, table_dir, tmp_path, cudagraph, mode, breakable):
+    cudagraph(mode, breakable)
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    module = h.build(config, ple_um_on=True)
+    h.load(module, layout.directory)
+    assert module.ngram_embedding.table.mode == "cpu"
+    module.ngram_embedding.close_table()
+
+
+class _Capture:
+    """Stands in for vLLM's BreakableCUDAGraphCapture (which needs a GPU): records eager segments."""
+
+    _capturing = True
+
+    def __init__(self):
+        self.segments = []
+
+    def add_eager(self, fn):
+        self.segments.append(fn)
+        return fn()
+
+
+def test_cpu_lookup_is_an_eager_break(patched, table_dir, tmp_path, monkeypatch):
+    """Under a breakable capture the cpu-mode lookup becomes an eager segment; replaying it after
+    new ids were written into the same buffer gathers the new rows into the same output."""
+    from vllm.compilation import breakable_cudagraph
+
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    module = h.build(config, ple_um_on=True)
+    h.load(module, layout.directory)
+    backend = module.ngram_embedding
+    table = backend.table
+
+    ids = torch.tensor([[0, 182, 183, 1279], [5, 700, 900, 64]])
+    out = torch.full((2, 4, h.HEAD_DIM), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    capture = _Capture()
+    # weak_ref_tensor needs vLLM's CUDA extension; identity is what it means for these CPU tensors.
+    monkeypatch.setattr(breakable_cudagraph, "weak_ref_tensor", lambda t: t)
+    monkeypatch.setattr(breakable_cudagraph.BreakableCUDAGraphCapture._tls, "active", capture, raising=False)
+    backend.lookup_rows(ids, out)
+    assert len(capture.segments) == 1
+    assert h.same_bits(out, table.lookup(ids))
+
+    ids.copy_(torch.tensor([[1, 2, 3, 4], [1000, 1001, 1002, 1003]]))
+    capture.segments[0]()  # the replay of the eager segment
+    assert h.same_bits(out, table.lookup(ids))
+
+    raw, _ = h.forward(module, 0)  # a whole forward under capture: one eager segment per lookup
+    assert len(capture.segments) == 2
+    monkeypatch.undo()
+    assert h.same_bits(raw, h.forward(module, 0)[0])
+    backend.close_table()

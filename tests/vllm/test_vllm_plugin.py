@@ -1,0 +1,174 @@
+"""The entry point vLLM loads in every process: off unless PLE_UM is set, idempotent, and touching
+nothing but the Qwen4Exp n-gram embedding; and where the backend looks for the table."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import vllm_harness as h
+
+import ple_um
+from ple_um.vllm.source import file_backing, resolve_table_dir
+
+# Run in a fresh interpreter: loads vLLM's general plugins (ple-um's entry point when the package is
+# installed, else register() itself), applies them again, and reports what vLLM symbols look like.
+_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from importlib.metadata import entry_points
+    import vllm.plugins
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader import default_loader, weight_utils
+    from vllm.models.qwen4_exp.nvidia import ngram_embedding as ng
+
+    names = {
+        "ngram_init": lambda: ng.Qwen4ExpNGramEmbedding.__init__,
+        "ngram_load_weights": lambda: ng.Qwen4ExpNGramEmbedding.load_weights,
+        "device_backend": lambda: ng.Qwen4ExpPLEDeviceEmbedding,
+        "pinned_backend": lambda: ng.Qwen4ExpPLEPinnedHostEmbedding,
+        "vocab_forward": lambda: VocabParallelEmbedding.forward,
+        "loader_load_weights": lambda: default_loader.DefaultModelLoader.load_weights,
+        "st_iterator": lambda: weight_utils.safetensors_weights_iterator,
+    }
+    before = {k: id(get()) for k, get in names.items()}
+    via_entry_point = any(e.name == "ple_um" for e in entry_points(group="vllm.general_plugins"))
+    vllm.plugins.load_general_plugins()
+    if not via_entry_point:
+        from ple_um.vllm.plugin import register
+        register()
+    first = {k: id(get()) for k, get in names.items()}
+    from ple_um.vllm.plugin import register
+    register()
+    register()
+    vllm.plugins.plugins_loaded = False
+    vllm.plugins.load_general_plugins()
+    again = {k: id(get()) for k, get in names.items()}
+    from vllm.models.qwen4_exp.nvidia import model
+    print(json.dumps({
+        "via_entry_point": via_entry_point,
+        "changed": sorted(k for k in names if first[k] != before[k]),
+        "changed_again": sorted(k for k in names if again[k] != first[k]),
+        "ngram_patched": "_ple_um_original" in ng.Qwen4ExpNGramEmbedding.__dict__,
+        "model_classes_patched": [
+            "_ple_um_original" in getattr(model, c).__dict__
+            for c in ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
+        ],
+        "backend_imported": "ple_um.vllm.backend" in sys.modules,
+    }))
+    """
+)
+
+
+def _probe(**env) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in ("PLE_UM", "VLLM_PLE_MMAP")}
+    clean.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=clean, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def probe_off():
+    return _probe()
+
+
+@pytest.fixture(scope="module")
+def probe_on():
+    return _probe(VLLM_PLE_MMAP="1")  # the seeds' alias enables it too
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_disabled_patches_nothing(probe_off):
+    assert probe_off["changed"] == [] and probe_off["changed_again"] == []
+    assert not probe_off["ngram_patched"]
+    assert not probe_off["backend_imported"]
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_enabled_patches_only_the_ngram_embedding_once(probe_on):
+    try:
+        installed = importlib.metadata.distribution("ple-um") is not None
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    assert probe_on["via_entry_point"] or not installed  # installed: vLLM itself loads the plugin
+    assert probe_on["changed"] == ["ngram_init", "ngram_load_weights"]
+    assert probe_on["changed_again"] == []  # loading again changes nothing
+    assert probe_on["ngram_patched"]
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_enabled_without_ple_layers_leaves_vllm_untouched(probe_on):
+    """A model that builds no PLE layer meets stock vLLM: the backends, the embedding, the loader
+    and the model classes are vLLM's own; only the n-gram constructor consults PLE_UM."""
+    assert "device_backend" not in probe_on["changed"] and "pinned_backend" not in probe_on["changed"]
+    assert "vocab_forward" not in probe_on["changed"] and "loader_load_weights" not in probe_on["changed"]
+    assert probe_on["model_classes_patched"] == [False, False]
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_built_stock_when_unset_at_build_time(world, patched, monkeypatch, tmp_path):
+    module = h.build(h.text_config(fp8=False), ple_um_on=False)
+    assert type(module.ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
+
+
+# -- where the table is -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_dir_knob(monkeypatch):
+    monkeypatch.delenv("PLE_UM_DIR", raising=False)
+    monkeypatch.delenv("VLLM_PLE_MMAP_DIR", raising=False)
+
+
+def test_resolve_model_path(no_dir_knob, tmp_path):
+    assert resolve_table_dir(str(tmp_path)) == str(tmp_path)
+
+
+def test_resolve_knob_first(monkeypatch, tmp_path):
+    table = tmp_path / "table"
+    table.mkdir()
+    monkeypatch.setenv("PLE_UM_DIR", str(table))
+    assert resolve_table_dir(str(tmp_path)) == str(table)
+
+
+def test_resolve_hf_snapshot(no_dir_knob, tmp_path):
+    pytest.importorskip("huggingface_hub")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text(commit)
+    assert resolve_table_dir("acme/tiny", None, str(tmp_path / "hub")) == str(snapshot)
+
+
+def test_resolve_error_says_what_was_tried(no_dir_knob, tmp_path):
+    with pytest.raises(ple_um.CheckpointError) as info:
+        resolve_table_dir("acme/absent", "v1", str(tmp_path / "hub"))
+    message = str(info.value)
+    for part in ("PLE_UM_DIR", "'acme/absent': not a local directory", "Hugging Face cache", "v1"):
+        assert part in message
+
+
+def test_file_backing_tells_file_views_from_memory(tmp_path):
+    from safetensors import safe_open
+
+    layout = ple_um.synthetic.write_checkpoint(tmp_path, num_rows=40, row_dim=16, dtype="bf16", shards=3)
+    spec = layout.shards[1]
+    with safe_open(spec.path, framework="pt") as f:
+        view = f.get_tensor(spec.tensor)
+        assert file_backing(view) == (os.path.realpath(spec.path), spec.offset)
+        assert file_backing(view.clone()) is None
+    assert file_backing(torch.zeros(4)) is None

@@ -1,0 +1,197 @@
+"""Building vLLM 0.33's real Qwen4ExpNGramEmbedding on the CPU, loading it through its real
+``load_weights`` from a synthetic checkpoint, and running its forward.
+
+Shared by the single-process tests (one distributed world per session, see conftest.py) and the
+two-rank worker (``two_rank_worker.py``), which import it by file name. Not a test module.
+(No ``__init__.py`` in this folder: ``tests/`` is on sys.path, and a package named ``vllm`` there
+would shadow vLLM itself.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ple_um import synthetic
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: pip install 'ple-um[vllm]' (vLLM 0.33) to run the vLLM tests",
+)
+
+LAYER = 1  # checkpoint layer index: "...layers.1.ple..."
+PREFIX = f"model.layers.{LAYER}.ple.ple_embedding"
+CHECKPOINT_PREFIX = f"{synthetic.PREFIX}layers.{LAYER}.ple.ple_embedding."
+HEADS = 16  # (ngram_size - 1) * heads_per_ngram with the config defaults 3 and 8
+HEAD_DIM = 8
+PARTS = 7  # 1280 rows -> shards of 183, the last 182: boundaries fall inside ETP ranges
+VOCAB = 97
+EOS = 2
+
+
+def text_config(*, fp8: bool, parts: int = PARTS, head_dim: int = HEAD_DIM):
+    """A small Qwen4ExpTextConfig: 1280 n-gram rows of ``head_dim`` elements in ``parts`` shards."""
+    from transformers import Qwen4ExpTextConfig
+
+    config = Qwen4ExpTextConfig(
+        eos_token_id=EOS,
+        vocab_size=VOCAB,
+        ngram_vocab_size_base=40,
+        split_ngram_parts=parts,
+        ple_embed_dim=HEADS * head_dim,
+    )
+    if fp8:
+        config.ple_embedding_dtype = "float8_e4m3fn"
+    return config
+
+
+def table_rows(config) -> int:
+    """Rows of the layer's table (the n-gram vocabulary padded as vLLM pads it)."""
+    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+    from vllm.utils.math_utils import round_up
+
+    heads = (config.ngram_size - 1) * config.heads_per_ngram
+    _, _, total = Qwen4ExpNGramEmbedding._make_vocab_layout(
+        ngram_vocab_size_base=config.ngram_vocab_size_base, ngram_heads=heads, ple_dense_layer_id=0
+    )
+    return round_up(total, config.make_ngram_vocab_size_divisible_by)
+
+
+def write_table(directory, config, *, fp8: bool, seed: int = 0, **overrides):
+    """A synthetic checkpoint for ``config``'s PLE layer; ``overrides`` change write_checkpoint args."""
+    args = dict(
+        num_rows=table_rows(config),
+        row_dim=config.ple_embed_dim // HEADS,
+        dtype="fp8" if fp8 else "bf16",
+        shards=config.split_ngram_parts,
+        layer=LAYER,
+        seed=seed,
+    )
+    args.update(overrides)
+    return synthetic.write_checkpoint(directory, **args)
+
+
+@contextlib.contextmanager
+def vllm_world(tmp_dir: str, *, world_size: int = 1, rank: int = 0, vllm_config=None) -> Iterator[object]:
+    """A current VllmConfig (CPU device) and an initialized gloo world of ``world_size`` with
+    tensor parallelism over all ranks (so the embedding-parallel group spans them too)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    config = vllm_config or VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=world_size,
+            rank=rank,
+            distributed_init_method=f"file://{os.path.join(tmp_dir, 'dist_init')}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        initialize_model_parallel(world_size, 1)
+        try:
+            yield config
+        finally:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
+@contextlib.contextmanager
+def _ple_um_env(on: bool) -> Iterator[None]:
+    previous = os.environ.get("PLE_UM")
+    os.environ["PLE_UM"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PLE_UM"]
+        else:
+            os.environ["PLE_UM"] = previous
+
+
+def build(config, *, ple_um_on: bool, max_tokens: int = 256):
+    """The real (NVIDIA) Qwen4ExpNGramEmbedding; the patched constructor builds the ple-um backend
+    when PLE_UM is set, the stock device backend otherwise."""
+    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+
+    with _ple_um_env(ple_um_on):
+        return Qwen4ExpNGramEmbedding(
+            config,
+            config.ple_embed_dim,
+            0,
+            max_tokens,
+            data_parallel_rank=0,
+            prefix=PREFIX,
+            quant_config=None,
+            params_dtype=torch.bfloat16,
+        )
+
+
+def build_amd(config, *, ple_um_on: bool, max_tokens: int = 256):
+    """The ROCm variant (vllm.models.qwen4_exp.amd.ple_layer), whose constructor differs."""
+    from vllm.models.qwen4_exp.amd.ple_layer import Qwen4ExpNGramEmbedding
+
+    with _ple_um_env(ple_um_on):
+        return Qwen4ExpNGramEmbedding(
+            config,
+            config.ple_embed_dim,
+            0,
+            max_tokens,
+            PREFIX,
+            PREFIX.rpartition(".")[0],
+            data_parallel_rank=0,
+            quant_config=None,
+            params_dtype=torch.bfloat16,
+        )
+
+
+def checkpoint_weights(directory) -> Iterator[tuple[str, torch.Tensor]]:
+    """The layer's tensors as vLLM's default loader yields them (its safetensors iterator: lazy
+    views of the files), named as Qwen4ExpNGramEmbedding.load_weights receives them."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    files = sorted(glob.glob(os.path.join(os.fspath(directory), "*.safetensors")))
+    for name, tensor in safetensors_weights_iterator(files, False):
+        if name.startswith(CHECKPOINT_PREFIX):
+            yield name[len(CHECKPOINT_PREFIX) :], tensor
+
+
+def load(module, directory) -> set[str]:
+    """Load through the real load_weights, then vLLM's post-load processing of the embedding."""
+    loaded = module.load_weights(checkpoint_weights(directory))
+    embedding = module.ngram_embedding
+    embedding.quant_method.process_weights_after_loading(embedding)
+    return loaded
+
+
+def inputs(seed: int, *, tokens: int = 61, requests: int = 3):
+    """Token ids, query_start_loc and ngram_context for ``requests`` requests, eos included."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (tokens,), generator=g)
+    ids[ids % 11 == 0] = EOS
+    cuts = torch.randperm(tokens - 1, generator=g)[: requests - 1].add(1).sort().values
+    query_start_loc = torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])]).to(torch.int32)
+    ngram_context = torch.randint(0, VOCAB, (requests, 2), generator=g)
+    return ids, query_start_loc, ngram_context
+
+
+def forward(module, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw rows as the layer returns them, dequantized to bf16 as the PLE layer does)."""
+    ids, query_start_loc, ngram_context = inputs(seed)
+    with torch.no_grad():
+        raw = module(None, ids, query_start_loc, ngram_context)
+        return raw, module.ngram_embedding.dequantize(raw, torch.bfloat16)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
