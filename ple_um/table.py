@@ -8,6 +8,7 @@ threads), and the prefetch threads. Lookups go through the torch op in ``ple_um.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from concurrent.futures import Future
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ple_um import envs, ops
+from ple_um import envs, metrics, ops
 from ple_um.access.capabilities import read_capabilities, resolve_device
 from ple_um.access.prefetch import PagePrefetcher
 from ple_um.access.probe import CAPTURE_SAFE, ProbeReport, decide, pin_budget, requested_mode
@@ -121,6 +122,8 @@ class MappedTable:
             else None
         )
         self._host = _HostStats()
+        self.metrics: metrics.LookupMetrics | None = None  # set by open_table once the table serves
+        self.watch: metrics.Watch | None = None
         self._closed = False
         self.handle = ops.register_table(self)
 
@@ -144,10 +147,12 @@ class MappedTable:
             m.advise(advice)
         if mode == "ats":
             if caps_cuda and envs.PLE_UM_ATS_POPULATE:
-                self.registration = RegisteredMapping(m, self.device)
+                with metrics.progress(m.mapped_bytes, "ple-um register") as advance:
+                    self.registration = RegisteredMapping(m, self.device, progress=advance)
             self.gpu = GpuGather(layout, m.host_bases(), **common)
         elif mode == "registered":
-            self.registration = RegisteredMapping(m, self.device)
+            with metrics.progress(m.mapped_bytes, "ple-um register") as advance:
+                self.registration = RegisteredMapping(m, self.device, progress=advance)
             self.gpu = GpuGather(layout, self.registration.device_bases(), **common)
         elif mode == "device":
             self.device_copy = torch.empty(m.owned_bytes, dtype=torch.uint8, device=self.device)
@@ -193,6 +198,8 @@ class MappedTable:
     def self_test(self, count: int) -> str | None:
         """Gather sample rows through this mode and compare them with the bytes read from the files;
         None when equal, else what differed."""
+        if count <= 0 or not self.mapping.owned:
+            return None  # self-test disabled (PLE_UM_SELF_TEST_ROWS=0) or nothing owned
         ids_np = _sample_ids(self.mapping, count)
         expect = _file_rows(self.layout, ids_np)
         ids = torch.from_numpy(ids_np).to(self.device)
@@ -262,18 +269,24 @@ class MappedTable:
         return self.gpu.gather(ids, out)
 
     def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor, gather: CpuGather) -> torch.Tensor:
+        t0 = time.perf_counter()
         ids = ids.to(torch.int64)
         in_table = (ids >= 0) & (ids < self.num_rows)
         owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
         bad = int(ids.numel() - int(in_table.sum()))
+        waited = time.perf_counter() - t0  # that sync waits for the GPU work queued ahead of the ids
         if out.dtype == self.dtype:
             gather.gather(ids, owned, out.view(torch.uint8))
         else:
             rows = gather.gather(ids, owned).view(self.dtype).float()
             out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
         self.counters += torch.tensor([ids.numel(), bad], dtype=torch.int64).to(self.device)
-        for key, value in gather.last_phases.items():
+        phases = {**gather.last_phases, "wait": gather.last_phases.get("wait", 0.0) + waited}
+        for key, value in phases.items():
             self._host.phases[key] += value
+        if self.metrics is not None:
+            n = ids.numel()
+            self.metrics.observe(n, n * self.layout.row_bytes, bad, phases, time.perf_counter() - t0)
         return out
 
     def lookup(
@@ -370,6 +383,8 @@ class MappedTable:
         """Wait for the device, then release prefetch, access resources and mappings; idempotent."""
         if self._closed:
             return
+        if self.watch is not None:
+            self.watch.close()  # its last stats() read, while the table is still open
         self._closed = True
         ops.unregister_table(self.handle)
         try:
@@ -413,8 +428,11 @@ def open_table(
     layout = read_layout(os.fspath(path), layer)
     if rows is None:
         rows = (0, layout.num_rows)
-    start, end = rows
-    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= layout.num_rows):
+    try:
+        start, end = (operator.index(x) for x in rows)
+    except (TypeError, ValueError):
+        raise ValueError(f"rows={rows!r} must be two integers (start, end)") from None
+    if not 0 <= start <= end <= layout.num_rows:
         raise ValueError(f"rows={rows!r} must satisfy 0 <= start <= end <= num_rows ({layout.num_rows})")
     itemsize = torch.tensor([], dtype=layout.dtype).element_size()
     for spec in layout.shards:
@@ -445,7 +463,7 @@ def open_table(
             try:
                 table._build(caps.cuda)
                 why = None
-                if table.gpu is not None and mapping.owned:
+                if table.gpu is not None:
                     why = table.self_test(envs.PLE_UM_SELF_TEST_ROWS)
             except Exception as exc:  # noqa: BLE001 - a mode that fails to build is rejected with its reason
                 why = f"{type(exc).__name__}: {exc}"
@@ -469,7 +487,12 @@ def open_table(
         else:
             table.bulk_rows = int(knob)
     if envs.PLE_UM_PREWARM:
-        mapping.populate()
+        with metrics.progress(mapping.mapped_bytes, "ple-um prewarm") as advance:
+            mapping.populate(progress=advance)
+    table.metrics = metrics.LookupMetrics(table.mode)
+    if table.registration is not None:
+        table.metrics.registration(table.registration.seconds)
+    table.watch = metrics.watch(table.stats, table.metrics, mapping.residency, device=dev)
     table.open_seconds = time.perf_counter() - t0
     logger.info(
         "ple-um: %s opened in %s mode (%.2f s)\n%s",

@@ -1,0 +1,251 @@
+"""Operating a table's checkpoint from outside the server: inspect it, measure how much of it is in
+the page cache, and prewarm it. What the `ple-um inspect`, `residency` and `prewarm` verbs print.
+
+Everything here works on the files alone (headers, mmaps, mincore): no device, no table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.checkpoint.layout import find_layers, validate
+from ple_um.errors import CheckpointError, PleUmError
+from ple_um.mapping import MappedShards
+
+PAGE = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+class PrewarmRefused(PleUmError, RuntimeError):
+    """A prewarm would read more than the memory it may fill; nothing was read."""
+
+
+# -- inspect -------------------------------------------------------------------------------------
+def describe_layout(layout: ShardLayout) -> dict:
+    """A sound layer's table as plain data: shape, dtype, bytes, scale, every shard and file."""
+    files: dict[str, dict] = {}
+    shards = []
+    for spec in layout.shards:
+        nbytes = spec.rows * layout.row_bytes
+        shards.append(
+            {
+                "index": spec.index,
+                "file": os.path.basename(spec.path),
+                "tensor": spec.tensor,
+                "offset": spec.offset,
+                "rows": spec.rows,
+                "bytes": nbytes,
+            }
+        )
+        entry = files.setdefault(
+            os.path.basename(spec.path), {"file": os.path.basename(spec.path), "shards": [], "bytes": 0}
+        )
+        entry["shards"].append(spec.index)
+        entry["bytes"] += nbytes
+    return {
+        "layer": layout.layer,
+        "dtype": layout.dtype_name,
+        "rows": layout.num_rows,
+        "row_dim": layout.row_dim,
+        "row_bytes": layout.row_bytes,
+        "bytes": layout.nbytes,
+        "parts": layout.parts,
+        "rows_per_shard": layout.rows_per_shard,
+        "scale": layout.scale,
+        "scale_tensor": layout.scale_tensor,
+        "files": list(files.values()),
+        "shards": shards,
+    }
+
+
+def inspect(directory: str, layer: int | None = None) -> dict:
+    """What the checkpoint at ``directory`` holds and whether it is sound.
+
+    Returns ``{"directory", "layers", "valid", "problems", "tables"}``: the PLE layers found (None
+    when the headers cannot be read far enough to say), every problem (an empty list when sound),
+    and for each sound layer looked at (``layer``, else every layer found) its table."""
+    directory = os.path.abspath(directory)
+    try:
+        layers: list[int] | None = find_layers(directory)
+    except CheckpointError:
+        layers = None  # validate() below lists why, with every other problem
+    if layer is not None:
+        targets: list[int | None] = [layer]
+    elif layers:
+        targets = list(layers)
+    else:
+        targets = [None]
+    problems: list[str] = []
+    tables = []
+    for at in targets:
+        found = validate(directory, at)
+        problems += [p for p in found if p not in problems]
+        if not found:
+            tables.append(describe_layout(read_layout(directory, at)))
+    return {
+        "directory": directory,
+        "layers": layers,
+        "valid": not problems and bool(tables),
+        "problems": problems,
+        "tables": tables,
+    }
+
+
+# -- residency -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardResidency:
+    """How many of a shard's owned bytes are in the page cache."""
+
+    index: int
+    file: str
+    bytes: int
+    resident_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.resident_bytes / self.bytes if self.bytes else 1.0
+
+
+def resident_bytes(addr: int, length: int) -> int:
+    """Bytes of ``[addr, addr + length)`` (inside a live mapping) whose pages are in the page cache,
+    by mincore; pages the range only partly covers count for the part it covers."""
+    if length <= 0:
+        return 0
+    first = addr - addr % PAGE
+    end = addr + length
+    pages = (end - first + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(first, end - first, vec) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mincore failed: {os.strerror(code)}")
+    present = (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
+    covered = np.full(pages, PAGE, dtype=np.int64)
+    covered[0] -= addr - first
+    covered[-1] -= pages * PAGE - (end - first)
+    return int(covered[present].sum())
+
+
+def shard_residency(mapping: MappedShards) -> list[ShardResidency]:
+    """Per owned shard of an open mapping, its resident bytes (mincore over its rows)."""
+    rb = mapping.layout.row_bytes
+    out = []
+    for index, owned in sorted(mapping.owned.items()):
+        region = mapping.regions[owned.region]
+        nbytes = owned.rows * rb
+        out.append(
+            ShardResidency(index, os.path.basename(region.path), nbytes, resident_bytes(owned.addr, nbytes))
+        )
+    return out
+
+
+def residency(directory: str, layer: int | None = None) -> dict:
+    """How much of the table is in the page cache right now: per shard, per file and in total.
+
+    Maps the table read-only, asks mincore, unmaps; reads no data (so it does not change what it
+    measures)."""
+    layout = read_layout(directory, layer)
+    with MappedShards(layout) as mapping:
+        return _residency(mapping)
+
+
+def _residency(mapping: MappedShards) -> dict:
+    shards = shard_residency(mapping)
+    files = [
+        {"file": os.path.basename(path), "mapped_bytes": mapped, "resident_bytes": resident}
+        for path, resident, mapped in mapping.residency()
+    ]
+    total = sum(s.bytes for s in shards)
+    resident = sum(s.resident_bytes for s in shards)
+    return {
+        "directory": mapping.layout.directory,
+        "layer": mapping.layout.layer,
+        "page_size": PAGE,
+        "shards": [{**asdict(s), "fraction": s.fraction} for s in shards],
+        "files": files,
+        "total": {"bytes": total, "resident_bytes": resident, "fraction": resident / total if total else 1.0},
+    }
+
+
+# -- prewarm -------------------------------------------------------------------------------------
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 when unreadable)."""
+    from ple_um.access.probe import mem_available as read
+
+    return read()
+
+
+def prewarm(
+    directory: str,
+    layer: int | None = None,
+    *,
+    fraction: float = 1.0,
+    force: bool = False,
+    limit: int | None = None,
+    workers: int = 8,
+    progress: Callable[[int, str], object] | None = None,
+    available: Callable[[], int] = mem_available,
+) -> dict:
+    """Fill the page cache with the first ``fraction`` of each of the table's files.
+
+    Refuses (PrewarmRefused, nothing read) when that is more than ``limit`` bytes (default:
+    ``available()``, MemAvailable): the cache would evict the table's own first pages, or other
+    processes' memory, to hold the rest. ``force`` prewarms anyway. ``progress(total_bytes,
+    description)`` returns a context manager yielding ``advance(nbytes)``
+    (``ple_um.metrics.progress``). The kernel's readahead may bring in more than the fraction.
+    Returns the bytes read, the seconds, and the residency before and after."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    layout = read_layout(directory, layer)
+    with MappedShards(layout) as mapping:
+        requested = sum(int(r.length * fraction) for r in mapping.regions)
+        memory = available()
+        allowed = memory if limit is None else int(limit)
+        if requested > allowed and not force:
+            what = "the --max-bytes limit" if limit is not None else "MemAvailable"
+            raise PrewarmRefused(
+                f"prewarming layer {layout.layer} of {layout.directory} reads {human_bytes(requested)}, "
+                f"more than {what} ({human_bytes(allowed)}): filling the page cache would evict the "
+                f"table's own first pages (or other processes' memory) to hold the rest. Prewarm a part "
+                f"with --fraction {max(0.01, int(allowed / requested * 90) / 100):.2f}, or pass --force"
+            )
+        before = _residency(mapping)["total"]
+        t0 = time.perf_counter()
+        if progress is None:
+            read = mapping.populate(fraction, workers=workers)
+        else:
+            with progress(requested, "prewarm") as advance:
+                read = mapping.populate(fraction, workers=workers, progress=advance)
+        seconds = time.perf_counter() - t0
+        after = _residency(mapping)["total"]
+    return {
+        "directory": layout.directory,
+        "layer": layout.layer,
+        "fraction": fraction,
+        "requested_bytes": requested,
+        "read_bytes": read,
+        "mem_available": memory,
+        "limit": allowed,
+        "forced": bool(force and requested > allowed),
+        "seconds": seconds,
+        "before": before,
+        "after": after,
+    }
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units: 512 B, 1.50 KiB, 47.68 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,390 @@
+"""The `ple-um` command: every verb's exit code, JSON shape and messages, on real checkpoints
+written to disk (sound and deliberately broken), and page-cache residency that moves as it should
+under prewarm and POSIX_FADV_DONTNEED."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ple_um import cli, operating
+from ple_um.access.probe import ALL_MODES
+from ple_um.synthetic import write_checkpoint
+
+MiB = 1 << 20
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """main(argv) -> (exit code, stdout, stderr)."""
+    code = cli.main([*argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    code, out, _ = run(capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+def drop_page_cache(layout) -> None:
+    """Write back and drop the table's files from the page cache (DONTNEED drops clean pages only)."""
+    for path in layout.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (longest mount point prefix)."""
+    best, kind = "", ""
+    real = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            mount = fields[1]
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, kind = mount, fields[2]
+    return kind
+
+
+@pytest.fixture
+def table_dir(tmp_path):
+    """A sound 4 MiB FP8 table: 26214 rows of 160 B in 8 shards over 4 files."""
+    path = tmp_path / "ckpt"
+    layout = write_checkpoint(path, num_rows=(4 * MiB) // 160, row_dim=160, dtype="fp8", shards=8)
+    return str(path), layout
+
+
+# -- probe ---------------------------------------------------------------------------------------
+def test_probe_json_names_a_mode_and_a_reason_for_every_other(capsys):
+    code, data = run_json(capsys, "probe")
+    assert code == 0
+    assert set(data) >= {"mode", "reasons", "capabilities", "pin_budget"}
+    assert data["mode"] in ALL_MODES
+    assert set(data["reasons"]) == set(ALL_MODES) - {data["mode"]}
+    assert all(isinstance(why, str) and why for why in data["reasons"].values())
+    assert isinstance(data["capabilities"]["cuda"], bool)
+
+
+def test_probe_text(capsys):
+    code, out, _ = run(capsys, "probe")
+    assert code == 0
+    assert out.startswith("mode: ")
+    assert "capabilities:" in out
+    assert out.count("  not ") == len(ALL_MODES) - 1
+
+
+# -- inspect -------------------------------------------------------------------------------------
+def test_inspect_sound_checkpoint(capsys, table_dir):
+    path, layout = table_dir
+    code, data = run_json(capsys, "inspect", path)
+    assert code == 0
+    assert data["valid"] is True and data["problems"] == []
+    assert data["layers"] == [1]
+    (t,) = data["tables"]
+    assert t["layer"] == 1
+    assert t["dtype"] == "F8_E4M3"
+    assert (t["rows"], t["row_dim"], t["row_bytes"]) == (layout.num_rows, 160, 160)
+    assert t["bytes"] == layout.nbytes
+    assert t["parts"] == 8 and len(t["shards"]) == 8
+    assert t["rows_per_shard"] == layout.rows_per_shard
+    assert t["scale"] == pytest.approx(layout.scale)
+    assert sum(s["rows"] for s in t["shards"]) == layout.num_rows
+    assert [s["offset"] for s in t["shards"]] == [s.offset for s in layout.shards]
+    assert sorted(f["file"] for f in t["files"]) == sorted(os.path.basename(f) for f in layout.files)
+    assert sum(f["bytes"] for f in t["files"]) == layout.nbytes
+
+    code, out, _ = run(capsys, "inspect", path, "--shards")
+    assert code == 0
+    assert "verdict: sound" in out
+    assert f"layer 1: {layout.num_rows} rows x 160 F8_E4M3" in out
+    assert "| 7 |" in out  # the shard listing
+
+
+def test_inspect_bf16_has_no_scale(capsys, tmp_path):
+    write_checkpoint(tmp_path / "bf", num_rows=100, row_dim=8, dtype="bf16", shards=3)
+    code, data = run_json(capsys, "inspect", str(tmp_path / "bf"))
+    assert code == 0
+    assert data["tables"][0]["scale"] is None
+    assert data["tables"][0]["row_bytes"] == 16
+
+
+def test_inspect_several_layers_and_layer_option(capsys, tmp_path):
+    """Two layers in one checkpoint (files and index merged): inspect lists both, --layer picks one."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_checkpoint(a, num_rows=50, row_dim=16, dtype="fp8", shards=4, layer=1, files=2)
+    write_checkpoint(b, num_rows=30, row_dim=16, dtype="fp8", shards=2, layer=3, files=1, seed=1)
+    index_a = json.loads((a / "model.safetensors.index.json").read_text())
+    index_b = json.loads((b / "model.safetensors.index.json").read_text())
+    for name in sorted(os.listdir(b)):
+        if name.endswith(".safetensors"):
+            shutil.move(str(b / name), str(a / f"layer3-{name}"))
+    for tensor, file_name in index_b["weight_map"].items():
+        index_a["weight_map"].setdefault(tensor, f"layer3-{file_name}")
+    (a / "model.safetensors.index.json").write_text(json.dumps(index_a))
+
+    code, data = run_json(capsys, "inspect", str(a))
+    assert code == 0, data["problems"]
+    assert data["layers"] == [1, 3]
+    assert [(t["layer"], t["rows"]) for t in data["tables"]] == [(1, 50), (3, 30)]
+
+    code, data = run_json(capsys, "inspect", str(a), "--layer", "3")
+    assert code == 0
+    assert [t["layer"] for t in data["tables"]] == [3]
+
+    code, data = run_json(capsys, "inspect", str(a), "--layer", "2")
+    assert code == 1
+    assert data["valid"] is False
+    assert any("no PLE shards of layer 2" in p and "1, 3" in p for p in data["problems"])
+
+    # residency and prewarm need one layer: without --layer they say which exist.
+    code, out, err = run(capsys, "residency", str(a))
+    assert code == 1
+    assert "several PLE layers" in err and "1, 3" in err
+
+
+def test_inspect_truncated_and_corrupt_files_lists_every_problem(capsys, table_dir):
+    path, layout = table_dir
+    truncated, corrupt = layout.files[1], layout.files[2]
+    os.truncate(truncated, os.path.getsize(truncated) - 1000)
+    with open(corrupt, "r+b") as f:
+        f.seek(12)  # inside the JSON header
+        f.write(b"\xff\xfe")
+
+    code, data = run_json(capsys, "inspect", path)
+    assert code == 1
+    assert data["valid"] is False
+    assert data["tables"] == []
+    problems = data["problems"]
+    assert any(truncated in p and "truncated" in p for p in problems)
+    assert any(corrupt in p and "header" in p for p in problems)
+    assert any("missing" in p for p in problems)  # the shards of the unreadable header
+
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 1
+    assert f"verdict: INVALID, {len(problems)} problems:" in out
+    for p in problems:
+        assert f"  - {p}" in out
+
+
+def test_inspect_missing_fp8_scale(capsys, tmp_path):
+    """An FP8 table whose scale tensor was renamed (same length, in the header) and dropped from
+    the index: the verdict names the missing scale."""
+    path = tmp_path / "noscale"
+    layout = write_checkpoint(path, num_rows=40, row_dim=16, dtype="fp8", shards=4, files=4)
+    with open(layout.files[-1], "r+b") as f:
+        header = f.read(8 + int.from_bytes(f.read(8), "little"))
+        f.seek(header.index(b"weight_scale"))
+        f.write(b"weight_scalX")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.endswith("weight_scale")}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, data = run_json(capsys, "inspect", str(path))
+    assert code == 1
+    assert any("without its global scale" in p for p in data["problems"])
+
+
+def test_inspect_missing_directory(capsys, tmp_path):
+    code, data = run_json(capsys, "inspect", str(tmp_path / "nowhere"))
+    assert code == 1
+    assert data["layers"] is None
+    assert any("does not exist" in p for p in data["problems"])
+
+
+# -- residency and prewarm ---------------------------------------------------------------------
+def test_residency_json_shape(capsys, table_dir):
+    path, layout = table_dir
+    code, data = run_json(capsys, "residency", path)
+    assert code == 0
+    assert data["layer"] == 1
+    assert data["page_size"] == os.sysconf("SC_PAGE_SIZE")
+    assert [s["index"] for s in data["shards"]] == list(range(8))
+    assert sum(s["bytes"] for s in data["shards"]) == layout.nbytes
+    assert data["total"]["bytes"] == layout.nbytes
+    for s in data["shards"]:
+        assert 0 <= s["resident_bytes"] <= s["bytes"]
+        assert s["fraction"] == pytest.approx(s["resident_bytes"] / s["bytes"])
+    assert sorted(f["file"] for f in data["files"]) == sorted(os.path.basename(f) for f in layout.files)
+
+    code, out, _ = run(capsys, "residency", path)
+    assert code == 0
+    assert out.splitlines()[0] == "| shard | file | bytes | resident | % |"
+    assert out.splitlines()[-1].startswith("total: ")
+
+
+def test_residency_follows_prewarm_and_dontneed(capsys, table_dir):
+    path, layout = table_dir
+    if fs_type(path) == "tmpfs":
+        pytest.skip("tmpfs files are their page cache: DONTNEED cannot drop them")
+
+    code, data = run_json(capsys, "prewarm", path)
+    assert code == 0
+    assert data["read_bytes"] >= layout.nbytes
+    assert data["after"]["fraction"] > 0.99
+    code, data = run_json(capsys, "residency", path)
+    assert data["total"]["fraction"] > 0.99
+    assert all(s["fraction"] > 0.99 for s in data["shards"])
+
+    drop_page_cache(layout)
+    code, data = run_json(capsys, "residency", path)
+    assert code == 0
+    assert data["total"]["fraction"] < 0.05
+    assert all(s["fraction"] < 0.1 for s in data["shards"])
+
+    # Half of each file: at least the first shard of each file (2 shards per file) comes in; the
+    # kernel's readahead may bring in more (here up to the device's read_ahead_kb).
+    code, data = run_json(capsys, "prewarm", path, "--fraction", "0.5")
+    assert code == 0
+    assert data["requested_bytes"] <= layout.nbytes // 2 + 4 * os.sysconf("SC_PAGE_SIZE")
+    assert data["after"]["fraction"] >= 0.49
+    code, data = run_json(capsys, "residency", path)
+    fractions = [s["fraction"] for s in data["shards"]]
+    assert all(f > 0.99 for f in fractions[0::2]), fractions
+
+    drop_page_cache(layout)
+    code, out, err = run(capsys, "prewarm", path)  # text, with its progress bar
+    assert code == 0
+    assert "prewarmed 4.00 MiB" in out
+    assert "-> 100.0%" in out
+    assert "prewarm" in err and "100%" in err  # tqdm
+
+
+def test_prewarm_refuses_more_than_allowed(capsys, table_dir):
+    path, layout = table_dir
+    drop_page_cache(layout)
+    before = operating.residency(path)["total"]["resident_bytes"]
+
+    code, out, err = run(capsys, "prewarm", path, "--max-bytes", "1MiB")
+    assert code == cli.EXIT_REFUSED
+    assert out == ""
+    assert "ple-um prewarm: error:" in err
+    assert "more than the --max-bytes limit (1.00 MiB)" in err
+    assert "--fraction" in err and "--force" in err
+    assert operating.residency(path)["total"]["resident_bytes"] <= before + 64 * 1024  # nothing read
+
+    code, data = run_json(capsys, "prewarm", path, "--max-bytes", "1MiB")
+    assert code == cli.EXIT_REFUSED
+    assert data["refused"] is True and "--force" in data["error"]
+
+    code, data = run_json(capsys, "prewarm", path, "--max-bytes", "1MiB", "--force")
+    assert code == 0
+    assert data["forced"] is True
+    if fs_type(path) != "tmpfs":
+        assert data["after"]["fraction"] > 0.99
+
+
+def test_prewarm_refusal_against_mem_available(table_dir):
+    """Without --max-bytes the limit is MemAvailable; ``available`` stands in for a small one."""
+    path, layout = table_dir
+    small = lambda: layout.nbytes // 2
+    with pytest.raises(operating.PrewarmRefused, match=r"more than MemAvailable \(2.00 MiB\)"):
+        operating.prewarm(path, available=small)
+    result = operating.prewarm(path, available=small, fraction=0.25)
+    assert result["requested_bytes"] <= layout.nbytes // 2
+    assert result["mem_available"] == layout.nbytes // 2 and not result["forced"]
+    assert operating.prewarm(path, available=small, force=True)["forced"] is True
+    assert operating.prewarm(path)["mem_available"] > 0  # the real MemAvailable: this table fits
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5", "-1"])
+def test_prewarm_bad_fraction(capsys, table_dir, fraction):
+    path, _ = table_dir
+    code, out, err = run(capsys, "prewarm", path, "--fraction", fraction)
+    assert code == 1
+    assert "fraction must be in (0, 1]" in err
+
+
+def test_residency_and_prewarm_of_a_broken_checkpoint(capsys, table_dir):
+    path, layout = table_dir
+    os.truncate(layout.files[0], 100)
+    for verb in ("residency", "prewarm"):
+        code, out, err = run(capsys, verb, path)
+        assert code == 1
+        assert f"ple-um {verb}: error:" in err and layout.files[0] in err
+        code, data = run_json(capsys, verb, path)
+        assert code == 1 and layout.files[0] in data["error"]
+
+
+# -- knobs, arguments ----------------------------------------------------------------------------
+def test_knobs(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_PLE_MMAP_STATS_SEC", "5")
+    code, data = run_json(capsys, "knobs")
+    assert code == 0
+    knobs = {k["name"]: k for k in data["knobs"]}
+    assert {"PLE_UM_PROMETHEUS", "PLE_UM_STATS_SEC", "PLE_UM_METRICS_SEC"} <= set(knobs)
+    assert knobs["PLE_UM_STATS_SEC"]["set"] == "VLLM_PLE_MMAP_STATS_SEC=5"
+    code, out, _ = run(capsys, "knobs")
+    assert "PLE_UM_STATS_SEC (alias VLLM_PLE_MMAP_STATS_SEC)" in out
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["inspect"])
+    assert exc.value.code == 2
+    capsys.readouterr()
+
+
+# -- real processes ------------------------------------------------------------------------------
+def test_inspect_as_a_module_subprocess(table_dir):
+    path, layout = table_dir
+    done = subprocess.run(
+        [sys.executable, "-m", "ple_um.cli", "inspect", path, "--json"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tables"][0]["rows"] == layout.num_rows
+    os.truncate(layout.files[0], 100)
+    done = subprocess.run(
+        [sys.executable, "-m", "ple_um.cli", "inspect", path], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert "verdict: INVALID" in done.stdout
+
+
+def _console_script() -> str:
+    script = shutil.which("ple-um") or os.path.join(os.path.dirname(sys.executable), "ple-um")
+    if not os.path.exists(script):
+        pytest.skip("the ple-um console script is not installed")
+    return script
+
+
+def test_bench_smoke_console_script(tmp_path):
+    """`ple-um bench` end to end on a small cached synthetic table: the JSON's structure, no times."""
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PLE_UM_CACHE_DIR": str(tmp_path / "cache")}
+    argv = ["bench", "--size", "4MiB", "--rows", "16,256", "--repeats", "2", "--shards", "8"]
+    done = subprocess.run(
+        [_console_script(), *argv, "--json", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| path |" in done.stdout
+    result = json.loads(out.read_text())
+    assert {"device", "table", "probe", "lookup", "decode_step", "startup"} <= set(result)
+    assert result["table"]["shards"] == 8
+    assert result["table"]["bytes"] == result["table"]["num_rows"] * result["table"]["row_bytes"]
+    assert result["table"]["directory"].startswith(str(tmp_path / "cache"))
+    assert result["probe"]["mode"] in ALL_MODES
+    for name in ("ple-um cpu", "seeds cpu"):
+        entry = result["lookup"][name]
+        assert "skipped" not in entry, entry
+        for n in ("16", "256"):
+            assert {"median_us", "gbps"} <= set(entry[n])
+            assert entry[n]["calls"] == 2
+    assert {"ple-um cpu", "seeds cpu"} <= set(result["decode_step"])
+    assert "eager" in result["decode_step"]["ple-um cpu"]
+    assert {"cold", "warm"} <= set(result["startup"])
+    assert {"mode", "open_s", "pinned_bytes"} <= set(result["startup"]["warm"])
