@@ -157,7 +157,7 @@ KNOBS: dict[str, Knob] = {
             False,
             "ats mode: populate the mapping through cudaHostRegister at open",
         ),
-        Knob("PLE_UM_SELF_TEST_ROWS", int, 64, "rows the auto-mode self-test compares with the file"),
+        Knob("PLE_UM_SELF_TEST_ROWS", int, 64, "rows the self-test compares with the file at open (0 = off)"),
         Knob("PLE_UM_STAGING_SLOTS", int, 3, "cpu mode: pinned staging buffers used in turn"),
         Knob(
             "PLE_UM_BULK_ROWS",

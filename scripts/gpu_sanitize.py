@@ -2,7 +2,8 @@
 must give its documented result (zeros and a count, or a typed error) and the sanitizer must
 report no invalid access.
 
-    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python scripts/gpu_sanitize.py /tmp/ple-san
+    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
+        python scripts/gpu_sanitize.py /tmp/ple-san
 """
 
 from __future__ import annotations
