@@ -1,5 +1,6 @@
 """Triton kernels of ple-um (installed as ``ple_um.kernels``)."""
 
 from ple_um.kernels.gather import STORAGE_CODES, gather_rows
+from ple_um.kernels.gather_nvfp4 import gather_nvfp4
 
-__all__ = ["STORAGE_CODES", "gather_rows"]
+__all__ = ["STORAGE_CODES", "gather_nvfp4", "gather_rows"]

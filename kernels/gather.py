@@ -64,6 +64,28 @@ def _to_bf16_bits(val):
 
 
 @triton.jit
+def _locate(ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_shard, ROWS: tl.constexpr):
+    """This program's rows of the batch: which are in it, which are owned (in the table and the
+    owned range), and each id's shard and local row (0 where not owned, so never an address
+    outside the table). Counts the batch and the ids outside the table."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    in_batch = rows < n
+    ids = tl.load(ids_ptr + rows, mask=in_batch, other=0).to(tl.int64)
+    in_table = (ids >= 0) & (ids < num_rows)
+    bad = tl.sum((in_batch & ~in_table).to(tl.int64), axis=0)
+    # One atomic per launch for the row count, and one per program only when it saw a bad id: no
+    # contention on the counters in the common case.
+    tl.atomic_add(counters_ptr, pid * 0 + n, mask=pid == 0)
+    tl.atomic_add(counters_ptr + 1, bad, mask=bad > 0)
+    owned = in_batch & in_table & (ids >= row_start) & (ids < row_end)
+    safe = tl.where(owned, ids, 0)
+    shard = safe // rows_per_shard
+    local = safe - shard * rows_per_shard
+    return rows, in_batch, owned, shard, local
+
+
+@triton.jit
 def _gather_kernel(
     bases_ptr,  # int64 [parts]: address of each shard's local row 0
     ids_ptr,  # int32/int64 [n]: global row ids
@@ -85,20 +107,9 @@ def _gather_kernel(
     ROWS: tl.constexpr,
     WORDS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    in_batch = rows < n
-    ids = tl.load(ids_ptr + rows, mask=in_batch, other=0).to(tl.int64)
-    in_table = (ids >= 0) & (ids < num_rows)
-    bad = tl.sum((in_batch & ~in_table).to(tl.int64), axis=0)
-    # One atomic per launch for the row count, and one per program only when it saw a bad id: no
-    # contention on the counters in the common case.
-    tl.atomic_add(counters_ptr, pid * 0 + n, mask=pid == 0)
-    tl.atomic_add(counters_ptr + 1, bad, mask=bad > 0)
-    owned = in_batch & in_table & (ids >= row_start) & (ids < row_end)
-    safe = tl.where(owned, ids, 0)
-    shard = safe // rows_per_shard
-    local = safe - shard * rows_per_shard
+    rows, in_batch, owned, shard, local = _locate(
+        ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_shard, ROWS
+    )
     base = tl.load(bases_ptr + shard, mask=owned, other=0)
     if WORD_BITS == 64:
         word_ty = tl.int64
@@ -167,7 +178,7 @@ def gather_rows(
     n = ids.numel()
     if n == 0:
         return out
-    elem_bits = torch.finfo(storage).bits
+    elem_bits = storage.itemsize * 8
     raw = out.dtype == storage
     word_bits = word_bits_for(base_align, row_bytes, out.data_ptr() if raw else 8)
     row_words = row_bytes * 8 // word_bits
@@ -190,7 +201,7 @@ def gather_rows(
         counters if scale is None else scale,
         WORD_BITS=word_bits,
         ELEM_BITS=elem_bits,
-        STORAGE=STORAGE_CODES[storage],
+        STORAGE=STORAGE_CODES.get(storage, -1),
         DEQUANT=not raw,
         HAS_SCALE=scale is not None and not raw,
         OUT_BF16=out.dtype == torch.bfloat16,

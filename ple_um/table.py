@@ -26,6 +26,7 @@ from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError  # noqa: F401
 from ple_um.lookup.cpu_gather import CpuGather
 from ple_um.lookup.gpu_gather import GpuGather
+from ple_um.lookup.nvfp4 import BLOCK, decode_nvfp4
 from ple_um.mapping import MappedShards
 
 logger = logging.getLogger(__name__)
@@ -92,8 +93,14 @@ class MappedTable:
         mapping: MappedShards,
         report: ProbeReport,
         strict: bool,
+        scale_mapping: MappedShards | None = None,
     ) -> None:
         self.layout = layout
+        # NVFP4: the block scales, mapped like the rows and reached through their own bases.
+        self.scale_mapping = scale_mapping
+        self.scale_registration: RegisteredMapping | None = None
+        self.scale_device_copy: torch.Tensor | None = None
+        self.scale_cpu: CpuGather | None = None
         self.rows = rows
         self.device = device
         self.mapping = mapping
@@ -130,70 +137,87 @@ class MappedTable:
     # -- building the access mode ---------------------------------------------------------
     def _build(self, caps_cuda: bool) -> None:
         """Create the resources of ``self.mode``; on error the caller closes them."""
-        mode, layout, m = self.mode, self.layout, self.mapping
-        align = _alignment(layout)
-        common = dict(
-            device=self.device,
-            row_start=self.rows[0],
-            row_end=self.rows[1],
-            base_align=align,
-            counters=self.counters,
-            scale=self._scale_dev,
-        )
+        mode, layout, m, sm = self.mode, self.layout, self.mapping, self.scale_mapping
         advice = envs.PLE_UM_MADVISE
         if advice == "auto":
             advice = "random" if mode in ("cpu", "ats") else "normal"
         if advice != "none":
-            m.advise(advice)
-        if mode == "ats":
-            if caps_cuda and envs.PLE_UM_ATS_POPULATE:
-                with metrics.progress(m.mapped_bytes, "ple-um register") as advance:
-                    self.registration = RegisteredMapping(m, self.device, progress=advance)
-            self.gpu = GpuGather(layout, m.host_bases(), **common)
-        elif mode == "registered":
-            with metrics.progress(m.mapped_bytes, "ple-um register") as advance:
-                self.registration = RegisteredMapping(m, self.device, progress=advance)
-            self.gpu = GpuGather(layout, self.registration.device_bases(), **common)
-        elif mode == "device":
-            self.device_copy = torch.empty(m.owned_bytes, dtype=torch.uint8, device=self.device)
-            bases = [0] * layout.parts
-            pos = 0
-            for index, owned in sorted(m.owned.items()):
-                n = owned.rows * layout.row_bytes
-                self.device_copy[pos : pos + n].copy_(torch.from_numpy(m.shard_rows(index).reshape(-1)))
-                bases[index] = self.device_copy.data_ptr() + pos - owned.lo * layout.row_bytes
-                pos += n
-            # The allocation is 256-byte aligned and every shard's rows start at a multiple of row_bytes.
-            self.gpu = GpuGather(layout, bases, **{**common, "base_align": _alignment_rows(layout)})
+            for mapping in (m, sm):
+                if mapping is not None:
+                    mapping.advise(advice)
+        common = dict(
+            device=self.device,
+            row_start=self.rows[0],
+            row_end=self.rows[1],
+            base_align=_alignment(layout),
+            counters=self.counters,
+            scale=self._scale_dev,
+        )
+        if mode == "cpu":
+            self.cpu = self._host_gather(m)
+            self.scale_cpu = self._host_gather(sm) if sm is not None else None
         else:
-            self.cpu = CpuGather(
-                m,
-                self.device,
-                threads=envs.PLE_UM_CPU_THREADS,
-                chunk=envs.PLE_UM_CPU_CHUNK,
-                slots=envs.PLE_UM_STAGING_SLOTS,
-            )
+            bases = self._device_bases(m, caps_cuda)
+            scale_bases = self._device_bases(sm, caps_cuda, scales=True) if sm is not None else None
+            if mode == "device":
+                # The allocation is 256-byte aligned and every shard's rows start at a multiple of row_bytes.
+                common["base_align"] = _alignment_rows(layout)
+            self.gpu = GpuGather(layout, bases, scale_bases=scale_bases, **common)
         if mode in ("ats", "cpu"):
             self.prefetcher = PagePrefetcher(m)
-        if mode in ("ats", "registered") and self.device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0:
-            self.bulk = CpuGather(
-                m,
-                self.device,
-                threads=envs.PLE_UM_CPU_THREADS,
-                chunk=envs.PLE_UM_CPU_CHUNK,
-                slots=envs.PLE_UM_STAGING_SLOTS,
-            )
+        bulk_ok = mode in ("ats", "registered") and self.device.type == "cuda" and sm is None
+        if bulk_ok and envs.PLE_UM_BULK_ROWS != 0:
+            self.bulk = self._host_gather(m)
+
+    def _host_gather(self, mapping: MappedShards) -> CpuGather:
+        return CpuGather(
+            mapping,
+            self.device,
+            threads=envs.PLE_UM_CPU_THREADS,
+            chunk=envs.PLE_UM_CPU_CHUNK,
+            slots=envs.PLE_UM_STAGING_SLOTS,
+        )
+
+    def _device_bases(self, mapping: MappedShards, caps_cuda: bool, scales: bool = False) -> list[int]:
+        """Per-shard addresses the kernel reads ``mapping`` through in this GPU mode; the
+        registration or device copy made for it is kept (the rows' or the block scales')."""
+        mode = self.mode
+        registration, copy = None, None
+        if mode == "ats":
+            if caps_cuda and envs.PLE_UM_ATS_POPULATE:
+                with metrics.progress(mapping.mapped_bytes, "ple-um register") as advance:
+                    registration = RegisteredMapping(mapping, self.device, progress=advance)
+            bases = mapping.host_bases()
+        elif mode == "registered":
+            with metrics.progress(mapping.mapped_bytes, "ple-um register") as advance:
+                registration = RegisteredMapping(mapping, self.device, progress=advance)
+            bases = registration.device_bases()
+        else:  # device
+            copy, bases = _copy_to_device(mapping, self.device)
+        if scales:
+            self.scale_registration, self.scale_device_copy = registration, copy
+        else:
+            self.registration, self.device_copy = registration, copy
+        return bases
 
     def _release_access(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for res in (self.prefetcher, self.bulk, self.cpu, self.registration):
+        for res in (
+            self.prefetcher,
+            self.bulk,
+            self.scale_cpu,
+            self.cpu,
+            self.scale_registration,
+            self.registration,
+        ):
             if res is not None:
                 res.close()
-        self.prefetcher = self.bulk = self.cpu = self.registration = None
+        self.prefetcher = self.bulk = self.scale_cpu = self.cpu = None
+        self.scale_registration = self.registration = None
         self.bulk_rows = None
         self.gpu = None
-        self.device_copy = None
+        self.device_copy = self.scale_device_copy = None
 
     def self_test(self, count: int) -> str | None:
         """Gather sample rows through this mode and compare them with the bytes read from the files;
@@ -204,7 +228,11 @@ class MappedTable:
         expect = _file_rows(self.layout, ids_np)
         ids = torch.from_numpy(ids_np).to(self.device)
         before = self.counters.clone()
-        got = self._lookup_flat(ids, None).view(torch.uint8).reshape(ids_np.size, -1)
+        if self.scale_mapping is None:
+            got = self._lookup_flat(ids, None).view(torch.uint8).reshape(ids_np.size, -1)
+        else:  # NVFP4: the packed rows and the block scales, side by side
+            got = torch.cat(self._packed_flat(ids), dim=1)
+            expect = np.concatenate([expect, _file_rows(self.layout.scale_layout(), ids_np)], axis=1)
         self.counters.copy_(before)  # the self-test is not a lookup
         got = got.cpu().numpy()
         if not np.array_equal(got, expect):
@@ -260,7 +288,12 @@ class MappedTable:
         n = ids.numel()
         dtype = out.dtype if out is not None else (out_dtype or self.dtype)
         if out is None:
-            out = torch.empty((n, self.row_dim), dtype=dtype, device=self.device)
+            width = (
+                self.layout.row_bytes
+                if self.scale_mapping is not None and dtype == self.dtype
+                else self.row_dim
+            )
+            out = torch.empty((n, width), dtype=dtype, device=self.device)
         if self.gpu is None:
             return self._cpu_lookup(ids, out, self.cpu)
         bulk = self.bulk_rows is not None and n >= self.bulk_rows
@@ -277,6 +310,8 @@ class MappedTable:
         waited = time.perf_counter() - t0  # that sync waits for the GPU work queued ahead of the ids
         if out.dtype == self.dtype:
             gather.gather(ids, owned, out.view(torch.uint8))
+        elif self.scale_cpu is not None:
+            decode_nvfp4(gather.gather(ids, owned), self.scale_cpu.gather(ids, owned), self._scale_dev, out)
         else:
             rows = gather.gather(ids, owned).view(self.dtype).float()
             out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
@@ -310,6 +345,11 @@ class MappedTable:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         if out is not None:
             out_dtype = out.dtype
+        if self.scale_mapping is not None and out_dtype not in FLOAT_OUT:
+            raise TypeError(
+                "an NVFP4 table decodes its rows: pass out_dtype (bf16, f16 or f32) or a float out=, "
+                "or use lookup_packed() for the packed bytes and block scales"
+            )
         if out_dtype is not None and out_dtype != self.dtype and out_dtype not in FLOAT_OUT:
             raise TypeError(f"out_dtype must be {self.dtype} (raw) or one of bf16, f16, f32; got {out_dtype}")
         shape = (*ids.shape, self.row_dim)
@@ -346,6 +386,37 @@ class MappedTable:
             return ops.lookup(flat, self.handle, out_dtype or self.dtype).view(shape)
         return self._lookup_flat(flat, None, out_dtype).view(shape)
 
+    def lookup_packed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NVFP4: the raw rows of ``ids`` for callers that decode themselves: packed bytes
+        ``ids.shape + (row_dim // 2,)`` (uint8) and block scales ``ids.shape + (row_dim // 16,)``
+        (float8_e4m3fn); zeros outside the owned range and the table. Eager only."""
+        self._check_open()
+        if self.scale_mapping is None:
+            raise TypeError("lookup_packed() is for NVFP4 tables; use lookup()")
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+        flat = ids.to(self.device).reshape(-1).contiguous()
+        packed, scales = self._packed_flat(flat)
+        return (packed.view(*ids.shape, -1), scales.view(torch.float8_e4m3fn).view(*ids.shape, -1))
+
+    def _packed_flat(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = ids.numel()
+        packed = torch.empty((n, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
+        scales = torch.empty((n, self.row_dim // BLOCK), dtype=torch.uint8, device=self.device)
+        if self.gpu is not None:
+            self.gpu.gather(ids, packed)
+            self.gpu.gather_block_scales(ids, scales.view(torch.float8_e4m3fn))
+        else:
+            ids = ids.to(torch.int64)
+            in_table = (ids >= 0) & (ids < self.num_rows)
+            owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
+            self.cpu.gather(ids, owned, packed)
+            self.scale_cpu.gather(ids, owned, scales)
+            self.counters += torch.tensor([n, int(n - int(in_table.sum()))], dtype=torch.int64).to(
+                self.device
+            )
+        return packed, scales
+
     def prefetch(self, ids) -> Future:
         """Start bringing the pages of ``ids``' rows into memory (a hint; modes whose pages are
         resident need none). Returns a Future of the number of rows touched."""
@@ -368,9 +439,16 @@ class MappedTable:
             "bytes": rows * self.layout.row_bytes,
             "out_of_range": oob,
             "phase_seconds": dict(self._host.phases),
-            "mapped_bytes": self.mapping.mapped_bytes,
-            "pinned_bytes": self.registration.registered_bytes if self.mode == "registered" else 0,
-            "device_bytes": self.device_copy.numel() if self.device_copy is not None else 0,
+            "mapped_bytes": self.mapping.mapped_bytes
+            + (self.scale_mapping.mapped_bytes if self.scale_mapping else 0),
+            "pinned_bytes": sum(
+                r.registered_bytes for r in (self.registration, self.scale_registration) if r is not None
+            )
+            if self.mode == "registered"
+            else 0,
+            "device_bytes": sum(
+                c.numel() for c in (self.device_copy, self.scale_device_copy) if c is not None
+            ),
             "open_seconds": self.open_seconds,
         }
 
@@ -390,6 +468,8 @@ class MappedTable:
         try:
             self._release_access()
         finally:
+            if self.scale_mapping is not None:
+                self.scale_mapping.close()
             self.mapping.close()
 
     def __enter__(self) -> MappedTable:
@@ -404,6 +484,20 @@ class MappedTable:
             f"MappedTable({self.layout.directory!r}, layer={self.layout.layer}, rows={self.rows}, "
             f"{self.num_rows}x{self.row_dim} {self.dtype}, {state})"
         )
+
+
+def _copy_to_device(mapping: MappedShards, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The owned rows of ``mapping`` copied into one device allocation, and each shard's base in it."""
+    layout = mapping.layout
+    copy = torch.empty(mapping.owned_bytes, dtype=torch.uint8, device=device)
+    bases = [0] * layout.parts
+    pos = 0
+    for index, owned in sorted(mapping.owned.items()):
+        n = owned.rows * layout.row_bytes
+        copy[pos : pos + n].copy_(torch.from_numpy(mapping.shard_rows(index).reshape(-1)))
+        bases[index] = copy.data_ptr() + pos - owned.lo * layout.row_bytes
+        pos += n
+    return copy, bases
 
 
 def _alignment_rows(layout: ShardLayout) -> int:
@@ -446,12 +540,16 @@ def open_table(
     caps = read_capabilities(dev)
     budget = pin_budget()
     mapping = MappedShards(layout, (start, end))
+    try:
+        scale_mapping = MappedShards(layout.scale_layout(), (start, end)) if layout.is_nvfp4 else None
+    except BaseException:
+        mapping.close()
+        raise
+    pinned_bytes = mapping.mapped_bytes + (scale_mapping.mapped_bytes if scale_mapping is not None else 0)
     rejected: dict[str, str] = {}
     try:
         while True:
-            report = decide(
-                caps, mode=forced, table_bytes=mapping.mapped_bytes, budget=budget, exclude=rejected
-            )
+            report = decide(caps, mode=forced, table_bytes=pinned_bytes, budget=budget, exclude=rejected)
             table = MappedTable(
                 layout,
                 rows=(start, end),
@@ -459,6 +557,7 @@ def open_table(
                 mapping=mapping,
                 report=report,
                 strict=envs.PLE_UM_STRICT if strict is None else strict,
+                scale_mapping=scale_mapping,
             )
             try:
                 table._build(caps.cuda)
@@ -478,6 +577,8 @@ def open_table(
             ops.unregister_table(table.handle)
             rejected[report.mode] = why
     except BaseException:
+        if scale_mapping is not None:
+            scale_mapping.close()
         mapping.close()
         raise
     if table.bulk is not None and mapping.owned:

@@ -44,6 +44,12 @@ class _Slot:
         if self.inverse is None or self.inverse.numel() < n_ids:
             self.inverse = torch.empty(max(n_ids, 4096), dtype=torch.int64, pin_memory=True)
 
+    def copied(self, device: torch.device) -> None:
+        """Mark the copies just queued out of this slot: it is refilled only after they ran."""
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(device))
+
 
 class CpuGather:
     """Gathers rows of a MappedShards on the host; returns them on ``device``.
@@ -185,9 +191,7 @@ class CpuGather:
             inv = slot.inverse[:n]
             inv.copy_(torch.from_numpy(inverse))
             dev_inv = inv.to(self.device, non_blocking=True)
-            if slot.event is None:
-                slot.event = torch.cuda.Event()
-            slot.event.record(torch.cuda.current_stream(self.device))
+            slot.copied(self.device)
             torch.index_select(dev_rows, 0, dev_inv, out=out)
         self.last_phases = {
             "dedup": t1 - t0,
@@ -260,9 +264,7 @@ class CpuGather:
                     torch.index_select(self.space_tensors[k], 0, row[a:b], out=rows[a:b])
                     t_read += time.perf_counter() - tr
                     dev_rows[a:b].copy_(rows[a:b], non_blocking=True)
-            if slot.event is None:
-                slot.event = torch.cuda.Event()
-            slot.event.record(torch.cuda.current_stream(self.device))
+            slot.copied(self.device)
             out.index_copy_(0, order, dev_rows)
         self.last_phases = {
             "dedup": t1 - t0,
