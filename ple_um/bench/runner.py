@@ -171,9 +171,13 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
         if mode in ("ats", "registered") and device.type == "cuda":
             # The same mode with the GPU kernel for every batch size (no CPU bulk path).
             contenders[f"ple-um {mode} kernel-only"] = lambda m=mode: _kernel_only(directory, m, device)
-    if device.type == "cuda":
-        contenders["vllm pinned-host"] = lambda: VllmPinnedHost(layout, device)
-    contenders["seeds cpu"] = lambda: SeedsCpuPath(layout, device)
+    if layout.is_nvfp4:
+        # The seeds and this pinned-host kernel read raw rows only; an NVFP4 table is decoded.
+        log("NVFP4 table: ple-um decodes rows to bf16; the raw-row contenders are left out")
+    else:
+        if device.type == "cuda":
+            contenders["vllm pinned-host"] = lambda: VllmPinnedHost(layout, device)
+        contenders["seeds cpu"] = lambda: SeedsCpuPath(layout, device)
 
     # -- 1. lookups -----------------------------------------------------------------------
     for name, make in contenders.items():
@@ -198,7 +202,7 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
                 ]
                 out = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
                 if isinstance(impl, ple_um.MappedTable):
-                    view = out.view(layout.dtype)
+                    view = _lookup_buffer(layout, n, device) if layout.is_nvfp4 else out.view(layout.dtype)
                     fn = lambda k, ids=id_sets, t=impl, o=view: t.lookup(ids[k], out=o)
                 else:
                     fn = lambda k, ids=id_sets, t=impl, o=out: t.lookup(ids[k], o)
@@ -218,7 +222,11 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
     if cfg.processes > 1:
         result["processes"] = {
             kind: _processes(directory, kind, cfg.processes, device)
-            for kind in (("ple-um", "vllm pinned-host") if device.type == "cuda" else ("ple-um",))
+            for kind in (
+                ("ple-um", "vllm pinned-host")
+                if device.type == "cuda" and not layout.is_nvfp4
+                else ("ple-um",)
+            )
         }
     return result
 
@@ -272,6 +280,11 @@ def _processes(directory: str, kind: str, count: int, device: torch.device) -> d
     return {"mode": mode, "mem_available_drop_bytes": drops}
 
 
+def _lookup_buffer(layout: ShardLayout, n: int, device: torch.device) -> torch.Tensor:
+    """Where an NVFP4 lookup decodes to: bf16 rows."""
+    return torch.empty((n, layout.row_dim), dtype=torch.bfloat16, device=device)
+
+
 def _decode_step(impl, layout, device, cfg, rng, timer) -> dict:
     """ids [T, heads] -> lookup -> dequant -> short projection; graph-captured where capture-safe."""
     T, H = cfg.decode_tokens, cfg.heads
@@ -281,12 +294,18 @@ def _decode_step(impl, layout, device, cfg, rng, timer) -> dict:
     scale = torch.tensor(layout.scale or 1.0, dtype=torch.float32, device=device)
     is_table = isinstance(impl, ple_um.MappedTable)
 
+    decoded = _lookup_buffer(layout, T * H, device) if layout.is_nvfp4 else None
+
     def step():
-        if is_table:
-            impl.lookup(ids, out=raw.view(layout.dtype))
+        if decoded is not None:  # NVFP4: the lookup decodes
+            impl.lookup(ids, out=decoded)
+            rows = decoded
         else:
-            impl.lookup(ids, raw)
-        rows = (raw.view(layout.dtype).float() * scale).to(torch.bfloat16)
+            if is_table:
+                impl.lookup(ids, out=raw.view(layout.dtype))
+            else:
+                impl.lookup(ids, raw)
+            rows = (raw.view(layout.dtype).float() * scale).to(torch.bfloat16)
         return (rows @ proj).view(T, H, -1).sum(1)
 
     sets = [
