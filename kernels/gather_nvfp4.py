@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ple_um.kernels.gather import E4M3, NUM_WARPS, ROWS_PER_PROGRAM, _decode, _locate, _to_bf16_bits
+from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _decode, _locate, _to_bf16_bits
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _gather_nvfp4_kernel(
     code = (byte >> ((e % 2) * 4)[None, :]) & 0xF
     scales = scale_base + local * (row_dim // 16)
     scale_byte = tl.load(scales[:, None] + (e // 16)[None, :], mask=m, other=0).to(tl.int32)
-    block_scale = _decode(scale_byte, E4M3) * tl.load(global_scale_ptr)
+    block_scale = _decode(scale_byte, 0) * tl.load(global_scale_ptr)  # 0: E4M3 (constexpr literal)
     val = _e2m1(code) * block_scale
     if OUT_BF16:
         val = _to_bf16_bits(val)
