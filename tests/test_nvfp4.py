@@ -1,0 +1,115 @@
+"""NVFP4 tables end to end: the decode kernel under the Triton interpreter (ats and device modes on
+the CPU) and the cpu mode's torch decoder, each against the independent NumPy decoder of
+tests/reference.py, bit for bit, on real files; packed rows and block scales against the bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from reference import reference_nvfp4, reference_rows
+
+import ple_um
+
+MODES = ("ats", "device", "cpu")
+OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def nvfp4(tmp_path_factory):
+    from ple_um.synthetic import write_checkpoint
+
+    # 1 200 rows of 64 values: 38 400 packed bytes and 4 800 scale bytes, so every byte value of
+    # both occurs; 7 shards, the last shorter.
+    return write_checkpoint(
+        tmp_path_factory.mktemp("nvfp4"), num_rows=1200, row_dim=64, dtype="nvfp4", shards=7
+    )
+
+
+def _ids(layout, rng, n, rows=None):
+    S = layout.rows_per_shard
+    edges = [v for i in range(layout.parts) for v in (i * S - 1, i * S, i * S + 1)]
+    extra = [-7, -1, layout.num_rows, layout.num_rows + 3]
+    if rows is not None:
+        extra += [rows[0] - 1, rows[0], rows[1] - 1, rows[1]]
+    ids = np.concatenate([edges, extra, rng.integers(0, layout.num_rows, n)]).astype(np.int64)
+    rng.shuffle(ids)
+    return ids
+
+
+def test_every_byte_value_is_in_the_table(nvfp4):
+    packed = reference_rows(nvfp4, np.arange(nvfp4.num_rows))
+    scales = reference_rows(nvfp4.scale_layout(), np.arange(nvfp4.num_rows))
+    assert np.unique(packed).size == 256
+    assert np.unique(scales).size >= 250  # every finite E4M3 code (the writer leaves out NaN)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [None, (150, 1003)])
+def test_decoded_rows_equal_the_numpy_decoder(nvfp4, mode, rows, rng):
+    ids = _ids(nvfp4, rng, 300, rows)
+    with ple_um.open_table(nvfp4.directory, mode=mode, rows=rows, device="cpu") as table:
+        assert table.mode == mode and table.dtype == torch.uint8 and table.row_dim == 64
+        for out_dtype in OUT:
+            got = table.lookup(torch.from_numpy(ids), out_dtype=out_dtype)
+            want = reference_nvfp4(nvfp4, ids, rows=rows, out_dtype=out_dtype)
+            assert got.shape == (ids.size, 64) and got.dtype == out_dtype
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (mode, rows, out_dtype)
+        oob = int(((ids < 0) | (ids >= nvfp4.num_rows)).sum())
+        stats = table.stats()
+        assert stats["rows"] == 3 * ids.size and stats["out_of_range"] == 3 * oob
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_out_buffer_2d_int32_ids_and_poison(nvfp4, mode, rng):
+    ids = rng.integers(-3, nvfp4.num_rows + 3, size=(5, 40)).astype(np.int32)
+    with ple_um.open_table(nvfp4.directory, mode=mode, device="cpu") as table:
+        out = torch.full((5, 40, 64), float("nan"), dtype=torch.bfloat16)
+        assert table.lookup(torch.from_numpy(ids), out=out) is out
+        want = reference_nvfp4(nvfp4, ids, out_dtype=torch.bfloat16)
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lookup_packed_gives_the_file_bytes(nvfp4, mode, rng):
+    rows = (100, 1100)
+    ids = _ids(nvfp4, rng, 200, rows)
+    with ple_um.open_table(nvfp4.directory, mode=mode, rows=rows, device="cpu") as table:
+        packed, scales = table.lookup_packed(torch.from_numpy(ids))
+        assert packed.dtype == torch.uint8 and packed.shape == (ids.size, 32)
+        assert scales.dtype == torch.float8_e4m3fn and scales.shape == (ids.size, 4)
+        assert np.array_equal(packed.numpy(), reference_rows(nvfp4, ids, rows=rows))
+        assert np.array_equal(
+            scales.view(torch.uint8).numpy(), reference_rows(nvfp4.scale_layout(), ids, rows=rows)
+        )
+
+
+def test_raw_lookup_of_an_nvfp4_table_is_refused(nvfp4):
+    with ple_um.open_table(nvfp4.directory, mode="cpu", device="cpu") as table:
+        with pytest.raises(TypeError, match="NVFP4"):
+            table.lookup(torch.arange(4))
+        with pytest.raises(TypeError, match="NVFP4"):
+            table.lookup(torch.arange(4), out_dtype=torch.uint8)
+
+
+def test_lookup_packed_is_only_for_nvfp4(make_checkpoint):
+    layout = make_checkpoint()
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        with pytest.raises(TypeError, match="NVFP4"):
+            table.lookup_packed(torch.arange(3))
+
+
+def test_bulk_sized_cpu_lookup(nvfp4, rng, monkeypatch):
+    """More than 16 384 ids: the cpu mode's bulk path (no dedup, grouped by file) feeds the decoder."""
+    monkeypatch.setenv("PLE_UM_CPU_THREADS", "2")
+    ids = rng.integers(-5, nvfp4.num_rows + 5, 20000)
+    with ple_um.open_table(nvfp4.directory, mode="cpu", device="cpu") as table:
+        got = table.lookup(torch.from_numpy(ids), out_dtype=torch.float32)
+    assert torch.equal(got, reference_nvfp4(nvfp4, ids, out_dtype=torch.float32))
+
+
+def test_self_test_covers_both_tensors(nvfp4):
+    with ple_um.open_table(nvfp4.directory, mode="ats", device="cpu") as table:
+        assert table.self_test(64) is None
+        assert table.stats()["rows"] == 0
+        assert table.stats()["mapped_bytes"] > table.mapping.mapped_bytes  # the block scales too
