@@ -4,6 +4,11 @@ The table's content is random-looking, always finite, and a pure function of the
 shard draws from its own generator seeded with ``(seed, shard index)``, so the file split does not
 change it. Data is streamed in chunks of about 64 MiB, so a 16 GiB table is written without holding
 it in memory.
+
+NVFP4 tables (``dtype="nvfp4"``) are written as vLLM's ``Qwen4ExpPLENvFp4EmbeddingMethod`` loads
+them: per shard, U8 ``[rows, D/2]`` packed E2M1 pairs (any byte is valid) and F8_E4M3
+``[rows, D/16]`` block scales ``...shard_<i>.weight_scale`` (every finite code, zeros, subnormals
+and negatives included), plus the F32 global scale ``...ngram_embedding.weight_scale_2``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ _DTYPE_NAMES = {
     "f16": "F16",
     "fp16": "F16",
     "float16": "F16",
+    "nvfp4": "NVFP4",
 }
 _TORCH_DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
@@ -44,7 +50,8 @@ _TORCH_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float16: "F16",
 }
-_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4}
+_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1}
+NVFP4_BLOCK_SIZE = 16
 
 
 def shard_name(layer: int, index: int) -> str:
@@ -55,11 +62,22 @@ def scale_name(layer: int) -> str:
     return f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_embedding.weight_scale"
 
 
+def block_scale_name(layer: int, index: int) -> str:
+    """NVFP4: the block scales of shard ``index``."""
+    return f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{index}.weight_scale"
+
+
+def global_scale_name(layer: int) -> str:
+    """NVFP4: the global scale."""
+    return f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_embedding.weight_scale_2"
+
+
 UNRELATED_NAME = f"{PREFIX}embed_tokens.weight"
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
-    """The safetensors name of a storage dtype given as a torch dtype or a usual spelling."""
+    """The safetensors name of a storage dtype given as a torch dtype or a usual spelling
+    ("NVFP4" for ``"nvfp4"``, whose shards are U8)."""
     if isinstance(dtype, torch.dtype):
         if dtype in _TORCH_DTYPES:
             return _TORCH_DTYPES[dtype]
@@ -78,7 +96,8 @@ def shard_rows(num_rows: int, shards: int) -> list[int]:
 
 
 def scale_value(seed: int) -> float:
-    """The FP8 scale for ``seed``: in [0.01, 0.05), exactly representable in F32, not a power of two."""
+    """The FP8 scale (NVFP4's global scale) for ``seed``: in [0.01, 0.05), exactly representable
+    in F32, not a power of two."""
     value = float(np.float32(0.01 + 0.04 * np.random.default_rng([seed, 1 << 33]).random()))
     if math.frexp(value)[0] == 0.5:  # a power of two would hide a missing or doubled scale
         value = float(np.float32(value * 1.25))
@@ -92,6 +111,8 @@ def _random_bytes(rng: np.random.Generator, name: str, count: int) -> np.ndarray
         data = rng.integers(0, 254, count, dtype=np.uint8)
         data += data >= 0x7F
         return data
+    if name == "U8":  # packed NVFP4: every byte is a pair of valid E2M1 codes
+        return rng.integers(0, 256, count, dtype=np.uint8)
     if name == "F8_E5M2":
         data = rng.integers(0, 256, count, dtype=np.uint8)
         # Exponent all ones (inf / NaN): clear its lowest bit.
@@ -113,7 +134,8 @@ class _Tensor(NamedTuple):
     name: str
     dtype: str
     shape: list[int]
-    source: int | str  # a shard index, "unrelated" or "scale"
+    source: str  # "shard", "block_scale" (NVFP4), "unrelated" or "scale"
+    index: int = 0  # the shard index of a shard or its block scales
 
     @property
     def nbytes(self) -> int:
@@ -146,9 +168,11 @@ def write_checkpoint(
 ) -> ShardLayout:
     """Write a PLE table of ``num_rows`` x ``row_dim`` in ``shards`` shards over ``files`` files.
 
-    Also writes, for an FP8 table, the F32 global scale; one small unrelated BF16 tensor (which a
-    reader must skip); and ``model.safetensors.index.json``. Existing files of the same names are
-    replaced. Returns ``read_layout(path, layer)``.
+    Also writes, for an FP8 table, the F32 global scale; for an NVFP4 table (``row_dim`` values a
+    row, a multiple of 16), each shard's block scales next to it and the F32 global scale
+    ``weight_scale_2``; one small unrelated BF16 tensor (which a reader must skip); and
+    ``model.safetensors.index.json``. Existing files of the same names are replaced. Returns
+    ``read_layout(path, layer)``.
     """
     num_rows = _check_int("num_rows", num_rows, 1)
     row_dim = _check_int("row_dim", row_dim, 1)
@@ -159,7 +183,11 @@ def write_checkpoint(
     if files > shards:
         raise ValueError(f"files ({files}) must not exceed shards ({shards}): each file holds at least one")
     name = dtype_name(dtype)
-    row_bytes = row_dim * _ITEMSIZE[name]
+    nvfp4 = name == "NVFP4"
+    if nvfp4 and row_dim % NVFP4_BLOCK_SIZE:
+        raise ValueError(f"row_dim of an NVFP4 table must be a multiple of {NVFP4_BLOCK_SIZE}, got {row_dim}")
+    storage = "U8" if nvfp4 else name
+    width = row_dim // 2 if nvfp4 else row_dim  # elements of the shard tensor per row
     rows = shard_rows(num_rows, shards)
 
     # Contiguous runs of shards per file; the small tensors go in the last file.
@@ -169,11 +197,23 @@ def write_checkpoint(
 
     plans: list[tuple[str, list[_Tensor]]] = []
     for k, group in enumerate(groups):
-        tensors = [_Tensor(shard_name(layer, int(i)), name, [rows[i], row_dim], int(i)) for i in group]
+        tensors = [
+            _Tensor(shard_name(layer, int(i)), storage, [rows[i], width], "shard", int(i)) for i in group
+        ]
+        if nvfp4:  # each shard's block scales in its file
+            width_scales = row_dim // NVFP4_BLOCK_SIZE
+            tensors += [
+                _Tensor(
+                    block_scale_name(layer, int(i)), "F8_E4M3", [rows[i], width_scales], "block_scale", int(i)
+                )
+                for i in group
+            ]
         if k == files - 1:
             tensors.append(_Tensor(UNRELATED_NAME, "BF16", [8, row_dim], "unrelated"))
             if name in ("F8_E4M3", "F8_E5M2"):
                 tensors.append(_Tensor(scale_name(layer), "F32", [], "scale"))
+            elif nvfp4:
+                tensors.append(_Tensor(global_scale_name(layer), "F32", [], "scale"))
         # The safetensors package's order: larger alignment first, then by name; it keeps every
         # tensor aligned to its element size, which loaders that view the data in place need.
         tensors.sort(key=lambda t: (-_ITEMSIZE[t.dtype], t.name))
@@ -185,7 +225,7 @@ def write_checkpoint(
         total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="write", disable=not progress
     ) as bar:
         for file_name, tensors in plans:
-            _write_file(os.path.join(directory, file_name), tensors, seed, row_bytes, bar)
+            _write_file(os.path.join(directory, file_name), tensors, seed, bar)
             weight_map.update({t.name: file_name for t in tensors})
 
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -193,7 +233,7 @@ def write_checkpoint(
     return read_layout(directory, layer)
 
 
-def _write_file(path: str, tensors: list[_Tensor], seed: int, row_bytes: int, bar: tqdm) -> None:
+def _write_file(path: str, tensors: list[_Tensor], seed: int, bar: tqdm) -> None:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
@@ -213,16 +253,18 @@ def _write_file(path: str, tensors: list[_Tensor], seed: int, row_bytes: int, ba
                 rng = np.random.default_rng([seed, 1 << 32])
                 f.write(_random_bytes(rng, t.dtype, math.prod(t.shape)).tobytes())
             else:
-                _write_shard(f, np.random.default_rng([seed, t.source]), t.dtype, t.shape[0], row_bytes, bar)
+                # A shard draws from (seed, i); its NVFP4 block scales from (seed, i, 2**34).
+                key = [seed, t.index] if t.source == "shard" else [seed, t.index, 1 << 34]
+                _write_shard(f, np.random.default_rng(key), t.dtype, t.shape[0], t.shape[1], bar)
                 continue
             bar.update(t.nbytes)
     os.replace(partial, path)
 
 
-def _write_shard(f, rng: np.random.Generator, dt: str, rows: int, row_bytes: int, bar: tqdm) -> None:
+def _write_shard(f, rng: np.random.Generator, dt: str, rows: int, count_per_row: int, bar: tqdm) -> None:
     # Chunks of whole rows, sized from row_bytes alone, so the content depends only on the arguments.
+    row_bytes = count_per_row * _ITEMSIZE[dt]
     chunk_rows = max(1, CHUNK_BYTES // row_bytes)
-    count_per_row = row_bytes // _ITEMSIZE[dt]
     for start in range(0, rows, chunk_rows):
         n = min(chunk_rows, rows - start)
         data = _random_bytes(rng, dt, n * count_per_row)

@@ -1,6 +1,8 @@
 """Reference implementations for tests, independent of ple_um's own readers and writers.
 
 - ``reference_rows``: the rows a lookup must return, read with plain open/seek/read.
+- ``reference_nvfp4``: an NVFP4 table's rows decoded as vLLM's CPU path does, by a NumPy decoder
+  written from the format (``decode_e2m1``, ``decode_e4m3``), files read with open/seek/read.
 - ``encode_safetensors`` / ``write_safetensors`` / ``write_raw``: safetensors files built byte by
   byte, sound or deliberately broken.
 
@@ -17,8 +19,13 @@ import struct
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 
 ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "U8": 1}
+
+# NVFP4: two E2M1 codes a byte (the even element in the low nibble), one E4M3 scale per 16 values.
+NVFP4_BLOCK = 16
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 
 
 def reference_rows(layout, ids, rows: tuple[int, int] | None = None) -> np.ndarray:
@@ -49,6 +56,77 @@ def reference_rows(layout, ids, rows: tuple[int, int] | None = None) -> np.ndarr
         for f in handles.values():
             f.close()
     return out
+
+
+def decode_e2m1(codes) -> np.ndarray:
+    """float32 values of E2M1 codes (0..15): bit 3 the sign, bits 0-2 index E2M1_MAGNITUDES.
+    Code 8 is -0.0 (0 * -1)."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    sign = np.where(((codes >> 3) & 1) == 1, np.float32(-1.0), np.float32(1.0))
+    return E2M1_MAGNITUDES[codes & 7] * sign
+
+
+def decode_e4m3(raw) -> np.ndarray:
+    """float32 values of E4M3 (e4m3fn) bytes: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+    exponent 0 is subnormal (m * 2**-9); 0x7F and 0xFF are NaN; there is no infinity."""
+    b = np.asarray(raw, dtype=np.uint8).astype(np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exponent, mantissa = (b >> 3) & 0xF, b & 0x7
+    normal = (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0)
+    value = sign * np.where(exponent == 0, mantissa * 2.0**-9, normal)  # exact in float64
+    value = np.where((b & 0x7F) == 0x7F, np.nan, value)
+    return value.astype(np.float32)
+
+
+def reference_nvfp4(
+    layout, ids, rows: tuple[int, int] | None = None, out_dtype=torch.bfloat16
+) -> torch.Tensor:
+    """``ids.shape + (layout.row_dim,)`` in ``out_dtype``: each id's NVFP4 row decoded from the files.
+
+    The packed bytes (``row_dim // 2`` a row) and the block-scale bytes (``row_dim // 16``) are read
+    with open/seek/read at the offsets of ``layout.shards`` and ``layout.block_scales``; the values
+    are computed as vLLM's CPU path does: ``e2m1 * (e4m3_scale * global_scale)``, the product of
+    the scales first, all in float32, then cast with torch. Ids outside ``[0, num_rows)``, and
+    outside ``rows=(start, end)`` when given, give zeros.
+    """
+    shape = np.shape(np.asarray(ids))
+    flat = np.asarray(ids).reshape(-1).astype(np.int64)
+    dim = layout.row_dim
+    assert dim % NVFP4_BLOCK == 0, dim
+    packed_bytes, scale_bytes = dim // 2, dim // NVFP4_BLOCK
+    global_scale = np.float32(layout.scale)
+    out = np.zeros((flat.size, dim), dtype=np.float32)
+    start, end = (0, layout.num_rows) if rows is None else rows
+    handles: dict[str, object] = {}
+
+    def read(spec, local: int, width: int) -> np.ndarray:
+        f = handles.get(spec.path)
+        if f is None:
+            f = handles[spec.path] = open(spec.path, "rb")  # noqa: SIM115 - closed below
+        f.seek(spec.offset + local * width)
+        data = f.read(width)
+        assert len(data) == width, (spec, local)
+        return np.frombuffer(data, dtype=np.uint8)
+
+    try:
+        for k, row in enumerate(flat.tolist()):
+            if not (0 <= row < layout.num_rows and start <= row < end):
+                continue
+            index = row // layout.rows_per_shard
+            shard, blocks = layout.shards[index], layout.block_scales[index]
+            local = row - index * layout.rows_per_shard
+            assert shard.index == blocks.index == index and 0 <= local < shard.rows == blocks.rows
+            packed = read(shard, local, packed_bytes)
+            codes = np.empty(dim, dtype=np.uint8)
+            codes[0::2] = packed & 0x0F  # element 2j: the low nibble of byte j
+            codes[1::2] = packed >> 4  # element 2j + 1: the high nibble
+            values = decode_e2m1(codes).reshape(scale_bytes, NVFP4_BLOCK)
+            scales = decode_e4m3(read(blocks, local, scale_bytes)) * global_scale  # float32
+            out[k] = (values * scales[:, None]).reshape(dim)
+    finally:
+        for f in handles.values():
+            f.close()
+    return torch.from_numpy(out).to(out_dtype).reshape(*shape, dim)
 
 
 def encode_safetensors(

@@ -114,8 +114,9 @@ def test_layout_fields_and_offsets(tmp_path):
     assert validate(directory) == []
 
 
-def test_rows_against_bytes_read_directly(tmp_path):
-    tensors = ple(rows=(4, 4, 2), dim=5, dtype="BF16", scale=None)
+@pytest.mark.parametrize("dtype", ["BF16", "F16"])
+def test_rows_against_bytes_read_directly(tmp_path, dtype):
+    tensors = ple(rows=(4, 4, 2), dim=5, dtype=dtype, scale=None)
     write_safetensors(tmp_path / "a.safetensors", {shard(0): tensors[shard(0)], **UNRELATED})
     write_safetensors(tmp_path / "b.safetensors", {shard(2): tensors[shard(2)], shard(1): tensors[shard(1)]})
     layout = read_layout(str(tmp_path))
@@ -472,7 +473,7 @@ SHARD_CASES = [
     (
         "unsupported_dtype",
         lambda: ple(dtype="F32", scale=None),
-        r"unsupported dtype F32 for a PLE shard \(supported: F8_E4M3, F8_E5M2, BF16, F16\)",
+        r"unsupported dtype F32 for a PLE shard \(supported: F8_E4M3, F8_E5M2, BF16, F16, U8 \(NVFP4\)\)",
         shard(0),
     ),
     (

@@ -14,13 +14,13 @@ import struct
 import numpy as np
 import pytest
 import torch
-from ple_um.kernels import gather_rows
-from ple_um.kernels.gather import ROWS_PER_PROGRAM, word_bits_for
 from reference import write_safetensors
 
 import ple_um
 from ple_um.access.capabilities import triton_interpreter
 from ple_um.checkpoint import read_layout
+from ple_um.kernels import gather_rows
+from ple_um.kernels.gather import ROWS_PER_PROGRAM, word_bits_for
 from ple_um.mapping import MappedShards
 from ple_um.synthetic import scale_name, shard_name, shard_rows, write_checkpoint
 

@@ -69,9 +69,10 @@ def test_trailing_empty_shards(make_checkpoint, num_rows, shards, rows):
         assert shapes[s.tensor] == [s.rows, 3]
 
 
+@pytest.mark.parametrize("dtype", ["F8_E5M2", "F16", "nvfp4"])
 @pytest.mark.parametrize("files, expected", [(None, 4), (1, 1), (2, 2), (6, 6)])
-def test_file_split_and_index(make_checkpoint, files, expected):
-    layout = make_checkpoint(num_rows=50, row_dim=8, dtype="F8_E5M2", shards=6, files=files)
+def test_file_split_and_index(make_checkpoint, files, expected, dtype):
+    layout = make_checkpoint(num_rows=50, row_dim=16, dtype=dtype, shards=6, files=files)
     directory = layout.directory
     names = files_of(directory)
     assert names == [f"model-{k:05d}-of-{expected:05d}.safetensors" for k in range(1, expected + 1)]
@@ -88,10 +89,14 @@ def test_file_split_and_index(make_checkpoint, files, expected):
     assert index["weight_map"] == held
     assert index["metadata"]["total_size"] == total
     assert "model.language_model.embed_tokens.weight" in held  # the tensor readers must skip
-    assert len(held) == 6 + 2
-    # Shards split in contiguous runs, in index order.
+    # Shards (and NVFP4 block scales), the unrelated tensor, the scale (none for F16).
+    assert len(held) == {"F8_E5M2": 6 + 2, "F16": 6 + 1, "nvfp4": 2 * 6 + 2}[dtype]
+    # Shards split in contiguous runs, in index order; block scales in their shard's file.
     order = [names.index(held[s.tensor]) for s in layout.shards]
     assert order == sorted(order)
+    assert [held[s.tensor] for s in layout.block_scales] == (
+        [held[s.tensor] for s in layout.shards] if dtype == "nvfp4" else []
+    )
 
 
 def test_files_must_not_exceed_shards(tmp_path):
@@ -99,22 +104,23 @@ def test_files_must_not_exceed_shards(tmp_path):
         write_checkpoint(tmp_path, num_rows=10, row_dim=4, dtype="fp8", shards=4, files=5)
 
 
-def test_determinism(make_checkpoint):
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "fp8", "F8_E5M2", "nvfp4"])
+def test_determinism(make_checkpoint, dtype):
     def content(layout):
         return {
             name: open(os.path.join(layout.directory, name), "rb").read()  # noqa: SIM115
             for name in (*files_of(layout.directory), INDEX)
         }
 
-    a = make_checkpoint(num_rows=33, row_dim=16, dtype="bf16", shards=3, seed=7)
-    b = make_checkpoint(num_rows=33, row_dim=16, dtype="bf16", shards=3, seed=7)
-    c = make_checkpoint(num_rows=33, row_dim=16, dtype="bf16", shards=3, seed=8)
+    a = make_checkpoint(num_rows=33, row_dim=16, dtype=dtype, shards=3, seed=7)
+    b = make_checkpoint(num_rows=33, row_dim=16, dtype=dtype, shards=3, seed=7)
+    c = make_checkpoint(num_rows=33, row_dim=16, dtype=dtype, shards=3, seed=8)
     assert content(a) == content(b)
     assert np.array_equal(table_bytes(a.directory, a), table_bytes(b.directory, b))
     ta, tc = table_bytes(a.directory, a), table_bytes(c.directory, c)
     assert (ta != tc).mean() > 0.5
     # Content depends on the shard index, not on how shards are split over files.
-    d = make_checkpoint(num_rows=33, row_dim=16, dtype="bf16", shards=3, seed=7, files=1)
+    d = make_checkpoint(num_rows=33, row_dim=16, dtype=dtype, shards=3, seed=7, files=1)
     assert np.array_equal(table_bytes(d.directory, d), ta)
 
 
@@ -184,15 +190,18 @@ def test_scale(make_checkpoint):
     assert synthetic.scale_value(3) == synthetic.scale_value(3)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "F16", "f16"])
+@pytest.mark.parametrize("dtype", ["bf16", "F16", "f16", "fp16", "float16"])
 def test_16bit_has_no_scale_tensor(make_checkpoint, dtype):
     layout = make_checkpoint(dtype=dtype)
     assert layout.scale is None
     assert not any(k.endswith("weight_scale") for k in load_all(layout.directory))
 
 
-def test_header_padded_and_data_aligned(make_checkpoint):
-    layout = make_checkpoint(num_rows=13, row_dim=5, dtype="fp8", shards=3, files=3)
+@pytest.mark.parametrize(
+    "dtype, row_dim", [("fp8", 5), ("F8_E5M2", 5), ("bf16", 5), ("f16", 5), ("nvfp4", 16)]
+)
+def test_header_padded_and_data_aligned(make_checkpoint, dtype, row_dim):
+    layout = make_checkpoint(num_rows=13, row_dim=row_dim, dtype=dtype, shards=3, files=3)
     for name in files_of(layout.directory):
         with open(os.path.join(layout.directory, name), "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
@@ -203,7 +212,7 @@ def test_header_padded_and_data_aligned(make_checkpoint):
         # Every tensor aligned to its element size, as the safetensors package lays files out.
         for key, meta in parsed.items():
             if key != "__metadata__":
-                size = {"F32": 4, "BF16": 2, "F8_E4M3": 1}[meta["dtype"]]
+                size = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1}[meta["dtype"]]
                 assert meta["data_offsets"][0] % size == 0
 
 
@@ -222,10 +231,18 @@ def test_header_padded_and_data_aligned(make_checkpoint):
         ("BF16", "BF16"),
         ("f16", "F16"),
         ("F16", "F16"),
+        ("fp16", "F16"),
+        ("float16", "F16"),
+        (" Float16 ", "F16"),
+        ("bfloat16", "BF16"),
+        ("float8_e4m3fn", "F8_E4M3"),
+        ("float8_e5m2", "F8_E5M2"),
+        ("nvfp4", "NVFP4"),
+        ("NVFP4", "NVFP4"),
     ],
 )
 def test_dtype_spellings(make_checkpoint, spelling, name):
-    layout = make_checkpoint(dtype=spelling, num_rows=3, row_dim=2, shards=1)
+    layout = make_checkpoint(dtype=spelling, num_rows=3, row_dim=16, shards=1)
     assert layout.dtype_name == name
 
 
@@ -244,6 +261,9 @@ def test_dtype_spellings(make_checkpoint, spelling, name):
         (dict(dtype="fp32"), r"unsupported table dtype 'fp32'"),
         (dict(dtype=torch.float32), r"unsupported table dtype torch.float32"),
         (dict(dtype=None), r"unsupported table dtype None"),
+        (dict(dtype=torch.uint8), r"unsupported table dtype torch.uint8"),
+        (dict(dtype="fp4"), r"unsupported table dtype 'fp4'"),
+        (dict(dtype="nvfp4", row_dim=8), r"row_dim of an NVFP4 table must be a multiple of 16, got 8"),
     ],
 )
 def test_bad_arguments(tmp_path, kwargs, match):
@@ -259,9 +279,10 @@ def test_more_shards_than_rows(make_checkpoint):
     assert [s.rows for s in layout.shards] == [1, 1, 1, 0, 0, 0, 0, 0]
 
 
-def test_many_chunks(make_checkpoint, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_many_chunks(make_checkpoint, monkeypatch, dtype):
     monkeypatch.setattr(synthetic, "CHUNK_BYTES", 100)  # a row of 48 bytes: 2 rows per chunk
-    layout = make_checkpoint(num_rows=31, row_dim=24, dtype="bf16", shards=2)
+    layout = make_checkpoint(num_rows=31, row_dim=24, dtype=dtype, shards=2)
     tensors = load_all(layout.directory)
     for s in layout.shards:
         assert torch.isfinite(tensors[s.tensor].float()).all()

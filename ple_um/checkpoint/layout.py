@@ -4,6 +4,12 @@ The Qwen4Exp layout: the table's rows are split into ``split_ngram_parts`` shard
 ``...layers.<L>.ple.ple_embedding.ngram_embedding.shard_<i>.weight`` (any prefix); shard ``i``
 holds global rows ``[i*S, i*S + rows_i)`` with ``S = ceil(num_rows / parts)``. FP8 tables add one
 global ``...ngram_embedding.weight_scale``.
+
+NVFP4 tables (vLLM's ``Qwen4ExpPLENvFp4EmbeddingMethod``) store U8 shards ``[rows_i, D/2]`` of packed
+E2M1 values (two per byte, the even element in the low nibble), next to each one its block scales
+``...shard_<i>.weight_scale``, F8_E4M3 ``[rows_i, D/16]`` (one per 16 values), and one global
+``...ngram_embedding.weight_scale_2``; an unsharded ``...ngram_embedding.weight_scale`` is refused
+there, as vLLM refuses it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ INDEX_FILE = "model.safetensors.index.json"
 _PLE = r"(?:^|\.)layers\.([0-9]+)\.ple\.ple_embedding\.ngram_embedding\."
 SHARD_RE = re.compile(_PLE + r"shard_([0-9]+)\.weight\Z")
 SCALE_RE = re.compile(_PLE + r"weight_scale\Z")
+BLOCK_SCALE_RE = re.compile(_PLE + r"shard_([0-9]+)\.weight_scale\Z")  # NVFP4: per shard
+GLOBAL_SCALE_RE = re.compile(_PLE + r"weight_scale_2\Z")  # NVFP4: the global scale
 
 # Storage dtypes a table may have: safetensors name -> torch dtype.
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -33,9 +41,15 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "BF16": torch.bfloat16,
     "F16": torch.float16,
+    "U8": torch.uint8,  # packed NVFP4: a layout's dtype_name is then "NVFP4"
 }
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 SCALE_DTYPES = ("F32", "BF16", "F16")
+NVFP4 = "NVFP4"  # dtype_name of an NVFP4 table (U8 shards)
+NVFP4_STORAGE = "U8"
+NVFP4_BLOCK_SIZE = 16  # values per E4M3 block scale
+NVFP4_SCALE_DTYPE = "F8_E4M3"
+_SUPPORTED = ", ".join(f"{d} ({NVFP4})" if d == NVFP4_STORAGE else d for d in STORAGE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -55,30 +69,61 @@ class ShardLayout:
 
     directory: str
     layer: int
-    dtype_name: str  # safetensors dtype: F8_E4M3, F8_E5M2, BF16, F16
-    dtype: torch.dtype  # the matching torch dtype
-    row_dim: int  # elements per row
-    row_bytes: int  # bytes per row
+    dtype_name: str  # safetensors dtype: F8_E4M3, F8_E5M2, BF16, F16; or NVFP4 (U8 shards)
+    dtype: torch.dtype  # the matching torch dtype (torch.uint8, the packed bytes, for NVFP4)
+    row_dim: int  # elements per row (logical values for NVFP4: twice the packed bytes)
+    row_bytes: int  # bytes per row (packed: row_dim // 2 for NVFP4)
     num_rows: int  # global rows (sum of shard rows)
     rows_per_shard: int  # S = ceil(num_rows / parts)
     shards: tuple[ShardSpec, ...]  # all parts, in index order
-    scale: float | None  # the global FP8 scale (None for 16-bit tables)
+    scale: float | None  # the global FP8 scale, or NVFP4's weight_scale_2 (None for 16-bit tables)
     scale_tensor: str | None  # its tensor name
+    # NVFP4 only: each shard's block scales (E4M3 [rows, row_dim // 16]), in the order and with the
+    # rows of ``shards``; and the values per block scale (16). Empty and 0 for other dtypes.
+    block_scales: tuple[ShardSpec, ...] = ()
+    block_size: int = 0
 
     @property
     def parts(self) -> int:
         return len(self.shards)
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.dtype_name == NVFP4
 
     def shard_start(self, index: int) -> int:
         return index * self.rows_per_shard
 
     @property
     def files(self) -> tuple[str, ...]:
-        return tuple(sorted({s.path for s in self.shards}))
+        """Every file that holds table data: the shards', and for NVFP4 the block scales' too."""
+        return tuple(sorted({s.path for s in (*self.shards, *self.block_scales)}))
 
     @property
     def nbytes(self) -> int:
-        return self.num_rows * self.row_bytes
+        """Bytes of table data: rows, plus block scales for NVFP4."""
+        scale_bytes = self.num_rows * (self.row_dim // self.block_size) if self.block_size else 0
+        return self.num_rows * self.row_bytes + scale_bytes
+
+    def scale_layout(self) -> ShardLayout:
+        """An NVFP4 table's block scales as a table of their own (E4M3, ``row_dim // 16`` per row),
+        to be mapped like any table; ValueError for other dtypes."""
+        if not self.is_nvfp4:
+            raise ValueError(f"only NVFP4 tables have block scales; this table is {self.dtype_name}")
+        width = self.row_dim // self.block_size
+        return ShardLayout(
+            directory=self.directory,
+            layer=self.layer,
+            dtype_name=NVFP4_SCALE_DTYPE,
+            dtype=STORAGE_DTYPES[NVFP4_SCALE_DTYPE],
+            row_dim=width,
+            row_bytes=width,
+            num_rows=self.num_rows,
+            rows_per_shard=self.rows_per_shard,
+            shards=self.block_scales,
+            scale=None,
+            scale_tensor=None,
+        )
 
 
 def find_layers(directory: str) -> list[int]:
@@ -136,7 +181,9 @@ class _LayerTensors:
     """The PLE tensors of one layer, as found in the headers (duplicates kept, to be reported)."""
 
     shards: dict[int, list[TensorEntry]] = field(default_factory=dict)
-    scales: list[TensorEntry] = field(default_factory=list)
+    scales: list[TensorEntry] = field(default_factory=list)  # ...ngram_embedding.weight_scale
+    block_scales: dict[int, list[TensorEntry]] = field(default_factory=dict)  # NVFP4 shard_<i>.weight_scale
+    global_scales: list[TensorEntry] = field(default_factory=list)  # NVFP4 ...weight_scale_2
 
 
 @dataclass
@@ -146,17 +193,31 @@ class _Scan:
     tensors: dict[int, _LayerTensors]  # per layer (only the requested one when a layer is given)
 
 
-def _ple_match(name: str) -> tuple[int, int | None] | None:
-    """(layer, shard index or None for the scale) when ``name`` is a PLE tensor, else None.
+_KINDS = (
+    ("shard", SHARD_RE),
+    ("block_scale", BLOCK_SCALE_RE),
+    ("scale", SCALE_RE),
+    ("global_scale", GLOBAL_SCALE_RE),
+)
 
+
+def _ple_match(name: str) -> tuple[int, str, int | None] | None:
+    """(layer, kind, shard index or None) when ``name`` is a PLE tensor, else None.
+
+    ``kind`` is "shard" (rows), "block_scale" (an NVFP4 shard's block scales), "scale" (the FP8
+    scale) or "global_scale" (NVFP4's weight_scale_2); the index is given for the first two.
     Indices of more than 9 digits are taken as no match: no real table has them, and int() of a
     several-thousand-digit name would raise.
     """
-    shard = SHARD_RE.search(name)
-    match = shard or SCALE_RE.search(name)
-    if match is None or any(len(g) > 9 for g in match.groups()):
-        return None
-    return int(match.group(1)), (int(shard.group(2)) if shard else None)
+    for kind, pattern in _KINDS:
+        match = pattern.search(name)
+        if match is None:
+            continue
+        if any(len(g) > 9 for g in match.groups()):
+            return None
+        index = int(match.group(2)) if match.lastindex == 2 else None
+        return int(match.group(1)), kind, index
+    return None
 
 
 def _scan(directory: str, layer: int | None, problems: _Problems) -> _Scan | None:
@@ -192,16 +253,20 @@ def _scan(directory: str, layer: int | None, problems: _Problems) -> _Scan | Non
             match = _ple_match(name)
             if match is None:
                 continue
-            at, index = match
-            if index is not None:
+            at, kind, index = match
+            if kind == "shard":
                 scan.layers.add(at)
             if layer is not None and at != layer:
                 continue
             found = scan.tensors.setdefault(at, _LayerTensors())
-            if index is not None:
+            if kind == "shard":
                 found.shards.setdefault(index, []).append(entry)
-            else:
+            elif kind == "block_scale":
+                found.block_scales.setdefault(index, []).append(entry)
+            elif kind == "scale":
                 found.scales.append(entry)
+            else:
+                found.global_scales.append(entry)
         bad = {e.tensor for e in header.problems}
         for name, claimed in claims.items():
             if claimed == path and name not in header.tensors and name not in bad:
@@ -249,8 +314,8 @@ def _files_from_index(
         match = _ple_match(name)
         if match is None:
             continue
-        at, index = match
-        if index is not None:
+        at, kind, _ = match
+        if kind == "shard":
             index_layers.add(at)
         if layer is not None and at != layer:
             continue
@@ -312,7 +377,7 @@ def _build(scan: _Scan, layer: int, problems: _Problems) -> ShardLayout | None:
     for entry in shards.values():
         if entry.dtype not in STORAGE_DTYPES:
             problems.report(
-                f"unsupported dtype {entry.dtype} for a PLE shard (supported: {', '.join(STORAGE_DTYPES)})",
+                f"unsupported dtype {entry.dtype} for a PLE shard (supported: {_SUPPORTED})",
                 path=entry.path,
                 tensor=entry.name,
             )
@@ -344,6 +409,16 @@ def _build(scan: _Scan, layer: int, problems: _Problems) -> ShardLayout | None:
     if reference is not None and reference.shape[1] == 0:
         problems.report("rows have 0 elements", path=reference.path, tensor=reference.name)
         sound = False
+    nvfp4 = reference is not None and reference.dtype == NVFP4_STORAGE
+    if nvfp4 and reference.shape[1] % (NVFP4_BLOCK_SIZE // 2):
+        problems.report(
+            f"NVFP4 rows of {2 * reference.shape[1]} values ({reference.shape[1]} packed bytes) do not "
+            f"split into blocks of {NVFP4_BLOCK_SIZE}: the packed width must be a multiple of "
+            f"{NVFP4_BLOCK_SIZE // 2}",
+            path=reference.path,
+            tensor=reference.name,
+        )
+        sound = False
 
     if not shards:  # the index named shards that their files do not hold (reported by _scan)
         problems.report(f"no PLE shards of layer {layer} could be read in {scan.directory}")
@@ -358,43 +433,63 @@ def _build(scan: _Scan, layer: int, problems: _Problems) -> ShardLayout | None:
             path=shards[max(shards)].path,
         )
         sound = False
-    if not sound or reference is None:
+    # An NVFP4 table goes on to its block scales and global scale even when its rows are unsound,
+    # so that validate lists their problems too; other tables stop here, as they always have.
+    rows_sound = sound
+    if reference is None or not (rows_sound or nvfp4):
         return None
 
-    dtype_name = reference.dtype
-    row_dim = reference.shape[1]
-    row_bytes = row_dim * STORAGE_DTYPES[dtype_name].itemsize
-    total = sum(entry.shape[0] for entry in shards.values())
-    if total == 0:
-        problems.report(f"layer {layer}: the table has 0 rows", path=reference.path, tensor=reference.name)
-        return None
-    per_shard = -(-total // parts)
-    for index, entry in shards.items():
-        expected = min(max(total - index * per_shard, 0), per_shard)
-        if entry.shape[0] != expected:
+    storage = reference.dtype
+    row_bytes = reference.shape[1] * STORAGE_DTYPES[storage].itemsize
+    row_dim = 2 * reference.shape[1] if nvfp4 else reference.shape[1]
+    total = per_shard = 0
+    if rows_sound:
+        total = sum(entry.shape[0] for entry in shards.values())
+        if total == 0:
             problems.report(
-                f"shard {index} holds {entry.shape[0]} rows, expected {expected} ({total} rows in {parts} "
-                f"parts: ceil({total}/{parts}) = {per_shard} rows per shard)",
-                path=entry.path,
-                tensor=entry.name,
+                f"layer {layer}: the table has 0 rows", path=reference.path, tensor=reference.name
             )
-            sound = False
+            return None
+        per_shard = -(-total // parts)
+        for index, entry in shards.items():
+            expected = min(max(total - index * per_shard, 0), per_shard)
+            if entry.shape[0] != expected:
+                problems.report(
+                    f"shard {index} holds {entry.shape[0]} rows, expected {expected} ({total} rows in "
+                    f"{parts} parts: ceil({total}/{parts}) = {per_shard} rows per shard)",
+                    path=entry.path,
+                    tensor=entry.name,
+                )
+                sound = False
 
     scale, scale_tensor = None, None
-    if dtype_name in FP8_DTYPES:
-        read = _read_scale(found.scales, reference, problems)
+    blocks: dict[int, TensorEntry] = {}
+    if storage in FP8_DTYPES:
+        read = _read_scale(
+            found.scales,
+            reference.name[: reference.name.rindex("shard_")] + "weight_scale",
+            reference.path,
+            f"FP8 table ({storage}) without its global scale; no such tensor in any file",
+            problems,
+        )
         if read is None:
             sound = False
         else:
             scale, scale_tensor = read
+    elif nvfp4:
+        checked = _check_nvfp4(found, shards, reference, problems)
+        if checked is None:
+            sound = False
+        else:
+            blocks, scale, scale_tensor = checked
     if not sound:
         return None
 
     return ShardLayout(
         directory=scan.directory,
         layer=layer,
-        dtype_name=dtype_name,
-        dtype=STORAGE_DTYPES[dtype_name],
+        dtype_name=NVFP4 if nvfp4 else storage,
+        dtype=STORAGE_DTYPES[storage],
         row_dim=row_dim,
         row_bytes=row_bytes,
         num_rows=total,
@@ -405,7 +500,108 @@ def _build(scan: _Scan, layer: int, problems: _Problems) -> ShardLayout | None:
         ),
         scale=scale,
         scale_tensor=scale_tensor,
+        block_scales=tuple(
+            ShardSpec(index=i, path=e.path, tensor=e.name, offset=e.start, rows=e.shape[0])
+            for i, e in sorted(blocks.items())
+        ),
+        block_size=NVFP4_BLOCK_SIZE if nvfp4 else 0,
     )
+
+
+def _check_nvfp4(
+    found: _LayerTensors, shards: dict[int, TensorEntry], reference: TensorEntry, problems: _Problems
+) -> tuple[dict[int, TensorEntry], float, str] | None:
+    """An NVFP4 table's block scales by shard index, and its global scale (value, tensor name);
+    None when any of them is unsound (every problem reported)."""
+    sound = True
+    # vLLM refuses an unsharded ngram_embedding.weight_scale next to an NVFP4 table.
+    for entry in sorted(found.scales, key=lambda e: (e.path, e.name)):
+        problems.report(
+            "unsharded weight_scale next to an NVFP4 table: its block scales must be stored per shard, "
+            "as ...ngram_embedding.shard_<i>.weight_scale",
+            path=entry.path,
+            tensor=entry.name,
+        )
+        sound = False
+
+    blocks: dict[int, TensorEntry] = {}
+    for index in sorted(found.block_scales):
+        first, *others = sorted(found.block_scales[index], key=lambda e: (e.path, e.name))
+        for other in others:
+            problems.report(
+                f"duplicate block scales of shard index {index}: also tensor {first.name} in {first.path}",
+                path=other.path,
+                tensor=other.name,
+            )
+            sound = False
+        blocks[index] = first
+
+    row_dim = 2 * reference.shape[1]
+    width = row_dim // NVFP4_BLOCK_SIZE if row_dim % NVFP4_BLOCK_SIZE == 0 else None
+    for index in sorted(shards.keys() | blocks.keys()):
+        rows, block = shards.get(index), blocks.get(index)
+        if block is None:
+            assert rows is not None
+            problems.report(
+                f"NVFP4 shard {index} without its block scales; no such tensor in any file",
+                path=rows.path,
+                tensor=rows.name + "_scale",
+            )
+            sound = False
+            continue
+        if rows is None:
+            problems.report(
+                f"block scales of shard {index} without its rows: no tensor "
+                f"{block.name.removesuffix('_scale')} in any file",
+                path=block.path,
+                tensor=block.name,
+            )
+            sound = False
+            continue
+        if block.dtype != NVFP4_SCALE_DTYPE:
+            problems.report(
+                f"block-scale dtype {block.dtype}, expected {NVFP4_SCALE_DTYPE}",
+                path=block.path,
+                tensor=block.name,
+            )
+            sound = False
+            continue
+        if len(block.shape) != 2:
+            problems.report(
+                f"block-scale tensor has shape {list(block.shape)}, expected 2-D [rows, row_dim/16]",
+                path=block.path,
+                tensor=block.name,
+            )
+            sound = False
+            continue
+        if rows.dtype == reference.dtype and len(rows.shape) == 2 and block.shape[0] != rows.shape[0]:
+            problems.report(
+                f"block scales of shard {index} have {block.shape[0]} rows, its row shard {rows.name} "
+                f"has {rows.shape[0]}",
+                path=block.path,
+                tensor=block.name,
+            )
+            sound = False
+        if width is not None and block.shape[1] != width:
+            problems.report(
+                f"block-scale width {block.shape[1]}, expected {width}: one scale per {NVFP4_BLOCK_SIZE} "
+                f"of the {row_dim} values of a row ({reference.shape[1]} packed bytes)",
+                path=block.path,
+                tensor=block.name,
+            )
+            sound = False
+
+    read = _read_scale(
+        found.global_scales,
+        reference.name[: reference.name.rindex("shard_")] + "weight_scale_2",
+        reference.path,
+        "NVFP4 table without its global scale weight_scale_2; no such tensor in any file",
+        problems,
+        noun="global scale",
+    )
+    if read is None or not sound:
+        return None
+    return blocks, read[0], read[1]
 
 
 def _missing(present: list[int], parts: int, limit: int = 10) -> list[int]:
@@ -423,40 +619,46 @@ def _missing(present: list[int], parts: int, limit: int = 10) -> list[int]:
 
 
 def _read_scale(
-    scales: list[TensorEntry], shard: TensorEntry, problems: _Problems
+    scales: list[TensorEntry],
+    expected: str,
+    path: str,
+    missing: str,
+    problems: _Problems,
+    *,
+    noun: str = "scale",
 ) -> tuple[float, str] | None:
-    """The FP8 table's global scale (value, tensor name), or None when absent or unsound (reported)."""
+    """A table's global scale (value, tensor name), or None when absent or unsound (reported).
+
+    ``missing`` is the message when there is none, naming the ``expected`` tensor and the shard
+    file ``path``; ``noun`` names the scale in the other messages (the FP8 "scale", NVFP4's
+    "global scale").
+    """
     if not scales:
-        expected = shard.name[: shard.name.rindex("shard_")] + "weight_scale"
-        problems.report(
-            f"FP8 table ({shard.dtype}) without its global scale; no such tensor in any file",
-            path=shard.path,
-            tensor=expected,
-        )
+        problems.report(missing, path=path, tensor=expected)
         return None
     first, *others = sorted(scales, key=lambda e: (e.path, e.name))
     for other in others:
         problems.report(
-            f"duplicate scale: also tensor {first.name} in {first.path}", path=other.path, tensor=other.name
+            f"duplicate {noun}: also tensor {first.name} in {first.path}", path=other.path, tensor=other.name
         )
     if others:
         return None
     if first.dtype not in SCALE_DTYPES:
         problems.report(
-            f"scale dtype {first.dtype} is not one of {', '.join(SCALE_DTYPES)}",
+            f"{noun} dtype {first.dtype} is not one of {', '.join(SCALE_DTYPES)}",
             path=first.path,
             tensor=first.name,
         )
         return None
     if first.shape not in ((), (1,)):
         problems.report(
-            f"scale shape {list(first.shape)} is not [] or [1]", path=first.path, tensor=first.name
+            f"{noun} shape {list(first.shape)} is not [] or [1]", path=first.path, tensor=first.name
         )
         return None
     try:
         raw = read_bytes(first.path, first.start, first.nbytes)
     except CheckpointError as e:
-        problems.report(f"cannot read the scale: {e}", tensor=first.name)
+        problems.report(f"cannot read the {noun}: {e}", tensor=first.name)
         return None
     if first.dtype == "F32":
         (value,) = struct.unpack("<f", raw)
@@ -466,7 +668,7 @@ def _read_scale(
         (value,) = struct.unpack("<f", b"\0\0" + raw)
     if not math.isfinite(value) or value == 0.0:
         problems.report(
-            f"scale is {value}, expected a finite non-zero number", path=first.path, tensor=first.name
+            f"{noun} is {value}, expected a finite non-zero number", path=first.path, tensor=first.name
         )
         return None
     return value, first.name
