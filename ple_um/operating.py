@@ -35,6 +35,12 @@ def describe_layout(layout: ShardLayout) -> dict:
     """A sound layer's table as plain data: shape, dtype, bytes, scale, every shard and file."""
     files: dict[str, dict] = {}
     shards = []
+    scale_bytes = layout.row_dim // layout.block_size if layout.is_nvfp4 else 0
+    for spec in layout.block_scales:  # NVFP4: each shard's block scales, in the file that holds them
+        entry = files.setdefault(
+            os.path.basename(spec.path), {"file": os.path.basename(spec.path), "shards": [], "bytes": 0}
+        )
+        entry["bytes"] += spec.rows * scale_bytes
     for spec in layout.shards:
         nbytes = spec.rows * layout.row_bytes
         shards.append(
@@ -155,7 +161,16 @@ def residency(directory: str, layer: int | None = None) -> dict:
     measures)."""
     layout = read_layout(directory, layer)
     with MappedShards(layout) as mapping:
-        return _residency(mapping)
+        result = _residency(mapping)
+    if layout.is_nvfp4:  # the block scales are a table of their own, mapped beside the rows
+        with MappedShards(layout.scale_layout()) as mapping:
+            scales = _residency(mapping)
+        result["block_scales"] = {k: scales[k] for k in ("shards", "files", "total")}
+        for key in ("bytes", "resident_bytes"):
+            result["total"][key] += scales["total"][key]
+        total = result["total"]
+        total["fraction"] = total["resident_bytes"] / total["bytes"] if total["bytes"] else 1.0
+    return result
 
 
 def _residency(mapping: MappedShards) -> dict:

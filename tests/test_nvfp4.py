@@ -113,3 +113,11 @@ def test_self_test_covers_both_tensors(nvfp4):
         assert table.self_test(64) is None
         assert table.stats()["rows"] == 0
         assert table.stats()["mapped_bytes"] > table.mapping.mapped_bytes  # the block scales too
+
+
+def test_operating_counts_the_block_scales(nvfp4):
+    from ple_um import operating
+
+    described = operating.describe_layout(nvfp4)
+    assert sum(f["bytes"] for f in described["files"]) == nvfp4.nbytes
+    assert operating.residency(nvfp4.directory)["total"]["bytes"] == nvfp4.nbytes
