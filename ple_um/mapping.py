@@ -125,7 +125,9 @@ class MappedShards:
 
     def _map_file(self, path: str, begin: int, end: int) -> MappedRegion:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(
+                path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+            )  # a FIFO put in its place must not block
         except OSError as exc:
             raise CheckpointError(f"cannot open shard file: {exc.strerror}", path=path) from exc
         try:

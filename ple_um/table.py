@@ -7,10 +7,13 @@ threads), and the prefetch threads. Lookups go through the torch op in ``ple_um.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -132,6 +135,12 @@ class MappedTable:
         self.metrics: metrics.LookupMetrics | None = None  # set by open_table once the table serves
         self.watch: metrics.Watch | None = None
         self._closed = False
+        # Lookups in flight: close() waits for them before it unmaps anything.
+        self._cond = threading.Condition()
+        self._users = 0
+        self._closing = False
+        self._released = threading.Event()
+        self._count_lock = threading.Lock()
         self.handle = ops.register_table(self)
 
     # -- building the access mode ---------------------------------------------------------
@@ -283,8 +292,35 @@ class MappedTable:
         if self._closed:
             raise TableClosedError("the table is closed")
 
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Hold the table open for the work inside: close() waits until no one holds it."""
+        with self._cond:
+            if self._closed:
+                raise TableClosedError("the table is closed")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._users -= 1
+                if not self._users:
+                    self._cond.notify_all()
+
+    def _count(self, rows: int, bad: int, phases: dict | None = None) -> None:
+        """Host-side lookups add to the device counters and the phase seconds (under a lock: +=
+        is not atomic)."""
+        with self._count_lock:
+            self.counters += torch.tensor([rows, bad], dtype=torch.int64).to(self.device)
+            for key, value in (phases or {}).items():
+                self._host.phases[key] += value
+
     def _lookup_flat(self, ids: torch.Tensor, out: torch.Tensor | None, out_dtype=None) -> torch.Tensor:
         """Eager body of a lookup: flat ids on the table's device -> out [n, row_dim]."""
+        with self._in_use():
+            return self._gather_flat(ids, out, out_dtype)
+
+    def _gather_flat(self, ids: torch.Tensor, out: torch.Tensor | None, out_dtype) -> torch.Tensor:
         n = ids.numel()
         dtype = out.dtype if out is not None else (out_dtype or self.dtype)
         if out is None:
@@ -315,10 +351,8 @@ class MappedTable:
         else:
             rows = gather.gather(ids, owned).view(self.dtype).float()
             out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
-        self.counters += torch.tensor([ids.numel(), bad], dtype=torch.int64).to(self.device)
         phases = {**gather.last_phases, "wait": gather.last_phases.get("wait", 0.0) + waited}
-        for key, value in phases.items():
-            self._host.phases[key] += value
+        self._count(ids.numel(), bad, phases)
         if self.metrics is not None:
             n = ids.numel()
             self.metrics.observe(n, n * self.layout.row_bytes, bad, phases, time.perf_counter() - t0)
@@ -396,7 +430,8 @@ class MappedTable:
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         flat = ids.to(self.device).reshape(-1).contiguous()
-        packed, scales = self._packed_flat(flat)
+        with self._in_use():
+            packed, scales = self._packed_flat(flat)
         return (packed.view(*ids.shape, -1), scales.view(torch.float8_e4m3fn).view(*ids.shape, -1))
 
     def _packed_flat(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,25 +447,26 @@ class MappedTable:
             owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
             self.cpu.gather(ids, owned, packed)
             self.scale_cpu.gather(ids, owned, scales)
-            self.counters += torch.tensor([n, int(n - int(in_table.sum()))], dtype=torch.int64).to(
-                self.device
-            )
+            self._count(n, int(n - int(in_table.sum())))
         return packed, scales
 
     def prefetch(self, ids) -> Future:
         """Start bringing the pages of ``ids``' rows into memory (a hint; modes whose pages are
         resident need none). Returns a Future of the number of rows touched."""
-        self._check_open()
-        if self.prefetcher is None:
-            done: Future = Future()
-            done.set_result(0)
-            return done
-        return self.prefetcher.submit(ids)
+        with self._in_use():
+            if self.prefetcher is None:
+                done: Future = Future()
+                done.set_result(0)
+                return done
+            return self.prefetcher.submit(ids)
 
     def stats(self) -> dict:
         """Counters: lookups and rows (rows counted on the device, graph replays included), ids
         outside the table, bytes, and the cpu mode's phase seconds. Reads the device: synchronizes."""
-        self._check_open()
+        with self._in_use():
+            return self._stats()
+
+    def _stats(self) -> dict:
         rows, oob = (int(v) for v in self.counters.tolist())
         return {
             "mode": self.mode,
@@ -458,19 +494,29 @@ class MappedTable:
         return self._closed
 
     def close(self) -> None:
-        """Wait for the device, then release prefetch, access resources and mappings; idempotent."""
-        if self._closed:
+        """Wait for lookups in flight and for the device, then release prefetch, access resources
+        and mappings. Idempotent; a second caller returns once the first has released everything."""
+        with self._cond:
+            closing, self._closing = self._closing, True
+        if closing:
+            self._released.wait()
             return
-        if self.watch is not None:
-            self.watch.close()  # its last stats() read, while the table is still open
-        self._closed = True
-        ops.unregister_table(self.handle)
         try:
-            self._release_access()
+            if self.watch is not None:
+                self.watch.close()  # its last stats() read, while the table is still open
+            with self._cond:
+                self._closed = True
+                while self._users:
+                    self._cond.wait()
+            ops.unregister_table(self.handle)
+            try:
+                self._release_access()
+            finally:
+                if self.scale_mapping is not None:
+                    self.scale_mapping.close()
+                self.mapping.close()
         finally:
-            if self.scale_mapping is not None:
-                self.scale_mapping.close()
-            self.mapping.close()
+            self._released.set()
 
     def __enter__(self) -> MappedTable:
         return self

@@ -64,8 +64,12 @@ def pin_budget() -> int:
     return int(mem_available() * envs.PLE_UM_PIN_FRACTION)
 
 
-def _gb(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps them above 1 (exact bytes below 1 KiB)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
 
 
 def reason_if_unsatisfied(
@@ -95,7 +99,7 @@ def reason_if_unsatisfied(
             )
         if table_bytes is not None and budget is not None and table_bytes > budget:
             return (
-                f"the table ({_gb(table_bytes)}) is larger than the pin budget ({_gb(budget)}); "
+                f"the table ({_size(table_bytes)}) is larger than the pin budget ({_size(budget)}); "
                 "raise PLE_UM_PIN_BUDGET or PLE_UM_PIN_FRACTION to allow it"
             )
         return None

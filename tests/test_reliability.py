@@ -1,0 +1,681 @@
+"""Reliability (issue 6): faults at open and while serving, close() racing lookups, the pin budget.
+
+Real files and real mmaps throughout. What is injected: the machine (``DeviceCapabilities`` of an
+H200, read by ``open_table``) and cudaHostRegister, through ``InjectedRegistration``: it maps each
+registered range a second time (read-only, shared) and hands that alias out as the "device
+pointer", as on the H200 where the kernel reads the registered pages through the pointer
+cudaHostGetDevicePointer returns; unregistering unmaps the alias. Under the Triton interpreter the
+real kernel then reads the alias, so the registered mode runs end to end on the CPU. Failures of
+register or of the device-pointer call are injected at a chosen region.
+
+Hostile headers and index files are fuzzed in test_checkpoint_fuzz.py; a write through the
+mapping faulting in test_mapping.py; the bad-id cases are in test_reliability_ids.py; threads,
+page-cache eviction and the file digests after long runs in test_reliability_load.py. See
+docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from reference import reference_rows
+
+import ple_um
+import ple_um.table
+from ple_um import ops
+from ple_um.access.capabilities import DeviceCapabilities, triton_interpreter
+from ple_um.access.registration import RegisteredMapping, RegistrationError
+from ple_um.checkpoint import read_layout
+from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError
+from ple_um.mapping import MappedShards
+from ple_um.synthetic import write_checkpoint
+
+pytestmark = [
+    pytest.mark.skipif(not triton_interpreter(), reason="GPU paths run on the CPU under TRITON_INTERPRET=1"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+]
+
+KNOBS = (
+    "PLE_UM_MODE",
+    "PLE_UM_STRICT",
+    "PLE_UM_PREWARM",
+    "PLE_UM_SELF_TEST_ROWS",
+    "PLE_UM_MADVISE",
+    "PLE_UM_PIN_BUDGET",
+    "PLE_UM_PIN_FRACTION",
+    "PLE_UM_ATS_POPULATE",
+    "PLE_UM_CPU_THREADS",
+    "PLE_UM_CPU_CHUNK",
+    "PLE_UM_BULK_ROWS",
+)
+
+# An H200 on x86 as read_capabilities reports it, but on the "cpu" device, whose kernels the
+# Triton interpreter runs: read-only host registration, no ATS.
+H200 = DeviceCapabilities(
+    cuda=True,
+    device="cpu",
+    name="NVIDIA H200 (injected)",
+    host_register_supported=True,
+    read_only_host_register_supported=True,
+    can_use_host_pointer_for_registered_mem=True,
+)
+# A coherent Grace system (GH200, GB10) as seen through the same lens: the GPU walks the host's
+# page tables, so the ats mode reads the mapping's host addresses; registration there populates.
+GH200 = DeviceCapabilities(
+    cuda=True,
+    device="cpu",
+    name="NVIDIA GH200 (injected)",
+    pageable_memory_access=True,
+    pageable_memory_access_uses_host_page_tables=True,
+    host_register_supported=True,
+    read_only_host_register_supported=True,
+    can_use_host_pointer_for_registered_mem=True,
+)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+class InjectedRegistration:
+    """cudaHostRegister, cudaHostUnregister and cudaHostGetDevicePointer for RegisteredMapping.
+
+    ``register`` maps the region's bytes a second time (PROT_READ, MAP_SHARED, from the region's
+    own fd and offset) and ``device_pointer`` returns that alias: the kernel reads rows only
+    through it. ``fail_register=k`` / ``fail_pointer=k`` make the k-th call (0-based) raise
+    ``error`` (``fail_register="all"``: every call). Records every call, and whether the mapping
+    was still open at each unregister. Serves every MappedShards it is given (an NVFP4 table
+    registers its block scales' mapping too)."""
+
+    def __init__(self, *, fail_register=None, fail_pointer=None, error=RegistrationError) -> None:
+        self.fail_register, self.fail_pointer, self.error = fail_register, fail_pointer, error
+        self.mappings: list[MappedShards] = []
+        self.live: dict[int, tuple[int, int, MappedShards]] = {}  # host address -> (alias, length, mapping)
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+        self.register_calls = self.pointer_calls = 0
+        self.mapping_open_at_unregister: list[bool] = []
+
+    def register(self, addr: int, length: int) -> None:
+        k, self.register_calls = self.register_calls, self.register_calls + 1
+        if k == self.fail_register or self.fail_register == "all":
+            raise self.error(f"cudaHostRegister({length} bytes) failed: cudaErrorMemoryAllocation (injected)")
+        mapping, region = next((m, r) for m in self.mappings for r in m.regions if r.addr == addr)
+        assert region.length == length
+        alias = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, region.fd, region.file_offset)
+        assert alias not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        self.live[addr] = (alias, length, mapping)
+        self.registered.append(addr)
+
+    def device_pointer(self, addr: int) -> int:
+        k, self.pointer_calls = self.pointer_calls, self.pointer_calls + 1
+        if k == self.fail_pointer:
+            raise RegistrationError("cudaHostGetDevicePointer failed: cudaErrorInvalidValue (injected)")
+        return self.live[addr][0]
+
+    def unregister(self, addr: int) -> None:
+        alias, length, mapping = self.live.pop(addr)
+        self.mapping_open_at_unregister.append(not mapping.closed)
+        assert _libc.munmap(alias, length) == 0
+        self.unregistered.append(addr)
+
+    def __call__(self, mapping: MappedShards, device: torch.device, **kwargs) -> RegisteredMapping:
+        """What ple_um.table calls in place of RegisteredMapping: the real one, these callables."""
+        self.mappings.append(mapping)
+        return RegisteredMapping(
+            mapping,
+            device,
+            register=self.register,
+            unregister=self.unregister,
+            device_pointer=self.device_pointer,
+            **kwargs,
+        )
+
+
+@pytest.fixture(autouse=True)
+def _default_knobs(monkeypatch):
+    for var in KNOBS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def inject_machine(monkeypatch, caps: DeviceCapabilities = H200, **failures) -> InjectedRegistration:
+    """From now on (until ``monkeypatch`` undoes it) open_table sees ``caps`` and registers through
+    the returned injection. RegisteredMapping binds the CUDA calls as default arguments at
+    definition time, so the class is replaced in ple_um.table's namespace by the injection, which
+    builds the real RegisteredMapping with its own callables."""
+    injected = InjectedRegistration(**failures)
+    monkeypatch.setattr(ple_um.table, "read_capabilities", lambda device=None: caps)
+    monkeypatch.setattr(ple_um.table, "RegisteredMapping", injected)
+    return injected
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """``machine(caps=H200, **failures) -> InjectedRegistration``: see ``inject_machine``."""
+    return functools.partial(inject_machine, monkeypatch)
+
+
+@pytest.fixture
+def layout(make_checkpoint, rng):
+    """FP8, 120 rows of 10 in 5 shards over 4 files (the last one's data 4 mod 8), fresh data."""
+    return make_checkpoint(num_rows=120, row_dim=10, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30)))
+
+
+def maps_of(paths) -> list[str]:
+    """Lines of /proc/self/maps that map one of ``paths``."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if any(line.rstrip().endswith(p) for p in paths)]
+
+
+def fds_of(paths) -> list[str]:
+    """This process's open descriptors of ``paths``."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target in paths:
+            found.append(target)
+    return found
+
+
+def nothing_left(layout, before_tables: int) -> None:
+    assert not maps_of(layout.files), "a mapping survived the failed open"
+    assert not fds_of(layout.files), "a file descriptor survived the failed open"
+    assert len(ops._TABLES) == before_tables, "a table handle survived the failed open"
+
+
+def all_ids(layout) -> torch.Tensor:
+    return torch.arange(-3, layout.num_rows + 3)
+
+
+# -- cudaHostRegister failing part-way -------------------------------------------------------------
+@pytest.mark.parametrize("fail_at", [0, 1, 3])
+@pytest.mark.parametrize("call", ["register", "device_pointer"])
+def test_registration_failing_part_way_releases_the_earlier_ones(layout, call, fail_at):
+    injected = InjectedRegistration(**{"fail_register" if call == "register" else "fail_pointer": fail_at})
+    with MappedShards(layout) as mapping:
+        assert len(mapping.regions) == 4  # one per file: four registrations to make
+        injected.mappings.append(mapping)
+        with pytest.raises(RegistrationError) as info:
+            RegisteredMapping(
+                mapping,
+                torch.device("cpu"),
+                register=injected.register,
+                unregister=injected.unregister,
+                device_pointer=injected.device_pointer,
+            )
+        if call == "register":
+            # The message names the file whose registration failed.
+            assert f"for {mapping.regions[fail_at].path}" in str(info.value)
+            done = fail_at
+        else:
+            assert "cudaHostGetDevicePointer" in str(info.value)
+            done = fail_at + 1  # its region was registered before its pointer was asked for
+        assert injected.registered == [r.addr for r in mapping.regions[:done]]
+        # Every registration made was released, in reverse order, while the mapping was open.
+        assert injected.unregistered == injected.registered[::-1]
+        assert injected.live == {} and all(injected.mapping_open_at_unregister)
+        # The mapping itself is untouched.
+        for index in mapping.owned:
+            start = index * layout.rows_per_shard + mapping.owned[index].lo
+            expect = reference_rows(layout, range(start, start + mapping.owned[index].rows))
+            assert np.array_equal(mapping.shard_rows(index), expect)
+
+
+def test_any_exception_during_registration_releases_the_earlier_ones(layout):
+    # Not only RegistrationError: an interrupt or a bug in a callable must not leak pinned pages.
+    injected = InjectedRegistration(fail_register=2, error=KeyboardInterrupt)
+    with MappedShards(layout) as mapping:
+        injected.mappings.append(mapping)
+        with pytest.raises(KeyboardInterrupt):
+            RegisteredMapping(
+                mapping,
+                torch.device("cpu"),
+                register=injected.register,
+                unregister=injected.unregister,
+                device_pointer=injected.device_pointer,
+            )
+        assert len(injected.registered) == 2 and injected.unregistered == injected.registered[::-1]
+
+
+def test_registered_mode_serves_through_the_device_pointers(layout, machine, check_rows):
+    injected = machine(H200)
+    with ple_um.open_table(layout.directory) as table:
+        assert table.mode == "registered"
+        assert "PageableMemoryAccessUsesHostPageTables" in table.report.reasons["ats"]
+        assert len(injected.live) == 4
+        # The kernel's bases point into the aliases, not into the table's own mapping.
+        aliases = [(a, a + n) for a, n, _ in injected.live.values()]
+        for index, owned in table.mapping.owned.items():
+            base = int(table.gpu.bases[index]) + owned.lo * layout.row_bytes
+            assert any(a <= base < b for a, b in aliases)
+        for out_dtype in (None, torch.bfloat16, torch.float32):
+            check_rows(table.lookup(all_ids(layout), out_dtype=out_dtype), layout, all_ids(layout))
+        assert table.stats()["pinned_bytes"] == table.mapping.mapped_bytes
+    # close(): unregistered in reverse order, before the mapping went away.
+    assert injected.live == {} and injected.unregistered == injected.registered[::-1]
+    assert injected.mapping_open_at_unregister == [True] * 4
+
+
+@pytest.mark.parametrize("call", ["register", "device_pointer"])
+def test_auto_falls_back_to_cpu_when_registration_fails(layout, machine, call, check_rows):
+    injected = machine(H200, **{"fail_register" if call == "register" else "fail_pointer": 2})
+    before = len(ops._TABLES)
+    with ple_um.open_table(layout.directory) as table:
+        assert table.mode == "cpu"
+        why = table.report.reasons["registered"]
+        assert why.startswith("RegistrationError: ")
+        if call == "register":
+            assert "cudaHostRegister" in why and layout.files[2] in why
+        else:
+            assert "cudaHostGetDevicePointer" in why
+        assert injected.live == {} and injected.unregistered == injected.registered[::-1]
+        assert len(ops._TABLES) == before + 1  # the rejected attempt's handle is gone
+        check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
+        assert table.stats()["pinned_bytes"] == 0
+
+
+def test_forced_registered_mode_whose_registration_fails_is_unavailable(layout, machine, monkeypatch):
+    before = len(ops._TABLES)
+    for how in ("argument", "knob"):
+        injected = machine(H200, fail_register=3)
+        if how == "knob":
+            monkeypatch.setenv("PLE_UM_MODE", "registered")
+        with pytest.raises(ModeUnavailableError) as info:
+            ple_um.open_table(layout.directory, **({"mode": "registered"} if how == "argument" else {}))
+        assert info.value.mode == "registered"
+        assert info.value.reason.startswith("RegistrationError: cudaHostRegister")
+        assert layout.files[3] in info.value.reason
+        assert injected.live == {}
+        nothing_left(layout, before)
+
+
+# -- the pin budget --------------------------------------------------------------------------------
+def test_a_table_over_the_pin_budget_is_not_registered(layout, machine, monkeypatch, check_rows):
+    # decide()'s side is in test_probe.py (test_table_over_the_pin_budget_falls_back_to_cpu,
+    # test_forced_registered_over_budget_raises); this goes through open_table and the knob.
+    injected = machine(H200)
+    monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1KiB")
+    with ple_um.open_table(layout.directory) as table:
+        assert table.mapping.mapped_bytes > 1024
+        assert table.mode == "cpu" and table.report.pin_budget == 1024
+        why = table.report.reasons["registered"]
+        assert "pin budget" in why and "PLE_UM_PIN_BUDGET" in why and "PLE_UM_PIN_FRACTION" in why
+        check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
+    before = len(ops._TABLES)
+    with pytest.raises(ModeUnavailableError, match="PLE_UM_PIN_BUDGET") as info:
+        ple_um.open_table(layout.directory, mode="registered")
+    assert "pin budget" in info.value.reason
+    assert injected.register_calls == 0  # refused before anything was pinned
+    nothing_left(layout, before)
+    # A budget the table fits in lets it register.
+    monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1MiB")
+    with ple_um.open_table(layout.directory) as table:
+        assert table.mode == "registered"
+
+
+def test_the_pin_budget_reason_tells_the_two_sizes_apart(layout, machine, monkeypatch):
+    machine(H200)
+    monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1KiB")
+    with ple_um.open_table(layout.directory) as table:
+        why = table.report.reasons["registered"]
+    table_size = why.split("the table (", 1)[1].split(")", 1)[0]
+    budget = why.split("pin budget (", 1)[1].split(")", 1)[0]
+    assert table_size != budget, why
+
+
+# -- a shard file missing or unreadable at open ----------------------------------------------------
+def _make_special(path: str, kind: str) -> None:
+    os.unlink(path)
+    if kind == "dangling symlink":
+        os.symlink(path + ".gone", path)
+    elif kind == "directory":
+        os.mkdir(path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["missing", "dangling symlink", "directory", "fifo"])
+def test_a_shard_file_missing_or_unreadable_at_open(layout, kind):
+    # Permission bits cannot be tested here (root reads any file); a directory, a dangling symlink
+    # and a FIFO in the file's place fail the same open/fstat checks a permission error would.
+    path = layout.files[2]
+    if kind == "missing":
+        os.unlink(path)
+    else:
+        _make_special(path, kind)
+    before = len(ops._TABLES)
+    for mode in ("auto", "cpu", "ats", "device"):
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError) as info:
+            ple_um.open_table(layout.directory, mode=mode, device="cpu")
+        assert time.monotonic() - t0 < 30  # a FIFO must not block the open
+        # Named: the file itself, or the index entry that names it (missing files are found there).
+        assert os.path.basename(path) in str(info.value)
+        assert info.value.path in (path, os.path.join(layout.directory, "model.safetensors.index.json"))
+        assert isinstance(info.value, ValueError)
+    nothing_left(layout, before)
+
+
+@pytest.mark.parametrize("kind", ["dangling symlink", "directory"])
+def test_a_shard_file_gone_between_header_and_mapping(layout, kind):
+    # The headers were read (read_layout), then the third file went away before it was mapped: the
+    # first two mappings and their descriptors are released.
+    path = layout.files[2]
+    _make_special(path, kind)
+    with pytest.raises(CheckpointError) as info:
+        MappedShards(layout)
+    assert info.value.path == path
+    assert not maps_of(layout.files) and not fds_of(layout.files)
+
+
+def test_a_fifo_in_place_of_a_shard_after_its_header_was_read_does_not_block(layout):
+    path = layout.files[2]
+    _make_special(path, "fifo")
+    outcome: list[BaseException | str] = []
+
+    def open_mapping() -> None:
+        try:
+            MappedShards(layout).close()
+            outcome.append("opened")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=open_mapping, daemon=True)
+    worker.start()
+    worker.join(timeout=3)
+    blocked = worker.is_alive()
+    if blocked:
+        # Unblock the open (a FIFO opened for reading waits for a writer), so the thread ends.
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        worker.join(timeout=30)
+        os.close(fd)
+    assert not blocked, "MappedShards blocked in open() on a FIFO"
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointError), outcome
+
+
+# -- the files replaced, rewritten or truncated after open -----------------------------------------
+def _flip(data: bytearray, layout, path: str) -> bytearray:
+    for spec in layout.shards:
+        if spec.path == path:
+            for k in range(spec.offset, spec.offset + spec.rows * layout.row_bytes):
+                data[k] ^= 0x01
+    return data
+
+
+@pytest.mark.parametrize("mode", ["cpu", "ats", "device", "registered"])
+def test_a_file_replaced_after_open_keeps_serving_the_bytes_mapped(layout, mode, machine, expected_rows):
+    # A re-download or a sync that replaces the file by rename gives it a new inode: the mapping
+    # (and the registration's alias, and the device copy) keep the old one. Nothing can tear.
+    if mode == "registered":
+        machine(H200)
+    ids = all_ids(layout)
+    old = expected_rows(layout, ids)
+    path = layout.files[1]
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        with open(path, "rb") as f:
+            data = _flip(bytearray(f.read()), layout, path)
+        with open(path + ".new", "wb") as f:
+            f.write(data)
+        os.replace(path + ".new", path)
+        assert table.mapping.changed_files() == [path]  # detectable without reading the data
+        assert not torch.equal(expected_rows(layout, ids).view(torch.uint8), old.view(torch.uint8))
+        for _ in range(3):
+            assert torch.equal(table.lookup(ids).view(torch.uint8), old.view(torch.uint8))
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:  # reopened: the new bytes
+        assert torch.equal(table.lookup(ids).view(torch.uint8), expected_rows(layout, ids).view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", ["cpu", "ats"])
+def test_a_file_rewritten_in_place_after_open_is_seen_and_detected(layout, mode, check_rows):
+    # Writing into the same inode changes the shared page cache that the mapping shows: rows read
+    # afterwards are the new bytes (rows read while the write runs may be torn). The change shows
+    # in the modification time.
+    path = layout.files[0]
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        with open(path, "rb") as f:
+            data = _flip(bytearray(f.read()), layout, path)
+        st = os.stat(path)
+        with open(path, "r+b") as f:
+            f.write(data)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # coarse clocks: make it differ
+        assert table.mapping.changed_files() == [path]
+        check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
+
+
+def test_a_file_truncated_after_open_is_detected_and_kills_only_the_reader(make_checkpoint, tmp_path):
+    # The one fault open-time checks cannot catch: pages of a shared file mapping that now lie past
+    # the end of the file raise SIGBUS when read. A child process opens the table, truncates the
+    # file and looks up rows past the new end; it must die of SIGBUS. The parent, which has the
+    # same file mapped, sees the change through changed_files() and is fine as long as it reads
+    # only rows still inside the file.
+    layout = make_checkpoint(num_rows=2048, row_dim=512, dtype="fp8", shards=4, files=1)
+    (path,) = layout.files
+    keep = layout.shards[0].offset + 1024 * layout.row_bytes  # rows >= 1024 lie past the new end
+    child = textwrap.dedent(
+        f"""
+        import os, torch, ple_um
+        table = ple_um.open_table({layout.directory!r}, mode="cpu", device="cpu")
+        ids = torch.arange(1500, 1600)
+        table.lookup(ids)
+        print("read before truncation", flush=True)
+        os.truncate({path!r}, {keep})
+        print("changed:", table.mapping.changed_files(), flush=True)
+        table.lookup(ids)
+        print("read after truncation", flush=True)
+        """
+    )
+    env = {**os.environ, "PLE_UM_SELF_TEST_ROWS": "0"}
+    env.pop("TRITON_INTERPRET", None)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        done = subprocess.run(
+            [sys.executable, "-c", child], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert done.returncode == -signal.SIGBUS, (done.returncode, done.stdout, done.stderr[-3000:])
+        assert "read before truncation" in done.stdout
+        assert f"changed: [{path!r}]" in done.stdout
+        assert "read after truncation" not in done.stdout
+        # The parent: the change is detected, the rows still in the file read right, close is clean.
+        assert os.path.getsize(path) == keep
+        assert table.mapping.changed_files() == [path]
+        ids = torch.arange(0, 1000)
+        assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), reference_rows(layout, ids))
+    # Reopening refuses the short file, naming it.
+    with pytest.raises(CheckpointError) as info:
+        ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    assert info.value.path == path
+
+
+# -- close() racing lookups --------------------------------------------------------------------------
+def test_use_after_close_and_double_close(layout):
+    # Every mode, and the torch ops by handle, are in test_table.py::test_close; this adds a close
+    # from several threads at once.
+    table = ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        barrier.wait()
+        try:
+            table.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=close) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and table.closed
+    assert not maps_of(layout.files) and not fds_of(layout.files)
+    table.close()
+    with pytest.raises(TableClosedError):
+        table.lookup(torch.tensor([1]))
+
+
+def test_close_waits_for_a_lookup_in_flight(make_checkpoint, check_rows):
+    # The lookup is held inside its read of the mapping (the real read, started a little late) while
+    # close() runs in another thread. Allowed outcomes: the lookup finishes with the right rows (close
+    # waited), or it raises TableClosedError. Nothing else.
+    layout = make_checkpoint(num_rows=3000, row_dim=16, dtype="bf16", shards=6, files=3)
+    table = ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    read = table.cpu._read
+    inside, closing = threading.Event(), threading.Event()
+
+    def held_read(space, row, out):
+        inside.set()
+        closing.wait(10)
+        time.sleep(0.3)  # close() has run by now, unless it waits for this lookup
+        return read(space, row, out)
+
+    table.cpu._read = held_read
+    ids = torch.arange(0, 3000, 7)
+    outcome: list = []
+
+    def look() -> None:
+        try:
+            outcome.append(table.lookup(ids))
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=look)
+    worker.start()
+    assert inside.wait(30)
+    closing.set()
+    table.close()
+    worker.join(timeout=60)
+    assert table.closed and not maps_of(layout.files)
+    (result,) = outcome
+    if isinstance(result, torch.Tensor):
+        check_rows(result, layout, ids)
+    else:
+        assert isinstance(result, TableClosedError), repr(result)
+
+
+_CLOSE_RACE = """
+import collections, json, sys, threading, time
+import torch, ple_um
+directory, seconds = sys.argv[1], float(sys.argv[2])
+seen = collections.Counter()
+end = time.monotonic() + seconds
+rounds = 0
+# The bulk path (> 16384 ids: torch reads the mapping) first, then the deduplicating one.
+for n in (20000, 300):
+    while time.monotonic() < end and set(seen) <= {"TableClosedError"}:
+        rounds += 1
+        table = ple_um.open_table(directory, mode="cpu", device="cpu")
+        started = threading.Barrier(5)
+        def look(seed):
+            g = torch.Generator().manual_seed(seed)
+            started.wait()
+            while True:
+                try:
+                    table.lookup(torch.randint(0, 200000, (n,), generator=g))
+                except Exception as exc:
+                    seen[type(exc).__name__] += 1
+                    return
+        threads = [threading.Thread(target=look, args=(rounds * 8 + k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.02)
+        table.close()
+        for t in threads:
+            t.join()
+    end += seconds / 2
+print(json.dumps({"rounds": rounds, "errors": dict(seen)}), flush=True)
+"""
+
+
+def test_close_during_concurrent_lookups_never_crashes(tmp_path):
+    # A child process (a crash must not take the test run with it) opens a 200,000-row table, starts
+    # 4 threads looking up without pause, closes the table under them, and repeats for a few seconds.
+    # Every lookup must either succeed or raise TableClosedError, and the child must exit normally.
+    write_checkpoint(tmp_path / "ckpt", num_rows=200000, row_dim=64, dtype="fp8", shards=8)
+    env = {**os.environ, "PLE_UM_SELF_TEST_ROWS": "0", "PLE_UM_CPU_THREADS": "2"}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSE_RACE, str(tmp_path / "ckpt"), "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, f"child died with {done.returncode}: {done.stderr[-2000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["errors"]) <= {"TableClosedError"}, result
+
+
+def test_prefetch_futures_outlive_close_safely(make_checkpoint):
+    # close() waits for the prefetch threads: a prefetch submitted just before close has finished
+    # (or failed with TableClosedError), never read unmapped memory.
+    layout = make_checkpoint(num_rows=20000, row_dim=64, dtype="fp8", shards=4, files=2)
+    for mode in ("cpu", "ats"):
+        table = ple_um.open_table(layout.directory, mode=mode, device="cpu")
+        futures = [table.prefetch(torch.arange(k, 20000, 3)) for k in range(8)]
+        table.close()
+        for future in futures:
+            assert future.done()
+            assert future.exception() is None or isinstance(future.exception(), TableClosedError)
+        with pytest.raises(TableClosedError):
+            table.prefetch(torch.arange(10))
+
+
+# -- knobs that disagree with the machine ------------------------------------------------------------
+def test_ats_populate_registers_and_releases_on_a_coherent_machine(layout, machine, monkeypatch, check_rows):
+    # PLE_UM_ATS_POPULATE: on a Grace system registration only populates. The ats kernel keeps
+    # reading the mapping's host addresses; the registration is released at close.
+    injected = machine(GH200)
+    monkeypatch.setenv("PLE_UM_ATS_POPULATE", "1")
+    with ple_um.open_table(layout.directory) as table:
+        assert table.mode == "ats" and len(injected.live) == 4
+        assert table.gpu.bases.tolist() == table.mapping.host_bases()
+        check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
+        assert table.stats()["pinned_bytes"] == 0  # counted as pinned only in registered mode
+    assert injected.live == {} and injected.mapping_open_at_unregister == [True] * 4
+    # Populate failing is the ats mode failing: auto falls through to registered, then cpu.
+    injected = machine(GH200, fail_register="all")
+    with ple_um.open_table(layout.directory) as table:
+        assert table.mode == "cpu"
+        assert table.report.reasons["ats"].startswith("RegistrationError")
+        assert table.report.reasons["registered"].startswith("RegistrationError")
+    assert injected.live == {}
+
+
+def test_a_checkpoint_directory_removed_after_open_keeps_serving(layout, check_rows):
+    # The mapping holds the inodes: removing the whole directory changes nothing for the open table.
+    ids = all_ids(layout)
+    copy = layout.directory + ".copy"
+    shutil.copytree(layout.directory, copy)
+    moved = read_layout(copy)
+    with ple_um.open_table(copy, mode="cpu", device="cpu") as table:
+        expect = reference_rows(moved, ids)
+        shutil.rmtree(copy)
+        assert sorted(table.mapping.changed_files()) == sorted(moved.files)
+        assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), expect)
