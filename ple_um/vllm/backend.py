@@ -4,18 +4,21 @@ A storage backend beside vLLM's ``Qwen4ExpPLEDeviceEmbedding`` (table in GPU mem
 ``Qwen4ExpPLEPinnedHostEmbedding`` (table copied into pinned host memory). It owns one
 ``MappedTable``: this rank's vocabulary range ``[org_vocab_start_index, org_vocab_end_index)`` of
 the table, mapped read-only from the checkpoint's shard files. It allocates no table memory (its
-``weight`` parameter has zero rows), keeps the FP8 ``weight_scale`` parameter exactly as vLLM loads
-it, and returns rows in the storage dtype, so the inherited ``dequantize()`` is vLLM's own.
+``weight`` parameter has zero rows, and so has NVFP4's per-row ``weight_scale`` of block scales),
+keeps the global scale (FP8 ``weight_scale``, NVFP4 ``weight_scale_2``) exactly as vLLM loads it,
+and returns rows in the embedding method's lookup dtype: the storage dtype for FP8 and 16-bit
+tables, the layer's ``params_dtype`` for NVFP4, whose rows the lookup decodes (as the stock
+``Qwen4ExpPLENvFp4EmbeddingMethod.embedding`` does). The inherited ``dequantize()`` is vLLM's own.
 
 Its forward mirrors the device backend's: gather the ids of the data-parallel ranks that share the
 table, look the rows up (zeros outside this rank's range), sum across the embedding-parallel group
-(raw FP8 bytes as int8: each row has one owner), select this rank's tokens. ``lookup_rows`` is the
-one call that reaches the table.
+(raw FP8 bytes as int8, decoded NVFP4 and 16-bit rows as they are: each row has one owner), select
+this rank's tokens. ``lookup_rows`` is the one call that reaches the table.
 
 The patched ``Qwen4ExpNGramEmbedding.load_weights`` (``ple_um.vllm.patch``) hands every shard tensor
-to ``receive_shard`` instead of copying it: a view of a file on disk is not read; a tensor in memory
-is compared with the mapped rows; and ``finish_load`` opens, or after a reload from another
-checkpoint directory remaps, the table.
+(for NVFP4 the shards' block scales too) to ``receive_shard`` instead of copying it: a view of a
+file on disk is not read; a tensor in memory is compared with the mapped bytes; and ``finish_load``
+opens, or after a reload from another checkpoint directory remaps, the table.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ from ple_um.vllm.source import file_backing, resolve_table_dir
 logger = init_logger("vllm.ple_um.backend")
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# NVFP4 tables split their block scales into shards like the rows (vLLM's load_weights).
+_NVFP4_SHARDED = ("weight", "weight_scale")
+_NVFP4_HINT = (
+    "an NVFP4 table needs ple_embedding_dtype='nvfp4' in the model's text config (or a ModelOpt "
+    "mixed-precision quantization config with NVFP4 for this layer)"
+)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Rows compared per lookup when a reload delivers a shard from memory.
 _COMPARE_ROWS = 1 << 16
@@ -85,11 +94,6 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         data_parallel_rank: int = 0,
         reduce_results: bool = True,
     ) -> None:
-        if isinstance(embedding_method, Qwen4ExpPLENvFp4EmbeddingMethod):
-            raise NotImplementedError(
-                f"ple-um serves FP8 (E4M3) and 16-bit PLE tables, not NVFP4 ({prefix}): unset PLE_UM "
-                "(and VLLM_PLE_MMAP) to use vLLM's own backends"
-            )
         super().__init__(
             num_embeddings,
             embedding_dim,
@@ -117,15 +121,18 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self._source_dir: str | None = None
         self._source_files: frozenset[str] = frozenset()
         self._captured = False
-        self.shards_skipped = 0  # shard tensors delivered as file views: not read
-        self.shards_compared = 0  # shard tensors delivered in memory: compared with the mapped rows
+        # Shard tensors (NVFP4: rows and block scales alike) delivered as file views: not read; and
+        # delivered in memory: compared with the mapped bytes.
+        self.shards_skipped = 0
+        self.shards_compared = 0
 
     # -- storage ------------------------------------------------------------------------------
     def allocate_embedding_weight(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        """Zero rows: the table stays in the checkpoint files. The parameter keeps the dtype the
-        embedding method chose, which is the lookup's dtype and the one the files must have."""
+        """Zero rows: the table stays in the checkpoint files. The parameter keeps the width and
+        dtype the embedding method chose, which the files must have (NVFP4 calls this twice: packed
+        rows, uint8 [., D/2], and block scales, E4M3 [., D/16])."""
         del num_embeddings
         return torch.empty((0, embedding_dim), dtype=dtype)
 
@@ -148,7 +155,17 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
 
     @property
     def lookup_dtype(self) -> torch.dtype:
+        """The dtype of the rows a lookup returns: the storage dtype, or NVFP4's params_dtype."""
         return self.embedding_method.lookup_dtype(self)
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return isinstance(self.embedding_method, Qwen4ExpPLENvFp4EmbeddingMethod)
+
+    @property
+    def shard_parameters(self) -> tuple[str, ...]:
+        """The parameters the checkpoint splits into ``shard_<i>.<name>`` tensors (as stock loads them)."""
+        return _NVFP4_SHARDED if self.is_nvfp4 else ("weight",)
 
     def _parts(self) -> int:
         if self.split_ngram_parts is None:
@@ -192,12 +209,13 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         return os.path.realpath(path) in self._source_files
 
     # -- loading ------------------------------------------------------------------------------
-    def receive_shard(self, index: int, tensor: torch.Tensor) -> None:
-        """Take checkpoint shard ``index`` from a load instead of copying it.
+    def receive_shard(self, index: int, tensor: torch.Tensor, name: str = "weight") -> None:
+        """Take checkpoint tensor ``shard_<index>.<name>`` from a load instead of copying it: the rows
+        (``name="weight"``) or, for NVFP4, their block scales (``"weight_scale"``).
 
         A view of a checkpoint file on disk (what vLLM's safetensors iterator yields) is skipped
         without reading its bytes: the table is mapped from those files. A tensor in memory (a
-        reload from an iterator, a weight sync) is compared with the rows this rank maps; a
+        reload from an iterator, a weight sync) is compared with the bytes this rank maps; a
         difference raises ReloadMismatchError, since the table is read-only.
         """
         parts = self._parts()
@@ -205,25 +223,65 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             raise ValueError(
                 f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({self.prefix})"
             )
-        rows = self._shard_rows(index)
-        if tuple(tensor.shape) != (rows, self.embedding_dim):
-            what = (
-                f"row width {tensor.shape[-1]} != the layer's n-gram head_dim {self.embedding_dim}"
-                if tensor.dim() == 2 and tensor.shape[-1] != self.embedding_dim
-                else f"{tensor.shape[0] if tensor.dim() else 0} rows, expected {rows} "
-                f"(ceil({self.org_vocab_size} rows / {parts} parts) per shard)"
-            )
-            raise ValueError(
-                f"Shape mismatch for PLE embedding shard {index} of {self.prefix}: "
-                f"got {tuple(tensor.shape)}, expected {(rows, self.embedding_dim)}: {what}"
-            )
         backing = file_backing(tensor)
+        self._check_shard_kind(index, tensor, name, backing)
+        rows = self._shard_rows(index)
+        width = getattr(self, name).shape[1]  # as stock: the parameter's width
+        if tuple(tensor.shape) != (rows, width):
+            if tensor.dim() == 2 and tensor.shape[-1] != width:
+                what = f"row width {tensor.shape[-1]} != {self._width_meaning(name)}"
+            else:
+                what = (
+                    f"{tensor.shape[0] if tensor.dim() else 0} rows, expected {rows} "
+                    f"(ceil({self.org_vocab_size} rows / {parts} parts) per shard)"
+                )
+            raise ValueError(
+                f"Shape mismatch for PLE embedding shard {index}{'' if name == 'weight' else ' ' + name} of "
+                f"{self.prefix}: got {tuple(tensor.shape)}, expected {(rows, width)}: {what}"
+            )
         if backing is not None and self._is_table_file(backing[0]):
             self.shards_skipped += 1
             return
-        self._compare_shard(index, tensor)
+        self._compare_shard(index, tensor, name)
 
-    def _compare_shard(self, index: int, tensor: torch.Tensor) -> None:
+    def _width_meaning(self, name: str) -> str:
+        head_dim = self.embedding_dim
+        if not self.is_nvfp4:
+            return f"the layer's n-gram head_dim {head_dim}"
+        if name == "weight":
+            return f"{head_dim // 2}, the packed bytes of the layer's n-gram head_dim {head_dim} (2 a byte)"
+        return f"{head_dim // 16}, the block scales of the layer's n-gram head_dim {head_dim} (1 per 16)"
+
+    def _check_shard_kind(
+        self, index: int, tensor: torch.Tensor, name: str, backing: tuple[str, int] | None
+    ) -> None:
+        """The delivered tensor must be of the kind the layer's embedding method loads: an NVFP4
+        checkpoint under an FP8 or 16-bit method, or the reverse, fails here naming the cure."""
+        where = {"path": backing[0] if backing else None, "tensor": f"ngram_embedding.shard_{index}.{name}"}
+        method = type(self.embedding_method).__name__
+        if name not in self.shard_parameters:
+            raise CheckpointError(
+                f"{self.prefix}: the checkpoint splits NVFP4 block scales into shards (shard_<i>.{name}), "
+                f"but the layer's {method} serves {self.weight.dtype} rows: {_NVFP4_HINT}",
+                **where,
+            )
+        expected = getattr(self, name).dtype
+        if self.is_nvfp4 and tensor.dtype != expected:
+            # Stock refuses it too: a cast would silently reinterpret packed E2M1 bytes.
+            raise CheckpointError(
+                f"{self.prefix}: NVFP4 PLE shard {index} {name} requires {expected}, got {tensor.dtype}: "
+                f"the layer's {method} serves NVFP4 (ple_embedding_dtype='nvfp4' or its quantization "
+                "config) but the checkpoint's table is not NVFP4: configure the layer for the table's dtype",
+                **where,
+            )
+        if not self.is_nvfp4 and tensor.dtype == torch.uint8:
+            raise CheckpointError(
+                f"{self.prefix}: shard {index} holds packed NVFP4 rows (uint8), but the layer's {method} "
+                f"serves {expected} rows: {_NVFP4_HINT}",
+                **where,
+            )
+
+    def _compare_shard(self, index: int, tensor: torch.Tensor, name: str = "weight") -> None:
         table = self.ensure_table()
         start = index * self._rows_per_shard()
         row_start, row_end = self.owned_rows
@@ -231,28 +289,35 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self.shards_compared += 1
         if lo >= hi:
             return
-        spec = table.layout.shards[index]
-        if tensor.dtype != table.dtype:
+        if name == "weight":
+            spec, stored, what = table.layout.shards[index], table.dtype, ""
+        else:  # NVFP4 block scales
+            spec, stored, what = table.layout.block_scales[index], torch.float8_e4m3fn, " block scales"
+        if tensor.dtype != stored:
             raise ReloadMismatchError(
-                f"{self.prefix}: shard {index} was delivered as {tensor.dtype}, but the table in "
-                f"{spec.path} ({spec.tensor}) is {table.dtype}; ple-um serves the checkpoint files read-only"
+                f"{self.prefix}: shard {index}{what} was delivered as {tensor.dtype}, but the table in "
+                f"{spec.path} ({spec.tensor}) is {stored}; ple-um serves the checkpoint files read-only"
             )
         for a in range(lo, hi, _COMPARE_ROWS):
             b = min(hi, a + _COMPARE_ROWS)
-            mapped = table.lookup(torch.arange(a, b, device=table.device)).view(torch.uint8)
+            ids = torch.arange(a, b, device=table.device)
+            if table.layout.is_nvfp4:
+                mapped = table.lookup_packed(ids)[0 if name == "weight" else 1].view(torch.uint8)
+            else:
+                mapped = table.lookup(ids).view(torch.uint8)
             given = tensor[a - start : b - start].to(table.device).contiguous().view(torch.uint8)
             if not torch.equal(mapped, given):
                 row = a + int((mapped != given).any(dim=1).nonzero()[0])
                 raise ReloadMismatchError(
-                    f"{self.prefix}: shard {index} delivered in memory differs from the mapped checkpoint at "
-                    f"row {row} (file {spec.path}, tensor {spec.tensor}). ple-um serves the table read-only "
-                    "from the checkpoint files: write the new table to a checkpoint directory and reload "
-                    "from that path, or unset PLE_UM to keep the table in memory"
+                    f"{self.prefix}: shard {index}{what} delivered in memory differs from the mapped "
+                    f"checkpoint at row {row} (file {spec.path}, tensor {spec.tensor}). ple-um serves the "
+                    "table read-only from the checkpoint files: write the new table to a checkpoint "
+                    "directory and reload from that path, or unset PLE_UM to keep the table in memory"
                 )
 
     def finish_load(self) -> None:
         """After a load: the table is open (remapped if the checkpoint directory changed) and agrees
-        with the layer and with the loaded FP8 scale."""
+        with the layer and with the loaded global scale (FP8 weight_scale, NVFP4 weight_scale_2)."""
         self.ensure_table()
         self.check_scale()
 
@@ -309,18 +374,41 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
                 f"split_ngram_parts={self._parts()}",
                 **where,
             )
-        expected = self.lookup_dtype
-        if layout.dtype != expected:
+        stored = self.weight.dtype  # the storage dtype the embedding method chose
+        if layout.is_nvfp4 != self.is_nvfp4 or layout.dtype != stored:
+            if layout.is_nvfp4:
+                serves, hint = f"{stored} rows", _NVFP4_HINT
+            elif self.is_nvfp4:
+                serves = "NVFP4 (packed E2M1 rows with E4M3 block scales)"
+                hint = (
+                    "the layer is NVFP4 (ple_embedding_dtype='nvfp4' or its quantization config) but the "
+                    "table is not: point PLE_UM_DIR at the model's NVFP4 table"
+                )
+            else:
+                serves = str(stored)
+                hint = (
+                    "an FP8 table needs an FP8 quantization config (or ple_embedding_dtype=float8_e4m3fn), "
+                    "a 16-bit table the model dtype"
+                )
             raise CheckpointError(
                 f"{self.prefix}: the table is stored as {layout.dtype_name} ({layout.dtype}), but the "
-                f"layer's {type(self.embedding_method).__name__} serves {expected}: an FP8 table needs an "
-                "FP8 quantization config (or ple_embedding_dtype=float8_e4m3fn), a 16-bit table the model "
-                "dtype",
+                f"layer's {type(self.embedding_method).__name__} serves {serves}: {hint}",
                 **where,
             )
         if isinstance(self.embedding_method, Qwen4ExpPLEFp8EmbeddingMethod) and layout.scale is None:
             raise CheckpointError(
                 f"{self.prefix}: the FP8 table has no ngram_embedding.weight_scale", **where
+            )
+        if self.is_nvfp4 and layout.scale is None:
+            raise CheckpointError(
+                f"{self.prefix}: the NVFP4 table has no ngram_embedding.weight_scale_2 (its global scale)",
+                **where,
+            )
+        if self.is_nvfp4 and len(layout.block_scales) != layout.parts:
+            raise CheckpointError(
+                f"{self.prefix}: the NVFP4 table has block scales (ngram_embedding.shard_<i>.weight_scale) "
+                f"for {len(layout.block_scales)} of its {layout.parts} shards",
+                **where,
             )
 
     def _check_cudagraph_mode(self, table: MappedTable) -> None:
@@ -347,9 +435,11 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         )
 
     def check_scale(self) -> None:
-        """The FP8 scale vLLM loaded must be the table's own (PLE_UM_DIR could name another table)."""
+        """The global scale vLLM loaded (FP8 weight_scale, NVFP4 weight_scale_2) must be the table's
+        own (PLE_UM_DIR could name another table)."""
         table = self._table
-        scale = getattr(self, "weight_scale", None)
+        name = "weight_scale_2" if self.is_nvfp4 else "weight_scale"
+        scale = getattr(self, name, None)
         if table is None or table.scale is None or scale is None or scale.device.type == "meta":
             return
         loaded = scale.detach().float().cpu().reshape(-1)
@@ -357,7 +447,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             return  # not loaded yet; vLLM's own check reports a scale the checkpoint lacks
         if not torch.equal(loaded, torch.full_like(loaded, table.scale)):
             raise CheckpointError(
-                f"{self.prefix}: vLLM loaded weight_scale {loaded.tolist()} but the mapped table's scale is "
+                f"{self.prefix}: vLLM loaded {name} {loaded.tolist()} but the mapped table's scale is "
                 f"{table.scale}: PLE_UM_DIR names a table that does not belong to this checkpoint",
                 path=table.layout.directory,
                 tensor=table.layout.scale_tensor,
@@ -366,18 +456,20 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
     def _report(self, table: MappedTable) -> None:
         global _reported
         start, end = table.rows
-        line = (
-            "ple-um: %s served from %s in the %s mode: rows [%d, %d) of %d, %s, %d B per row, capture-safe=%s"
-        )
+        layout = table.layout
+        row = f"{layout.row_bytes} B per row"
+        if layout.is_nvfp4:
+            row = f"{layout.row_bytes} B + {layout.row_dim // layout.block_size} B of block scales per row"
+        line = "ple-um: %s served from %s in the %s mode: rows [%d, %d) of %d, %s, %s, capture-safe=%s"
         args = (
             self.prefix,
-            table.layout.directory,
+            layout.directory,
             table.mode,
             start,
             end,
             table.num_rows,
-            table.layout.dtype_name,
-            table.layout.row_bytes,
+            layout.dtype_name,
+            row,
             table.capture_safe,
         )
         if _reported:
@@ -402,8 +494,10 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         return table
 
     def lookup_rows(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rows of the global n-gram ``ids`` into ``out`` (``ids.shape + (head_dim,)``, the storage
-        dtype); zeros for rows outside this rank's range. The one call that reads the table.
+        """Rows of the global n-gram ``ids`` into ``out`` (``ids.shape + (head_dim,)``, the lookup
+        dtype: the storage dtype, or for NVFP4 the layer's params_dtype, decoded as
+        ``e2m1 * (block_scale * weight_scale_2)`` in float32 as stock does); zeros for rows outside
+        this rank's range. The one call that reads the table.
 
         ats / registered modes: one kernel launch, no host sync, no allocation, capturable in FULL
         graphs. cpu mode: host work, run in vLLM's eager break during piecewise graph capture.
@@ -420,7 +514,8 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         return out
 
     def _reduce(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """Sum the partial rows of the embedding-parallel group (each row has one owner)."""
+        """Sum the partial rows of the embedding-parallel group (each row has one owner): FP8 as
+        int8 bytes, decoded NVFP4 and 16-bit rows as they are, as the stock backends do."""
         if embeddings.dtype in _FP8:
             return self.parallel_group.all_reduce(embeddings.view(torch.int8)).view(embeddings.dtype)
         return self.parallel_group.all_reduce(embeddings)

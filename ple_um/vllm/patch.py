@@ -8,12 +8,14 @@ vLLM symbols it replaces (class attributes; the originals are kept on the class 
   names ``Qwen4ExpPLEDeviceEmbedding`` and ``Qwen4ExpPLEPinnedHostEmbedding`` both point at
   ``Qwen4ExpPLEMappedEmbedding``, so vLLM's own backend selection builds ours with vLLM's own
   arguments (vocab padding, embedding method, ETP group, DP rank, reduce flag).
-- ``Qwen4ExpNGramEmbedding.load_weights``: shard tensors go to the backend's ``receive_shard``
-  (never copied) before the stock method sees the rest; then ``finish_load`` opens the table.
+- ``Qwen4ExpNGramEmbedding.load_weights``: shard tensors (``shard_<i>.weight``, and an NVFP4
+  table's block scales ``shard_<i>.weight_scale``) go to the backend's ``receive_shard`` (never
+  copied) before the stock method sees the rest; then ``finish_load`` opens the table.
 - ``Qwen4ExpForCausalLM`` and ``Qwen4ExpForConditionalGeneration`` of the same package, patched
   when the first ple-um layer is built inside one: ``is_unused_checkpoint_weight`` (vLLM then skips
-  files that hold only shard tensors, even with loaders that read whole files) and
-  ``load_weights`` (``finish_load`` on every ple-um layer once the whole model is loaded).
+  files that hold only shard tensors and NVFP4 block scales, even with loaders that read whole
+  files) and ``load_weights`` (``finish_load`` on every ple-um layer once the whole model is
+  loaded).
 
 The patched constructor reads PLE_UM each time a layer is built: with it unset the layer is stock.
 """
@@ -41,9 +43,10 @@ STOCK_BACKENDS = ("Qwen4ExpPLEDeviceEmbedding", "Qwen4ExpPLEPinnedHostEmbedding"
 MODEL_CLASSES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
 ORIGINAL = "_ple_um_original"
 
-# Names as Qwen4ExpNGramEmbedding.load_weights sees them, and as the checkpoint spells them.
-_LAYER_SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.weight$")
-_CHECKPOINT_SHARD = re.compile(r"(?:^|\.)ple_embedding\.ngram_embedding\.shard_\d+\.weight$")
+# Names as Qwen4ExpNGramEmbedding.load_weights sees them, and as the checkpoint spells them: the
+# rows (.weight) and an NVFP4 table's block scales (.weight_scale) of each shard.
+_LAYER_SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.(weight|weight_scale)$")
+_CHECKPOINT_SHARD = re.compile(r"(?:^|\.)ple_embedding\.ngram_embedding\.shard_\d+\.weight(?:_scale)?$")
 
 
 def ngram_module_names() -> tuple[str, ...]:
@@ -135,15 +138,14 @@ def _patched_load_weights(original):
         backend = self.ngram_embedding
         if not isinstance(backend, Qwen4ExpPLEMappedEmbedding):
             return original(self, weights)
-        received = 0
+        received: set[str] = set()
 
         def others() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal received
             for name, tensor in weights:
                 found = _LAYER_SHARD.match(name)
                 if found is not None:
-                    backend.receive_shard(int(found.group(1)), tensor)
-                    received += 1
+                    backend.receive_shard(int(found.group(1)), tensor, found.group(2))
+                    received.add(found.group(2))
                 elif name == "ngram_embedding.weight":
                     raise CheckpointError(
                         f"{backend.prefix}: the checkpoint stores the PLE table unsharded; ple-um serves "
@@ -154,8 +156,7 @@ def _patched_load_weights(original):
                     yield name, tensor
 
         loaded = original(self, others())
-        if received:
-            loaded.add("ngram_embedding.weight")
+        loaded.update(f"ngram_embedding.{name}" for name in received)
         backend.finish_load()
         return loaded
 

@@ -1,8 +1,8 @@
 """The ple-um backend inside vLLM 0.33's real Qwen4ExpNGramEmbedding, against the stock device backend.
 
 Both are built from the same small config and loaded through the real ``load_weights`` from the same
-synthetic checkpoint, fed by vLLM's own safetensors iterator; their forward outputs must be equal
-bit for bit, raw and after ``dequantize()``.
+synthetic checkpoint (FP8, BF16 or NVFP4), fed by vLLM's own safetensors iterator; their forward
+outputs must be equal bit for bit, raw and after ``dequantize()``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,21 @@ import ple_um
 pytestmark = [pytest.mark.vllm, h.needs_vllm]
 
 
-@pytest.fixture(params=["fp8", "bf16"])
+@pytest.fixture(params=["fp8", "bf16", "nvfp4"])
 def dtype(request):
     return request.param
+
+
+# The raw rows' dtype (NVFP4: decoded to the layer's params_dtype, bf16 here) and the global scale.
+RAW_DTYPE = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "nvfp4": torch.bfloat16}
+GLOBAL_SCALE = {"fp8": "weight_scale", "bf16": None, "nvfp4": "weight_scale_2"}
+METHOD = {
+    "fp8": "Qwen4ExpPLEFp8EmbeddingMethod",
+    "bf16": "Qwen4ExpPLEUnquantizedEmbeddingMethod",
+    "nvfp4": "Qwen4ExpPLENvFp4EmbeddingMethod",
+}
+# Shard tensors per shard: the rows, and NVFP4's block scales.
+PER_SHARD = {"fp8": 1, "bf16": 1, "nvfp4": 2}
 
 
 def _stock(config, directory):
@@ -35,9 +47,9 @@ def _mapped(config, directory):
 
 
 def test_matches_stock_bit_for_bit(world, patched, table_dir, tmp_path, dtype):
-    fp8 = dtype == "fp8"
-    config = h.text_config(fp8=fp8)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=fp8)
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
+    assert layout.is_nvfp4 == (dtype == "nvfp4")
     stock = _stock(config, layout.directory)
     mapped = _mapped(config, layout.directory)
 
@@ -46,31 +58,40 @@ def test_matches_stock_bit_for_bit(world, patched, table_dir, tmp_path, dtype):
     backend = mapped.ngram_embedding
     assert isinstance(backend, Qwen4ExpPLEMappedEmbedding)
     assert type(stock.ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
+    assert type(backend.embedding_method).__name__ == METHOD[dtype]
+    assert type(stock.ngram_embedding.embedding_method).__name__ == METHOD[dtype]
     assert backend.table.mode == "cpu"  # the only mode a CPU-only host has
     assert backend.table.rows == (0, layout.num_rows) == backend.owned_rows
     assert backend.weight.dtype == stock.ngram_embedding.weight.dtype
-    if fp8:
-        assert torch.equal(backend.weight_scale, stock.ngram_embedding.weight_scale)
-        assert float(backend.weight_scale) == layout.scale
+    scale = GLOBAL_SCALE[dtype]
+    if scale is not None:
+        assert torch.equal(getattr(backend, scale), getattr(stock.ngram_embedding, scale))
+        assert float(getattr(backend, scale)) == layout.scale
 
     for seed in (0, 1, 2):
         raw_stock, deq_stock = h.forward(stock, seed)
         raw_mapped, deq_mapped = h.forward(mapped, seed)
-        assert raw_mapped.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        assert raw_mapped.dtype == RAW_DTYPE[dtype]
         assert raw_mapped.view(torch.uint8).any(), "vacuous: all rows zero"
         assert h.same_bits(raw_mapped, raw_stock)
         assert h.same_bits(deq_mapped, deq_stock)
     backend.close_table()
 
 
-def test_allocates_no_table(world, patched, table_dir, tmp_path):
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_allocates_no_table(world, patched, table_dir, tmp_path, dtype):
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     module = _mapped(config, layout.directory)
     backend = module.ngram_embedding
-    assert tuple(backend.weight.shape) == (0, h.HEAD_DIM)
+    if dtype == "nvfp4":  # packed rows and block scales: both without rows
+        assert tuple(backend.weight.shape) == (0, h.NVFP4_HEAD_DIM // 2)
+        assert tuple(backend.weight_scale.shape) == (0, h.NVFP4_HEAD_DIM // 16)
+        assert backend.weight_scale_2.numel() == 1
+    else:
+        assert tuple(backend.weight.shape) == (0, h.HEAD_DIM)
     held = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-    assert held < 1024 < layout.nbytes  # the scale and the hash buffers, no rows
+    assert held < 1024 < layout.nbytes  # the global scale and the hash buffers, no rows
     assert backend.table.stats()["device_bytes"] == 0
     backend.close_table()
 
@@ -112,37 +133,43 @@ def _recording(directory, log):
         yield name, _Touch(tensor, name, log)
 
 
-def test_loading_reads_no_shard(world, patched, table_dir, tmp_path):
-    """With the plugin on, load_weights never runs an op on a shard tensor (no byte is read); the
-    scale loads as stock. The same recording shows the stock backend copying every shard."""
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_loading_reads_no_shard(world, patched, table_dir, tmp_path, dtype):
+    """With the plugin on, load_weights never runs an op on a shard tensor (no byte is read: for
+    NVFP4 neither the packed rows nor the block scales); the global scale loads as stock. The same
+    recording shows the stock backend copying every shard tensor."""
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
+    scale = f"ngram_embedding.{GLOBAL_SCALE[dtype]}"
+    sharded = {"ngram_embedding.weight"} | ({"ngram_embedding.weight_scale"} if dtype == "nvfp4" else set())
 
     log: list[tuple[str, str]] = []
     mapped = h.build(config, ple_um_on=True)
     loaded = mapped.load_weights(_recording(layout.directory, log))
-    assert "ngram_embedding.weight" in loaded and "ngram_embedding.weight_scale" in loaded
+    assert sharded | {scale} <= loaded
     assert not [entry for entry in log if ".shard_" in entry[0]]
-    assert any(name == "ngram_embedding.weight_scale" for name, _ in log)
-    assert mapped.ngram_embedding.shards_skipped == h.PARTS
+    assert any(name == scale for name, _ in log)
+    assert mapped.ngram_embedding.shards_skipped == h.PARTS * PER_SHARD[dtype]
     assert mapped.ngram_embedding.shards_compared == 0
 
     log.clear()
     stock = h.build(config, ple_um_on=False)
-    stock.load_weights(_recording(layout.directory, log))
+    assert stock.load_weights(_recording(layout.directory, log)) >= sharded | {scale}
     copied = {name for name, op in log if ".shard_" in name and op.startswith("aten.copy_")}
-    assert len(copied) == h.PARTS
+    assert len(copied) == h.PARTS * PER_SHARD[dtype]
     mapped.ngram_embedding.close_table()
 
 
-def test_shard_files_are_not_even_opened(world, patched, table_dir, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_shard_files_are_not_even_opened(world, patched, table_dir, tmp_path, dtype):
     """vLLM's file filter, fed the model's is_unused_checkpoint_weight, drops the files that hold
-    only shard tensors: loaders that read whole files (eager, prefetch, fastsafetensors) skip them."""
+    only shard tensors (NVFP4: rows and block scales): loaders that read whole files (eager,
+    prefetch, fastsafetensors) skip them."""
     from vllm.model_executor.model_loader.weight_utils import filter_safetensors_files_by_weight_name
     from vllm.models.qwen4_exp.nvidia import model as qwen4_exp_model
 
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     mapped = h.build(config, ple_um_on=True)  # the first ple-um layer patches the model classes
     holder = torch.nn.Module()
     holder.add_module("ple", mapped)
@@ -151,33 +178,42 @@ def test_shard_files_are_not_even_opened(world, patched, table_dir, tmp_path):
         assert unused(holder, ple_um.synthetic.shard_name(h.LAYER, 0))
         assert not unused(holder, ple_um.synthetic.scale_name(h.LAYER))
         assert not unused(holder, ple_um.synthetic.UNRELATED_NAME)
+        assert unused(holder, ple_um.synthetic.block_scale_name(h.LAYER, 3))
+        assert not unused(holder, ple_um.synthetic.global_scale_name(h.LAYER))
         assert not unused(torch.nn.Module(), ple_um.synthetic.shard_name(h.LAYER, 0))  # no ple-um layer
         files = sorted(set(layout.files) | {s.path for s in layout.shards})
         kept = filter_safetensors_files_by_weight_name(files, lambda name, u=unused: u(holder, name))
         assert kept == [files[-1]]  # the last file also holds the scale and an unrelated tensor
 
 
-def test_reload_from_memory_is_compared(world, patched, table_dir, tmp_path):
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_reload_from_memory_is_compared(world, patched, table_dir, tmp_path, dtype):
+    """Shard tensors delivered in memory are compared with the mapped files (NVFP4: the packed rows
+    through lookup_packed's bytes, and the block scales through its scales)."""
+    from ple_um.vllm.backend import ReloadMismatchError
+
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     module = _mapped(config, layout.directory)
     backend = module.ngram_embedding
 
     in_memory = [(name, tensor.clone()) for name, tensor in h.checkpoint_weights(layout.directory)]
     module.load_weights(iter(in_memory))  # the same rows: accepted
-    assert backend.shards_compared == h.PARTS
+    assert backend.shards_compared == h.PARTS * PER_SHARD[dtype]
 
-    changed = []
-    for name, tensor in in_memory:
-        if name == "ngram_embedding.shard_3.weight":
-            tensor = tensor.clone()
-            tensor.view(torch.uint8)[17, 2] ^= 1
-        changed.append((name, tensor))
-    from ple_um.vllm.backend import ReloadMismatchError
-
-    with pytest.raises(ReloadMismatchError) as info:
-        module.load_weights(iter(changed))
-    assert "shard 3" in str(info.value) and "row 566" in str(info.value)  # 3 * 183 + 17
+    cases = [("shard_3.weight", "shard 3 "), ("shard_3.weight_scale", "shard 3 block scales")]
+    for changed_name, what in cases[: PER_SHARD[dtype]]:
+        changed = []
+        for name, tensor in in_memory:
+            if name == f"ngram_embedding.{changed_name}":
+                tensor = tensor.clone()
+                tensor.view(torch.uint8)[17, 1] ^= 1
+            changed.append((name, tensor))
+        with pytest.raises(ReloadMismatchError) as info:
+            module.load_weights(iter(changed))
+        message = str(info.value)
+        assert what in message and "row 566" in message, message  # 3 * 183 + 17
+        assert changed_name in message  # the tensor named
     backend.close_table()
 
 
@@ -273,7 +309,8 @@ def test_mode_logged_once_per_process(world, patched, table_dir, tmp_path, monke
         module.ngram_embedding.close_table()
 
 
-def test_dp_token_gathering_as_stock(world, patched, table_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_dp_token_gathering_as_stock(world, patched, table_dir, tmp_path, monkeypatch, dtype):
     """With the table shared across data-parallel ranks (ETP spanning DP), the backend gathers the
     DP group's ids into fixed slots and keeps its own slot, as the stock backend does. The DP group
     and the forward context are stood in for: rank 1 of 2, with 7 and 9 tokens."""
@@ -281,8 +318,8 @@ def test_dp_token_gathering_as_stock(world, patched, table_dir, tmp_path, monkey
 
     from vllm.models.qwen4_exp.common import ngram_embedding as common
 
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     stock, mapped = _stock(config, layout.directory), _mapped(config, layout.directory)
     g = torch.Generator().manual_seed(11)
     mine = torch.randint(0, layout.num_rows, (9, h.HEADS), generator=g)
@@ -303,6 +340,8 @@ def test_dp_token_gathering_as_stock(world, patched, table_dir, tmp_path, monkey
         monkeypatch.setattr(module.ngram_embedding, "data_parallel_rank", 1)
     expected = stock.ngram_embedding(mine)
     got = mapped.ngram_embedding(mine)
-    assert got.shape == (9, h.HEADS, h.HEAD_DIM)
-    assert h.same_bits(got, expected) and h.same_bits(got, mapped.ngram_embedding.table.lookup(mine))
+    backend = mapped.ngram_embedding
+    assert got.shape == (9, h.HEADS, h.head_dim(config))
+    assert h.same_bits(got, expected)
+    assert h.same_bits(got, backend.table.lookup(mine, out_dtype=backend.lookup_dtype))
     mapped.ngram_embedding.close_table()

@@ -64,31 +64,34 @@ class _Capture:
         return fn()
 
 
-def test_cpu_lookup_is_an_eager_break(patched, table_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_cpu_lookup_is_an_eager_break(patched, table_dir, tmp_path, monkeypatch, dtype):
     """Under a breakable capture the cpu-mode lookup becomes an eager segment; replaying it after
-    new ids were written into the same buffer gathers the new rows into the same output."""
+    new ids were written into the same buffer gathers the new rows into the same output (NVFP4:
+    decoded into the layer's params_dtype)."""
     from vllm.compilation import breakable_cudagraph
 
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     module = h.build(config, ple_um_on=True)
     h.load(module, layout.directory)
     backend = module.ngram_embedding
     table = backend.table
 
     ids = torch.tensor([[0, 182, 183, 1279], [5, 700, 900, 64]])
-    out = torch.full((2, 4, h.HEAD_DIM), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out = torch.empty((2, 4, h.head_dim(config)), dtype=backend.lookup_dtype)
+    out.view(torch.uint8).fill_(0x7F)
     capture = _Capture()
     # weak_ref_tensor needs vLLM's CUDA extension; identity is what it means for these CPU tensors.
     monkeypatch.setattr(breakable_cudagraph, "weak_ref_tensor", lambda t: t)
     monkeypatch.setattr(breakable_cudagraph.BreakableCUDAGraphCapture._tls, "active", capture, raising=False)
     backend.lookup_rows(ids, out)
     assert len(capture.segments) == 1
-    assert h.same_bits(out, table.lookup(ids))
+    assert h.same_bits(out, table.lookup(ids, out_dtype=out.dtype))
 
     ids.copy_(torch.tensor([[1, 2, 3, 4], [1000, 1001, 1002, 1003]]))
     capture.segments[0]()  # the replay of the eager segment
-    assert h.same_bits(out, table.lookup(ids))
+    assert h.same_bits(out, table.lookup(ids, out_dtype=out.dtype))
 
     raw, _ = h.forward(module, 0)  # a whole forward under capture: one eager segment per lookup
     assert len(capture.segments) == 2

@@ -53,13 +53,15 @@ def test_directory_without_table(world, patched, table_dir, tmp_path):
         h.load(module, layout.directory)
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("table_elsewhere", [False, True], ids=["loaded", "PLE_UM_DIR"])
-def test_wrong_row_width(world, patched, table_dir, tmp_path, table_elsewhere):
-    """Rows of 4 elements for a layer whose head_dim is 8: rejected when vLLM delivers the shards
-    (shape check, as stock does) and when PLE_UM_DIR names the table (layout check)."""
-    config = h.text_config(fp8=True)
-    right = h.write_table(tmp_path / "right", config, fp8=True)
-    wrong = h.write_table(tmp_path / "wrong", config, fp8=True, row_dim=4)
+def test_wrong_row_width(world, patched, table_dir, tmp_path, table_elsewhere, dtype):
+    """Rows of half the layer's head_dim (FP8: 4 of 8; NVFP4: 16 of 32 values): rejected when vLLM
+    delivers the shards (shape check, as stock does) and when PLE_UM_DIR names the table (layout
+    check)."""
+    config = h.text_config(dtype=dtype)
+    right = h.write_table(tmp_path / "right", config)
+    wrong = h.write_table(tmp_path / "wrong", config, row_dim=h.head_dim(config) // 2)
     table_dir(wrong.directory)
     module = h.build(config, ple_um_on=True)
     source = right.directory if table_elsewhere else wrong.directory
@@ -69,11 +71,12 @@ def test_wrong_row_width(world, patched, table_dir, tmp_path, table_elsewhere):
     assert module.ngram_embedding.table is None
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("table_elsewhere", [False, True], ids=["loaded", "PLE_UM_DIR"])
-def test_wrong_row_count(world, patched, table_dir, tmp_path, table_elsewhere):
-    config = h.text_config(fp8=True)
-    right = h.write_table(tmp_path / "right", config, fp8=True)
-    wrong = h.write_table(tmp_path / "wrong", config, fp8=True, num_rows=right.num_rows + 7)
+def test_wrong_row_count(world, patched, table_dir, tmp_path, table_elsewhere, dtype):
+    config = h.text_config(dtype=dtype)
+    right = h.write_table(tmp_path / "right", config)
+    wrong = h.write_table(tmp_path / "wrong", config, num_rows=right.num_rows + 7)
     table_dir(wrong.directory)
     module = h.build(config, ple_um_on=True)
     source = right.directory if table_elsewhere else wrong.directory
@@ -83,24 +86,60 @@ def test_wrong_row_count(world, patched, table_dir, tmp_path, table_elsewhere):
     assert module.ngram_embedding.table is None
 
 
-def test_wrong_shard_count(world, patched, table_dir, tmp_path):
-    config = h.text_config(fp8=True)
-    right = h.write_table(tmp_path / "right", config, fp8=True)
-    table_dir(h.write_table(tmp_path / "wrong", config, fp8=True, shards=h.PARTS + 1).directory)
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_wrong_shard_count(world, patched, table_dir, tmp_path, dtype):
+    config = h.text_config(dtype=dtype)
+    right = h.write_table(tmp_path / "right", config)
+    table_dir(h.write_table(tmp_path / "wrong", config, shards=h.PARTS + 1).directory)
     module = h.build(config, ple_um_on=True)
     with pytest.raises(ple_um.CheckpointError, match="split_ngram_parts"):
         h.load(module, right.directory)
 
 
-def test_dtype_must_match_quant_method(world, patched, table_dir, tmp_path):
-    """PLE_UM_DIR naming a BF16 table for an FP8 layer (and the reverse): not vLLM's numerics."""
-    for fp8 in (True, False):
-        config = h.text_config(fp8=fp8)
-        model = h.write_table(tmp_path / f"model-{fp8}", config, fp8=fp8)
-        table_dir(h.write_table(tmp_path / f"table-{fp8}", config, fp8=not fp8).directory)
-        module = h.build(config, ple_um_on=True)
-        with pytest.raises(ple_um.CheckpointError, match="stored as"):
-            h.load(module, model.directory)
+DTYPE_PAIRS = [(a, b) for a in ("fp8", "bf16", "nvfp4") for b in ("fp8", "bf16", "nvfp4") if a != b]
+PAIR_IDS = [f"{a}-layer-{b}-table" for a, b in DTYPE_PAIRS]
+
+
+@pytest.mark.parametrize(("layer", "table"), DTYPE_PAIRS, ids=PAIR_IDS)
+def test_dtype_must_match_quant_method(world, patched, table_dir, tmp_path, layer, table):
+    """PLE_UM_DIR naming a table of another dtype than the layer's embedding method serves (FP8,
+    BF16, NVFP4; rows of the same width): not vLLM's numerics, refused before anything is mapped."""
+    config = h.text_config(dtype=layer, head_dim=h.NVFP4_HEAD_DIM)
+    model = h.write_table(tmp_path / "model", config)
+    table_dir(h.write_table(tmp_path / "table", config, dtype=table).directory)
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError, match="stored as") as info:
+        h.load(module, model.directory)
+    if "nvfp4" in (layer, table):
+        assert "NVFP4" in str(info.value) and "ple_embedding_dtype='nvfp4'" in str(info.value)
+    assert module.ngram_embedding.table is None
+
+
+@pytest.mark.parametrize("layer", ["fp8", "bf16"])
+def test_nvfp4_checkpoint_under_another_method(world, patched, table_dir, tmp_path, layer):
+    """An NVFP4 checkpoint loaded into a layer configured FP8 (or BF16): its packed shards are
+    refused as they arrive, the cure named, before any byte is read or anything mapped."""
+    config = h.text_config(dtype=layer, head_dim=h.NVFP4_HEAD_DIM)
+    model = h.write_table(table_dir(tmp_path / "model"), config, dtype="nvfp4")
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError) as info:
+        h.load(module, model.directory)
+    message = str(info.value)
+    assert "NVFP4" in message and "ple_embedding_dtype='nvfp4'" in message
+    assert "shard_0" in message and os.path.basename(model.shards[0].path) in message  # file named
+    assert module.ngram_embedding.table is None
+
+
+@pytest.mark.parametrize("table", ["fp8", "bf16"])
+def test_other_checkpoint_under_nvfp4_method(world, patched, table_dir, tmp_path, table):
+    """An FP8 (or BF16) checkpoint loaded into a layer configured NVFP4: refused as stock refuses
+    it (a cast would reinterpret the bytes), and saying the table is not NVFP4."""
+    config = h.text_config(dtype="nvfp4")
+    model = h.write_table(table_dir(tmp_path / "model"), config, dtype=table)
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError, match=r"requires torch\.uint8.*not NVFP4"):
+        h.load(module, model.directory)
+    assert module.ngram_embedding.table is None
 
 
 def _drop_tensor(directory, name: str) -> None:
@@ -116,30 +155,39 @@ def _drop_tensor(directory, name: str) -> None:
         json.dump(index, f)
 
 
-def test_fp8_without_scale(world, patched, table_dir, tmp_path):
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
-    _drop_tensor(layout.directory, synthetic.scale_name(h.LAYER))
+@pytest.mark.parametrize(
+    ("dtype", "scale_name", "expected"),
+    [("fp8", synthetic.scale_name, "scale"), ("nvfp4", synthetic.global_scale_name, "weight_scale_2")],
+    ids=["fp8", "nvfp4"],
+)
+def test_without_global_scale(world, patched, table_dir, tmp_path, dtype, scale_name, expected):
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
+    _drop_tensor(layout.directory, scale_name(h.LAYER))
     module = h.build(config, ple_um_on=True)
-    with pytest.raises(ple_um.CheckpointError, match="scale"):
+    with pytest.raises(ple_um.CheckpointError, match=expected):
         h.load(module, layout.directory)
 
 
-def test_scale_of_another_table(world, patched, table_dir, tmp_path):
-    """PLE_UM_DIR naming a table whose FP8 scale differs from the one vLLM loaded."""
-    config = h.text_config(fp8=True)
-    model = h.write_table(tmp_path / "model", config, fp8=True, seed=0)
-    table_dir(h.write_table(tmp_path / "other", config, fp8=True, seed=9).directory)
+def test_nvfp4_without_block_scales_of_a_shard(world, patched, table_dir, tmp_path):
+    config = h.text_config(dtype="nvfp4")
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
+    _drop_tensor(layout.directory, synthetic.block_scale_name(h.LAYER, 2))
     module = h.build(config, ple_um_on=True)
-    with pytest.raises(ple_um.CheckpointError, match="weight_scale"):
+    with pytest.raises(ple_um.CheckpointError, match="shard_2.weight_scale|block scale"):
+        h.load(module, layout.directory)
+    assert module.ngram_embedding.table is None
+
+
+@pytest.mark.parametrize(("dtype", "name"), [("fp8", "weight_scale"), ("nvfp4", "weight_scale_2")])
+def test_scale_of_another_table(world, patched, table_dir, tmp_path, dtype, name):
+    """PLE_UM_DIR naming a table whose global scale differs from the one vLLM loaded."""
+    config = h.text_config(dtype=dtype)
+    model = h.write_table(tmp_path / "model", config, seed=0)
+    table_dir(h.write_table(tmp_path / "other", config, seed=9).directory)
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError, match=f"loaded {name} "):
         h.load(module, model.directory)
-
-
-def test_nvfp4_refused(world, patched, tmp_path):
-    config = h.text_config(fp8=False)
-    config.ple_embedding_dtype = "nvfp4"
-    with pytest.raises(NotImplementedError, match="NVFP4"):
-        h.build(config, ple_um_on=True)
 
 
 def test_forward_before_loading(world, patched, tmp_path):

@@ -4,7 +4,8 @@ usage: two_rank_worker.py RANK WORLD_SIZE TMP_DIR CHECKPOINT_DIR OUT_DIR
 
 Tensor parallelism over both ranks, so the embedding-parallel group spans them: the stock device
 backend holds this rank's vocab range and so does the ple-um backend. Both forwards reduce across the
-group; the results, the owned ranges and the mapped bytes are written to OUT_DIR/rank<R>.pt.
+group (FP8 bytes as int8; BF16 rows and decoded NVFP4 rows as they are); the results, the owned
+ranges and the mapped bytes are written to OUT_DIR/rank<R>.pt, per table dtype (DTYPES).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import vllm_harness as h  # noqa: E402
 
+DTYPES = ("fp8", "bf16", "nvfp4")
+
 
 def main() -> None:
     rank, world_size = int(sys.argv[1]), int(sys.argv[2])
@@ -27,11 +30,10 @@ def main() -> None:
     register()
     report: dict = {"rank": rank, "runs": {}}
     with h.vllm_world(tmp_dir, world_size=world_size, rank=rank):
-        for dtype in ("fp8", "bf16"):
-            fp8 = dtype == "fp8"
+        for dtype in DTYPES:
             directory = os.path.join(checkpoints, dtype)
             os.environ["PLE_UM_DIR"] = directory
-            config = h.text_config(fp8=fp8)
+            config = h.text_config(dtype=dtype)
             stock = h.build(config, ple_um_on=False)
             h.load(stock, directory)
             mapped = h.build(config, ple_um_on=True)
@@ -46,7 +48,13 @@ def main() -> None:
                     stock.ngram_embedding.shard_indices.org_vocab_end_index,
                 ),
                 "table_rows": table.rows,
+                "num_rows": table.num_rows,
+                "lookup_dtype": backend.lookup_dtype,
                 "mapped_bytes": table.stats()["mapped_bytes"],
+                # The bytes of the rows this rank owns (NVFP4: packed rows and their block scales).
+                "owned_bytes": sum(
+                    m.owned_bytes for m in (table.mapping, table.scale_mapping) if m is not None
+                ),
                 "table_bytes": table.layout.nbytes,
                 "outputs": [],
             }

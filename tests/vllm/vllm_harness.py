@@ -30,15 +30,30 @@ PREFIX = f"model.layers.{LAYER}.ple.ple_embedding"
 CHECKPOINT_PREFIX = f"{synthetic.PREFIX}layers.{LAYER}.ple.ple_embedding."
 HEADS = 16  # (ngram_size - 1) * heads_per_ngram with the config defaults 3 and 8
 HEAD_DIM = 8
+NVFP4_HEAD_DIM = 32  # NVFP4 rows hold blocks of 16 values: two blocks a row
 PARTS = 7  # 1280 rows -> shards of 183, the last 182: boundaries fall inside ETP ranges
 VOCAB = 97
 EOS = 2
 
 
-def text_config(*, fp8: bool, parts: int = PARTS, head_dim: int = HEAD_DIM):
-    """A small Qwen4ExpTextConfig: 1280 n-gram rows of ``head_dim`` elements in ``parts`` shards."""
+# Table dtypes as the tests name them -> the config's ple_embedding_dtype (None: the model dtype).
+EMBEDDING_DTYPES = {"fp8": "float8_e4m3fn", "bf16": None, "nvfp4": "nvfp4"}
+
+
+def text_config(
+    *, fp8: bool = False, dtype: str | None = None, parts: int = PARTS, head_dim: int | None = None
+):
+    """A small Qwen4ExpTextConfig: 1280 n-gram rows of ``head_dim`` elements in ``parts`` shards.
+
+    ``dtype`` ("fp8", "bf16", "nvfp4"; default "fp8" when ``fp8`` else "bf16") sets
+    ``ple_embedding_dtype``, which is how vLLM picks the PLE embedding method (Fp8 / NvFp4, or
+    unquantized); ``head_dim`` defaults to HEAD_DIM, NVFP4_HEAD_DIM for NVFP4.
+    """
     from transformers import Qwen4ExpTextConfig
 
+    dtype = dtype or ("fp8" if fp8 else "bf16")
+    if head_dim is None:
+        head_dim = NVFP4_HEAD_DIM if dtype == "nvfp4" else HEAD_DIM
     config = Qwen4ExpTextConfig(
         eos_token_id=EOS,
         vocab_size=VOCAB,
@@ -46,9 +61,19 @@ def text_config(*, fp8: bool, parts: int = PARTS, head_dim: int = HEAD_DIM):
         split_ngram_parts=parts,
         ple_embed_dim=HEADS * head_dim,
     )
-    if fp8:
-        config.ple_embedding_dtype = "float8_e4m3fn"
+    if EMBEDDING_DTYPES[dtype] is not None:
+        config.ple_embedding_dtype = EMBEDDING_DTYPES[dtype]
     return config
+
+
+def table_dtype(config) -> str:
+    """The table dtype ("fp8", "bf16", "nvfp4") ``config`` asks for."""
+    wanted = getattr(config, "ple_embedding_dtype", None)
+    return next(name for name, value in EMBEDDING_DTYPES.items() if value == wanted)
+
+
+def head_dim(config) -> int:
+    return config.ple_embed_dim // HEADS
 
 
 def table_rows(config) -> int:
@@ -63,12 +88,13 @@ def table_rows(config) -> int:
     return round_up(total, config.make_ngram_vocab_size_divisible_by)
 
 
-def write_table(directory, config, *, fp8: bool, seed: int = 0, **overrides):
-    """A synthetic checkpoint for ``config``'s PLE layer; ``overrides`` change write_checkpoint args."""
+def write_table(directory, config, *, fp8: bool | None = None, seed: int = 0, **overrides):
+    """A synthetic checkpoint for ``config``'s PLE layer, in the dtype ``config`` asks for (``fp8``:
+    FP8 or BF16 instead); ``overrides`` change write_checkpoint args."""
     args = dict(
         num_rows=table_rows(config),
-        row_dim=config.ple_embed_dim // HEADS,
-        dtype="fp8" if fp8 else "bf16",
+        row_dim=head_dim(config),
+        dtype=table_dtype(config) if fp8 is None else ("fp8" if fp8 else "bf16"),
         shards=config.split_ngram_parts,
         layer=LAYER,
         seed=seed,
@@ -119,7 +145,25 @@ def _ple_um_env(on: bool) -> Iterator[None]:
             os.environ["PLE_UM"] = previous
 
 
-def build(config, *, ple_um_on: bool, max_tokens: int = 256):
+def modelopt_mixed(algo: str):
+    """A ModelOpt MIXED_PRECISION quantization config that quantizes the PLE layer with ``algo``
+    ("NVFP4" or "FP8"): the other way vLLM picks the PLE embedding method (no ple_embedding_dtype)."""
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptMixedPrecisionConfig
+
+    layers = {f"{PREFIX}.ngram_embedding": {"quant_algo": algo, "group_size": 16}}
+    return ModelOptMixedPrecisionConfig.from_config(
+        {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}
+    )
+
+
+def build(
+    config,
+    *,
+    ple_um_on: bool,
+    max_tokens: int = 256,
+    params_dtype: torch.dtype = torch.bfloat16,
+    quant_config=None,
+):
     """The real (NVIDIA) Qwen4ExpNGramEmbedding; the patched constructor builds the ple-um backend
     when PLE_UM is set, the stock device backend otherwise."""
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
@@ -132,8 +176,8 @@ def build(config, *, ple_um_on: bool, max_tokens: int = 256):
             max_tokens,
             data_parallel_rank=0,
             prefix=PREFIX,
-            quant_config=None,
-            params_dtype=torch.bfloat16,
+            quant_config=quant_config,
+            params_dtype=params_dtype,
         )
 
 
@@ -185,12 +229,12 @@ def inputs(seed: int, *, tokens: int = 61, requests: int = 3):
     return ids, query_start_loc, ngram_context
 
 
-def forward(module, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(raw rows as the layer returns them, dequantized to bf16 as the PLE layer does)."""
+def forward(module, seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw rows as the layer returns them, dequantized to ``dtype`` as the PLE layer does)."""
     ids, query_start_loc, ngram_context = inputs(seed)
     with torch.no_grad():
         raw = module(None, ids, query_start_loc, ngram_context)
-        return raw, module.ngram_embedding.dequantize(raw, torch.bfloat16)
+        return raw, module.ngram_embedding.dequantize(raw, dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
