@@ -179,3 +179,15 @@ def tensor_bytes(dtype: str, shape: list[int], fill: int | None = None, seed: in
         return bytes([fill]) * n
     # Bytes below 0x70 are finite in every dtype used here.
     return (np.random.default_rng(seed).integers(0, 0x70, n, dtype=np.uint8)).tobytes()
+
+
+def drop_page_cache(layout) -> None:
+    """Write back and evict the table's files from the page cache (POSIX_FADV_DONTNEED drops clean
+    pages only); their pages then read as absent until something touches them."""
+    for path in layout.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from reference import drop_page_cache
 
 from ple_um import cli, operating
 from ple_um.access.probe import ALL_MODES
@@ -29,17 +30,6 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def run_json(capsys, *argv: str) -> tuple[int, dict]:
     code, out, _ = run(capsys, *argv, "--json")
     return code, json.loads(out)
-
-
-def drop_page_cache(layout) -> None:
-    """Write back and drop the table's files from the page cache (DONTNEED drops clean pages only)."""
-    for path in layout.files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def fs_type(path: str) -> str:

@@ -18,7 +18,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from reference import reference_rows
+from reference import drop_page_cache, reference_rows
 
 from ple_um.errors import CheckpointError, TableClosedError
 from ple_um.mapping import PAGE, MappedShards
@@ -27,17 +27,6 @@ from ple_um.mapping import PAGE, MappedShards
 def digest(path) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def drop_from_page_cache(layout) -> None:
-    """Write back and evict the table's files from the page cache (their pages then read as absent)."""
-    for path in layout.files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def resident(mapping) -> int:
@@ -68,7 +57,7 @@ def big_layout(make_checkpoint):
 @pytest.fixture
 def evictable(big_layout):
     """big_layout, after checking that its files can be evicted here (not on tmpfs, say)."""
-    drop_from_page_cache(big_layout)
+    drop_page_cache(big_layout)
     with MappedShards(big_layout) as m:
         if resident(m) > 2 * PAGE:
             pytest.skip("the page cache keeps these files resident (tmpfs?): residency cannot be observed")
@@ -168,7 +157,7 @@ def test_shard_base_addresses(make_checkpoint, rows):
 
 def test_touch_rows_makes_their_pages_resident(evictable, rng):
     layout = evictable
-    drop_from_page_cache(layout)
+    drop_page_cache(layout)
     with MappedShards(layout) as m:
         m.advise("random")  # no readahead: a touched row brings in little more than its own page
         assert resident(m) <= PAGE
@@ -186,7 +175,7 @@ def test_touch_rows_makes_their_pages_resident(evictable, rng):
 def test_touch_rows_skips_rows_not_owned(evictable):
     layout = evictable
     with MappedShards(layout, (512, 1024)) as m:
-        drop_from_page_cache(layout)
+        drop_page_cache(layout)
         m.advise("random")
         assert m.touch_rows(np.array([0, 100, 511, 1024, 2000])) == 0
         assert m.touch_rows(np.array([0, 600, 1023])) == 2
@@ -194,7 +183,7 @@ def test_touch_rows_skips_rows_not_owned(evictable):
 
 def test_populate_brings_the_mapping_in(evictable):
     layout = evictable
-    drop_from_page_cache(layout)
+    drop_page_cache(layout)
     with MappedShards(layout) as m:
         assert resident(m) <= PAGE
         seen = []

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from reference import reference_rows
+from reference import drop_page_cache, reference_rows
 from test_reliability import GH200, inject_machine
 
 import ple_um
@@ -190,13 +190,7 @@ def evict(table) -> None:
     pages in the page cache (written back first)."""
     for region in table.mapping.regions:
         assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
-    for path in table.layout.files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_page_cache(table.layout)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
+from reference import drop_page_cache
 
 import ple_um
 from ple_um import ops
@@ -444,24 +445,14 @@ def test_prewarm_populates(make_checkpoint, monkeypatch):
         assert resident == mapped == table.stats()["mapped_bytes"]
 
 
-def _evict(layout) -> None:
-    for path in layout.files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 @pytest.mark.parametrize("mode", ["ats", "cpu"])
 def test_prefetch_makes_pages_resident(make_checkpoint, mode, monkeypatch, rng):
     # 2048 rows of 512 bytes in one file: 8 rows a page. The self-test reads one row (row 0).
     layout = make_checkpoint(num_rows=2048, row_dim=512, dtype="fp8", shards=4, files=1)
     monkeypatch.setenv("PLE_UM_SELF_TEST_ROWS", "1")
-    _evict(layout)
+    drop_page_cache(layout)
     with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
-        _evict(layout)
+        drop_page_cache(layout)
         before = sum(r for _, r, _ in table.mapping.residency())
         if before > 4 * PAGE:
             pytest.skip("the page cache keeps these files resident (tmpfs?): residency cannot be observed")
