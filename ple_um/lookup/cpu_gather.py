@@ -51,6 +51,17 @@ class _Slot:
         self.event.record(torch.cuda.current_stream(device))
 
 
+def _phases(t0: float, t1: float, t_read: float, t_wait: float) -> dict[str, float]:
+    """Seconds of a staged gather: planning (dedup), reading rows, staging and copying, waiting
+    for a staging slot."""
+    return {
+        "dedup": t1 - t0,
+        "gather": t_read,
+        "stage": time.perf_counter() - t1 - t_read - t_wait,
+        "wait": t_wait,
+    }
+
+
 class CpuGather:
     """Gathers rows of a MappedShards on the host; returns them on ``device``.
 
@@ -168,11 +179,7 @@ class CpuGather:
             self.last_phases = {"dedup": t1 - t0, "gather": t2 - t1, "stage": t3 - t2, "wait": 0.0}
             return out
         with self._lock:
-            slot = self._slots[self._next]
-            self._next = (self._next + 1) % len(self._slots)
-            tw = time.perf_counter()
-            slot.reserve(n_keys, self.row_bytes, n)
-            t_wait = time.perf_counter() - tw
+            slot, t_wait = self._take_slot(n_keys, n)
             rows = slot.rows[:n_keys]
             rows_np = rows.numpy()
             rows[:skip].zero_()
@@ -193,13 +200,17 @@ class CpuGather:
             dev_inv = inv.to(self.device, non_blocking=True)
             slot.copied(self.device)
             torch.index_select(dev_rows, 0, dev_inv, out=out)
-        self.last_phases = {
-            "dedup": t1 - t0,
-            "gather": t_read,
-            "stage": time.perf_counter() - t1 - t_read - t_wait,
-            "wait": t_wait,
-        }
+        self.last_phases = _phases(t0, t1, t_read, t_wait)
         return out
+
+    def _take_slot(self, n_rows: int, n_ids: int) -> tuple[_Slot, float]:
+        """The next staging slot, grown to size once the copies out of it finished (the seconds
+        waited for them). Called with the lock held."""
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        t0 = time.perf_counter()
+        slot.reserve(n_rows, self.row_bytes, n_ids)
+        return slot, time.perf_counter() - t0
 
     def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(space of each shard, row of each shard's local row 0 in its space) on ``device``."""
@@ -249,11 +260,7 @@ class CpuGather:
             self.last_phases = {"dedup": t1 - t0, "gather": t2 - t1, "stage": 0.0, "wait": 0.0}
             return out
         with self._lock:
-            slot = self._slots[self._next]
-            self._next = (self._next + 1) % len(self._slots)
-            tw = time.perf_counter()
-            slot.reserve(n_valid, self.row_bytes, 0)
-            t_wait = time.perf_counter() - tw
+            slot, t_wait = self._take_slot(n_valid, 0)
             rows = slot.rows[:n_valid]
             dev_rows = torch.empty((n_valid, self.row_bytes), dtype=torch.uint8, device=self.device)
             t_read = 0.0
@@ -266,12 +273,7 @@ class CpuGather:
                     dev_rows[a:b].copy_(rows[a:b], non_blocking=True)
             slot.copied(self.device)
             out.index_copy_(0, order, dev_rows)
-        self.last_phases = {
-            "dedup": t1 - t0,
-            "gather": t_read,
-            "stage": time.perf_counter() - t1 - t_read - t_wait,
-            "wait": t_wait,
-        }
+        self.last_phases = _phases(t0, t1, t_read, t_wait)
         return out
 
     def close(self) -> None:
