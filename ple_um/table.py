@@ -26,7 +26,7 @@ from ple_um.access.prefetch import PagePrefetcher
 from ple_um.access.probe import CAPTURE_SAFE, ProbeReport, decide, pin_budget, requested_mode
 from ple_um.access.registration import RegisteredMapping
 from ple_um.checkpoint import ShardLayout, read_layout
-from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError  # noqa: F401
+from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError
 from ple_um.lookup.cpu_gather import CpuGather
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.nvfp4 import BLOCK, decode_nvfp4
@@ -67,7 +67,7 @@ def _file_rows(layout: ShardLayout, ids: np.ndarray) -> np.ndarray:
             spec = layout.shards[i // S]
             fd = fds.get(spec.path)
             if fd is None:
-                fd = fds[spec.path] = os.open(spec.path, os.O_RDONLY)
+                fd = fds[spec.path] = os.open(spec.path, os.O_RDONLY | os.O_NONBLOCK)
             data = os.pread(fd, layout.row_bytes, spec.offset + (i - i // S * S) * layout.row_bytes)
             if len(data) != layout.row_bytes:
                 raise CheckpointError(f"short read of row {i}", path=spec.path, tensor=spec.tensor)
