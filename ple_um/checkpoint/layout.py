@@ -355,23 +355,31 @@ def _analyze(directory: str, layer: int | None, problems: _Problems) -> ShardLay
     return _build(scan, layer, problems)
 
 
+def _one_per_index(
+    entries: dict[int, list[TensorEntry]], what: str, problems: _Problems
+) -> dict[int, TensorEntry]:
+    """The first tensor of each index (by file, then name); every further one is reported."""
+    chosen: dict[int, TensorEntry] = {}
+    for index in sorted(entries):
+        first, *others = sorted(entries[index], key=lambda e: (e.path, e.name))
+        for other in others:
+            problems.report(
+                f"{what} {index}: also tensor {first.name} in {first.path}",
+                path=other.path,
+                tensor=other.name,
+            )
+        chosen[index] = first
+    return chosen
+
+
 def _build(scan: _Scan, layer: int, problems: _Problems) -> ShardLayout | None:
     """Check one layer's shards and scale; its ShardLayout when sound, else None (all reported)."""
     found = scan.tensors.get(layer, _LayerTensors())
     sound = True
 
     # One tensor per index: a second one (another file, another prefix, a leading zero) is an error.
-    shards: dict[int, TensorEntry] = {}
-    for index in sorted(found.shards):
-        first, *others = sorted(found.shards[index], key=lambda e: (e.path, e.name))
-        for other in others:
-            problems.report(
-                f"duplicate shard index {index}: also tensor {first.name} in {first.path}",
-                path=other.path,
-                tensor=other.name,
-            )
-            sound = False
-        shards[index] = first
+    shards = _one_per_index(found.shards, "duplicate shard index", problems)
+    sound = sound and all(len(v) == 1 for v in found.shards.values())
 
     reference: TensorEntry | None = None
     for entry in shards.values():
@@ -524,17 +532,8 @@ def _check_nvfp4(
         )
         sound = False
 
-    blocks: dict[int, TensorEntry] = {}
-    for index in sorted(found.block_scales):
-        first, *others = sorted(found.block_scales[index], key=lambda e: (e.path, e.name))
-        for other in others:
-            problems.report(
-                f"duplicate block scales of shard index {index}: also tensor {first.name} in {first.path}",
-                path=other.path,
-                tensor=other.name,
-            )
-            sound = False
-        blocks[index] = first
+    blocks = _one_per_index(found.block_scales, "duplicate block scales of shard index", problems)
+    sound = sound and all(len(v) == 1 for v in found.block_scales.values())
 
     row_dim = 2 * reference.shape[1]
     width = row_dim // NVFP4_BLOCK_SIZE if row_dim % NVFP4_BLOCK_SIZE == 0 else None
