@@ -245,19 +245,25 @@ def main() -> int:
     check_table(d2, layout2, "bf16 forced cpu", rng, mode="cpu")
     check_table(d2, layout2, "bf16 device", rng, mode="device")
     check_graph_and_compile(d, layout, rng)
+    return summarize(args.json, probe=report.as_dict())
+
+
+def summarize(json_path: str | None, **extra) -> int:
+    """Print every check as a table and a closing count; write them as JSON; 1 if any failed."""
     failed = [r for r in RESULTS if not r[1]]
     print("\n| check | result | detail |\n| --- | --- | --- |")
     for name, ok, detail in RESULTS:
-        print(f"| {name} | {'PASS' if ok else 'FAIL'} | {detail} |")
+        print(f"| {name} | {'PASS' if ok else 'FAIL'} | {detail[:150]} |")
     print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        results = [{"check": n, "ok": o, "detail": d} for n, o, d in RESULTS]
+        with open(json_path, "w") as f:
             json.dump(
                 {
                     "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__,
-                    "results": [{"check": n, "ok": o, "detail": d} for n, o, d in RESULTS],
-                    "probe": report.as_dict(),
+                    "results": results,
+                    **extra,
                 },
                 f,
                 indent=1,

@@ -8,7 +8,6 @@ in at least 64 shards, F16, and NVFP4 decoded on the device against an independe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -108,24 +107,7 @@ def main() -> int:
         gpu_check.check_table(d, layout, f"{label} auto rows=[S+5, 40S-3)", rng, rows=(S + 5, 40 * S - 3))
     if "nvfp4" in tables:
         check_nvfp4(*tables["nvfp4"], rng)
-    results = gpu_check.RESULTS
-    failed = [r for r in results if not r[1]]
-    print("\n| check | result | detail |\n| --- | --- | --- |")
-    for name, ok, detail in results:
-        print(f"| {name} | {'PASS' if ok else 'FAIL'} | {detail[:150]} |")
-    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__,
-                    "results": [{"check": n, "ok": o, "detail": d} for n, o, d in results],
-                },
-                f,
-                indent=1,
-            )
-    return 1 if failed else 0
+    return gpu_check.summarize(args.json)
 
 
 if __name__ == "__main__":
