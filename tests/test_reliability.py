@@ -41,7 +41,10 @@ from ple_um.access.capabilities import DeviceCapabilities, triton_interpreter
 from ple_um.access.registration import RegisteredMapping, RegistrationError
 from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError
-from ple_um.mapping import MappedShards
+from ple_um.mapping import (
+    MappedShards,
+    _libc,  # libc with mmap, munmap, madvise declared
+)
 from ple_um.synthetic import write_checkpoint
 
 pytestmark = [
@@ -85,18 +88,6 @@ GH200 = DeviceCapabilities(
     read_only_host_register_supported=True,
     can_use_host_pointer_for_registered_mem=True,
 )
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 class InjectedRegistration:

@@ -16,7 +16,6 @@ GPU stream would run them one after another; everything else in the lookup runs 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import threading
@@ -32,7 +31,10 @@ import ple_um
 import ple_um.lookup.gpu_gather
 from ple_um.access.capabilities import triton_interpreter
 from ple_um.lookup.cpu_gather import DEDUP_ROWS
-from ple_um.mapping import PAGE
+from ple_um.mapping import (
+    PAGE,
+    _libc,  # libc with mmap, munmap, madvise declared
+)
 
 pytestmark = [
     pytest.mark.skipif(not triton_interpreter(), reason="GPU paths run on the CPU under TRITON_INTERPRET=1"),
@@ -40,8 +42,6 @@ pytestmark = [
 ]
 
 MADV_DONTNEED = 4
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 @pytest.fixture(autouse=True)
