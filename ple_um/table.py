@@ -126,6 +126,7 @@ class MappedTable:
         self.bulk_calibration: dict = {}
         # Device counters: [rows looked up, ids outside the table]; see kernels/gather.py.
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
+        self._pair = torch.arange(2, device=device)  # the counters' indices, for index_add_
         self._scale_dev = (
             torch.tensor([layout.scale], dtype=torch.float32, device=device)
             if layout.scale is not None
@@ -264,7 +265,7 @@ class MappedTable:
 
         out = torch.empty((max(sizes), self.row_dim), dtype=self.dtype, device=self.device)
         for batch in batches(max(sizes), self.bulk.slots):  # staging buffers allocated before timing
-            self._cpu_lookup(batch, out[: batch.numel()], self.bulk)
+            self._bulk_lookup(batch, out[: batch.numel()])
         for n in sorted(sizes, reverse=True):
             times = {"gpu": [], "bulk": []}
             for path in ("gpu", "bulk"):
@@ -274,7 +275,7 @@ class MappedTable:
                     if path == "gpu":
                         self.gpu.gather(batch, out[:n])
                     else:
-                        self._cpu_lookup(batch, out[:n], self.bulk)
+                        self._bulk_lookup(batch, out[:n])
                     torch.cuda.synchronize(self.device)
                     if k:  # the first call of each is a warm-up
                         times[path].append(time.perf_counter() - t0)
@@ -307,12 +308,18 @@ class MappedTable:
                 if not self._users:
                     self._cond.notify_all()
 
-    def _count(self, rows: int, bad: int, phases: dict | None = None) -> None:
-        """Host-side lookups add to the device counters and the phase seconds (under a lock: +=
-        is not atomic)."""
+    def _count(self, rows: int, bad: torch.Tensor, phases: dict | None = None) -> None:
+        """Host-side lookups add to the device counters (``bad``: a 0-dim tensor of the ids
+        outside the table, on the counters' device, so counting needs no sync) and to the phase
+        seconds. index_add_ adds atomically on a GPU, so lookups from several streams all count;
+        the lock orders the additions on the host (+= is not atomic)."""
         with self._count_lock:
-            self.counters += torch.tensor([rows, bad], dtype=torch.int64).to(self.device)
-            for key, value in (phases or {}).items():
+            self.counters.index_add_(0, self._pair, torch.stack((torch.full_like(bad, rows), bad)))
+        self._add_phases(phases or {})
+
+    def _add_phases(self, phases: dict) -> None:
+        with self._count_lock:
+            for key, value in phases.items():
                 self._host.phases[key] += value
 
     def _lookup_flat(self, ids: torch.Tensor, out: torch.Tensor | None, out_dtype=None) -> torch.Tensor:
@@ -334,16 +341,32 @@ class MappedTable:
             return self._cpu_lookup(ids, out, self.cpu)
         bulk = self.bulk_rows is not None and n >= self.bulk_rows
         if bulk and not torch.cuda.is_current_stream_capturing():
-            return self._cpu_lookup(ids, out, self.bulk)
+            return self._bulk_lookup(ids, out)
         return self.gpu.gather(ids, out)
+
+    def _bulk_lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A GPU mode's big eager batch through the CPU bulk path (planned on the device, which
+        counts the lookup); dequantized on the device when ``out`` is a float tensor."""
+        t0 = time.perf_counter()
+        if out.dtype == self.dtype:
+            self.bulk.gather_planned(ids, out.view(torch.uint8), self.counters)
+        else:
+            raw = torch.empty((ids.numel(), self.layout.row_bytes), dtype=torch.uint8, device=self.device)
+            rows = self.bulk.gather_planned(ids, raw, self.counters).view(self.dtype).float()
+            out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
+        phases = dict(self.bulk.last_phases)
+        self._add_phases(phases)
+        if self.metrics is not None:
+            n = ids.numel()
+            self.metrics.observe(n, n * self.layout.row_bytes, 0, phases, time.perf_counter() - t0)
+        return out
 
     def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor, gather: CpuGather) -> torch.Tensor:
         t0 = time.perf_counter()
         ids = ids.to(torch.int64)
         in_table = (ids >= 0) & (ids < self.num_rows)
         owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
-        bad = int(ids.numel() - int(in_table.sum()))
-        waited = time.perf_counter() - t0  # that sync waits for the GPU work queued ahead of the ids
+        bad = (~in_table).sum().to(self.counters.device)
         if out.dtype == self.dtype:
             gather.gather(ids, owned, out.view(torch.uint8))
         elif self.scale_cpu is not None:
@@ -351,11 +374,13 @@ class MappedTable:
         else:
             rows = gather.gather(ids, owned).view(self.dtype).float()
             out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
-        phases = {**gather.last_phases, "wait": gather.last_phases.get("wait", 0.0) + waited}
+        phases = dict(gather.last_phases)
         self._count(ids.numel(), bad, phases)
         if self.metrics is not None:
             n = ids.numel()
-            self.metrics.observe(n, n * self.layout.row_bytes, bad, phases, time.perf_counter() - t0)
+            # Only the cpu mode counts ids on the host (see LookupMetrics); reading them syncs.
+            out_of_range = int(bad) if self.metrics.host_counted else 0
+            self.metrics.observe(n, n * self.layout.row_bytes, out_of_range, phases, time.perf_counter() - t0)
         return out
 
     def lookup(
@@ -447,7 +472,7 @@ class MappedTable:
             owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
             self.cpu.gather(ids, owned, packed)
             self.scale_cpu.gather(ids, owned, scales)
-            self._count(n, int(n - int(in_table.sum())))
+            self._count(n, (~in_table).sum().to(self.counters.device))
         return packed, scales
 
     def prefetch(self, ids) -> Future:

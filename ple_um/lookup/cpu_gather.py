@@ -18,14 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ple_um.kernels import plan_bins, plan_gather
 from ple_um.mapping import MappedShards
 
 # Below this many unique rows, a thread pool's dispatch costs more than the reads.
 INLINE_ROWS = 4096
 # Up to this many ids a lookup is deduplicated; above it rows are only grouped by shard.
 DEDUP_ROWS = 16384
-# Rows per host-to-device copy when a big gather is pipelined.
-PIPELINE_ROWS = 16384
+# Rows per host-to-device copy when a big gather is pipelined (H200, docs/PERF_NOTES.md: 8 192
+# to 131 072 measured; from 32 768 the per-call overhead no longer shows). The last chunk is cut
+# to TAIL_ROWS: its copy is the one nothing overlaps.
+PIPELINE_ROWS = 32768
+TAIL_ROWS = 4096
 
 
 class _Slot:
@@ -52,14 +56,35 @@ class _Slot:
 
 
 def _phases(t0: float, t1: float, t_read: float, t_wait: float) -> dict[str, float]:
-    """Seconds of a staged gather: planning (dedup), reading rows, staging and copying, waiting
-    for a staging slot."""
+    """Seconds of a staged gather: planning on the host (dedup, until ``t1``), then reading rows,
+    staging and copying, and waiting (for a staging slot, or for the plan the device made)."""
     return {
         "dedup": t1 - t0,
         "gather": t_read,
         "stage": time.perf_counter() - t1 - t_read - t_wait,
         "wait": t_wait,
     }
+
+
+def _segments(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(space, start, end) of each row space's run in rows grouped by space, from the per-space
+    counts whose first entry is the number of ids not owned (grouped first, and not read)."""
+    segments, start = [], 0
+    for k, count in enumerate(counts[1:]):
+        if count:
+            segments.append((k, start, start + count))
+            start += count
+    return segments
+
+
+def _chunks(segments: list[tuple[int, int, int]], step: int, tail: int) -> list[tuple[int, int, int]]:
+    """(space, start, end) pieces of at most ``step`` rows of each segment, the very last piece
+    at most ``tail`` rows."""
+    chunks = [(k, a, min(a + step, b)) for k, a0, b in segments for a in range(a0, b, step)]
+    if chunks and chunks[-1][2] - chunks[-1][1] > tail:
+        k, a, b = chunks.pop()
+        chunks += [(k, a, b - tail), (k, b - tail, b)]
+    return chunks
 
 
 class CpuGather:
@@ -94,6 +119,7 @@ class CpuGather:
             self.space_of_shard[index] = where[key]
             self.row0_of_shard[index] = (rel - residue) // rb - owned.lo
         self.space_dtype = np.int16 if len(self.spaces) < 1 << 15 else np.int32
+        self.bins = plan_bins(len(self.spaces))
         self.space_tensors = [torch.from_numpy(a) for a in self.spaces]
         self.space_of_shard_t = torch.from_numpy(self.space_of_shard.astype(np.int64))
         self.row0_of_shard_t = torch.from_numpy(self.row0_of_shard)
@@ -221,56 +247,95 @@ class CpuGather:
         return self._device_maps
 
     def _gather_bulk(self, ids: torch.Tensor, owned: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A big batch: no dedup. Ids still on the GPU are planned there (the grouping by row space
-        is a GPU sort, the CPU only receives sorted row numbers); ids on the host are grouped with a
-        radix sort of the 16-bit space numbers. Rows are read with one torch.index_select per chunk
-        (torch's own threads), copied to the device chunk by chunk while the next is read, and put
-        in place there with index_copy_."""
+        """The cpu mode's big batch: no dedup. Ids still on the GPU are grouped there with torch
+        ops (a sort of the space numbers; the cpu mode runs no Triton kernel, so that it works
+        where the GPU modes' kernels do not); ids on the host with a radix sort of the 16-bit space
+        numbers. Then as ``_read_planned``."""
         t0 = time.perf_counter()
         S = self.rows_per_shard
         space_of_shard, row0 = self._maps(ids.device)
         shard = torch.where(owned, ids // S, 0)
         space = torch.where(owned, space_of_shard[shard], -1)
         row = row0[shard] + (ids - shard * S)
+        n_counts = len(self.spaces) + 1
         if ids.is_cuda:
-            space, order = torch.sort(space)
-            counts = torch.bincount(space + 1, minlength=len(self.spaces) + 1).tolist()
-            row = row[order].cpu()
+            # Narrow keys: a radix sort of 16 (or 32) bits takes fewer passes than of 64.
+            key = space.to(torch.int16 if self.space_dtype == np.int16 else torch.int32)
+            order = torch.sort(key, stable=True).indices
+            counts = torch.zeros(n_counts, dtype=torch.int64, device=ids.device)
+            counts.index_add_(0, space + 1, torch.ones_like(space))  # bincount would sync
         else:
-            order_np = np.argsort(space.numpy().astype(self.space_dtype), kind="stable")
-            counts = np.bincount(space.numpy() + 1, minlength=len(self.spaces) + 1).tolist()
-            order = torch.from_numpy(order_np)
-            row = row[order]
-        skip = counts[0]
-        segments, start = [], skip
-        for k, count in enumerate(counts[1:]):
-            if count:
-                segments.append((k, start - skip, start - skip + count))
-                start += count
-        row = row[skip:]
-        order = order[skip:].to(self.device, non_blocking=True)
-        n_valid = row.numel()
-        if skip:
-            out.zero_()
-        t1 = time.perf_counter()
+            order = torch.from_numpy(np.argsort(space.numpy().astype(self.space_dtype), kind="stable"))
+            counts = torch.from_numpy(np.bincount(space.numpy() + 1, minlength=n_counts))
+        plan = torch.cat((counts, row[order]))
+        return self._read_planned(plan, order, ids.numel(), n_counts, out, t0)
+
+    def gather_planned(self, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        """The GPU modes' bulk path: raw rows of flat ``ids`` (on the CUDA device; any integer
+        dtype) into ``out`` [n, row_bytes] (uint8), zeros for ids not owned. The plan is made by
+        the device (kernels/plan.py), which also counts the lookup in ``counters`` as the gather
+        kernel does; the host receives the plan in one copy, its only wait on the GPU."""
+        t0 = time.perf_counter()
+        space_of_shard, row0 = self._maps(ids.device)
+        mapping = self.mapping
+        plan, order = plan_gather(
+            ids,
+            space_of_shard,
+            row0,
+            counters,
+            bins=self.bins,
+            row_start=mapping.row_start,
+            row_end=mapping.row_end,
+            num_rows=mapping.layout.num_rows,
+            rows_per_shard=self.rows_per_shard,
+        )
+        return self._read_planned(plan, order, ids.numel(), self.bins, out, t0)
+
+    def _read_planned(
+        self, plan: torch.Tensor, order: torch.Tensor, n: int, n_counts: int, out: torch.Tensor, t0: float
+    ) -> torch.Tensor:
+        """Read the rows a plan lists into ``out``: ``plan[:n_counts]`` ids per bin (bin 0: not
+        owned, not read; bin 1 + s: row space s), then the row numbers grouped by bin; ``order``
+        the batch position of each. Rows are read with one torch.index_select per chunk (torch's own
+        threads), copied to the device chunk by chunk while the next is read, and put in place there
+        with index_copy_."""
         if not self.cuda:
-            for k, a, b in segments:
-                out.index_copy_(0, order[a:b], torch.index_select(self.space_tensors[k], 0, row[a:b]))
+            counts = plan[:n_counts].tolist()
+            skip = counts[0]
+            rows, order = plan[n_counts + skip :], order[skip:]
+            if skip:
+                out.zero_()
+            t1 = time.perf_counter()
+            for k, a, b in _segments(counts):
+                out.index_copy_(0, order[a:b], torch.index_select(self.space_tensors[k], 0, rows[a:b]))
             t2 = time.perf_counter()
             self.last_phases = {"dedup": t1 - t0, "gather": t2 - t1, "stage": 0.0, "wait": 0.0}
             return out
+        on_device = plan.is_cuda
+        t1 = time.perf_counter()
         with self._lock:
-            slot, t_wait = self._take_slot(n_valid, 0)
-            rows = slot.rows[:n_valid]
+            slot, t_wait = self._take_slot(n, n + n_counts)
+            host_plan = slot.inverse[: n + n_counts]
+            host_plan.copy_(plan, non_blocking=on_device)
+            if on_device:
+                tw = time.perf_counter()
+                torch.cuda.current_stream(self.device).synchronize()  # the plan has arrived
+                t_wait += time.perf_counter() - tw
+            counts = host_plan[:n_counts].tolist()
+            skip = counts[0]
+            rows_of = host_plan[n_counts + skip :]
+            order = order[skip:].to(self.device, non_blocking=True)
+            if skip:
+                out.zero_()
+            n_valid = n - skip
+            staged = slot.rows[:n_valid]
             dev_rows = torch.empty((n_valid, self.row_bytes), dtype=torch.uint8, device=self.device)
             t_read = 0.0
-            for k, a0, b0 in segments:
-                for a in range(a0, b0, PIPELINE_ROWS):
-                    b = min(a + PIPELINE_ROWS, b0)
-                    tr = time.perf_counter()
-                    torch.index_select(self.space_tensors[k], 0, row[a:b], out=rows[a:b])
-                    t_read += time.perf_counter() - tr
-                    dev_rows[a:b].copy_(rows[a:b], non_blocking=True)
+            for k, a, b in _chunks(_segments(counts), PIPELINE_ROWS, TAIL_ROWS):
+                tr = time.perf_counter()
+                torch.index_select(self.space_tensors[k], 0, rows_of[a:b], out=staged[a:b])
+                t_read += time.perf_counter() - tr
+                dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
             slot.copied(self.device)
             out.index_copy_(0, order, dev_rows)
         self.last_phases = _phases(t0, t1, t_read, t_wait)
