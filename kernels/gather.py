@@ -25,13 +25,8 @@ STORAGE_CODES = {
 }
 _WORD_DTYPES = {64: torch.int64, 32: torch.int32, 16: torch.int16, 8: torch.uint8}
 
-# Defaults measured on the H200 (docs/PERF_NOTES.md); callers may pass others. A batch is split
-# into at least PROGRAMS_PER_SM programs per SM while that leaves a program a row or more, and at
-# most ROWS_PER_PROGRAM rows a program: a small batch reads its rows from more SMs at once (reads
-# through host memory are latency-bound, each SM keeps only so many in flight), a big one keeps
-# the programs few and full.
+# Defaults measured on the H200 (docs/PERF_NOTES.md); callers may pass others.
 ROWS_PER_PROGRAM = 16
-PROGRAMS_PER_SM = 4
 NUM_WARPS = 4
 
 
@@ -155,15 +150,6 @@ def word_bits_for(*quantities: int) -> int:
         if all(q % (bits // 8) == 0 for q in quantities):
             return bits
     return 8
-
-
-def rows_per_program_for(n: int, sm_count: int) -> int:
-    """Rows a program gathers for a batch of ``n`` on a device of ``sm_count`` SMs: the largest
-    power of two up to ROWS_PER_PROGRAM that still gives PROGRAMS_PER_SM programs per SM."""
-    rows = ROWS_PER_PROGRAM
-    while rows > 1 and n < rows * PROGRAMS_PER_SM * sm_count:
-        rows //= 2
-    return rows
 
 
 def gather_rows(

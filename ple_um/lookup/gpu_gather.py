@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ple_um.checkpoint import ShardLayout
-from ple_um.kernels import gather_nvfp4, gather_rows, rows_per_program_for
+from ple_um.kernels import gather_nvfp4, gather_rows
 
 
 class GpuGather:
@@ -40,11 +40,6 @@ class GpuGather:
         self.base_align = base_align
         self.counters = counters
         self.scale = scale
-        # Under the Triton interpreter (a CPU device) one "SM": small batches still split into
-        # several programs, so the tests run the kernel with every program size.
-        self.sm_count = (
-            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        )
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Flat ids (on the device) into ``out`` [n, row_dim]: raw when out has the storage dtype,
@@ -63,7 +58,6 @@ class GpuGather:
                 num_rows=layout.num_rows,
                 rows_per_shard=layout.rows_per_shard,
                 row_dim=layout.row_dim,
-                rows_per_program=rows_per_program_for(ids.numel(), self.sm_count),
             )
         return gather_rows(
             self.bases,
@@ -78,7 +72,6 @@ class GpuGather:
             row_bytes=layout.row_bytes,
             base_align=self.base_align,
             scale=self.scale if out.dtype != layout.dtype else None,
-            rows_per_program=rows_per_program_for(ids.numel(), self.sm_count),
         )
 
     def gather_block_scales(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -96,5 +89,4 @@ class GpuGather:
             rows_per_shard=self.layout.rows_per_shard,
             row_bytes=out.shape[1],
             base_align=1,
-            rows_per_program=rows_per_program_for(ids.numel(), self.sm_count),
         )
