@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call: GPU checks, bad ids under compute-sanitizer, then the benchmark on a 16 GiB table.
+# Device call: GPU checks, concurrent lookups on two streams, bad ids under compute-sanitizer, then
+# the benchmark on a 16 GiB table.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/install.log 2>&1 || { echo "pip failed"; cat $OUT/install.log; exit 1; }
@@ -7,6 +8,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 timeout 200 python3 scripts/gpu_check.py --dir /tmp/ple-check --gib 8 --shards 64 --json $OUT/gpu_check.json > $OUT/gpu_check.log 2>&1
 echo "gpu_check rc=$?"; grep -E "FAIL|passed|calibration" $OUT/gpu_check.log | cut -c1-400
 rm -rf /tmp/ple-check
+timeout 120 python3 scripts/gpu_concurrency.py --dir /tmp/ple-conc --gib 2 --json $OUT/gpu_concurrency.json > $OUT/gpu_concurrency.log 2>&1
+echo "concurrency rc=$?"; grep -E "FAIL|passed" $OUT/gpu_concurrency.log | cut -c1-300
+rm -rf /tmp/ple-conc
 timeout 100 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 scripts/gpu_sanitize.py /tmp/ple-san > $OUT/sanitize.log 2>&1
 echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|all bad-id|not zero|accepted|gave" $OUT/sanitize.log | tail -3
 PLE_UM_CACHE_DIR=/tmp/plecache timeout 330 ple-um bench --size 16GiB --processes 2 \

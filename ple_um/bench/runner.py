@@ -59,6 +59,9 @@ def default_table(cfg: Config, progress: bool = True) -> str:
             shards=cfg.shards,
             progress=progress,
         )
+        # Written back to disk now, not while the first timings run (writeback takes CPU and
+        # memory bandwidth from the lookups measured).
+        os.sync()
         if os.path.exists(path):
             import shutil
 
