@@ -42,16 +42,6 @@ def _bulk_rows(text: str) -> str | int:
     return rows
 
 
-def _share(text: str) -> str | float:
-    value = text.strip().lower()
-    if value == "auto":
-        return value
-    share = float(value)
-    if not 0 <= share < 1:
-        raise ValueError("expected auto or a fraction in [0, 1)")
-    return share
-
-
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
@@ -175,14 +165,6 @@ KNOBS: dict[str, Knob] = {
             "auto",
             "GPU modes, eager lookups of at least this many ids take the CPU bulk gather + one copy; "
             "auto = the crossover measured at open, 0 = never",
-        ),
-        Knob(
-            "PLE_UM_BULK_GPU_SHARE",
-            _share,
-            "auto",
-            "GPU modes, bulk lookups: the share of the ids the GPU kernel reads meanwhile, on a side "
-            "stream; auto = balanced from the timings measured at open (kept only where it was faster), "
-            "0 = none",
         ),
         Knob("PLE_UM_STRICT", _bool, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(

@@ -121,9 +121,6 @@ class MappedTable:
         self.cpu: CpuGather | None = None
         self.bulk: CpuGather | None = None
         self.bulk_rows: int | None = None  # eager GPU-mode lookups this big take the bulk path
-        # Batch size -> share of a bulk lookup's ids read by the GPU kernel meanwhile (calibrated).
-        self.bulk_shares: dict[int, float] = {}
-        self._side: torch.cuda.Stream | None = None  # the stream of that share
         self.prefetcher: PagePrefetcher | None = None
         self.open_seconds = 0.0
         self.bulk_calibration: dict = {}
@@ -181,7 +178,6 @@ class MappedTable:
         bulk_ok = mode in ("ats", "registered") and self.device.type == "cuda" and sm is None
         if bulk_ok and envs.PLE_UM_BULK_ROWS != 0:
             self.bulk = self._host_gather(m)
-            self._side = torch.cuda.Stream(self.device)
 
     def _host_gather(self, mapping: MappedShards) -> CpuGather:
         return CpuGather(
@@ -230,8 +226,6 @@ class MappedTable:
         self.prefetcher = self.bulk = self.scale_cpu = self.cpu = None
         self.scale_registration = self.registration = None
         self.bulk_rows = None
-        self.bulk_shares = {}
-        self._side = None
         self.gpu = None
         self.device_copy = self.scale_device_copy = None
 
@@ -260,62 +254,39 @@ class MappedTable:
     def calibrate_bulk(self, sizes=(262144, 131072, 65536, 32768, 16384, 4096), repeats: int = 3) -> dict:
         """Time the GPU gather and the CPU bulk gather on random owned ids, largest batch first, and
         set ``bulk_rows`` to the smallest size from which the bulk path wins at every size measured
-        (None when it does not win at the largest). Then, at each size the bulk path takes, time it
-        with a share of the ids read by the GPU kernel meanwhile, the share that would balance the
-        two (bulk / (gpu + bulk) of the times alone), and keep that share in ``bulk_shares`` where it
-        was faster. Returns the medians measured, in seconds (and the shares tried)."""
+        (None when it does not win at the largest). Returns the medians measured, in seconds."""
         rng = np.random.default_rng(1)
         start, end = self.rows
         self.bulk_rows = None
-        self.bulk_shares = {}
         measured = {}
 
         def batches(n: int, count: int) -> list[torch.Tensor]:
             return [torch.from_numpy(rng.integers(start, end, size=n)).to(self.device) for _ in range(count)]
 
-        def timed(n: int, run) -> float:
-            times = []
-            for k, batch in enumerate(batches(n, repeats + 1)):
-                torch.cuda.synchronize(self.device)
-                t0 = time.perf_counter()
-                run(batch, out[:n])
-                torch.cuda.synchronize(self.device)
-                if k:  # the first call is a warm-up
-                    times.append(time.perf_counter() - t0)
-            return float(np.median(times))
-
         out = torch.empty((max(sizes), self.row_dim), dtype=self.dtype, device=self.device)
         for batch in batches(max(sizes), self.bulk.slots):  # staging buffers allocated before timing
-            self._bulk_lookup(batch, out[: batch.numel()], share=0.0)
+            self._bulk_lookup(batch, out[: batch.numel()])
         for n in sorted(sizes, reverse=True):
-            measured[n] = {
-                "gpu": timed(n, self.gpu.gather),
-                "bulk": timed(n, lambda ids, o: self._bulk_lookup(ids, o, share=0.0)),
-            }
+            times = {"gpu": [], "bulk": []}
+            for path in ("gpu", "bulk"):
+                for k, batch in enumerate(batches(n, repeats + 1)):
+                    torch.cuda.synchronize(self.device)
+                    t0 = time.perf_counter()
+                    if path == "gpu":
+                        self.gpu.gather(batch, out[:n])
+                    else:
+                        self._bulk_lookup(batch, out[:n])
+                    torch.cuda.synchronize(self.device)
+                    if k:  # the first call of each is a warm-up
+                        times[path].append(time.perf_counter() - t0)
+            measured[n] = {path: float(np.median(t)) for path, t in times.items()}
             if measured[n]["bulk"] >= measured[n]["gpu"]:
                 break
             self.bulk_rows = n
-        for n, times in measured.items():
-            if self.bulk_rows is None or n < self.bulk_rows:
-                continue
-            share = round(times["bulk"] / (times["gpu"] + times["bulk"]), 3)
-            times["share"] = share
-            times["split"] = timed(n, lambda ids, o, s=share: self._bulk_lookup(ids, o, share=s))
-            if times["split"] < times["bulk"]:
-                self.bulk_shares[n] = share
         self.counters.zero_()
         for key in self._host.phases:
             self._host.phases[key] = 0.0
         return measured
-
-    def bulk_share(self, n: int) -> float:
-        """Share of a bulk lookup of ``n`` ids that the GPU kernel reads: PLE_UM_BULK_GPU_SHARE, or
-        the one calibrated at the largest size up to ``n`` (0 where none was kept)."""
-        knob = envs.PLE_UM_BULK_GPU_SHARE
-        if knob != "auto":
-            return float(knob)
-        below = [size for size in self.bulk_shares if size <= n]
-        return self.bulk_shares[max(below)] if below else 0.0
 
     # -- lookups --------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -373,37 +344,20 @@ class MappedTable:
             return self._bulk_lookup(ids, out)
         return self.gpu.gather(ids, out)
 
-    def _bulk_lookup(self, ids: torch.Tensor, out: torch.Tensor, share: float | None = None) -> torch.Tensor:
-        """A GPU mode's big eager batch: the CPU bulk path (planned on the device, which counts the
-        lookup) for the first ids, the GPU kernel on a side stream for the last ``share`` of them
-        (``bulk_share``) meanwhile: the two read through different hardware (the CPU's page
-        walks, the GPU's address translation) and overlap. Dequantized on the device when ``out``
-        is a float tensor."""
+    def _bulk_lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A GPU mode's big eager batch through the CPU bulk path (planned on the device, which
+        counts the lookup); dequantized on the device when ``out`` is a float tensor."""
         t0 = time.perf_counter()
-        n = ids.numel()
-        m = n - int(n * (self.bulk_share(n) if share is None else share))  # ids the CPU reads
-        if m < n:
-            current = torch.cuda.current_stream(self.device)
-            self._side.wait_stream(current)
-            with torch.cuda.stream(self._side):
-                self.gpu.gather(ids[m:], out[m:])
-            ids.record_stream(self._side)
-            out.record_stream(self._side)
-        if m:
-            cpu_ids, cpu_out = ids[:m], out[:m]
-            if out.dtype == self.dtype:
-                self.bulk.gather_planned(cpu_ids, cpu_out.view(torch.uint8), self.counters)
-            else:
-                raw = torch.empty((m, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
-                rows = self.bulk.gather_planned(cpu_ids, raw, self.counters).view(self.dtype).float()
-                cpu_out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
-            phases = dict(self.bulk.last_phases)
-            self._add_phases(phases)
+        if out.dtype == self.dtype:
+            self.bulk.gather_planned(ids, out.view(torch.uint8), self.counters)
         else:
-            phases = {}
-        if m < n:
-            current.wait_stream(self._side)
+            raw = torch.empty((ids.numel(), self.layout.row_bytes), dtype=torch.uint8, device=self.device)
+            rows = self.bulk.gather_planned(ids, raw, self.counters).view(self.dtype).float()
+            out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
+        phases = dict(self.bulk.last_phases)
+        self._add_phases(phases)
         if self.metrics is not None:
+            n = ids.numel()
             self.metrics.observe(n, n * self.layout.row_bytes, 0, phases, time.perf_counter() - t0)
         return out
 

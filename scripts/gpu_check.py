@@ -93,19 +93,15 @@ def check_table(dirpath, layout, label, rng, mode="auto", rows=None):
         if table.bulk is not None:
             # Both eager paths of a GPU mode: the kernel alone, and the CPU bulk gather + one copy.
             saved = table.bulk_rows
-            paths = (("GPU kernel", None, "0"), ("CPU bulk", 1, "0"), ("CPU bulk + 30% GPU kernel", 1, "0.3"))
-            for path, rows_at, share in paths:
+            for path, rows_at in (("GPU kernel", None), ("CPU bulk", 1)):
                 table.bulk_rows = rows_at
-                os.environ["PLE_UM_BULK_GPU_SHARE"] = share
                 got = table.lookup(ids)
                 got16 = table.lookup(ids, out_dtype=torch.bfloat16)
                 ok = same_bits(got.view(torch.uint8), torch.from_numpy(ref))
                 ok &= same_bits(got16, dequant_ref(ref, layout, torch.bfloat16))
                 record(f"{label}: {path} path raw + bf16 == reference", ok)
                 calls += 2
-            os.environ.pop("PLE_UM_BULK_GPU_SHARE")
             table.bulk_rows = saved
-            record(f"{label}: bulk GPU shares kept", True, str(table.bulk_shares))
             record(f"{label}: bulk calibration (seconds)", True, str(table.bulk_calibration))
         for od in (torch.bfloat16, torch.float16, torch.float32):
             y = table.lookup(ids, out_dtype=od)

@@ -175,12 +175,7 @@ def main() -> int:
         gpu_check.record("open: auto mode", table.mode == "registered", table.mode)
         # Batches of 1 024 take the kernel; 32 768 the CPU bulk path (whatever the calibration chose).
         table.bulk_rows = 16384
-        for share in ("0", "0.3"):
-            # The bulk path alone, then with 30% of its ids read by the kernel on the side stream.
-            os.environ["PLE_UM_BULK_GPU_SHARE"] = share
-            label = f"kernel + bulk (GPU share {share})"
-            run_threads(table, layout, ref, args.threads, (1024, 32768), args.iterations, label)
-        os.environ.pop("PLE_UM_BULK_GPU_SHARE")
+        run_threads(table, layout, ref, args.threads, (1024, 32768), args.iterations, "kernel + bulk")
         table.bulk_rows = None
         run_threads(table, layout, ref, args.threads, (64, 4096, 32768), args.iterations, "kernel only")
         table.bulk_rows = 16384

@@ -113,32 +113,3 @@ def test_chunks_cover_each_segment_and_cut_the_tail():
     assert _chunks(segments, step=16, tail=4) == [(1, 0, 10), (3, 10, 26), (3, 26, 31), (3, 31, 35)]
     assert _chunks([], 8, 4) == []
     assert _chunks([(0, 0, 3)], 8, 4) == [(0, 0, 3)]
-
-
-def test_bulk_gpu_share_knob_and_choice(make_checkpoint, monkeypatch):
-    """The share of a bulk lookup the GPU kernel reads: the knob when set, else the share calibrated
-    at the largest size up to the batch (0 below every calibrated size or where none was kept)."""
-    import ple_um
-    from ple_um import envs
-
-    monkeypatch.delenv("PLE_UM_BULK_GPU_SHARE", raising=False)
-    assert envs.PLE_UM_BULK_GPU_SHARE == "auto"
-    for bad in ("1", "-0.1", "half"):
-        monkeypatch.setenv("PLE_UM_BULK_GPU_SHARE", bad)
-        with pytest.raises(ValueError, match="PLE_UM_BULK_GPU_SHARE"):
-            _ = envs.PLE_UM_BULK_GPU_SHARE
-    layout = make_checkpoint()
-    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        monkeypatch.setenv("PLE_UM_BULK_GPU_SHARE", "auto")
-        table.bulk_shares = {131072: 0.25, 32768: 0.375}
-        assert [table.bulk_share(n) for n in (16384, 32768, 65536, 131072, 1 << 20)] == [
-            0.0,
-            0.375,
-            0.375,
-            0.25,
-            0.25,
-        ]
-        monkeypatch.setenv("PLE_UM_BULK_GPU_SHARE", "0.5")
-        assert table.bulk_share(16384) == 0.5
-        monkeypatch.setenv("PLE_UM_BULK_GPU_SHARE", "0")
-        assert table.bulk_share(131072) == 0.0

@@ -64,7 +64,6 @@ KNOBS = (
     "PLE_UM_CPU_THREADS",
     "PLE_UM_CPU_CHUNK",
     "PLE_UM_BULK_ROWS",
-    "PLE_UM_BULK_GPU_SHARE",
 )
 
 # An H200 on x86 as read_capabilities reports it, but on the "cpu" device, whose kernels the
