@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # Device call: install, GPU checks of the core engine, bad ids under compute-sanitizer memcheck.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/install.log 2>&1 || { echo "pip failed"; cat $OUT/install.log; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/device.txt
+source scripts/h200_setup.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/device.txt
 timeout 300 python3 scripts/gpu_check.py --dir /tmp/ple-check --gib 8 --shards 64 --json $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log | grep -v "^\[PASS\]"
 echo "gpu_check rc=$?"

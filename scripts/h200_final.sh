@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device call: GPU checks, concurrent lookups on two streams, bad ids under compute-sanitizer, then
 # the benchmark on a 16 GiB table.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/install.log 2>&1 || { echo "pip failed"; cat $OUT/install.log; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/device.txt
+source scripts/h200_setup.sh
 timeout 200 python3 scripts/gpu_check.py --dir /tmp/ple-check --gib 8 --shards 64 --json $OUT/gpu_check.json > $OUT/gpu_check.log 2>&1
 echo "gpu_check rc=$?"; grep -E "FAIL|passed|calibration" $OUT/gpu_check.log | cut -c1-400
 rm -rf /tmp/ple-check

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device call: core GPU checks on a small table, concurrent lookups (threads x 2 streams), then
 # where a lookup's time goes on the bench's 16 GiB table (scripts/profile_lookup.py).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/install.log 2>&1 || { echo "pip failed"; cat $OUT/install.log; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/device.txt
+source scripts/h200_setup.sh
 timeout 150 python3 scripts/gpu_check.py --dir /tmp/ple-check --gib 2 --shards 64 --json $OUT/gpu_check.json > $OUT/gpu_check.log 2>&1
 echo "gpu_check rc=$?"; grep -E "FAIL|passed" $OUT/gpu_check.log | cut -c1-300
 timeout 150 python3 scripts/gpu_concurrency.py --dir /tmp/ple-conc --gib 2 --json $OUT/concurrency.json > $OUT/concurrency.log 2>&1

@@ -25,7 +25,6 @@ import ple_um
 from ple_um.bench.contenders import VllmPinnedHost
 from ple_um.bench.runner import Config, _warm_cache, default_table
 from ple_um.checkpoint import read_layout
-from ple_um.kernels import gather_rows
 from ple_um.lookup import cpu_gather
 
 SHAPES = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (8, 4), (16, 4), (16, 8)]
@@ -59,26 +58,8 @@ def events(fn, ids, calls=20, warmup=3) -> tuple[float, float]:
 
 
 def kernel(table, rpp, warps):
-    g, lay = table.gpu, table.layout
-
-    def fn(ids, out):
-        gather_rows(
-            g.bases,
-            ids,
-            out,
-            g.counters,
-            storage=lay.dtype,
-            row_start=g.row_start,
-            row_end=g.row_end,
-            num_rows=lay.num_rows,
-            rows_per_shard=lay.rows_per_shard,
-            row_bytes=lay.row_bytes,
-            base_align=g.base_align,
-            rows_per_program=rpp,
-            num_warps=warps,
-        )
-
-    return fn
+    """The table's GPU gather with the program shape given."""
+    return lambda ids, out: table.gpu.gather(ids, out, rows_per_program=rpp, num_warps=warps)
 
 
 def main() -> int:

@@ -41,9 +41,10 @@ class GpuGather:
         self.counters = counters
         self.scale = scale
 
-    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def gather(self, ids: torch.Tensor, out: torch.Tensor, **launch) -> torch.Tensor:
         """Flat ids (on the device) into ``out`` [n, row_dim]: raw when out has the storage dtype,
-        else dequantized (NVFP4: decoded; raw is the packed bytes, [n, row_bytes])."""
+        else dequantized (NVFP4: decoded; raw is the packed bytes, [n, row_bytes]). ``launch``:
+        the kernel's program shape (``rows_per_program``, ``num_warps``), for measurements."""
         layout = self.layout
         if self.scale_bases is not None and out.dtype != layout.dtype:
             return gather_nvfp4(
@@ -58,6 +59,7 @@ class GpuGather:
                 num_rows=layout.num_rows,
                 rows_per_shard=layout.rows_per_shard,
                 row_dim=layout.row_dim,
+                **launch,
             )
         return gather_rows(
             self.bases,
@@ -72,6 +74,7 @@ class GpuGather:
             row_bytes=layout.row_bytes,
             base_align=self.base_align,
             scale=self.scale if out.dtype != layout.dtype else None,
+            **launch,
         )
 
     def gather_block_scales(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
