@@ -7,6 +7,10 @@ copied to the device asynchronously, in chunks, and expanded there. Staging buff
 turn and each carries the CUDA event of the copy that reads it: a buffer is refilled only after
 its copy finished (the latest seed overwrote its one buffer while the previous copy could still
 read it). Without a CUDA device everything stays on the CPU and the result is a CPU tensor.
+
+Big batches are not deduplicated: their ids are grouped by file where they are (on the GPU with
+torch ops in the cpu mode, with the planning kernels of ``ple_um.kernels.plan`` in the GPU modes'
+bulk path, on the host otherwise) and each file's rows are read with one indexing call per chunk.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ TAIL_ROWS = 4096
 
 
 class _Slot:
-    """One pinned staging buffer (rows, then the inverse index) and the event of its last copy."""
+    """One pinned staging buffer (rows; and int64s: a deduplicated gather's inverse index or a big
+    gather's plan) and the event of its last copy."""
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
