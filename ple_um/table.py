@@ -361,12 +361,17 @@ class MappedTable:
             self.metrics.observe(n, n * self.layout.row_bytes, 0, phases, time.perf_counter() - t0)
         return out
 
-    def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor, gather: CpuGather) -> torch.Tensor:
-        t0 = time.perf_counter()
+    def _classify(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a host-side gather: (ids as int64, which are owned, the count of ids outside the
+        table as a 0-dim tensor on the counters' device, for ``_count``)."""
         ids = ids.to(torch.int64)
         in_table = (ids >= 0) & (ids < self.num_rows)
         owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
-        bad = (~in_table).sum().to(self.counters.device)
+        return ids, owned, (~in_table).sum().to(self.counters.device)
+
+    def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor, gather: CpuGather) -> torch.Tensor:
+        t0 = time.perf_counter()
+        ids, owned, bad = self._classify(ids)
         if out.dtype == self.dtype:
             gather.gather(ids, owned, out.view(torch.uint8))
         elif self.scale_cpu is not None:
@@ -467,12 +472,10 @@ class MappedTable:
             self.gpu.gather(ids, packed)
             self.gpu.gather_block_scales(ids, scales.view(torch.float8_e4m3fn))
         else:
-            ids = ids.to(torch.int64)
-            in_table = (ids >= 0) & (ids < self.num_rows)
-            owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
+            ids, owned, bad = self._classify(ids)
             self.cpu.gather(ids, owned, packed)
             self.scale_cpu.gather(ids, owned, scales)
-            self._count(n, (~in_table).sum().to(self.counters.device))
+            self._count(n, bad)
         return packed, scales
 
     def prefetch(self, ids) -> Future:
