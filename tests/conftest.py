@@ -58,6 +58,13 @@ def make_checkpoint(tmp_path):
 
 
 @pytest.fixture
+def layout(make_checkpoint, rng):
+    """FP8, 120 rows of 10 in 5 shards of 24 over 4 files (the last one's data 4 mod 8), fresh
+    random data. Modules that need another table override it."""
+    return make_checkpoint(num_rows=120, row_dim=10, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30)))
+
+
+@pytest.fixture
 def fp8_layout(make_checkpoint):
     return make_checkpoint()
 

@@ -5,6 +5,8 @@
   written from the format (``decode_e2m1``, ``decode_e4m3``), files read with open/seek/read.
 - ``encode_safetensors`` / ``write_safetensors`` / ``write_raw``: safetensors files built byte by
   byte, sound or deliberately broken.
+- ``drop_page_cache`` and ``maps_of``: the page cache and this process's mappings of a table's
+  files, read or changed through the OS alone.
 
 Import from any test module as ``from reference import reference_rows`` (pytest puts ``tests/`` on
 ``sys.path``, the rootdir-conftest way) or ``from tests.reference import ...`` from the repo root.
@@ -191,3 +193,9 @@ def drop_page_cache(layout) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def maps_of(paths) -> list[str]:
+    """Lines of /proc/self/maps that map one of ``paths``: what this process still maps of them."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if any(line.rstrip().endswith(p) for p in paths)]

@@ -18,7 +18,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from reference import drop_page_cache, reference_rows
+from reference import drop_page_cache, maps_of, reference_rows
 
 from ple_um.errors import CheckpointError, TableClosedError
 from ple_um.mapping import PAGE, MappedShards
@@ -31,11 +31,6 @@ def digest(path) -> str:
 
 def resident(mapping) -> int:
     return sum(r for _, r, _ in mapping.residency())
-
-
-def maps_lines(path) -> list[str]:
-    with open("/proc/self/maps") as f:
-        return [line for line in f if line.rstrip().endswith(path)]
 
 
 def read_at(addr: int, n: int) -> np.ndarray:
@@ -67,7 +62,7 @@ def evictable(big_layout):
 def test_mapping_is_read_only_and_shared(fp8_layout):
     with MappedShards(fp8_layout) as m:
         for region in m.regions:
-            (line,) = maps_lines(region.path)
+            (line,) = maps_of([region.path])
             assert line.split()[1] == "r--s", line  # PROT_READ, MAP_SHARED
 
 
@@ -199,10 +194,10 @@ def test_close_releases_everything_once(fp8_layout):
     m = MappedShards(fp8_layout)
     paths = [r.path for r in m.regions]
     fds = [r.fd for r in m.regions]
-    assert all(maps_lines(p) for p in paths)
+    assert all(maps_of([p]) for p in paths)
     m.close()
     assert m.closed and m.regions == [] and m.owned == {}
-    assert not any(maps_lines(p) for p in paths)
+    assert not any(maps_of([p]) for p in paths)
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)

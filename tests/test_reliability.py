@@ -32,7 +32,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from reference import reference_rows
+from reference import maps_of, reference_rows
 
 import ple_um
 import ple_um.table
@@ -166,18 +166,6 @@ def inject_machine(monkeypatch, caps: DeviceCapabilities = H200, **failures) -> 
 def machine(monkeypatch):
     """``machine(caps=H200, **failures) -> InjectedRegistration``: see ``inject_machine``."""
     return functools.partial(inject_machine, monkeypatch)
-
-
-@pytest.fixture
-def layout(make_checkpoint, rng):
-    """FP8, 120 rows of 10 in 5 shards over 4 files (the last one's data 4 mod 8), fresh data."""
-    return make_checkpoint(num_rows=120, row_dim=10, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30)))
-
-
-def maps_of(paths) -> list[str]:
-    """Lines of /proc/self/maps that map one of ``paths``."""
-    with open("/proc/self/maps") as f:
-        return [line for line in f if any(line.rstrip().endswith(p) for p in paths)]
 
 
 def fds_of(paths) -> list[str]:

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
-from reference import drop_page_cache
+from reference import drop_page_cache, maps_of
 
 import ple_um
 from ple_um import ops
@@ -38,17 +38,6 @@ ID_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
 def _default_knobs(monkeypatch):
     for var in ("PLE_UM_MODE", "PLE_UM_STRICT", "PLE_UM_PREWARM", "PLE_UM_SELF_TEST_ROWS", "PLE_UM_MADVISE"):
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def layout(make_checkpoint, rng):
-    """FP8, 120 rows of 10 in 5 shards of 24 over 4 files (the last 4 mod 8), fresh random data."""
-    return make_checkpoint(num_rows=120, row_dim=10, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30)))
-
-
-def maps_of(paths) -> list[str]:
-    with open("/proc/self/maps") as f:
-        return [line for line in f if any(line.rstrip().endswith(p) for p in paths)]
 
 
 def all_ids(layout) -> torch.Tensor:
