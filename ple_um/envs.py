@@ -166,12 +166,19 @@ KNOBS: dict[str, Knob] = {
             "GPU modes, eager lookups of at least this many ids take the CPU bulk gather + one copy; "
             "auto = the crossover measured at open, 0 = never",
         ),
+        Knob(
+            "PLE_UM_ROWCOPY",
+            _bool,
+            True,
+            "big host gathers read rows with the C row copy (compiled once into PLE_UM_CACHE_DIR), "
+            "else torch.index_select",
+        ),
         Knob("PLE_UM_STRICT", _bool, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(
             "PLE_UM_CACHE_DIR",
             str,
             lambda: os.path.join(os.path.expanduser("~"), ".cache", "ple-um"),
-            "where `ple-um bench` keeps its synthetic table",
+            "where `ple-um bench` keeps its synthetic table, and the compiled C row copy",
         ),
         Knob(
             "PLE_UM_METRICS_SEC",

@@ -186,6 +186,7 @@ class MappedTable:
             threads=envs.PLE_UM_CPU_THREADS,
             chunk=envs.PLE_UM_CPU_CHUNK,
             slots=envs.PLE_UM_STAGING_SLOTS,
+            row_copy=envs.PLE_UM_ROWCOPY,
         )
 
     def _device_bases(self, mapping: MappedShards, caps_cuda: bool, scales: bool = False) -> list[int]:
@@ -669,11 +670,13 @@ def open_table(
         table.metrics.registration(table.registration.seconds)
     table.watch = metrics.watch(table.stats, table.metrics, mapping.residency, device=dev)
     table.open_seconds = time.perf_counter() - t0
+    host = table.bulk or table.cpu
     logger.info(
-        "ple-um: %s opened in %s mode (%.2f s)\n%s",
+        "ple-um: %s opened in %s mode (%.2f s)\n%s%s",
         layout.directory,
         table.mode,
         table.open_seconds,
         report.describe(),
+        f"\n  host row reads: {host.row_reads}" if host is not None else "",
     )
     return table

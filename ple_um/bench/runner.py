@@ -202,6 +202,8 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
             entry["mode"] = impl.mode
             entry["bulk_rows"] = impl.bulk_rows
             entry["bulk_calibration_s"] = impl.bulk_calibration
+            host = impl.bulk or impl.cpu
+            entry["host_row_reads"] = host.row_reads if host is not None else None
         try:
             for n in cfg.rows:
                 id_sets = [

@@ -10,7 +10,8 @@ read it). Without a CUDA device everything stays on the CPU and the result is a 
 
 Big batches are not deduplicated: their ids are grouped by file where they are (on the GPU with
 torch ops in the cpu mode, with the planning kernels of ``ple_um.kernels.plan`` in the GPU modes'
-bulk path, on the host otherwise) and each file's rows are read with one indexing call per chunk.
+bulk path, on the host otherwise) and their rows are read file after file by one job of the C row
+copy (``rowcopy.py``), or, where it cannot be built, with one torch.index_select per chunk.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ple_um import envs
 from ple_um.kernels import plan_bins, plan_gather
+from ple_um.lookup import rowcopy
+from ple_um.lookup.rowcopy import RowCopy
 from ple_um.mapping import MappedShards
 
 # Below this many unique rows, a thread pool's dispatch costs more than the reads.
@@ -100,7 +104,15 @@ class CpuGather:
     batch needs one indexing call per file, not one per shard."""
 
     def __init__(
-        self, mapping: MappedShards, device: torch.device, *, threads: int, chunk: int, slots: int
+        self,
+        mapping: MappedShards,
+        device: torch.device,
+        *,
+        threads: int,
+        chunk: int,
+        slots: int,
+        row_copy: bool = True,
+        cache_dir: str | None = None,
     ) -> None:
         layout = mapping.layout
         self.mapping = mapping
@@ -137,6 +149,20 @@ class CpuGather:
         self._next = 0
         self._lock = threading.Lock()  # one gather at a time owns the slot ring
         self.last_phases: dict[str, float] = {}
+        # Big batches' rows are read by the C row copy where it builds, else by torch.index_select.
+        self.rowcopy: RowCopy | None = None
+        self.row_reads = "torch.index_select (the C row copy is off: PLE_UM_ROWCOPY=0)"
+        if row_copy:
+            lib, self.row_reads = rowcopy.load(cache_dir or envs.PLE_UM_CACHE_DIR)
+            if lib is not None and len(self.spaces) <= rowcopy.MAX_SEGMENTS:
+                self.rowcopy = RowCopy(lib, self.threads)
+            elif lib is not None:
+                most = rowcopy.MAX_SEGMENTS
+                self.row_reads = (
+                    f"torch.index_select ({len(self.spaces)} row spaces; the C copy takes {most})"
+                )
+            else:
+                self.row_reads = f"torch.index_select ({self.row_reads})"
 
     def _plan(self, ids: np.ndarray, owned: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(space, row, inverse, skip): the rows to read, grouped by row space (the first ``skip``
@@ -257,6 +283,8 @@ class CpuGather:
         where the GPU modes' kernels do not); ids on the host with a radix sort of the 16-bit space
         numbers. Then as ``_read_planned``."""
         t0 = time.perf_counter()
+        if self.rowcopy is not None:
+            self.rowcopy.wake()  # the workers wake up while the ids are grouped
         S = self.rows_per_shard
         space_of_shard, row0 = self._maps(ids.device)
         shard = torch.where(owned, ids // S, 0)
@@ -281,6 +309,8 @@ class CpuGather:
         the device (kernels/plan.py), which also counts the lookup in ``counters`` as the gather
         kernel does; the host receives the plan in one copy, its only wait on the GPU."""
         t0 = time.perf_counter()
+        if self.rowcopy is not None:
+            self.rowcopy.wake()  # the workers wake up while the device plans
         space_of_shard, row0 = self._maps(ids.device)
         mapping = self.mapping
         plan, order = plan_gather(
@@ -301,9 +331,9 @@ class CpuGather:
     ) -> torch.Tensor:
         """Read the rows a plan lists into ``out``: ``plan[:n_counts]`` ids per bin (bin 0: not
         owned, not read; bin 1 + s: row space s), then the row numbers grouped by bin; ``order``
-        the batch position of each. Rows are read with one torch.index_select per chunk (torch's own
-        threads), copied to the device chunk by chunk while the next is read, and put in place there
-        with index_copy_."""
+        the batch position of each. Rows are read by one job of the C row copy (else one
+        torch.index_select per chunk, on torch's own threads) into pinned staging, copied to the
+        device chunk by chunk while the next is read, and put in place there with index_copy_."""
         if not self.cuda:
             counts = plan[:n_counts].tolist()
             skip = counts[0]
@@ -311,8 +341,15 @@ class CpuGather:
             if skip:
                 out.zero_()
             t1 = time.perf_counter()
-            for k, a, b in _segments(counts):
-                out.index_copy_(0, order[a:b], torch.index_select(self.space_tensors[k], 0, rows[a:b]))
+            segments = _segments(counts)
+            if self.rowcopy is not None and segments:
+                staged = torch.empty((rows.numel(), self.row_bytes), dtype=torch.uint8)
+                with self.rowcopy.job([(self.space_tensors[k], a, b) for k, a, b in segments], rows, staged):
+                    pass
+                out.index_copy_(0, order, staged)
+            else:
+                for k, a, b in segments:
+                    out.index_copy_(0, order[a:b], torch.index_select(self.space_tensors[k], 0, rows[a:b]))
             t2 = time.perf_counter()
             self.last_phases = {"dedup": t1 - t0, "gather": t2 - t1, "stage": 0.0, "wait": 0.0}
             return out
@@ -336,11 +373,23 @@ class CpuGather:
             staged = slot.rows[:n_valid]
             dev_rows = torch.empty((n_valid, self.row_bytes), dtype=torch.uint8, device=self.device)
             t_read = 0.0
-            for k, a, b in _chunks(_segments(counts), PIPELINE_ROWS, TAIL_ROWS):
-                tr = time.perf_counter()
-                torch.index_select(self.space_tensors[k], 0, rows_of[a:b], out=staged[a:b])
-                t_read += time.perf_counter() - tr
-                dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
+            segments = _segments(counts)
+            if self.rowcopy is not None and segments:
+                # One job reads every row, file after file; each chunk is copied to the device
+                # as soon as its rows are in (the calling thread copies rows while it waits).
+                spaces = [(self.space_tensors[k], a, b) for k, a, b in segments]
+                with self.rowcopy.job(spaces, rows_of[:n_valid], staged) as wait:
+                    for _, a, b in _chunks([(0, 0, n_valid)], PIPELINE_ROWS, TAIL_ROWS):
+                        tr = time.perf_counter()
+                        wait(b)
+                        t_read += time.perf_counter() - tr
+                        dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
+            else:
+                for k, a, b in _chunks(segments, PIPELINE_ROWS, TAIL_ROWS):
+                    tr = time.perf_counter()
+                    torch.index_select(self.space_tensors[k], 0, rows_of[a:b], out=staged[a:b])
+                    t_read += time.perf_counter() - tr
+                    dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
             slot.copied(self.device)
             out.index_copy_(0, order, dev_rows)
         self.last_phases = _phases(t0, t1, t_read, t_wait)

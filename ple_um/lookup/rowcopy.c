@@ -1,0 +1,254 @@
+/* Row copy for the host bulk gather (ple_um/lookup/rowcopy.py loads it with ctypes, which
+ * releases the GIL for each call; no Python headers).
+ *
+ * dst[i] = row rows[i] of the row table of i's segment. While it copies row i, a thread prefetches
+ * row i + ahead, so many rows' TLB and cache misses are in flight per core instead of about one
+ * (torch.index_select copies row by row through a generic copy routine). A job's rows come in
+ * segments, one per row table (one per mapped file); a pool of worker threads that stays up
+ * between jobs copies them in blocks, claimed in order, and the caller can wait for a prefix of
+ * the rows while the rest are copied, to queue the host-to-device copy of each finished chunk.
+ * A row number outside its table is not read: the row is zeroed and counted as an error.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define MAX_SEGMENTS 4096
+#define MAX_BLOCKS 65536
+
+static inline void prefetch_row(const uint8_t *p, int64_t rb) {
+    for (int64_t k = 0; k < rb; k += 64) __builtin_prefetch(p + k, 0, 3);
+    __builtin_prefetch(p + rb - 1, 0, 3);
+}
+
+/* Rows [a, b) of one segment; returns how many row numbers were outside [0, limit). */
+static int64_t copy_range(const uint8_t *src, int64_t limit, int64_t rb, const int64_t *rows, int64_t a,
+                          int64_t b, uint8_t *dst, int ahead) {
+    int64_t bad = 0;
+    for (int64_t i = a; i < a + ahead && i < b; i++)
+        if ((uint64_t)rows[i] < (uint64_t)limit) prefetch_row(src + rows[i] * rb, rb);
+    for (int64_t i = a; i < b; i++) {
+        int64_t next = i + ahead;
+        if (next < b && (uint64_t)rows[next] < (uint64_t)limit) prefetch_row(src + rows[next] * rb, rb);
+        if ((uint64_t)rows[i] < (uint64_t)limit) {
+            memcpy(dst + i * rb, src + rows[i] * rb, (size_t)rb);
+        } else {
+            memset(dst + i * rb, 0, (size_t)rb);
+            bad++;
+        }
+    }
+    return bad;
+}
+
+/* ---- the pool ----------------------------------------------------------------------------
+ * One job at a time in the process: ple_job_begin takes the job lock and ple_job_end releases it
+ * (same thread), so jobs of two tables never mix. Blocks are claimed with a compare-and-swap on
+ * one word holding (job number << 32 | next block), so a worker that wakes late can never claim a
+ * block of another job than the one it read. The job's descriptor (one of two, by job number) is
+ * rewritten only two jobs later, after the job in between ended, by when every block of this one
+ * was copied. The caller copies blocks too while it waits, so a job completes even with no
+ * worker running (none could be started, or the process was forked). */
+
+typedef struct {
+    const uint8_t *base[MAX_SEGMENTS];
+    int64_t limit[MAX_SEGMENTS]; /* rows in segment s's table */
+    int64_t end[MAX_SEGMENTS];   /* segment s holds job rows [end[s-1], end[s]) */
+    int segments;
+    int64_t rb;
+    const int64_t *rows;
+    int64_t n;
+    uint8_t *dst;
+    int ahead;
+    int solo; /* the caller copies every block; the workers leave the job alone */
+    int64_t block;
+    uint32_t blocks;
+    uint32_t waited; /* the caller's cursor: blocks [0, waited) are known done */
+    atomic_llong bad;
+    atomic_uchar done[MAX_BLOCKS];
+} job_t;
+
+static job_t g_jobs[2];
+static _Atomic uint64_t g_claim;
+static uint32_t g_gen;                                      /* the current job's number */
+static pthread_mutex_t g_call = PTHREAD_MUTEX_INITIALIZER;  /* held from begin to end */
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;    /* sleeping workers */
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t g_start = PTHREAD_MUTEX_INITIALIZER; /* starting workers */
+static int g_workers;
+static atomic_long g_spin_ns;
+static atomic_uint g_wake; /* bumped by ple_pool_wake: a job is coming */
+#define WAKE_SPIN_NS 2000000L /* how long woken workers spin for the job that follows */
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static void copy_block(job_t *j, uint32_t i) {
+    int64_t a = (int64_t)i * j->block;
+    int64_t b = a + j->block < j->n ? a + j->block : j->n;
+    int lo = 0, hi = j->segments - 1; /* the first segment that ends after row a */
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (j->end[mid] <= a) lo = mid + 1;
+        else hi = mid;
+    }
+    int64_t bad = 0;
+    for (int s = lo; a < b; s++) {
+        int64_t e = j->end[s] < b ? j->end[s] : b;
+        bad += copy_range(j->base[s], j->limit[s], j->rb, j->rows, a, e, j->dst, j->ahead);
+        a = e;
+    }
+    if (bad) atomic_fetch_add(&j->bad, bad);
+}
+
+/* Claim and copy one block of the job `v` was read from; 0 when none is left to claim. */
+static int copy_one(uint64_t v) {
+    for (;;) {
+        uint32_t gen = (uint32_t)(v >> 32), i = (uint32_t)v;
+        job_t *j = &g_jobs[gen & 1];
+        if (i >= j->blocks) return 0;
+        if (atomic_compare_exchange_weak(&g_claim, &v, v + 1)) {
+            copy_block(j, i);
+            atomic_store_explicit(&j->done[i], 1, memory_order_release);
+            return 1;
+        }
+        if ((uint32_t)(v >> 32) != gen) return 0;
+    }
+}
+
+/* Spin, then sleep, until a job newer than `seen` is posted; a wake restarts the spin. */
+static void wait_for_job(uint32_t seen) {
+    long t0 = now_ns(), spin = atomic_load(&g_spin_ns);
+    unsigned wake = atomic_load(&g_wake);
+    while ((uint32_t)(atomic_load(&g_claim) >> 32) == seen) {
+        if (atomic_load(&g_wake) != wake) {
+            wake = atomic_load(&g_wake), t0 = now_ns(), spin = WAKE_SPIN_NS;
+        } else if (now_ns() - t0 > spin) {
+            pthread_mutex_lock(&g_mu);
+            while ((uint32_t)(atomic_load(&g_claim) >> 32) == seen && atomic_load(&g_wake) == wake)
+                pthread_cond_wait(&g_cv, &g_mu);
+            pthread_mutex_unlock(&g_mu);
+        } else {
+            relax();
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint32_t seen = (uint32_t)(atomic_load(&g_claim) >> 32);
+    for (;;) {
+        wait_for_job(seen);
+        uint64_t v = atomic_load(&g_claim);
+        seen = (uint32_t)(v >> 32);
+        if (g_jobs[seen & 1].solo) continue;
+        while (copy_one(v)) {
+            v = atomic_load(&g_claim);
+            if ((uint32_t)(v >> 32) != seen) break;
+        }
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's threads, and locks held by them stay held. */
+static void after_fork_in_child(void) {
+    g_workers = 0;
+    pthread_mutex_init(&g_call, NULL);
+    pthread_mutex_init(&g_mu, NULL);
+    pthread_cond_init(&g_cv, NULL);
+    pthread_mutex_init(&g_start, NULL);
+}
+
+/* Start workers up to `workers` in all (threads are never stopped; the pool only grows); after a
+ * job they spin `spin_ns` before sleeping. Returns the number of workers running. */
+int ple_pool_start(int workers, long spin_ns) {
+    static int hooked;
+    pthread_mutex_lock(&g_start);
+    if (!hooked) hooked = pthread_atfork(NULL, NULL, after_fork_in_child) == 0;
+    atomic_store(&g_spin_ns, spin_ns);
+    for (int k = g_workers; k < workers; k++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, worker, NULL) != 0) break;
+        pthread_detach(t);
+        g_workers++;
+    }
+    int running = g_workers;
+    pthread_mutex_unlock(&g_start);
+    return running;
+}
+
+/* Wake sleeping workers to spin for a job about to be posted (their wake-up then overlaps the
+ * caller's work before the job, not the job). */
+void ple_pool_wake(void) {
+    atomic_fetch_add(&g_wake, 1);
+    pthread_mutex_lock(&g_mu);
+    pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* Post a job: for segment s, dst[i] = row rows[i] of the table of limits[s] rows at bases[s], for
+ * i in [ends[s-1], ends[s]) (ends[-1] = 0); with `solo`, only the caller copies. Takes the job
+ * lock until ple_job_end. Returns -1, and takes nothing, for arguments out of range. */
+int ple_job_begin(const uint64_t *bases, const int64_t *limits, const int64_t *ends, int segments, int64_t rb,
+                  const int64_t *rows, uint8_t *dst, int ahead, int64_t block, int solo) {
+    if (segments < 1 || segments > MAX_SEGMENTS || rb <= 0 || block <= 0 || ahead < 0) return -1;
+    int64_t n = ends[segments - 1];
+    if (n < 0 || (n + block - 1) / block > MAX_BLOCKS) return -1;
+    for (int s = 0; s < segments; s++)
+        if (ends[s] < (s ? ends[s - 1] : 0) || limits[s] < 0) return -1;
+    pthread_mutex_lock(&g_call);
+    uint32_t gen = ++g_gen;
+    job_t *j = &g_jobs[gen & 1];
+    for (int s = 0; s < segments; s++) {
+        j->base[s] = (const uint8_t *)(uintptr_t)bases[s];
+        j->limit[s] = limits[s];
+        j->end[s] = ends[s];
+    }
+    j->segments = segments, j->rb = rb, j->rows = rows, j->n = n, j->dst = dst;
+    j->ahead = ahead, j->block = block, j->solo = solo;
+    j->blocks = (uint32_t)((n + block - 1) / block);
+    j->waited = 0;
+    atomic_store(&j->bad, 0);
+    for (uint32_t i = 0; i < j->blocks; i++) atomic_store_explicit(&j->done[i], 0, memory_order_relaxed);
+    atomic_store(&g_claim, (uint64_t)gen << 32);
+    if (!solo) {
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
+    return 0;
+}
+
+/* Wait until rows [0, upto) of the current job are copied, copying blocks meanwhile. */
+void ple_job_wait(int64_t upto) {
+    job_t *j = &g_jobs[g_gen & 1];
+    if (upto > j->n) upto = j->n;
+    uint32_t need = upto > 0 ? (uint32_t)((upto + j->block - 1) / j->block) : 0;
+    while (j->waited < need) {
+        if (atomic_load_explicit(&j->done[j->waited], memory_order_acquire)) j->waited++;
+        else if (!copy_one(atomic_load(&g_claim))) relax();
+    }
+}
+
+/* Wait for the whole job, release the job lock; returns the row numbers found out of range. */
+long long ple_job_end(void) {
+    job_t *j = &g_jobs[g_gen & 1];
+    ple_job_wait(j->n);
+    long long bad = atomic_load(&j->bad);
+    pthread_mutex_unlock(&g_call);
+    return bad;
+}

@@ -1,0 +1,186 @@
+"""RowCopy: the host bulk gather's row reads, in C (``rowcopy.c``), loaded with ctypes.
+
+``torch.index_select`` copies one row at a time through a generic copy routine, so each thread has
+about one row's misses in flight. On the H200 host (16 GiB table, fresh random rows) the C copy,
+which prefetches the row 16 positions ahead while it copies the current one, reads 131 072 rows in
+0.49-0.51 ms against 0.81 ms, and a bulk lookup, whose chunks it reads in one job while the calling
+thread queues each chunk's copy to the device, takes 1.22-1.45 ms against 1.78-1.84 ms
+(docs/PERF_NOTES.md, row 12).
+
+The C file is compiled once per machine with the system C compiler (``$CC``, else ``cc`` or
+``gcc``: Triton needs one too) into the cache directory; where none is found or the build fails,
+``load`` says why and the bulk gather keeps ``torch.index_select``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("rowcopy.c")
+FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
+# rowcopy.c's limits on one job.
+MAX_SEGMENTS = 4096
+MAX_BLOCKS = 65536
+# Rows prefetched ahead of the one being copied, rows per claimed block, and how long idle workers
+# spin before they sleep (H200 host, PERF_NOTES row 12: 16 and 32 ahead alike, 0 ahead 1.4x slower).
+AHEAD = 16
+BLOCK_ROWS = 256
+SPIN_US = 50
+
+_lock = threading.Lock()
+_loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
+
+
+class RowCopyError(RuntimeError):
+    """The C row copy was given row numbers outside their tables (a broken plan)."""
+
+
+def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
+    source = SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None, "no C compiler found ($CC, cc, gcc)"
+    tag = hashlib.sha256(source + " ".join((cc, *FLAGS, platform.machine())).encode()).hexdigest()[:16]
+    target = Path(cache_dir) / "native" / f"rowcopy-{tag}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                done = subprocess.run(
+                    [cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=120
+                )
+                if done.returncode != 0:
+                    return None, f"compiling {SOURCE} with {cc} failed: {done.stderr.strip()[-500:]}"
+                os.replace(built, target)  # atomic: another process may build the same file at once
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"compiling {SOURCE} with {cc} into {target.parent} failed: {exc}"
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        return None, f"loading {target} failed: {exc}"
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.ple_pool_start.argtypes = [c_int, ctypes.c_long]
+    lib.ple_pool_start.restype = c_int
+    lib.ple_job_begin.argtypes = [ptr, ptr, ptr, c_int, i64, ptr, ptr, c_int, i64, c_int]
+    lib.ple_job_begin.restype = c_int
+    lib.ple_pool_wake.argtypes = []
+    lib.ple_pool_wake.restype = None
+    lib.ple_job_wait.argtypes = [i64]
+    lib.ple_job_wait.restype = None
+    lib.ple_job_end.argtypes = []
+    lib.ple_job_end.restype = ctypes.c_longlong
+    return lib, f"C row copy ({target.name}, built with {cc})"
+
+
+def load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled row copy (built once per machine, cached in ``cache_dir``) and what it is, or
+    None and why not."""
+    with _lock:
+        if cache_dir not in _loaded:
+            _loaded[cache_dir] = _build(cache_dir)
+        return _loaded[cache_dir]
+
+
+class RowCopy:
+    """Reads rows of 2-D uint8 row tables (the mapped files' row spaces) into a 2-D uint8 host
+    tensor: with ``threads`` > 1, rowcopy.c's thread pool (one per process, grown to the most
+    workers asked for) and the calling thread; with 1, the calling thread alone."""
+
+    def __init__(
+        self, lib: ctypes.CDLL, threads: int, *, ahead: int = AHEAD, block: int = BLOCK_ROWS
+    ) -> None:
+        self.lib = lib
+        self.ahead = max(0, ahead)
+        self.block = max(1, block)
+        self.threads = 1 + (lib.ple_pool_start(threads - 1, SPIN_US * 1000) if threads > 1 else 0)
+
+    def wake(self) -> None:
+        """Wake the pool's sleeping workers to spin for a job about to come (call it before the
+        work that precedes the job, so that their wake-up overlaps that work)."""
+        if self.threads > 1:
+            self.lib.ple_pool_wake()
+
+    @contextmanager
+    def job(
+        self, segments: list[tuple[torch.Tensor, int, int]], rows: torch.Tensor, out: torch.Tensor
+    ) -> Iterator[Callable[[int], None]]:
+        """``out[i] = space[rows[i]]`` for each (space, start, end) segment and i in [start, end);
+        the segments lie back to back from 0 to ``len(out)``. Yields ``wait(upto)``, which returns
+        once rows [0, upto) are in (the calling thread copies rows meanwhile); every row is in when
+        the block exits. One job at a time in the process: a second one waits for it.
+
+        A row number outside its space is not read: its row is zeroed and RowCopyError raised at
+        the end (the caller's plan puts every row in its space; this guards against a broken one)."""
+        n = out.shape[0] if out.dim() == 2 else -1
+        if out.dim() != 2 or out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous 2-D uint8 host tensor, got {tuple(out.shape)} {out.dtype}"
+            )
+        rb = out.shape[1]
+        if (
+            rows.dtype != torch.int64
+            or rows.device.type != "cpu"
+            or not rows.is_contiguous()
+            or rows.numel() != n
+        ):
+            raise ValueError(f"rows must be {n} contiguous int64 row numbers on the host")
+        if not segments or len(segments) > MAX_SEGMENTS:
+            raise ValueError(f"a job takes 1 to {MAX_SEGMENTS} segments, got {len(segments)}")
+        bases = np.empty(len(segments), dtype=np.uint64)
+        limits = np.empty(len(segments), dtype=np.int64)
+        ends = np.empty(len(segments), dtype=np.int64)
+        for s, (space, start, end) in enumerate(segments):
+            if space.dim() != 2 or space.dtype != torch.uint8 or space.device.type != "cpu":
+                raise ValueError(f"segment {s}: row space must be a 2-D uint8 host tensor")
+            if space.shape[1] != rb or space.stride() != (rb, 1):
+                raise ValueError(
+                    f"segment {s}: row space {tuple(space.shape)} does not hold contiguous {rb} B rows"
+                )
+            if start != (segments[s - 1][2] if s else 0) or end < start:
+                raise ValueError(f"segment {s}: [{start}, {end}) does not follow the segment before it")
+            bases[s], limits[s], ends[s] = space.data_ptr(), space.shape[0], end
+        if ends[-1] != n:
+            raise ValueError(f"segments cover {int(ends[-1])} rows, out has {n}")
+        block = max(self.block, -(-n // MAX_BLOCKS))
+        lib = self.lib
+        begun = lib.ple_job_begin(
+            bases.ctypes.data,
+            limits.ctypes.data,
+            ends.ctypes.data,
+            len(segments),
+            rb,
+            rows.data_ptr(),
+            out.data_ptr(),
+            self.ahead,
+            block,
+            int(self.threads == 1),
+        )
+        if begun != 0:
+            raise ValueError(
+                f"rowcopy refused the job ({len(segments)} segments, {n} rows, blocks of {block})"
+            )
+        try:
+            yield lib.ple_job_wait
+        finally:
+            bad = lib.ple_job_end()
+        if bad:
+            raise RowCopyError(f"{bad} row numbers outside their row spaces (zeroed, not read)")
+
+    def copy(self, space: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[i] = space[rows[i]]`` for every row of ``out``."""
+        with self.job([(space, 0, out.shape[0] if out.dim() == 2 else -1)], rows, out):
+            pass

@@ -1,0 +1,199 @@
+"""The C row copy (ple_um/lookup/rowcopy.c), compiled on this machine and run on the row spaces of
+a real mapped checkpoint: every row against the file's bytes read with plain reads, poisoned
+outputs, jobs over several files, prefix waits, rows out of their space, bad arguments, jobs from
+several threads at once, a forked child, and the fallback when no compiler works.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from ple_um.lookup import rowcopy
+from ple_um.lookup.cpu_gather import CpuGather
+from ple_um.mapping import MappedShards
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    lib, why = rowcopy.load(str(tmp_path_factory.mktemp("cache")))
+    assert lib is not None, why  # a C compiler is part of the test machine (Triton needs one too)
+    return lib
+
+
+@pytest.fixture
+def spaces(make_checkpoint, rng):
+    """The row spaces (one per file) of a real 4-file FP8 checkpoint, and their bytes read from
+    the files with plain reads (the reference)."""
+    layout = make_checkpoint(
+        num_rows=3000, row_dim=24, dtype="fp8", shards=8, files=4, seed=int(rng.integers(1 << 30))
+    )
+    with MappedShards(layout, (0, layout.num_rows)) as mapping:
+        gather = CpuGather(mapping, torch.device("cpu"), threads=2, chunk=64, slots=1, row_copy=False)
+        try:
+            tables = list(gather.space_tensors)
+            reference = []
+            for space in tables:
+                region = next(r for r in mapping.regions if r.addr <= space.data_ptr() < r.addr + r.length)
+                with open(region.path, "rb") as f:
+                    f.seek(region.file_offset + space.data_ptr() - region.addr)
+                    data = f.read(space.numel())
+                reference.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(space.shape))
+            yield tables, reference
+        finally:
+            gather.close()
+
+
+def random_job(tables, reference, rng, n_max=5000):
+    """Segments over a random subset of the spaces (some empty), their rows, and the expected output."""
+    segments, rows, want, start = [], [], [], 0
+    for k in rng.permutation(len(tables)):
+        count = int(rng.integers(0, n_max // len(tables)))
+        if not count:
+            continue
+        r = torch.from_numpy(rng.integers(0, tables[k].shape[0], count))
+        r[: min(count, 2)] = torch.tensor([0, tables[k].shape[0] - 1])[
+            : min(count, 2)
+        ]  # both ends of the file
+        segments.append((tables[k], start, start + count))
+        rows.append(r)
+        want.append(reference[k][r])
+        start += count
+    return segments, torch.cat(rows), torch.cat(want)
+
+
+@pytest.mark.parametrize("threads,block", [(1, 256), (3, 7), (4, 1)])
+def test_jobs_equal_the_files_rows(lib, spaces, rng, threads, block):
+    tables, reference = spaces
+    copier = rowcopy.RowCopy(lib, threads, block=block)
+    for _ in range(20):
+        segments, rows, want = random_job(tables, reference, rng)
+        if not segments:
+            continue
+        out = torch.full((rows.numel(), tables[0].shape[1]), 0xAB, dtype=torch.uint8)
+        if rng.integers(2):
+            copier.wake()  # workers told a job is coming; sometimes none comes before the next wake
+        with copier.job(segments, rows, out) as wait:
+            upto = int(rng.integers(0, rows.numel() + 1))
+            wait(upto)
+            assert torch.equal(out[:upto], want[:upto])  # a waited prefix is in, whatever the rest does
+        assert torch.equal(out, want)
+
+
+def test_more_blocks_than_a_job_holds_are_merged(lib, spaces, rng):
+    tables, reference = spaces
+    n = rowcopy.MAX_BLOCKS + 1000  # with blocks of one row: more than one job holds
+    rows = torch.from_numpy(rng.integers(0, tables[0].shape[0], n))
+    out = torch.full((n, tables[0].shape[1]), 0xAB, dtype=torch.uint8)
+    rowcopy.RowCopy(lib, 3, block=1).copy(tables[0], rows, out)
+    assert torch.equal(out, reference[0][rows])
+
+
+def test_rows_outside_their_space_are_zeroed_and_reported(lib, spaces, rng):
+    tables, reference = spaces
+    n = 600
+    rows = torch.from_numpy(rng.integers(0, tables[1].shape[0], n))
+    bad = [3, 100, 599]
+    rows[bad] = torch.tensor([-1, tables[1].shape[0], 1 << 40])
+    out = torch.full((n, tables[1].shape[1]), 0xAB, dtype=torch.uint8)
+    with pytest.raises(rowcopy.RowCopyError, match="3 row numbers outside"):
+        rowcopy.RowCopy(lib, 3, block=16).copy(tables[1], rows, out)
+    good = np.setdiff1d(np.arange(n), bad)
+    assert torch.equal(out[good], reference[1][rows[good]])
+    assert not out[bad].any()
+    # The job lock was released: the next job runs.
+    rows[bad] = 0
+    rowcopy.RowCopy(lib, 3).copy(tables[1], rows, out)
+    assert torch.equal(out, reference[1][rows])
+
+
+def test_bad_arguments_are_refused_before_anything_is_read(lib, spaces):
+    tables, _ = spaces
+    rb = tables[0].shape[1]
+    copier = rowcopy.RowCopy(lib, 2)
+    rows = torch.zeros(10, dtype=torch.int64)
+    out = torch.empty((10, rb), dtype=torch.uint8)
+    cases = [
+        ([(tables[0], 0, 10)], rows.int(), out, "int64"),
+        ([(tables[0], 0, 10)], torch.zeros(20, dtype=torch.int64)[::2], out, "contiguous"),
+        ([(tables[0], 0, 10)], rows, torch.empty((10, rb), dtype=torch.float32), "uint8"),
+        ([(tables[0], 0, 10)], rows, torch.empty((10, rb + 1), dtype=torch.uint8), "rows"),
+        ([(tables[0], 0, 4), (tables[1], 5, 10)], rows, out, "does not follow"),
+        ([(tables[0], 0, 9)], rows, out, "cover 9 rows"),
+        ([(tables[0][:, :8], 0, 10)], rows, torch.empty((10, 8), dtype=torch.uint8), "contiguous"),
+        ([], rows, out, "1 to"),
+        ([(tables[0], 0, 10)] * (rowcopy.MAX_SEGMENTS + 1), rows, out, "1 to"),
+    ]
+    for segments, r, o, match in cases:
+        with pytest.raises(ValueError, match=match):
+            with copier.job(segments, r, o):
+                pass
+    copier.copy(tables[0], rows, out)  # and nothing was left locked
+    assert torch.equal(out, tables[0][rows])
+
+
+def test_jobs_from_several_threads_each_get_their_rows(lib, spaces, rng):
+    tables, reference = spaces
+    jobs = [
+        random_job(tables, reference, np.random.default_rng(int(rng.integers(1 << 30)))) for _ in range(8)
+    ]
+    results: dict[int, bool] = {}
+
+    def run(k):
+        segments, rows, want = jobs[k]
+        copier = rowcopy.RowCopy(lib, 4, block=32)
+        ok = True
+        for _ in range(10):
+            out = torch.full_like(want, 0xAB)
+            with copier.job(segments, rows, out) as wait:
+                wait(rows.numel() // 2)
+            ok &= bool(torch.equal(out, want))
+        results[k] = ok
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(jobs)) if jobs[k][0]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert results and all(results.values())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_copies_without_the_parents_workers(lib, spaces, rng):
+    tables, reference = spaces
+    segments, rows, want = random_job(tables, reference, rng)
+    rowcopy.RowCopy(lib, 4).copy(
+        segments[0][0], rows[: segments[0][2]], torch.empty_like(want[: segments[0][2]])
+    )
+    out = torch.full_like(want, 0xAB)  # made before the fork: torch's OpenMP threads do not survive one
+    pid = os.fork()
+    if pid == 0:  # the child: none of the parent's workers; the pool starts its own
+        code = 1
+        try:
+            with rowcopy.RowCopy(lib, 4).job(segments, rows, out):
+                pass
+            code = 0 if np.array_equal(out.numpy(), want.numpy()) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])
+def test_without_a_working_compiler_the_gather_keeps_index_select(tmp_path, monkeypatch, layout, cc):
+    monkeypatch.setenv("CC", cc)
+    lib, why = rowcopy.load(str(tmp_path))
+    assert lib is None and "compiling" in why and cc in why
+    with MappedShards(layout, (0, layout.num_rows)) as mapping:
+        gather = CpuGather(
+            mapping, torch.device("cpu"), threads=2, chunk=64, slots=1, cache_dir=str(tmp_path)
+        )
+        try:
+            assert gather.rowcopy is None and gather.row_reads.startswith("torch.index_select (")
+        finally:
+            gather.close()
