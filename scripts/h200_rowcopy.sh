@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Device call: core GPU checks on an 8 GiB table and concurrent lookups (both read big batches
+# Device call: what the host is, core GPU checks on an 8 GiB table and concurrent lookups (both read big batches
 # through the bulk path and its C row copy), then the row copy against torch.index_select
 # (scripts/profile_rowcopy.py) on the bench's 16 GiB table.
 source scripts/h200_setup.sh
+# What the host is (docs/results/h200_host.txt): CPU, huge pages, the guest's IOMMUs (none listed), compilers.
+{ lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|L3|NUMA node0"; grep -E "Huge|FilePmd" /proc/meminfo; uname -r;
+  ls /sys/class/iommu 2>&1 | head -3; dmesg 2>/dev/null | grep -i -m5 -E "iommu|dmar"; which cc gcc; } 2>&1
 timeout 200 python3 scripts/gpu_check.py --dir /tmp/ple-check --gib 8 --shards 64 --json $OUT/gpu_check.json > $OUT/gpu_check.log 2>&1
 echo "gpu_check rc=$?"; grep -E "FAIL|passed|calibration|row reads" $OUT/gpu_check.log | cut -c1-400
 rm -rf /tmp/ple-check

@@ -1,11 +1,11 @@
 """RowCopy: the host bulk gather's row reads, in C (``rowcopy.c``), loaded with ctypes.
 
 ``torch.index_select`` copies one row at a time through a generic copy routine, so each thread has
-about one row's misses in flight. On the H200 host (16 GiB table, fresh random rows) the C copy,
-which prefetches the row 16 positions ahead while it copies the current one, reads 131 072 rows in
-0.49-0.51 ms against 0.81 ms, and a bulk lookup, whose chunks it reads in one job while the calling
-thread queues each chunk's copy to the device, takes 1.22-1.45 ms against 1.78-1.84 ms
-(docs/PERF_NOTES.md, row 12).
+about one row's misses in flight. The C copy prefetches the row 16 positions ahead of the one it
+copies, and one job reads all of a lookup's rows while the calling thread queues each finished
+chunk's copy to the device. On the H200 host (16 GiB table, fresh random rows; docs/PERF_NOTES.md
+row 12) it reads 131 072 rows of one file in 375-532 us against 570-811 us, and a bulk lookup of
+131 072 rows takes 1.40-1.60 ms against 1.72-2.16 ms.
 
 The C file is compiled once per machine with the system C compiler (``$CC``, else ``cc`` or
 ``gcc``: Triton needs one too) into the cache directory; where none is found or the build fails,
@@ -35,7 +35,9 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 MAX_SEGMENTS = 4096
 MAX_BLOCKS = 65536
 # Rows prefetched ahead of the one being copied, rows per claimed block, and how long idle workers
-# spin before they sleep (H200 host, PERF_NOTES row 12: 16 and 32 ahead alike, 0 ahead 1.4x slower).
+# spin before they sleep (H200 host, PERF_NOTES row 12: 16 and 32 ahead alike, none 1.3-1.5x
+# slower; blocks of 1 024 slower than 256 at 32 768 rows; 500 us of spin gained 0.1-0.2 ms a
+# lookup back to back for 15 threads busy half a millisecond after each one: not kept).
 AHEAD = 16
 BLOCK_ROWS = 256
 SPIN_US = 50
