@@ -197,3 +197,19 @@ def test_without_a_working_compiler_the_gather_keeps_index_select(tmp_path, monk
             assert gather.rowcopy is None and gather.row_reads.startswith("torch.index_select (")
         finally:
             gather.close()
+
+
+@pytest.mark.parametrize("knob", ["1", "0"])
+def test_the_knob_picks_the_row_reads_and_big_lookups_match_the_files(
+    monkeypatch, layout, rng, check_rows, knob
+):
+    import ple_um
+
+    monkeypatch.setenv("PLE_UM_ROWCOPY", knob)
+    with ple_um.open_table(layout.directory, mode="cpu") as table:
+        if knob == "1":
+            assert table.cpu.rowcopy is not None and table.cpu.row_reads.startswith("C row copy")
+        else:
+            assert table.cpu.rowcopy is None and "PLE_UM_ROWCOPY=0" in table.cpu.row_reads
+        ids = torch.from_numpy(rng.integers(-3, layout.num_rows + 3, 20000))  # the bulk path's size
+        check_rows(table.lookup(ids), layout, ids)
