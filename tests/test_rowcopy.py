@@ -7,6 +7,7 @@ several threads at once, a forked child, and the fallback when no compiler works
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import numpy as np
@@ -213,3 +214,120 @@ def test_the_knob_picks_the_row_reads_and_big_lookups_match_the_files(
             assert table.cpu.rowcopy is None and "PLE_UM_ROWCOPY=0" in table.cpu.row_reads
         ids = torch.from_numpy(rng.integers(-3, layout.num_rows + 3, 20000))  # the bulk path's size
         check_rows(table.lookup(ids), layout, ids)
+
+
+def _child(fn) -> int:
+    """Run fn() in a forked child (killed after 20 s, so a hang fails the test); its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(20)
+            code = 0 if fn() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+
+
+class _RaisesAsBeginReturns:
+    """The library with ple_job_begin raising as it returns (as a signal's handler would, after
+    the job lock was taken)."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def ple_job_begin(self, *args):
+        self._lib.ple_job_begin(*args)
+        raise KeyboardInterrupt
+
+
+def test_an_exception_anywhere_in_a_job_leaves_nothing_locked(lib, spaces, rng):
+    tables, reference = spaces
+    rows = torch.from_numpy(rng.integers(0, tables[0].shape[0], 3000))
+    out = torch.full((3000, tables[0].shape[1]), 0xAB, dtype=torch.uint8)
+    copier = rowcopy.RowCopy(lib, 3, block=64)
+    with pytest.raises(ZeroDivisionError):
+        with copier.job([(tables[0], 0, 3000)], rows, out) as wait:
+            wait(100)
+            1 / 0  # noqa: B018 - an error in the caller's body
+    assert torch.equal(out, reference[0][rows])  # the job still completed
+    interrupted = rowcopy.RowCopy(lib, 3)
+    interrupted.lib = _RaisesAsBeginReturns(lib)
+    with pytest.raises(KeyboardInterrupt):
+        with interrupted.job([(tables[0], 0, 3000)], rows, out):
+            pass
+    done = threading.Event()  # another thread's job runs: the lock was released
+    threading.Thread(
+        target=lambda: (copier.copy(tables[1], rows % tables[1].shape[0], out), done.set())
+    ).start()
+    assert done.wait(30)
+    assert torch.equal(out, reference[1][rows % tables[1].shape[0]])
+
+
+def test_jobs_do_not_nest_in_one_thread(lib, spaces, rng):
+    tables, reference = spaces
+    rows = torch.from_numpy(rng.integers(0, tables[0].shape[0], 500))
+    out, inner = (torch.full((500, tables[0].shape[1]), 0xAB, dtype=torch.uint8) for _ in range(2))
+    copier = rowcopy.RowCopy(lib, 3, block=16)
+    with copier.job([(tables[0], 0, 500)], rows, out):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with copier.job([(tables[0], 0, 500)], rows, inner):
+                pass
+    assert torch.equal(out, reference[0][rows])  # the outer job was not ended by the inner one
+    copier.copy(tables[0], rows, inner)
+    assert torch.equal(inner, reference[0][rows])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_while_another_thread_is_inside_a_job(lib, spaces, rng):
+    """The child has no owner for that job: its own jobs run (the fork hook is in place even when
+    no pool was ever started: one thread)."""
+    tables, reference = spaces
+    rows = torch.from_numpy(rng.integers(0, tables[0].shape[0], 2000))
+    want = reference[0][rows]
+    held, release = threading.Event(), threading.Event()
+    out, child_out = (torch.full_like(want, 0xAB) for _ in range(2))
+
+    def hold():
+        with rowcopy.RowCopy(lib, 1).job([(tables[0], 0, 2000)], rows, out):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(30)
+    try:
+        code = _child(
+            lambda: (
+                rowcopy.RowCopy(lib, 1).copy(tables[0], rows, child_out),
+                np.array_equal(child_out.numpy(), want.numpy()),
+            )[1]
+        )
+    finally:
+        release.set()
+        holder.join(30)
+    assert code == 0
+    assert torch.equal(out, want)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_fork_inside_a_job_completes_it_in_the_child(lib, spaces, rng):
+    tables, reference = spaces
+    n = 500000  # 62 500 blocks of 8: the workers are still at it when the fork comes
+    rows = torch.from_numpy(rng.integers(0, tables[2].shape[0], n))
+    want = reference[2][rows]
+    for _ in range(20):  # some of the forks catch a worker inside a block (not every one: timing)
+        out = torch.full_like(want, 0xAB)
+        with rowcopy.RowCopy(lib, 4, block=8).job([(tables[2], 0, n)], rows, out) as wait:
+            wait(1000)
+
+            def finish(out=out, wait=wait):
+                wait(n)  # the blocks the parent's workers held are handed out again
+                return np.array_equal(out.numpy()[:n], want.numpy())
+
+            assert _child(finish) == 0
+        assert torch.equal(out, want)

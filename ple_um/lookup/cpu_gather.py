@@ -374,23 +374,25 @@ class CpuGather:
             dev_rows = torch.empty((n_valid, self.row_bytes), dtype=torch.uint8, device=self.device)
             t_read = 0.0
             segments = _segments(counts)
-            if self.rowcopy is not None and segments:
-                # One job reads every row, file after file; each chunk is copied to the device
-                # as soon as its rows are in (the calling thread copies rows while it waits).
-                spaces = [(self.space_tensors[k], a, b) for k, a, b in segments]
-                with self.rowcopy.job(spaces, rows_of[:n_valid], staged) as wait:
-                    for _, a, b in _chunks([(0, 0, n_valid)], PIPELINE_ROWS, TAIL_ROWS):
+            try:
+                if self.rowcopy is not None and segments:
+                    # One job reads every row, file after file; each chunk is copied to the device
+                    # as soon as its rows are in (the calling thread copies rows while it waits).
+                    spaces = [(self.space_tensors[k], a, b) for k, a, b in segments]
+                    with self.rowcopy.job(spaces, rows_of[:n_valid], staged) as wait:
+                        for _, a, b in _chunks([(0, 0, n_valid)], PIPELINE_ROWS, TAIL_ROWS):
+                            tr = time.perf_counter()
+                            wait(b)
+                            t_read += time.perf_counter() - tr
+                            dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
+                else:
+                    for k, a, b in _chunks(segments, PIPELINE_ROWS, TAIL_ROWS):
                         tr = time.perf_counter()
-                        wait(b)
+                        torch.index_select(self.space_tensors[k], 0, rows_of[a:b], out=staged[a:b])
                         t_read += time.perf_counter() - tr
                         dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
-            else:
-                for k, a, b in _chunks(segments, PIPELINE_ROWS, TAIL_ROWS):
-                    tr = time.perf_counter()
-                    torch.index_select(self.space_tensors[k], 0, rows_of[a:b], out=staged[a:b])
-                    t_read += time.perf_counter() - tr
-                    dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
-            slot.copied(self.device)
+            finally:
+                slot.copied(self.device)  # copies queued before an error still read the slot
             out.index_copy_(0, order, dev_rows)
         self.last_phases = _phases(t0, t1, t_read, t_wait)
         return out

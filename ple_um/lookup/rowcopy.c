@@ -65,9 +65,9 @@ typedef struct {
     int64_t n;
     uint8_t *dst;
     int ahead;
-    int solo; /* the caller copies every block; the workers leave the job alone */
+    atomic_int solo; /* the caller copies every block; the workers leave the job alone */
     int64_t block;
-    uint32_t blocks;
+    atomic_uint blocks; /* atomic: a worker two jobs behind may read it while it is rewritten */
     uint32_t waited; /* the caller's cursor: blocks [0, waited) are known done */
     atomic_llong bad;
     atomic_uchar done[MAX_BLOCKS];
@@ -77,6 +77,7 @@ static job_t g_jobs[2];
 static _Atomic uint64_t g_claim;
 static uint32_t g_gen;                                      /* the current job's number */
 static pthread_mutex_t g_call = PTHREAD_MUTEX_INITIALIZER;  /* held from begin to end */
+static __thread int t_in_job; /* this thread holds g_call: its job is between begin and end */
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;    /* sleeping workers */
 static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t g_start = PTHREAD_MUTEX_INITIALIZER; /* starting workers */
@@ -120,7 +121,7 @@ static int copy_one(uint64_t v) {
     for (;;) {
         uint32_t gen = (uint32_t)(v >> 32), i = (uint32_t)v;
         job_t *j = &g_jobs[gen & 1];
-        if (i >= j->blocks) return 0;
+        if (i >= atomic_load_explicit(&j->blocks, memory_order_relaxed)) return 0;
         if (atomic_compare_exchange_weak(&g_claim, &v, v + 1)) {
             copy_block(j, i);
             atomic_store_explicit(&j->done[i], 1, memory_order_release);
@@ -155,7 +156,7 @@ static void *worker(void *arg) {
         wait_for_job(seen);
         uint64_t v = atomic_load(&g_claim);
         seen = (uint32_t)(v >> 32);
-        if (g_jobs[seen & 1].solo) continue;
+        if (atomic_load_explicit(&g_jobs[seen & 1].solo, memory_order_relaxed)) continue;
         while (copy_one(v)) {
             v = atomic_load(&g_claim);
             if ((uint32_t)(v >> 32) != seen) break;
@@ -164,21 +165,33 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* A forked child has none of the parent's threads, and locks held by them stay held. */
+/* A forked child has only the thread that forked: none of the workers, and locks that other
+ * threads held stay held. If the forking thread was inside a job, the child keeps the job and its
+ * lock, and its blocks not yet done are handed out again (a worker may have claimed one and died
+ * with the parent's threads; copying a block twice writes the same bytes). A job of another
+ * thread is dropped with its owner. */
 static void after_fork_in_child(void) {
     g_workers = 0;
     pthread_mutex_init(&g_call, NULL);
     pthread_mutex_init(&g_mu, NULL);
     pthread_cond_init(&g_cv, NULL);
     pthread_mutex_init(&g_start, NULL);
+    if (t_in_job) {
+        pthread_mutex_lock(&g_call);
+        job_t *j = &g_jobs[g_gen & 1];
+        uint32_t i = j->waited, blocks = atomic_load(&j->blocks);
+        while (i < blocks && atomic_load(&j->done[i])) i++;
+        atomic_store(&g_claim, ((uint64_t)g_gen << 32) | i);
+    }
 }
+
+__attribute__((constructor)) static void hook_fork(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
 
 /* Start workers up to `workers` in all (threads are never stopped; the pool only grows); after a
  * job they spin `spin_ns` before sleeping. Returns the number of workers running. */
 int ple_pool_start(int workers, long spin_ns) {
-    static int hooked;
     pthread_mutex_lock(&g_start);
-    if (!hooked) hooked = pthread_atfork(NULL, NULL, after_fork_in_child) == 0;
     atomic_store(&g_spin_ns, spin_ns);
     for (int k = g_workers; k < workers; k++) {
         pthread_t t;
@@ -202,15 +215,18 @@ void ple_pool_wake(void) {
 
 /* Post a job: for segment s, dst[i] = row rows[i] of the table of limits[s] rows at bases[s], for
  * i in [ends[s-1], ends[s]) (ends[-1] = 0); with `solo`, only the caller copies. Takes the job
- * lock until ple_job_end. Returns -1, and takes nothing, for arguments out of range. */
+ * lock until ple_job_end. Returns -1 for arguments out of range and -2 when this thread is inside
+ * a job already (it would wait for itself), taking nothing. */
 int ple_job_begin(const uint64_t *bases, const int64_t *limits, const int64_t *ends, int segments, int64_t rb,
                   const int64_t *rows, uint8_t *dst, int ahead, int64_t block, int solo) {
     if (segments < 1 || segments > MAX_SEGMENTS || rb <= 0 || block <= 0 || ahead < 0) return -1;
     int64_t n = ends[segments - 1];
-    if (n < 0 || (n + block - 1) / block > MAX_BLOCKS) return -1;
+    if (n < 0 || n / block + (n % block != 0) > MAX_BLOCKS) return -1;
     for (int s = 0; s < segments; s++)
         if (ends[s] < (s ? ends[s - 1] : 0) || limits[s] < 0) return -1;
+    if (t_in_job) return -2;
     pthread_mutex_lock(&g_call);
+    t_in_job = 1;
     uint32_t gen = ++g_gen;
     job_t *j = &g_jobs[gen & 1];
     for (int s = 0; s < segments; s++) {
@@ -219,11 +235,13 @@ int ple_job_begin(const uint64_t *bases, const int64_t *limits, const int64_t *e
         j->end[s] = ends[s];
     }
     j->segments = segments, j->rb = rb, j->rows = rows, j->n = n, j->dst = dst;
-    j->ahead = ahead, j->block = block, j->solo = solo;
-    j->blocks = (uint32_t)((n + block - 1) / block);
+    j->ahead = ahead, j->block = block;
+    atomic_store_explicit(&j->solo, solo, memory_order_relaxed);
+    uint32_t blocks = (uint32_t)(n / block + (n % block != 0));
+    atomic_store_explicit(&j->blocks, blocks, memory_order_relaxed);
     j->waited = 0;
     atomic_store(&j->bad, 0);
-    for (uint32_t i = 0; i < j->blocks; i++) atomic_store_explicit(&j->done[i], 0, memory_order_relaxed);
+    for (uint32_t i = 0; i < blocks; i++) atomic_store_explicit(&j->done[i], 0, memory_order_relaxed);
     atomic_store(&g_claim, (uint64_t)gen << 32);
     if (!solo) {
         pthread_mutex_lock(&g_mu);
@@ -233,22 +251,28 @@ int ple_job_begin(const uint64_t *bases, const int64_t *limits, const int64_t *e
     return 0;
 }
 
-/* Wait until rows [0, upto) of the current job are copied, copying blocks meanwhile. */
+/* Wait until rows [0, upto) of the current job are copied, copying blocks meanwhile. Only the
+ * job's owner waits; another thread's call returns at once. */
 void ple_job_wait(int64_t upto) {
+    if (!t_in_job) return;
     job_t *j = &g_jobs[g_gen & 1];
     if (upto > j->n) upto = j->n;
-    uint32_t need = upto > 0 ? (uint32_t)((upto + j->block - 1) / j->block) : 0;
+    uint32_t need = upto > 0 ? (uint32_t)(upto / j->block + (upto % j->block != 0)) : 0;
     while (j->waited < need) {
         if (atomic_load_explicit(&j->done[j->waited], memory_order_acquire)) j->waited++;
         else if (!copy_one(atomic_load(&g_claim))) relax();
     }
 }
 
-/* Wait for the whole job, release the job lock; returns the row numbers found out of range. */
+/* If this thread is inside a job: wait for all of it, release the job lock and return the row
+ * numbers found out of range; else -1 (so a caller can always call it, even not knowing whether
+ * its begin took the lock). */
 long long ple_job_end(void) {
+    if (!t_in_job) return -1;
     job_t *j = &g_jobs[g_gen & 1];
     ple_job_wait(j->n);
     long long bad = atomic_load(&j->bad);
+    t_in_job = 0;
     pthread_mutex_unlock(&g_call);
     return bad;
 }

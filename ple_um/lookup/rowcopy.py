@@ -84,7 +84,7 @@ def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     lib.ple_job_wait.argtypes = [i64]
     lib.ple_job_wait.restype = None
     lib.ple_job_end.argtypes = []
-    lib.ple_job_end.restype = ctypes.c_longlong
+    lib.ple_job_end.restype = ctypes.c_longlong  # -1: this thread was not inside a job
     return lib, f"C row copy ({target.name}, built with {cc})"
 
 
@@ -123,7 +123,8 @@ class RowCopy:
         """``out[i] = space[rows[i]]`` for each (space, start, end) segment and i in [start, end);
         the segments lie back to back from 0 to ``len(out)``. Yields ``wait(upto)``, which returns
         once rows [0, upto) are in (the calling thread copies rows meanwhile); every row is in when
-        the block exits. One job at a time in the process: a second one waits for it.
+        the block exits. One job at a time in the process: a second one waits for it; one inside
+        another in the same thread raises RuntimeError.
 
         A row number outside its space is not read: its row is zeroed and RowCopyError raised at
         the end (the caller's plan puts every row in its space; this guards against a broken one)."""
@@ -159,27 +160,33 @@ class RowCopy:
             raise ValueError(f"segments cover {int(ends[-1])} rows, out has {n}")
         block = max(self.block, -(-n // MAX_BLOCKS))
         lib = self.lib
-        begun = lib.ple_job_begin(
-            bases.ctypes.data,
-            limits.ctypes.data,
-            ends.ctypes.data,
-            len(segments),
-            rb,
-            rows.data_ptr(),
-            out.data_ptr(),
-            self.ahead,
-            block,
-            int(self.threads == 1),
-        )
-        if begun != 0:
-            raise ValueError(
-                f"rowcopy refused the job ({len(segments)} segments, {n} rows, blocks of {block})"
-            )
+        bad, begun = -1, None
         try:
+            # Begun inside the try: an exception raised as begin returns (a signal) still ends the
+            # job (ple_job_end does nothing unless this thread is inside one).
+            begun = lib.ple_job_begin(
+                bases.ctypes.data,
+                limits.ctypes.data,
+                ends.ctypes.data,
+                len(segments),
+                rb,
+                rows.data_ptr(),
+                out.data_ptr(),
+                self.ahead,
+                block,
+                int(self.threads == 1),
+            )
+            if begun == -2:
+                raise RuntimeError("this thread is inside a row copy job already (jobs do not nest)")
+            if begun != 0:
+                raise ValueError(
+                    f"rowcopy refused the job ({len(segments)} segments, {n} rows, blocks of {block})"
+                )
             yield lib.ple_job_wait
         finally:
-            bad = lib.ple_job_end()
-        if bad:
+            if begun is None or begun == 0:  # not when refused: a refused begin took nothing
+                bad = lib.ple_job_end()
+        if bad > 0:
             raise RowCopyError(f"{bad} row numbers outside their row spaces (zeroed, not read)")
 
     def copy(self, space: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
