@@ -7,6 +7,7 @@ decision logic is the real one.
 from __future__ import annotations
 
 import pytest
+from machines import ATS, DISCRETE
 
 import ple_um
 from ple_um.access.capabilities import DeviceCapabilities, read_capabilities, triton_interpreter
@@ -24,26 +25,6 @@ from ple_um.errors import ModeUnavailableError
 
 GiB = 1 << 30
 
-# A coherent Grace system (GH200, GB10 / DGX Spark): the GPU walks the CPU's page tables.
-ATS = DeviceCapabilities(
-    cuda=True,
-    device="cuda:0",
-    name="NVIDIA GH200 480GB",
-    pageable_memory_access=True,
-    pageable_memory_access_uses_host_page_tables=True,
-    host_register_supported=True,
-    read_only_host_register_supported=True,
-    can_use_host_pointer_for_registered_mem=True,
-)
-# A discrete GPU (H200 on x86): read-only host registration, no ATS.
-DISCRETE = DeviceCapabilities(
-    cuda=True,
-    device="cuda:0",
-    name="NVIDIA H200",
-    host_register_supported=True,
-    read_only_host_register_supported=True,
-    can_use_host_pointer_for_registered_mem=True,
-)
 NO_REGISTER = DeviceCapabilities(cuda=True, device="cuda:0", name="no register")
 NO_READ_ONLY = DeviceCapabilities(
     cuda=True, device="cuda:0", name="no read-only register", host_register_supported=True

@@ -17,6 +17,7 @@ docs/RELIABILITY.md.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
 import mmap
@@ -32,6 +33,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from machines import ATS, DISCRETE
 from reference import maps_of, reference_rows
 
 import ple_um
@@ -66,28 +68,12 @@ KNOBS = (
     "PLE_UM_BULK_ROWS",
 )
 
-# An H200 on x86 as read_capabilities reports it, but on the "cpu" device, whose kernels the
-# Triton interpreter runs: read-only host registration, no ATS.
-H200 = DeviceCapabilities(
-    cuda=True,
-    device="cpu",
-    name="NVIDIA H200 (injected)",
-    host_register_supported=True,
-    read_only_host_register_supported=True,
-    can_use_host_pointer_for_registered_mem=True,
-)
-# A coherent Grace system (GH200, GB10) as seen through the same lens: the GPU walks the host's
-# page tables, so the ats mode reads the mapping's host addresses; registration there populates.
-GH200 = DeviceCapabilities(
-    cuda=True,
-    device="cpu",
-    name="NVIDIA GH200 (injected)",
-    pageable_memory_access=True,
-    pageable_memory_access_uses_host_page_tables=True,
-    host_register_supported=True,
-    read_only_host_register_supported=True,
-    can_use_host_pointer_for_registered_mem=True,
-)
+# The injected machines (tests/machines.py) on the "cpu" device, whose kernels the Triton
+# interpreter runs: an H200 on x86 (read-only host registration, no ATS), and a coherent Grace
+# system (the GPU walks the host's page tables, so the ats mode reads the mapping's host
+# addresses; registration there populates).
+H200 = dataclasses.replace(DISCRETE, device="cpu", name="NVIDIA H200 (injected)")
+GH200 = dataclasses.replace(ATS, device="cpu", name="NVIDIA GH200 (injected)")
 
 
 class InjectedRegistration:

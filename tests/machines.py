@@ -1,0 +1,29 @@
+"""The machines the tests inject into the probe: DeviceCapabilities as read_capabilities reports
+them on a coherent Grace system and on a discrete GPU (``from machines import ATS, DISCRETE``;
+conftest puts this folder on the path). A test whose kernels the Triton interpreter runs takes
+them onto the "cpu" device with ``dataclasses.replace``."""
+
+from __future__ import annotations
+
+from ple_um.access.capabilities import DeviceCapabilities
+
+# A coherent Grace system (GH200, GB10 / DGX Spark): the GPU walks the CPU's page tables.
+ATS = DeviceCapabilities(
+    cuda=True,
+    device="cuda:0",
+    name="NVIDIA GH200 480GB",
+    pageable_memory_access=True,
+    pageable_memory_access_uses_host_page_tables=True,
+    host_register_supported=True,
+    read_only_host_register_supported=True,
+    can_use_host_pointer_for_registered_mem=True,
+)
+# A discrete GPU (H200 on x86): read-only host registration, no ATS.
+DISCRETE = DeviceCapabilities(
+    cuda=True,
+    device="cuda:0",
+    name="NVIDIA H200",
+    host_register_supported=True,
+    read_only_host_register_supported=True,
+    can_use_host_pointer_for_registered_mem=True,
+)
