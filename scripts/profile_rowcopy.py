@@ -157,8 +157,6 @@ def main() -> int:
         blines.append(f"| vllm pinned-host #{rep} | {us:.1f} | |")
         print(blines[-1], flush=True)
     blines.append(f"| every output == the pinned copy's rows | {all(result['bulk_equal'].values())} | |")
-    reg.bulk.rowcopy = variants[f"C row copy spin={rowcopy.SPIN_US}us"][0]
-    lib.ple_pool_start(threads - 1, rowcopy.SPIN_US * 1000)
     reg.close()
     print("\n" + "\n".join(lines) + "\n\n" + "\n".join(blines))
     if args.json:

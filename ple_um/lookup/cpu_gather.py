@@ -26,7 +26,6 @@ import torch
 from ple_um import envs
 from ple_um.kernels import plan_bins, plan_gather
 from ple_um.lookup import rowcopy
-from ple_um.lookup.rowcopy import RowCopy
 from ple_um.mapping import MappedShards
 
 # Below this many unique rows, a thread pool's dispatch costs more than the reads.
@@ -150,12 +149,12 @@ class CpuGather:
         self._lock = threading.Lock()  # one gather at a time owns the slot ring
         self.last_phases: dict[str, float] = {}
         # Big batches' rows are read by the C row copy where it builds, else by torch.index_select.
-        self.rowcopy: RowCopy | None = None
+        self.rowcopy: rowcopy.RowCopy | None = None
         self.row_reads = "torch.index_select (the C row copy is off: PLE_UM_ROWCOPY=0)"
         if row_copy:
             lib, self.row_reads = rowcopy.load(cache_dir or envs.PLE_UM_CACHE_DIR)
             if lib is not None and len(self.spaces) <= rowcopy.MAX_SEGMENTS:
-                self.rowcopy = RowCopy(lib, self.threads)
+                self.rowcopy = rowcopy.RowCopy(lib, self.threads)
             elif lib is not None:
                 most = rowcopy.MAX_SEGMENTS
                 self.row_reads = (

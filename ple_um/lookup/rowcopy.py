@@ -5,7 +5,7 @@ about one row's misses in flight. The C copy prefetches the row 16 positions ahe
 copies, and one job reads all of a lookup's rows while the calling thread queues each finished
 chunk's copy to the device. On the H200 host (16 GiB table, fresh random rows; docs/PERF_NOTES.md
 row 12) it reads 131 072 rows of one file in 375-532 us against 570-811 us, and a bulk lookup of
-131 072 rows takes 1.40-1.60 ms against 1.72-2.16 ms.
+131 072 rows takes 1.40-1.60 ms against 1.62-2.16 ms.
 
 The C file is compiled once per machine with the system C compiler (``$CC``, else ``cc`` or
 ``gcc``: Triton needs one too) into the cache directory; where none is found or the build fails,
