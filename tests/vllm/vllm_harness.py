@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.metadata
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -20,8 +21,19 @@ import torch
 
 from ple_um import synthetic
 
+
+def _vllm_installed() -> bool:
+    """Whether the vLLM distribution is installed (``find_spec("vllm")`` would also find this
+    folder, tests/vllm, as a namespace package once tests/ is on sys.path)."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
+    not _vllm_installed(),
     reason="vLLM is not installed: pip install 'ple-um[vllm]' (vLLM 0.33) to run the vLLM tests",
 )
 
