@@ -50,7 +50,7 @@ def resolve_table_dir(model: str | None, revision: str | None = None, download_d
         snapshot, why = _hf_snapshot(model, revision, download_dir)
         if snapshot is not None:
             return snapshot
-        tried.append(f"the Hugging Face cache snapshot of {model!r}: {why}")
+        tried.append(f"the Hugging Face cache snapshot of {model!r} at revision {revision or 'main'}: {why}")
     raise CheckpointError(
         "cannot find the checkpoint directory of the PLE table. Tried: "
         + "; ".join(tried)
@@ -69,7 +69,7 @@ def _hf_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> t
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure means "not usable", and the message says why
-        return None, f"not found in {where} (revision {revision or 'main'}): {type(exc).__name__}: {exc}"
+        return None, f"not found in {where}: {type(exc).__name__}: {exc}"
     if not os.path.isdir(path):
         return None, f"{path} is not a directory"
     return path, ""
