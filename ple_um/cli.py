@@ -18,8 +18,18 @@ def _size(text: str) -> int:
     return envs._size(text)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _rows(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+    rows = tuple(_positive(x) for x in text.split(",") if x.strip())
+    if not rows:
+        raise argparse.ArgumentTypeError("no batch sizes given")
+    return rows
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -33,6 +43,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows=args.rows,
         modes=tuple(args.modes.split(",")) if args.modes else None,
         repeats=args.repeats,
+        rounds=args.rounds,
         device=args.device,
         processes=args.processes,
     )
@@ -220,7 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--rows", type=_rows, default=(16, 1024, 16384, 131072), help="batch sizes, comma-separated"
     )
     b.add_argument("--modes", default=None, help="ple-um modes to run (default: all)")
-    b.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    b.add_argument("--repeats", type=_positive, default=20, help="timed calls per measurement")
+    b.add_argument(
+        "--rounds",
+        type=_positive,
+        default=4,
+        help="rounds the timed calls are split into; each round times every path in turn (default 4)",
+    )
     b.add_argument("--device", default=None)
     b.add_argument(
         "--processes", type=int, default=0, help="also open the table in N processes and report host memory"

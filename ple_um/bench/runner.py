@@ -1,6 +1,9 @@
 """The benchmark: every lookup path this machine can run, on one table, in one run.
 
-Fresh random ids for every timed call (drawn ahead, rotated), warm-up first, CUDA events on a
+Every contender is open at once and measured side by side: each timed round calls every
+contender once, in an order rotated from round to round, so drift in the host's speed over the run
+(other tenants, clocks, background work) falls on all of them alike instead of on whichever ran at
+a bad moment. Fresh random ids for every timed call (drawn ahead), warm-up first, CUDA events on a
 GPU (perf_counter on the CPU), medians with p10/p90, GB/s of useful rows, ratios against the table
 resident in GPU memory. Then a graph-captured decode step, and start-up and memory figures.
 """
@@ -24,6 +27,8 @@ from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.synthetic import write_checkpoint
 
 DEFAULT_ROWS = (16, 1024, 16384, 131072)
+# Warm-up at the start of every block of timed calls: at least this long (and `warmup` calls).
+SETTLE_S = 0.005
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Config:
     modes: tuple[str, ...] | None = None
     repeats: int = 20
     warmup: int = 3
+    rounds: int = 4
     decode_tokens: int = 64
     heads: int = 16
     device: str | None = None
@@ -79,25 +85,45 @@ class _Timer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn: Callable[[int], object], calls: int, warmup: int) -> list[float]:
-        """Seconds of each of ``calls`` timed calls of fn(k)."""
-        for k in range(warmup):
-            fn(k)
-        times = []
+    def once(self, fn: Callable[[int], object], k: int) -> float:
+        """Seconds of one call fn(k), from an idle device to its work done."""
         if self.cuda:
             torch.cuda.synchronize()
-            for k in range(calls):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn(warmup + k)
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e) / 1e3)
-        else:
-            for k in range(calls):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn(k)
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e) / 1e3
+        t0 = time.perf_counter()
+        fn(k)
+        return time.perf_counter() - t0
+
+    def side_by_side(
+        self, fns: dict[str, Callable[[int], object]], calls: int, warmup: int, rounds: int
+    ) -> dict[str, list[float]]:
+        """Seconds of ``calls`` timed calls fn(k) of each contender (k >= warmup: fresh ids), in
+        ``rounds`` rounds: round r times a block of every contender's calls, contender after
+        contender in an order rotated by r. Each block starts warm: ``warmup`` untimed calls
+        (k < warmup, reused) and more until SETTLE_S has passed, so that the device and the host
+        are back at speed after the other contenders' work (a GPU left idle through a long host
+        gather answers its next launches slowly)."""
+        names = list(fns)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        rounds = max(1, min(rounds, calls))
+        warm, k = max(warmup, 1), warmup
+        for r in range(rounds):
+            block = calls // rounds + (r < calls % rounds)
+            first = r % len(names)
+            for name in names[first:] + names[:first]:
+                fn = fns[name]
                 t0 = time.perf_counter()
-                fn(warmup + k)
-                times.append(time.perf_counter() - t0)
+                for w in range(100 * warm):
+                    if w >= warm and time.perf_counter() - t0 >= SETTLE_S:
+                        break
+                    fn(w % warm)
+                times[name] += [self.once(fn, k + j) for j in range(block)]
+            k += block
         return times
 
 
@@ -157,6 +183,13 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
             "dtype": layout.dtype_name,
         },
         "probe": report.as_dict(),
+        "method": {
+            "timed_calls": cfg.repeats,
+            "rounds": max(1, min(cfg.rounds, cfg.repeats)),
+            "warmup_calls": cfg.warmup,
+            "settle_s": SETTLE_S,
+            "clock": "CUDA events" if device.type == "cuda" else "perf_counter",
+        },
         "lookup": {},
         "decode_step": {},
         "startup": {},
@@ -176,9 +209,6 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
     contenders: dict[str, Callable[[], object]] = {}
     for mode in modes:
         contenders[f"ple-um {mode}"] = lambda m=mode: ple_um.open_table(directory, mode=m, device=device)
-        if mode in ("ats", "registered") and device.type == "cuda":
-            # The same mode with the GPU kernel for every batch size (no CPU bulk path).
-            contenders[f"ple-um {mode} kernel-only"] = lambda m=mode: _kernel_only(directory, m, device)
     if layout.is_nvfp4:
         # The seeds and this pinned-host kernel read raw rows only; an NVFP4 table is decoded.
         log("NVFP4 table: ple-um decodes rows to bf16; the raw-row contenders are left out")
@@ -187,44 +217,72 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
             contenders["vllm pinned-host"] = lambda: VllmPinnedHost(layout, device)
         contenders["seeds cpu"] = lambda: SeedsCpuPath(layout, device)
 
-    # -- 1. lookups -----------------------------------------------------------------------
-    for name, make in contenders.items():
-        try:
-            t0 = time.perf_counter()
-            impl = make()
-            build = time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001 - a path this machine cannot run is reported, not fatal
-            result["lookup"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
-            log(f"{name}: skipped ({exc})")
-            continue
-        entry = {"build_s": build}
-        if isinstance(impl, ple_um.MappedTable):
-            entry["mode"] = impl.mode
-            entry["bulk_rows"] = impl.bulk_rows
-            entry["bulk_calibration_s"] = impl.bulk_calibration
-            host = impl.bulk or impl.cpu
-            entry["host_row_reads"] = host.row_reads if host is not None else None
-        try:
-            for n in cfg.rows:
+    impls: dict[str, object] = {}
+    try:
+        for name, make in contenders.items():
+            try:
+                t0 = time.perf_counter()
+                impl = make()
+                build = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001 - a path this machine cannot run is reported, not fatal
+                result["lookup"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+                log(f"{name}: skipped ({exc})")
+                if name in ("ple-um ats", "ple-um registered") and device.type == "cuda":
+                    result["lookup"][f"{name} kernel-only"] = result["lookup"][name]
+                continue
+            impls[name] = impl
+            entry: dict = {"build_s": build}
+            result["lookup"][name] = entry
+            if isinstance(impl, ple_um.MappedTable):
+                entry["mode"] = impl.mode
+                entry["bulk_rows"] = impl.bulk_rows
+                entry["bulk_calibration_s"] = impl.bulk_calibration
+                host = impl.bulk or impl.cpu
+                entry["host_row_reads"] = host.row_reads if host is not None else None
+                if impl.mode in ("ats", "registered") and device.type == "cuda":
+                    # The same table with the GPU kernel for every batch size (no CPU bulk path).
+                    impls[f"{name} kernel-only"] = KernelOnly(impl)
+                    result["lookup"][f"{name} kernel-only"] = {"mode": impl.mode, "bulk_rows": None}
+
+        # -- 1. lookups, side by side ------------------------------------------------------
+        for n in cfg.rows:
+            fns = {}
+            for name, impl in impls.items():
                 id_sets = [
                     torch.from_numpy(rng.integers(0, layout.num_rows, size=n)).to(device)
                     for _ in range(cfg.repeats + cfg.warmup)
                 ]
                 out = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
-                if isinstance(impl, ple_um.MappedTable):
+                if isinstance(impl, (ple_um.MappedTable, KernelOnly)):
                     view = _lookup_buffer(layout, n, device) if layout.is_nvfp4 else out.view(layout.dtype)
-                    fn = lambda k, ids=id_sets, t=impl, o=view: t.lookup(ids[k], out=o)
+                    fns[name] = lambda k, ids=id_sets, t=impl, o=view: t.lookup(ids[k], out=o)
                 else:
-                    fn = lambda k, ids=id_sets, t=impl, o=out: t.lookup(ids[k], o)
-                entry[str(n)] = _summary(timer(fn, cfg.repeats, cfg.warmup), n * layout.row_bytes)
-                log(f"{name:22s} {n:>8d} rows  {entry[str(n)]['median_us']:10.1f} us")
-            result["lookup"][name] = entry
-            # -- 2. decode step -----------------------------------------------------------
-            result["decode_step"][name] = _decode_step(impl, layout, device, cfg, rng, timer)
-        finally:
+                    fns[name] = lambda k, ids=id_sets, t=impl, o=out: t.lookup(ids[k], o)
+            times = timer.side_by_side(fns, cfg.repeats, cfg.warmup, cfg.rounds)
+            for name, t in times.items():
+                result["lookup"][name][str(n)] = _summary(t, n * layout.row_bytes)
+                log(f"{name:30s} {n:>8d} rows  {result['lookup'][name][str(n)]['median_us']:10.1f} us")
+            del fns, times
+        # -- 2. decode step, side by side ----------------------------------------------------
+        steps = {name: _DecodeStep(impl, layout, device, cfg, rng) for name, impl in impls.items()}
+        nbytes = cfg.decode_tokens * cfg.heads * layout.row_bytes
+        eager = timer.side_by_side(
+            {name: st.eager for name, st in steps.items()}, cfg.repeats, cfg.warmup, cfg.rounds
+        )
+        for name, st in steps.items():
+            result["decode_step"][name] = {"eager": _summary(eager[name], nbytes)}
+            if st.graph is not None:
+                result["decode_step"][name]["graph_replay_equals_eager"] = st.graph_ok
+        graphs = {name: st.replay for name, st in steps.items() if st.graph is not None}
+        if graphs:
+            for name, t in timer.side_by_side(graphs, cfg.repeats, cfg.warmup, cfg.rounds).items():
+                result["decode_step"][name]["graph"] = _summary(t, nbytes)
+        del steps, graphs
+    finally:
+        for impl in impls.values():
             impl.close()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     _ratios(result, cfg)
 
     # -- 3. start-up and memory -------------------------------------------------------------
@@ -241,10 +299,23 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
     return result
 
 
-def _kernel_only(directory: str, mode: str, device: torch.device):
-    table = ple_um.open_table(directory, mode=mode, device=device)
-    table.bulk_rows = None
-    return table
+class KernelOnly:
+    """A GPU-mode table with the GPU kernel for every batch size: its bulk path switched off for
+    the call. Shares the table (one mapping, one registration); closing it leaves the table open."""
+
+    def __init__(self, table) -> None:
+        self.table = table
+        self.capture_safe = table.capture_safe
+
+    def lookup(self, ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        saved, self.table.bulk_rows = self.table.bulk_rows, None
+        try:
+            return self.table.lookup(ids, out=out)
+        finally:
+            self.table.bulk_rows = saved
+
+    def close(self) -> None:
+        pass
 
 
 def _mem_available() -> int:
@@ -295,61 +366,62 @@ def _lookup_buffer(layout: ShardLayout, n: int, device: torch.device) -> torch.T
     return torch.empty((n, layout.row_dim), dtype=torch.bfloat16, device=device)
 
 
-def _decode_step(impl, layout, device, cfg, rng, timer) -> dict:
-    """ids [T, heads] -> lookup -> dequant -> short projection; graph-captured where capture-safe."""
-    T, H = cfg.decode_tokens, cfg.heads
-    proj = torch.randn(layout.row_dim, 64, dtype=torch.bfloat16, device=device) / 16
-    ids = torch.zeros((T * H,), dtype=torch.int64, device=device)
-    raw = torch.empty((T * H, layout.row_bytes), dtype=torch.uint8, device=device)
-    scale = torch.tensor(layout.scale or 1.0, dtype=torch.float32, device=device)
-    is_table = isinstance(impl, ple_um.MappedTable)
+class _DecodeStep:
+    """ids [T, heads] -> lookup -> dequant -> short projection, with its own buffers and fresh id
+    sets; ``eager(k)`` runs it, ``replay(k)`` replays its CUDA graph (``graph`` is None where the
+    contender cannot be captured); ``graph_ok``: replays with new ids equal the eager step."""
 
-    decoded = _lookup_buffer(layout, T * H, device) if layout.is_nvfp4 else None
+    def __init__(self, impl, layout: ShardLayout, device: torch.device, cfg: Config, rng) -> None:
+        T, H = cfg.decode_tokens, cfg.heads
+        self.impl, self.layout, self.T, self.H = impl, layout, T, H
+        self.proj = torch.randn(layout.row_dim, 64, dtype=torch.bfloat16, device=device) / 16
+        self.ids = torch.zeros((T * H,), dtype=torch.int64, device=device)
+        self.raw = torch.empty((T * H, layout.row_bytes), dtype=torch.uint8, device=device)
+        self.scale = torch.tensor(layout.scale or 1.0, dtype=torch.float32, device=device)
+        self.is_table = isinstance(impl, (ple_um.MappedTable, KernelOnly))
+        self.decoded = _lookup_buffer(layout, T * H, device) if layout.is_nvfp4 else None
+        self.sets = [
+            torch.from_numpy(rng.integers(0, layout.num_rows, size=T * H)).to(device)
+            for _ in range(cfg.repeats + cfg.warmup)
+        ]
+        self.graph = None
+        self.graph_ok = False
+        if device.type == "cuda" and self.is_table and impl.capture_safe:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self.step()
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.y = self.step()
+            ok = True
+            for k in range(3):
+                self.ids.copy_(self.sets[k])
+                self.graph.replay()
+                ok &= bool(torch.equal(self.y, self.step()))
+            self.graph_ok = ok
 
-    def step():
-        if decoded is not None:  # NVFP4: the lookup decodes
-            impl.lookup(ids, out=decoded)
-            rows = decoded
+    def step(self) -> torch.Tensor:
+        layout, impl = self.layout, self.impl
+        if self.decoded is not None:  # NVFP4: the lookup decodes
+            impl.lookup(self.ids, out=self.decoded)
+            rows = self.decoded
         else:
-            if is_table:
-                impl.lookup(ids, out=raw.view(layout.dtype))
+            if self.is_table:
+                impl.lookup(self.ids, out=self.raw.view(layout.dtype))
             else:
-                impl.lookup(ids, raw)
-            rows = (raw.view(layout.dtype).float() * scale).to(torch.bfloat16)
-        return (rows @ proj).view(T, H, -1).sum(1)
+                impl.lookup(self.ids, self.raw)
+            rows = (self.raw.view(layout.dtype).float() * self.scale).to(torch.bfloat16)
+        return (rows @ self.proj).view(self.T, self.H, -1).sum(1)
 
-    sets = [
-        torch.from_numpy(rng.integers(0, layout.num_rows, size=T * H)).to(device)
-        for _ in range(cfg.repeats + cfg.warmup)
-    ]
+    def eager(self, k: int) -> torch.Tensor:
+        self.ids.copy_(self.sets[k])
+        return self.step()
 
-    def eager(k):
-        ids.copy_(sets[k])
-        return step()
-
-    res = {"eager": _summary(timer(eager, cfg.repeats, cfg.warmup), T * H * layout.row_bytes)}
-    if device.type == "cuda" and is_table and impl.capture_safe:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = step()
-        ok = True
-        for k in range(3):
-            ids.copy_(sets[k])
-            g.replay()
-            ok &= bool(torch.equal(y, step()))
-        res["graph_replay_equals_eager"] = ok
-
-        def replay(k):
-            ids.copy_(sets[k])
-            g.replay()
-
-        res["graph"] = _summary(timer(replay, cfg.repeats, cfg.warmup), T * H * layout.row_bytes)
-    return res
+    def replay(self, k: int) -> None:
+        self.ids.copy_(self.sets[k])
+        self.graph.replay()
 
 
 def _ratios(result: dict, cfg: Config) -> None:
