@@ -8,6 +8,9 @@ kernel does. The second gives every id a place in its bin's run (the bins' exclu
 plus an atomic cursor per bin) and writes its row number and its position in the batch there.
 Within a bin the order is whatever the atomics give; every id still gets exactly one place, so
 the rows put back by position are the same whatever the order.
+
+Where the C row copy reads rows by id (each id's file and row worked out on the host, in batch
+order), no plan is needed: ``count_lookup`` only counts the lookup on the device.
 """
 
 from __future__ import annotations
@@ -80,6 +83,31 @@ def _place_kernel(
     tl.store(plan_ptr + BINS + pos, row, mask=in_batch)
     tl.store(order_ptr + pos, rows, mask=in_batch)
     tl.store(plan_ptr + bins, counts, mask=(bins >= 0) & (tl.program_id(0) == 0))
+
+
+@triton.jit
+def _count_lookup_kernel(
+    ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_shard, ROWS: tl.constexpr
+):
+    _locate(ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_shard, ROWS)
+
+
+def count_lookup(
+    ids: torch.Tensor,
+    counters: torch.Tensor,
+    *,
+    row_start: int,
+    row_end: int,
+    num_rows: int,
+    rows_per_shard: int,
+) -> None:
+    """Count a lookup of flat ``ids`` in ``counters`` on the device, as the gather kernel and the
+    plan do, for a bulk gather that reads the rows by id on the host (no plan). No host sync."""
+    n = ids.numel()
+    if n:
+        _count_lookup_kernel[(triton.cdiv(n, COUNT_ROWS),)](
+            ids, counters, n, row_start, row_end, num_rows, rows_per_shard, ROWS=COUNT_ROWS
+        )
 
 
 def plan_bins(spaces: int) -> int:

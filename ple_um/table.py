@@ -346,8 +346,8 @@ class MappedTable:
         return self.gpu.gather(ids, out)
 
     def _bulk_lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A GPU mode's big eager batch through the CPU bulk path (planned on the device, which
-        counts the lookup); dequantized on the device when ``out`` is a float tensor."""
+        """A GPU mode's big eager batch through the CPU bulk path (the device counts the lookup);
+        dequantized on the device when ``out`` is a float tensor."""
         t0 = time.perf_counter()
         if out.dtype == self.dtype:
             self.bulk.gather_planned(ids, out.view(torch.uint8), self.counters)

@@ -1,7 +1,8 @@
 """Profile: the host bulk gather's row reads, torch.index_select against the C row copy
 (ple_um/lookup/rowcopy.c) with prefetch distances and one or 16 threads, on one file's rows of the
-bench's 16 GiB table with fresh rows every call; then the whole bulk path at 131 072 rows with each,
-next to the vLLM-style pinned kernel, in the same run, every output checked against the pinned copy.
+bench's 16 GiB table with fresh rows every call; then the whole bulk path at 131 072 rows with
+index_select, the C copy of a plan grouped by file, and the C copy by id in batch order, next to the
+vLLM-style pinned kernel, in the same run, every output checked against the pinned copy.
 
     python scripts/profile_rowcopy.py --size-gib 16 --json $OUT/rowcopy.json
 """
@@ -38,6 +39,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-gib", type=float, default=16)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bulk-only", action="store_true", help="only the whole bulk path (part 2)")
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name(), "copy": {}, "bulk": {}}
     cfg = Config(size=int(args.size_gib * (1 << 30)))
@@ -71,7 +73,7 @@ def main() -> int:
         lines.append(f"| {n} | {name} | {us:.1f} | {us * 1e3 / n:.2f} |")
         print(lines[-1], flush=True)
 
-    for n in (16384, 32768, 131072):
+    for n in () if args.bulk_only else (16384, 32768, 131072):
         stage = torch.empty((n, rb), dtype=torch.uint8, pin_memory=True)
         row(
             n,
@@ -125,18 +127,14 @@ def main() -> int:
         reg._bulk_lookup(i, out)
 
     blines = ["| 131072 rows | us | phases ms (plan/read/stage/wait) |", "| --- | --- | --- |"]
-    variants = {"index_select": None}
-    for spin in (rowcopy.SPIN_US, 500):
-        variants[f"C row copy spin={spin}us"] = (rowcopy.RowCopy(lib, threads), spin)
+    # (C row copy, rows read by id): by id in batch order, or planned on the device and grouped by file
+    variants = {"index_select": (None, False), "C planned": (reg.bulk.rowcopy, False)}
+    variants["C by id"] = (reg.bulk.rowcopy, True)
     result["bulk_equal"] = {}
     for rep in range(2):
         for gap in (0.0, 0.005):
-            for name, variant in variants.items():
-                if variant is None:
-                    reg.bulk.rowcopy = None
-                else:
-                    reg.bulk.rowcopy, spin = variant
-                    lib.ple_pool_start(threads - 1, spin * 1000)
+            for name, (copier, by_id) in variants.items():
+                reg.bulk.rowcopy, reg.bulk.read_by_id = copier, by_id
                 us, ph = event_us(bulk, gap)
                 med = {k: float(np.median([p[k] for p in ph])) * 1e3 for k in ph[0]}
                 label = f"{name}, {'5 ms apart' if gap else 'back to back'} #{rep}"

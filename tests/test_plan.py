@@ -76,18 +76,22 @@ def test_plan_places_every_id_once(make_checkpoint, rng, rows, files):
             start += count
 
 
-@pytest.mark.parametrize("row_copy", [True, False], ids=["C row copy", "index_select"])
+@pytest.mark.parametrize("reads", ["C by id", "C planned", "index_select"])
 @pytest.mark.parametrize("dtype", ["int64", "int32"])
-def test_gather_planned_equals_reference(make_checkpoint, rng, check_rows, poison, dtype, row_copy):
+def test_gather_planned_equals_reference(make_checkpoint, rng, check_rows, poison, dtype, reads):
     layout = make_checkpoint(
         num_rows=5000, row_dim=10, dtype="fp8", shards=12, files=4, seed=int(rng.integers(1 << 30))
     )
     S = layout.rows_per_shard
     for rows in [(0, layout.num_rows), (2 * S - 1, 9 * S + 7), (0, 0)]:
         with MappedShards(layout, rows) as mapping:
-            gather = CpuGather(mapping, torch.device("cpu"), threads=2, chunk=64, slots=1, row_copy=row_copy)
+            gather = CpuGather(
+                mapping, torch.device("cpu"), threads=2, chunk=64, slots=1, row_copy=reads != "index_select"
+            )
+            gather.read_by_id = reads == "C by id"
             try:
-                assert (gather.rowcopy is not None) == row_copy, gather.row_reads
+                assert (gather.rowcopy is not None) == (reads != "index_select"), gather.row_reads
+                assert gather._by_id() == (reads == "C by id")
                 ids = torch.from_numpy(mixed_ids(layout, rng, 4000, rows).astype(dtype))
                 out = poison(torch.empty((ids.numel(), layout.row_dim), dtype=layout.dtype))
                 counters = torch.zeros(2, dtype=torch.int64)

@@ -1,7 +1,9 @@
 """The C row copy (ple_um/lookup/rowcopy.c), compiled on this machine and run on the row spaces of
 a real mapped checkpoint: every row against the file's bytes read with plain reads, poisoned
 outputs, jobs over several files, prefix waits, rows out of their space, bad arguments, jobs from
-several threads at once, a forked child, and the fallback when no compiler works.
+several threads at once, a forked child, and the fallback when no compiler works; jobs by id
+against the reference reader, with shard boundaries, ids outside the table and the owned range,
+and a broken shard map.
 """
 
 from __future__ import annotations
@@ -162,6 +164,105 @@ def test_jobs_from_several_threads_each_get_their_rows(lib, spaces, rng):
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     assert results and all(results.values())
+
+
+def boundary_ids(layout, rng, n: int, owned) -> torch.Tensor:
+    """Random ids with every shard boundary, ids outside the table and outside ``owned``, shuffled."""
+    S, N = layout.rows_per_shard, layout.num_rows
+    extra = [k * S + d for k in range(layout.parts + 1) for d in (-1, 0, 1)] + [-5, -1, N, N + 3, 1 << 40]
+    extra += [owned[0] - 1, owned[0], owned[1] - 1, owned[1]]
+    ids = np.concatenate([extra, rng.integers(-10, N + 10, max(0, n - len(extra)))])
+    return torch.from_numpy(rng.permutation(ids).astype(np.int64))
+
+
+@pytest.mark.parametrize("threads,block", [(1, 256), (3, 7), (4, 1)])
+def test_jobs_by_id_equal_the_reference_rows(lib, make_checkpoint, rng, check_rows, poison, threads, block):
+    layout = make_checkpoint(
+        num_rows=3000, row_dim=24, dtype="fp8", shards=7, files=3, seed=int(rng.integers(1 << 30))
+    )
+    S = layout.rows_per_shard
+    copier = rowcopy.RowCopy(lib, threads, block=block)
+    for owned in [(0, layout.num_rows), (S + 3, 5 * S - 2), (2 * S, 2 * S)]:
+        with MappedShards(layout, owned) as mapping:
+            gather = CpuGather(mapping, torch.device("cpu"), threads=2, chunk=64, slots=1)
+            try:
+                assert gather.shard_spaces is not None, gather.row_reads
+                for _ in range(4):
+                    ids = boundary_ids(layout, rng, int(rng.integers(1, 4000)), owned)
+                    out = poison(torch.empty((ids.numel(), layout.row_dim), dtype=layout.dtype))
+                    raw = out.view(torch.uint8)
+                    with copier.gather(gather.shard_spaces, ids, raw, owned=owned) as wait:
+                        upto = int(rng.integers(0, ids.numel() + 1))
+                        wait(upto)
+                        check_rows(out[:upto], layout, ids[:upto], rows=owned)  # a waited prefix is in
+                    check_rows(out, layout, ids, rows=owned)
+            finally:
+                gather.close()
+
+
+def test_ids_whose_shard_has_no_rows_mapped_are_zeroed_and_reported(lib, make_checkpoint, rng, check_rows):
+    layout = make_checkpoint(num_rows=500, row_dim=16, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30)))
+    S, owned = layout.rows_per_shard, (0, layout.num_rows)
+    with MappedShards(layout, owned) as mapping:
+        gather = CpuGather(mapping, torch.device("cpu"), threads=2, chunk=64, slots=1)
+        try:
+            full = gather.shard_spaces
+            spaces = list(full.spaces)
+            spaces[2] = None  # shard 2 not mapped
+            spaces[3] = spaces[3][: int(full.row0[3]) + 10]  # shard 3: only its first 10 rows
+            broken = rowcopy.ShardSpaces(spaces, full.row0.tolist(), S, layout.row_bytes)
+            ids = torch.from_numpy(rng.integers(0, layout.num_rows, 3000))
+            ids[:4] = torch.tensor([2 * S, 3 * S + 9, 3 * S + 10, 4 * S])
+            lost = ((ids >= 2 * S) & (ids < 3 * S)) | ((ids >= 3 * S + 10) & (ids < 4 * S))
+            out = torch.full((ids.numel(), layout.row_bytes), 0xAB, dtype=torch.uint8)
+            copier = rowcopy.RowCopy(lib, 3, block=16)
+            with pytest.raises(rowcopy.RowCopyError, match=f"{int(lost.sum())} owned ids outside"):
+                with copier.gather(broken, ids, out, owned=owned):
+                    pass
+            assert not out[lost].any()
+            check_rows(out[~lost].view(layout.dtype), layout, ids[~lost])
+            with copier.gather(full, ids, out, owned=owned):  # nothing was left locked
+                pass
+            check_rows(out.view(layout.dtype), layout, ids)
+        finally:
+            gather.close()
+
+
+def test_bad_arguments_by_id_are_refused_before_anything_is_read(lib, spaces):
+    tables, _ = spaces
+    rb = tables[0].shape[1]
+    shards = rowcopy.ShardSpaces([tables[0], None], [0, 0], 100, rb)
+    copier = rowcopy.RowCopy(lib, 2)
+    ids = torch.zeros(10, dtype=torch.int64)
+    out = torch.empty((10, rb), dtype=torch.uint8)
+    cases = [
+        (ids.int(), out, (0, 10), "int64"),
+        (torch.zeros(20, dtype=torch.int64)[::2], out, (0, 10), "contiguous"),
+        (torch.zeros(11, dtype=torch.int64), out, (0, 10), "10 contiguous"),
+        (ids, torch.empty((10, rb), dtype=torch.float32), (0, 10), "uint8"),
+        (ids, torch.empty((10, rb + 1), dtype=torch.uint8), (0, 10), "B rows"),
+        (ids, out, (-1, 10), "owned range"),
+        (ids, out, (5, 4), "owned range"),
+    ]
+    for i, o, owned, match in cases:
+        with pytest.raises(ValueError, match=match):
+            with copier.gather(shards, i, o, owned=owned):
+                pass
+    layouts = [
+        ([], [], 100, rb, "1 to"),
+        ([None] * (rowcopy.MAX_SEGMENTS + 1), [0] * (rowcopy.MAX_SEGMENTS + 1), 100, rb, "1 to"),
+        ([tables[0]], [0, 0], 100, rb, "1 to"),
+        ([tables[0]], [0], 0, rb, "positive"),
+        ([tables[0]], [0], 100, rb + 1, "contiguous"),
+        ([tables[0][:, :8]], [0], 100, 8, "contiguous"),
+        ([tables[0].float()], [0], 100, rb, "uint8"),
+    ]
+    for spaces_, row0, per_shard, row_bytes, match in layouts:
+        with pytest.raises(ValueError, match=match):
+            rowcopy.ShardSpaces(spaces_, row0, per_shard, row_bytes)
+    with copier.gather(shards, ids, out, owned=(0, 10)):  # and nothing was left locked
+        pass
+    assert torch.equal(out, tables[0][ids])
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

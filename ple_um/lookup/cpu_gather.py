@@ -8,10 +8,13 @@ turn and each carries the CUDA event of the copy that reads it: a buffer is refi
 its copy finished (the latest seed overwrote its one buffer while the previous copy could still
 read it). Without a CUDA device everything stays on the CPU and the result is a CPU tensor.
 
-Big batches are not deduplicated: their ids are grouped by file where they are (on the GPU with
-torch ops in the cpu mode, with the planning kernels of ``ple_um.kernels.plan`` in the GPU modes'
-bulk path, on the host otherwise) and their rows are read file after file by one job of the C row
-copy (``rowcopy.py``), or, where it cannot be built, with one torch.index_select per chunk.
+Big batches are not deduplicated. With the C row copy (``rowcopy.py``) their ids come to the host
+as they are and one job reads each id's row in batch order, straight into the staging whose
+chunks are copied into the output: no plan, nothing put back in place. Where it cannot be built
+(or a table has more shards than one job takes) the ids are grouped by file where they are (on
+the GPU with torch ops in the cpu mode, with the planning kernels of ``ple_um.kernels.plan`` in
+the GPU modes' bulk path, on the host otherwise), their rows read file after file (one
+torch.index_select per chunk, or one planned C job) and put in place on the device.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 
 from ple_um import envs
-from ple_um.kernels import plan_bins, plan_gather
+from ple_um.kernels import count_lookup, plan_bins, plan_gather
 from ple_um.lookup import rowcopy
 from ple_um.mapping import MappedShards
 
@@ -151,10 +154,23 @@ class CpuGather:
         # Big batches' rows are read by the C row copy where it builds, else by torch.index_select.
         self.rowcopy: rowcopy.RowCopy | None = None
         self.row_reads = "torch.index_select (the C row copy is off: PLE_UM_ROWCOPY=0)"
+        # With the C row copy, a big batch is read by id in batch order (no plan groups it by
+        # file first) where the shards fit in one job; `read_by_id` off keeps the plan (measured
+        # against each other in scripts/profile_rowcopy.py).
+        self.shard_spaces: rowcopy.ShardSpaces | None = None
+        self.read_by_id = True
         if row_copy:
             lib, self.row_reads = rowcopy.load(cache_dir or envs.PLE_UM_CACHE_DIR)
             if lib is not None and len(self.spaces) <= rowcopy.MAX_SEGMENTS:
                 self.rowcopy = rowcopy.RowCopy(lib, self.threads)
+                if layout.parts <= rowcopy.MAX_SEGMENTS:
+                    self.shard_spaces = rowcopy.ShardSpaces(
+                        [self.space_tensors[k] if k >= 0 else None for k in self.space_of_shard.tolist()],
+                        self.row0_of_shard.tolist(),
+                        self.rows_per_shard,
+                        rb,
+                    )
+                    self.row_reads += ", by id"
             elif lib is not None:
                 most = rowcopy.MAX_SEGMENTS
                 self.row_reads = (
@@ -282,6 +298,8 @@ class CpuGather:
         where the GPU modes' kernels do not); ids on the host with a radix sort of the 16-bit space
         numbers. Then as ``_read_planned``."""
         t0 = time.perf_counter()
+        if self._by_id():
+            return self._gather_by_id(ids, out, t0)
         if self.rowcopy is not None:
             self.rowcopy.wake()  # the workers wake up while the ids are grouped
         S = self.rows_per_shard
@@ -304,14 +322,17 @@ class CpuGather:
 
     def gather_planned(self, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         """The GPU modes' bulk path: raw rows of flat ``ids`` (on the CUDA device; any integer
-        dtype) into ``out`` [n, row_bytes] (uint8), zeros for ids not owned. The plan is made by
-        the device (kernels/plan.py), which also counts the lookup in ``counters`` as the gather
-        kernel does; the host receives the plan in one copy, its only wait on the GPU."""
+        dtype) into ``out`` [n, row_bytes] (uint8), zeros for ids not owned; the lookup counted in
+        ``counters`` on the device, as the gather kernel does. Read by id (``_gather_by_id``)
+        where the C row copy runs; else planned by the device (kernels/plan.py), the plan received
+        in one copy (the host's only wait on the GPU) and the rows put in place there."""
         t0 = time.perf_counter()
+        mapping = self.mapping
+        if self._by_id():
+            return self._gather_by_id(ids, out, t0, counters)
         if self.rowcopy is not None:
             self.rowcopy.wake()  # the workers wake up while the device plans
         space_of_shard, row0 = self._maps(ids.device)
-        mapping = self.mapping
         plan, order = plan_gather(
             ids,
             space_of_shard,
@@ -324,6 +345,71 @@ class CpuGather:
             rows_per_shard=self.rows_per_shard,
         )
         return self._read_planned(plan, order, ids.numel(), self.bins, out, t0)
+
+    def _by_id(self) -> bool:
+        return self.read_by_id and self.shard_spaces is not None and self.rowcopy is not None
+
+    def _gather_by_id(
+        self, ids: torch.Tensor, out: torch.Tensor, t0: float, counters: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows of flat ``ids`` into ``out`` [n, row_bytes] read by one C job by id, in batch
+        order; zeros for ids not owned. On a CUDA device the ids come to the host in one copy
+        (the only wait on the GPU) and the rows go back chunk by chunk straight into ``out`` as
+        they are read: nothing to put back in place afterwards. With ``counters`` (the GPU modes)
+        the device counts the lookup, as their kernels do."""
+        mapping, n = self.mapping, ids.numel()
+        owned = (mapping.row_start, mapping.row_end)
+        self.rowcopy.wake()  # the workers wake up while the ids come to the host
+        t1 = time.perf_counter()  # nothing to plan
+        if counters is not None and not ids.is_cuda:
+            self._count(ids, counters)
+        if not self.cuda:
+            host_ids = ids.to(torch.int64).contiguous()
+            with self.rowcopy.gather(self.shard_spaces, host_ids, out, owned=owned):
+                pass
+            self.last_phases = {
+                "dedup": t1 - t0,
+                "gather": time.perf_counter() - t1,
+                "stage": 0.0,
+                "wait": 0.0,
+            }
+            return out
+        with self._lock:
+            slot, t_wait = self._take_slot(n, n)
+            host_ids = slot.inverse[:n]
+            if ids.is_cuda:
+                host_ids.copy_(ids.to(torch.int64), non_blocking=True)
+                if counters is not None:  # launched while the ids travel
+                    self._count(ids, counters)
+                tw = time.perf_counter()
+                torch.cuda.current_stream(self.device).synchronize()  # the ids have arrived
+                t_wait += time.perf_counter() - tw
+            else:
+                host_ids.copy_(ids)
+            staged = slot.rows[:n]
+            t_read = 0.0
+            try:
+                with self.rowcopy.gather(self.shard_spaces, host_ids, staged, owned=owned) as wait:
+                    for _, a, b in _chunks([(0, 0, n)], PIPELINE_ROWS, TAIL_ROWS):
+                        tr = time.perf_counter()
+                        wait(b)
+                        t_read += time.perf_counter() - tr
+                        out[a:b].copy_(staged[a:b], non_blocking=True)
+            finally:
+                slot.copied(self.device)  # copies queued before an error still read the slot
+        self.last_phases = _phases(t0, t1, t_read, t_wait)
+        return out
+
+    def _count(self, ids: torch.Tensor, counters: torch.Tensor) -> None:
+        mapping = self.mapping
+        count_lookup(
+            ids,
+            counters,
+            row_start=mapping.row_start,
+            row_end=mapping.row_end,
+            num_rows=mapping.layout.num_rows,
+            rows_per_shard=self.rows_per_shard,
+        )
 
     def _read_planned(
         self, plan: torch.Tensor, order: torch.Tensor, n: int, n_counts: int, out: torch.Tensor, t0: float

@@ -8,6 +8,11 @@
  * between jobs copies them in blocks, claimed in order, and the caller can wait for a prefix of
  * the rows while the rest are copied, to queue the host-to-device copy of each finished chunk.
  * A row number outside its table is not read: the row is zeroed and counted as an error.
+ *
+ * A job by id (ple_job_begin_ids) takes the lookup's ids in batch order instead: each id's shard
+ * and row are worked out here, as the GPU kernel does, so the rows land where they belong and no
+ * plan groups them by file first. Ids outside the owned range give zero rows; an owned id whose
+ * row falls outside its shard's mapped rows (a broken mapping) is zeroed and counted as an error.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -65,6 +70,11 @@ typedef struct {
     int64_t n;
     uint8_t *dst;
     int ahead;
+    /* by id: rows[i] is a global id; segment s is shard s, base[s] its row space's row 0,
+     * limit[s] that space's rows and row0[s] the row in it of the shard's local row 0 */
+    int by_id;
+    int64_t per_shard, lo, hi; /* rows per shard; the owned ids [lo, hi) */
+    int64_t row0[MAX_SEGMENTS];
     atomic_int solo; /* the caller copies every block; the workers leave the job alone */
     int64_t block;
     atomic_uint blocks; /* atomic: a worker two jobs behind may read it while it is rewritten */
@@ -98,9 +108,46 @@ static inline void relax(void) {
 #endif
 }
 
+/* Where the row of global id `id` lies: NULL when the id is not owned (a zero row), or, with
+ * *broken set, when its row is outside its shard's row space. */
+static inline const uint8_t *id_row(const job_t *j, int64_t id, int *broken) {
+    if (id < j->lo || id >= j->hi) return NULL;
+    int64_t s = id / j->per_shard, r;
+    if (s >= j->segments || (uint64_t)(r = j->row0[s] + (id - s * j->per_shard)) >= (uint64_t)j->limit[s]) {
+        *broken = 1;
+        return NULL;
+    }
+    return j->base[s] + r * j->rb;
+}
+
+/* Rows [a, b) of a job by id; returns how many owned ids had no row in their shard's space. */
+static int64_t copy_ids(const job_t *j, int64_t a, int64_t b) {
+    int64_t bad = 0, rb = j->rb;
+    int ignored = 0;
+    const uint8_t *p;
+    for (int64_t i = a; i < a + j->ahead && i < b; i++)
+        if ((p = id_row(j, j->rows[i], &ignored))) prefetch_row(p, rb);
+    for (int64_t i = a; i < b; i++) {
+        if (i + j->ahead < b && (p = id_row(j, j->rows[i + j->ahead], &ignored))) prefetch_row(p, rb);
+        int broken = 0;
+        if ((p = id_row(j, j->rows[i], &broken))) {
+            memcpy(j->dst + i * rb, p, (size_t)rb);
+        } else {
+            memset(j->dst + i * rb, 0, (size_t)rb);
+            bad += broken;
+        }
+    }
+    return bad;
+}
+
 static void copy_block(job_t *j, uint32_t i) {
     int64_t a = (int64_t)i * j->block;
     int64_t b = a + j->block < j->n ? a + j->block : j->n;
+    if (j->by_id) {
+        int64_t bad = copy_ids(j, a, b);
+        if (bad) atomic_fetch_add(&j->bad, bad);
+        return;
+    }
     int lo = 0, hi = j->segments - 1; /* the first segment that ends after row a */
     while (lo < hi) {
         int mid = (lo + hi) / 2;
@@ -213,28 +260,19 @@ void ple_pool_wake(void) {
     pthread_mutex_unlock(&g_mu);
 }
 
-/* Post a job: for segment s, dst[i] = row rows[i] of the table of limits[s] rows at bases[s], for
- * i in [ends[s-1], ends[s]) (ends[-1] = 0); with `solo`, only the caller copies. Takes the job
- * lock until ple_job_end. Returns -1 for arguments out of range and -2 when this thread is inside
- * a job already (it would wait for itself), taking nothing. */
-int ple_job_begin(const uint64_t *bases, const int64_t *limits, const int64_t *ends, int segments, int64_t rb,
-                  const int64_t *rows, uint8_t *dst, int ahead, int64_t block, int solo) {
-    if (segments < 1 || segments > MAX_SEGMENTS || rb <= 0 || block <= 0 || ahead < 0) return -1;
-    int64_t n = ends[segments - 1];
-    if (n < 0 || n / block + (n % block != 0) > MAX_BLOCKS) return -1;
-    for (int s = 0; s < segments; s++)
-        if (ends[s] < (s ? ends[s - 1] : 0) || limits[s] < 0) return -1;
-    if (t_in_job) return -2;
+/* Take the job lock and the next job's descriptor; NULL when this thread is inside a job already
+ * (it would wait for itself). */
+static job_t *open_job(void) {
+    if (t_in_job) return NULL;
     pthread_mutex_lock(&g_call);
     t_in_job = 1;
-    uint32_t gen = ++g_gen;
-    job_t *j = &g_jobs[gen & 1];
-    for (int s = 0; s < segments; s++) {
-        j->base[s] = (const uint8_t *)(uintptr_t)bases[s];
-        j->limit[s] = limits[s];
-        j->end[s] = ends[s];
-    }
-    j->segments = segments, j->rb = rb, j->rows = rows, j->n = n, j->dst = dst;
+    return &g_jobs[++g_gen & 1];
+}
+
+/* Hand out the job `j` (filled in by the caller) to the pool, in blocks of `block` rows. */
+static void post_job(job_t *j, const int64_t *rows, int64_t n, int64_t rb, uint8_t *dst, int ahead,
+                     int64_t block, int solo) {
+    j->rb = rb, j->rows = rows, j->n = n, j->dst = dst;
     j->ahead = ahead, j->block = block;
     atomic_store_explicit(&j->solo, solo, memory_order_relaxed);
     uint32_t blocks = (uint32_t)(n / block + (n % block != 0));
@@ -242,12 +280,62 @@ int ple_job_begin(const uint64_t *bases, const int64_t *limits, const int64_t *e
     j->waited = 0;
     atomic_store(&j->bad, 0);
     for (uint32_t i = 0; i < blocks; i++) atomic_store_explicit(&j->done[i], 0, memory_order_relaxed);
-    atomic_store(&g_claim, (uint64_t)gen << 32);
+    atomic_store(&g_claim, (uint64_t)g_gen << 32);
     if (!solo) {
         pthread_mutex_lock(&g_mu);
         pthread_cond_broadcast(&g_cv);
         pthread_mutex_unlock(&g_mu);
     }
+}
+
+static int too_many_blocks(int64_t n, int64_t block) {
+    return n < 0 || block <= 0 || n / block + (n % block != 0) > MAX_BLOCKS;
+}
+
+/* Post a job: for segment s, dst[i] = row rows[i] of the table of limits[s] rows at bases[s], for
+ * i in [ends[s-1], ends[s]) (ends[-1] = 0); with `solo`, only the caller copies. Takes the job
+ * lock until ple_job_end. Returns -1 for arguments out of range and -2 when this thread is inside
+ * a job already (it would wait for itself), taking nothing. */
+int ple_job_begin(const uint64_t *bases, const int64_t *limits, const int64_t *ends, int segments, int64_t rb,
+                  const int64_t *rows, uint8_t *dst, int ahead, int64_t block, int solo) {
+    if (segments < 1 || segments > MAX_SEGMENTS || rb <= 0 || ahead < 0) return -1;
+    int64_t n = ends[segments - 1];
+    if (too_many_blocks(n, block)) return -1;
+    for (int s = 0; s < segments; s++)
+        if (ends[s] < (s ? ends[s - 1] : 0) || limits[s] < 0) return -1;
+    job_t *j = open_job();
+    if (!j) return -2;
+    for (int s = 0; s < segments; s++) {
+        j->base[s] = (const uint8_t *)(uintptr_t)bases[s];
+        j->limit[s] = limits[s];
+        j->end[s] = ends[s];
+    }
+    j->segments = segments, j->by_id = 0;
+    post_job(j, rows, n, rb, dst, ahead, block, solo);
+    return 0;
+}
+
+/* Post a job by id: dst[i] = the row of global id ids[i] for i in [0, n), zeros for ids outside
+ * [lo, hi). Shard s holds ids [s * per_shard, (s + 1) * per_shard); its local row r is row
+ * row0s[s] + r of the row space of limits[s] rows at bases[s] (limits[s] = 0: not mapped). The
+ * rest as ple_job_begin. */
+int ple_job_begin_ids(const uint64_t *bases, const int64_t *limits, const int64_t *row0s, int shards,
+                      int64_t per_shard, int64_t lo, int64_t hi, int64_t rb, const int64_t *ids, int64_t n,
+                      uint8_t *dst, int ahead, int64_t block, int solo) {
+    if (shards < 1 || shards > MAX_SEGMENTS || per_shard < 1 || lo < 0 || hi < lo || rb <= 0 || ahead < 0)
+        return -1;
+    if (too_many_blocks(n, block)) return -1;
+    for (int s = 0; s < shards; s++)
+        if (limits[s] < 0) return -1;
+    job_t *j = open_job();
+    if (!j) return -2;
+    for (int s = 0; s < shards; s++) {
+        j->base[s] = (const uint8_t *)(uintptr_t)bases[s];
+        j->limit[s] = limits[s];
+        j->row0[s] = row0s[s];
+    }
+    j->segments = shards, j->by_id = 1, j->per_shard = per_shard, j->lo = lo, j->hi = hi;
+    post_job(j, ids, n, rb, dst, ahead, block, solo);
     return 0;
 }
 

@@ -7,6 +7,11 @@ chunk's copy to the device. On the H200 host (16 GiB table, fresh random rows; d
 row 12) it reads 131 072 rows of one file in 375-532 us against 570-811 us, and a bulk lookup of
 131 072 rows takes 1.40-1.60 ms against 1.62-2.16 ms.
 
+A job takes its rows either as row numbers grouped by row space (``job``: a plan made first) or
+as the lookup's global ids in batch order (``gather``: each id's shard and row worked out in C,
+the rows landing where they belong). The second needs no plan and nothing put back in place:
+131 072 rows in 1.13-1.42 ms against 1.39-1.59 ms for the planned job (PERF_NOTES row 14).
+
 The C file is compiled once per machine with the system C compiler (``$CC``, else ``cc`` or
 ``gcc``: Triton needs one too) into the cache directory; where none is found or the build fails,
 ``load`` says why and the bulk gather keeps ``torch.index_select``.
@@ -79,6 +84,23 @@ def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     lib.ple_pool_start.restype = c_int
     lib.ple_job_begin.argtypes = [ptr, ptr, ptr, c_int, i64, ptr, ptr, c_int, i64, c_int]
     lib.ple_job_begin.restype = c_int
+    lib.ple_job_begin_ids.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        c_int,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        c_int,
+        i64,
+        c_int,
+    ]
+    lib.ple_job_begin_ids.restype = c_int
     lib.ple_pool_wake.argtypes = []
     lib.ple_pool_wake.restype = None
     lib.ple_job_wait.argtypes = [i64]
@@ -95,6 +117,44 @@ def load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
         if cache_dir not in _loaded:
             _loaded[cache_dir] = _build(cache_dir)
         return _loaded[cache_dir]
+
+
+def _check_out(out: torch.Tensor) -> int:
+    """Rows of ``out``, a contiguous 2-D uint8 host tensor (else ValueError)."""
+    if out.dim() != 2 or out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous 2-D uint8 host tensor, got {tuple(out.shape)} {out.dtype}"
+        )
+    return out.shape[0]
+
+
+class ShardSpaces:
+    """Where each shard's rows lie, for jobs by id: shard s's local row r is row ``row0[s] + r``
+    of the row space ``spaces[s]`` (a 2-D uint8 host tensor of ``row_bytes`` B rows; None: the
+    shard is not mapped). The row spaces must stay alive as long as this."""
+
+    def __init__(
+        self, spaces: list[torch.Tensor | None], row0: list[int], per_shard: int, row_bytes: int
+    ) -> None:
+        if not 1 <= len(spaces) <= MAX_SEGMENTS or len(row0) != len(spaces):
+            raise ValueError(f"a job by id takes 1 to {MAX_SEGMENTS} shards, got {len(spaces)}")
+        if per_shard < 1 or row_bytes < 1:
+            raise ValueError(f"rows per shard ({per_shard}) and row bytes ({row_bytes}) must be positive")
+        self.count, self.per_shard, self.row_bytes = len(spaces), per_shard, row_bytes
+        self.spaces = spaces  # kept: the addresses below point into them
+        self.bases = np.zeros(self.count, dtype=np.uint64)
+        self.limits = np.zeros(self.count, dtype=np.int64)
+        self.row0 = np.asarray(row0, dtype=np.int64)
+        for s, space in enumerate(spaces):
+            if space is None:
+                continue
+            if space.dim() != 2 or space.dtype != torch.uint8 or space.device.type != "cpu":
+                raise ValueError(f"shard {s}: row space must be a 2-D uint8 host tensor")
+            if space.shape[1] != row_bytes or space.stride() != (row_bytes, 1):
+                raise ValueError(
+                    f"shard {s}: row space {tuple(space.shape)} does not hold contiguous {row_bytes} B rows"
+                )
+            self.bases[s], self.limits[s] = space.data_ptr(), space.shape[0]
 
 
 class RowCopy:
@@ -128,11 +188,7 @@ class RowCopy:
 
         A row number outside its space is not read: its row is zeroed and RowCopyError raised at
         the end (the caller's plan puts every row in its space; this guards against a broken one)."""
-        n = out.shape[0] if out.dim() == 2 else -1
-        if out.dim() != 2 or out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous 2-D uint8 host tensor, got {tuple(out.shape)} {out.dtype}"
-            )
+        n = _check_out(out)
         rb = out.shape[1]
         if (
             rows.dtype != torch.int64
@@ -159,12 +215,8 @@ class RowCopy:
         if ends[-1] != n:
             raise ValueError(f"segments cover {int(ends[-1])} rows, out has {n}")
         block = max(self.block, -(-n // MAX_BLOCKS))
-        lib = self.lib
-        bad, begun = -1, None
-        try:
-            # Begun inside the try: an exception raised as begin returns (a signal) still ends the
-            # job (ple_job_end does nothing unless this thread is inside one).
-            begun = lib.ple_job_begin(
+        with self._posted(
+            lambda: self.lib.ple_job_begin(
                 bases.ctypes.data,
                 limits.ctypes.data,
                 ends.ctypes.data,
@@ -175,19 +227,73 @@ class RowCopy:
                 self.ahead,
                 block,
                 int(self.threads == 1),
-            )
+            ),
+            f"{len(segments)} segments, {n} rows, blocks of {block}",
+            "row numbers outside their row spaces",
+        ) as wait:
+            yield wait
+
+    @contextmanager
+    def gather(
+        self, shards: ShardSpaces, ids: torch.Tensor, out: torch.Tensor, *, owned: tuple[int, int]
+    ) -> Iterator[Callable[[int], None]]:
+        """``out[i]`` = the row of global id ``ids[i]`` (in batch order, no plan), zeros for ids
+        outside ``owned`` = [start, end); as ``job`` otherwise. An owned id whose row lies outside
+        its shard's row space (a broken ``shards``) is zeroed and RowCopyError raised at the end."""
+        n = _check_out(out)
+        if (
+            ids.dtype != torch.int64
+            or ids.device.type != "cpu"
+            or not ids.is_contiguous()
+            or ids.numel() != n
+        ):
+            raise ValueError(f"ids must be {n} contiguous int64 ids on the host")
+        if out.shape[1] != shards.row_bytes:
+            raise ValueError(f"out has {out.shape[1]} B rows, the shards {shards.row_bytes} B")
+        start, end = owned
+        if not 0 <= start <= end:
+            raise ValueError(f"owned range [{start}, {end}) is not a range of ids")
+        block = max(self.block, -(-n // MAX_BLOCKS))
+        with self._posted(
+            lambda: self.lib.ple_job_begin_ids(
+                shards.bases.ctypes.data,
+                shards.limits.ctypes.data,
+                shards.row0.ctypes.data,
+                shards.count,
+                shards.per_shard,
+                start,
+                end,
+                shards.row_bytes,
+                ids.data_ptr(),
+                n,
+                out.data_ptr(),
+                self.ahead,
+                block,
+                int(self.threads == 1),
+            ),
+            f"{shards.count} shards, {n} ids, blocks of {block}",
+            "owned ids outside their shards' row spaces",
+        ) as wait:
+            yield wait
+
+    @contextmanager
+    def _posted(self, begin: Callable[[], int], what: str, bad_rows: str) -> Iterator[Callable[[int], None]]:
+        """Run ``begin`` (a ple_job_begin*), yield the wait, end the job whatever happens."""
+        bad, begun = -1, None
+        try:
+            # Begun inside the try: an exception raised as begin returns (a signal) still ends the
+            # job (ple_job_end does nothing unless this thread is inside one).
+            begun = begin()
             if begun == -2:
                 raise RuntimeError("this thread is inside a row copy job already (jobs do not nest)")
             if begun != 0:
-                raise ValueError(
-                    f"rowcopy refused the job ({len(segments)} segments, {n} rows, blocks of {block})"
-                )
-            yield lib.ple_job_wait
+                raise ValueError(f"rowcopy refused the job ({what})")
+            yield self.lib.ple_job_wait
         finally:
             if begun is None or begun == 0:  # not when refused: a refused begin took nothing
-                bad = lib.ple_job_end()
+                bad = self.lib.ple_job_end()
         if bad > 0:
-            raise RowCopyError(f"{bad} row numbers outside their row spaces (zeroed, not read)")
+            raise RowCopyError(f"{bad} {bad_rows} (zeroed, not read)")
 
     def copy(self, space: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] = space[rows[i]]`` for every row of ``out``."""
