@@ -325,6 +325,47 @@ def test_bad_arguments_exit_2(capsys):
     capsys.readouterr()
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+        (["--repeats", "-2"], "--repeats: must be at least 1, got -2"),
+        (["--rows", "16,0"], "--rows: must be at least 1, got 0"),
+        (["--rows", ","], "--rows: no batch sizes given"),
+    ],
+)
+def test_bench_refuses_counts_below_one(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_side_by_side_times_every_path_once_per_fresh_id_set_in_rotated_rounds():
+    """The bench's timing harness on the CPU clock: each path gets ``calls`` timed calls, each on
+    its own fresh id set (index >= warmup, once), in rounds whose path order rotates; warm-up
+    calls use only the warm-up sets."""
+    import torch
+
+    from ple_um.bench.runner import _Timer
+
+    log: list[tuple[str, int]] = []
+    fns = {name: (lambda k, name=name: log.append((name, k))) for name in ("a", "b", "c")}
+    times = _Timer(torch.device("cpu")).side_by_side(fns, calls=10, warmup=2, rounds=4)
+    assert {name: len(t) for name, t in times.items()} == {"a": 10, "b": 10, "c": 10}
+    assert all(t >= 0 for ts in times.values() for t in ts)
+    for name in fns:
+        timed = [k for n, k in log if n == name and k >= 2]
+        assert timed == list(range(2, 12))  # every fresh set once, in order
+        assert {k for n, k in log if n == name and k < 2} <= {0, 1}
+    # Rounds of 3, 3, 2, 2 timed calls; round r starts with path r % 3.
+    firsts, seen = [], 2
+    for block in (3, 3, 2, 2):
+        firsts.append(next(n for n, k in log if k == seen))
+        seen += block
+    assert firsts == ["a", "b", "c", "a"]
+
+
 # -- real processes ------------------------------------------------------------------------------
 def test_inspect_as_a_module_subprocess(table_dir):
     path, layout = table_dir
@@ -352,7 +393,7 @@ def test_bench_smoke_console_script(tmp_path):
     """`ple-um bench` end to end on a small cached synthetic table: the JSON's structure, no times."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "PLE_UM_CACHE_DIR": str(tmp_path / "cache")}
-    argv = ["bench", "--size", "4MiB", "--rows", "16,256", "--repeats", "2", "--shards", "8"]
+    argv = ["bench", "--size", "4MiB", "--rows", "16,256", "--repeats", "3", "--rounds", "2", "--shards", "8"]
     done = subprocess.run(
         [_console_script(), *argv, "--json", str(out), "--quiet"],
         capture_output=True,
@@ -373,7 +414,8 @@ def test_bench_smoke_console_script(tmp_path):
         assert "skipped" not in entry, entry
         for n in ("16", "256"):
             assert {"median_us", "gbps"} <= set(entry[n])
-            assert entry[n]["calls"] == 2
+            assert entry[n]["calls"] == 3
+    assert result["method"]["timed_calls"] == 3 and result["method"]["rounds"] == 2
     assert {"ple-um cpu", "seeds cpu"} <= set(result["decode_step"])
     assert "eager" in result["decode_step"]["ple-um cpu"]
     assert {"cold", "warm"} <= set(result["startup"])
