@@ -98,6 +98,18 @@ def _chunks(segments: list[tuple[int, int, int]], step: int, tail: int) -> list[
     return chunks
 
 
+def _copy_as_read(wait, staged: torch.Tensor, dst: torch.Tensor) -> float:
+    """Queue the copy of each chunk of ``staged`` (pinned, filled by a running row copy job) into
+    ``dst`` on the device as soon as ``wait`` says its rows are in; the seconds spent waiting."""
+    t_read = 0.0
+    for _, a, b in _chunks([(0, 0, dst.shape[0])], PIPELINE_ROWS, TAIL_ROWS):
+        tr = time.perf_counter()
+        wait(b)
+        t_read += time.perf_counter() - tr
+        dst[a:b].copy_(staged[a:b], non_blocking=True)
+    return t_read
+
+
 class CpuGather:
     """Gathers rows of a MappedShards on the host; returns them on ``device``.
 
@@ -387,14 +399,9 @@ class CpuGather:
             else:
                 host_ids.copy_(ids)
             staged = slot.rows[:n]
-            t_read = 0.0
             try:
                 with self.rowcopy.gather(self.shard_spaces, host_ids, staged, owned=owned) as wait:
-                    for _, a, b in _chunks([(0, 0, n)], PIPELINE_ROWS, TAIL_ROWS):
-                        tr = time.perf_counter()
-                        wait(b)
-                        t_read += time.perf_counter() - tr
-                        out[a:b].copy_(staged[a:b], non_blocking=True)
+                    t_read = _copy_as_read(wait, staged, out)
             finally:
                 slot.copied(self.device)  # copies queued before an error still read the slot
         self.last_phases = _phases(t0, t1, t_read, t_wait)
@@ -465,11 +472,7 @@ class CpuGather:
                     # as soon as its rows are in (the calling thread copies rows while it waits).
                     spaces = [(self.space_tensors[k], a, b) for k, a, b in segments]
                     with self.rowcopy.job(spaces, rows_of[:n_valid], staged) as wait:
-                        for _, a, b in _chunks([(0, 0, n_valid)], PIPELINE_ROWS, TAIL_ROWS):
-                            tr = time.perf_counter()
-                            wait(b)
-                            t_read += time.perf_counter() - tr
-                            dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
+                        t_read = _copy_as_read(wait, staged, dev_rows)
                 else:
                     for k, a, b in _chunks(segments, PIPELINE_ROWS, TAIL_ROWS):
                         tr = time.perf_counter()
