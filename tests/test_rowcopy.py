@@ -243,6 +243,7 @@ def test_bad_arguments_by_id_are_refused_before_anything_is_read(lib, spaces):
         (ids, torch.empty((10, rb + 1), dtype=torch.uint8), (0, 10), "B rows"),
         (ids, out, (-1, 10), "owned range"),
         (ids, out, (5, 4), "owned range"),
+        (ids, out, (1 << 64, (1 << 64) + 3), "owned range"),  # ctypes would wrap it to [0, 3)
     ]
     for i, o, owned, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -256,6 +257,8 @@ def test_bad_arguments_by_id_are_refused_before_anything_is_read(lib, spaces):
         ([tables[0]], [0], 100, rb + 1, "contiguous"),
         ([tables[0][:, :8]], [0], 100, 8, "contiguous"),
         ([tables[0].float()], [0], 100, rb, "uint8"),
+        ([tables[0]], [0], 1 << 63, rb, "positive"),
+        ([tables[0]], [[0]], 100, rb, "one row per shard"),
     ]
     for spaces_, row0, per_shard, row_bytes, match in layouts:
         with pytest.raises(ValueError, match=match):
@@ -263,6 +266,32 @@ def test_bad_arguments_by_id_are_refused_before_anything_is_read(lib, spaces):
     with copier.gather(shards, ids, out, owned=(0, 10)):  # and nothing was left locked
         pass
     assert torch.equal(out, tables[0][ids])
+
+
+def test_shard_spaces_keep_their_own_copies_and_extreme_rows_are_refused(lib, spaces, rng):
+    tables, reference = spaces
+    rb = tables[0].shape[1]
+    per_shard = tables[1].shape[0] - 5
+    ids = torch.from_numpy(rng.integers(0, 2 * per_shard, 500))
+    ids[:3] = torch.tensor([per_shard - 1, per_shard, 2 * per_shard - 1])
+    # row0 given as a strided view ([0, 5]) and the space list changed afterwards: neither reaches C.
+    row0 = np.array([0, 99, 5, 99], dtype=np.int64)[::2]
+    listed = [tables[1], tables[1]]
+    shards = rowcopy.ShardSpaces(listed, row0, per_shard, rb)
+    listed.clear()
+    out = torch.full((500, rb), 0xAB, dtype=torch.uint8)
+    copier = rowcopy.RowCopy(lib, 3, block=16)
+    with copier.gather(shards, ids, out, owned=(0, 2 * per_shard)):
+        pass
+    assert torch.equal(out, reference[1][torch.where(ids < per_shard, ids, ids - per_shard + 5)])
+    # A row0 near the int64 limits: every row of that shard outside its space, none read.
+    big = rowcopy.ShardSpaces([tables[1], tables[1]], [0, (1 << 63) - 2], per_shard, rb)
+    on_second = int((ids >= per_shard).sum())
+    with pytest.raises(rowcopy.RowCopyError, match=f"{on_second} owned ids outside"):
+        with copier.gather(big, ids, out, owned=(0, 2 * per_shard)):
+            pass
+    first = ids < per_shard
+    assert torch.equal(out[first], reference[1][ids[first]]) and not out[~first].any()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

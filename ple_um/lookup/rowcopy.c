@@ -112,12 +112,15 @@ static inline void relax(void) {
  * *broken set, when its row is outside its shard's row space. */
 static inline const uint8_t *id_row(const job_t *j, int64_t id, int *broken) {
     if (id < j->lo || id >= j->hi) return NULL;
-    int64_t s = id / j->per_shard, r;
-    if (s >= j->segments || (uint64_t)(r = j->row0[s] + (id - s * j->per_shard)) >= (uint64_t)j->limit[s]) {
+    int64_t s = id / j->per_shard;
+    /* Unsigned: exact whenever the row is in [0, 2^64), else at least 2^63, above every limit (a
+     * negative row0 is valid: a shard owned from its row lo on) */
+    uint64_t r;
+    if (s >= j->segments || (r = (uint64_t)j->row0[s] + (uint64_t)(id - s * j->per_shard)) >= (uint64_t)j->limit[s]) {
         *broken = 1;
         return NULL;
     }
-    return j->base[s] + r * j->rb;
+    return j->base[s] + (int64_t)r * j->rb;
 }
 
 /* Rows [a, b) of a job by id; returns how many owned ids had no row in their shard's space. */

@@ -138,14 +138,17 @@ class ShardSpaces:
     ) -> None:
         if not 1 <= len(spaces) <= MAX_SEGMENTS or len(row0) != len(spaces):
             raise ValueError(f"a job by id takes 1 to {MAX_SEGMENTS} shards, got {len(spaces)}")
-        if per_shard < 1 or row_bytes < 1:
+        if not (1 <= per_shard < 1 << 63 and 1 <= row_bytes < 1 << 63):
             raise ValueError(f"rows per shard ({per_shard}) and row bytes ({row_bytes}) must be positive")
         self.count, self.per_shard, self.row_bytes = len(spaces), per_shard, row_bytes
-        self.spaces = spaces  # kept: the addresses below point into them
+        self.spaces = tuple(spaces)  # kept (a copy of the list): the addresses below point into them
         self.bases = np.zeros(self.count, dtype=np.uint64)
         self.limits = np.zeros(self.count, dtype=np.int64)
-        self.row0 = np.asarray(row0, dtype=np.int64)
-        for s, space in enumerate(spaces):
+        # Copied into a contiguous array of its own: the C side reads `count` int64s in a row.
+        self.row0 = np.array(row0, dtype=np.int64, order="C", copy=True)
+        if self.row0.shape != (self.count,):
+            raise ValueError(f"row0 must hold one row per shard ({self.count}), got shape {self.row0.shape}")
+        for s, space in enumerate(self.spaces):
             if space is None:
                 continue
             if space.dim() != 2 or space.dtype != torch.uint8 or space.device.type != "cpu":
@@ -251,7 +254,7 @@ class RowCopy:
         if out.shape[1] != shards.row_bytes:
             raise ValueError(f"out has {out.shape[1]} B rows, the shards {shards.row_bytes} B")
         start, end = owned
-        if not 0 <= start <= end:
+        if not 0 <= start <= end < 1 << 63:
             raise ValueError(f"owned range [{start}, {end}) is not a range of ids")
         block = max(self.block, -(-n // MAX_BLOCKS))
         with self._posted(
