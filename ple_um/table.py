@@ -350,10 +350,10 @@ class MappedTable:
         dequantized on the device when ``out`` is a float tensor."""
         t0 = time.perf_counter()
         if out.dtype == self.dtype:
-            self.bulk.gather_planned(ids, out.view(torch.uint8), self.counters)
+            self.bulk.gather_bulk(ids, out.view(torch.uint8), self.counters)
         else:
             raw = torch.empty((ids.numel(), self.layout.row_bytes), dtype=torch.uint8, device=self.device)
-            rows = self.bulk.gather_planned(ids, raw, self.counters).view(self.dtype).float()
+            rows = self.bulk.gather_bulk(ids, raw, self.counters).view(self.dtype).float()
             out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
         phases = dict(self.bulk.last_phases)
         self._add_phases(phases)

@@ -1,6 +1,7 @@
 """The bulk path's plan made by kernels/plan.py (under the Triton interpreter, on CPU tensors): every
 id placed exactly once, in its file's run, with its row number in that file; and the whole
-planned gather (CpuGather.gather_planned over a real mapping) equal to the reference rows.
+bulk gather (CpuGather.gather_bulk over a real mapping: by id, planned, index_select) equal to
+the reference rows.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def test_plan_places_every_id_once(make_checkpoint, rng, rows, files):
 
 @pytest.mark.parametrize("reads", ["C by id", "C planned", "index_select"])
 @pytest.mark.parametrize("dtype", ["int64", "int32"])
-def test_gather_planned_equals_reference(make_checkpoint, rng, check_rows, poison, dtype, reads):
+def test_gather_bulk_equals_reference(make_checkpoint, rng, check_rows, poison, dtype, reads):
     layout = make_checkpoint(
         num_rows=5000, row_dim=10, dtype="fp8", shards=12, files=4, seed=int(rng.integers(1 << 30))
     )
@@ -95,7 +96,7 @@ def test_gather_planned_equals_reference(make_checkpoint, rng, check_rows, poiso
                 ids = torch.from_numpy(mixed_ids(layout, rng, 4000, rows).astype(dtype))
                 out = poison(torch.empty((ids.numel(), layout.row_dim), dtype=layout.dtype))
                 counters = torch.zeros(2, dtype=torch.int64)
-                assert gather.gather_planned(ids, out.view(torch.uint8), counters) is not None
+                assert gather.gather_bulk(ids, out.view(torch.uint8), counters) is not None
                 check_rows(out, layout, ids, rows=rows)
                 bad = int(((ids < 0) | (ids >= layout.num_rows)).sum())
                 assert counters.tolist() == [ids.numel(), bad]

@@ -247,7 +247,7 @@ class CpuGather:
         if out is None:
             out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8, device=self.device)
         if ids.numel() > DEDUP_ROWS:
-            return self._gather_bulk(ids, owned, out)
+            return self._gather_big(ids, owned, out)
         ids, owned = ids.cpu(), owned.cpu()
         t0 = time.perf_counter()
         space, row, inverse, skip = self._plan(ids.numpy(), owned.numpy())
@@ -304,11 +304,12 @@ class CpuGather:
             self._device_maps = (self.space_of_shard_t.to(device), self.row0_of_shard_t.to(device))
         return self._device_maps
 
-    def _gather_bulk(self, ids: torch.Tensor, owned: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The cpu mode's big batch: no dedup. Ids still on the GPU are grouped there with torch
-        ops (a sort of the space numbers; the cpu mode runs no Triton kernel, so that it works
-        where the GPU modes' kernels do not); ids on the host with a radix sort of the 16-bit space
-        numbers. Then as ``_read_planned``."""
+    def _gather_big(self, ids: torch.Tensor, owned: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The cpu mode's big batch: no dedup. Read by id where the C row copy runs (the cpu
+        mode's counters are kept by the table); else ids still on the GPU are grouped there with
+        torch ops (a sort of the space numbers; the cpu mode runs no Triton kernel, so that it
+        works where the GPU modes' kernels do not), ids on the host with a radix sort of the
+        16-bit space numbers, then as ``_read_planned``."""
         t0 = time.perf_counter()
         if self._by_id():
             return self._gather_by_id(ids, out, t0)
@@ -332,7 +333,7 @@ class CpuGather:
         plan = torch.cat((counts, row[order]))
         return self._read_planned(plan, order, ids.numel(), n_counts, out, t0)
 
-    def gather_planned(self, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    def gather_bulk(self, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         """The GPU modes' bulk path: raw rows of flat ``ids`` (on the CUDA device; any integer
         dtype) into ``out`` [n, row_bytes] (uint8), zeros for ids not owned; the lookup counted in
         ``counters`` on the device, as the gather kernel does. Read by id (``_gather_by_id``)
