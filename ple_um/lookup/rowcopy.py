@@ -119,6 +119,27 @@ def load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
         return _loaded[cache_dir]
 
 
+def _check_space(space: torch.Tensor, row_bytes: int, what: str) -> None:
+    """A row space the C copy reads: a 2-D uint8 host tensor of contiguous ``row_bytes`` B rows."""
+    if space.dim() != 2 or space.dtype != torch.uint8 or space.device.type != "cpu":
+        raise ValueError(f"{what}: row space must be a 2-D uint8 host tensor")
+    if space.shape[1] != row_bytes or space.stride() != (row_bytes, 1):
+        raise ValueError(
+            f"{what}: row space {tuple(space.shape)} does not hold contiguous {row_bytes} B rows"
+        )
+
+
+def _check_index(index: torch.Tensor, n: int, name: str, what: str) -> None:
+    """``n`` contiguous int64 ``what`` (row numbers, ids) on the host, else ValueError."""
+    if (
+        index.dtype != torch.int64
+        or index.device.type != "cpu"
+        or not index.is_contiguous()
+        or index.numel() != n
+    ):
+        raise ValueError(f"{name} must be {n} contiguous int64 {what} on the host")
+
+
 def _check_out(out: torch.Tensor) -> int:
     """Rows of ``out``, a contiguous 2-D uint8 host tensor (else ValueError)."""
     if out.dim() != 2 or out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous():
@@ -149,15 +170,9 @@ class ShardSpaces:
         if self.row0.shape != (self.count,):
             raise ValueError(f"row0 must hold one row per shard ({self.count}), got shape {self.row0.shape}")
         for s, space in enumerate(self.spaces):
-            if space is None:
-                continue
-            if space.dim() != 2 or space.dtype != torch.uint8 or space.device.type != "cpu":
-                raise ValueError(f"shard {s}: row space must be a 2-D uint8 host tensor")
-            if space.shape[1] != row_bytes or space.stride() != (row_bytes, 1):
-                raise ValueError(
-                    f"shard {s}: row space {tuple(space.shape)} does not hold contiguous {row_bytes} B rows"
-                )
-            self.bases[s], self.limits[s] = space.data_ptr(), space.shape[0]
+            if space is not None:
+                _check_space(space, row_bytes, f"shard {s}")
+                self.bases[s], self.limits[s] = space.data_ptr(), space.shape[0]
 
 
 class RowCopy:
@@ -193,25 +208,14 @@ class RowCopy:
         the end (the caller's plan puts every row in its space; this guards against a broken one)."""
         n = _check_out(out)
         rb = out.shape[1]
-        if (
-            rows.dtype != torch.int64
-            or rows.device.type != "cpu"
-            or not rows.is_contiguous()
-            or rows.numel() != n
-        ):
-            raise ValueError(f"rows must be {n} contiguous int64 row numbers on the host")
+        _check_index(rows, n, "rows", "row numbers")
         if not segments or len(segments) > MAX_SEGMENTS:
             raise ValueError(f"a job takes 1 to {MAX_SEGMENTS} segments, got {len(segments)}")
         bases = np.empty(len(segments), dtype=np.uint64)
         limits = np.empty(len(segments), dtype=np.int64)
         ends = np.empty(len(segments), dtype=np.int64)
         for s, (space, start, end) in enumerate(segments):
-            if space.dim() != 2 or space.dtype != torch.uint8 or space.device.type != "cpu":
-                raise ValueError(f"segment {s}: row space must be a 2-D uint8 host tensor")
-            if space.shape[1] != rb or space.stride() != (rb, 1):
-                raise ValueError(
-                    f"segment {s}: row space {tuple(space.shape)} does not hold contiguous {rb} B rows"
-                )
+            _check_space(space, rb, f"segment {s}")
             if start != (segments[s - 1][2] if s else 0) or end < start:
                 raise ValueError(f"segment {s}: [{start}, {end}) does not follow the segment before it")
             bases[s], limits[s], ends[s] = space.data_ptr(), space.shape[0], end
@@ -244,13 +248,7 @@ class RowCopy:
         outside ``owned`` = [start, end); as ``job`` otherwise. An owned id whose row lies outside
         its shard's row space (a broken ``shards``) is zeroed and RowCopyError raised at the end."""
         n = _check_out(out)
-        if (
-            ids.dtype != torch.int64
-            or ids.device.type != "cpu"
-            or not ids.is_contiguous()
-            or ids.numel() != n
-        ):
-            raise ValueError(f"ids must be {n} contiguous int64 ids on the host")
+        _check_index(ids, n, "ids", "ids")
         if out.shape[1] != shards.row_bytes:
             raise ValueError(f"out has {out.shape[1]} B rows, the shards {shards.row_bytes} B")
         start, end = owned
