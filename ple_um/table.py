@@ -353,14 +353,19 @@ class MappedTable:
             self.bulk.gather_bulk(ids, out.view(torch.uint8), self.counters)
         else:
             raw = torch.empty((ids.numel(), self.layout.row_bytes), dtype=torch.uint8, device=self.device)
-            rows = self.bulk.gather_bulk(ids, raw, self.counters).view(self.dtype).float()
-            out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
+            self._dequantize(self.bulk.gather_bulk(ids, raw, self.counters), out)
         phases = dict(self.bulk.last_phases)
         self._add_phases(phases)
         if self.metrics is not None:
             n = ids.numel()
             self.metrics.observe(n, n * self.layout.row_bytes, 0, phases, time.perf_counter() - t0)
         return out
+
+    def _dequantize(self, raw: torch.Tensor, out: torch.Tensor) -> None:
+        """Raw rows gathered on the host (uint8 [n, row_bytes]) into the float ``out``:
+        ``float32(row) * scale`` cast, as the GPU kernel dequantizes."""
+        rows = raw.view(self.dtype).float()
+        out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
 
     def _classify(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a host-side gather: (ids as int64, which are owned, the count of ids outside the
@@ -378,8 +383,7 @@ class MappedTable:
         elif self.scale_cpu is not None:
             decode_nvfp4(gather.gather(ids, owned), self.scale_cpu.gather(ids, owned), self._scale_dev, out)
         else:
-            rows = gather.gather(ids, owned).view(self.dtype).float()
-            out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
+            self._dequantize(gather.gather(ids, owned), out)
         phases = dict(gather.last_phases)
         self._count(ids.numel(), bad, phases)
         if self.metrics is not None:
