@@ -3,9 +3,10 @@
 Every contender is open at once and measured side by side: each timed round times a block of
 every contender's calls, each block after its own warm-up, in an order rotated from round to
 round, so drift in the host's speed over the run (other tenants, clocks, background work) falls on
-all of them alike instead of on whichever ran at a bad moment. Fresh random ids for every timed call (drawn ahead), warm-up first, CUDA events on a
-GPU (perf_counter on the CPU), medians with p10/p90, GB/s of useful rows, ratios against the table
-resident in GPU memory. Then a graph-captured decode step, and start-up and memory figures.
+all of them alike instead of on whichever ran at a bad moment. Fresh random ids for every timed
+call (drawn ahead), CUDA events on a GPU (perf_counter on the CPU), medians with p10/p90, GB/s of
+useful rows, ratios against the table resident in GPU memory. Then a graph-captured decode step,
+and start-up and memory figures.
 """
 
 from __future__ import annotations
