@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ple_um.kernels.launch import DirectLaunch
+
 # Storage element formats, as the kernel's STORAGE constexpr.
 E4M3, E5M2, BF16, F16 = 0, 1, 2, 3
 STORAGE_CODES = {
@@ -85,7 +87,9 @@ def _locate(ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_sha
     return rows, in_batch, owned, shard, local
 
 
-@triton.jit
+# The batch (ids, out, n) changes from call to call of one table: never specialized on, so that one
+# compiled kernel serves every call of a kind (kernels/launch.py).
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["ids_ptr", "out_ptr"])
 def _gather_kernel(
     bases_ptr,  # int64 [parts]: address of each shard's local row 0
     ids_ptr,  # int32/int64 [n]: global row ids
@@ -168,13 +172,15 @@ def gather_rows(
     scale: torch.Tensor | None = None,
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
+    launch: DirectLaunch | None = None,
 ) -> torch.Tensor:
     """Gather ``ids`` (flat, contiguous) into ``out`` ([n, row_dim], contiguous).
 
     ``out.dtype == storage`` copies raw rows; a float ``out`` gets ``float32(row) * scale``
     (``scale``: a float32 tensor of one element, read on the device; only when given) cast to its
     dtype. ``base_align`` is a byte alignment every base address and row start honours (the widest
-    word the table allows). No allocation, no host sync."""
+    word the table allows). ``launch``: a table's DirectLaunch of this kernel (else Triton's own
+    launch). No allocation, no host sync."""
     n = ids.numel()
     if n == 0:
         return out
@@ -186,8 +192,17 @@ def gather_rows(
         target = out.view(torch.uint8).view(_WORD_DTYPES[word_bits])
     else:
         target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    grid = (triton.cdiv(n, rows_per_program),)
-    _gather_kernel[grid](
+    constexprs = (
+        word_bits,  # WORD_BITS
+        elem_bits,  # ELEM_BITS
+        STORAGE_CODES.get(storage, -1),  # STORAGE
+        not raw,  # DEQUANT
+        scale is not None and not raw,  # HAS_SCALE
+        out.dtype == torch.bfloat16,  # OUT_BF16
+        rows_per_program,  # ROWS
+        triton.next_power_of_2(row_words),  # WORDS
+    )
+    args = (
         bases,
         ids,
         target,
@@ -199,14 +214,9 @@ def gather_rows(
         rows_per_shard,
         row_words,
         counters if scale is None else scale,
-        WORD_BITS=word_bits,
-        ELEM_BITS=elem_bits,
-        STORAGE=STORAGE_CODES.get(storage, -1),
-        DEQUANT=not raw,
-        HAS_SCALE=scale is not None and not raw,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        ROWS=rows_per_program,
-        WORDS=triton.next_power_of_2(row_words),
-        num_warps=num_warps,
+        *constexprs,
     )
+    kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
+    launch = launch or DirectLaunch.plain(_gather_kernel)
+    launch(kind, triton.cdiv(n, rows_per_program), args, num_warps)
     return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _decode, _locate, _to_bf16_bits
+from ple_um.kernels.launch import DirectLaunch
 
 
 @triton.jit
@@ -29,7 +30,8 @@ def _e2m1(code):
     return val * tl.where((code >> 3) == 1, -1.0, 1.0)
 
 
-@triton.jit
+# Never specialized on the batch (kernels/launch.py).
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["ids_ptr", "out_ptr"])
 def _gather_nvfp4_kernel(
     row_bases_ptr,  # int64 [parts]: address of each shard's packed row 0
     scale_bases_ptr,  # int64 [parts]: address of each shard's block-scale row 0
@@ -83,14 +85,16 @@ def gather_nvfp4(
     row_dim: int,
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
+    launch: DirectLaunch | None = None,
 ) -> torch.Tensor:
-    """Decode the NVFP4 rows of flat ``ids`` into ``out`` [n, row_dim] (bf16, f16 or f32).
-    No allocation, no host sync."""
+    """Decode the NVFP4 rows of flat ``ids`` into ``out`` [n, row_dim] (bf16, f16 or f32); ``launch``
+    as ``gather_rows``'. No allocation, no host sync."""
     n = ids.numel()
     if n == 0:
         return out
     target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    _gather_nvfp4_kernel[(triton.cdiv(n, rows_per_program),)](
+    constexprs = (out.dtype == torch.bfloat16, rows_per_program, triton.next_power_of_2(row_dim))
+    args = (
         row_bases,
         scale_bases,
         ids,
@@ -103,9 +107,10 @@ def gather_nvfp4(
         num_rows,
         rows_per_shard,
         row_dim,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        ROWS=rows_per_program,
-        DIM=triton.next_power_of_2(row_dim),
-        num_warps=num_warps,
+        *constexprs,  # OUT_BF16, ROWS, DIM
+    )
+    kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
+    (launch or DirectLaunch.plain(_gather_nvfp4_kernel))(
+        kind, triton.cdiv(n, rows_per_program), args, num_warps
     )
     return out

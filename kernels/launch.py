@@ -1,0 +1,83 @@
+"""DirectLaunch: a Triton kernel launched through its compiled handle once it has been compiled.
+
+A Triton launch binds and specializes every argument on every call, then looks the compiled kernel
+up by the resulting key: for the 19-argument gather kernel that costs about 27 us of host time more
+than a trivial kernel's launch on the H200 (docs/FACTS.md section 9). A table fixes all but three of
+those arguments (the ids, the output, the batch size), and the kernels mark those three as never
+specialized (``do_not_specialize``, ``do_not_specialize_on_alignment``), so one compiled kernel
+serves every call of a kind (device, dtypes, word size, constexprs, 32- or 64-bit batch size). The
+first call of a kind goes through Triton's own launch, which compiles and returns the kernel; the
+next ones hand the same arguments straight to its launcher (``CompiledKernel.run``, the call
+``CompiledKernel.__getitem__``'s runner makes, read from Triton 3.6's and 3.8's sources).
+
+Used only where it is known to work: a real (not interpreted) kernel, a Triton version whose
+launcher takes that call, no launch hooks set (a profiler's), and ``PLE_UM_DIRECT_LAUNCH`` on;
+otherwise every call is Triton's own launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+from ple_um import envs
+
+# Triton versions whose CompiledKernel.run takes (grid x, y, z, stream, function, packed metadata,
+# launch metadata, enter hook, exit hook, *every argument in signature order).
+_VERSIONS = ((3, 6), (3, 7), (3, 8))
+
+
+def _hooks_set() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    return runtime is not None and (
+        runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    )
+
+
+def why_not_direct(kernel) -> str | None:
+    """None when ``kernel`` can be launched directly here, else why not."""
+    if not isinstance(kernel, JITFunction):
+        return "the kernel is interpreted (TRITON_INTERPRET)"
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version not in _VERSIONS:
+        return f"Triton {triton.__version__} is not one whose launcher was checked ({_VERSIONS})"
+    if not envs.PLE_UM_DIRECT_LAUNCH:
+        return "PLE_UM_DIRECT_LAUNCH=0"
+    return None
+
+
+class DirectLaunch:
+    """Launches ``kernel`` (a ``triton.jit`` function) on the current stream of the current device.
+
+    One instance per set of fixed arguments: every call must pass the same values for every
+    argument that ``kind`` does not describe, except the three the kernel never specializes on (a
+    table makes one instance per kernel and per kind of rows it reads)."""
+
+    def __init__(self, kernel, *, direct: bool = True) -> None:
+        self.kernel = kernel
+        self.why_not = why_not_direct(kernel) if direct else "a one-off launch"
+        self._compiled: dict[tuple, object] = {}
+
+    @classmethod
+    def plain(cls, kernel) -> DirectLaunch:
+        """Triton's own launch at every call (for callers without fixed arguments)."""
+        return cls(kernel, direct=False)
+
+    def __call__(self, kind: tuple, grid: int, args: tuple, num_warps: int) -> None:
+        """Launch ``grid`` programs with ``args`` (every kernel argument, in signature order,
+        constexprs included). ``kind``: whatever, besides the device, decides the compiled kernel."""
+        if self.why_not is not None:
+            self.kernel[(grid,)](*args, num_warps=num_warps)
+            return
+        device = torch.cuda.current_device()
+        key = (device, num_warps, *kind)
+        compiled = self._compiled.get(key)
+        if compiled is None or _hooks_set():
+            compiled = self.kernel[(grid,)](*args, num_warps=num_warps)
+            if compiled is not None:
+                self._compiled[key] = compiled
+            return
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
