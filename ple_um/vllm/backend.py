@@ -15,6 +15,14 @@ table, look the rows up (zeros outside this rank's range), sum across the embedd
 (raw FP8 bytes as int8, decoded NVFP4 and 16-bit rows as they are: each row has one owner), select
 this rank's tokens. ``lookup_rows`` is the one call that reaches the table.
 
+With ``PLE_UM_OVERLAP`` (the default) it takes vLLM's prefetch hook, as the stock pinned backend
+does: the model calls ``start_prefetch`` one decoder layer ahead, which queues the lookup on a side
+stream forked from the current one, and ``finalize_prefetch`` joins that stream back and reduces.
+Both are plain stream operations, so a FULL CUDA graph captures the fork, the lookup and the join,
+and the host gather of the cpu mode (a CUDA host node) runs while the GPU computes the layer
+before. Only a table whose lookup is not capture-safe (the cpu mode without its C row copy) runs it
+in an eager break of a piecewise graph.
+
 The patched ``Qwen4ExpNGramEmbedding.load_weights`` (``ple_um.vllm.patch``) hands every shard tensor
 (for NVFP4 the shards' block scales too) to ``receive_shard`` instead of copying it: a view of a
 file on disk is not read; a tensor in memory is compared with the mapped bytes; and ``finish_load``
@@ -72,9 +80,18 @@ def _layer_index(prefix: str) -> int:
 
 @eager_break_during_capture
 def _host_lookup(embedding: Qwen4ExpPLEMappedEmbedding, ids: torch.Tensor, out: torch.Tensor) -> None:
-    """The cpu mode's lookup: host work, so a piecewise CUDA graph capture runs it in an eager break
+    """The lookup of a table that is not capture-safe (the cpu mode without its C row copy): host
+    work that waits for the device, so a piecewise CUDA graph capture runs it in an eager break
     (replayed with the same ``ids`` and ``out`` buffers)."""
     embedding.require_table().lookup(ids, out=out)
+
+
+def _side_stream(device: torch.device):
+    """A stream of the backend's own for prefetched lookups (not one of torch's pooled streams,
+    which another thread may be capturing on)."""
+    from ple_um.lookup.host_node import _own_stream
+
+    return _own_stream(device)
 
 
 class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
@@ -121,6 +138,13 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self._source_dir: str | None = None
         self._source_files: frozenset[str] = frozenset()
         self._captured = False
+        # vLLM's prefetch hook (read by Qwen4ExpNGramEmbedding right after construction): the
+        # lookup queued one decoder layer ahead on a side stream.
+        self.supports_prefetch = envs.PLE_UM_OVERLAP
+        self._prefetch_rows = max_total_tokens * self.etp_data_parallel_size
+        self._prefetch_buffer: torch.Tensor | None = None
+        self._prefetched: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+        self._side_stream = None
         # Shard tensors (NVFP4: rows and block scales alike) delivered as file views: not read; and
         # delivered in memory: compared with the mapped bytes.
         self.shards_skipped = 0
@@ -136,12 +160,62 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         del num_embeddings
         return torch.empty((0, embedding_dim), dtype=dtype)
 
+    def _prefetch_out(self, rows: int, ids: torch.Tensor) -> torch.Tensor:
+        """The first ``rows`` rows of the prefetch buffer ([rows, heads, head_dim], the lookup
+        dtype), allocated at the first (eager) call: vLLM's profile run precedes any capture."""
+        buffer = self._prefetch_buffer
+        if buffer is None:
+            if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self.prefix}: the PLE prefetch buffer must be allocated by an eager call before "
+                    "CUDA graph capture"
+                )
+            heads = ids.shape[1] if ids.dim() > 1 else 1
+            shape = (max(self._prefetch_rows, ids.shape[0]), heads, self.embedding_dim)
+            buffer = self._prefetch_buffer = torch.empty(shape, dtype=self.lookup_dtype, device=ids.device)
+        if rows > buffer.shape[0] or tuple(buffer.shape[1:]) != (*ids.shape[1:], self.embedding_dim):
+            raise ValueError(
+                f"{self.prefix}: the PLE prefetch buffer holds {tuple(buffer.shape)}, but the batch needs "
+                f"{(rows, *ids.shape[1:], self.embedding_dim)}"
+            )
+        return buffer[:rows]
+
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
-        """No prefetch stage: the lookup runs in forward."""
-        return None
+        """Queue this layer's lookup for ``ngram_ids`` [tokens, heads] on a side stream forked from
+        the current one (a FULL graph captures the fork); ``finalize_prefetch`` joins it."""
+        slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
+        ids = self._gather_dp_ids(ngram_ids, slot_size)
+        out = self._prefetch_out(ids.shape[0], ids)
+        side = False
+        if self._table is None and self._dummy:
+            out.zero_()
+        elif ids.is_cuda and self.require_table().capture_safe:
+            if self._side_stream is None:
+                self._side_stream = _side_stream(ids.device)
+            stream = self._side_stream
+            stream.wait_stream(torch.cuda.current_stream(ids.device))
+            with torch.cuda.stream(stream):
+                self.lookup_rows(ids, out)
+            side = True
+        else:
+            self.lookup_rows(ids, out)  # the host path's eager break, or a CPU device
+        # ids stay referenced until the join: their memory is not reused while the side stream reads it.
+        self._prefetched = (out, ids, side)
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
-        raise RuntimeError("the ple-um PLE embedding does not support prefetch")
+        """Join the side stream and return the rows of the last ``start_prefetch``, combined across
+        the ranks that share the table: [total_tokens, heads * head_dim]."""
+        if self._prefetched is None:
+            raise RuntimeError(f"{self.prefix}: finalize_prefetch without a start_prefetch")
+        rows, _, side = self._prefetched
+        self._prefetched = None
+        if side:
+            torch.cuda.current_stream(rows.device).wait_stream(self._side_stream)
+        slot_size, slot_offset = self._get_dp_gather_slot(total_tokens)
+        rows = rows[: slot_size * self.etp_data_parallel_size]
+        if self.reduce_results and self.tp_size > 1:
+            rows = self._reduce(rows)
+        return self._select_embeddings(rows, total_tokens, slot_offset).flatten(-2)
 
     @property
     def table(self) -> MappedTable | None:
@@ -412,7 +486,8 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             )
 
     def _check_cudagraph_mode(self, table: MappedTable) -> None:
-        """A lookup that runs on the host can only live in an eager break of a piecewise graph."""
+        """A lookup that is not capture-safe (the cpu mode without its C row copy: it waits for the
+        device) can only live in an eager break of a piecewise graph."""
         if table.capture_safe:
             return
         compilation = getattr(self._vllm_config, "compilation_config", None)
@@ -428,10 +503,12 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             else f"cudagraph_mode={mode.name} without VLLM_USE_BREAKABLE_CUDAGRAPH=1 has no eager breaks"
         )
         raise RuntimeError(
-            f"ple-um serves {self.prefix} in the {table.mode} mode, whose lookup runs on the host and needs "
-            f"an eager break in the CUDA graph; {why}. Start vLLM with -cc.cudagraph_mode=PIECEWISE and "
-            "VLLM_USE_BREAKABLE_CUDAGRAPH=1 (or -cc.cudagraph_mode=NONE), or make a GPU mode available "
-            f"(why not: {table.report.reasons})"
+            f"ple-um serves {self.prefix} in the {table.mode} mode without its host node "
+            f"({table.row_reads}): the lookup waits for the device and needs an eager break in the CUDA "
+            f"graph; {why}. Make the C row copy available (a working C compiler, PLE_UM_ROWCOPY=1), "
+            "or start vLLM with -cc.cudagraph_mode=PIECEWISE and VLLM_USE_BREAKABLE_CUDAGRAPH=1 "
+            "(or -cc.cudagraph_mode=NONE), "
+            f"or make a GPU mode available (why not: {table.report.reasons})"
         )
 
     def check_scale(self) -> None:
@@ -499,8 +576,9 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         ``e2m1 * (block_scale * weight_scale_2)`` in float32 as stock does); zeros for rows outside
         this rank's range. The one call that reads the table.
 
-        ats / registered modes: one kernel launch, no host sync, no allocation, capturable in FULL
-        graphs. cpu mode: host work, run in vLLM's eager break during piecewise graph capture.
+        Every mode whose table is capture-safe (ats, registered, device, and cpu with its host node):
+        stream-ordered work, no host sync, capturable in FULL graphs. The cpu mode without its C row
+        copy: host work, run in vLLM's eager break during piecewise graph capture.
         """
         if self._table is None and self._dummy:
             return out.zero_()

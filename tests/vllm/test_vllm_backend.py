@@ -46,12 +46,18 @@ def _mapped(config, directory):
     return module
 
 
-def test_matches_stock_bit_for_bit(world, patched, table_dir, tmp_path, dtype):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_matches_stock_bit_for_bit(world, patched, table_dir, tmp_path, dtype, overlap, monkeypatch):
+    """Through vLLM's prefetch hook (start_prefetch one layer ahead, finalize_prefetch in forward:
+    PLE_UM_OVERLAP, the default) and through forward's own lookup."""
+    monkeypatch.setenv("PLE_UM_OVERLAP", "1" if overlap else "0")
     config = h.text_config(dtype=dtype)
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     assert layout.is_nvfp4 == (dtype == "nvfp4")
     stock = _stock(config, layout.directory)
     mapped = _mapped(config, layout.directory)
+    assert mapped.ngram_embedding.supports_prefetch is overlap
+    assert not stock.ngram_embedding.supports_prefetch
 
     from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
 

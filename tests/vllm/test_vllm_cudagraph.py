@@ -1,6 +1,8 @@
-"""CUDA graphs and the cpu mode: its host-side lookup runs in vLLM's eager break, and a graph mode
-that cannot break fails at start-up naming the flags to use. (The capture-safe GPU modes are
-exercised by the GPU scripts; a CPU-only host has only the cpu mode.)"""
+"""CUDA graphs and the cpu mode. With its host node (the C row copy, the default) the cpu mode is
+capture-safe: every graph mode is accepted and the lookup never becomes an eager break. Without it
+(PLE_UM_ROWCOPY=0, or no C compiler) its lookup waits for the device and runs in vLLM's eager break,
+and a graph mode that cannot break fails at start-up naming the flags to use. (Capture itself runs
+on a GPU: tests/gpu; a CPU-only host has only the cpu mode.)"""
 
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ def cudagraph(world, monkeypatch):
     ("mode", "breakable"),
     [("FULL_AND_PIECEWISE", True), ("FULL", True), ("FULL_DECODE_ONLY", False), ("PIECEWISE", False)],
 )
-def test_cpu_mode_refuses_graphs_it_cannot_break(patched, table_dir, tmp_path, cudagraph, mode, breakable):
+def test_synchronous_cpu_mode_refuses_graphs_it_cannot_break(
+    patched, table_dir, tmp_path, cudagraph, mode, breakable, monkeypatch
+):
+    monkeypatch.setenv("PLE_UM_ROWCOPY", "0")
     cudagraph(mode, breakable)
     config = h.text_config(fp8=True)
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
@@ -40,14 +45,37 @@ def test_cpu_mode_refuses_graphs_it_cannot_break(patched, table_dir, tmp_path, c
     assert module.ngram_embedding.table is None
 
 
-@pytest.mark.parametrize(("mode", "breakable"), [("PIECEWISE", True), ("NONE", False), ("NONE", True)])
-def test_cpu_mode_runs_where_it_can_break(patched, table_dir, tmp_path, cudagraph, mode, breakable):
+@pytest.mark.parametrize(
+    ("rowcopy", "mode", "breakable"),
+    [
+        ("0", "PIECEWISE", True),
+        ("0", "NONE", False),
+        ("0", "NONE", True),
+        ("1", "FULL_AND_PIECEWISE", True),
+        ("1", "FULL", False),
+        ("1", "FULL_DECODE_ONLY", False),
+        ("1", "PIECEWISE", False),
+    ],
+)
+def test_cpu_mode_serves_the_graph_modes_it_can(
+    patched, table_dir, tmp_path, cudagraph, monkeypatch, rowcopy, mode, breakable
+):
+    """Accepted at start-up, and the layer's forward equals stock's bit for bit."""
+    monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
     cudagraph(mode, breakable)
     config = h.text_config(fp8=True)
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
     module = h.build(config, ple_um_on=True)
     h.load(module, layout.directory)
-    assert module.ngram_embedding.table.mode == "cpu"
+    table = module.ngram_embedding.table
+    assert table.mode == "cpu" and table.capture_safe == (rowcopy == "1")
+    stock = h.build(config, ple_um_on=False)
+    h.load(stock, layout.directory)
+    for seed in (0, 1):
+        raw, deq = h.forward(module, seed)
+        assert raw.view(torch.uint8).any(), "vacuous: all rows zero"
+        raw_stock, deq_stock = h.forward(stock, seed)
+        assert h.same_bits(raw, raw_stock) and h.same_bits(deq, deq_stock)
     module.ngram_embedding.close_table()
 
 
@@ -65,12 +93,16 @@ class _Capture:
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
-def test_cpu_lookup_is_an_eager_break(patched, table_dir, tmp_path, monkeypatch, dtype):
-    """Under a breakable capture the cpu-mode lookup becomes an eager segment; replaying it after
-    new ids were written into the same buffer gathers the new rows into the same output (NVFP4:
-    decoded into the layer's params_dtype)."""
+@pytest.mark.parametrize("rowcopy", ["0", "1"])
+def test_only_the_synchronous_lookup_is_an_eager_break(
+    patched, table_dir, tmp_path, monkeypatch, dtype, rowcopy
+):
+    """Under a breakable capture the synchronous cpu-mode lookup becomes an eager segment; replaying
+    it after new ids were written into the same buffer gathers the new rows into the same output
+    (NVFP4: decoded into the layer's params_dtype). The host node's lookup never does."""
     from vllm.compilation import breakable_cudagraph
 
+    monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
     config = h.text_config(dtype=dtype)
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     module = h.build(config, ple_um_on=True)
@@ -86,6 +118,15 @@ def test_cpu_lookup_is_an_eager_break(patched, table_dir, tmp_path, monkeypatch,
     monkeypatch.setattr(breakable_cudagraph, "weak_ref_tensor", lambda t: t)
     monkeypatch.setattr(breakable_cudagraph.BreakableCUDAGraphCapture._tls, "active", capture, raising=False)
     backend.lookup_rows(ids, out)
+    if rowcopy == "1":
+        assert not capture.segments and table.capture_safe
+        assert h.same_bits(out, table.lookup(ids, out_dtype=out.dtype))
+        raw, _ = h.forward(module, 0)
+        assert not capture.segments
+        monkeypatch.undo()
+        assert h.same_bits(raw, h.forward(module, 0)[0])
+        backend.close_table()
+        return
     assert len(capture.segments) == 1
     assert h.same_bits(out, table.lookup(ids, out_dtype=out.dtype))
 

@@ -245,6 +245,8 @@ def forward(module, seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[tor
     """(raw rows as the layer returns them, dequantized to ``dtype`` as the PLE layer does)."""
     ids, query_start_loc, ngram_context = inputs(seed)
     with torch.no_grad():
+        # As Qwen4Exp's model does, one decoder layer ahead (a no-op where it is not supported).
+        module.start_prefetch(ids, query_start_loc, ngram_context)
         raw = module(None, ids, query_start_loc, ngram_context)
         return raw, module.ngram_embedding.dequantize(raw, dtype)
 
