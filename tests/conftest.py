@@ -6,7 +6,8 @@ The reference readers and the byte-level safetensors writers live in ``tests/ref
 The GPU paths (the ats and device modes, the Triton kernel, the self-test) run on the CPU under
 the Triton interpreter: ``TRITON_INTERPRET=1`` must be set before triton is imported (the kernels
 are decorated at import), so it is set here, at import time. A kernel then reads the mmap's host
-addresses directly, and ``read_capabilities("cpu")`` reports ``host_is_device=True``.
+addresses directly, and ``read_capabilities("cpu")`` reports ``host_is_device=True``. A run that
+selects the GPU tests (``python -m pytest -m gpu``, tests/gpu) leaves the interpreter off.
 """
 
 from __future__ import annotations
@@ -19,7 +20,21 @@ import numpy as np
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (ple_um below)
+
+def _gpu_session() -> bool:
+    """``python -m pytest -m gpu`` (tests/gpu): the kernels are compiled for the device, not interpreted."""
+    args = sys.argv[1:]
+    for k, arg in enumerate(args):
+        expression = (
+            args[k + 1] if arg == "-m" and k + 1 < len(args) else arg[2:] if arg.startswith("-m") else ""
+        )
+        if "gpu" in expression and "not gpu" not in expression:
+            return True
+    return False
+
+
+if not _gpu_session():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (ple_um below)
 sys.path.insert(0, os.path.dirname(__file__))  # `from reference import ...`, whatever the import mode
 
 from reference import reference_rows  # noqa: E402

@@ -1,0 +1,299 @@
+"""Every lookup path on a real GPU, against rows read from the files: each mode the machine allows
+(the cpu mode through its host node and through its synchronous fallback), raw and dequantized,
+every storage dtype, owned sub-ranges, shard boundaries and bad ids, poisoned outputs, counters;
+CUDA graphs captured and replayed with new ids (host nodes and kernels, big chunked lookups
+included), torch.compile, two streams and two tables at once, graphs replayed after the eager
+buffers were reused, the host path of the GPU modes, the page touch, no host sync.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from reference import reference_nvfp4, reference_rows
+
+import ple_um
+from ple_um.access.capabilities import read_capabilities
+from ple_um.lookup.cpu_gather import SyncGather
+from ple_um.lookup.host_node import HostGather
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+# (mode, PLE_UM_ROWCOPY): the cpu mode through its host node and through its synchronous path.
+MODES = [("registered", "1"), ("device", "1"), ("cpu", "1"), ("cpu", "0"), ("ats", "1")]
+
+
+class Expected:
+    """What a lookup of ``ids`` must return, read from the files once (``reference_rows``, or
+    ``reference_nvfp4`` decoded in float32), in any output dtype."""
+
+    def __init__(self, layout, ids: np.ndarray, rows=None) -> None:
+        self.layout = layout
+        if layout.is_nvfp4:
+            self.value = reference_nvfp4(layout, ids, rows, out_dtype=torch.float32)
+        else:
+            raw = torch.from_numpy(reference_rows(layout, ids, rows)).view(layout.dtype)
+            self.raw = raw.reshape(*np.shape(ids), -1)
+            self.value = self.raw.float()
+            if layout.scale is not None:
+                self.value = self.value * torch.tensor(layout.scale, dtype=torch.float32)
+
+    def __call__(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.raw if dtype == self.layout.dtype else self.value.to(dtype)
+
+
+def expected(layout, ids: np.ndarray, dtype: torch.dtype, rows=None) -> torch.Tensor:
+    return Expected(layout, ids, rows)(dtype)
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bits (a NaN need only be a NaN where the output is dequantized)."""
+    got = got.detach().cpu()
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if got.is_floating_point() and got.element_size() > 1:
+        nan = torch.isnan(want)
+        if not torch.equal(torch.isnan(got), nan):
+            return False
+        got, want = got[~nan], want[~nan]
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+    return torch.equal(got.contiguous().view(view), want.contiguous().view(view))
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    out.view(torch.uint8).fill_(0xAB)
+    return out
+
+
+@pytest.fixture
+def open_mode(monkeypatch, device):
+    """``open_mode(layout, mode, rowcopy, rows=None, **env)``: the table (a skip where the machine
+    lacks the mode)."""
+    caps = read_capabilities(device)
+
+    def open_(layout, mode, rowcopy, rows=None, **env):
+        if mode == "ats" and not caps.pageable_memory_access_uses_host_page_tables:
+            pytest.skip("no ATS on this device (PageableMemoryAccessUsesHostPageTables = 0)")
+        monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        table = ple_um.open_table(layout.directory, mode=mode, rows=rows, device=device)
+        if mode == "cpu":
+            assert isinstance(table.host, HostGather if rowcopy == "1" else SyncGather), table.row_reads
+            assert table.capture_safe == (rowcopy == "1")
+        return table
+
+    return open_
+
+
+@pytest.mark.parametrize("mode,rowcopy", MODES)
+@pytest.mark.parametrize("name", ["fp8", "bf16", "f16", "nvfp4"])
+def test_every_mode_equals_the_files(tables, name, mode, rowcopy, open_mode, ids_for, rng, device):
+    layout = tables[name]
+    S = layout.rows_per_shard
+    for rows in (None, (S + 5, 4 * S - 3)):
+        with open_mode(layout, mode, rowcopy, rows) as table:
+            expect_rows = expect_oob = 0
+            for n in (16, 1000, 40_000):  # 40 000: chunked on the host path, the bulk path's side
+                ids_np = ids_for(layout, n, rng, rows).reshape(4, -1)  # 2-D ids: shapes kept
+                ids = torch.from_numpy(ids_np).to(device)
+                as_int32 = ids_np.astype(np.int32)  # wraps as torch's .int() does (2**40 -> 0)
+                want, want32 = Expected(layout, ids_np, rows), Expected(layout, as_int32, rows)
+                dtypes = FLOATS if layout.is_nvfp4 else (layout.dtype, *FLOATS)
+                for dtype in dtypes:
+                    out = poisoned((*ids.shape, layout.row_dim), dtype, device)
+                    table.lookup(ids, out=out)
+                    assert same(out, want(dtype)), (n, dtype, rows)
+                    got = table.lookup(ids.int(), out_dtype=dtype)  # int32 ids, allocated out
+                    assert same(got, want32(dtype)), (n, dtype, "int32")
+                    expect_rows += 2 * ids.numel()
+                    expect_oob += int(((ids_np < 0) | (ids_np >= layout.num_rows)).sum())
+                    expect_oob += int(((as_int32 < 0) | (as_int32 >= layout.num_rows)).sum())
+            stats = table.stats()
+            assert (stats["rows"], stats["out_of_range"]) == (expect_rows, expect_oob)
+            assert stats["broken_rows"] == 0
+
+
+@pytest.mark.parametrize("mode,rowcopy", [m for m in MODES if m != ("cpu", "0")])
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_graphs_replay_with_new_ids(tables, name, mode, rowcopy, open_mode, ids_for, rng, device):
+    layout = tables[name]
+    rows = (layout.rows_per_shard - 2, layout.num_rows - 100)
+    # 20 000 ids in the GPU modes take the host path (bulk_rows below it): a captured host node.
+    with open_mode(layout, mode, rowcopy, rows, PLE_UM_BULK_ROWS="20000") as table:
+        assert table.capture_safe
+        dtype = torch.bfloat16
+        graphs = []
+        for n in (16, 1024, 20_000, 70_000):
+            ids = torch.from_numpy(ids_for(layout, n, rng, rows)).to(device)
+            out = poisoned((n, layout.row_dim), dtype, device)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                table.lookup(ids, out=out)  # warm-up outside the capture (buffers, compiled kernels)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                table.lookup(ids, out=out)
+            graphs.append((graph, ids, out))
+        before = table.stats()["rows"]
+        replayed = 0
+        for _ in range(4):
+            for graph, ids, out in graphs:
+                fresh = ids_for(layout, ids.numel(), rng, rows)
+                ids.copy_(torch.from_numpy(fresh))
+                out.view(torch.uint8).fill_(0xAB)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert same(out, expected(layout, fresh, dtype, rows)), (ids.numel(), mode)
+                replayed += ids.numel()
+        assert table.stats()["rows"] - before == replayed  # replays are counted, in every path
+
+
+def test_two_streams_two_tables_and_graphs_after_the_eager_buffers_grew(
+    tables, open_mode, ids_for, rng, device
+):
+    """A cpu-mode table (host nodes) and a registered one: graphs of three sizes captured on one
+    stream, replayed interleaved with eager lookups of both tables on two other streams, before and
+    after the eager buffers were regrown by a bigger lookup; every output exact."""
+    fp8, bf16 = tables["fp8"], tables["bf16"]
+    with open_mode(fp8, "cpu", "1") as host_table, open_mode(bf16, "registered", "1") as kernel_table:
+        capture_stream = torch.cuda.Stream()
+        graphs = []
+        for n in (16, 1024, 5000):
+            ids = torch.from_numpy(ids_for(fp8, n, rng)).to(device)
+            out = poisoned((n, fp8.row_dim), fp8.dtype, device)
+            with torch.cuda.stream(capture_stream):
+                host_table.lookup(ids, out=out)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=capture_stream):
+                host_table.lookup(ids, out=out)
+            graphs.append((graph, ids, out))
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        for round_ in range(6):
+            eager = []
+            for k, stream in enumerate(streams):
+                table, layout = (host_table, fp8) if k == 0 else (kernel_table, bf16)
+                n = 100_000 if round_ == 3 else int(rng.integers(1, 3000))  # round 3 regrows the buffers
+                ids_np = ids_for(layout, n, rng)
+                with torch.cuda.stream(stream):
+                    ids = torch.from_numpy(ids_np).to(device, non_blocking=False)
+                    out = poisoned((n, layout.row_dim), torch.float32, device)
+                    table.lookup(ids, out=out)
+                eager.append((out, layout, ids_np))
+            for graph, ids, out in graphs:
+                fresh = ids_for(fp8, ids.numel(), rng)
+                with torch.cuda.stream(capture_stream):
+                    ids.copy_(torch.from_numpy(fresh))
+                    out.view(torch.uint8).fill_(0xAB)
+                    graph.replay()
+                eager.append((out, fp8, fresh))
+            torch.cuda.synchronize()
+            for out, layout, ids_np in eager:
+                assert same(out, expected(layout, ids_np, out.dtype)), (round_, out.shape)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "registered"])
+def test_torch_compile_fullgraph(tables, mode, open_mode, ids_for, rng, device):
+    layout = tables["fp8"]
+    with open_mode(layout, mode, "1") as table:
+
+        def step(ids, out):
+            table.lookup(ids, out=out)
+            return out.float().sum(dim=-1)
+
+        compiled = torch.compile(step, fullgraph=True)
+        for n in (64, 64, 4096):
+            ids_np = ids_for(layout, n, rng)
+            ids = torch.from_numpy(ids_np).to(device)
+            out = poisoned((n, layout.row_dim), torch.bfloat16, device)
+            sums = compiled(ids, out)
+            want = expected(layout, ids_np, torch.bfloat16)
+            assert same(out, want)
+            assert torch.allclose(sums.cpu(), want.float().sum(dim=-1))
+
+
+def test_a_host_node_lookup_does_not_wait_for_the_device(tables, open_mode, ids_for, rng, device):
+    """Queued behind 200 ms of GPU work, an eager cpu-mode lookup returns while that work still runs."""
+    layout = tables["fp8"]
+    with open_mode(layout, "cpu", "1") as table:
+        ids_np = ids_for(layout, 1024, rng)
+        ids = torch.from_numpy(ids_np).to(device)
+        out = poisoned((1024, layout.row_dim), layout.dtype, device)
+        table.lookup(ids, out=out)  # buffers made
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # cycles: about 0.2 s at the H200's 1.98 GHz
+        busy = torch.cuda.Event()
+        busy.record()
+        out.view(torch.uint8).fill_(0xAB)
+        table.lookup(ids, out=out)
+        assert not busy.query()  # the lookup was queued, the GPU is still asleep
+        torch.cuda.synchronize()
+        assert same(out, expected(layout, ids_np, layout.dtype))
+
+
+def test_the_page_touch_runs_before_the_kernel(tables, open_mode, ids_for, rng, device):
+    """PLE_UM_ATS_PREFETCH=on puts the ats mode's page touch (a host node) before every kernel
+    lookup; here in the registered mode, which runs the same code. Outputs exact, the touch ran
+    (host-node time rose) and counted no rows (the kernel counts the lookup)."""
+    layout = tables["fp8"]
+    with open_mode(layout, "registered", "1", PLE_UM_ATS_PREFETCH="on", PLE_UM_BULK_ROWS="0") as table:
+        assert table.touch_pages and isinstance(table.host, HostGather)
+        ns0 = table.host.read_counts()["ns"]
+        for n in (16, 5000):
+            ids_np = ids_for(layout, n, rng)
+            out = poisoned((n, layout.row_dim), torch.float16, device)
+            table.lookup(torch.from_numpy(ids_np).to(device), out=out)
+            assert same(out, expected(layout, ids_np, torch.float16))
+        counts = table.host.read_counts()
+        assert counts["ns"] > ns0 and counts["rows"] == 0 and counts["lookups"] == 0
+        assert table.stats()["rows"] == 5016
+
+
+def test_the_direct_launch_equals_tritons_own(tables, open_mode, ids_for, rng, device, monkeypatch):
+    layout = tables["bf16"]
+    outs = []
+    ids_np = ids_for(layout, 3000, rng)
+    for direct in ("1", "0"):
+        with open_mode(layout, "registered", "1", PLE_UM_DIRECT_LAUNCH=direct, PLE_UM_BULK_ROWS="0") as table:
+            assert (table.gpu.launch.startswith("direct")) == (direct == "1"), table.gpu.launch
+            for _ in range(3):  # the first call compiles through Triton, the next ones launch directly
+                out = poisoned((3000, layout.row_dim), torch.float32, device)
+                table.lookup(torch.from_numpy(ids_np).to(device), out=out)
+            outs.append(out.cpu())
+    assert same(outs[0], expected(layout, ids_np, torch.float32)) and same(outs[1], outs[0])
+
+
+def test_graph_replays_serve_a_table_whose_pages_were_dropped(tables, open_mode, ids_for, rng, device):
+    """The page cache dropped between replays (our page-table entries, then the files' pages): the
+    host node's reads fault the rows back in from the disk; every replay exact."""
+    import ctypes
+    import os
+
+    layout = tables["fp8"]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with open_mode(layout, "cpu", "1") as table:
+        n = 4096
+        ids = torch.from_numpy(ids_for(layout, n, rng)).to(device)
+        out = poisoned((n, layout.row_dim), torch.bfloat16, device)
+        table.lookup(ids, out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            table.lookup(ids, out=out)
+        for _ in range(3):
+            for region in table.mapping.regions:
+                assert libc.madvise(region.addr, region.length, 4) == 0  # MADV_DONTNEED
+            for path in layout.files:
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            fresh = ids_for(layout, n, rng)
+            ids.copy_(torch.from_numpy(fresh))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert same(out, expected(layout, fresh, torch.bfloat16))
