@@ -1,0 +1,362 @@
+"""Profile the host paths on a CUDA host: the cpu mode's host node (eager and graph-replayed), the
+GPU modes' host path for big batches, the overlap of a prefetched lookup with GPU work, and a table
+whose pages are not resident; beside plain torch (the owned rows resident in GPU memory, gathered
+with torch.index_select) and the registered mode's kernel, in one run. Every output is compared with
+the resident copy of the rows (read from the files), fresh ids at every call.
+
+    python scripts/profile_host_node.py --size 16GiB --out $OUT/profile_host_node.json
+
+Prints a table last and writes JSON (medians and the 10th-90th percentile spread, microseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+
+import ple_um
+from ple_um import envs
+from ple_um.synthetic import write_checkpoint
+
+SIZES = (16, 1024, 16384, 131072)
+FAILURES: list[str] = []
+
+
+def check(name: str, ok: bool) -> None:
+    if not ok:
+        FAILURES.append(name)
+        print(f"WRONG: {name}", flush=True)
+
+
+def spread(samples: list[float]) -> dict:
+    a = np.asarray(samples) * 1e6
+    return {
+        "median_us": float(np.median(a)),
+        "p10_us": float(np.percentile(a, 10)),
+        "p90_us": float(np.percentile(a, 90)),
+    }
+
+
+def table_dir(args) -> str:
+    size = envs._size(args.size)
+    rows = size // 160
+    directory = args.dir or os.path.join(envs.PLE_UM_CACHE_DIR, f"profile-{args.size}")
+    marker = os.path.join(directory, "DONE")
+    if not os.path.exists(marker):
+        t0 = time.perf_counter()
+        write_checkpoint(directory, num_rows=rows, row_dim=160, dtype="fp8", shards=128, files=8)
+        for name in os.listdir(directory):
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        open(marker, "w").close()
+        print(f"wrote {args.size} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return directory
+
+
+class Resident:
+    """Plain torch: the table's rows in GPU memory, gathered with torch.index_select (the anchor and
+    the reference: its rows were read from the mapped files)."""
+
+    def __init__(self, table) -> None:
+        layout = table.layout
+        self.rows = torch.empty((layout.num_rows, layout.row_bytes), dtype=torch.uint8, device="cuda")
+        start = 0
+        for index in range(layout.parts):
+            part = torch.from_numpy(table.mapping.shard_rows(index))
+            self.rows[start : start + part.shape[0]].copy_(part)
+            start += part.shape[0]
+
+    def lookup(self, ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        torch.index_select(self.rows, 0, ids, out=out)
+        return out
+
+
+def eager_synced(path, n, num_rows, reps, reference=None) -> dict:
+    """Wall time per call, synchronized before and after, fresh ids each call."""
+    out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
+    times = []
+    for k in range(reps + 3):
+        ids = torch.randint(0, num_rows, (n,), device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        path.lookup(ids, out=out)
+        torch.cuda.synchronize()
+        if k >= 3:
+            times.append(time.perf_counter() - t0)
+        if reference is not None and k % 7 == 0:
+            check(f"eager {type(path).__name__} {n}", torch.equal(out, reference.rows[ids]))
+    return spread(times)
+
+
+def host_cost(path, num_rows, calls=300) -> float:
+    """Wall time per call of back-to-back eager 16-row calls into one out, one sync at the end."""
+    out = torch.empty((16, 160), dtype=torch.uint8, device="cuda")
+    batches = [torch.randint(0, num_rows, (16,), device="cuda") for _ in range(calls)]
+    for ids in batches[:20]:
+        path.lookup(ids, out=out)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for ids in batches:
+        path.lookup(ids, out=out)
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def graph_replay(path, n, num_rows, reps, reference) -> dict:
+    """Event-timed replays of a graph that captured one lookup; new ids copied in before each."""
+    ids = torch.randint(0, num_rows, (n,), device="cuda")
+    out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        path.lookup(ids, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        path.lookup(ids, out=out)
+    times = []
+    for k in range(reps + 3):
+        ids.copy_(torch.randint(0, num_rows, (n,), device="cuda"))
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        if k >= 3:
+            times.append(a.elapsed_time(b) * 1e-3)
+        check(f"graph {type(path).__name__} {n}", torch.equal(out, reference.rows[ids]))
+    return spread(times)
+
+
+def overlap(table, num_rows, reference, reps) -> dict:
+    """A PLE-shaped step: GPU work (a bf16 matmul chain), then a consumer of the lookup's rows; the
+    lookup either after the work (serial) or forked onto a side stream before it (overlapped, as
+    the vLLM plugin's prefetch does), eager and graph-replayed."""
+    n = 1024
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, num_rows, (n,), device="cuda")
+    out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    results = {}
+    for chain in (4, 8, 16):
+
+        def work(chain=chain):
+            x = a
+            for _ in range(chain):
+                x = x @ a
+            return x
+
+        def lookup():
+            table.lookup(ids, out=out)
+
+        def serial():
+            x = work()
+            lookup()
+            return x.float().mean() + out.float().mean()
+
+        def overlapped():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                lookup()
+            x = work()
+            torch.cuda.current_stream().wait_stream(side)
+            return x.float().mean() + out.float().mean()
+
+        row = {}
+        for name, fn in (("work", work), ("lookup", lookup), ("serial", serial), ("overlapped", overlapped)):
+            fn()
+            torch.cuda.synchronize()
+            eager = []
+            for k in range(reps + 3):
+                ids.copy_(torch.randint(0, num_rows, (n,), device="cuda"))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                if k >= 3:
+                    eager.append(time.perf_counter() - t0)
+                if name in ("lookup", "overlapped") and k == reps:
+                    check(f"overlap eager {name} {chain}", torch.equal(out, reference.rows[ids]))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            replays = []
+            for k in range(reps + 3):
+                ids.copy_(torch.randint(0, num_rows, (n,), device="cuda"))
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                graph.replay()
+                e1.record()
+                e1.synchronize()
+                if k >= 3:
+                    replays.append(e0.elapsed_time(e1) * 1e-3)
+                if name in ("lookup", "overlapped"):
+                    check(f"overlap graph {name} {chain}", torch.equal(out, reference.rows[ids]))
+            row[name] = {"eager": spread(eager), "graph": spread(replays)}
+        for kind in ("eager", "graph"):
+            floor = max(row["work"][kind]["median_us"], row["lookup"][kind]["median_us"])
+            row[f"overlapped_over_max_{kind}"] = row["overlapped"][kind]["median_us"] / floor
+        results[f"matmuls_{chain}"] = row
+    return results
+
+
+def drop_rows(table, ids: np.ndarray, libc) -> None:
+    """Drop the pages of the rows of ``ids`` (a 4 KiB page each side of the row start): this
+    process's page-table entries (MADV_DONTNEED) and the files' cached pages (POSIX_FADV_DONTNEED)."""
+    layout, mapping = table.layout, table.mapping
+    S, rb, page = layout.rows_per_shard, layout.row_bytes, 4096
+    fds: dict[str, int] = {}
+    try:
+        for i in ids.tolist():
+            shard, local = divmod(i, S)
+            spec = layout.shards[shard]
+            addr = mapping.shard_base(shard) + local * rb
+            libc.madvise(addr - addr % page, 2 * page, 4)  # MADV_DONTNEED
+            fd = fds.get(spec.path) or fds.setdefault(spec.path, os.open(spec.path, os.O_RDONLY))
+            offset = spec.offset + local * rb
+            os.posix_fadvise(fd, offset - offset % page, 2 * page, os.POSIX_FADV_DONTNEED)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def cold(table, num_rows, reference, reps) -> dict:
+    """1 024-row graph replays whose rows' pages were dropped just before (this process's page-table
+    entries and the files' cached pages): latency and the faults the host node served, beside warm
+    replays (the same ids replayed again)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    n = 1024
+    ids = torch.randint(0, num_rows, (n,), device="cuda")
+    out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
+    table.lookup(ids, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        table.lookup(ids, out=out)
+    result = {"cold": [], "warm": []}
+    faults = {"cold": [], "warm": []}
+    for _ in range(reps):
+        fresh = np.random.default_rng().integers(0, num_rows, n)
+        drop_rows(table, fresh, libc)
+        ids.copy_(torch.from_numpy(fresh))
+        for kind in ("cold", "warm"):  # the same ids twice: first from the disk, then resident
+            torch.cuda.synchronize()
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            result[kind].append(time.perf_counter() - t0)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            faults[kind].append((after.ru_minflt - before.ru_minflt, after.ru_majflt - before.ru_majflt))
+            check(f"{kind} replay", torch.equal(out, reference.rows[ids]))
+    return {
+        kind: {
+            **spread(result[kind]),
+            "minor_faults": float(np.median([f[0] for f in faults[kind]])),
+            "major_faults": float(np.median([f[1] for f in faults[kind]])),
+        }
+        for kind in result
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", default="16GiB")
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_host_node.json"))
+    parser.add_argument("--skip-cold", action="store_true")
+    args = parser.parse_args()
+    directory = table_dir(args)
+    os.environ["PLE_UM_BULK_ROWS"] = "auto"
+    result: dict = {"size": args.size, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    t0 = time.perf_counter()
+    cpu = ple_um.open_table(directory, mode="cpu")
+    result["cpu_open_seconds"] = time.perf_counter() - t0
+    result["cpu_row_reads"] = cpu.row_reads
+    result["cpu_mapped_resident_bytes"] = cpu.mapped_resident
+    registered = ple_um.open_table(directory, mode="registered")
+    result["registered_bulk_rows"] = registered.bulk_rows
+    result["registered_calibration_s"] = {str(k): v for k, v in registered.bulk_calibration.items()}
+    resident = Resident(cpu)
+    num_rows = cpu.num_rows
+    paths = {"torch resident": resident, "ple-um registered": registered, "ple-um cpu": cpu}
+
+    eager = {name: {} for name in paths}
+    graphs = {name: {} for name in paths}
+    for n in SIZES:
+        for name, path in paths.items():
+            eager[name][n] = eager_synced(path, n, num_rows, args.reps, resident)
+            graphs[name][n] = graph_replay(path, n, num_rows, args.reps, resident)
+            print(
+                name,
+                n,
+                "eager",
+                round(eager[name][n]["median_us"], 1),
+                "graph",
+                round(graphs[name][n]["median_us"], 1),
+                flush=True,
+            )
+    result["eager"] = eager
+    result["graph"] = graphs
+    # The registered mode's kernel alone at the big size (its host path switched off for the call).
+    saved, registered.bulk_rows = registered.bulk_rows, None
+    result["registered_kernel_only_131072"] = eager_synced(registered, 131072, num_rows, args.reps, resident)
+    registered.bulk_rows = saved
+    result["host_cost_us_16_rows"] = {name: host_cost(path, num_rows) for name, path in paths.items()}
+    print("host cost", result["host_cost_us_16_rows"], flush=True)
+    result["overlap_cpu_mode"] = overlap(cpu, num_rows, resident, args.reps)
+    if not args.skip_cold:
+        result["cold_cpu_mode"] = cold(cpu, num_rows, resident, max(5, args.reps // 3))
+    result["failures"] = FAILURES
+    for table in (cpu, registered):
+        table.close()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+    print("\n| path | " + " | ".join(f"{n} eager / graph (us)" for n in SIZES) + " | host cost 16 (us) |")
+    print("| --- |" + " --- |" * (len(SIZES) + 1))
+    for name in paths:
+        cells = [f"{eager[name][n]['median_us']:.1f} / {graphs[name][n]['median_us']:.1f}" for n in SIZES]
+        print(f"| {name} | " + " | ".join(cells) + f" | {result['host_cost_us_16_rows'][name]:.1f} |")
+    k = result["registered_kernel_only_131072"]["median_us"]
+    print(f"registered 131072 kernel only: {k:.1f} us; bulk_rows {registered.bulk_rows}")
+    for chain, row in result["overlap_cpu_mode"].items():
+        med = {name: row[name]["graph"]["median_us"] for name in ("work", "lookup", "overlapped", "serial")}
+        print(
+            f"overlap {chain} (graph, us): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+            + f"; overlapped/max: graph {row['overlapped_over_max_graph']:.2f}, "
+            f"eager {row['overlapped_over_max_eager']:.2f}"
+        )
+    if "cold_cpu_mode" in result:
+        c = result["cold_cpu_mode"]["cold"]
+        w = result["cold_cpu_mode"]["warm"]
+        print(
+            f"1024-row replays, rows dropped first: {c['median_us']:.1f} us ({c['minor_faults']:.0f} minor, "
+            f"{c['major_faults']:.0f} major faults); again warm: {w['median_us']:.1f} us"
+        )
+    verdict = "all exact" if not FAILURES else f"{len(FAILURES)} WRONG: {FAILURES[:5]}"
+    print(f"outputs checked: {verdict}")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
