@@ -2,6 +2,6 @@
 
 from ple_um.kernels.gather import STORAGE_CODES, gather_rows
 from ple_um.kernels.gather_nvfp4 import gather_nvfp4
-from ple_um.kernels.plan import count_lookup, plan_bins, plan_gather
+from ple_um.kernels.launch import DirectLaunch
 
-__all__ = ["STORAGE_CODES", "count_lookup", "gather_nvfp4", "gather_rows", "plan_bins", "plan_gather"]
+__all__ = ["STORAGE_CODES", "DirectLaunch", "gather_nvfp4", "gather_rows"]

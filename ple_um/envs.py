@@ -106,10 +106,16 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_CPU_THREADS",
             int,
             _default_threads,
-            "threads of the cpu-mode gather",
+            "threads that read a big host-path lookup's rows (the calling one included)",
             ("VLLM_PLE_MMAP_WORKERS",),
         ),
-        Knob("PLE_UM_CPU_CHUNK", int, 2048, "rows per gather task in the cpu mode", ("VLLM_PLE_MMAP_CHUNK",)),
+        Knob(
+            "PLE_UM_CPU_CHUNK",
+            int,
+            2048,
+            "rows per gather task of the cpu mode's synchronous gather (no C row copy)",
+            ("VLLM_PLE_MMAP_CHUNK",),
+        ),
         Knob(
             "PLE_UM_MADVISE",
             _choice("auto", "random", "normal", "none"),
@@ -147,9 +153,31 @@ KNOBS: dict[str, Knob] = {
         Knob("PLE_UM_PIN_FRACTION", float, 0.5, "fraction of MemAvailable the registered mode may pin"),
         Knob(
             "PLE_UM_ATS_PREFETCH",
+            _choice("auto", "on", "off"),
+            "auto",
+            "ats mode: a host node queued before the kernel touches the pages of the lookup's rows "
+            "(auto = when the table was not fully resident at open; on = always, in every GPU mode)",
+        ),
+        Knob(
+            "PLE_UM_MAP_RESIDENT",
             _bool,
             True,
-            "ats mode: CPU threads touch a lookup's pages ahead of the GPU",
+            "host paths: at open, map the table pages already in the page cache into this process "
+            "(MADV_POPULATE_READ over resident ranges only), so that lookups take no minor faults",
+        ),
+        Knob(
+            "PLE_UM_DIRECT_LAUNCH",
+            _bool,
+            True,
+            "GPU modes: launch the gather kernel through its compiled handle after the first call "
+            "(skips Triton's per-call argument binding)",
+        ),
+        Knob(
+            "PLE_UM_OVERLAP",
+            _bool,
+            True,
+            "vLLM plugin: queue each PLE lookup on a side stream one decoder layer ahead "
+            "(vLLM's start_prefetch hook), so the host gather overlaps the GPU's work",
         ),
         Knob(
             "PLE_UM_ATS_POPULATE",
@@ -158,20 +186,25 @@ KNOBS: dict[str, Knob] = {
             "ats mode: populate the mapping through cudaHostRegister at open",
         ),
         Knob("PLE_UM_SELF_TEST_ROWS", int, 64, "rows the self-test compares with the file at open (0 = off)"),
-        Knob("PLE_UM_STAGING_SLOTS", int, 3, "cpu mode: pinned staging buffers used in turn"),
+        Knob(
+            "PLE_UM_STAGING_SLOTS",
+            int,
+            3,
+            "cpu mode without the C row copy: pinned staging buffers used in turn",
+        ),
         Knob(
             "PLE_UM_BULK_ROWS",
             _bulk_rows,
             "auto",
-            "GPU modes, eager lookups of at least this many ids take the CPU bulk gather + one copy; "
+            "GPU modes: lookups of at least this many ids (eager or captured) take the host path; "
             "auto = the crossover measured at open, 0 = never",
         ),
         Knob(
             "PLE_UM_ROWCOPY",
             _bool,
             True,
-            "big host gathers read rows with the C row copy (compiled once into PLE_UM_CACHE_DIR), "
-            "else torch.index_select",
+            "host paths read rows with the C row copy run as a CUDA host node (compiled once into "
+            "PLE_UM_CACHE_DIR); off, or where it does not build, the cpu mode's synchronous gather",
         ),
         Knob("PLE_UM_STRICT", _bool, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(

@@ -205,13 +205,15 @@ class LookupMetrics:
     bytes and out-of-range ids up to the device's totals. So nothing is counted twice. Nothing here
     raises: a failure is logged once and the lookup goes on."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, host_counted: bool | None = None) -> None:
         self.mode = mode
-        # The cpu mode counts on the host in observe(); the GPU modes' rows are on the device.
-        self.host_counted = mode == "cpu"
+        # The cpu mode's synchronous host path counts in observe(); every other path counts where
+        # it runs (the device's counters, the host node's) and reaches here through absorb().
+        self.host_counted = mode == "cpu" if host_counted is None else host_counted
         self._children: dict[str, list] | None = None
         self._ready = False
         self._absorbed = {"lookups": 0, "rows": 0, "bytes": 0, "out_of_range": 0}
+        self._absorbed_seconds = dict.fromkeys((*PHASES, "lookup_seconds"), 0.0)
         self._absorb_lock = threading.Lock()
 
     def _metrics(self) -> dict[str, list] | None:
@@ -270,18 +272,25 @@ class LookupMetrics:
             _warn_once("registration", "registration failed: %s: %s", type(exc).__name__, exc)
 
     def absorb(self, stats: dict) -> None:
-        """Bring the counters up to a device-counting table's cumulative ``stats()`` (lookups, rows,
-        bytes, out_of_range): adds what rose since the last call. A no-op in the cpu mode, whose
-        lookups ``observe`` already counted."""
+        """Bring the counters up to a table's cumulative ``stats()`` (lookups, rows, bytes,
+        out_of_range, and the host path's phase seconds, whose sum is its lookup seconds): adds what
+        rose since the last call. A no-op for the cpu mode's synchronous path, whose lookups
+        ``observe`` already counted."""
         if self.host_counted:
             return
         try:
+            phases = stats.get("phase_seconds") or {}
+            seconds = {key: float(phases.get(key, 0.0)) for key in PHASES}
+            seconds["lookup_seconds"] = sum(seconds.values())
             with self._absorb_lock:
-                rise = {}
+                rise: dict[str, float] = {}
                 for key, before in self._absorbed.items():
                     now = int(stats.get(key, 0))
                     rise[key] = max(0, now - before)
                     self._absorbed[key] = now
+                for key, before in self._absorbed_seconds.items():
+                    rise[key] = max(0.0, seconds[key] - before)
+                    self._absorbed_seconds[key] = seconds[key]
             children = self._metrics()
             if children is not None:
                 for key, value in rise.items():

@@ -1,13 +1,15 @@
 """MappedTable and open_table: one PLE table served from its checkpoint files.
 
 The table owns, in the order it builds them and releases them in reverse: the mapping
-(fds + mmaps), the access mode's resources (CUDA registration, device copy, staging buffers and
-threads), and the prefetch threads. Lookups go through the torch op in ``ple_um.ops``.
+(fds + mmaps), the access mode's resources (CUDA registration, device copy, the lookup paths with
+their buffers and threads), and the prefetch threads. Under torch.compile lookups go through the
+torch ops in ``ple_um.ops``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 import os
@@ -15,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,9 +28,11 @@ from ple_um.access.probe import CAPTURE_SAFE, ProbeReport, decide, pin_budget, r
 from ple_um.access.registration import RegisteredMapping
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError
-from ple_um.lookup.cpu_gather import CpuGather
+from ple_um.lookup import rowcopy
+from ple_um.lookup.cpu_gather import SyncGather
 from ple_um.lookup.gpu_gather import GpuGather
-from ple_um.lookup.nvfp4 import BLOCK, decode_nvfp4
+from ple_um.lookup.host_node import HostGather
+from ple_um.lookup.nvfp4 import BLOCK
 from ple_um.mapping import MappedShards
 
 logger = logging.getLogger(__name__)
@@ -78,14 +81,18 @@ def _file_rows(layout: ShardLayout, ids: np.ndarray) -> np.ndarray:
     return out
 
 
-@dataclass
-class _HostStats:
-    lookups: int = 0
-    phases: dict = field(default_factory=lambda: {"dedup": 0.0, "gather": 0.0, "stage": 0.0, "wait": 0.0})
+_ID_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8))
 
 
 class MappedTable:
-    """A PLE table served from its mapped checkpoint files through one access mode."""
+    """A PLE table served from its mapped checkpoint files through one access mode.
+
+    It opens the table, owns the mode's resources, and picks a lookup path per call: the kernel
+    over per-shard bases (``GpuGather``: the ats, registered and device modes) or the host path
+    (``HostGather``: the C row copy run as a CUDA host node; the cpu mode, and the GPU modes'
+    lookups of at least ``bulk_rows`` ids). Each path owns its buffers, its dequantization and its
+    counting. Where the C row copy cannot be built, the cpu mode's host path is ``SyncGather``,
+    which is not capture-safe."""
 
     def __init__(
         self,
@@ -103,7 +110,6 @@ class MappedTable:
         self.scale_mapping = scale_mapping
         self.scale_registration: RegisteredMapping | None = None
         self.scale_device_copy: torch.Tensor | None = None
-        self.scale_cpu: CpuGather | None = None
         self.rows = rows
         self.device = device
         self.mapping = mapping
@@ -118,21 +124,23 @@ class MappedTable:
         self.registration: RegisteredMapping | None = None
         self.device_copy: torch.Tensor | None = None
         self.gpu: GpuGather | None = None
-        self.cpu: CpuGather | None = None
-        self.bulk: CpuGather | None = None
-        self.bulk_rows: int | None = None  # eager GPU-mode lookups this big take the bulk path
+        self.host: HostGather | SyncGather | None = None
+        self.row_reads = "the GPU kernel only"
+        self.bulk_rows: int | None = None  # GPU-mode lookups this big take the host path
+        self.touch_pages = False  # a host node touches a lookup's pages before the kernel (ats)
         self.prefetcher: PagePrefetcher | None = None
         self.open_seconds = 0.0
         self.bulk_calibration: dict = {}
-        # Device counters: [rows looked up, ids outside the table]; see kernels/gather.py.
-        self.counters = torch.zeros(2, dtype=torch.int64, device=device)
-        self._pair = torch.arange(2, device=device)  # the counters' indices, for index_add_
+        self.mapped_resident = 0  # bytes of page-table entries made at open (PLE_UM_MAP_RESIDENT)
         self._scale_dev = (
             torch.tensor([layout.scale], dtype=torch.float32, device=device)
             if layout.scale is not None
             else None
         )
-        self._host = _HostStats()
+        nvfp4 = scale_mapping is not None
+        self._float_only = nvfp4
+        self._out_dtypes = frozenset(FLOAT_OUT if nvfp4 else (layout.dtype, *FLOAT_OUT))
+        self._lookups = 0  # eager lookup() calls
         self.metrics: metrics.LookupMetrics | None = None  # set by open_table once the table serves
         self.watch: metrics.Watch | None = None
         self._closed = False
@@ -141,12 +149,12 @@ class MappedTable:
         self._users = 0
         self._closing = False
         self._released = threading.Event()
-        self._count_lock = threading.Lock()
         self.handle = ops.register_table(self)
 
     # -- building the access mode ---------------------------------------------------------
-    def _build(self, caps_cuda: bool) -> None:
-        """Create the resources of ``self.mode``; on error the caller closes them."""
+    def _build(self, caps_cuda: bool, host_node: bool = True) -> None:
+        """Create the resources of ``self.mode``; on error the caller closes them. ``host_node``
+        False: the cpu mode's synchronous host path even where the C row copy builds."""
         mode, layout, m, sm = self.mode, self.layout, self.mapping, self.scale_mapping
         advice = envs.PLE_UM_MADVISE
         if advice == "auto":
@@ -155,38 +163,68 @@ class MappedTable:
             for mapping in (m, sm):
                 if mapping is not None:
                     mapping.advise(advice)
-        common = dict(
-            device=self.device,
-            row_start=self.rows[0],
-            row_end=self.rows[1],
-            base_align=_alignment(layout),
-            counters=self.counters,
-            scale=self._scale_dev,
-        )
+        lib, why = rowcopy.load(envs.PLE_UM_CACHE_DIR) if envs.PLE_UM_ROWCOPY else (None, "PLE_UM_ROWCOPY=0")
+        if not host_node and lib is not None:
+            lib, why = None, "the host node's self-test failed"
         if mode == "cpu":
-            self.cpu = self._host_gather(m)
-            self.scale_cpu = self._host_gather(sm) if sm is not None else None
+            if lib is not None:
+                self.host = self._host_gather(lib, why)
+            else:
+                self.host = SyncGather(
+                    m,
+                    self.device,
+                    storage=layout.dtype,
+                    scale=self._scale_dev,
+                    threads=envs.PLE_UM_CPU_THREADS,
+                    chunk=envs.PLE_UM_CPU_CHUNK,
+                    slots=envs.PLE_UM_STAGING_SLOTS,
+                    why=why,
+                    scale_mapping=sm,
+                )
+                self.capture_safe = False
+            self.row_reads = self.host.row_reads
         else:
             bases = self._device_bases(m, caps_cuda)
             scale_bases = self._device_bases(sm, caps_cuda, scales=True) if sm is not None else None
+            base_align = _alignment(layout)
             if mode == "device":
                 # The allocation is 256-byte aligned and every shard's rows start at a multiple of row_bytes.
-                common["base_align"] = _alignment_rows(layout)
-            self.gpu = GpuGather(layout, bases, scale_bases=scale_bases, **common)
+                base_align = _alignment_rows(layout)
+            self.gpu = GpuGather(
+                layout,
+                bases,
+                device=self.device,
+                row_start=self.rows[0],
+                row_end=self.rows[1],
+                base_align=base_align,
+                scale=self._scale_dev,
+                scale_bases=scale_bases,
+            )
+            knob = envs.PLE_UM_ATS_PREFETCH
+            touch = knob == "on" or (knob == "auto" and mode == "ats" and not m.fully_resident())
+            touch = touch and mode != "device" and self.device.type == "cuda"
+            bulk = mode in ("ats", "registered") and self.device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0
+            if lib is not None and (bulk or touch):
+                self.host = self._host_gather(lib, why)
+                self.touch_pages = touch
+                self.row_reads = f"the GPU kernel; big lookups: {self.host.row_reads}"
+            elif bulk or touch:
+                self.row_reads = f"the GPU kernel only (no host path: {why})"
         if mode in ("ats", "cpu"):
             self.prefetcher = PagePrefetcher(m)
-        bulk_ok = mode in ("ats", "registered") and self.device.type == "cuda" and sm is None
-        if bulk_ok and envs.PLE_UM_BULK_ROWS != 0:
-            self.bulk = self._host_gather(m)
+        if isinstance(self.host, HostGather) and mode in ("ats", "cpu") and envs.PLE_UM_MAP_RESIDENT:
+            self.mapped_resident = sum(mp.map_resident() for mp in (m, sm) if mp is not None)
 
-    def _host_gather(self, mapping: MappedShards) -> CpuGather:
-        return CpuGather(
-            mapping,
+    def _host_gather(self, lib, built: str) -> HostGather:
+        return HostGather(
+            lib,
+            self.mapping,
             self.device,
+            storage=self.dtype,
+            scale=self._scale_dev,
             threads=envs.PLE_UM_CPU_THREADS,
-            chunk=envs.PLE_UM_CPU_CHUNK,
-            slots=envs.PLE_UM_STAGING_SLOTS,
-            row_copy=envs.PLE_UM_ROWCOPY,
+            scale_mapping=self.scale_mapping,
+            built=built,
         )
 
     def _device_bases(self, mapping: MappedShards, caps_cuda: bool, scales: bool = False) -> list[int]:
@@ -213,39 +251,32 @@ class MappedTable:
 
     def _release_access(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for res in (
-            self.prefetcher,
-            self.bulk,
-            self.scale_cpu,
-            self.cpu,
-            self.scale_registration,
-            self.registration,
-        ):
+            torch.cuda.synchronize(self.device)  # every queued kernel and host node has run
+        for res in (self.prefetcher, self.host, self.scale_registration, self.registration):
             if res is not None:
                 res.close()
-        self.prefetcher = self.bulk = self.scale_cpu = self.cpu = None
+        self.prefetcher = self.host = None
         self.scale_registration = self.registration = None
         self.bulk_rows = None
+        self.touch_pages = False
         self.gpu = None
         self.device_copy = self.scale_device_copy = None
 
     def self_test(self, count: int) -> str | None:
-        """Gather sample rows through this mode and compare them with the bytes read from the files;
-        None when equal, else what differed."""
+        """Gather sample rows through this mode's lookup path and compare them with the bytes read
+        from the files; None when equal, else what differed."""
         if count <= 0 or not self.mapping.owned:
             return None  # self-test disabled (PLE_UM_SELF_TEST_ROWS=0) or nothing owned
         ids_np = _sample_ids(self.mapping, count)
         expect = _file_rows(self.layout, ids_np)
         ids = torch.from_numpy(ids_np).to(self.device)
-        before = self.counters.clone()
         if self.scale_mapping is None:
-            got = self._lookup_flat(ids, None).view(torch.uint8).reshape(ids_np.size, -1)
+            got = self._gather_flat(ids, None, None).view(torch.uint8).reshape(ids_np.size, -1)
         else:  # NVFP4: the packed rows and the block scales, side by side
             got = torch.cat(self._packed_flat(ids), dim=1)
             expect = np.concatenate([expect, _file_rows(self.layout.scale_layout(), ids_np)], axis=1)
-        self.counters.copy_(before)  # the self-test is not a lookup
         got = got.cpu().numpy()
+        self._reset_counts()  # the self-test is not a lookup
         if not np.array_equal(got, expect):
             bad = np.flatnonzero((got != expect).any(axis=1))
             first = ids_np[bad[0]]
@@ -253,8 +284,8 @@ class MappedTable:
         return None
 
     def calibrate_bulk(self, sizes=(262144, 131072, 65536, 32768, 16384, 4096), repeats: int = 3) -> dict:
-        """Time the GPU gather and the CPU bulk gather on random owned ids, largest batch first, and
-        set ``bulk_rows`` to the smallest size from which the bulk path wins at every size measured
+        """Time the GPU gather and the host path on random owned ids, largest batch first, and set
+        ``bulk_rows`` to the smallest size from which the host path wins at every size measured
         (None when it does not win at the largest). Returns the medians measured, in seconds."""
         rng = np.random.default_rng(1)
         start, end = self.rows
@@ -265,18 +296,15 @@ class MappedTable:
             return [torch.from_numpy(rng.integers(start, end, size=n)).to(self.device) for _ in range(count)]
 
         out = torch.empty((max(sizes), self.row_dim), dtype=self.dtype, device=self.device)
-        for batch in batches(max(sizes), self.bulk.slots):  # staging buffers allocated before timing
-            self._bulk_lookup(batch, out[: batch.numel()])
+        for batch in batches(max(sizes), 2):  # buffers allocated and the pool started before timing
+            self.host.gather(batch, out[: batch.numel()])
         for n in sorted(sizes, reverse=True):
             times = {"gpu": [], "bulk": []}
             for path in ("gpu", "bulk"):
                 for k, batch in enumerate(batches(n, repeats + 1)):
                     torch.cuda.synchronize(self.device)
                     t0 = time.perf_counter()
-                    if path == "gpu":
-                        self.gpu.gather(batch, out[:n])
-                    else:
-                        self._bulk_lookup(batch, out[:n])
+                    (self.gpu if path == "gpu" else self.host).gather(batch, out[:n])
                     torch.cuda.synchronize(self.device)
                     if k:  # the first call of each is a warm-up
                         times[path].append(time.perf_counter() - t0)
@@ -284,9 +312,7 @@ class MappedTable:
             if measured[n]["bulk"] >= measured[n]["gpu"]:
                 break
             self.bulk_rows = n
-        self.counters.zero_()
-        for key in self._host.phases:
-            self._host.phases[key] = 0.0
+        self._reset_counts()
         return measured
 
     # -- lookups --------------------------------------------------------------------------
@@ -297,101 +323,46 @@ class MappedTable:
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[None]:
         """Hold the table open for the work inside: close() waits until no one holds it."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
         with self._cond:
             if self._closed:
                 raise TableClosedError("the table is closed")
             self._users += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._users -= 1
-                if not self._users:
-                    self._cond.notify_all()
 
-    def _count(self, rows: int, bad: torch.Tensor, phases: dict | None = None) -> None:
-        """Host-side lookups add to the device counters (``bad``: a 0-dim tensor of the ids
-        outside the table, on the counters' device, so counting needs no sync) and to the phase
-        seconds. index_add_ adds atomically on a GPU, so lookups from several streams all count;
-        the lock orders the additions on the host (+= is not atomic)."""
-        with self._count_lock:
-            self.counters.index_add_(0, self._pair, torch.stack((torch.full_like(bad, rows), bad)))
-        self._add_phases(phases or {})
-
-    def _add_phases(self, phases: dict) -> None:
-        with self._count_lock:
-            for key, value in phases.items():
-                self._host.phases[key] += value
+    def _leave(self) -> None:
+        with self._cond:
+            self._users -= 1
+            if not self._users:
+                self._cond.notify_all()
 
     def _lookup_flat(self, ids: torch.Tensor, out: torch.Tensor | None, out_dtype=None) -> torch.Tensor:
-        """Eager body of a lookup: flat ids on the table's device -> out [n, row_dim]."""
-        with self._in_use():
+        """Body of a lookup: flat ids on the table's device -> out [n, row_dim] (the ops' body)."""
+        self._enter()
+        try:
             return self._gather_flat(ids, out, out_dtype)
+        finally:
+            self._leave()
 
     def _gather_flat(self, ids: torch.Tensor, out: torch.Tensor | None, out_dtype) -> torch.Tensor:
-        n = ids.numel()
-        dtype = out.dtype if out is not None else (out_dtype or self.dtype)
         if out is None:
-            width = (
-                self.layout.row_bytes
-                if self.scale_mapping is not None and dtype == self.dtype
-                else self.row_dim
-            )
-            out = torch.empty((n, width), dtype=dtype, device=self.device)
-        if self.gpu is None:
-            return self._cpu_lookup(ids, out, self.cpu)
-        bulk = self.bulk_rows is not None and n >= self.bulk_rows
-        if bulk and not torch.cuda.is_current_stream_capturing():
-            return self._bulk_lookup(ids, out)
-        return self.gpu.gather(ids, out)
-
-    def _bulk_lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A GPU mode's big eager batch through the CPU bulk path (the device counts the lookup);
-        dequantized on the device when ``out`` is a float tensor."""
-        t0 = time.perf_counter()
-        if out.dtype == self.dtype:
-            self.bulk.gather_bulk(ids, out.view(torch.uint8), self.counters)
-        else:
-            raw = torch.empty((ids.numel(), self.layout.row_bytes), dtype=torch.uint8, device=self.device)
-            self._dequantize(self.bulk.gather_bulk(ids, raw, self.counters), out)
-        phases = dict(self.bulk.last_phases)
-        self._add_phases(phases)
-        if self.metrics is not None:
-            n = ids.numel()
-            self.metrics.observe(n, n * self.layout.row_bytes, 0, phases, time.perf_counter() - t0)
-        return out
-
-    def _dequantize(self, raw: torch.Tensor, out: torch.Tensor) -> None:
-        """Raw rows gathered on the host (uint8 [n, row_bytes]) into the float ``out``:
-        ``float32(row) * scale`` cast, as the GPU kernel dequantizes."""
-        rows = raw.view(self.dtype).float()
-        out.copy_(rows * self._scale_dev if self._scale_dev is not None else rows)
-
-    def _classify(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a host-side gather: (ids as int64, which are owned, the count of ids outside the
-        table as a 0-dim tensor on the counters' device, for ``_count``)."""
-        ids = ids.to(torch.int64)
-        in_table = (ids >= 0) & (ids < self.num_rows)
-        owned = in_table & (ids >= self.rows[0]) & (ids < self.rows[1])
-        return ids, owned, (~in_table).sum().to(self.counters.device)
-
-    def _cpu_lookup(self, ids: torch.Tensor, out: torch.Tensor, gather: CpuGather) -> torch.Tensor:
-        t0 = time.perf_counter()
-        ids, owned, bad = self._classify(ids)
-        if out.dtype == self.dtype:
-            gather.gather(ids, owned, out.view(torch.uint8))
-        elif self.scale_cpu is not None:
-            decode_nvfp4(gather.gather(ids, owned), self.scale_cpu.gather(ids, owned), self._scale_dev, out)
-        else:
-            self._dequantize(gather.gather(ids, owned), out)
-        phases = dict(gather.last_phases)
-        self._count(ids.numel(), bad, phases)
-        if self.metrics is not None:
-            n = ids.numel()
-            # Only the cpu mode counts ids on the host (see LookupMetrics); reading them syncs.
-            out_of_range = int(bad) if self.metrics.host_counted else 0
-            self.metrics.observe(n, n * self.layout.row_bytes, out_of_range, phases, time.perf_counter() - t0)
-        return out
+            dtype = out_dtype or self.dtype
+            width = self.layout.row_bytes if self._float_only and dtype == self.dtype else self.row_dim
+            out = torch.empty((ids.numel(), width), dtype=dtype, device=self.device)
+        gpu = self.gpu
+        if gpu is None:
+            return self.host.gather(ids, out)
+        bulk = self.bulk_rows
+        if bulk is not None and ids.numel() >= bulk:
+            return self.host.gather(ids, out)
+        if self.touch_pages:
+            self.host.touch(ids)
+        return gpu.gather(ids, out)
 
     def lookup(
         self,
@@ -405,32 +376,33 @@ class MappedTable:
 
         Storage dtype by default; ``out_dtype`` (bf16/f16/f32) dequantizes: ``float32(row) * scale``
         cast to it. ``out`` receives the result without allocating (CUDA graphs); its dtype picks raw
-        or dequantized. Ids outside the owned range give zero rows; ids outside the table give zero
-        rows and are counted, or raise IndexError when strict (which synchronizes)."""
-        self._check_open()
+        or dequantized (an ``out_dtype`` given with it must agree). Ids outside the owned range give
+        zero rows; ids outside the table give zero rows and are counted, or raise IndexError when
+        strict (which synchronizes). Queued on the current stream: no host sync, in every mode
+        whose table is ``capture_safe``."""
+        if self._closed:
+            raise TableClosedError("the table is closed")
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        if ids.dtype not in _ID_DTYPES:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         if out is not None:
+            if out_dtype is not None and out_dtype != out.dtype:
+                raise TypeError(f"out_dtype={out_dtype} conflicts with out's dtype {out.dtype}")
             out_dtype = out.dtype
-        if self.scale_mapping is not None and out_dtype not in FLOAT_OUT:
-            raise TypeError(
-                "an NVFP4 table decodes its rows: pass out_dtype (bf16, f16 or f32) or a float out=, "
-                "or use lookup_packed() for the packed bytes and block scales"
-            )
-        if out_dtype is not None and out_dtype != self.dtype and out_dtype not in FLOAT_OUT:
-            raise TypeError(f"out_dtype must be {self.dtype} (raw) or one of bf16, f16, f32; got {out_dtype}")
-        shape = (*ids.shape, self.row_dim)
+        if out_dtype is not None and out_dtype not in self._out_dtypes:
+            self._refuse_dtype(out_dtype)
+        if self._float_only and out_dtype is None:
+            self._refuse_dtype(None)
         if out is not None:
-            if tuple(out.shape) != shape:
-                raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
+            if out.shape != (*ids.shape, self.row_dim):
+                raise ValueError(f"out has shape {tuple(out.shape)}, expected {(*ids.shape, self.row_dim)}")
             if out.device != self.device:
                 raise ValueError(f"out is on {out.device}, the table on {self.device}")
             if not out.is_contiguous():
                 raise ValueError("out must be contiguous")
-        if ids.device != self.device and not (self.mode == "cpu" and ids.device.type == "cpu"):
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if ids.device != self.device:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise ValueError(
                     f"ids are on {ids.device} but the table is on {self.device} (cannot copy during capture)"
                 )
@@ -439,10 +411,8 @@ class MappedTable:
             bad = ((ids < 0) | (ids >= self.num_rows)).sum().item()
             if bad:
                 raise IndexError(f"{bad} ids outside [0, {self.num_rows}) (strict lookup)")
-        self._host.lookups += 1  # eager calls; rows are counted on the device (graph replays too)
-        flat = ids.reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
+        self._lookups += 1  # eager calls; rows are counted by the paths (graph replays too)
+        flat = ids.view(-1) if ids.is_contiguous() else ids.reshape(-1).contiguous()
         # Eager calls skip the op's dispatch (tens of microseconds of Python); torch.compile traces
         # the op, which it sees as one opaque call with a known output.
         if out is not None:
@@ -452,17 +422,25 @@ class MappedTable:
                 self._lookup_flat(flat, out.view(-1, self.row_dim))
             return out
         if torch.compiler.is_compiling():
-            return ops.lookup(flat, self.handle, out_dtype or self.dtype).view(shape)
-        return self._lookup_flat(flat, None, out_dtype).view(shape)
+            return ops.lookup(flat, self.handle, out_dtype or self.dtype).view(*ids.shape, self.row_dim)
+        return self._lookup_flat(flat, None, out_dtype).view(*ids.shape, self.row_dim)
+
+    def _refuse_dtype(self, out_dtype) -> None:
+        if self._float_only:
+            raise TypeError(
+                "an NVFP4 table decodes its rows: pass out_dtype (bf16, f16 or f32) or a float out=, "
+                "or use lookup_packed() for the packed bytes and block scales"
+            )
+        raise TypeError(f"out_dtype must be {self.dtype} (raw) or one of bf16, f16, f32; got {out_dtype}")
 
     def lookup_packed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """NVFP4: the raw rows of ``ids`` for callers that decode themselves: packed bytes
         ``ids.shape + (row_dim // 2,)`` (uint8) and block scales ``ids.shape + (row_dim // 16,)``
-        (float8_e4m3fn); zeros outside the owned range and the table. Eager only."""
+        (float8_e4m3fn); zeros outside the owned range and the table."""
         self._check_open()
         if self.scale_mapping is None:
             raise TypeError("lookup_packed() is for NVFP4 tables; use lookup()")
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        if ids.dtype not in _ID_DTYPES:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         flat = ids.to(self.device).reshape(-1).contiguous()
         with self._in_use():
@@ -473,19 +451,12 @@ class MappedTable:
         n = ids.numel()
         packed = torch.empty((n, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
         scales = torch.empty((n, self.row_dim // BLOCK), dtype=torch.uint8, device=self.device)
-        if self.gpu is not None:
-            self.gpu.gather(ids, packed)
-            self.gpu.gather_block_scales(ids, scales.view(torch.float8_e4m3fn))
-        else:
-            ids, owned, bad = self._classify(ids)
-            self.cpu.gather(ids, owned, packed)
-            self.scale_cpu.gather(ids, owned, scales)
-            self._count(n, bad)
+        (self.gpu or self.host).gather_packed(ids, packed, scales)
         return packed, scales
 
     def prefetch(self, ids) -> Future:
-        """Start bringing the pages of ``ids``' rows into memory (a hint; modes whose pages are
-        resident need none). Returns a Future of the number of rows touched."""
+        """Start bringing the pages of ``ids``' rows into memory from CPU threads (a hint; modes
+        whose pages are resident need none). Returns a Future of the number of rows touched."""
         with self._in_use():
             if self.prefetcher is None:
                 done: Future = Future()
@@ -493,21 +464,47 @@ class MappedTable:
                 return done
             return self.prefetcher.submit(ids)
 
-    def stats(self) -> dict:
-        """Counters: lookups and rows (rows counted on the device, graph replays included), ids
-        outside the table, bytes, and the cpu mode's phase seconds. Reads the device: synchronizes."""
+    def _reset_counts(self) -> None:
+        for path in (self.gpu, self.host):
+            if path is not None:
+                path.reset_counts()
+
+    def stats(self, *, sync: bool = True) -> dict:
+        """Counters: lookups (eager calls), rows and ids outside the table (counted by the paths:
+        graph replays too), bytes, phase seconds of the host path, memory. ``sync`` waits for the
+        device first, so that every lookup queued before is in the figures (the stats reporter
+        reads without it, on a stream of its own)."""
         with self._in_use():
+            if sync and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             return self._stats()
 
     def _stats(self) -> dict:
-        rows, oob = (int(v) for v in self.counters.tolist())
+        rows = oob = broken = host_lookups = 0
+        phases = {"dedup": 0.0, "gather": 0.0, "stage": 0.0, "wait": 0.0}
+        if self.gpu is not None:
+            counts = self.gpu.read_counts()
+            rows, oob = counts["rows"], counts["out_of_range"]
+        if isinstance(self.host, HostGather):
+            counts = self.host.read_counts()
+            rows += counts["rows"]
+            oob += counts["out_of_range"]
+            broken, host_lookups = counts["broken"], counts["lookups"]
+            phases["gather"] = counts["ns"] * 1e-9
+            phases["stage"] = self.host.enqueue_seconds
+        elif isinstance(self.host, SyncGather):
+            counts = self.host.read_counts()
+            rows, oob, host_lookups = counts["rows"], counts["out_of_range"], counts["lookups"]
+            phases.update(self.host.phases)
         return {
             "mode": self.mode,
-            "lookups": self._host.lookups,
+            "lookups": self._lookups,
             "rows": rows,
             "bytes": rows * self.layout.row_bytes,
             "out_of_range": oob,
-            "phase_seconds": dict(self._host.phases),
+            "host_lookups": host_lookups,
+            "broken_rows": broken,
+            "phase_seconds": phases,
             "mapped_bytes": self.mapping.mapped_bytes
             + (self.scale_mapping.mapped_bytes if self.scale_mapping else 0),
             "pinned_bytes": sum(
@@ -643,6 +640,8 @@ def open_table(
                 why = None
                 if table.gpu is not None:
                     why = table.self_test(envs.PLE_UM_SELF_TEST_ROWS)
+                elif isinstance(table.host, HostGather):
+                    _self_test_host_node(table, caps.cuda)
             except Exception as exc:  # noqa: BLE001 - a mode that fails to build is rejected with its reason
                 why = f"{type(exc).__name__}: {exc}"
             if why is None:
@@ -660,27 +659,48 @@ def open_table(
             scale_mapping.close()
         mapping.close()
         raise
-    if table.bulk is not None and mapping.owned:
-        knob = envs.PLE_UM_BULK_ROWS
-        if knob == "auto":
-            table.bulk_calibration = table.calibrate_bulk()
-        else:
-            table.bulk_rows = int(knob)
+    knob = envs.PLE_UM_BULK_ROWS
+    if table.gpu is not None and isinstance(table.host, HostGather) and knob != 0 and mapping.owned:
+        if table.mode in ("ats", "registered"):
+            if knob == "auto":
+                table.bulk_calibration = table.calibrate_bulk()
+            else:
+                table.bulk_rows = int(knob)
     if envs.PLE_UM_PREWARM:
         with metrics.progress(mapping.mapped_bytes, "ple-um prewarm") as advance:
             mapping.populate(progress=advance)
-    table.metrics = metrics.LookupMetrics(table.mode)
+    table.metrics = metrics.LookupMetrics(table.mode, host_counted=isinstance(table.host, SyncGather))
+    if isinstance(table.host, SyncGather):
+        table.host.metrics = table.metrics
     if table.registration is not None:
         table.metrics.registration(table.registration.seconds)
-    table.watch = metrics.watch(table.stats, table.metrics, mapping.residency, device=dev)
+    table.watch = metrics.watch(
+        functools.partial(table.stats, sync=False), table.metrics, mapping.residency, device=dev
+    )
     table.open_seconds = time.perf_counter() - t0
-    host = table.bulk or table.cpu
     logger.info(
-        "ple-um: %s opened in %s mode (%.2f s)\n%s%s",
+        "ple-um: %s opened in %s mode (%.2f s), capture-safe=%s\n%s\n  row reads: %s",
         layout.directory,
         table.mode,
         table.open_seconds,
+        table.capture_safe,
         report.describe(),
-        f"\n  host row reads: {host.row_reads}" if host is not None else "",
+        table.row_reads,
     )
     return table
+
+
+def _self_test_host_node(table: MappedTable, caps_cuda: bool) -> None:
+    """The cpu mode's host node, tried on sample rows: where its rows differ from the files (or it
+    fails), the table falls back to the synchronous host path, which is not capture-safe, and the
+    log says why. Never raises for a failed try."""
+    try:
+        why = table.self_test(envs.PLE_UM_SELF_TEST_ROWS)
+    except Exception as exc:  # noqa: BLE001 - any failure of the host node sends it to the fallback
+        why = f"{type(exc).__name__}: {exc}"
+    if why is None:
+        return
+    logger.warning("ple-um: the cpu mode's host node failed its self-test (%s): synchronous host path", why)
+    table._release_access()
+    table._build(caps_cuda, host_node=False)
+    table.row_reads += f"; the host node failed its self-test: {why}"

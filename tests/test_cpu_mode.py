@@ -1,6 +1,8 @@
-"""The cpu access mode end to end (ple_um.lookup.cpu_gather through open_table, device cpu): the same
-bytes as the reference reader for duplicated, masked and out-of-table ids, dequantized or raw, on
-the inline path and on the thread pool's.
+"""The cpu access mode end to end through open_table on device cpu, both host paths: the C row copy
+(``host_node.HostGather``, called directly where there is no CUDA) and the synchronous fallback
+(``cpu_gather.SyncGather``, PLE_UM_ROWCOPY=0). The same bytes as the reference reader for
+duplicated, masked and out-of-table ids, dequantized or raw, on the inline path and on the thread
+pool's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import pytest
 import torch
 
 import ple_um
+from ple_um.lookup.cpu_gather import SyncGather
+from ple_um.lookup.host_node import HostGather
+
+PATHS = {"node": HostGather, "sync": SyncGather}
 
 
 @pytest.fixture(autouse=True)
@@ -20,18 +26,25 @@ def _default_knobs(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.fixture(params=sorted(PATHS))
+def host_path(request, monkeypatch):
+    """Each test runs through both host paths; returns the class the table must use."""
+    monkeypatch.setenv("PLE_UM_ROWCOPY", "1" if request.param == "node" else "0")
+    return PATHS[request.param]
+
+
 def gather_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("ple-um-gather")}
 
 
 @pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "BF16", "F16"])
-def test_random_ids_with_duplicates_masks_and_oob(make_checkpoint, dtype, rng, check_rows, poison):
+def test_random_ids_with_duplicates_masks_and_oob(make_checkpoint, dtype, rng, check_rows, poison, host_path):
     layout = make_checkpoint(num_rows=300, row_dim=9, dtype=dtype, shards=7, seed=int(rng.integers(1 << 30)))
     S = layout.rows_per_shard
     boundaries = [k * S + d for k in range(layout.parts + 1) for d in (-1, 0, 1)]  # 24: even
     for rows in [None, (S - 1, 3 * S + 1), (0, 0)]:
         with ple_um.open_table(layout.directory, rows=rows, mode="cpu", device="cpu") as table:
-            assert table.mode == "cpu" and table.cpu is not None and table.gpu is None
+            assert table.mode == "cpu" and isinstance(table.host, host_path) and table.gpu is None
             ids = np.concatenate([boundaries, rng.integers(-20, 320, 500), rng.integers(0, 10, 50)])
             ids = torch.from_numpy(rng.permutation(ids[: ids.size // 2 * 2])).reshape(2, -1)
             assert len(ids.unique()) < ids.numel()  # duplicates
@@ -45,7 +58,7 @@ def test_random_ids_with_duplicates_masks_and_oob(make_checkpoint, dtype, rng, c
             assert (stats["lookups"], stats["rows"], stats["out_of_range"]) == (8, 8 * ids.numel(), 8 * oob)
 
 
-def test_only_bad_ids_and_empty_ids(make_checkpoint, check_rows):
+def test_only_bad_ids_and_empty_ids(make_checkpoint, check_rows, host_path):
     layout = make_checkpoint(num_rows=40, row_dim=4, dtype="bf16", shards=3)
     with ple_um.open_table(layout.directory, rows=(10, 20), mode="cpu", device="cpu") as table:
         for ids in ([-1, 40, 99, -7], [0, 5, 25, 39], []):
@@ -56,16 +69,21 @@ def test_only_bad_ids_and_empty_ids(make_checkpoint, check_rows):
         assert table.lookup(torch.empty((2, 0), dtype=torch.int32)).shape == (2, 0, 4)
 
 
-def test_thread_pool_paths(make_checkpoint, monkeypatch, rng, check_rows, poison):
-    # Batches with more unique rows than the inline limit (4096), over 64 shards in 4 files, cut
-    # into tasks of at least 100 rows; the biggest also past the deduplication limit (16384).
+def test_thread_pool_paths(make_checkpoint, monkeypatch, rng, check_rows, poison, host_path):
+    # Batches with more unique rows than the inline limits (2048 for the C copy, 4096 for the
+    # synchronous path), over 64 shards in 4 files; the synchronous path cut into tasks of at least
+    # 100 rows, the biggest batch also past its deduplication limit (16384).
     monkeypatch.setenv("PLE_UM_CPU_THREADS", "4")
     monkeypatch.setenv("PLE_UM_CPU_CHUNK", "100")
     seed = int(rng.integers(1 << 30))
     layout = make_checkpoint(num_rows=9000, row_dim=6, dtype="fp8", shards=64, seed=seed)
     before = gather_threads()
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        assert table.cpu.chunk == 100
+        assert isinstance(table.host, host_path)
+        if host_path is SyncGather:
+            assert table.host.rows.chunk == 100
+        else:
+            assert table.host.threads == 4  # the C pool's 3 workers and the calling thread
         rows = 0
         for n in (12000, 20000):
             ids = torch.from_numpy(rng.integers(-50, 9050, n))
@@ -76,7 +94,8 @@ def test_thread_pool_paths(make_checkpoint, monkeypatch, rng, check_rows, poison
                 check_rows(table.lookup(ids, out=out), layout, ids)
             rows += 4 * n
         workers = gather_threads() - before
-        assert 1 < len(workers) <= 4  # the pool ran the reads
+        if host_path is SyncGather:
+            assert 1 < len(workers) <= 4  # the pool ran the reads
         # Every row of the table once, in order and reversed.
         ids = torch.arange(9000)
         check_rows(table.lookup(ids), layout, ids)
@@ -87,7 +106,7 @@ def test_thread_pool_paths(make_checkpoint, monkeypatch, rng, check_rows, poison
         assert not t.is_alive()  # close() stopped them
 
 
-def test_one_thread(make_checkpoint, monkeypatch, rng, check_rows):
+def test_one_thread(make_checkpoint, monkeypatch, rng, check_rows, host_path):
     monkeypatch.setenv("PLE_UM_CPU_THREADS", "1")
     layout = make_checkpoint(num_rows=6000, row_dim=3, dtype="bf16", shards=5)
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
@@ -95,7 +114,7 @@ def test_one_thread(make_checkpoint, monkeypatch, rng, check_rows):
         check_rows(table.lookup(ids, out_dtype=torch.float16), layout, ids)
 
 
-def test_concurrent_lookups(make_checkpoint, monkeypatch, rng, check_rows):
+def test_concurrent_lookups(make_checkpoint, monkeypatch, rng, check_rows, host_path):
     monkeypatch.setenv("PLE_UM_CPU_THREADS", "2")
     layout = make_checkpoint(num_rows=6000, row_dim=4, dtype="fp8", shards=8)
     batches = [torch.from_numpy(rng.integers(-5, 6005, n)) for n in (10, 5000, 300, 4500)]

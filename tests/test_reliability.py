@@ -504,22 +504,46 @@ def test_use_after_close_and_double_close(layout):
         table.lookup(torch.tensor([1]))
 
 
-def test_close_waits_for_a_lookup_in_flight(make_checkpoint, check_rows):
+class _HeldLibrary:
+    """The C row copy with its lookup held at the start (the real copy, started a little late)."""
+
+    def __init__(self, lib, held):
+        self._lib, self._held = lib, held
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def ple_lookup_run(self, job):
+        self._held()
+        return self._lib.ple_lookup_run(job)
+
+
+@pytest.mark.parametrize("rowcopy", ["1", "0"])
+def test_close_waits_for_a_lookup_in_flight(make_checkpoint, check_rows, monkeypatch, rowcopy):
     # The lookup is held inside its read of the mapping (the real read, started a little late) while
     # close() runs in another thread. Allowed outcomes: the lookup finishes with the right rows (close
-    # waited), or it raises TableClosedError. Nothing else.
+    # waited), or it raises TableClosedError. Nothing else. Both host paths: the C row copy and the
+    # synchronous one.
+    monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
     layout = make_checkpoint(num_rows=3000, row_dim=16, dtype="bf16", shards=6, files=3)
     table = ple_um.open_table(layout.directory, mode="cpu", device="cpu")
-    read = table.cpu._read
     inside, closing = threading.Event(), threading.Event()
 
-    def held_read(space, row, out):
+    def hold() -> None:
         inside.set()
         closing.wait(10)
         time.sleep(0.3)  # close() has run by now, unless it waits for this lookup
-        return read(space, row, out)
 
-    table.cpu._read = held_read
+    if rowcopy == "1":
+        table.host.lib = _HeldLibrary(table.host.lib, hold)
+    else:
+        read = table.host.rows._read
+
+        def held_read(space, row, out):
+            hold()
+            return read(space, row, out)
+
+        table.host.rows._read = held_read
     ids = torch.arange(0, 3000, 7)
     outcome: list = []
 

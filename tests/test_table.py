@@ -240,9 +240,12 @@ def test_out_buffers(layout, mode, rng, check_rows, poison):
             got = table.lookup(ids, out=out)
             assert got is out and out.data_ptr() == ptr
             check_rows(out, layout, ids)
-        # out decides raw or dequantized, whatever out_dtype says.
+        # out decides raw or dequantized; an out_dtype given with it must agree, else nothing is written.
         out = poison(torch.empty((5, 7, layout.row_dim), dtype=torch.float32))
-        table.lookup(ids, out=out, out_dtype=torch.bfloat16)
+        with pytest.raises(TypeError, match="conflicts with out's dtype"):
+            table.lookup(ids, out=out, out_dtype=torch.bfloat16)
+        assert (out.view(torch.uint8) == 0xAB).all()
+        table.lookup(ids, out=out, out_dtype=torch.float32)
         check_rows(out, layout, ids)
         # A contiguous slice of a larger buffer: only the slice is written.
         buf = poison(torch.empty((40, layout.row_dim), dtype=torch.float16))
@@ -392,8 +395,8 @@ def swap_during_open(monkeypatch):
         build = MappedTable._build
         swapped = []
 
-        def build_then_swap(self, caps_cuda):
-            build(self, caps_cuda)
+        def build_then_swap(self, caps_cuda, **kw):
+            build(self, caps_cuda, **kw)
             if not swapped:
                 swapped.append(self.mode)
                 swap_data(layout, path)

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 AUTO_ORDER = ("ats", "registered", "cpu")
 ALL_MODES = ("ats", "registered", "cpu", "device")
-CAPTURE_SAFE = {"ats": True, "registered": True, "cpu": False, "device": True}
+CAPTURE_SAFE = {"ats": True, "registered": True, "cpu": True, "device": True}
 
 
 @dataclass

@@ -238,8 +238,8 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
                 entry["mode"] = impl.mode
                 entry["bulk_rows"] = impl.bulk_rows
                 entry["bulk_calibration_s"] = impl.bulk_calibration
-                host = impl.bulk or impl.cpu
-                entry["host_row_reads"] = host.row_reads if host is not None else None
+                entry["host_row_reads"] = impl.row_reads
+                entry["capture_safe"] = impl.capture_safe
                 if impl.mode in ("ats", "registered") and device.type == "cuda":
                     # The same table with the GPU kernel for every batch size (no CPU bulk path).
                     impls[f"{name} kernel-only"] = KernelOnly(impl)

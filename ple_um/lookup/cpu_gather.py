@@ -1,20 +1,18 @@
-"""CpuGather: the cpu access mode, the seeds' gather done properly; also the bulk path that GPU
-modes use for big eager batches.
+"""SyncGather: the ``cpu`` mode where the C row copy cannot be built (no working C compiler, or
+``PLE_UM_ROWCOPY=0``): the seeds' gather done properly, synchronous, not capture-safe.
 
-Ids come to the host (a sync: the cpu mode is not capture-safe), are deduplicated (small batches)
-and grouped by file; a thread pool reads the rows from the mmap into pinned staging, which is
-copied to the device asynchronously, in chunks, and expanded there. Staging buffers are used in
-turn and each carries the CUDA event of the copy that reads it: a buffer is refilled only after
-its copy finished (the latest seed overwrote its one buffer while the previous copy could still
-read it). Without a CUDA device everything stays on the CPU and the result is a CPU tensor.
+Ids come to the host (the caller waits for the device), are deduplicated (small batches) and
+grouped by file; a thread pool reads the rows from the mmap into pinned staging, which is copied to
+the device asynchronously, in chunks, and expanded there. Staging buffers are used in turn and each
+carries the CUDA event of the copy that reads it: a buffer is refilled only after its copy finished
+(the latest seed overwrote its one buffer while the previous copy could still read it). Big batches
+are not deduplicated: their ids are grouped by file where they are (on the GPU with torch ops, on
+the host with a radix sort of the space numbers), read file after file with one
+``torch.index_select`` per chunk and put in place on the device. Without a CUDA device everything
+stays on the CPU and the result is a CPU tensor.
 
-Big batches are not deduplicated. With the C row copy (``rowcopy.py``) their ids come to the host
-as they are and one job reads each id's row in batch order, straight into the staging whose
-chunks are copied into the output: no plan, nothing put back in place. Where it cannot be built
-(or a table has more shards than one job takes) the ids are grouped by file where they are (on
-the GPU with torch ops in the cpu mode, with the planning kernels of ``ple_um.kernels.plan`` in
-the GPU modes' bulk path, on the host otherwise), their rows read file after file (one
-torch.index_select per chunk, or one planned C job) and put in place on the device.
+Wherever the C row copy builds, the host path is ``host_node.py`` instead: stream-ordered, no host
+sync, capture-safe.
 """
 
 from __future__ import annotations
@@ -26,9 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ple_um import envs
-from ple_um.kernels import count_lookup, plan_bins, plan_gather
-from ple_um.lookup import rowcopy
+from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize
 from ple_um.mapping import MappedShards
 
 # Below this many unique rows, a thread pool's dispatch costs more than the reads.
@@ -98,19 +94,7 @@ def _chunks(segments: list[tuple[int, int, int]], step: int, tail: int) -> list[
     return chunks
 
 
-def _copy_as_read(wait, staged: torch.Tensor, dst: torch.Tensor) -> float:
-    """Queue the copy of each chunk of ``staged`` (pinned, filled by a running row copy job) into
-    ``dst`` on the device as soon as ``wait`` says its rows are in; the seconds spent waiting."""
-    t_read = 0.0
-    for _, a, b in _chunks([(0, 0, dst.shape[0])], PIPELINE_ROWS, TAIL_ROWS):
-        tr = time.perf_counter()
-        wait(b)
-        t_read += time.perf_counter() - tr
-        dst[a:b].copy_(staged[a:b], non_blocking=True)
-    return t_read
-
-
-class CpuGather:
+class _RowReader:
     """Gathers rows of a MappedShards on the host; returns them on ``device``.
 
     Rows are read from "row spaces": 2-D views of a mapped file in which a row's position is its
@@ -125,8 +109,6 @@ class CpuGather:
         threads: int,
         chunk: int,
         slots: int,
-        row_copy: bool = True,
-        cache_dir: str | None = None,
     ) -> None:
         layout = mapping.layout
         self.mapping = mapping
@@ -150,7 +132,6 @@ class CpuGather:
             self.space_of_shard[index] = where[key]
             self.row0_of_shard[index] = (rel - residue) // rb - owned.lo
         self.space_dtype = np.int16 if len(self.spaces) < 1 << 15 else np.int32
-        self.bins = plan_bins(len(self.spaces))
         self.space_tensors = [torch.from_numpy(a) for a in self.spaces]
         self.space_of_shard_t = torch.from_numpy(self.space_of_shard.astype(np.int64))
         self.row0_of_shard_t = torch.from_numpy(self.row0_of_shard)
@@ -163,33 +144,6 @@ class CpuGather:
         self._next = 0
         self._lock = threading.Lock()  # one gather at a time owns the slot ring
         self.last_phases: dict[str, float] = {}
-        # Big batches' rows are read by the C row copy where it builds, else by torch.index_select.
-        self.rowcopy: rowcopy.RowCopy | None = None
-        self.row_reads = "torch.index_select (the C row copy is off: PLE_UM_ROWCOPY=0)"
-        # With the C row copy, a big batch is read by id in batch order (no plan groups it by
-        # file first) where the shards fit in one job; `read_by_id` off keeps the plan (measured
-        # against each other in scripts/profile_rowcopy.py).
-        self.shard_spaces: rowcopy.ShardSpaces | None = None
-        self.read_by_id = True
-        if row_copy:
-            lib, self.row_reads = rowcopy.load(cache_dir or envs.PLE_UM_CACHE_DIR)
-            if lib is not None and len(self.spaces) <= rowcopy.MAX_SEGMENTS:
-                self.rowcopy = rowcopy.RowCopy(lib, self.threads)
-                if layout.parts <= rowcopy.MAX_SEGMENTS:
-                    self.shard_spaces = rowcopy.ShardSpaces(
-                        [self.space_tensors[k] if k >= 0 else None for k in self.space_of_shard.tolist()],
-                        self.row0_of_shard.tolist(),
-                        self.rows_per_shard,
-                        rb,
-                    )
-                    self.row_reads += ", by id"
-            elif lib is not None:
-                most = rowcopy.MAX_SEGMENTS
-                self.row_reads = (
-                    f"torch.index_select ({len(self.spaces)} row spaces; the C copy takes {most})"
-                )
-            else:
-                self.row_reads = f"torch.index_select ({self.row_reads})"
 
     def _plan(self, ids: np.ndarray, owned: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(space, row, inverse, skip): the rows to read, grouped by row space (the first ``skip``
@@ -305,16 +259,11 @@ class CpuGather:
         return self._device_maps
 
     def _gather_big(self, ids: torch.Tensor, owned: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The cpu mode's big batch: no dedup. Read by id where the C row copy runs (the cpu
-        mode's counters are kept by the table); else ids still on the GPU are grouped there with
-        torch ops (a sort of the space numbers; the cpu mode runs no Triton kernel, so that it
-        works where the GPU modes' kernels do not), ids on the host with a radix sort of the
-        16-bit space numbers, then as ``_read_planned``."""
+        """A big batch: no dedup. Ids still on the GPU are grouped there with torch ops (a sort of
+        the space numbers; this path runs no Triton kernel, so that it works where the GPU modes'
+        kernels do not), ids on the host with a radix sort of the 16-bit space numbers, then as
+        ``_read_planned``."""
         t0 = time.perf_counter()
-        if self._by_id():
-            return self._gather_by_id(ids, out, t0)
-        if self.rowcopy is not None:
-            self.rowcopy.wake()  # the workers wake up while the ids are grouped
         S = self.rows_per_shard
         space_of_shard, row0 = self._maps(ids.device)
         shard = torch.where(owned, ids // S, 0)
@@ -333,100 +282,14 @@ class CpuGather:
         plan = torch.cat((counts, row[order]))
         return self._read_planned(plan, order, ids.numel(), n_counts, out, t0)
 
-    def gather_bulk(self, ids: torch.Tensor, out: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-        """The GPU modes' bulk path: raw rows of flat ``ids`` (on the CUDA device; any integer
-        dtype) into ``out`` [n, row_bytes] (uint8), zeros for ids not owned; the lookup counted in
-        ``counters`` on the device, as the gather kernel does. Read by id (``_gather_by_id``)
-        where the C row copy runs; else planned by the device (kernels/plan.py), the plan received
-        in one copy (the host's only wait on the GPU) and the rows put in place there."""
-        t0 = time.perf_counter()
-        mapping = self.mapping
-        if self._by_id():
-            return self._gather_by_id(ids, out, t0, counters)
-        if self.rowcopy is not None:
-            self.rowcopy.wake()  # the workers wake up while the device plans
-        space_of_shard, row0 = self._maps(ids.device)
-        plan, order = plan_gather(
-            ids,
-            space_of_shard,
-            row0,
-            counters,
-            bins=self.bins,
-            row_start=mapping.row_start,
-            row_end=mapping.row_end,
-            num_rows=mapping.layout.num_rows,
-            rows_per_shard=self.rows_per_shard,
-        )
-        return self._read_planned(plan, order, ids.numel(), self.bins, out, t0)
-
-    def _by_id(self) -> bool:
-        return self.read_by_id and self.shard_spaces is not None and self.rowcopy is not None
-
-    def _gather_by_id(
-        self, ids: torch.Tensor, out: torch.Tensor, t0: float, counters: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Rows of flat ``ids`` into ``out`` [n, row_bytes] read by one C job by id, in batch
-        order; zeros for ids not owned. On a CUDA device the ids come to the host in one copy
-        (the only wait on the GPU) and the rows go back chunk by chunk straight into ``out`` as
-        they are read: nothing to put back in place afterwards. With ``counters`` (the GPU modes)
-        the device counts the lookup, as their kernels do."""
-        mapping, n = self.mapping, ids.numel()
-        owned = (mapping.row_start, mapping.row_end)
-        self.rowcopy.wake()  # the workers wake up while the ids come to the host
-        t1 = time.perf_counter()  # nothing to plan
-        if counters is not None and not ids.is_cuda:
-            self._count(ids, counters)
-        if not self.cuda:
-            host_ids = ids.to(torch.int64).contiguous()
-            with self.rowcopy.gather(self.shard_spaces, host_ids, out, owned=owned):
-                pass
-            self.last_phases = {
-                "dedup": t1 - t0,
-                "gather": time.perf_counter() - t1,
-                "stage": 0.0,
-                "wait": 0.0,
-            }
-            return out
-        with self._lock:
-            slot, t_wait = self._take_slot(n, n)
-            host_ids = slot.inverse[:n]
-            if ids.is_cuda:
-                host_ids.copy_(ids.to(torch.int64), non_blocking=True)
-                if counters is not None:  # launched while the ids travel
-                    self._count(ids, counters)
-                tw = time.perf_counter()
-                torch.cuda.current_stream(self.device).synchronize()  # the ids have arrived
-                t_wait += time.perf_counter() - tw
-            else:
-                host_ids.copy_(ids)
-            staged = slot.rows[:n]
-            try:
-                with self.rowcopy.gather(self.shard_spaces, host_ids, staged, owned=owned) as wait:
-                    t_read = _copy_as_read(wait, staged, out)
-            finally:
-                slot.copied(self.device)  # copies queued before an error still read the slot
-        self.last_phases = _phases(t0, t1, t_read, t_wait)
-        return out
-
-    def _count(self, ids: torch.Tensor, counters: torch.Tensor) -> None:
-        mapping = self.mapping
-        count_lookup(
-            ids,
-            counters,
-            row_start=mapping.row_start,
-            row_end=mapping.row_end,
-            num_rows=mapping.layout.num_rows,
-            rows_per_shard=self.rows_per_shard,
-        )
-
     def _read_planned(
         self, plan: torch.Tensor, order: torch.Tensor, n: int, n_counts: int, out: torch.Tensor, t0: float
     ) -> torch.Tensor:
         """Read the rows a plan lists into ``out``: ``plan[:n_counts]`` ids per bin (bin 0: not
         owned, not read; bin 1 + s: row space s), then the row numbers grouped by bin; ``order``
-        the batch position of each. Rows are read by one job of the C row copy (else one
-        torch.index_select per chunk, on torch's own threads) into pinned staging, copied to the
-        device chunk by chunk while the next is read, and put in place there with index_copy_."""
+        the batch position of each. Rows are read with one torch.index_select per chunk (on torch's
+        own threads) into pinned staging, copied to the device chunk by chunk while the next is
+        read, and put in place there with index_copy_."""
         if not self.cuda:
             counts = plan[:n_counts].tolist()
             skip = counts[0]
@@ -434,15 +297,8 @@ class CpuGather:
             if skip:
                 out.zero_()
             t1 = time.perf_counter()
-            segments = _segments(counts)
-            if self.rowcopy is not None and segments:
-                staged = torch.empty((rows.numel(), self.row_bytes), dtype=torch.uint8)
-                with self.rowcopy.job([(self.space_tensors[k], a, b) for k, a, b in segments], rows, staged):
-                    pass
-                out.index_copy_(0, order, staged)
-            else:
-                for k, a, b in segments:
-                    out.index_copy_(0, order[a:b], torch.index_select(self.space_tensors[k], 0, rows[a:b]))
+            for k, a, b in _segments(counts):
+                out.index_copy_(0, order[a:b], torch.index_select(self.space_tensors[k], 0, rows[a:b]))
             t2 = time.perf_counter()
             self.last_phases = {"dedup": t1 - t0, "gather": t2 - t1, "stage": 0.0, "wait": 0.0}
             return out
@@ -466,20 +322,12 @@ class CpuGather:
             staged = slot.rows[:n_valid]
             dev_rows = torch.empty((n_valid, self.row_bytes), dtype=torch.uint8, device=self.device)
             t_read = 0.0
-            segments = _segments(counts)
             try:
-                if self.rowcopy is not None and segments:
-                    # One job reads every row, file after file; each chunk is copied to the device
-                    # as soon as its rows are in (the calling thread copies rows while it waits).
-                    spaces = [(self.space_tensors[k], a, b) for k, a, b in segments]
-                    with self.rowcopy.job(spaces, rows_of[:n_valid], staged) as wait:
-                        t_read = _copy_as_read(wait, staged, dev_rows)
-                else:
-                    for k, a, b in _chunks(segments, PIPELINE_ROWS, TAIL_ROWS):
-                        tr = time.perf_counter()
-                        torch.index_select(self.space_tensors[k], 0, rows_of[a:b], out=staged[a:b])
-                        t_read += time.perf_counter() - tr
-                        dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
+                for k, a, b in _chunks(_segments(counts), PIPELINE_ROWS, TAIL_ROWS):
+                    tr = time.perf_counter()
+                    torch.index_select(self.space_tensors[k], 0, rows_of[a:b], out=staged[a:b])
+                    t_read += time.perf_counter() - tr
+                    dev_rows[a:b].copy_(staged[a:b], non_blocking=True)
             finally:
                 slot.copied(self.device)  # copies queued before an error still read the slot
             out.index_copy_(0, order, dev_rows)
@@ -494,3 +342,98 @@ class CpuGather:
         self._slots = []
         self.pool.shutdown(wait=True)
         self.spaces = []
+
+
+class SyncGather:
+    """The synchronous host path of the ``cpu`` mode: owns the row readers (the rows, and an NVFP4
+    table's block scales), the dequantization and the counting of its lookups (on the host, under a
+    lock). Every lookup waits for the device to read its ids: not capture-safe."""
+
+    def __init__(
+        self,
+        mapping: MappedShards,
+        device: torch.device,
+        *,
+        storage: torch.dtype,
+        scale: torch.Tensor | None,
+        threads: int,
+        chunk: int,
+        slots: int,
+        why: str,
+        scale_mapping: MappedShards | None = None,
+    ) -> None:
+        self.device = device
+        self.storage = storage
+        self.scale = scale
+        self.num_rows = mapping.layout.num_rows
+        self.owned = (mapping.row_start, mapping.row_end)
+        self.rows = _RowReader(mapping, device, threads=threads, chunk=chunk, slots=slots)
+        self.block_scales = (
+            _RowReader(scale_mapping, device, threads=threads, chunk=chunk, slots=slots)
+            if scale_mapping is not None
+            else None
+        )
+        self.row_reads = f"torch.index_select and numpy, synchronous ({why})"
+        self.counts = {"rows": 0, "out_of_range": 0, "lookups": 0}
+        self.phases = {"dedup": 0.0, "gather": 0.0, "stage": 0.0, "wait": 0.0}
+        self.last_phases: dict[str, float] = {}
+        self.metrics = None  # the table's LookupMetrics, fed at each lookup (set once it serves)
+        self._lock = threading.Lock()
+
+    def _classify(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(ids as int64, which are owned, how many are outside the table: read on the host)."""
+        ids = ids.to(torch.int64)
+        in_table = (ids >= 0) & (ids < self.num_rows)
+        owned = in_table & (ids >= self.owned[0]) & (ids < self.owned[1])
+        return ids, owned, int((~in_table).sum())
+
+    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows of flat ``ids`` into ``out`` [n, row_dim]: raw when out has the storage dtype (NVFP4:
+        the packed bytes), else dequantized or decoded."""
+        t0 = time.perf_counter()
+        n = ids.numel()
+        ids, owned, bad = self._classify(ids)
+        raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
+        if raw:
+            self.rows.gather(ids, owned, out.view(torch.uint8).view(n, out.shape[-1] * out.element_size()))
+        elif self.block_scales is not None:
+            decode_nvfp4(self.rows.gather(ids, owned), self.block_scales.gather(ids, owned), self.scale, out)
+        else:
+            dequantize(self.rows.gather(ids, owned), self.storage, self.scale, out)
+        self._count(n, bad, self.rows.last_phases)
+        if self.metrics is not None:
+            row_bytes = self.rows.row_bytes
+            self.metrics.observe(n, n * row_bytes, bad, self.rows.last_phases, time.perf_counter() - t0)
+        return out
+
+    def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """NVFP4: the packed rows and block scales of ``ids`` (uint8)."""
+        ids, owned, bad = self._classify(ids)
+        self.rows.gather(ids, owned, packed)
+        self.block_scales.gather(ids, owned, scales)
+        self._count(ids.numel(), bad, self.rows.last_phases)
+
+    def _count(self, n: int, bad: int, phases: dict[str, float]) -> None:
+        with self._lock:  # lookups from several threads: += is not atomic
+            self.counts["rows"] += n
+            self.counts["out_of_range"] += bad
+            self.counts["lookups"] += 1
+            for key, value in phases.items():
+                self.phases[key] += value
+            self.last_phases = dict(phases)
+
+    def read_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            for key in self.counts:
+                self.counts[key] = 0
+            for key in self.phases:
+                self.phases[key] = 0.0
+
+    def close(self) -> None:
+        for reader in (self.block_scales, self.rows):
+            if reader is not None:
+                reader.close()

@@ -3,7 +3,9 @@
 The ats, registered and device modes differ only in where the per-shard base addresses come from
 (the mmap's host addresses, the registration's device pointers, or a device allocation); the
 kernel receives them as one int64 tensor and reads rows through them. An NVFP4 table has a second
-set of bases, for its block scales.
+set of bases, for its block scales. The gather owns its device tensors (bases, counters, scale) and
+its launches: none is allocated per call, and after the first call of a kind the kernel is launched
+through its compiled handle (``ple_um.kernels.launch``).
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import torch
 
 from ple_um.checkpoint import ShardLayout
-from ple_um.kernels import gather_nvfp4, gather_rows
+from ple_um.kernels import DirectLaunch, gather_nvfp4, gather_rows
+from ple_um.kernels.gather import _gather_kernel
+from ple_um.kernels.gather_nvfp4 import _gather_nvfp4_kernel
 
 
 class GpuGather:
-    """Holds the device tensors a lookup needs (bases, counters, scale): none is allocated per call."""
+    """Rows gathered on the device by the Triton kernel; counts every lookup on the device (rows
+    looked up, ids outside the table: graph replays too)."""
 
     def __init__(
         self,
@@ -26,25 +31,32 @@ class GpuGather:
         row_start: int,
         row_end: int,
         base_align: int,
-        counters: torch.Tensor,
         scale: torch.Tensor | None,
         scale_bases: list[int] | None = None,
     ) -> None:
         self.layout = layout
+        self.device = device
         self.bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        # [rows looked up, ids outside the table]; see kernels/gather.py.
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         self.scale_bases = None
         if scale_bases is not None:
             self.scale_bases = torch.tensor(scale_bases, dtype=torch.int64, device=device)
             self._scratch = torch.zeros(2, dtype=torch.int64, device=device)
         self.row_start, self.row_end = row_start, row_end
         self.base_align = base_align
-        self.counters = counters
         self.scale = scale
+        # One launcher per kernel and per set of fixed arguments (kernels/launch.py).
+        self._rows = DirectLaunch(_gather_kernel)
+        self._block_scales = DirectLaunch(_gather_kernel)
+        self._nvfp4 = DirectLaunch(_gather_nvfp4_kernel)
+        self.launch = self._rows.why_not or "direct (through the compiled kernel's launcher)"
 
-    def gather(self, ids: torch.Tensor, out: torch.Tensor, **launch) -> torch.Tensor:
+    def gather(self, ids: torch.Tensor, out: torch.Tensor, **shape) -> torch.Tensor:
         """Flat ids (on the device) into ``out`` [n, row_dim]: raw when out has the storage dtype,
-        else dequantized (NVFP4: decoded; raw is the packed bytes, [n, row_bytes]). ``launch``:
-        the kernel's program shape (``rows_per_program``, ``num_warps``), for measurements."""
+        else dequantized (NVFP4: decoded; raw is the packed bytes, [n, row_bytes]). ``shape``: the
+        kernel's program shape (``rows_per_program``, ``num_warps``), for measurements (a shape
+        other than the default is launched through Triton's own launch)."""
         layout = self.layout
         if self.scale_bases is not None and out.dtype != layout.dtype:
             return gather_nvfp4(
@@ -59,7 +71,8 @@ class GpuGather:
                 num_rows=layout.num_rows,
                 rows_per_shard=layout.rows_per_shard,
                 row_dim=layout.row_dim,
-                **launch,
+                launch=None if shape else self._nvfp4,
+                **shape,
             )
         return gather_rows(
             self.bases,
@@ -74,22 +87,33 @@ class GpuGather:
             row_bytes=layout.row_bytes,
             base_align=self.base_align,
             scale=self.scale if out.dtype != layout.dtype else None,
-            **launch,
+            launch=None if shape else self._rows,
+            **shape,
         )
 
-    def gather_block_scales(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """NVFP4: the raw E4M3 block scales of flat ``ids`` into ``out`` [n, row_dim // 16] (not
-        counted: the rows' gather counts the lookup)."""
-        return gather_rows(
+    def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """NVFP4: the packed rows (uint8 [n, row_bytes]) and raw E4M3 block scales (uint8
+        [n, row_dim // 16]) of flat ``ids`` (counted once, by the rows' gather)."""
+        self.gather(ids, packed)
+        gather_rows(
             self.scale_bases,
             ids,
-            out,
+            scales.view(torch.float8_e4m3fn),
             self._scratch,
             storage=torch.float8_e4m3fn,
             row_start=self.row_start,
             row_end=self.row_end,
             num_rows=self.layout.num_rows,
             rows_per_shard=self.layout.rows_per_shard,
-            row_bytes=out.shape[1],
+            row_bytes=scales.shape[1],
             base_align=1,
+            launch=self._block_scales,
         )
+
+    def read_counts(self) -> dict[str, int]:
+        """The device counters (a copy to the host on the current stream)."""
+        rows, out_of_range = (int(v) for v in self.counters.tolist())
+        return {"rows": rows, "out_of_range": out_of_range}
+
+    def reset_counts(self) -> None:
+        self.counters.zero_()
