@@ -1,0 +1,422 @@
+"""HostGather: a lookup's rows read on the host, as stream-ordered CUDA work.
+
+A lookup on a CUDA device is three operations queued on the current stream, and nothing else:
+the ids copied device-to-host into a pinned buffer; a host node (``cuLaunchHostFunc``) that runs
+the C row copy (``rowcopy.c``: each id's row read from the mapped files into pinned staging, zeros
+for ids not owned, counted in host counters); the staged rows copied host-to-device into the
+output (dequantized or decoded there with torch ops when the output is a float tensor). The caller
+never waits: an eager lookup returns before its rows exist, like any CUDA op, and the same calls
+made while a stream is captured become memcpy, host and memcpy nodes of the graph, replayed with
+new ids each time. The host function runs on a driver thread: no GIL, and the OS serves any page
+fault in it, so tables of any size, resident or not, are served this way (docs/FACTS.md section 7).
+
+Big lookups are cut into chunks whose host nodes run on a side stream, each chunk's copy to the
+device waiting only for its own rows: the copies overlap the reading of the next chunk.
+
+Buffers. Eager lookups use one set of pinned buffers per stream (grown, never shrunk): the stream's
+order makes reuse safe (the next lookup's ids arrive after the previous lookup's rows left). Each
+queued lookup gets its own job struct from the stream's ring; a struct is reused once its host node
+has finished (it clears its ``busy`` flag). A captured lookup gets job structs of its own and the
+capture buffers of its stream, shared by the lookups captured on that stream (replayed one at a
+time in stream order, as vLLM replays its graphs; graphs captured on different streams have their
+own); they are kept as long as the gather, since a graph may replay them at any time. Bound: per
+stream that captured lookups, at most twice the largest captured batch of ``8 + row bytes`` per id
+(the buffers grow by doubling and earlier ones stay), plus about 100 B per captured lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from ple_um.lookup import rowcopy
+from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize, e2m1_values
+from ple_um.mapping import MappedShards
+
+# At most this many ids a lookup's rows are read by the thread that runs its host node alone (the
+# pool's hand-off costs more below; docs/PERF_NOTES.md).
+INLINE_ROWS = 2048
+# Lookups above this many ids are cut into chunks of it, the last one at most TAIL_ROWS (its copy
+# to the device is the one nothing overlaps).
+CHUNK_ROWS = 32768
+TAIL_ROWS = 4096
+# Job structs per stream's ring: lookups queued ahead of their host nodes before a caller waits.
+RING = 64
+
+
+class HostNodeError(RuntimeError):
+    """The CUDA driver refused to queue a host node (the message names the call and the error)."""
+
+
+class _Driver:
+    """``cuLaunchHostFunc`` from libcuda, through ctypes (it releases nothing and calls no Python)."""
+
+    _instance: _Driver | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.cuLaunchHostFunc.restype = ctypes.c_int
+        self.lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.lib.cuGetErrorName.restype = ctypes.c_int
+
+    @classmethod
+    def get(cls) -> _Driver:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def launch_host_func(self, stream: int, fn: int, data: int) -> None:
+        rc = self.lib.cuLaunchHostFunc(stream, fn, data)
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise HostNodeError(f"cuLaunchHostFunc failed: {(name.value or b'?').decode()} ({rc})")
+
+
+@contextlib.contextmanager
+def _relaxed_capture_mode() -> Iterator[None]:
+    """Let this thread allocate (pinned buffers, a stream) while its stream is being captured: in
+    CUDA's default (global) capture mode such calls are refused. The relaxed mode is per thread;
+    nothing allocated here is a stream operation, so the capture records none of it."""
+    from cuda.bindings import runtime as rt
+
+    err, old = rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
+    if int(err) != 0:
+        raise HostNodeError(f"cudaThreadExchangeStreamCaptureMode failed: {err}")
+    try:
+        yield
+    finally:
+        rt.cudaThreadExchangeStreamCaptureMode(old)
+
+
+def _own_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A stream of this gather's own, made through the CUDA runtime: torch hands out its streams
+    from a small pool in turn, so a pool stream can be the very stream another thread captures on.
+    Lives as long as the process."""
+    from cuda.bindings import runtime as rt
+
+    with torch.cuda.device(device):
+        err, handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+    if int(err) != 0:
+        raise HostNodeError(f"cudaStreamCreateWithFlags failed: {err}")
+    return torch.cuda.ExternalStream(int(handle), device=device)
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    """[a, b) pieces of a lookup of ``n`` ids: one up to CHUNK_ROWS, else CHUNK_ROWS each with the
+    last piece at most TAIL_ROWS."""
+    if n <= CHUNK_ROWS:
+        return [(0, n)]
+    bounds = list(range(0, n, CHUNK_ROWS)) + [n]
+    pieces = list(zip(bounds[:-1], bounds[1:], strict=True))
+    a, b = pieces[-1]
+    if b - a > TAIL_ROWS:
+        pieces[-1:] = [(a, b - TAIL_ROWS), (b - TAIL_ROWS, b)]
+    return pieces
+
+
+class _Buffers:
+    """Pinned ids and staging for lookups of up to ``capacity`` ids."""
+
+    def __init__(self, capacity: int, row_bytes: tuple[int, ...]) -> None:
+        self.capacity = capacity
+        self.ids = torch.empty(capacity * 8, dtype=torch.uint8, pin_memory=True)
+        self.staging = [torch.empty((capacity, rb), dtype=torch.uint8, pin_memory=True) for rb in row_bytes]
+
+
+class _Stream:
+    """One stream's eager buffers, its ring of job structs, and its side stream and events for
+    chunked lookups. ``lock`` keeps each lookup's three operations together on the stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.lock = threading.Lock()
+        self.buffers: _Buffers | None = None
+        self.ring = (rowcopy.LookupStruct * RING)()
+        self.held: list[object] = [None] * RING  # what each struct's queued lookup reads
+        self.next = 0
+        self.device = device
+        self.side: torch.cuda.Stream | None = None
+        self.events: list[torch.cuda.Event] = []
+
+    def slot(self) -> rowcopy.LookupStruct:
+        """The next job struct of the ring, once its previous host node has finished."""
+        job = self.ring[self.next]
+        spins = 0
+        while job.busy:  # RING lookups queued ahead of their host nodes: back-pressure
+            spins += 1
+            time.sleep(0 if spins < 1000 else 1e-4)
+        self.next = (self.next + 1) % RING
+        return job
+
+
+class HostGather:
+    """Rows of a mapped table read on the host by the C row copy; see the module docstring.
+
+    ``mapping``: the table's owned rows; ``scale_mapping``: an NVFP4 table's block scales (read
+    beside the rows), or None. ``scale``: the dequantization scale on the device (FP8: the global
+    scale; NVFP4: ``weight_scale_2``), or None. ``threads``: the threads that read a big lookup."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        mapping: MappedShards,
+        device: torch.device,
+        *,
+        storage: torch.dtype,
+        scale: torch.Tensor | None,
+        threads: int,
+        scale_mapping: MappedShards | None = None,
+        built: str = "C row copy",
+    ) -> None:
+        self.lib = lib
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.storage = storage
+        self.scale = scale
+        self.rows = rowcopy.Rows(mapping)
+        self.block_scales = rowcopy.Rows(scale_mapping) if scale_mapping is not None else None
+        self.row_bytes = tuple(r.row_bytes for r in (self.rows, self.block_scales) if r is not None)
+        self.counts = rowcopy.Counts()
+        self.pool = rowcopy.Pool(lib, threads)
+        self.threads = self.pool.threads
+        way = "as a CUDA host node" if self.cuda else "called directly (no CUDA device)"
+        self.row_reads = f"{built}, {way}, {self.threads} threads"
+        self.enqueue_seconds = 0.0  # host seconds spent queuing lookups (eager calls)
+        self._run = rowcopy.function_address(lib, "ple_lookup_run")
+        self._wake = rowcopy.function_address(lib, "ple_pool_wake")
+        self._driver = _Driver.get() if self.cuda else None
+        self._streams: dict[int, _Stream] = {}
+        self._capture_buffers: dict[int, _Buffers] = {}
+        self._captured: list[tuple[object, ...]] = []  # job structs and buffers of captured lookups
+        self._lock = threading.Lock()
+        if self.cuda:
+            e2m1_values(device)  # on the device before any capture needs it
+
+    # -- one lookup --------------------------------------------------------------------------
+    def _fill(self, job, bufs: _Buffers, ids: torch.Tensor, a: int, b: int, touch: bool = False) -> None:
+        """Point ``job`` at ids [a, b) of a lookup whose ids are in ``bufs`` (or ``ids`` on the host)."""
+        size = ids.element_size()
+        job.tables[0] = self.rows.address
+        job.tables[1] = self.block_scales.address if self.block_scales is not None and not touch else None
+        base = bufs.ids.data_ptr() if bufs is not None else ids.data_ptr()
+        job.ids = base + a * size
+        job.n = b - a
+        job.counts = self.counts.address
+        job.id_kind = rowcopy.ID_KINDS[ids.dtype]
+        job.touch = int(touch)
+        job.threads = self.threads
+        job.inline_rows = INLINE_ROWS
+        if bufs is not None and not touch:
+            for k, staging in enumerate(bufs.staging):
+                job.dst[k] = staging.data_ptr() + a * staging.shape[1]
+
+    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows of flat ``ids`` (on the device; any integer dtype) into ``out`` [n, row_dim]: raw rows
+        when out has the storage dtype (an NVFP4 table's packed bytes: [n, row_bytes]), else
+        dequantized or decoded. Queued on the current stream; no host sync."""
+        return self._lookup(ids, [out])
+
+    def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """NVFP4: the packed rows (uint8 [n, row_bytes]) and block scales (uint8 [n, D/16]) of ``ids``."""
+        self._lookup(ids, [packed, scales], raw=True)
+
+    def touch(self, ids: torch.Tensor) -> None:
+        """Queue a host node that reads one byte of every page of the rows of ``ids`` (the ats mode's
+        prefetch: the pages are in memory before the kernel queued after it reads them)."""
+        n = ids.numel()
+        if n == 0:
+            return
+        if not self.cuda:
+            job = rowcopy.LookupStruct()
+            self._fill(job, None, ids, 0, n, touch=True)
+            self.lib.ple_lookup_run(ctypes.addressof(job))
+            return
+        stream = torch.cuda.current_stream(self.device)
+        state, capturing = self._state(stream)
+        with state.lock:
+            bufs = self._buffers(state, n, capturing)
+            job = rowcopy.LookupStruct() if capturing else state.slot()
+            self._fill(job, bufs, ids, 0, n, touch=True)
+            self._ids_in(bufs, ids)
+            self._launch(stream, job)
+            if capturing:
+                self._keep((job, bufs))
+            else:
+                state.held[(state.next - 1) % RING] = bufs
+
+    def _lookup(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool | None = None) -> torch.Tensor:
+        out = outs[0]
+        n = ids.numel()
+        if raw is None:
+            raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
+        if n == 0:
+            return out
+        if not self.cuda:
+            return self._lookup_here(ids, outs, raw)
+        t0 = time.perf_counter()
+        stream = torch.cuda.current_stream(self.device)
+        state, capturing = self._state(stream)
+        pieces = chunks(n)
+        with state.lock:
+            bufs = self._buffers(state, n, capturing)
+            jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.slot() for _ in pieces]
+            for job, (a, b) in zip(jobs, pieces, strict=True):
+                self._fill(job, bufs, ids, a, b)
+            if raw:
+                targets = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
+            else:
+                targets = [
+                    torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes
+                ]
+            if len(pieces) == 1:
+                self._ids_in(bufs, ids)
+                if not capturing and n > INLINE_ROWS:
+                    self.pool.wake()
+                self._launch(stream, jobs[0])
+                for target, staging in zip(targets, bufs.staging, strict=True):
+                    target.copy_(staging[:n], non_blocking=True)
+            else:
+                self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
+            if capturing:
+                self._keep((*jobs, bufs))
+            else:
+                for k in range(len(jobs)):
+                    state.held[(state.next - 1 - k) % RING] = bufs
+        if not raw:
+            self._decode(targets, out)
+        if not capturing:
+            with self._lock:
+                self.enqueue_seconds += time.perf_counter() - t0
+        return out
+
+    def _chunked(self, state, stream, bufs, ids, jobs, pieces, targets, capturing) -> None:
+        """A big lookup: the ids in one copy, the chunks' host nodes in turn on the side stream, each
+        chunk's copy to the device on the caller's stream once its rows are in."""
+        if state.side is None:
+            with _relaxed_capture_mode() if capturing else contextlib.nullcontext():
+                state.side = _own_stream(self.device)
+        while len(state.events) < len(pieces) + 2:
+            state.events.append(torch.cuda.Event())
+        side, events = state.side, state.events
+        if capturing:  # the pool's wake-up overlaps the ids' copy
+            events[-1].record(stream)
+            side.wait_event(events[-1])
+            self._driver.launch_host_func(side.cuda_stream, self._wake, 0)
+        else:
+            self.pool.wake()
+        self._ids_in(bufs, ids)
+        events[-2].record(stream)
+        side.wait_event(events[-2])
+        for k, job in enumerate(jobs):
+            self._launch(side, job)
+            events[k].record(side)
+        for k, (a, b) in enumerate(pieces):
+            stream.wait_event(events[k])
+            for target, staging in zip(targets, bufs.staging, strict=True):
+                target[a:b].copy_(staging[a:b], non_blocking=True)
+
+    def _launch(self, stream, job) -> None:
+        """Queue the host node of ``job`` on ``stream``. Its ``busy`` flag is up only while a host
+        node that will clear it is queued (a ring slot is never waited for in vain)."""
+        job.busy = 1
+        try:
+            self._driver.launch_host_func(stream.cuda_stream, self._run, ctypes.addressof(job))
+        except BaseException:
+            job.busy = 0
+            raise
+
+    def _ids_in(self, bufs: _Buffers, ids: torch.Tensor) -> None:
+        n = ids.numel()
+        bufs.ids[: n * ids.element_size()].view(ids.dtype).copy_(ids, non_blocking=True)
+
+    def _decode(self, raws: list[torch.Tensor], out: torch.Tensor) -> None:
+        if self.block_scales is not None:
+            decode_nvfp4(raws[0], raws[1], self.scale, out)
+        else:
+            dequantize(raws[0], self.storage, self.scale, out)
+
+    def _lookup_here(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool) -> torch.Tensor:
+        """No CUDA: the host function called directly (ctypes releases the GIL), rows straight into
+        ``out`` when raw."""
+        n = ids.numel()
+        if ids.device.type != "cpu":
+            raise ValueError(f"ids are on {ids.device}; a table on the CPU takes host ids")
+        ids = ids.contiguous()
+        if raw:
+            staging = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
+        else:
+            staging = [torch.empty((n, rb), dtype=torch.uint8) for rb in self.row_bytes]
+        job = rowcopy.LookupStruct()
+        self._fill(job, None, ids, 0, n)
+        for k, s in enumerate(staging):
+            job.dst[k] = s.data_ptr()
+        self.lib.ple_lookup_run(ctypes.addressof(job))
+        if not raw:
+            self._decode(staging, outs[0])
+        return outs[0]
+
+    # -- buffers -----------------------------------------------------------------------------
+    def _state(self, stream: torch.cuda.Stream) -> tuple[_Stream, bool]:
+        handle = stream.cuda_stream
+        state = self._streams.get(handle)
+        if state is None:
+            with self._lock:
+                state = self._streams.setdefault(handle, _Stream(self.device))
+        return state, torch.cuda.is_current_stream_capturing()
+
+    def _buffers(self, state: _Stream, n: int, capturing: bool) -> _Buffers:
+        """Buffers for ``n`` ids: the stream's eager ones, or its capture ones; grown by doubling."""
+        if capturing:
+            key = id(state)
+            bufs = self._capture_buffers.get(key)
+            if bufs is None or bufs.capacity < n:
+                with _relaxed_capture_mode():
+                    bufs = _Buffers(max(n, 2 * (bufs.capacity if bufs else 0)), self.row_bytes)
+                self._capture_buffers[key] = bufs
+            return bufs
+        if state.buffers is None or state.buffers.capacity < n:
+            old = state.buffers.capacity if state.buffers is not None else 0
+            state.buffers = _Buffers(max(n, 2 * old, 1024), self.row_bytes)
+        return state.buffers
+
+    def _keep(self, items: tuple[object, ...]) -> None:
+        with self._lock:
+            self._captured.append(items)
+
+    # -- counters and life -------------------------------------------------------------------
+    def read_counts(self) -> dict[str, int]:
+        """The host counters: rows, out_of_range (ids outside the table), broken (owned ids whose
+        row was outside its shard's mapping: zeroed), ns (nanoseconds in host nodes), lookups
+        (host nodes run, graph replays included). Lookups queued but not yet run are not in it."""
+        return self.counts.read()
+
+    def reset_counts(self) -> None:
+        self.counts.array[:] = 0
+
+    def captured_bytes(self) -> int:
+        """Pinned bytes held for captured lookups."""
+        return sum(
+            b.ids.numel() + sum(s.numel() for s in b.staging)
+            for items in self._captured
+            for b in items
+            if isinstance(b, _Buffers)
+        )
+
+    def close(self) -> None:
+        """Wait for every queued lookup's host node, then drop the buffers (the caller has synchronized
+        the device: this only checks). Idempotent."""
+        for state in self._streams.values():
+            for job in state.ring:
+                while job.busy:
+                    time.sleep(1e-4)
+        self._streams = {}
+        self._capture_buffers = {}
+        self._captured = []
