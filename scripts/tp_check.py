@@ -11,7 +11,8 @@ What it does, for each way of opening the table (both ranks `registered`, both `
 `registered` with the others `cpu`, as a pin budget could decide):
 1. Opens the table on every rank with ``rows=`` its vocab range, split as vLLM's
    VocabParallelEmbedding splits the org vocab (the table has a multiple of 64 rows, as
-   ``make_ngram_vocab_size_divisible_by`` makes it; the split falls inside a shard).
+   ``make_ngram_vocab_size_divisible_by`` makes it; the split falls inside a shard). Modes are
+   forced; PLE_UM_PIN_BUDGET, when unset, is set to the table's bytes.
 2. Looks up uniform ids, and ids with every bad kind (negative, >= num_rows, the split's edges),
    all-reduces the raw FP8 rows as int8 (as vLLM's stock backend sums them) and the dequantized
    bf16 rows, and compares with the rows read from the files by this script (its own safetensors
@@ -427,6 +428,11 @@ class Rank:
             f"{[s // S for s in splits]}",
         )
         os.environ["PLE_UM_PREWARM"] = "1"  # every rank reads its rows into the page cache at open
+        # Each mode is forced here. The lent hosts' memory grows as it is used (MemAvailable reads
+        # small at start: KINDS.md), so the default budget (a fraction of MemAvailable) could refuse
+        # registered mode for no reason this check is about; an explicit budget is kept.
+        os.environ.setdefault("PLE_UM_PIN_BUDGET", str(self.files.nbytes))
+        self.pin_budget = os.environ["PLE_UM_PIN_BUDGET"]
         everyone = lambda mode: [mode] * self.world  # noqa: E731
         for modes in (everyone("registered"), everyone("cpu"), ["registered"] + ["cpu"] * (self.world - 1)):
             label = "/".join(modes)
@@ -445,6 +451,7 @@ class Rank:
             "tables": self.tables,
             "seed": self.seed,
             "range": self.ranges[self.rank],
+            "pin_budget": self.pin_budget,
         }
 
     def run_modes(self, label: str, mode: str) -> None:
@@ -743,6 +750,7 @@ def report(results: list[dict], args, directory: str, written: dict, started: fl
             "ranges": [r["range"] for r in results],
         },
         "seed": first["seed"],
+        "pin_budget": first["pin_budget"],
         "seconds": time.perf_counter() - started,
         "passed": counts["FAIL"] == 0 and counts["PASS"] > 0,
         "counts": counts,
