@@ -1,9 +1,10 @@
 """Synthetic PLE checkpoints: real safetensors files in the Qwen4Exp naming, for tests and benchmarks.
 
 The table's content is random-looking, always finite, and a pure function of the arguments: each
-shard draws from its own generator seeded with ``(seed, shard index)``, so the file split does not
-change it. Data is streamed in chunks of about 64 MiB, so a 16 GiB table is written without holding
-it in memory.
+shard draws from its own generator seeded with ``(seed, shard index)``, so neither the file split
+nor the number of writer threads changes it. Data is streamed in chunks of about 64 MiB, so a
+16 GiB table is written without holding it in memory; ``workers`` threads write shards at once,
+each into its place in its file (NumPy's generators release the GIL while they draw).
 
 NVFP4 tables (``dtype="nvfp4"``) are written as vLLM's ``Qwen4ExpPLENvFp4EmbeddingMethod`` loads
 them: per shard, U8 ``[rows, D/2]`` packed E2M1 pairs (any byte is valid) and F8_E4M3
@@ -17,6 +18,7 @@ import json
 import math
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from typing import NamedTuple
 
 import numpy as np
@@ -165,20 +167,23 @@ def write_checkpoint(
     seed: int = 0,
     files: int | None = None,
     progress: bool = False,
+    workers: int = 1,
 ) -> ShardLayout:
     """Write a PLE table of ``num_rows`` x ``row_dim`` in ``shards`` shards over ``files`` files.
 
     Also writes, for an FP8 table, the F32 global scale; for an NVFP4 table (``row_dim`` values a
     row, a multiple of 16), each shard's block scales next to it and the F32 global scale
     ``weight_scale_2``; one small unrelated BF16 tensor (which a reader must skip); and
-    ``model.safetensors.index.json``. Existing files of the same names are replaced. Returns
-    ``read_layout(path, layer)``.
+    ``model.safetensors.index.json``. Existing files of the same names are replaced. ``workers``
+    threads write shards at once (each holds a chunk of about 64 MiB); the bytes written do not
+    depend on it. Returns ``read_layout(path, layer)``.
     """
     num_rows = _check_int("num_rows", num_rows, 1)
     row_dim = _check_int("row_dim", row_dim, 1)
     shards = _check_int("shards", shards, 1)
     layer = _check_int("layer", layer, 0)
     seed = _check_int("seed", seed, 0)
+    workers = _check_int("workers", workers, 1)
     files = min(shards, 4) if files is None else _check_int("files", files, 1)
     if files > shards:
         raise ValueError(f"files ({files}) must not exceed shards ({shards}): each file holds at least one")
@@ -221,11 +226,12 @@ def write_checkpoint(
 
     total_bytes = sum(t.nbytes for _, tensors in plans for t in tensors)
     weight_map: dict[str, str] = {}
-    with tqdm(
+    bar = tqdm(
         total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="write", disable=not progress
-    ) as bar:
+    )
+    with bar, ThreadPoolExecutor(workers, thread_name_prefix="ple-um-write") as pool:
         for file_name, tensors in plans:
-            _write_file(os.path.join(directory, file_name), tensors, seed, bar)
+            _write_file(os.path.join(directory, file_name), tensors, seed, bar, pool)
             weight_map.update({t.name: file_name for t in tensors})
 
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -233,7 +239,7 @@ def write_checkpoint(
     return read_layout(directory, layer)
 
 
-def _write_file(path: str, tensors: list[_Tensor], seed: int, bar: tqdm) -> None:
+def _write_file(path: str, tensors: list[_Tensor], seed: int, bar: tqdm, pool: ThreadPoolExecutor) -> None:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
@@ -243,33 +249,52 @@ def _write_file(path: str, tensors: list[_Tensor], seed: int, bar: tqdm) -> None
     raw += b" " * (-len(raw) % 8)  # the spec's padding: data starts 8-aligned
 
     partial = path + ".partial"
-    with open(partial, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    jobs = []
+    try:
+        _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(fd, 8 + len(raw) + offset)
+        pos = 8 + len(raw)
         for t in tensors:
             if t.source == "scale":
-                f.write(struct.pack("<f", scale_value(seed)))
+                _pwrite(fd, struct.pack("<f", scale_value(seed)), pos)
+                bar.update(t.nbytes)
             elif t.source == "unrelated":
                 rng = np.random.default_rng([seed, 1 << 32])
-                f.write(_random_bytes(rng, t.dtype, math.prod(t.shape)).tobytes())
+                _pwrite(fd, _random_bytes(rng, t.dtype, math.prod(t.shape)).tobytes(), pos)
+                bar.update(t.nbytes)
             else:
                 # A shard draws from (seed, i); its NVFP4 block scales from (seed, i, 2**34).
                 key = [seed, t.index] if t.source == "shard" else [seed, t.index, 1 << 34]
-                _write_shard(f, np.random.default_rng(key), t.dtype, t.shape[0], t.shape[1], bar)
-                continue
-            bar.update(t.nbytes)
+                rng = np.random.default_rng(key)
+                jobs.append(pool.submit(_write_shard, fd, pos, rng, t.dtype, t.shape[0], t.shape[1]))
+            pos += t.nbytes
+        for job in as_completed(jobs):
+            bar.update(job.result())
+    finally:
+        wait(jobs)  # no thread may still write through fd once it is closed (its number is reused)
+        os.close(fd)
     os.replace(partial, path)
 
 
-def _write_shard(f, rng: np.random.Generator, dt: str, rows: int, count_per_row: int, bar: tqdm) -> None:
+def _write_shard(fd: int, pos: int, rng: np.random.Generator, dt: str, rows: int, count_per_row: int) -> int:
+    """Write a shard's rows at byte ``pos`` of ``fd``; returns the bytes written."""
     # Chunks of whole rows, sized from row_bytes alone, so the content depends only on the arguments.
     row_bytes = count_per_row * _ITEMSIZE[dt]
     chunk_rows = max(1, CHUNK_BYTES // row_bytes)
     for start in range(0, rows, chunk_rows):
         n = min(chunk_rows, rows - start)
         data = _random_bytes(rng, dt, n * count_per_row)
-        f.write(memoryview(data))
-        bar.update(n * row_bytes)
+        _pwrite(fd, memoryview(data), pos + start * row_bytes)
+    return rows * row_bytes
+
+
+def _pwrite(fd: int, data, pos: int) -> None:
+    """All of ``data`` at byte ``pos`` (os.pwrite may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        done = os.pwrite(fd, view, pos)
+        view, pos = view[done:], pos + done
 
 
 def _replace(path: str, data: bytes) -> None:

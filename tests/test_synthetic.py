@@ -258,6 +258,7 @@ def test_dtype_spellings(make_checkpoint, spelling, name):
         (dict(seed=-1), r"seed must be at least 0"),
         (dict(layer=-1), r"layer must be at least 0"),
         (dict(files=0), r"files must be at least 1"),
+        (dict(workers=0), r"workers must be at least 1"),
         (dict(dtype="fp32"), r"unsupported table dtype 'fp32'"),
         (dict(dtype=torch.float32), r"unsupported table dtype torch.float32"),
         (dict(dtype=None), r"unsupported table dtype None"),
@@ -287,6 +288,19 @@ def test_many_chunks(make_checkpoint, monkeypatch, dtype):
     for s in layout.shards:
         assert torch.isfinite(tensors[s.tensor].float()).all()
     assert validate(layout.directory) == []
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "nvfp4"])
+def test_writer_threads_write_the_same_bytes(make_checkpoint, monkeypatch, dtype):
+    monkeypatch.setattr(synthetic, "CHUNK_BYTES", 200)  # several chunks a shard, written at offsets
+    args = dict(num_rows=301, row_dim=32, dtype=dtype, shards=7, files=3, seed=5)
+    one, many = make_checkpoint(**args), make_checkpoint(**args, workers=4)
+    for name in (*files_of(one.directory), INDEX):
+        paths = (os.path.join(one.directory, name), os.path.join(many.directory, name))
+        with open(paths[0], "rb") as a, open(paths[1], "rb") as b:
+            assert a.read() == b.read(), name
+    assert validate(many.directory) == []
+    assert not [f for f in os.listdir(many.directory) if f.endswith(".partial")]
 
 
 def test_progress_bar(make_checkpoint, capsys):
