@@ -173,6 +173,7 @@ def gather_rows(
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
     launch: DirectLaunch | None = None,
+    on_compiled=None,
 ) -> torch.Tensor:
     """Gather ``ids`` (flat, contiguous) into ``out`` ([n, row_dim], contiguous).
 
@@ -180,7 +181,9 @@ def gather_rows(
     (``scale``: a float32 tensor of one element, read on the device; only when given) cast to its
     dtype. ``base_align`` is a byte alignment every base address and row start honours (the widest
     word the table allows). ``launch``: a table's DirectLaunch of this kernel (else Triton's own
-    launch). No allocation, no host sync."""
+    launch); ``on_compiled(compiled, args)`` is called with the compiled kernel where it may be
+    launched directly (kernels/launch.py ``bind``: ids at 1, out at 2, n at 4). No allocation, no
+    host sync."""
     n = ids.numel()
     if n == 0:
         return out
@@ -218,5 +221,7 @@ def gather_rows(
     )
     kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
     launch = launch or DirectLaunch.plain(_gather_kernel)
-    launch(kind, triton.cdiv(n, rows_per_program), args, num_warps)
+    compiled = launch(kind, triton.cdiv(n, rows_per_program), args, num_warps)
+    if compiled is not None and on_compiled is not None:
+        on_compiled(compiled, args)
     return out

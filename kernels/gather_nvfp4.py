@@ -86,9 +86,11 @@ def gather_nvfp4(
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
     launch: DirectLaunch | None = None,
+    on_compiled=None,
 ) -> torch.Tensor:
     """Decode the NVFP4 rows of flat ``ids`` into ``out`` [n, row_dim] (bf16, f16 or f32); ``launch``
-    as ``gather_rows``'. No allocation, no host sync."""
+    and ``on_compiled`` as ``gather_rows``' (ids at 2, out at 3, n at 6). No allocation, no host
+    sync."""
     n = ids.numel()
     if n == 0:
         return out

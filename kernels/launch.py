@@ -65,12 +65,13 @@ class DirectLaunch:
         """Triton's own launch at every call (for callers without fixed arguments)."""
         return cls(kernel, direct=False)
 
-    def __call__(self, kind: tuple, grid: int, args: tuple, num_warps: int) -> None:
+    def __call__(self, kind: tuple, grid: int, args: tuple, num_warps: int):
         """Launch ``grid`` programs with ``args`` (every kernel argument, in signature order,
-        constexprs included). ``kind``: whatever, besides the device, decides the compiled kernel."""
+        constexprs included). ``kind``: whatever, besides the device, decides the compiled kernel.
+        Returns the compiled kernel where it may be launched directly (see ``bind``), else None."""
         if self.why_not is not None:
             self.kernel[(grid,)](*args, num_warps=num_warps)
-            return
+            return None
         device = torch.cuda.current_device()
         key = (device, num_warps, *kind)
         compiled = self._compiled.get(key)
@@ -78,6 +79,46 @@ class DirectLaunch:
             compiled = self.kernel[(grid,)](*args, num_warps=num_warps)
             if compiled is not None:
                 self._compiled[key] = compiled
-            return
+            return compiled
         stream = torch._C._cuda_getCurrentRawStream(device)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        return compiled
+
+
+def bind(compiled, args: tuple, *, ids_at: int, n_at: int, rows_per_program: int):
+    """A launcher of ``compiled`` for one table and one kind of call: ``launch(ids_ptr, out_ptr, n)``
+    queues the kernel on the current stream of the current device with ``args`` (the arguments of
+    a call that compiled it, in signature order; tensors taken by address, so they must outlive the
+    launcher) but the batch's ids and output addresses (at ``ids_at`` and the position after it)
+    and size (at ``n_at``). No binding, no specialization, no view: what an eager lookup's host time
+    is left with. The caller checks that no launch hook is set and the device is the one compiled
+    for (``hooks_set``)."""
+    fixed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    head, middle, tail = fixed[:ids_at], fixed[ids_at + 2 : n_at], fixed[n_at + 1 :]
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    stream_of, device = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device()
+
+    def launch(ids_ptr: int, out_ptr: int, n: int) -> None:
+        grid = (n + rows_per_program - 1) // rows_per_program
+        run(
+            grid,
+            1,
+            1,
+            stream_of(device),
+            function,
+            metadata,
+            None,
+            None,
+            None,
+            *head,
+            ids_ptr,
+            out_ptr,
+            *middle,
+            n,
+            *tail,
+        )
+
+    return launch
+
+
+hooks_set = _hooks_set

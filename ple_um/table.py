@@ -144,9 +144,10 @@ class MappedTable:
         self.metrics: metrics.LookupMetrics | None = None  # set by open_table once the table serves
         self.watch: metrics.Watch | None = None
         self._closed = False
-        # Lookups in flight: close() waits for them before it unmaps anything.
-        self._cond = threading.Condition()
-        self._users = 0
+        # Calls in flight (one entry each; list.append and .pop are atomic under the GIL, the
+        # cheapest guard there is): close() waits until it is empty before it unmaps anything.
+        self._inflight: list[None] = []
+        self._close_lock = threading.Lock()
         self._closing = False
         self._released = threading.Event()
         self.handle = ops.register_table(self)
@@ -295,7 +296,8 @@ class MappedTable:
         def batches(n: int, count: int) -> list[torch.Tensor]:
             return [torch.from_numpy(rng.integers(start, end, size=n)).to(self.device) for _ in range(count)]
 
-        out = torch.empty((max(sizes), self.row_dim), dtype=self.dtype, device=self.device)
+        dtype = torch.bfloat16 if self._float_only else self.dtype  # NVFP4: decoded rows
+        out = torch.empty((max(sizes), self.row_dim), dtype=dtype, device=self.device)
         for batch in batches(max(sizes), 2):  # buffers allocated and the pool started before timing
             self.host.gather(batch, out[: batch.numel()])
         for n in sorted(sizes, reverse=True):
@@ -330,16 +332,13 @@ class MappedTable:
             self._leave()
 
     def _enter(self) -> None:
-        with self._cond:
-            if self._closed:
-                raise TableClosedError("the table is closed")
-            self._users += 1
+        self._inflight.append(None)
+        if self._closed:  # checked after the entry is in: close() either sees it or we see closed
+            self._inflight.pop()
+            raise TableClosedError("the table is closed")
 
     def _leave(self) -> None:
-        with self._cond:
-            self._users -= 1
-            if not self._users:
-                self._cond.notify_all()
+        self._inflight.pop()
 
     def _lookup_flat(self, ids: torch.Tensor, out: torch.Tensor | None, out_dtype=None) -> torch.Tensor:
         """Body of a lookup: flat ids on the table's device -> out [n, row_dim] (the ops' body)."""
@@ -390,17 +389,21 @@ class MappedTable:
             if out_dtype is not None and out_dtype != out.dtype:
                 raise TypeError(f"out_dtype={out_dtype} conflicts with out's dtype {out.dtype}")
             out_dtype = out.dtype
-        if out_dtype is not None and out_dtype not in self._out_dtypes:
-            self._refuse_dtype(out_dtype)
-        if self._float_only and out_dtype is None:
-            self._refuse_dtype(None)
-        if out is not None:
+            if out_dtype not in self._out_dtypes:
+                self._refuse_dtype(out_dtype)
             if out.shape != (*ids.shape, self.row_dim):
                 raise ValueError(f"out has shape {tuple(out.shape)}, expected {(*ids.shape, self.row_dim)}")
             if out.device != self.device:
                 raise ValueError(f"out is on {out.device}, the table on {self.device}")
             if not out.is_contiguous():
                 raise ValueError("out must be contiguous")
+        elif (
+            out_dtype is not None
+            and out_dtype not in self._out_dtypes
+            or out_dtype is None
+            and self._float_only
+        ):
+            self._refuse_dtype(out_dtype)
         if ids.device != self.device:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise ValueError(
@@ -412,17 +415,33 @@ class MappedTable:
             if bad:
                 raise IndexError(f"{bad} ids outside [0, {self.num_rows}) (strict lookup)")
         self._lookups += 1  # eager calls; rows are counted by the paths (graph replays too)
-        flat = ids.view(-1) if ids.is_contiguous() else ids.reshape(-1).contiguous()
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
         # Eager calls skip the op's dispatch (tens of microseconds of Python); torch.compile traces
         # the op, which it sees as one opaque call with a known output.
-        if out is not None:
-            if torch.compiler.is_compiling():
-                ops.lookup_out(flat, out.view(-1, self.row_dim), self.handle)
-            else:
-                self._lookup_flat(flat, out.view(-1, self.row_dim))
-            return out
         if torch.compiler.is_compiling():
+            flat = ids.view(-1)
+            if out is not None:
+                ops.lookup_out(flat, out.view(-1, self.row_dim), self.handle)
+                return out
             return ops.lookup(flat, self.handle, out_dtype or self.dtype).view(*ids.shape, self.row_dim)
+        gpu = self.gpu
+        if out is not None and gpu is not None and not self.touch_pages:
+            bulk = self.bulk_rows
+            if bulk is None or ids.numel() < bulk:
+                # The kernel path of an eager call with its out: the kernel reads the contiguous ids
+                # and writes the contiguous out by address, whatever their shapes.
+                self._inflight.append(None)
+                try:
+                    if self._closed:
+                        raise TableClosedError("the table is closed")
+                    return gpu.gather(ids, out)
+                finally:
+                    self._inflight.pop()
+        flat = ids.view(-1)
+        if out is not None:
+            self._lookup_flat(flat, out.view(-1, self.row_dim))
+            return out
         return self._lookup_flat(flat, None, out_dtype).view(*ids.shape, self.row_dim)
 
     def _refuse_dtype(self, out_dtype) -> None:
@@ -526,7 +545,7 @@ class MappedTable:
     def close(self) -> None:
         """Wait for lookups in flight and for the device, then release prefetch, access resources
         and mappings. Idempotent; a second caller returns once the first has released everything."""
-        with self._cond:
+        with self._close_lock:
             closing, self._closing = self._closing, True
         if closing:
             self._released.wait()
@@ -534,10 +553,9 @@ class MappedTable:
         try:
             if self.watch is not None:
                 self.watch.close()  # its last stats() read, while the table is still open
-            with self._cond:
-                self._closed = True
-                while self._users:
-                    self._cond.wait()
+            self._closed = True
+            while self._inflight:
+                time.sleep(1e-3)
             ops.unregister_table(self.handle)
             try:
                 self._release_access()

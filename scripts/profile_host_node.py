@@ -65,6 +65,8 @@ class Resident:
     """Plain torch: the table's rows in GPU memory, gathered with torch.index_select (the anchor and
     the reference: its rows were read from the mapped files)."""
 
+    dtype = torch.uint8
+
     def __init__(self, table) -> None:
         layout = table.layout
         self.rows = torch.empty((layout.num_rows, layout.row_bytes), dtype=torch.uint8, device="cuda")
@@ -79,6 +81,16 @@ class Resident:
         return out
 
 
+class KernelCall:
+    """The registered table's kernel path alone (GpuGather.gather): the host cost under lookup()."""
+
+    def __init__(self, table) -> None:
+        self.table, self.dtype = table, table.dtype
+
+    def lookup(self, ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        return self.table.gpu.gather(ids, out)
+
+
 def eager_synced(path, n, num_rows, reps, reference=None) -> dict:
     """Wall time per call, synchronized before and after, fresh ids each call."""
     out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
@@ -87,7 +99,7 @@ def eager_synced(path, n, num_rows, reps, reference=None) -> dict:
         ids = torch.randint(0, num_rows, (n,), device="cuda")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        path.lookup(ids, out=out)
+        path.lookup(ids, out=out.view(path.dtype))
         torch.cuda.synchronize()
         if k >= 3:
             times.append(time.perf_counter() - t0)
@@ -100,12 +112,13 @@ def host_cost(path, num_rows, calls=300) -> float:
     """Wall time per call of back-to-back eager 16-row calls into one out, one sync at the end."""
     out = torch.empty((16, 160), dtype=torch.uint8, device="cuda")
     batches = [torch.randint(0, num_rows, (16,), device="cuda") for _ in range(calls)]
+    view = out.view(path.dtype)
     for ids in batches[:20]:
-        path.lookup(ids, out=out)
+        path.lookup(ids, out=view)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for ids in batches:
-        path.lookup(ids, out=out)
+        path.lookup(ids, out=view)
     elapsed = time.perf_counter() - t0
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
@@ -118,12 +131,12 @@ def graph_replay(path, n, num_rows, reps, reference) -> dict:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        path.lookup(ids, out=out)
+        path.lookup(ids, out=out.view(path.dtype))
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        path.lookup(ids, out=out)
+        path.lookup(ids, out=out.view(path.dtype))
     times = []
     for k in range(reps + 3):
         ids.copy_(torch.randint(0, num_rows, (n,), device="cuda"))
@@ -158,7 +171,7 @@ def overlap(table, num_rows, reference, reps) -> dict:
             return x
 
         def lookup():
-            table.lookup(ids, out=out)
+            table.lookup(ids, out=out.view(table.dtype))
 
         def serial():
             x = work()
@@ -243,11 +256,11 @@ def cold(table, num_rows, reference, reps) -> dict:
     n = 1024
     ids = torch.randint(0, num_rows, (n,), device="cuda")
     out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
-    table.lookup(ids, out=out)
+    table.lookup(ids, out=out.view(table.dtype))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        table.lookup(ids, out=out)
+        table.lookup(ids, out=out.view(table.dtype))
     result = {"cold": [], "warm": []}
     faults = {"cold": [], "warm": []}
     for _ in range(reps):
@@ -320,7 +333,8 @@ def main() -> int:
     saved, registered.bulk_rows = registered.bulk_rows, None
     result["registered_kernel_only_131072"] = eager_synced(registered, 131072, num_rows, args.reps, resident)
     registered.bulk_rows = saved
-    result["host_cost_us_16_rows"] = {name: host_cost(path, num_rows) for name, path in paths.items()}
+    costs = {**paths, "GpuGather.gather alone (registered)": KernelCall(registered)}
+    result["host_cost_us_16_rows"] = {name: host_cost(path, num_rows) for name, path in costs.items()}
     print("host cost", result["host_cost_us_16_rows"], flush=True)
     result["overlap_cpu_mode"] = overlap(cpu, num_rows, resident, args.reps)
     if not args.skip_cold:

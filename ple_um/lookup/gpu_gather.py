@@ -14,8 +14,11 @@ import torch
 
 from ple_um.checkpoint import ShardLayout
 from ple_um.kernels import DirectLaunch, gather_nvfp4, gather_rows
-from ple_um.kernels.gather import _gather_kernel
+from ple_um.kernels.gather import ROWS_PER_PROGRAM, _gather_kernel
 from ple_um.kernels.gather_nvfp4 import _gather_nvfp4_kernel
+from ple_um.kernels.launch import bind, hooks_set
+
+_BIG = 1 << 31  # batches this big take 64-bit sizes: another compiled kernel
 
 
 class GpuGather:
@@ -51,13 +54,37 @@ class GpuGather:
         self._block_scales = DirectLaunch(_gather_kernel)
         self._nvfp4 = DirectLaunch(_gather_nvfp4_kernel)
         self.launch = self._rows.why_not or "direct (through the compiled kernel's launcher)"
+        # (ids dtype, out dtype, out address mod 8, 64-bit batch) -> a bound launcher (launch.bind)
+        self._bound: dict[tuple, object] = {}
+        self._index = device.index
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor, **shape) -> torch.Tensor:
-        """Flat ids (on the device) into ``out`` [n, row_dim]: raw when out has the storage dtype,
-        else dequantized (NVFP4: decoded; raw is the packed bytes, [n, row_bytes]). ``shape``: the
-        kernel's program shape (``rows_per_program``, ``num_warps``), for measurements (a shape
-        other than the default is launched through Triton's own launch)."""
+        """Flat ids (on the device, contiguous) into ``out`` [n, row_dim] (contiguous): raw when out
+        has the storage dtype, else dequantized (NVFP4: decoded; raw is the packed bytes, [n,
+        row_bytes]). After the first call of a kind the kernel is launched by address (``bind``).
+        ``shape``: the kernel's program shape (``rows_per_program``, ``num_warps``), for
+        measurements (a shape other than the default is launched through Triton's own launch)."""
+        n = ids.numel()
+        out_ptr = out.data_ptr()
+        key = (ids.dtype, out.dtype, out_ptr & 7, n >= _BIG)
+        launch = self._bound.get(key)
+        if launch is not None and not shape and torch._C._cuda_getDevice() == self._index and not hooks_set():
+            if n:
+                launch(ids.data_ptr(), out_ptr, n)
+            return out
+        return self._gather(ids, out, key, shape)
+
+    def _gather(self, ids: torch.Tensor, out: torch.Tensor, key: tuple, shape: dict) -> torch.Tensor:
+        """Triton's launch (the first call of a kind, another program shape, another device)."""
         layout = self.layout
+        keep = not shape and (self.device.type != "cuda" or torch.cuda.current_device() == self._index)
+
+        def on_compiled(compiled, args, ids_at=1, n_at=4):
+            if keep:
+                self._bound[key] = bind(
+                    compiled, args, ids_at=ids_at, n_at=n_at, rows_per_program=ROWS_PER_PROGRAM
+                )
+
         if self.scale_bases is not None and out.dtype != layout.dtype:
             return gather_nvfp4(
                 self.bases,
@@ -72,6 +99,7 @@ class GpuGather:
                 rows_per_shard=layout.rows_per_shard,
                 row_dim=layout.row_dim,
                 launch=None if shape else self._nvfp4,
+                on_compiled=lambda compiled, args: on_compiled(compiled, args, 2, 6),
                 **shape,
             )
         return gather_rows(
@@ -88,6 +116,7 @@ class GpuGather:
             base_align=self.base_align,
             scale=self.scale if out.dtype != layout.dtype else None,
             launch=None if shape else self._rows,
+            on_compiled=on_compiled,
             **shape,
         )
 

@@ -213,7 +213,8 @@ def test_torch_compile_fullgraph(tables, mode, open_mode, ids_for, rng, device):
             sums = compiled(ids, out)
             want = expected(layout, ids_np, torch.bfloat16)
             assert same(out, want)
-            assert torch.allclose(sums.cpu(), want.float().sum(dim=-1))
+            # The rows are exact (above); the sums differ only by the order of float additions.
+            assert torch.allclose(sums.cpu(), want.float().sum(dim=-1), rtol=1e-4, atol=1e-3)
 
 
 def test_a_host_node_lookup_does_not_wait_for_the_device(tables, open_mode, ids_for, rng, device):
