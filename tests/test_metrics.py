@@ -47,23 +47,11 @@ def counters(mode: str) -> dict[str, float]:
     return {key: sample(key, mode) for key in (*COUNTED, *metrics.PHASES, "lookup_seconds")}
 
 
-def lookup_and_feed(table, feed: metrics.LookupMetrics, ids: torch.Tensor) -> None:
-    """A lookup, and the metrics call the table makes after it (made here until table.py makes it
-    itself: then ``table.metrics`` exists and this adds nothing)."""
-    table.lookup(ids)
-    if hasattr(table, "metrics"):
-        return
-    flat = ids.reshape(-1)
-    bad = int(((flat < 0) | (flat >= table.num_rows)).sum())
-    feed.observe(flat.numel(), flat.numel() * table.layout.row_bytes, bad, table.cpu.last_phases)
-
-
 # -- counters ------------------------------------------------------------------------------------
 def test_cpu_counters_rise_by_exactly_the_rows_looked_up(make_checkpoint):
     layout = make_checkpoint(num_rows=5000, row_dim=32, shards=8)
     rng = np.random.default_rng(7)
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        feed = metrics.LookupMetrics(table.mode)
         before, stats0 = counters("cpu"), table.stats()
         aliases0 = {key: sample(key, "cpu", alias=True) for key in ("lookups", "rows", "bytes")}
         sizes, bad_total = (1, 17, 300, 4096, 9000), 0
@@ -73,9 +61,7 @@ def test_cpu_counters_rise_by_exactly_the_rows_looked_up(make_checkpoint):
             ids[bad[::2]] = -3
             ids[bad[1::2]] = layout.num_rows + 11
             bad_total += int(((ids < 0) | (ids >= layout.num_rows)).sum())
-            lookup_and_feed(
-                table, feed, torch.from_numpy(ids).view(-1, 1) if n > 1 else torch.from_numpy(ids)
-            )
+            table.lookup(torch.from_numpy(ids).view(-1, 1) if n > 1 else torch.from_numpy(ids))
         after, stats1 = counters("cpu"), table.stats()
 
     rows = sum(sizes)
@@ -169,11 +155,10 @@ def test_stats_line_is_windowed(make_checkpoint):
     clock, lines = Clock(), []
     reporter = metrics.StatsReporter(30, emit=lines.append, clock=clock)
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        feed = metrics.LookupMetrics(table.mode)
-        watch = reporter.add(table.stats, feed, table.mapping.residency)
+        watch = reporter.add(table.stats, table.metrics, table.mapping.residency)
         for n in (100, 200):
-            lookup_and_feed(table, feed, torch.arange(n) * 3)
-        lookup_and_feed(table, feed, torch.tensor([-1, 5, 4000, 7]))
+            table.lookup(torch.arange(n) * 3)
+        table.lookup(torch.tensor([-1, 5, 4000, 7]))
         clock.now += 30
         line = reporter.tick()
         m = LINE.match(line)
@@ -184,12 +169,12 @@ def test_stats_line_is_windowed(make_checkpoint):
 
         clock.now += 30
         assert reporter.tick() is None  # nothing looked up: no line
-        lookup_and_feed(table, feed, torch.arange(50))
+        table.lookup(torch.arange(50))
         clock.now += 10
         m = LINE.match(reporter.tick())
         assert m.groups()[:4] == ("10", "1", "50", "5")  # only this window's figures
 
-        lookup_and_feed(table, feed, torch.arange(20))
+        table.lookup(torch.arange(20))
         watch.close()  # the table's last window shows in the next line
         clock.now += 5
         line = reporter.tick()
@@ -205,9 +190,8 @@ def test_stats_line_thread_and_residency_gauge(make_checkpoint):
     reporter = metrics.StatsReporter(0.05, emit=lines.append).start()
     try:
         with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-            feed = metrics.LookupMetrics(table.mode)
-            watch = reporter.add(table.stats, feed, table.mapping.residency)
-            lookup_and_feed(table, feed, torch.arange(64))
+            watch = reporter.add(table.stats, table.metrics, table.mapping.residency)
+            table.lookup(torch.arange(64))
             deadline = time.monotonic() + 10
             while not lines and time.monotonic() < deadline:
                 time.sleep(0.02)
