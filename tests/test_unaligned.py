@@ -11,8 +11,8 @@ poisoned output, is compared with what the ``safetensors`` package reads from th
 The cpu mode runs the host gather; ats and device run the kernel under the Triton interpreter,
 registered through the injected registration of test_reliability.py. The interpreter does not
 fault on a misaligned load as a GPU does, so the kernel's loads are read from the launch
-(``watch_loads``): none may be misaligned. scripts/gpu_check_formats.py --unaligned runs the same
-tables on a GPU.
+(``watch_loads``): none may be misaligned. ``scripts/gpu_check_formats.py --formats unaligned``
+runs the same kind of tables on a GPU.
 """
 
 from __future__ import annotations
