@@ -173,24 +173,35 @@ def rewrite_header(path: str, change) -> None:
         f.write(blob[:8] + raw + b" " * (length - len(raw)) + blob[8 + length :])
 
 
-@pytest.mark.parametrize("case", ["past the end", "overlapping the odd-sized tensor before it"])
+@pytest.mark.parametrize("case", ["past the end", "overlapping"])
 @pytest.mark.parametrize("dtype", ["bf16", "nvfp4"])
 def test_broken_offsets_are_still_refused_with_file_and_tensor(tmp_path, dtype, case):
+    # The third file (shards 0-1, 2, 3, 4 in four files): a 5-byte tensor, then shard 3 (and its
+    # block scales for NVFP4), all at odd offsets. Each break leaves the rest of the data covered,
+    # so the break is the only fault.
     write_checkpoint(tmp_path, num_rows=53, row_dim=TABLES[dtype], dtype=dtype, shards=5, files=4)
     misalign_checkpoint(tmp_path)
-    layout = read_layout(str(tmp_path))
-    shard = layout.shards[2]  # the third file's only shard, after a 5-byte tensor
+    path = read_layout(str(tmp_path)).shards[3].path
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    lead, after, last = names[0], names[1], names[-1]
+    assert header[lead]["shape"] == [5] and header[after]["data_offsets"][0] == 5
 
     def change(header):
-        a, b = header[shard.tensor]["data_offsets"]
-        if case == "past the end":
-            size = os.path.getsize(shard.path)
-            header[shard.tensor]["data_offsets"] = [size, size + b - a]
-        else:
-            header[shard.tensor]["data_offsets"] = [a - 3, b - 3]
+        if case == "past the end":  # the last tensor one row longer than the file holds
+            rows, width = header[last]["shape"]
+            a, b = header[last]["data_offsets"]
+            header[last]["shape"] = [rows + 1, width]
+            header[last]["data_offsets"] = [a, b + (b - a) // rows]
+        else:  # the odd-sized tensor three bytes longer, over the start of the next one
+            header[lead]["shape"] = [8]
+            header[lead]["data_offsets"] = [0, 8]
 
-    rewrite_header(shard.path, change)
+    rewrite_header(path, change)
+    named = last if case == "past the end" else after
     for mode in ("cpu", "ats"):
         with pytest.raises(CheckpointError) as info:
             ple_um.open_table(tmp_path, mode=mode, device="cpu")
-        assert (info.value.path, info.value.tensor) == (shard.path, shard.tensor), str(info.value)
+        assert (info.value.path, info.value.tensor) == (path, named), str(info.value)
