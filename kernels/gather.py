@@ -3,10 +3,12 @@
 The table never lives in a torch tensor: ``bases`` is a device tensor of int64 addresses, one per
 shard, each the address (device pointer of a registered mapping, a host address under ATS or the
 interpreter, or a device allocation) of the shard's local row 0. A row is read as words of
-``WORD_BITS`` (8 bytes when the rows and the addresses allow), ``ROWS`` rows per program. Rows
-outside the owned range and ids outside the table are never read: they come back as zeros, and
-ids outside the table are counted on the device (no host sync), as are the rows looked up, so
-replays of a captured CUDA graph are counted too.
+``WORD_BITS`` (8 bytes when the rows and the addresses allow), ``ROWS`` rows per program. A word is
+never wider than the alignment the caller gives, since a GPU faults on a misaligned load: a 16-bit
+table whose data starts at an odd byte is read in bytes, two to an element. Rows outside the
+owned range and ids outside the table are never read: they come back as zeros, and ids outside
+the table are counted on the device (no host sync), as are the rows looked up, so replays of a
+captured CUDA graph are counted too.
 """
 
 from __future__ import annotations
@@ -126,22 +128,38 @@ def _gather_kernel(
     row_ptr = base.to(tl.pointer_type(word_ty)) + local * row_words
     w = tl.arange(0, WORDS)
     in_row = w < row_words
-    words = tl.load(row_ptr[:, None] + w[None, :], mask=owned[:, None] & in_row[None, :], other=0)
     if not DEQUANT:
+        words = tl.load(row_ptr[:, None] + w[None, :], mask=owned[:, None] & in_row[None, :], other=0)
         dst = out_ptr + rows[:, None] * row_words + w[None, :]
         tl.store(dst, words, mask=in_batch[:, None] & in_row[None, :])
     else:
-        PER_WORD: tl.constexpr = WORD_BITS // ELEM_BITS
-        shift = (tl.arange(0, PER_WORD) * ELEM_BITS).to(word_ty)
-        # Narrow to int32 before masking: the mask of a 16-bit element in a 16-bit word (a 16-bit
-        # table whose rows or bases are only 2-aligned) is out of range for int16.
-        elems = (words[:, :, None] >> shift[None, None, :]).to(tl.int32) & ((1 << ELEM_BITS) - 1)
-        elems = tl.reshape(elems, (ROWS, WORDS * PER_WORD))
+        if WORD_BITS >= ELEM_BITS:
+            PER_WORD: tl.constexpr = WORD_BITS // ELEM_BITS
+            COLS: tl.constexpr = WORDS * PER_WORD
+            words = tl.load(row_ptr[:, None] + w[None, :], mask=owned[:, None] & in_row[None, :], other=0)
+            shift = (tl.arange(0, PER_WORD) * ELEM_BITS).to(word_ty)
+            # Narrow to int32 before masking: the mask of a 16-bit element in a 16-bit word (a 16-bit
+            # table whose rows or bases are only 2-aligned) is out of range for int16.
+            elems = (words[:, :, None] >> shift[None, None, :]).to(tl.int32) & ((1 << ELEM_BITS) - 1)
+            elems = tl.reshape(elems, (ROWS, COLS))
+            row_dim = row_words * PER_WORD
+        else:
+            # Words narrower than an element (a 16-bit table whose data starts at an odd byte: bytes):
+            # each element is put together from its words, the lowest first (little-endian), so no
+            # load is wider than the alignment the table was given.
+            PER_ELEM: tl.constexpr = ELEM_BITS // WORD_BITS
+            COLS: tl.constexpr = WORDS // PER_ELEM
+            row_dim = row_words // PER_ELEM
+            e = tl.arange(0, COLS)
+            m = owned[:, None] & (e < row_dim)[None, :]
+            elems = tl.zeros((ROWS, COLS), dtype=tl.int32)
+            for k in tl.static_range(PER_ELEM):
+                part = tl.load(row_ptr[:, None] + (e * PER_ELEM + k)[None, :], mask=m, other=0)
+                elems |= (part.to(tl.int32) & ((1 << WORD_BITS) - 1)) << (k * WORD_BITS)
         val = _decode(elems, STORAGE)
         if HAS_SCALE:
             val = val * tl.load(scale_ptr)
-        col = tl.arange(0, WORDS * PER_WORD)
-        row_dim = row_words * PER_WORD
+        col = tl.arange(0, COLS)
         dst = out_ptr + rows[:, None] * row_dim + col[None, :]
         if OUT_BF16:
             val = _to_bf16_bits(val)

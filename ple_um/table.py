@@ -622,14 +622,6 @@ def open_table(
         raise ValueError(f"rows={rows!r} must be two integers (start, end)") from None
     if not 0 <= start <= end <= layout.num_rows:
         raise ValueError(f"rows={rows!r} must satisfy 0 <= start <= end <= num_rows ({layout.num_rows})")
-    itemsize = torch.tensor([], dtype=layout.dtype).element_size()
-    for spec in layout.shards:
-        if spec.rows and spec.offset % itemsize:
-            raise CheckpointError(
-                f"tensor data starts at byte {spec.offset}, not aligned to its {itemsize}-byte elements",
-                path=spec.path,
-                tensor=spec.tensor,
-            )
     dev = resolve_device(device)
     caps = read_capabilities(dev)
     budget = pin_budget()

@@ -160,6 +160,57 @@ def assert_same_bits():
     return _assert_same_bits
 
 
+class LoadWatch:
+    """The loads the Triton interpreter makes while watched: for each load, the width of its
+    elements in bits and the addresses it reads (masked-off lanes left out). A GPU faults on a
+    load whose address is not a multiple of its width and the interpreter does not, so tests read
+    the widths and addresses of the launch here instead."""
+
+    def __init__(self) -> None:
+        self.loads: list[tuple[int, np.ndarray]] = []
+
+    def _seen(self) -> list[tuple[int, np.ndarray]]:
+        # Nothing seen means the hook no longer reaches the interpreter's loads: fail, never pass.
+        assert self.loads, "no kernel load was seen (the interpreter hook no longer applies)"
+        return self.loads
+
+    def misaligned(self) -> list[tuple[int, int]]:
+        """(bits, first address) of each load some address of which is not a multiple of its width."""
+        return [
+            (bits, int(a[a % (bits // 8) != 0][0])) for bits, a in self._seen() if (a % (bits // 8)).any()
+        ]
+
+    def row_widths(self, bases, mapping) -> set[int]:
+        """Widths of the loads that read the owned rows of ``mapping`` through per-shard ``bases``
+        (addresses of each shard's local row 0, as the kernel receives them: a list or a tensor)."""
+        bases = [int(b) for b in bases]
+        rb = mapping.layout.row_bytes
+        ranges = [(bases[i] + o.lo * rb, bases[i] + o.hi * rb) for i, o in mapping.owned.items()]
+        return {bits for bits, a in self._seen() if any(((a >= lo) & (a < hi)).any() for lo, hi in ranges)}
+
+    def clear(self) -> None:
+        self.loads.clear()
+
+
+@pytest.fixture
+def watch_loads(monkeypatch):
+    """A ``LoadWatch`` of every load the Triton interpreter makes during the test."""
+    from triton.runtime import interpreter
+
+    watch = LoadWatch()
+    builder = interpreter.interpreter_builder
+    load = builder.create_masked_load
+
+    def watched(ptrs, mask, *args, **kwargs):
+        addrs = np.asarray(ptrs.data).astype(np.uint64)
+        lanes = np.broadcast_to(np.asarray(mask.data, dtype=bool), addrs.shape)
+        watch.loads.append((ptrs.get_element_ty().primitive_bitwidth, addrs[lanes]))
+        return load(ptrs, mask, *args, **kwargs)
+
+    monkeypatch.setattr(builder, "create_masked_load", watched)
+    return watch
+
+
 @pytest.fixture
 def check_rows():
     """``check_rows(got, layout, ids, rows=None)``: assert that ``got`` is exactly the lookup of

@@ -4,7 +4,9 @@
 - ``reference_nvfp4``: an NVFP4 table's rows decoded as vLLM's CPU path does, by a NumPy decoder
   written from the format (``decode_e2m1``, ``decode_e4m3``), files read with open/seek/read.
 - ``encode_safetensors`` / ``write_safetensors`` / ``write_raw``: safetensors files built byte by
-  byte, sound or deliberately broken.
+  byte, sound or deliberately broken; ``misalign_checkpoint``: a checkpoint's files rewritten so
+  their tensors start at odd bytes, as exporters other than the safetensors package may lay them.
+- ``safetensors_table``: a table's tensors as the ``safetensors`` package itself reads them.
 - ``drop_page_cache`` and ``maps_of``: the page cache and this process's mappings of a table's
   files, read or changed through the OS alone.
 
@@ -80,6 +82,20 @@ def decode_e4m3(raw) -> np.ndarray:
     return value.astype(np.float32)
 
 
+def decode_nvfp4(packed, block_scales, global_scale) -> np.ndarray:
+    """float32 ``[..., 2 * packed.shape[-1]]``: NVFP4 rows decoded as vLLM's CPU path does, from
+    their packed bytes (uint8 ``[..., D/2]``, element 2j in the low nibble of byte j), their E4M3
+    block-scale bytes (``[..., D/16]``) and the global scale: ``e2m1 * (e4m3_scale * global_scale)``,
+    the product of the scales first, all in float32."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    codes = np.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=np.uint8)
+    codes[..., 0::2] = packed & 0x0F
+    codes[..., 1::2] = packed >> 4
+    values = decode_e2m1(codes).reshape(*packed.shape[:-1], -1, NVFP4_BLOCK)
+    scales = decode_e4m3(block_scales) * np.float32(global_scale)  # float32
+    return (values * scales[..., None]).reshape(codes.shape)
+
+
 def reference_nvfp4(
     layout, ids, rows: tuple[int, int] | None = None, out_dtype=torch.bfloat16
 ) -> torch.Tensor:
@@ -118,13 +134,9 @@ def reference_nvfp4(
             shard, blocks = layout.shards[index], layout.block_scales[index]
             local = row - index * layout.rows_per_shard
             assert shard.index == blocks.index == index and 0 <= local < shard.rows == blocks.rows
-            packed = read(shard, local, packed_bytes)
-            codes = np.empty(dim, dtype=np.uint8)
-            codes[0::2] = packed & 0x0F  # element 2j: the low nibble of byte j
-            codes[1::2] = packed >> 4  # element 2j + 1: the high nibble
-            values = decode_e2m1(codes).reshape(scale_bytes, NVFP4_BLOCK)
-            scales = decode_e4m3(read(blocks, local, scale_bytes)) * global_scale  # float32
-            out[k] = (values * scales[:, None]).reshape(dim)
+            out[k] = decode_nvfp4(
+                read(shard, local, packed_bytes), read(blocks, local, scale_bytes), global_scale
+            )
     finally:
         for f in handles.values():
             f.close()
@@ -172,6 +184,75 @@ def write_raw(
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
     return os.fspath(path)
+
+
+def misalign_checkpoint(directory: str | os.PathLike, *, starts=(7, 1, 2, 4), leads=(3, 0, 5, 1)) -> None:
+    """Rewrite the safetensors files of the checkpoint at ``directory`` (sorted by name; file ``k``
+    takes ``starts[k % len(starts)]`` and ``leads[k % len(leads)]``) so that nothing lies aligned:
+    the header is padded with spaces until the data section starts at ``start`` mod 8 (not at 0),
+    and, when ``lead`` is not 0, an unrelated U8 tensor of ``lead`` bytes comes first in the data.
+    Every tensor keeps its bytes and its order, the data stays covered without holes, and the
+    index (``model.safetensors.index.json``, when there is one) names the added tensors."""
+    directory = os.fspath(directory)
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    index = None
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+    for k, name in enumerate(names):
+        path = os.path.join(directory, name)
+        with open(path, "rb") as f:
+            blob = f.read()
+        (length,) = struct.unpack("<Q", blob[:8])
+        old = json.loads(blob[8 : 8 + length])
+        start, lead = starts[k % len(starts)], leads[k % len(leads)]
+        header: dict[str, object] = {}
+        if "__metadata__" in old:
+            header["__metadata__"] = old.pop("__metadata__")
+        lead_data = b""
+        if lead:
+            lead_name = f"unaligned.lead_{k}"
+            header[lead_name] = {"dtype": "U8", "shape": [lead], "data_offsets": [0, lead]}
+            lead_data = bytes((7 * i + k) % 256 for i in range(lead))
+            if index is not None:
+                index["weight_map"][lead_name] = name
+        for tensor, meta in sorted(old.items(), key=lambda item: item[1]["data_offsets"]):
+            a, b = meta["data_offsets"]
+            header[tensor] = dict(meta, data_offsets=[a + lead, b + lead])
+        raw = json.dumps(header).encode()
+        raw += b" " * ((start - 8 - len(raw)) % 8)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw + lead_data + blob[8 + length :])
+    if index is not None:
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+
+
+def safetensors_table(layout) -> dict[str, torch.Tensor]:
+    """The table of ``layout`` as the ``safetensors`` package reads its files (``safe_open``):
+    ``rows`` [num_rows, width] in the shards' dtype (packed uint8 for NVFP4), the shards
+    concatenated in index order; for NVFP4 also ``block_scales`` (float8_e4m3fn [num_rows,
+    row_dim // 16]); ``scale``, a float32 0-dim tensor, when the table has one."""
+    from safetensors import safe_open
+
+    def read(specs) -> torch.Tensor:
+        parts = []
+        for spec in specs:
+            with safe_open(spec.path, framework="pt") as f:
+                parts.append(f.get_tensor(spec.tensor))
+        return torch.cat(parts)
+
+    table = {"rows": read(layout.shards)}
+    if layout.block_scales:
+        table["block_scales"] = read(layout.block_scales)
+    if layout.scale_tensor is not None:
+        for name in sorted(os.listdir(layout.directory)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(layout.directory, name), framework="pt") as f:
+                    if layout.scale_tensor in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+                        table["scale"] = f.get_tensor(layout.scale_tensor).float()
+    return table
 
 
 def tensor_bytes(dtype: str, shape: list[int], fill: int | None = None, seed: int = 0) -> bytes:

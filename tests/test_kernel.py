@@ -3,7 +3,9 @@
 The kernel reads rows through the host addresses of a real MappedShards over real safetensors files
 (no mock); every element of every output is compared with the reference reader's bytes, outputs are
 poisoned first, and each word size the kernel chooses (8, 4, 2, 1 bytes) is exercised, raw and
-dequantized, at every shard boundary, with masked rows and ids outside the table.
+dequantized, at every shard boundary, with masked rows and ids outside the table; 16-bit rows at odd
+addresses too, put together from bytes. The words a launch read are read from the launch itself
+(conftest's ``watch_loads``), and none may be wider than its address's alignment.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import struct
 import numpy as np
 import pytest
 import torch
-from reference import write_safetensors
+from reference import misalign_checkpoint, write_safetensors
 
 import ple_um
 from ple_um.access.capabilities import triton_interpreter
 from ple_um.checkpoint import read_layout
 from ple_um.kernels import gather_rows
-from ple_um.kernels.gather import ROWS_PER_PROGRAM, word_bits_for
+from ple_um.kernels.gather import ROWS_PER_PROGRAM
 from ple_um.mapping import MappedShards
 from ple_um.synthetic import scale_name, shard_name, shard_rows, write_checkpoint
 
@@ -51,7 +53,9 @@ def write_aligned(path, *, num_rows: int, row_dim: int, dtype: str, shards: int,
     return read_layout(str(path))
 
 
-# name: (dtype, num_rows, row_dim, shards, files, word bits the kernel must pick for raw rows)
+# name: (dtype, num_rows, row_dim, shards, files, the word bits the kernel must read rows in);
+# files "aligned": write_aligned; "odd": the synthetic files rewritten by misalign_checkpoint, so
+# that rows start at odd bytes (16-bit elements are then put together from bytes).
 LAYOUTS = {
     "fp8-rb7-w8": ("fp8", 150, 7, 4, None, 8),
     "fp8-rb6-w16": ("fp8", 150, 6, 4, None, 16),  # the last file's FP8 data lies 4 mod 8
@@ -63,6 +67,8 @@ LAYOUTS = {
     "f16-rb48-w64": ("f16", 150, 24, 5, 2, 64),
     "fp8-aligned-w64": ("F8_E4M3", 150, 16, 3, "aligned", 64),
     "e5m2-aligned-w64": ("F8_E5M2", 150, 16, 3, "aligned", 64),
+    "bf16-odd-w8": ("bf16", 150, 5, 4, "odd", 8),
+    "f16-odd-w8": ("f16", 150, 4, 3, "odd", 8),
 }
 
 
@@ -88,9 +94,13 @@ def layouts(tmp_path_factory):
                     row_dim=row_dim,
                     dtype=dtype,
                     shards=shards,
-                    files=files,
+                    files=None if files == "odd" else files,
                     seed=seed,
                 )
+                if files == "odd":
+                    misalign_checkpoint(path)
+                    made[name] = read_layout(str(path))
+                    assert any(s.offset % 2 for s in made[name].shards)
         return made[name]
 
     return get
@@ -162,19 +172,18 @@ def oob_count(layout, ids) -> int:
 # -- tests ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=OUT_IDS)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_word_size_at_shard_boundaries(layouts, name, out_dtype, rng, check_rows, poison):
+def test_every_word_size_at_shard_boundaries(layouts, name, out_dtype, rng, check_rows, poison, watch_loads):
     layout = layouts(name)
     out_dtype = out_dtype or layout.dtype
     ids_list = boundary_ids(layout) + rng.integers(-5, layout.num_rows + 5, 200).tolist()
     ids = torch.tensor(ids_list, dtype=torch.int64)[torch.from_numpy(rng.permutation(len(ids_list)))]
     with MappedShards(layout) as mapping:
         out = poison(torch.empty((ids.numel(), layout.row_dim), dtype=out_dtype))
-        raw = out_dtype == layout.dtype
-        bits = word_bits_for(owned_alignment(mapping), layout.row_bytes, out.data_ptr() if raw else 8)
-        assert bits == (
-            LAYOUTS[name][-1] if raw else word_bits_for(owned_alignment(mapping), layout.row_bytes)
-        )
         counters = gather(mapping, ids, out)
+        # The words the launch read the rows in (out is 64-byte aligned: only the table limits
+        # them), and no load wider than its address's alignment, which a GPU would fault on.
+        assert watch_loads.row_widths(mapping.host_bases(), mapping) == {LAYOUTS[name][-1]}
+        assert watch_loads.misaligned() == []
     check_rows(out, layout, ids)
     assert counters.tolist() == [ids.numel(), oob_count(layout, ids)]
 
@@ -224,18 +233,29 @@ def test_every_fp8_byte_dequantized_bit_for_bit(
     assert (out[raw == 0x01] == tiny_expect.to(out_dtype)).all()
 
 
+PLACEMENTS = ["aligned", "odd"]  # the synthetic writer's files, or rewritten by misalign_checkpoint
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=OUT_IDS)
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_every_16bit_pattern(tmp_path_factory, dtype, out_dtype, rng, check_rows, poison, expected_rows):
-    layout = write_checkpoint(
-        tmp_path_factory.mktemp("patterns"), num_rows=1030, row_dim=64, dtype=dtype, shards=3
-    )
+def test_every_16bit_pattern(
+    tmp_path_factory, dtype, out_dtype, placement, rng, check_rows, poison, expected_rows, watch_loads
+):
+    path = tmp_path_factory.mktemp("patterns")
+    layout = write_checkpoint(path, num_rows=1030, row_dim=64, dtype=dtype, shards=3)
+    if placement == "odd":
+        misalign_checkpoint(path)
+        layout = read_layout(str(path))
+        assert any(s.offset % 2 for s in layout.shards)
     fill_all_patterns(layout)
     out_dtype = out_dtype or layout.dtype
     ids = torch.from_numpy(rng.permutation(layout.num_rows))
     with MappedShards(layout) as mapping:
         out = poison(torch.empty((ids.numel(), layout.row_dim), dtype=out_dtype))
         gather(mapping, ids, out)
+        assert watch_loads.row_widths(mapping.host_bases(), mapping) == {64 if placement == "aligned" else 8}
+        assert watch_loads.misaligned() == []
     assert len(expected_rows(layout, ids).view(torch.int16).unique()) == 65536
     check_rows(out, layout, ids)
 
@@ -344,19 +364,21 @@ def test_raw_rows_into_an_unaligned_buffer(layouts, rng, check_rows, poison):
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=OUT_IDS)
 @pytest.mark.parametrize(
-    "name", ["fp8-rb7-w8", "bf16-rb6-w16", "fp8-rb24-w32", "fp8-aligned-w64", "f16-rb48-w64"]
+    "name", ["fp8-rb7-w8", "bf16-rb6-w16", "fp8-rb24-w32", "fp8-aligned-w64", "f16-rb48-w64", "bf16-odd-w8"]
 )
-def test_ats_table_runs_the_kernel(layouts, name, out_dtype, rng, check_rows):
+def test_ats_table_runs_the_kernel(layouts, name, out_dtype, rng, check_rows, watch_loads):
     layout = layouts(name)
     in_int32 = [i for i in boundary_ids(layout) if abs(i) < 2**31]
     ids = torch.tensor(in_int32 + rng.integers(0, layout.num_rows, 40).tolist(), dtype=torch.int32)
     ids = ids[: (ids.numel() // 4) * 4].reshape(4, -1)  # 2-D int32 ids
     with ple_um.open_table(layout.directory, mode="ats", device="cpu") as table:
         assert table.mode == "ats" and table.gpu is not None
-        # The table's base alignment picks the same word size as the module's expectation.
-        raw_bits = word_bits_for(table.gpu.base_align, layout.row_bytes)
-        assert raw_bits == LAYOUTS[name][-1]
+        watch_loads.clear()  # the open's self-test launched the kernel too: this reads the lookup's
         out = table.lookup(ids, out_dtype=out_dtype)
+        # The table's alignment let the launch read its rows in the words the module expects, and
+        # no load was wider than its address's alignment.
+        assert watch_loads.row_widths(table.gpu.bases, table.mapping) == {LAYOUTS[name][-1]}
+        assert watch_loads.misaligned() == []
         assert out.shape == (*ids.shape, layout.row_dim)
         check_rows(out, layout, ids)
         assert table.stats()["out_of_range"] == oob_count(layout, ids)

@@ -4,6 +4,8 @@ tests/reference.py, bit for bit, on real files; packed rows and block scales aga
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -108,11 +110,22 @@ def test_bulk_sized_cpu_lookup(nvfp4, rng, monkeypatch):
     assert torch.equal(got, reference_nvfp4(nvfp4, ids, out_dtype=torch.float32))
 
 
+ROW_0_DIFFERS = r"self-test: 1 of \d+ sample rows differ from the file \(first: 0\)"
+
+
 def test_self_test_covers_both_tensors(nvfp4):
-    with ple_um.open_table(nvfp4.directory, mode="ats", device="cpu") as table:
+    # The device mode's copies are tensors the test can change: a wrong byte in either the packed
+    # rows or the block scales of row 0 (which every self-test samples) must be reported.
+    with ple_um.open_table(nvfp4.directory, mode="device", device="cpu") as table:
         assert table.self_test(64) is None
         assert table.stats()["rows"] == 0
         assert table.stats()["mapped_bytes"] > table.mapping.mapped_bytes  # the block scales too
+        for copy in (table.scale_device_copy, table.device_copy):
+            copy[0] ^= 0x10
+            why = table.self_test(64)
+            assert why is not None and re.fullmatch(ROW_0_DIFFERS, why), why
+            copy[0] ^= 0x10
+            assert table.self_test(64) is None
 
 
 def test_operating_counts_the_block_scales(nvfp4):

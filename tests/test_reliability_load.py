@@ -97,15 +97,15 @@ class Reference:
 def hammer(table, ref: Reference, *, threads: int, seconds: float, sizes: tuple[int, int], seed: int):
     """``threads`` threads look up random batches (sizes in ``[lo, hi]``, with duplicates and ids
     outside the table) for ``seconds``, raw and dequantized, allocating or into ``out``; every
-    result is checked. Returns (lookups, ids, mismatches, errors)."""
+    result is checked. Returns (lookups, ids, ids outside the table, mismatches, errors)."""
     n_rows = table.num_rows
-    results = [(0, 0, 0) for _ in range(threads)]
+    results = [(0, 0, 0, 0) for _ in range(threads)]
     errors: list[BaseException] = []
     start = threading.Barrier(threads)
 
     def run(k: int) -> None:
         rng = np.random.default_rng(seed + k)
-        lookups = ids_seen = bad = 0
+        lookups = ids_seen = outside = bad = 0
         try:
             start.wait()
             end = time.monotonic() + seconds
@@ -122,9 +122,10 @@ def hammer(table, ref: Reference, *, threads: int, seconds: float, sizes: tuple[
                     got = table.lookup(tensor, out_dtype=out_dtype)
                 bad += not ref.same(got, ids, out_dtype)
                 lookups, ids_seen = lookups + 1, ids_seen + n
+                outside += int(((ids < 0) | (ids >= n_rows)).sum())
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
-        results[k] = (lookups, ids_seen, bad)
+        results[k] = (lookups, ids_seen, outside, bad)
 
     workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
     for w in workers:
@@ -132,7 +133,7 @@ def hammer(table, ref: Reference, *, threads: int, seconds: float, sizes: tuple[
     for w in workers:
         w.join(timeout=seconds + 300)
     assert not any(w.is_alive() for w in workers), "a lookup thread hangs"
-    return tuple(sum(r[i] for r in results) for i in range(3)) + (errors,)
+    return tuple(sum(r[i] for r in results) for i in range(4)) + (errors,)
 
 
 # -- 8 threads at once ---------------------------------------------------------------------------------
@@ -147,13 +148,16 @@ def test_eight_threads_in_cpu_mode(make_checkpoint, monkeypatch, path, sizes, rn
     )
     ref = Reference(layout)
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        lookups, ids, bad, errors = hammer(
+        lookups, ids, outside, bad, errors = hammer(
             table, ref, threads=8, seconds=2.5, sizes=sizes, seed=int(rng.integers(1 << 30))
         )
         assert not errors, errors[:3]
         assert bad == 0, f"{bad} of {lookups} concurrent lookups differ from the reference"
         assert lookups >= 8
-        # (The cpu mode's counters are not asserted here: see docs/RELIABILITY.md, "known limits".)
+        # The cpu mode counts on the host: every lookup and every id of every thread, exactly.
+        stats = table.stats()
+        assert (stats["lookups"], stats["rows"], stats["out_of_range"]) == (lookups, ids, outside)
+        assert stats["bytes"] == ids * layout.row_bytes
     print(f"cpu {path}: {lookups} lookups, {ids} ids, 8 threads")
 
 
@@ -171,7 +175,7 @@ def test_eight_threads_in_ats_mode(make_checkpoint, monkeypatch, rng):
 
     monkeypatch.setattr(ple_um.lookup.gpu_gather, "gather_rows", serialized)
     with ple_um.open_table(layout.directory, mode="ats", device="cpu") as table:
-        lookups, ids, bad, errors = hammer(
+        lookups, ids, outside, bad, errors = hammer(
             table, ref, threads=8, seconds=2.5, sizes=(1, 40), seed=int(rng.integers(1 << 30))
         )
         assert not errors, errors[:3]
@@ -179,7 +183,7 @@ def test_eight_threads_in_ats_mode(make_checkpoint, monkeypatch, rng):
         assert lookups >= 8
         # The device counters are atomic: every id of every thread is counted.
         stats = table.stats()
-        assert (stats["lookups"], stats["rows"]) == (lookups, ids)
+        assert (stats["lookups"], stats["rows"], stats["out_of_range"]) == (lookups, ids, outside)
     print(f"ats: {lookups} lookups, {ids} ids, 8 threads")
 
 
