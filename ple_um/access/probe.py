@@ -3,7 +3,8 @@
 Each mode declares what it needs (the Liger-Kernel ``reason_if_unsatisfied`` idea): a gate returns
 None when satisfied, else a sentence. ``auto`` takes the first of ats, registered, cpu whose gate
 passes (on an HMM device: registered, ats, cpu; see ``auto_order``); ``device`` is explicit only.
-``open_table`` then self-tests the chosen GPU mode.
+``open_table`` then makes the first read of a guarded mode in a child process
+(``ple_um.access.first_read``) and self-tests the chosen GPU mode.
 
 The ``ats`` mode is the direct read: the kernel dereferences the mapping's host addresses. A
 device offers it in one of two ways, which ``direct_read`` names: hardware coherent (ATS: the GPU
@@ -45,11 +46,15 @@ class ProbeReport:
     pin_budget: int | None = None
     # How this device reads host addresses directly (ATS_DIRECT_READ, HMM_DIRECT_READ, ...), or None.
     direct_read: str | None = None
+    # The first-read verdicts that concern the chosen mode: ple_um.access.first_read.FirstReadVerdict
+    # (an open or a probe of a table sets one; a probe without a table lists the cached ones).
+    first_read: list = field(default_factory=list)
 
     def describe(self) -> str:
         lines = [f"mode: {self.mode}"]
         lines += [f"  not {m}: {why}" for m, why in self.reasons.items()]
         lines.append(f"direct read: {self.direct_read or 'none (the GPU cannot dereference host addresses)'}")
+        lines += [verdict.describe() for verdict in self.first_read]
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -59,6 +64,7 @@ class ProbeReport:
             "capabilities": dict(self.capabilities),
             "pin_budget": self.pin_budget,
             "direct_read": self.direct_read,
+            "first_read": [verdict.as_dict() for verdict in self.first_read],
         }
 
 
@@ -206,7 +212,26 @@ def requested_mode(mode: str) -> str:
     return envs.PLE_UM_MODE if mode == "auto" else mode
 
 
-def probe(device=None, *, table_bytes: int | None = None, mode: str = "auto") -> ProbeReport:
-    """Read the device's capabilities and pick a mode (no self-test: that needs a table)."""
+def probe(
+    device=None,
+    *,
+    table_bytes: int | None = None,
+    mode: str = "auto",
+    path=None,
+    layer: int | None = None,
+    recheck: bool = False,
+) -> ProbeReport:
+    """Read the device's capabilities and pick a mode (no self-test: that needs a table).
+
+    Without ``path`` the report lists the first-read verdicts cached for the chosen mode on this
+    machine. With a checkpoint directory ``path`` the chosen mode's first read is made as an open
+    makes it (from the cache, or in a child process; ``recheck`` ignores the cache), and a mode
+    whose first read fails gives way to the next."""
+    from ple_um.access import first_read  # it builds on this module
+
+    if path is not None:
+        return first_read.probe_table(path, layer=layer, device=device, mode=mode, recheck=recheck)
     caps = read_capabilities(device)
-    return decide(caps, mode=requested_mode(mode), table_bytes=table_bytes, budget=pin_budget())
+    report = decide(caps, mode=requested_mode(mode), table_bytes=table_bytes, budget=pin_budget())
+    report.first_read = first_read.cached_verdicts(report, caps)
+    return report
