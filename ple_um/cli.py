@@ -82,8 +82,14 @@ def _fail(args: argparse.Namespace, message: str, code: int = EXIT_INVALID, **ex
 
 def cmd_probe(args: argparse.Namespace) -> int:
     import ple_um
+    from ple_um.errors import CheckpointError, ModeUnavailableError
 
-    report = ple_um.probe(args.device)
+    if args.recheck and args.dir is None:
+        return _fail(args, "--recheck needs DIR: the check reads the table's own files", EXIT_USAGE)
+    try:
+        report = ple_um.probe(args.device, path=args.dir, layer=args.layer, recheck=args.recheck)
+    except (CheckpointError, ModeUnavailableError) as exc:
+        return _fail(args, str(exc))
     if args.json:
         _emit_json(report.as_dict())
     else:
@@ -248,6 +254,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     pr = sub.add_parser("probe", help="the device's capabilities and the mode auto would choose")
+    pr.add_argument(
+        "dir",
+        nargs="?",
+        default=None,
+        help="checkpoint dir: make the chosen mode's first read of its table as an open does (from "
+        "the cached verdict, or in a child process)",
+    )
+    pr.add_argument("--layer", type=int, default=None, help="PLE layer (default: the only one)")
+    pr.add_argument("--recheck", action="store_true", help="with DIR: run the first-read child again")
     pr.add_argument("--device", default=None)
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_probe)

@@ -42,6 +42,27 @@ def _bulk_rows(text: str) -> str | int:
     return rows
 
 
+def _checked_modes(text: str) -> tuple[str, ...]:
+    """Comma-separated access modes whose first read runs in a child (ats, registered); off/none = none."""
+    value = text.strip().lower()
+    if value in ("", "0", "off", "none", "false", "no"):
+        return ()
+    modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
+    bad = [m for m in modes if m not in FIRST_READ_MODES]
+    if bad:
+        raise ValueError(
+            f"expected off or a comma-separated list of {', '.join(FIRST_READ_MODES)}, got {text!r}"
+        )
+    return modes
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
@@ -84,6 +105,10 @@ def _default_threads() -> int:
 
 
 MODES = ("auto", "ats", "registered", "cpu", "device")
+# The modes in which the GPU reads host memory, whose first read a child process can make.
+FIRST_READ_MODES = ("ats", "registered")
+# What a test can make the first-read child do instead of passing (tests/test_first_read.py).
+FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
 
 KNOBS: dict[str, Knob] = {
     k.name: k
@@ -211,7 +236,28 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_CACHE_DIR",
             str,
             lambda: os.path.join(os.path.expanduser("~"), ".cache", "ple-um"),
-            "where `ple-um bench` keeps its synthetic table, and the compiled C row copy",
+            "where `ple-um bench` keeps its synthetic table, the compiled C row copy, and the "
+            "first-read verdicts (first-read/)",
+        ),
+        Knob(
+            "PLE_UM_FIRST_READ_CHECK",
+            _checked_modes,
+            ("ats",),
+            "access modes whose first read of the mapping runs in a child process before this "
+            "process uses them, verdict cached per machine (ats, registered; off = none)",
+        ),
+        Knob(
+            "PLE_UM_FIRST_READ_TIMEOUT",
+            _positive_seconds,
+            120.0,
+            "seconds the first-read child may take before it is killed and its mode rejected",
+        ),
+        Knob(
+            "PLE_UM_FIRST_READ_FAULT",
+            _choice(*FIRST_READ_FAULTS),
+            None,
+            "tests only: the first-read child crashes (segv, abort), hangs, exits at once (exit), "
+            "fails with a CUDA-like error (error) or corrupts the rows it compares (corrupt)",
         ),
         Knob(
             "PLE_UM_METRICS_SEC",

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ple_um import envs, metrics, ops
+from ple_um.access import first_read
 from ple_um.access.capabilities import read_capabilities, resolve_device
 from ple_um.access.prefetch import PagePrefetcher
 from ple_um.access.probe import CAPTURE_SAFE, ProbeReport, decide, pin_budget, requested_mode
@@ -646,6 +647,7 @@ def open_table(
                 scale_mapping=scale_mapping,
             )
             try:
+                first_read.check(report, caps, layout, (start, end), dev)  # the first read, in a child
                 table._build(caps.cuda)
                 why = None
                 if table.gpu is not None:

@@ -46,6 +46,19 @@ __all__ = ["reference_rows"]
 VLLM_TESTS = pathlib.Path(__file__).parent / "vllm"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache_dir(tmp_path_factory):
+    """PLE_UM_CACHE_DIR in a folder of this session unless the caller set one: the first-read
+    verdicts the tests cause (an injected failure among them) must not outlive the run in
+    ~/.cache/ple-um, where a later run or a server would trust them."""
+    if "PLE_UM_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["PLE_UM_CACHE_DIR"] = str(tmp_path_factory.mktemp("ple-um-cache"))
+    yield
+    os.environ.pop("PLE_UM_CACHE_DIR", None)
+
+
 @pytest.fixture(autouse=True)
 def _cpu_only_host_for_vllm(request, monkeypatch):
     """The vLLM tests model a CPU-only host, whose only mode is cpu: without the interpreter's

@@ -1,5 +1,6 @@
 """The machines the tests inject into the probe: DeviceCapabilities as read_capabilities reports
-them on a coherent Grace system and on a discrete GPU (``from machines import ATS, DISCRETE``;
+them on a coherent Grace system, on a discrete GPU with HMM, and on a discrete GPU without it
+(``from machines import ATS, DISCRETE, HMM``;
 conftest puts this folder on the path). A test whose kernels the Triton interpreter runs takes
 them onto the "cpu" device with ``dataclasses.replace``."""
 
@@ -17,8 +18,23 @@ ATS = DeviceCapabilities(
     host_register_supported=True,
     read_only_host_register_supported=True,
     can_use_host_pointer_for_registered_mem=True,
+    uuid="GPU-00000000-0000-0000-0000-0000000000a5",
+    driver_version="580.95.05",
 )
-# A discrete GPU (H200 on x86): read-only host registration, no ATS.
+# A discrete GPU on x86 whose driver runs HMM (open kernel modules, Linux 6.1.24+): it may
+# dereference pageable host memory, the driver serving its faults; no host page tables.
+HMM = DeviceCapabilities(
+    cuda=True,
+    device="cuda:0",
+    name="NVIDIA RTX PRO 6000 (HMM)",
+    pageable_memory_access=True,
+    host_register_supported=True,
+    read_only_host_register_supported=True,
+    can_use_host_pointer_for_registered_mem=True,
+    uuid="GPU-00000000-0000-0000-0000-00000000004d",
+    driver_version="580.95.05",
+)
+# A discrete GPU (H200 on x86): read-only host registration, no ATS, no HMM.
 DISCRETE = DeviceCapabilities(
     cuda=True,
     device="cuda:0",
@@ -26,4 +42,6 @@ DISCRETE = DeviceCapabilities(
     host_register_supported=True,
     read_only_host_register_supported=True,
     can_use_host_pointer_for_registered_mem=True,
+    uuid="GPU-00000000-0000-0000-0000-000000000200",
+    driver_version="580.159.04",
 )

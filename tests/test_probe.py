@@ -6,15 +6,22 @@ decision logic is the real one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from machines import ATS, DISCRETE
+from machines import ATS, DISCRETE, HMM
 
 import ple_um
 from ple_um.access.capabilities import DeviceCapabilities, read_capabilities, triton_interpreter
 from ple_um.access.probe import (
     ALL_MODES,
+    ATS_DIRECT_READ,
     CAPTURE_SAFE,
+    HMM_DIRECT_READ,
+    INTERPRETER_DIRECT_READ,
+    comes_first,
     decide,
+    direct_read,
     mem_available,
     pin_budget,
     probe,
@@ -34,6 +41,7 @@ INTERPRETER = DeviceCapabilities(cuda=False, device="cpu", name="cpu", host_is_d
 
 MACHINES = {
     "ats": ATS,
+    "hmm": HMM,
     "discrete": DISCRETE,
     "no-register": NO_REGISTER,
     "no-read-only": NO_READ_ONLY,
@@ -70,7 +78,47 @@ def test_discrete_gpu_chooses_registered_and_says_why_not_ats():
     assert report.mode == "registered"
     assert_reasons_complete(report)
     assert "PageableMemoryAccessUsesHostPageTables" in report.reasons["ats"]
+    assert "PageableMemoryAccess (HMM)" in report.reasons["ats"]
     assert report.reasons["cpu"] == "registered comes first"
+    assert report.direct_read is None and "direct read: none" in report.describe()
+
+
+def test_the_direct_read_is_named_hardware_coherent_hmm_or_none():
+    assert direct_read(ATS) == ATS_DIRECT_READ == "hardware coherent (ATS)"
+    assert direct_read(HMM) == HMM_DIRECT_READ == "HMM"
+    assert direct_read(DISCRETE) is None and direct_read(NO_CUDA) is None
+    assert direct_read(INTERPRETER) == INTERPRETER_DIRECT_READ
+    # A device with host page tables is hardware coherent, whatever else it reports.
+    assert direct_read(dataclasses.replace(ATS, pageable_memory_access=False)) == ATS_DIRECT_READ
+    for caps, named in ((ATS, "hardware coherent (ATS)"), (HMM, "HMM")):
+        report = decide(caps, mode="ats", table_bytes=GiB, budget=100 * GiB)
+        assert report.mode == "ats" and report.direct_read == named
+        assert f"direct read: {named}" in report.describe()
+        assert report.as_dict()["direct_read"] == named
+
+
+def test_hmm_prefers_registered_while_the_table_fits_the_pin_budget():
+    # HMM: a direct read faults each page in through the driver on first touch; registration maps
+    # every page at open. So registered first, the direct read (mode ats) for what does not fit.
+    report = decide(HMM, table_bytes=50 * GiB, budget=100 * GiB)
+    assert report.mode == "registered"
+    assert_reasons_complete(report)
+    assert report.reasons["ats"].startswith("registered comes first on HMM")
+    assert "pin budget" in report.reasons["ats"]
+    assert report.reasons["cpu"] == "registered comes first"
+    # Over the budget: the direct read instead of the cpu mode.
+    report = decide(HMM, table_bytes=60 * GiB, budget=30 * GiB)
+    assert report.mode == "ats" and report.direct_read == "HMM"
+    assert "PLE_UM_PIN_BUDGET" in report.reasons["registered"]
+    assert report.reasons["cpu"] == "ats comes first"
+    # Registration failing (its self-test, or cudaHostRegister) also leads to the direct read.
+    report = decide(HMM, exclude={"registered": "RegistrationError: x"}, table_bytes=GiB, budget=100 * GiB)
+    assert report.mode == "ats"
+    # ...and the direct read failing too (its first read in a child, its self-test) to cpu.
+    report = decide(HMM, exclude={"registered": "RegistrationError: x", "ats": "FirstReadRejected: y"})
+    assert report.mode == "cpu" and report.reasons["ats"] == "FirstReadRejected: y"
+    # On a hardware-coherent system the direct read stays first.
+    assert decide(ATS, table_bytes=50 * GiB, budget=100 * GiB).mode == "ats"
 
 
 def test_no_cuda_chooses_cpu():
@@ -158,7 +206,7 @@ def test_every_decision_explains_every_other_mode(name, mode):
         elif gate is None and m == "device":
             assert why == "explicit only: it copies the whole table into GPU memory"
         else:
-            assert why == (gate or f"{report.mode} comes first")
+            assert why == (gate or comes_first(report.mode, m, caps))
     assert f"mode: {report.mode}" in report.describe()
     for m, why in report.reasons.items():
         assert f"not {m}: {why}" in report.describe()

@@ -6,7 +6,12 @@ The attributes that pick an access mode:
   DGX Spark): the GPU can dereference any host address, an mmap of a file included, and the OS
   serves its faults (CUDA Programming Guide, "System-Allocated Memory" / "Hardware Coherency").
 - ``pageable_memory_access`` (cudaDevAttrPageableMemoryAccess): the GPU can access pageable memory
-  at all (also true under HMM, where faults migrate pages instead).
+  at all. With it but without host page tables the device runs HMM (Linux's Heterogeneous Memory
+  Management, open kernel modules): the driver serves the GPU's faults on host addresses in
+  software (CUDA Programming Guide, "Unified Memory on Devices with Full CUDA Unified Memory
+  Support").
+- ``uuid`` and ``driver_version``: what names this GPU and its driver in the first-read verdict's
+  cache key (``ple_um.access.first_read``).
 - ``host_register_supported`` and ``read_only_host_register_supported``
   (CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, read through the driver API because the
   runtime enum of cuda-bindings 13 lacks it): cudaHostRegister with the ReadOnly flag, which a
@@ -16,6 +21,7 @@ The attributes that pick an access mode:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -37,6 +43,8 @@ class DeviceCapabilities:
     # The device is the host itself: the Triton interpreter runs kernels on the CPU, where a
     # kernel dereferences the mmap's host address directly (used to test GPU paths in CI).
     host_is_device: bool = False
+    uuid: str = ""  # "GPU-8f3c...", "" where there is no CUDA device
+    driver_version: str = ""  # "580.159.04" (the kernel module's), else the CUDA driver API's
     errors: tuple[str, ...] = field(default_factory=tuple)
 
     def as_dict(self) -> dict:
@@ -63,6 +71,34 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def driver_version() -> str:
+    """The NVIDIA kernel module's version from /proc/driver/nvidia/version, else the CUDA driver
+    API version ("CUDA 13.0"), else ""."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            match = re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", f.readline())
+        if match:
+            return match.group(1)
+    except OSError:
+        pass
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        if int(err) == 0:
+            return f"CUDA {version // 1000}.{version % 1000 // 10}"
+    except Exception:  # noqa: BLE001 - a name for a cache key; never a reason to fail
+        pass
+    return ""
+
+
+def _device_uuid(index: int) -> str:
+    try:
+        return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+    except Exception:  # noqa: BLE001 - older torch without .uuid: the key falls back to the name
+        return ""
 
 
 def read_capabilities(device: str | int | torch.device | None = None) -> DeviceCapabilities:
@@ -116,6 +152,8 @@ def read_capabilities(device: str | int | torch.device | None = None) -> DeviceC
         cuda=True,
         device=f"cuda:{index}",
         name=torch.cuda.get_device_name(index),
+        uuid=_device_uuid(index),
+        driver_version=driver_version(),
         errors=tuple(errors),
         **values,
     )

@@ -2,7 +2,14 @@
 
 Each mode declares what it needs (the Liger-Kernel ``reason_if_unsatisfied`` idea): a gate returns
 None when satisfied, else a sentence. ``auto`` takes the first of ats, registered, cpu whose gate
-passes; ``device`` is explicit only. ``open_table`` then self-tests the chosen GPU mode.
+passes (on an HMM device: registered, ats, cpu; see ``auto_order``); ``device`` is explicit only.
+``open_table`` then makes the first read of a guarded mode in a child process
+(``ple_um.access.first_read``) and self-tests the chosen GPU mode.
+
+The ``ats`` mode is the direct read: the kernel dereferences the mapping's host addresses. A
+device offers it in one of two ways, which ``direct_read`` names: hardware coherent (ATS: the GPU
+walks the CPU's page tables) or HMM (the driver mirrors the CPU's page tables into the GPU's in
+software, serving each GPU fault on a host page).
 """
 
 from __future__ import annotations
@@ -17,6 +24,14 @@ from ple_um.errors import ModeUnavailableError
 logger = logging.getLogger(__name__)
 
 AUTO_ORDER = ("ats", "registered", "cpu")
+# On HMM a GPU read of a page not yet mapped for it is a fault the driver serves in software, and a
+# file-backed page is never migrated: it is mapped for the GPU where it lies. Registration maps
+# every page at open, so registered comes first while the table fits the pin budget; the direct
+# read serves what does not fit, in place of the cpu mode (README, "Access modes").
+HMM_ORDER = ("registered", "ats", "cpu")
+ATS_DIRECT_READ = "hardware coherent (ATS)"
+HMM_DIRECT_READ = "HMM"
+INTERPRETER_DIRECT_READ = "Triton interpreter: the host is the device"
 ALL_MODES = ("ats", "registered", "cpu", "device")
 CAPTURE_SAFE = {"ats": True, "registered": True, "cpu": True, "device": True}
 
@@ -29,10 +44,17 @@ class ProbeReport:
     reasons: dict[str, str] = field(default_factory=dict)
     capabilities: dict = field(default_factory=dict)
     pin_budget: int | None = None
+    # How this device reads host addresses directly (ATS_DIRECT_READ, HMM_DIRECT_READ, ...), or None.
+    direct_read: str | None = None
+    # The first-read verdicts that concern the chosen mode: ple_um.access.first_read.FirstReadVerdict
+    # (an open or a probe of a table sets one; a probe without a table lists the cached ones).
+    first_read: list = field(default_factory=list)
 
     def describe(self) -> str:
         lines = [f"mode: {self.mode}"]
         lines += [f"  not {m}: {why}" for m, why in self.reasons.items()]
+        lines.append(f"direct read: {self.direct_read or 'none (the GPU cannot dereference host addresses)'}")
+        lines += [verdict.describe() for verdict in self.first_read]
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -41,6 +63,8 @@ class ProbeReport:
             "reasons": dict(self.reasons),
             "capabilities": dict(self.capabilities),
             "pin_budget": self.pin_budget,
+            "direct_read": self.direct_read,
+            "first_read": [verdict.as_dict() for verdict in self.first_read],
         }
 
 
@@ -72,6 +96,22 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def direct_read(caps: DeviceCapabilities) -> str | None:
+    """How ``caps``' device can dereference a host address (an mmap's), or None when it cannot."""
+    if caps.pageable_memory_access_uses_host_page_tables:
+        return ATS_DIRECT_READ
+    if caps.pageable_memory_access:
+        return HMM_DIRECT_READ
+    if caps.host_is_device:
+        return INTERPRETER_DIRECT_READ
+    return None
+
+
+def auto_order(caps: DeviceCapabilities) -> tuple[str, ...]:
+    """The modes ``auto`` tries, in order, on ``caps``' device."""
+    return HMM_ORDER if direct_read(caps) == HMM_DIRECT_READ else AUTO_ORDER
+
+
 def reason_if_unsatisfied(
     mode: str, caps: DeviceCapabilities, table_bytes: int | None, budget: int | None
 ) -> str | None:
@@ -81,10 +121,10 @@ def reason_if_unsatisfied(
             return None
         if not caps.cuda:
             return "no CUDA device"
-        if not caps.pageable_memory_access_uses_host_page_tables:
+        if direct_read(caps) is None:
             return (
-                "the device does not report PageableMemoryAccessUsesHostPageTables (no ATS): "
-                "it cannot dereference an mmap's host address"
+                "the device reports neither PageableMemoryAccessUsesHostPageTables (ATS) nor "
+                "PageableMemoryAccess (HMM): it cannot dereference an mmap's host address"
             )
         return None
     if mode == "registered":
@@ -135,15 +175,34 @@ def decide(
             raise ModeUnavailableError(mode, reasons[mode])
         chosen = mode
     else:
-        chosen = next(m for m in AUTO_ORDER if m not in reasons)
+        chosen = next(m for m in auto_order(caps) if m not in reasons)
     for m in ALL_MODES:
         if m != chosen and m not in reasons:
             if m == "device" and mode == "auto":
                 reasons[m] = "explicit only: it copies the whole table into GPU memory"
+            elif mode != "auto":
+                reasons[m] = f"{chosen} was asked for"
             else:
-                reasons[m] = f"{chosen} comes first" if mode == "auto" else f"{chosen} was asked for"
+                reasons[m] = comes_first(chosen, m, caps)
     reasons.pop(chosen, None)
-    return ProbeReport(mode=chosen, reasons=reasons, capabilities=caps.as_dict(), pin_budget=budget)
+    return ProbeReport(
+        mode=chosen,
+        reasons=reasons,
+        capabilities=caps.as_dict(),
+        pin_budget=budget,
+        direct_read=direct_read(caps),
+    )
+
+
+def comes_first(chosen: str, other: str, caps: DeviceCapabilities) -> str:
+    """Why ``auto`` did not take ``other``, which would have worked: ``chosen`` is tried before it."""
+    if (chosen, other) == ("registered", "ats") and direct_read(caps) == HMM_DIRECT_READ:
+        return (
+            "registered comes first on HMM: registration maps every page for the GPU at open, "
+            "while a direct read faults each page in through the driver on first touch "
+            "(ats serves a table over the pin budget)"
+        )
+    return f"{chosen} comes first"
 
 
 def requested_mode(mode: str) -> str:
@@ -153,7 +212,26 @@ def requested_mode(mode: str) -> str:
     return envs.PLE_UM_MODE if mode == "auto" else mode
 
 
-def probe(device=None, *, table_bytes: int | None = None, mode: str = "auto") -> ProbeReport:
-    """Read the device's capabilities and pick a mode (no self-test: that needs a table)."""
+def probe(
+    device=None,
+    *,
+    table_bytes: int | None = None,
+    mode: str = "auto",
+    path=None,
+    layer: int | None = None,
+    recheck: bool = False,
+) -> ProbeReport:
+    """Read the device's capabilities and pick a mode (no self-test: that needs a table).
+
+    Without ``path`` the report lists the first-read verdicts cached for the chosen mode on this
+    machine. With a checkpoint directory ``path`` the chosen mode's first read is made as an open
+    makes it (from the cache, or in a child process; ``recheck`` ignores the cache), and a mode
+    whose first read fails gives way to the next."""
+    from ple_um.access import first_read  # it builds on this module
+
+    if path is not None:
+        return first_read.probe_table(path, layer=layer, device=device, mode=mode, recheck=recheck)
     caps = read_capabilities(device)
-    return decide(caps, mode=requested_mode(mode), table_bytes=table_bytes, budget=pin_budget())
+    report = decide(caps, mode=requested_mode(mode), table_bytes=table_bytes, budget=pin_budget())
+    report.first_read = first_read.cached_verdicts(report, caps)
+    return report
