@@ -9,6 +9,10 @@
 #   SIZE=16GiB scripts/gpu_run.sh profile    # scripts/profile_host_node.py
 #   SIZE=16GiB scripts/gpu_run.sh bench      # ple-um bench, side by side
 #   scripts/gpu_run.sh tp                    # scripts/tp_check.py on two GPUs
+#   scripts/gpu_run.sh guard                 # scripts/check_direct_read_guard.py (first read in a child)
+#   scripts/gpu_run.sh formats               # scripts/gpu_check_formats.py --formats unaligned
+# Every part that needs the big table shares one: ple-um bench's synthetic table of $SIZE, written
+# once into $PLE_UM_CACHE_DIR (or $TABLE, when set).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/.out}
@@ -21,6 +25,14 @@ if ! python3 -c "import ple_um.kernels" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 summary=()
+table() {  # the shared table's directory (written on first use)
+    if [ -z "${TABLE:-}" ]; then
+        TABLE=$(python3 -c "import sys; from ple_um import envs; from ple_um.bench.runner import Config, default_table; \
+print(default_table(Config(size=envs._size(sys.argv[1]))))" "$SIZE" 2> "$OUT/table.log") \
+            || { echo "writing the table failed"; tail "$OUT/table.log"; exit 1; }
+        echo "table: $TABLE"
+    fi
+}
 run() {  # run NAME LIMIT_S COMMAND...: log in $OUT/NAME.log, exit code in the summary
     local name=$1 limit=$2
     shift 2
@@ -37,12 +49,16 @@ for part in "${parts[@]}"; do
     case $part in
         tests) run tests "${TESTS_LIMIT:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
                    --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} ;;
-        profile) run profile "${PROFILE_LIMIT:-300}" python3 scripts/profile_host_node.py --size "$SIZE" \
-                     --out "$OUT/profile_host_node.json" ${PROFILE_ARGS:-} ;;
-        bench) run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench --size "$SIZE" ${BENCH_ARGS:-} ;;
-        tp) run tp "${TP_LIMIT:-400}" python3 scripts/tp_check.py --size "${TP_SIZE:-$SIZE}" \
+        profile) table; run profile "${PROFILE_LIMIT:-300}" python3 scripts/profile_host_node.py --dir "$TABLE" \
+                     --size "$SIZE" --out "$OUT/profile_host_node.json" ${PROFILE_ARGS:-} ;;
+        bench) table; run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench --size "$SIZE" ${BENCH_ARGS:-} ;;
+        tp) table; run tp "${TP_LIMIT:-400}" python3 scripts/tp_check.py --dir "$TABLE" \
                 --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;
-        *) echo "unknown part $part (tests, profile, bench, tp)"; exit 2 ;;
+        guard) table; run guard "${GUARD_LIMIT:-300}" python3 scripts/check_direct_read_guard.py --dir "$TABLE" \
+                   --size "$SIZE" --faults --json "$OUT/guard.json" ${GUARD_ARGS:-} ;;
+        formats) run formats "${FORMATS_LIMIT:-300}" python3 scripts/gpu_check_formats.py --dir /tmp/ple-formats \
+                     --formats unaligned --json "$OUT/formats.json" ${FORMATS_ARGS:-} ;;
+        *) echo "unknown part $part (tests, profile, bench, tp, guard, formats)"; exit 2 ;;
     esac
 done
 printf '%s\n' "${summary[@]}"

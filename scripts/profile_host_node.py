@@ -23,7 +23,6 @@ import torch
 
 import ple_um
 from ple_um import envs
-from ple_um.synthetic import write_checkpoint
 
 SIZES = (16, 1024, 16384, 131072)
 FAILURES: list[str] = []
@@ -45,20 +44,12 @@ def spread(samples: list[float]) -> dict:
 
 
 def table_dir(args) -> str:
-    size = envs._size(args.size)
-    rows = size // 160
-    directory = args.dir or os.path.join(envs.PLE_UM_CACHE_DIR, f"profile-{args.size}")
-    marker = os.path.join(directory, "DONE")
-    if not os.path.exists(marker):
-        t0 = time.perf_counter()
-        write_checkpoint(directory, num_rows=rows, row_dim=160, dtype="fp8", shards=128, files=8)
-        for name in os.listdir(directory):
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        open(marker, "w").close()
-        print(f"wrote {args.size} in {time.perf_counter() - t0:.1f} s", flush=True)
-    return directory
+    """--dir, else the synthetic FP8 table of ``ple-um bench --size`` (written once, shared)."""
+    if args.dir:
+        return args.dir
+    from ple_um.bench.runner import Config, default_table
+
+    return default_table(Config(size=envs._size(args.size)))
 
 
 class Resident:
