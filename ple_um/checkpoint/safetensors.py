@@ -374,9 +374,13 @@ def read_header(path: str, *, strict: bool = True) -> SafetensorsHeader:
     escapes = b"\\u" in raw
     pairs = _items(header)
     for key, value in pairs:
-        wrong = _json_problem(value, 2, escapes) or (escapes and _json_problem(key, 1, escapes)) or None
-        if wrong is not None:
-            problem(f"{'__metadata__: ' if key == '__metadata__' else ''}{wrong}", _tensor_key(key))
+        wrong = _json_problem(value, 2, escapes)
+        if wrong is None and escapes:
+            wrong = _json_problem(key, 1, escapes)
+        if wrong is not None and key == "__metadata__":
+            problem(f"__metadata__: {wrong}", None)
+        elif wrong is not None:
+            problem(wrong, key)
 
     repeated = set(_repeated(header))
     if "__metadata__" in repeated:
@@ -395,14 +399,18 @@ def read_header(path: str, *, strict: bool = True) -> SafetensorsHeader:
                     break
 
     # A repeated tensor name: safetensors keeps the last entry, but parses (and refuses) the others.
-    shadowed = set()
-    for key, value in pairs:
-        if key in repeated and key != "__metadata__" and key not in shadowed:
-            if value is not header[key] and (wrong := _entry_format(value)) is not None:
+    if repeated - {"__metadata__"}:
+        last_at = {key: at for at, (key, _) in enumerate(pairs)}
+        reported = set()
+        for at, (key, value) in enumerate(pairs):
+            if key == "__metadata__" or last_at[key] == at or key in reported:
+                continue
+            wrong = _entry_format(value)
+            if wrong is not None:
                 problem(
                     f"the header names this tensor more than once; an earlier entry is wrong: {wrong}", key
                 )
-                shadowed.add(key)
+                reported.add(key)
 
     spans: list[tuple[int, int, str]] = []
     for name, meta in header.items():
@@ -441,7 +449,9 @@ def read_header(path: str, *, strict: bool = True) -> SafetensorsHeader:
             )
         if end >= cursor:
             cursor, last = end, name
-    if cursor < data_size:
+    if cursor < data_size and last is None:
+        problem(f"the header lists no tensor, but the data section holds {data_size} bytes", None)
+    elif cursor < data_size:
         problem(
             f"the data section has {data_size - cursor} bytes after the end of the last tensor: the header "
             "length is wrong (a shifted header) or bytes were appended",
@@ -453,10 +463,6 @@ def read_header(path: str, *, strict: bool = True) -> SafetensorsHeader:
     return SafetensorsHeader(
         path=path, file_size=file_size, header_length=length, tensors=tensors, problems=tuple(problems)
     )
-
-
-def _tensor_key(key: str) -> str | None:
-    return None if key == "__metadata__" else key
 
 
 def _decode_json(raw: bytes, path: str, *, what: str, header: bool = False) -> object:
