@@ -59,6 +59,20 @@ def _session_cache_dir(tmp_path_factory):
     os.environ.pop("PLE_UM_CACHE_DIR", None)
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("ple-um")
+    group.addoption(
+        "--differential-cases",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cases of test_checkpoint_differential.py, the fuzzing against safetensors (400 in CI)",
+    )
+    group.addoption(
+        "--differential-seed", type=int, default=None, metavar="S", help="the seed of those cases (default 0)"
+    )
+
+
 @pytest.fixture(autouse=True)
 def _cpu_only_host_for_vllm(request, monkeypatch):
     """The vLLM tests model a CPU-only host, whose only mode is cpu: without the interpreter's

@@ -350,7 +350,7 @@ HEADER_CASES = [
         {E: entry(shape=[1 << 62] * 8)},
         b"\0" * 8,
         None,
-        r"needs more than 2\*\*64",
+        r"shape \[4611686018427387904, .* of U8 overflows the 64-bit size safetensors computes",
         E,
     ),
     (
@@ -382,13 +382,20 @@ def test_overlapping_tensors(tmp_path):
     header = {"a": entry(offsets=(0, 8)), "b": entry(offsets=(4, 12)), "c": entry(offsets=(12, 20))}
     write_raw(tmp_path / "x.safetensors", header, b"\0" * 20)
     raises(str(tmp_path), r"data overlaps tensor a", path="x.safetensors", tensor="b")
-    # Empty tensors overlap nothing; a tensor inside another one does.
+    # An empty tensor may sit where one tensor ends and the next begins, not inside one (safetensors
+    # refuses that too: in offset order, each tensor starts where the one before it ends).
+    write_raw(
+        tmp_path / "x.safetensors",
+        {"a": entry(offsets=(0, 8)), "e": entry(shape=(0, 4), offsets=(8, 8)), "f": entry(offsets=(8, 16))},
+        b"\0" * 16,
+    )
+    assert read_header(str(tmp_path / "x.safetensors")).problems == ()
     write_raw(
         tmp_path / "x.safetensors",
         {"a": entry(offsets=(0, 8)), "e": entry(shape=(0, 4), offsets=(4, 4))},
         b"\0" * 8,
     )
-    assert read_header(str(tmp_path / "x.safetensors")).problems == ()
+    raises(str(tmp_path), r"empty tensor at byte 4 lies inside the data of tensor a", tensor="e")
     write_raw(
         tmp_path / "x.safetensors",
         {"a": entry(shape=(4, 4), offsets=(0, 16)), "b": entry(offsets=(4, 12))},
@@ -409,14 +416,27 @@ def test_truncated_file(tmp_path):
     assert any(shard(2) in p for p in problems) and any(shard(3) in p for p in problems)
 
 
-def test_metadata_is_ignored(tmp_path):
-    tensors = ple()
-    blob = bytearray(encode_safetensors(tensors))
-    header = json.loads(blob[8 : 8 + struct.unpack("<Q", blob[:8])[0]])
-    header["__metadata__"] = {"anything": [1, {"x": None}]}  # not even str -> str: ignored
-    data = bytes(blob[8 + struct.unpack("<Q", blob[:8])[0] :])
-    write_raw(tmp_path / "m.safetensors", header, data)
-    assert read_layout(str(tmp_path)).num_rows == 9
+@pytest.mark.parametrize(
+    "metadata, match",
+    [
+        ({"format": "pt", "anything": "at all"}, None),
+        (None, None),  # null: no metadata, as safetensors reads it
+        ({"anything": [1, {"x": None}]}, r"__metadata__ value of 'anything' is a JSON array, not a string"),
+        ({"n": 1}, r"__metadata__ value of 'n' is a JSON number, not a string"),
+        ([], r"__metadata__ is a JSON array, expected an object of strings"),
+    ],
+)
+def test_metadata_maps_strings_to_strings(tmp_path, metadata, match):
+    """safetensors reads __metadata__ as an object of strings, and refuses the file otherwise."""
+    blob = encode_safetensors(ple())
+    length = struct.unpack("<Q", blob[:8])[0]
+    header = {"__metadata__": metadata, **json.loads(blob[8 : 8 + length])}
+    write_raw(tmp_path / "m.safetensors", header, blob[8 + length :])
+    if match is None:
+        assert read_layout(str(tmp_path)).num_rows == 9
+    else:
+        error = raises(str(tmp_path), match, path="m.safetensors")
+        assert error.tensor is None
 
 
 def test_bad_entry_in_unrelated_tensor_is_still_an_error(tmp_path):
@@ -431,10 +451,14 @@ def test_bad_entry_in_unrelated_tensor_is_still_an_error(tmp_path):
     )
 
 
-def test_unknown_dtype_of_unrelated_tensor_is_allowed(tmp_path):
+def test_unknown_dtype_of_unrelated_tensor_is_refused(tmp_path):
+    """safetensors refuses a header that names a dtype it does not know, whichever tensor has it."""
     tensors = {**ple(), "future": ("F3_E1M1", [3], b"\0\0")}
-    layout = read_layout(one_file(tmp_path, tensors))
-    assert layout.num_rows == 9
+    raises(
+        one_file(tmp_path, tensors),
+        r"unknown dtype 'F3_E1M1': safetensors knows only BOOL, ",
+        tensor="future",
+    )
 
 
 # ------------------------------------------------------------ shard and scale problems
@@ -577,7 +601,8 @@ def test_validate_lists_every_problem(tmp_path):
     tensors = with_changed(ple(rows=(3, 3, 3, 0)), shard(1), shape=[3, 2], data=b"\0" * 6)
     tensors[scale_name()] = ("F32", [], scalar("F32", float("nan")))
     write_safetensors(tmp_path / "a.safetensors", tensors)
-    write_raw(tmp_path / "b.safetensors", {"x": entry(shape=(3,)), "y": entry(dtype=1)}, b"\0" * 8)
+    header = {"x": entry(shape=(3,)), "y": entry(dtype=1, offsets=(8, 16))}
+    write_raw(tmp_path / "b.safetensors", header, b"\0" * 16)
     problems = validate(str(tmp_path))
     assert len(problems) == 3, problems
     assert "b.safetensors" in problems[0] and "tensor x" in problems[0]

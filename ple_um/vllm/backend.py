@@ -389,6 +389,18 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
                     "directory and reload from that path, or unset PLE_UM to keep the table in memory"
                 )
 
+    def check_headers(self) -> None:
+        """Check the headers of the table's files, unless they are open already or not there yet (a
+        snapshot vLLM has still to download: finish_load checks it). Called before vLLM's loader
+        opens any file, so that a file safetensors would refuse is refused here naming the file,
+        which safetensors' own error does not."""
+        try:
+            directory = self._resolved_dir()
+        except CheckpointError:
+            return
+        if self._table is None or self._table_dir != directory:
+            read_layout(directory, self.layer)
+
     def finish_load(self) -> None:
         """After a load: the table is open (remapped if the checkpoint directory changed) and agrees
         with the layer and with the loaded global scale (FP8 weight_scale, NVFP4 weight_scale_2)."""

@@ -14,8 +14,8 @@ vLLM symbols it replaces (class attributes; the originals are kept on the class 
 - ``Qwen4ExpForCausalLM`` and ``Qwen4ExpForConditionalGeneration`` of the same package, patched
   when the first ple-um layer is built inside one: ``is_unused_checkpoint_weight`` (vLLM then skips
   files that hold only shard tensors and NVFP4 block scales, even with loaders that read whole
-  files) and ``load_weights`` (``finish_load`` on every ple-um layer once the whole model is
-  loaded).
+  files) and ``load_weights`` (``check_headers`` on every ple-um layer before vLLM's loader opens
+  a file, ``finish_load`` once the whole model is loaded).
 
 The patched constructor reads PLE_UM each time a layer is built: with it unset the layer is stock.
 """
@@ -193,6 +193,9 @@ def _patch_model_classes(ngram_module: ModuleType) -> None:
 def _model_load_weights(original):
     @functools.wraps(original)
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # vLLM's weights are a lazy generator: nothing of the checkpoint has been opened yet.
+        for backend in _backends(self):
+            backend.check_headers()
         loaded = original(self, weights)
         for backend in _backends(self):
             backend.finish_load()

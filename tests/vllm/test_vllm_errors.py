@@ -3,8 +3,10 @@ what is wrong; none is served."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -188,6 +190,79 @@ def test_scale_of_another_table(world, patched, table_dir, tmp_path, dtype, name
     module = h.build(config, ple_um_on=True)
     with pytest.raises(ple_um.CheckpointError, match=f"loaded {name} "):
         h.load(module, model.directory)
+
+
+def _shift_header(path: str) -> None:
+    """The issue 19 corruption: the header length one short, so that the header loses its last pad
+    space (padded first when it has none) and stays sound JSON, and every tensor of the file is
+    read one byte early."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    (length,) = struct.unpack("<Q", blob[:8])
+    text, data = blob[8 : 8 + length], blob[8 + length :]
+    if not text.endswith(b" "):
+        text += b" " * 8
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text) - 1) + text + data)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "nvfp4"])
+def test_shifted_header_in_the_table_directory(world, patched, table_dir, tmp_path, dtype):
+    """PLE_UM_DIR names a copy of the table whose first file (shard tensors only) has a shifted
+    header. vLLM never opens those files; its safetensors loader would refuse this one; the plugin
+    refuses it at load, naming the file and a tensor, and maps nothing."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    config = h.text_config(dtype=dtype)
+    model = h.write_table(tmp_path / "model", config)
+    table = h.write_table(tmp_path / "table", config)
+    shifted = table.shards[0].path
+    with safe_open(shifted, framework="pt") as f:
+        assert all(".shard_" in name for name in f.keys())  # noqa: SIM118 - a file vLLM skips
+    _shift_header(shifted)
+    with pytest.raises(Exception, match="incomplete metadata"):  # stock vLLM's loader, on that file
+        list(safetensors_weights_iterator([shifted], False))
+    table_dir(table.directory)
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError, match="shifted header") as info:
+        h.load(module, model.directory)
+    assert info.value.path == shifted and info.value.tensor is not None
+    assert module.ngram_embedding.table is None
+
+
+def test_shifted_header_in_the_models_own_files(world, patched, table_dir, tmp_path):
+    """The model's own checkpoint with a shifted shard file, loaded as vLLM's default loader loads
+    it with the plugin: its weights are a lazy generator whose file filter opens every header
+    (with safetensors, whose error does not name the file). The plugin's model-level hook checks
+    the table's headers before that generator starts, so start-up fails naming the file."""
+    from vllm.model_executor.model_loader.weight_utils import (
+        filter_safetensors_files_by_weight_name,
+        safetensors_weights_iterator,
+    )
+    from vllm.models.qwen4_exp.nvidia import model as qwen4_exp_model
+
+    from ple_um.vllm.patch import _model_load_weights
+
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    shifted = layout.shards[0].path
+    _shift_header(shifted)
+    holder = torch.nn.Module()
+    holder.add_module("ple", h.build(config, ple_um_on=True))
+    unused = qwen4_exp_model.Qwen4ExpForConditionalGeneration.is_unused_checkpoint_weight
+
+    def vllm_weights():  # DefaultModelLoader.get_all_weights, reduced to what touches the files
+        files = sorted(glob.glob(os.path.join(layout.directory, "*.safetensors")))
+        files = filter_safetensors_files_by_weight_name(files, lambda name: unused(holder, name))
+        yield from safetensors_weights_iterator(files, False)
+
+    with pytest.raises(Exception, match="incomplete metadata"):  # what vLLM's loader meets first
+        next(vllm_weights())
+    load_weights = _model_load_weights(lambda model, weights: {name for name, _ in weights})
+    with pytest.raises(ple_um.CheckpointError, match="shifted header") as info:
+        load_weights(holder, vllm_weights())
+    assert info.value.path == shifted
+    assert holder.ple.ngram_embedding.table is None
 
 
 def test_forward_before_loading(world, patched, tmp_path):
