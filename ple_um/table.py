@@ -413,6 +413,8 @@ class MappedTable:
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         if out is not None:
+            if out_dtype is not None and out_dtype != out.dtype:
+                raise TypeError(f"out is {out.dtype} but out_dtype is {out_dtype}: pass one, or the same dtype")
             out_dtype = out.dtype
         if self.scale_mapping is not None and out_dtype not in FLOAT_OUT:
             raise TypeError(

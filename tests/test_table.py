@@ -274,6 +274,22 @@ def test_bad_out_buffers_and_dtypes(layout, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_out_and_out_dtype_must_agree(layout, mode):
+    """out= picks the dtype; an out_dtype that says otherwise is refused (it was once ignored, and
+    the caller got the out's dtype back), before anything is written or counted."""
+    ids = torch.randint(0, layout.num_rows, (2, 3))
+    d = layout.row_dim
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        out = torch.full((2, 3, d), 7.0, dtype=torch.bfloat16)
+        with pytest.raises(TypeError, match="out is torch.bfloat16 but out_dtype is torch.float32"):
+            table.lookup(ids, out=out, out_dtype=torch.float32)
+        assert (out == 7.0).all()
+        assert table.stats()["lookups"] == 0
+        assert table.lookup(ids, out=out, out_dtype=torch.bfloat16) is out
+        assert torch.equal(out, table.lookup(ids, out_dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_non_integer_ids(layout, mode):
     with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
         floats, bools = torch.tensor([1.0, 2.0]), torch.tensor([True, False])
