@@ -414,7 +414,7 @@ class MappedTable:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         if out is not None:
             if out_dtype is not None and out_dtype != out.dtype:
-                raise TypeError(f"out is {out.dtype} but out_dtype is {out_dtype}: pass one, or the same dtype")
+                raise TypeError(f"out is {out.dtype} but out_dtype is {out_dtype}: pass one of them")
             out_dtype = out.dtype
         if self.scale_mapping is not None and out_dtype not in FLOAT_OUT:
             raise TypeError(
