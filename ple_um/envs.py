@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ple_um.errors import KnobError
+
 
 def _bool(text: str) -> bool:
     value = text.strip().lower()
@@ -23,13 +25,19 @@ def _bool(text: str) -> bool:
 
 
 def _size(text: str) -> int:
-    """Bytes, with an optional binary suffix: 512MiB, 16GiB, 1T (= TiB)."""
-    value = text.strip()
+    """Bytes, with an optional binary suffix: 512MiB, 16GiB, 1T (= TiB); never negative."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    low = value.lower().removesuffix("ib").removesuffix("b")
-    if low and low[-1] in units:
-        return int(float(low[:-1]) * units[low[-1]])
-    return int(float(low))
+    low = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = units.get(low[-1:], 1)
+    try:
+        value = int(float(low[:-1] if scale > 1 else low) * scale)
+    except (ValueError, OverflowError):
+        raise ValueError(
+            f"expected a byte count with an optional binary suffix (4096, 512MiB, 48GiB, 1T), got {text!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"expected a byte count >= 0, got {text!r}")
+    return value
 
 
 def _bulk_rows(text: str) -> str | int:
@@ -97,7 +105,7 @@ class Knob:
         try:
             return self.parse(text)
         except ValueError as exc:
-            raise ValueError(f"environment variable {var}={text!r}: {exc}") from None
+            raise KnobError(f"environment variable {var}={text!r}: {exc}") from None
 
 
 def _default_threads() -> int:

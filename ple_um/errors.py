@@ -22,6 +22,11 @@ class CheckpointError(PleUmError, ValueError):
         self.tensor = tensor
 
 
+class KnobError(PleUmError, ValueError):
+    """An environment knob holds a value it does not accept: the message names the variable, the
+    value and what is accepted."""
+
+
 class ModeUnavailableError(PleUmError, RuntimeError):
     """A forced access mode cannot work on this machine; the message says why."""
 

@@ -388,7 +388,7 @@ class MappedTable:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         if out is not None:
             if out_dtype is not None and out_dtype != out.dtype:
-                raise TypeError(f"out_dtype={out_dtype} conflicts with out's dtype {out.dtype}")
+                raise TypeError(f"out is {out.dtype} but out_dtype is {out_dtype}: pass one of them")
             out_dtype = out.dtype
             if out_dtype not in self._out_dtypes:
                 self._refuse_dtype(out_dtype)

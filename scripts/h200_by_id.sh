@@ -4,5 +4,5 @@
 # index_select), then `ple-um bench` side by side.
 source scripts/h200_final_check.sh
 PLE_UM_CACHE_DIR=/tmp/plecache timeout 200 ple-um bench --size 16GiB --repeats 40 \
-    --json $OUT/bench_h200.json --plot $OUT/bench_h200.png --quiet 2> $OUT/progress.log > /tmp/bench.txt
+    --json-file $OUT/bench_h200.json --plot $OUT/bench_h200.png --quiet 2> $OUT/progress.log > /tmp/bench.txt
 echo "bench rc=$? $(date +%T)"; sed -n '3,13p;15,22p' /tmp/bench.txt

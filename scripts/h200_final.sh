@@ -11,5 +11,5 @@ rm -rf /tmp/ple-conc
 timeout 100 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 python3 scripts/gpu_sanitize.py /tmp/ple-san > $OUT/sanitize.log 2>&1
 echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|all bad-id|not zero|accepted|gave" $OUT/sanitize.log | tail -3
 PLE_UM_CACHE_DIR=/tmp/plecache timeout 360 ple-um bench --size 16GiB --repeats 40 --processes 2 \
-    --json $OUT/bench_h200.json --plot $OUT/bench_h200.png --quiet 2> $OUT/bench_progress.log | tee $OUT/bench.txt
+    --json-file $OUT/bench_h200.json --plot $OUT/bench_h200.png --quiet 2> $OUT/bench_progress.log | tee $OUT/bench.txt
 echo "bench rc=$?"

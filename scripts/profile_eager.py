@@ -57,7 +57,9 @@ def top(fn, calls: int, lines: int = 18) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_eager.json"))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from reference import drop_page_cache
 
 from ple_um import cli, operating
@@ -21,8 +22,11 @@ MiB = 1 << 20
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """main(argv) -> (exit code, stdout, stderr)."""
-    code = cli.main([*argv])
+    """main(argv) -> (exit code, stdout, stderr); argparse's refusals exit through SystemExit."""
+    try:
+        code = cli.main([*argv])
+    except SystemExit as exc:
+        code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -62,6 +66,74 @@ def test_probe_json_names_a_mode_and_a_reason_for_every_other(capsys):
     assert set(data["reasons"]) == set(ALL_MODES) - {data["mode"]}
     assert all(isinstance(why, str) and why for why in data["reasons"].values())
     assert isinstance(data["capabilities"]["cuda"], bool)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+def test_probe_of_a_cuda_device_on_a_machine_without_one(capsys):
+    """The probe's answer, not a traceback: no CUDA device, so no GPU mode, and why."""
+    for argv in (["--device", "cuda"], ["--device", "cuda:1"]):
+        code, data = run_json(capsys, "probe", *argv)
+        assert code == 0
+        assert data["mode"] == "cpu" and data["capabilities"]["cuda"] is False
+        assert data["reasons"]["registered"] == "no CUDA device"
+        (why,) = data["capabilities"]["errors"]
+        assert why.endswith("no CUDA device here (torch.cuda.is_available() is False)")
+        code, out, _ = run(capsys, "probe", *argv)
+        assert code == 0 and out.startswith("mode: cpu") and "no CUDA device here" in out
+
+
+def test_probe_of_a_device_that_is_no_device(capsys):
+    code, out, err = run(capsys, "probe", "--device", "bogus")
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        "ple-um probe: error: argument --device: 'bogus' is not a device: expected cpu, cuda or cuda:N "
+        "(see ple-um probe --help)"
+    )
+    code, data = run_json(capsys, "probe", "--device", "bogus")
+    assert code == 2 and data == {
+        "error": "argument --device: 'bogus' is not a device: expected cpu, cuda or cuda:N"
+    }
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        (
+            {"PLE_UM_MODE": "gpu"},
+            "environment variable PLE_UM_MODE='gpu': expected one of auto, ats, registered, cpu, device, "
+            "got 'gpu'",
+        ),
+        (
+            {"PLE_UM_PIN_BUDGET": "lots"},
+            "environment variable PLE_UM_PIN_BUDGET='lots': expected a byte count with an optional binary "
+            "suffix (4096, 512MiB, 48GiB, 1T), got 'lots'",
+        ),
+        (
+            {"PLE_UM_MODE": "registered"},
+            "PLE_UM_MODE=registered: access mode 'registered' is not available: no CUDA device; "
+            "this machine can run: ats, cpu, device",
+        ),
+        (
+            {"PLE_UM_MODE": "device", "TRITON_INTERPRET": None},
+            "PLE_UM_MODE=device: access mode 'device' is not available: no CUDA device; "
+            "this machine can run: cpu",
+        ),
+    ],
+)
+def test_probe_with_a_bad_knob(capsys, monkeypatch, env, message):
+    """A knob with a value it does not take, or a mode forced where it cannot work: exit 2 and one
+    line naming the variable, its value and what is accepted. (The CPU machine: registered needs
+    CUDA; with the Triton interpreter the host serves as the device of the ats and device modes.)"""
+    for var, value in env.items():
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    code, out, err = run(capsys, "probe", "--device", "cpu")
+    assert code == 2 and out == ""
+    assert err.strip() == f"ple-um probe: error: {message}"
+    code, data = run_json(capsys, "probe", "--device", "cpu")
+    assert code == 2 and data == {"error": message}
 
 
 def test_probe_text(capsys):
@@ -135,10 +207,18 @@ def test_inspect_several_layers_and_layer_option(capsys, tmp_path):
     assert data["valid"] is False
     assert any("no PLE shards of layer 2" in p and "1, 3" in p for p in data["problems"])
 
-    # residency and prewarm need one layer: without --layer they say which exist.
-    code, out, err = run(capsys, "residency", str(a))
-    assert code == 1
-    assert "several PLE layers" in err and "1, 3" in err
+    # residency and prewarm need one layer: without --layer they say which exist, and name the
+    # flag (the library's message names its layer= argument).
+    for verb in ("residency", "prewarm"):
+        code, out, err = run(capsys, verb, str(a))
+        assert code == 2 and out == ""
+        assert err.strip().splitlines() == [
+            f"ple-um {verb}: error: several PLE layers have shards in {a}: 1, 3; pass --layer to pick one"
+        ]
+        code, data = run_json(capsys, verb, str(a))
+        assert code == 2 and "pass --layer to pick one" in data["error"]
+    code, data = run_json(capsys, "residency", str(a), "--layer", "3")
+    assert code == 0 and data["layer"] == 3
 
 
 def test_inspect_truncated_and_corrupt_files_lists_every_problem(capsys, table_dir):
@@ -187,6 +267,14 @@ def test_inspect_missing_directory(capsys, tmp_path):
     assert code == 1
     assert data["layers"] is None
     assert any("does not exist" in p for p in data["problems"])
+    # The text says so too, not "cannot tell (headers unreadable)".
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "nowhere"))
+    assert code == 1
+    assert "PLE layers with shards: none: the directory does not exist" in out
+    assert "headers unreadable" not in out
+    (tmp_path / "file").write_text("x")
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "file"))
+    assert code == 1 and "PLE layers with shards: none: not a directory" in out
 
 
 # -- residency and prewarm ---------------------------------------------------------------------
@@ -284,12 +372,19 @@ def test_prewarm_refusal_against_mem_available(table_dir):
     assert operating.prewarm(path)["mem_available"] > 0  # the real MemAvailable: this table fits
 
 
-@pytest.mark.parametrize("fraction", ["0", "1.5", "-1"])
+@pytest.mark.parametrize("fraction", ["0", "1.5", "-1", "nan", "half"])
 def test_prewarm_bad_fraction(capsys, table_dir, fraction):
-    path, _ = table_dir
+    """A bad --fraction is a bad argument (exit 2), not an invalid checkpoint (exit 1)."""
+    path, layout = table_dir
     code, out, err = run(capsys, "prewarm", path, "--fraction", fraction)
-    assert code == 1
-    assert "fraction must be in (0, 1]" in err
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        f"ple-um prewarm: error: argument --fraction: must be in (0, 1], got {fraction!r} "
+        "(see ple-um prewarm --help)"
+    ]
+    code, data = run_json(capsys, "prewarm", path, "--fraction", fraction)
+    assert code == 2
+    assert data == {"error": f"argument --fraction: must be in (0, 1], got {fraction!r}"}
 
 
 def test_residency_and_prewarm_of_a_broken_checkpoint(capsys, table_dir):
@@ -325,20 +420,75 @@ def test_bad_arguments_exit_2(capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["--rounds", "0"], "--rounds: must be at least 1, got 0"),
-        (["--repeats", "-2"], "--repeats: must be at least 1, got -2"),
-        (["--rows", "16,0"], "--rows: must be at least 1, got 0"),
-        (["--rows", ","], "--rows: no batch sizes given"),
-    ],
-)
-def test_bench_refuses_counts_below_one(capsys, argv, message):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", *argv])
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+BENCH_REFUSALS = [
+    (["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    (["--repeats", "-2"], "argument --repeats: must be at least 1, got -2"),
+    (["--rows", "16,0"], "argument --rows: must be at least 1, got 0"),
+    (["--rows", ","], "argument --rows: no batch sizes given"),
+    (["--size", "0"], "argument --size: must be at least 1 byte, got '0'"),
+    (["--size", "-5"], "argument --size: expected a byte count >= 0, got '-5'"),
+    (["--size", "lots"], "argument --size: expected a byte count with an optional binary suffix"),
+    (["--shards", "0"], "argument --shards: must be at least 1, got 0"),
+    (["--row-bytes", "0"], "argument --row-bytes: must be at least 1, got 0"),
+    (["--processes", "-1"], "argument --processes: must be at least 0, got -1"),
+    (
+        ["--modes", "bogus"],
+        "argument --modes: 'bogus' is not a ple-um mode: expected a comma-separated list of "
+        "ats, registered, cpu, device",
+    ),
+    (["--modes", "cpu,gpu"], "argument --modes: 'gpu' is not a ple-um mode"),
+    (["--modes", "cpu,cpu"], "argument --modes: a mode is named twice in 'cpu,cpu'"),
+    (["--ids", "bogus"], "argument --ids: 'bogus' is not an id distribution: expected uniform or zipf:S"),
+    (["--ids", "zipf:1"], "argument --ids: 'zipf:1': the Zipf exponent 1 is out of range"),
+    (["--device", "bogus"], "argument --device: 'bogus' is not a device: expected cpu, cuda or cuda:N"),
+    (["--size", "100"], "--size 100 B holds no row of 160 B (--row-bytes): give at least that"),
+    (["--size", "1KiB", "--shards", "8"], "--shards 8 is more than the 6 rows of --size 1024 B"),
+    (
+        ["/nowhere/bench.json"],
+        "checkpoint directory /nowhere/bench.json does not exist (--json prints the "
+        "results, --json-file PATH writes them)",
+    ),
+    (["--json-file", "/nowhere/b.json"], "--json-file /nowhere/b.json: its directory does not exist"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BENCH_REFUSALS)
+def test_bench_refuses_bad_arguments_before_it_runs(capsys, tmp_path, monkeypatch, argv, message):
+    """Exit 2 and one line naming the bad value and what is accepted (the JSON error under --json),
+    before anything is written: the bench takes minutes, its synthetic table gigabytes."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, err = run(capsys, "bench", *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("ple-um bench: error: ") and message in line
+    code, out, err = run(capsys, "bench", *argv, "--json")
+    assert code == 2 and err == ""
+    assert message in json.loads(out)["error"]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_bench_without_matplotlib_refuses_plot_before_it_runs(capsys, tmp_path, monkeypatch):
+    """Without matplotlib (hidden from the import system here), --plot fails at once, naming the
+    extra that brings it, before the bench writes its table or times anything."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, err = run(capsys, "bench", "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        "ple-um bench: error: --plot needs matplotlib, which is not installed: pip install 'ple-um[plot]'"
+    )
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+def test_bench_refuses_a_cuda_device_on_a_machine_without_one(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, err = run(capsys, "bench", "--device", "cuda")
+    assert code == 2
+    assert err.strip() == (
+        "ple-um bench: error: --device: device 'cuda': no CUDA device here "
+        "(torch.cuda.is_available() is False)"
+    )
 
 
 def test_side_by_side_times_every_path_once_per_fresh_id_set_in_rotated_rounds():
@@ -367,6 +517,31 @@ def test_side_by_side_times_every_path_once_per_fresh_id_set_in_rotated_rounds()
 
 
 # -- real processes ------------------------------------------------------------------------------
+def test_inspect_into_a_closed_pipe_ends_quietly(table_dir):
+    """`ple-um inspect DIR | head -4`: the reader goes away before the output is written; the
+    command ends with the shell's SIGPIPE status and no traceback."""
+    path, _ = table_dir
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ple_um.cli", "inspect", path, "--shards"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # before the child writes anything
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == cli.EXIT_BROKEN_PIPE
+    assert err == ""
+    # Through a shell, as typed: head gets its lines, nothing else is printed.
+    done = subprocess.run(
+        f"{sys.executable} -m ple_um.cli inspect {path} --shards | head -4",
+        shell=True,
+        capture_output=True,
+        text=True,
+    )
+    assert done.stdout.splitlines()[0] == f"checkpoint: {path}" and len(done.stdout.splitlines()) == 4
+    assert done.stderr == ""
+
+
 def test_inspect_as_a_module_subprocess(table_dir):
     path, layout = table_dir
     done = subprocess.run(
@@ -390,33 +565,58 @@ def _console_script() -> str:
 
 
 def test_bench_smoke_console_script(tmp_path):
-    """`ple-um bench` end to end on a small cached synthetic table: the JSON's structure, no times."""
+    """`ple-um bench` end to end on a small cached synthetic table: the JSON's structure (on stdout
+    with --json, the same in the --json-file), the ratios computed from its own numbers; no times."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "PLE_UM_CACHE_DIR": str(tmp_path / "cache")}
     argv = ["bench", "--size", "4MiB", "--rows", "16,256", "--repeats", "3", "--rounds", "2", "--shards", "8"]
+    argv += ["--ids", "uniform,zipf:1.1", "--processes", "1"]
     done = subprocess.run(
-        [_console_script(), *argv, "--json", str(out), "--quiet"],
+        [_console_script(), *argv, "--json", "--json-file", str(out)],
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| path |" in done.stdout
-    result = json.loads(out.read_text())
-    assert {"device", "table", "probe", "lookup", "decode_step", "startup"} <= set(result)
+    result = json.loads(done.stdout)  # stdout holds the JSON object alone
+    assert json.loads(out.read_text()) == result
+    assert "| path |" in done.stderr and "lookups, zipf:1.1 ids" in done.stderr  # the table
+    assert {"device", "table", "probe", "ids", "anchor", "lookup", "decode_step", "startup"} <= set(result)
     assert result["table"]["shards"] == 8
     assert result["table"]["bytes"] == result["table"]["num_rows"] * result["table"]["row_bytes"]
     assert result["table"]["directory"].startswith(str(tmp_path / "cache"))
     assert result["probe"]["mode"] in ALL_MODES
-    for name in ("ple-um cpu", "seeds cpu"):
-        entry = result["lookup"][name]
+    assert list(result["ids"]) == ["uniform", "zipf:1.1"]
+    assert result["ids"]["zipf:1.1"]["kind"] == "zipf" and result["ids"]["zipf:1.1"]["s"] == 1.1
+    assert result["anchor"] == {"name": "torch index_select", "memory": "host memory (no CUDA device)"}
+    assert list(result["lookup"]) == ["torch index_select", "ple-um cpu", "seeds cpu"]
+    host = result["method"]["host_overhead"]
+    assert (host["calls"], host["rows"]) == (300, 16)
+    anchor = result["lookup"]["torch index_select"]
+    for entry in result["lookup"].values():
         assert "skipped" not in entry, entry
-        for n in ("16", "256"):
-            assert {"median_us", "gbps"} <= set(entry[n])
-            assert entry[n]["calls"] == 3
+        for dist in ("uniform", "zipf:1.1"):
+            for n in ("16", "256"):
+                row = entry[dist][n]
+                assert {"median_us", "gbps"} <= set(row)
+                assert row["calls"] == 3
+                assert row["vs_torch"] == pytest.approx(row["median_us"] / anchor[dist][n]["median_us"])
+            h = entry[dist]["host"]
+            assert (h["calls"], h["rows"], len(h["rounds_us"])) == (300, 16, 2)
+            assert h["vs_torch"] == pytest.approx(h["median_us"] / anchor[dist]["host"]["median_us"])
     assert result["method"]["timed_calls"] == 3 and result["method"]["rounds"] == 2
-    assert {"ple-um cpu", "seeds cpu"} <= set(result["decode_step"])
-    assert "eager" in result["decode_step"]["ple-um cpu"]
+    steps = result["decode_step"]
+    assert set(steps) == set(result["lookup"])
+    assert steps["torch index_select"]["capture_safe"] is True
+    assert steps["seeds cpu"]["capture_safe"] is False
+    for step in steps.values():
+        for dist in ("uniform", "zipf:1.1"):
+            eager = step[dist]["eager"]
+            ref = steps["torch index_select"][dist]["eager"]
+            assert eager["vs_torch"] == pytest.approx(eager["median_us"] / ref["median_us"])
+            assert "graph" not in step[dist]  # no CUDA here
     assert {"cold", "warm"} <= set(result["startup"])
     assert {"mode", "open_s", "pinned_bytes"} <= set(result["startup"]["warm"])
+    assert len(result["processes"]["ple-um"]["mem_available_drop_bytes"]) == 1  # --processes 1 runs one
+    assert result["processes"]["ple-um"]["mode"] == result["startup"]["warm"]["mode"]

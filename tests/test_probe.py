@@ -7,12 +7,19 @@ decision logic is the real one.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
+import torch
 from machines import ATS, DISCRETE, HMM
 
 import ple_um
-from ple_um.access.capabilities import DeviceCapabilities, read_capabilities, triton_interpreter
+from ple_um.access.capabilities import (
+    DeviceCapabilities,
+    read_capabilities,
+    resolve_device,
+    triton_interpreter,
+)
 from ple_um.access.probe import (
     ALL_MODES,
     ATS_DIRECT_READ,
@@ -274,6 +281,26 @@ def test_probe_of_this_host(monkeypatch):
     report = probe("cpu")
     assert report.mode == "cpu" and report.capabilities["host_is_device"] is False
     assert_reasons_complete(report)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+def test_a_device_this_machine_lacks_is_reported_not_raised():
+    """read_capabilities never raises: a device it cannot use comes back as no CUDA device, with
+    why in .errors; resolve_device (which open_table uses) raises ValueError saying the same."""
+    for device, why in (
+        ("cuda", "device 'cuda': no CUDA device here (torch.cuda.is_available() is False)"),
+        ("cuda:3", "device 'cuda:3': no CUDA device here"),
+        (0, "device 'cuda:0': no CUDA device here"),
+        ("bogus", "'bogus' is not a device: expected cpu, cuda or cuda:N"),
+        ("cuda:x", "'cuda:x' is not a device"),
+    ):
+        caps = read_capabilities(device)
+        assert (caps.cuda, caps.device) == (False, str(device))
+        assert len(caps.errors) == 1 and caps.errors[0].startswith(why)
+        with pytest.raises(ValueError, match=re.escape(why)):
+            resolve_device(device)
+        report = decide(caps)
+        assert report.mode == "cpu" and report.reasons["registered"] == "no CUDA device"
 
 
 def test_pin_budget_knobs(monkeypatch):

@@ -60,16 +60,25 @@ def _cuda_device_index(device: torch.device) -> int:
 
 
 def resolve_device(device: str | int | torch.device | None) -> torch.device:
-    """None -> the current CUDA device, or the CPU when there is none."""
+    """None -> the current CUDA device, or the CPU when there is none. A device this machine cannot
+    use (a name torch does not know, CUDA where there is none, an index past the last GPU) raises
+    ValueError saying which and what there is."""
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{device!r} is not a device: expected cpu, cuda or cuda:N ({exc})") from None
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r}: no CUDA device here (torch.cuda.is_available() is False)")
+    if dev.index is None:
         return torch.device("cuda", torch.cuda.current_device())
+    if dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(dev)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 
@@ -102,14 +111,16 @@ def _device_uuid(index: int) -> str:
 
 
 def read_capabilities(device: str | int | torch.device | None = None) -> DeviceCapabilities:
-    """Ask the driver about ``device``; never raises (errors are recorded in ``.errors``)."""
-    dev = resolve_device(device)
+    """Ask the driver about ``device``; never raises: errors are recorded in ``.errors``, and a
+    device this machine cannot use (see resolve_device) is reported as no CUDA device, with why."""
+    try:
+        dev = resolve_device(device)
+    except ValueError as exc:
+        return DeviceCapabilities(cuda=False, device=str(device), errors=(str(exc),))
     if dev.type != "cuda":
         return DeviceCapabilities(
             cuda=False, device=str(dev), name="cpu", host_is_device=triton_interpreter()
         )
-    if not torch.cuda.is_available():
-        return DeviceCapabilities(cuda=False, device=str(dev), errors=("torch.cuda.is_available() is False",))
     index = _cuda_device_index(dev)
     errors: list[str] = []
     values: dict[str, bool] = {}

@@ -1,5 +1,9 @@
 """The paths ple-um is measured against, each an honest re-implementation of our own:
 
+- ``TorchResident``: the anchor, no ple-um code at all: the table's rows copied into one torch
+  tensor in GPU memory (host memory on a machine without a GPU) and gathered by
+  ``torch.index_select`` into the caller's preallocated output. What a gather costs when the rows
+  are already where the GPU reads fastest, through one stock torch op.
 - ``VllmPinnedHost``: the vLLM 0.33 pinned-host way: the whole table copied into torch pinned host
   memory and read by a Triton kernel through its device pointer, one program per row copying bytes.
 - ``SeedsCpuPath``: the seeds' gather: ids to the host, np.unique, a thread pool (32 workers, chunks
@@ -40,8 +44,51 @@ class _Address:
         return self.addr
 
 
+def _copy_rows(layout: ShardLayout, dst: torch.Tensor, chunk_bytes: int = 64 << 20) -> None:
+    """Every row of the table, in order, into ``dst`` ([num_rows, row_bytes] uint8, on any device),
+    read from the shard files a chunk at a time."""
+    rb = layout.row_bytes
+    step = max(1, chunk_bytes // rb)
+    pos = 0
+    for spec in layout.shards:
+        if not spec.rows:
+            continue
+        mm = np.memmap(spec.path, dtype=np.uint8, mode="r", offset=spec.offset, shape=(spec.rows, rb))
+        for a in range(0, spec.rows, step):
+            b = min(a + step, spec.rows)
+            if dst.device.type == "cpu":
+                dst[pos + a : pos + b].numpy()[:] = mm[a:b]
+            else:  # a writable copy of the chunk for torch, then one host-to-device copy
+                dst[pos + a : pos + b].copy_(torch.from_numpy(np.array(mm[a:b])))
+        pos += spec.rows
+        del mm
+
+
+class TorchResident:
+    """The anchor: the whole table in one torch tensor on ``device``, rows gathered by
+    ``torch.index_select`` into ``out``: one stock kernel, capture-safe. Ids must lie in the table
+    (index_select checks them; the bench draws only such ids)."""
+
+    capture_safe = True
+
+    def __init__(self, layout: ShardLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.rows = torch.empty((layout.num_rows, layout.row_bytes), dtype=torch.uint8, device=device)
+        _copy_rows(layout, self.rows)
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return torch.index_select(self.rows, 0, ids, out=out)
+
+    def close(self) -> None:
+        self.rows = None
+
+
 class VllmPinnedHost:
-    """Whole table in pinned host memory (a copy per process), one program per row."""
+    """Whole table in pinned host memory (a copy per process), one program per row. vLLM 0.33 runs
+    it in an eager break of the CUDA graph (a side-stream prefetch), so it is not captured here."""
+
+    capture_safe = False
 
     def __init__(self, layout: ShardLayout, device: torch.device) -> None:
         from cuda.bindings import runtime as rt
@@ -49,19 +96,7 @@ class VllmPinnedHost:
         self.layout = layout
         self.device = device
         self.host = torch.empty((layout.num_rows, layout.row_bytes), dtype=torch.uint8, pin_memory=True)
-        pos = 0
-        for spec in layout.shards:
-            if spec.rows:
-                mm = np.memmap(
-                    spec.path,
-                    dtype=np.uint8,
-                    mode="r",
-                    offset=spec.offset,
-                    shape=(spec.rows, layout.row_bytes),
-                )
-                self.host[pos : pos + spec.rows].numpy()[:] = mm
-                pos += spec.rows
-                del mm
+        _copy_rows(layout, self.host)
         err, dptr = rt.cudaHostGetDevicePointer(self.host.data_ptr(), 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostGetDevicePointer: {err}")
@@ -77,7 +112,10 @@ class VllmPinnedHost:
 
 
 class SeedsCpuPath:
-    """The seeds' CPU gather, as they run it (32 workers, chunks of 2048 rows)."""
+    """The seeds' CPU gather, as they run it (32 workers, chunks of 2048 rows). It synchronizes
+    with the GPU to read the ids: never capture-safe."""
+
+    capture_safe = False
 
     def __init__(
         self, layout: ShardLayout, device: torch.device, workers: int = 32, chunk: int = 2048

@@ -1,0 +1,92 @@
+"""The ids the bench looks up: uniform over the table, or Zipf-distributed n-grams hashed onto rows.
+
+Real PLE traffic is skewed: a few n-grams come up again and again, most rarely. The model hashes
+each n-gram onto a row, so the hot rows are scattered over the whole table, not packed at its
+start. ``zipf:S`` draws n-gram ranks from Zipf(S) over a large n-gram space (rank 1 the most
+frequent) and sends each through a fixed multiplicative hash onto ``[0, num_rows)``; every call
+draws afresh from the same distribution, so the same rows stay hot from call to call, as in a
+server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# N-grams the ranks are drawn from: far more than any table has rows, as with real n-gram hashing
+# (many n-grams share a row).
+NGRAM_SPACE = 1 << 40
+# Knuth's multiplicative hash constant (2^64 / golden ratio, odd): consecutive ranks land far apart.
+HASH_MULTIPLIER = 0x9E3779B97F4A7C15
+# numpy's Zipf sampler needs S > 1, and draws past NGRAM_SPACE are drawn again: near S = 1 that is
+# most of them (over a third at 1.01), so S stays in this range.
+ZIPF_RANGE = (1.01, 10.0)
+
+
+def hash_onto_rows(ngrams: np.ndarray, num_rows: int) -> np.ndarray:
+    """Each n-gram id's row: the id times HASH_MULTIPLIER modulo 2^64, its high half folded into the
+    low half, modulo ``num_rows`` (int64)."""
+    h = ngrams.astype(np.uint64) * np.uint64(HASH_MULTIPLIER)  # wraps modulo 2^64
+    h ^= h >> np.uint64(32)
+    return (h % np.uint64(num_rows)).astype(np.int64)
+
+
+def zipf_ngrams(rng: np.random.Generator, s: float, n: int, space: int = NGRAM_SPACE) -> np.ndarray:
+    """``n`` n-gram ranks in ``[1, space]`` drawn from Zipf(s) restricted to the space."""
+    out = rng.zipf(s, size=n)
+    while True:
+        beyond = np.flatnonzero(out > space)
+        if beyond.size == 0:
+            return out
+        out[beyond] = rng.zipf(s, size=beyond.size)
+
+
+@dataclass(frozen=True)
+class IdDistribution:
+    """One way to draw a lookup's ids: ``uniform`` or ``zipf:S``."""
+
+    name: str
+    s: float | None = None  # the Zipf exponent; None for uniform
+
+    def draw(self, rng: np.random.Generator, num_rows: int, n: int) -> np.ndarray:
+        """``n`` fresh ids in ``[0, num_rows)`` (int64)."""
+        if self.s is None:
+            return rng.integers(0, num_rows, size=n)
+        return hash_onto_rows(zipf_ngrams(rng, self.s, n), num_rows)
+
+    def describe(self) -> dict:
+        if self.s is None:
+            return {"kind": "uniform"}
+        return {
+            "kind": "zipf",
+            "s": self.s,
+            "ngram_space": NGRAM_SPACE,
+            "hash": f"h = ngram * {HASH_MULTIPLIER:#x} mod 2^64; row = (h xor (h >> 32)) mod num_rows",
+        }
+
+
+def parse_ids(text: str) -> tuple[IdDistribution, ...]:
+    """``uniform``, ``zipf:S`` or a comma-separated list of them; ValueError naming what is accepted."""
+    accepted = (
+        f"expected uniform or zipf:S with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} (e.g. uniform,zipf:1.1)"
+    )
+    found: list[IdDistribution] = []
+    for item in (part.strip() for part in text.split(",")):
+        kind, _, arg = item.partition(":")
+        if item == "uniform":
+            dist = IdDistribution("uniform")
+        elif kind == "zipf":
+            try:
+                s = float(arg)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an id distribution: {accepted}") from None
+            if not ZIPF_RANGE[0] <= s <= ZIPF_RANGE[1]:
+                raise ValueError(f"{item!r}: the Zipf exponent {arg} is out of range: {accepted}")
+            dist = IdDistribution(f"zipf:{s:g}", s)
+        else:
+            raise ValueError(f"{item!r} is not an id distribution: {accepted}")
+        if dist in found:
+            raise ValueError(f"{item!r} is named twice in {text!r}")
+        found.append(dist)
+    return tuple(found)

@@ -1,0 +1,231 @@
+"""The bench's harness on the CPU: the torch anchor's rows, the Zipf-hashed ids, the host-overhead
+burst, the ratios to the anchor and the table's columns. No times are asserted: the numbers here
+are made up or only checked for their bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from reference import reference_rows
+
+import ple_um
+from ple_um.bench import runner
+from ple_um.bench.contenders import TorchResident
+from ple_um.bench.ids import HASH_MULTIPLIER, NGRAM_SPACE, hash_onto_rows, parse_ids, zipf_ngrams
+
+
+# -- the anchor ----------------------------------------------------------------------------------
+def test_torch_anchor_gathers_the_rows_of_the_files(make_checkpoint):
+    """Every row of a table of uneven shards, shard boundaries and duplicates included, into a
+    poisoned preallocated out."""
+    layout = make_checkpoint(num_rows=103, row_dim=40, shards=7, files=3)
+    anchor = TorchResident(layout, torch.device("cpu"))
+    S = layout.rows_per_shard
+    edges = [0, S - 1, S, 2 * S - 1, 2 * S, layout.num_rows - 1, 5, 5]
+    rng = np.random.default_rng(7)
+    ids = torch.tensor(edges + rng.integers(0, layout.num_rows, 200).tolist())
+    out = torch.full((ids.numel(), layout.row_bytes), 0xAB, dtype=torch.uint8)
+    assert anchor.lookup(ids, out) is out
+    np.testing.assert_array_equal(out.numpy(), reference_rows(layout, ids))
+    assert anchor.capture_safe is True  # one stock kernel
+    anchor.close()
+    assert anchor.rows is None
+
+
+# -- ids -------------------------------------------------------------------------------------------
+def test_parse_ids_accepts_uniform_and_zipf_lists():
+    (u,) = parse_ids("uniform")
+    assert (u.name, u.s) == ("uniform", None)
+    u, z = parse_ids("uniform, zipf:1.10")
+    assert (z.name, z.s) == ("zipf:1.1", 1.1)
+    assert z.describe() == {
+        "kind": "zipf",
+        "s": 1.1,
+        "ngram_space": NGRAM_SPACE,
+        "hash": z.describe()["hash"],
+    }
+    assert f"{HASH_MULTIPLIER:#x}" in z.describe()["hash"]
+    assert [d.name for d in parse_ids("zipf:2,zipf:1.01")] == ["zipf:2", "zipf:1.01"]
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("bogus", "'bogus' is not an id distribution: expected uniform or zipf:S with 1.01 <= S <= 10"),
+        ("zipf", "'zipf' is not an id distribution"),
+        ("zipf:x", "'zipf:x' is not an id distribution"),
+        ("zipf:1", "'zipf:1': the Zipf exponent 1 is out of range"),
+        ("zipf:0.9", "out of range"),
+        ("zipf:11", "out of range"),
+        ("uniform,", "'' is not an id distribution"),
+        ("zipf:1.1,zipf:1.10", "'zipf:1.10' is named twice"),
+    ],
+)
+def test_parse_ids_refuses_bad_values(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_ids(text)
+
+
+def test_hash_is_the_documented_formula():
+    """The hash the JSON describes, recomputed with Python's integers."""
+    num_rows = 1_000_003
+    ngrams = [1, 2, 3, 12345, NGRAM_SPACE]
+    expect = []
+    for g in ngrams:
+        h = (g * HASH_MULTIPLIER) % (1 << 64)
+        expect.append((h ^ (h >> 32)) % num_rows)
+    assert hash_onto_rows(np.array(ngrams), num_rows).tolist() == expect
+
+
+def test_zipf_ids_are_skewed_fresh_and_spread_over_the_table():
+    num_rows = 1_000_003  # not a power of two
+    (zipf,) = parse_ids("zipf:1.1")
+    rng = np.random.default_rng(0)
+    a, b = zipf.draw(rng, num_rows, 200_000), zipf.draw(rng, num_rows, 200_000)
+    for ids in (a, b):
+        assert ids.dtype == np.int64 and ids.min() >= 0 and ids.max() < num_rows
+    assert not np.array_equal(a, b)  # fresh draws every call
+    rows, counts = np.unique(a, return_counts=True)
+    # The hottest row is the rank-1 n-gram's: Zipf(1.1) gives rank 1 1/zeta(1.1) = 9.45% of the
+    # draws, ~10.0% once draws past the n-gram space (5.6%) are drawn again. Uniform: 1e-6.
+    top = rows[np.argmax(counts)]
+    assert top == hash_onto_rows(np.array([1]), num_rows)[0]
+    assert 0.09 < counts.max() / a.size < 0.11
+    # The same rows stay hot from call to call.
+    hot_a = set(rows[np.argsort(counts)[-20:]].tolist())
+    rows_b, counts_b = np.unique(b, return_counts=True)
+    hot_b = set(rows_b[np.argsort(counts_b)[-20:]].tolist())
+    assert len(hot_a & hot_b) >= 15
+    # ... and they are spread over the whole table, not packed at its start: each tenth of the
+    # table holds some of the 200 hottest rows.
+    hottest = rows[np.argsort(counts)[-200:]]
+    assert len(np.unique(hottest * 10 // num_rows)) == 10
+    # Ranks themselves stay inside the n-gram space.
+    ranks = zipf_ngrams(rng, 1.01, 50_000)
+    assert ranks.min() >= 1 and ranks.max() <= NGRAM_SPACE
+
+
+def test_uniform_ids_cover_the_table_evenly():
+    (uniform,) = parse_ids("uniform")
+    ids = uniform.draw(np.random.default_rng(1), 1000, 200_000)
+    assert ids.min() == 0 and ids.max() == 999
+    counts = np.bincount(ids, minlength=1000)
+    assert counts.max() < 2 * counts.mean()
+
+
+# -- timing harness --------------------------------------------------------------------------------
+def test_back_to_back_runs_each_burst_of_calls_in_rotated_rounds():
+    log: list[tuple[str, int]] = []
+    fns = {name: (lambda k, name=name: log.append((name, k))) for name in ("a", "b", "c")}
+    per_call = runner._Timer(torch.device("cpu")).back_to_back(fns, calls=30, rounds=4)
+    assert {name: len(t) for name, t in per_call.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(t >= 0 for ts in per_call.values() for t in ts)
+    # A round per contender: 10 warm calls, then the burst k = 0 .. 29; round r starts with path r % 3.
+    burst = list(range(10)) + list(range(30))
+    assert len(log) == 3 * 4 * len(burst)
+    blocks = [log[i : i + len(burst)] for i in range(0, len(log), len(burst))]
+    assert all(len({n for n, _ in blk}) == 1 and [k for _, k in blk] == burst for blk in blocks)
+    order = [blk[0][0] for blk in blocks]
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+
+
+def _timing(median: float) -> dict:
+    return {"median_us": median, "p10_us": median, "p90_us": median, "gbps": 1.0, "calls": 3}
+
+
+def test_ratios_divide_every_figure_by_the_anchors():
+    ids = ("uniform", "zipf:1.1")
+    result = {
+        "ids": {name: {} for name in ids},
+        "lookup": {
+            runner.ANCHOR: {
+                "uniform": {"16": _timing(10.0), "1024": _timing(20.0), "host": {"median_us": 5.0}},
+                "zipf:1.1": {"16": _timing(8.0), "host": {"median_us": 4.0}},
+            },
+            "ple-um registered": {
+                "mode": "registered",
+                "uniform": {"16": _timing(30.0), "1024": _timing(50.0), "host": {"median_us": 25.0}},
+                "zipf:1.1": {"16": _timing(12.0), "1024": _timing(99.0), "host": {"median_us": 6.0}},
+            },
+            "ple-um ats": {"skipped": "ModeUnavailableError: no ATS"},
+        },
+        "decode_step": {
+            runner.ANCHOR: {
+                "capture_safe": True,
+                "uniform": {"eager": _timing(100.0), "graph": _timing(20.0)},
+            },
+            "ple-um registered": {
+                "capture_safe": True,
+                "uniform": {"eager": _timing(150.0), "graph": _timing(50.0)},
+            },
+            "seeds cpu": {"capture_safe": False, "uniform": {"eager": _timing(1000.0)}},
+        },
+    }
+    runner.ratios(result)
+    reg = result["lookup"]["ple-um registered"]
+    assert reg["uniform"]["16"]["vs_torch"] == pytest.approx(3.0)
+    assert reg["uniform"]["1024"]["vs_torch"] == pytest.approx(2.5)
+    assert reg["uniform"]["host"]["vs_torch"] == pytest.approx(5.0)
+    assert reg["zipf:1.1"]["16"]["vs_torch"] == pytest.approx(1.5)
+    assert reg["zipf:1.1"]["host"]["vs_torch"] == pytest.approx(1.5)
+    assert "vs_torch" not in reg["zipf:1.1"]["1024"]  # the anchor has no such figure
+    assert result["lookup"][runner.ANCHOR]["uniform"]["16"]["vs_torch"] == 1.0
+    assert result["lookup"]["ple-um ats"] == {"skipped": "ModeUnavailableError: no ATS"}
+    step = result["decode_step"]
+    assert step["ple-um registered"]["uniform"]["eager"]["vs_torch"] == pytest.approx(1.5)
+    assert step["ple-um registered"]["uniform"]["graph"]["vs_torch"] == pytest.approx(2.5)
+    assert step["seeds cpu"]["uniform"]["eager"]["vs_torch"] == pytest.approx(10.0)
+
+
+def test_decode_step_reads_capture_safe_from_the_table(make_checkpoint):
+    """The graph column follows what the table reports, not a list of modes (on the CPU there is
+    no graph to capture, whatever it reports)."""
+    layout = make_checkpoint(num_rows=300, row_dim=16, shards=3)
+    cfg = runner.Config(decode_tokens=4, heads=2)
+    check = [torch.randint(0, layout.num_rows, (8,)) for _ in range(3)]
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        step = runner._DecodeStep(table, layout, torch.device("cpu"), cfg, check)
+        assert step.capture_safe is table.capture_safe
+        assert step.graph is None
+        y = step.eager(check[1])
+        assert y.shape == (4, 64)
+
+
+def test_format_table_has_a_ratio_and_host_column_per_id_distribution():
+    result = {
+        "device": "CPU (2 cores)",
+        "table": {"bytes": 1 << 30, "row_bytes": 160, "shards": 8},
+        "probe": {"mode": "cpu"},
+        "ids": {"uniform": {}, "zipf:1.1": {}},
+        "anchor": {"name": runner.ANCHOR, "memory": "host memory (no CUDA device)"},
+        "method": {"host_overhead": {"calls": 300, "rows": 16}},
+        "lookup": {
+            runner.ANCHOR: {
+                d: {"16": _timing(2.0), "host": {"median_us": 1.0}} for d in ("uniform", "zipf:1.1")
+            },
+            "ple-um cpu": {
+                d: {"16": _timing(200.0), "host": {"median_us": 150.0}} for d in ("uniform", "zipf:1.1")
+            },
+        },
+        "decode_step": {
+            runner.ANCHOR: {
+                "capture_safe": True,
+                "uniform": {"eager": _timing(50.0)},
+                "zipf:1.1": {"eager": _timing(40.0)},
+            },
+            "ple-um cpu": {
+                "capture_safe": False,
+                "uniform": {"eager": _timing(500.0)},
+                "zipf:1.1": {"eager": _timing(400.0)},
+            },
+        },
+        "startup": {},
+    }
+    runner.ratios(result)
+    text = runner.format_table(result, (16,))
+    assert "lookups, uniform ids" in text and "lookups, zipf:1.1 ids" in text
+    assert text.count("host: us per call, 300 x 16 rows back to back (x torch)") == 2
+    assert "| ple-um cpu | 200.0 (1.00 GB/s, 100.00x) | 150.0 (150.00x) |" in text
+    assert "| torch index_select | 50.0 (1.00x) | no CUDA graphs on the CPU | 40.0 (1.00x) |" in text
+    assert "| ple-um cpu | 500.0 (10.00x) | not capture-safe | 400.0 (10.00x) | not capture-safe |" in text
