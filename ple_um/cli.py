@@ -214,8 +214,12 @@ def cmd_probe(args: argparse.Namespace) -> int:
         return _fail(args, "--recheck needs DIR: the check reads the table's own files", EXIT_USAGE)
     try:
         report = ple_um.probe(args.device, path=args.dir, layer=args.layer, recheck=args.recheck)
-    except (CheckpointError, ModeUnavailableError) as exc:
+    except CheckpointError as exc:
         return _fail(args, str(exc))
+    except ModeUnavailableError as exc:
+        if not exc.reason.startswith("FirstReadRejected"):
+            raise  # a mode forced where the machine cannot run it: bad input, exit 2 (main)
+        return _fail(args, str(exc))  # the forced mode's first read failed here: exit 1
     if args.json:
         _emit_json(report.as_dict())
     else:

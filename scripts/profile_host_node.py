@@ -144,15 +144,26 @@ def graph_replay(path, n, num_rows, reps, reference) -> dict:
 
 
 def overlap(table, num_rows, reference, reps) -> dict:
-    """A PLE-shaped step: GPU work (a bf16 matmul chain), then a consumer of the lookup's rows; the
-    lookup either after the work (serial) or forked onto a side stream before it (overlapped, as
-    the vLLM plugin's prefetch does), eager and graph-replayed."""
+    """A PLE-shaped step: GPU work (a bf16 matmul chain), then a consumer of the work's result and of
+    the lookup's rows. Four variants, each with the same consumer: the work alone (the consumer
+    reads a stand-in for the rows), the lookup alone (the consumer reads a stand-in for the work),
+    the two one after the other, and overlapped: the lookup forked onto a side stream before the
+    work and joined after it, as the vLLM plugin's prefetch does. Graph replays are timed one by
+    one (events); eager steps back to back, as a serving loop issues them (the ids of every step
+    copied in first), time per step."""
     n = 1024
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, num_rows, (n,), device="cuda")
+    fresh = torch.randint(0, num_rows, (64, n), device="cuda")
     out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
+    rows_stand_in = torch.empty_like(out)
+    work_stand_in = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     results = {}
+
+    def consume(x, rows):
+        return x.float().mean() + rows.float().mean()
+
     for chain in (4, 8, 16):
 
         def work(chain=chain):
@@ -164,10 +175,11 @@ def overlap(table, num_rows, reference, reps) -> dict:
         def lookup():
             table.lookup(ids, out=out.view(table.dtype))
 
-        def serial():
-            x = work()
-            lookup()
-            return x.float().mean() + out.float().mean()
+        variants = {
+            "work": lambda: consume(work(), rows_stand_in),
+            "lookup": lambda: (lookup(), consume(work_stand_in, out))[1],
+            "serial": lambda: (lookup(), consume(work(), out))[1],
+        }
 
         def overlapped():
             side.wait_stream(torch.cuda.current_stream())
@@ -175,23 +187,24 @@ def overlap(table, num_rows, reference, reps) -> dict:
                 lookup()
             x = work()
             torch.cuda.current_stream().wait_stream(side)
-            return x.float().mean() + out.float().mean()
+            return consume(x, out)
 
+        variants["overlapped"] = overlapped
         row = {}
-        for name, fn in (("work", work), ("lookup", lookup), ("serial", serial), ("overlapped", overlapped)):
+        for name, fn in variants.items():
             fn()
             torch.cuda.synchronize()
-            eager = []
-            for k in range(reps + 3):
-                ids.copy_(torch.randint(0, num_rows, (n,), device="cuda"))
+            steps = []
+            for _ in range(reps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                fn()
+                for k in range(fresh.shape[0]):
+                    ids.copy_(fresh[k])
+                    fn()
                 torch.cuda.synchronize()
-                if k >= 3:
-                    eager.append(time.perf_counter() - t0)
-                if name in ("lookup", "overlapped") and k == reps:
-                    check(f"overlap eager {name} {chain}", torch.equal(out, reference.rows[ids]))
+                steps.append((time.perf_counter() - t0) / fresh.shape[0])
+            if name in ("lookup", "overlapped"):
+                check(f"overlap eager {name} {chain}", torch.equal(out, reference.rows[fresh[-1]]))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 fn()
@@ -208,7 +221,7 @@ def overlap(table, num_rows, reference, reps) -> dict:
                     replays.append(e0.elapsed_time(e1) * 1e-3)
                 if name in ("lookup", "overlapped"):
                     check(f"overlap graph {name} {chain}", torch.equal(out, reference.rows[ids]))
-            row[name] = {"eager": spread(eager), "graph": spread(replays)}
+            row[name] = {"eager": spread(steps), "graph": spread(replays)}
         for kind in ("eager", "graph"):
             floor = max(row["work"][kind]["median_us"], row["lookup"][kind]["median_us"])
             row[f"overlapped_over_max_{kind}"] = row["overlapped"][kind]["median_us"] / floor

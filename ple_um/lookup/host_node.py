@@ -54,17 +54,42 @@ class HostNodeError(RuntimeError):
 
 
 class _Driver:
-    """``cuLaunchHostFunc`` from libcuda, through ctypes (it releases nothing and calls no Python)."""
+    """The few CUDA driver calls of the host path, through ctypes on libcuda: queue a host function,
+    the two async copies, and events. Each is a stream operation (captured like any other); none
+    takes the GIL back while it runs, and every return code is checked."""
 
     _instance: _Driver | None = None
     _lock = threading.Lock()
 
     def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self.lib.cuLaunchHostFunc.restype = ctypes.c_int
-        self.lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        self.lib.cuGetErrorName.restype = ctypes.c_int
+        lib = self.lib = ctypes.CDLL("libcuda.so.1")
+        ptr, size, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        signatures = {
+            "cuLaunchHostFunc": [ptr, ptr, ptr],
+            "cuMemcpyDtoHAsync_v2": [ptr, ctypes.c_uint64, size, ptr],
+            "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, ptr, size, ptr],
+            "cuEventCreate": [ctypes.POINTER(ptr), ctypes.c_uint],
+            "cuEventRecord": [ptr, ptr],
+            "cuEventQuery": [ptr],
+            "cuEventDestroy_v2": [ptr],
+            "cuStreamWaitEvent": [ptr, ptr, ctypes.c_uint],
+            "cuGetErrorName": [i32, ctypes.POINTER(ctypes.c_char_p)],
+            "cuCtxGetCurrent": [ctypes.POINTER(ptr)],
+            "cuCtxSetCurrent": [ptr],
+            "cuDeviceGet": [ctypes.POINTER(i32), i32],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ptr), i32],
+        }
+        self._thread = threading.local()
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, i32
+        self.launch_host_func = self._checked(lib.cuLaunchHostFunc, "cuLaunchHostFunc")
+        self.d2h = self._checked(lib.cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync")
+        self.h2d = self._checked(lib.cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync")
+        self.record = self._checked(lib.cuEventRecord, "cuEventRecord")
+        self.wait = self._checked(
+            lambda stream, event: lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent"
+        )
 
     @classmethod
     def get(cls) -> _Driver:
@@ -73,12 +98,51 @@ class _Driver:
                 cls._instance = cls()
             return cls._instance
 
-    def launch_host_func(self, stream: int, fn: int, data: int) -> None:
-        rc = self.lib.cuLaunchHostFunc(stream, fn, data)
+    def _checked(self, fn, name: str):
+        def call(*args) -> None:
+            rc = fn(*args)
+            if rc != 0:
+                raise HostNodeError(f"{name} failed: {self.error_name(rc)}")
+
+        return call
+
+    def error_name(self, rc: int) -> str:
+        name = ctypes.c_char_p()
+        self.lib.cuGetErrorName(rc, ctypes.byref(name))
+        return f"{(name.value or b'?').decode()} ({rc})"
+
+    def ensure_context(self, index: int) -> None:
+        """Make device ``index``'s primary context current in this thread where none is (a thread
+        that has made no CUDA call yet: the driver calls below need one). Once per thread."""
+        if getattr(self._thread, "index", None) == index:
+            return
+        current = ctypes.c_void_p()
+        if self.lib.cuCtxGetCurrent(ctypes.byref(current)) == 0 and not current.value:
+            device, context = ctypes.c_int(), ctypes.c_void_p()
+            for rc in (
+                self.lib.cuDeviceGet(ctypes.byref(device), index),
+                self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                self.lib.cuCtxSetCurrent(context),
+            ):
+                if rc != 0:
+                    raise HostNodeError(
+                        f"making device {index}'s context current failed: {self.error_name(rc)}"
+                    )
+        self._thread.index = index
+
+    def event(self) -> int:
+        """A new event without timing (destroy with ``destroy``)."""
+        handle = ctypes.c_void_p()
+        rc = self.lib.cuEventCreate(ctypes.byref(handle), 2)  # CU_EVENT_DISABLE_TIMING
         if rc != 0:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(rc, ctypes.byref(name))
-            raise HostNodeError(f"cuLaunchHostFunc failed: {(name.value or b'?').decode()} ({rc})")
+            raise HostNodeError(f"cuEventCreate failed: {self.error_name(rc)}")
+        return handle.value
+
+    def done(self, event: int) -> bool:
+        return self.lib.cuEventQuery(event) == 0
+
+    def destroy(self, event: int) -> None:
+        self.lib.cuEventDestroy_v2(event)
 
 
 @contextlib.contextmanager
@@ -130,21 +194,24 @@ class _Buffers:
         self.capacity = capacity
         self.ids = torch.empty(capacity * 8, dtype=torch.uint8, pin_memory=True)
         self.staging = [torch.empty((capacity, rb), dtype=torch.uint8, pin_memory=True) for rb in row_bytes]
+        self.ids_ptr = self.ids.data_ptr()
+        self.staging_ptrs = [(s.data_ptr(), rb) for s, rb in zip(self.staging, row_bytes, strict=True)]
 
 
 class _Stream:
-    """One stream's eager buffers, its ring of job structs, and its side stream and events for
-    chunked lookups. ``lock`` keeps each lookup's three operations together on the stream."""
+    """One stream's eager buffers (and those it outgrew, each kept until an event recorded after
+    its last use has completed), its ring of job structs, and its side stream and events for
+    chunked lookups. ``lock`` keeps each lookup's operations together on the stream."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
         self.lock = threading.Lock()
         self.buffers: _Buffers | None = None
+        self.retired: list[tuple[int, _Buffers]] = []
         self.ring = (rowcopy.LookupStruct * RING)()
-        self.held: list[object] = [None] * RING  # what each struct's queued lookup reads
         self.next = 0
-        self.device = device
-        self.side: torch.cuda.Stream | None = None
-        self.events: list[torch.cuda.Event] = []
+        self.side: torch.cuda.ExternalStream | None = None
+        self.events: list[int] = []
 
     def slot(self) -> rowcopy.LookupStruct:
         """The next job struct of the ring, once its previous host node has finished."""
@@ -193,6 +260,7 @@ class HostGather:
         self._run = rowcopy.function_address(lib, "ple_lookup_run")
         self._wake = rowcopy.function_address(lib, "ple_pool_wake")
         self._driver = _Driver.get() if self.cuda else None
+        self.index = device.index
         self._streams: dict[int, _Stream] = {}
         self._capture_buffers: dict[int, _Buffers] = {}
         self._captured: list[tuple[object, ...]] = []  # job structs and buffers of captured lookups
@@ -201,27 +269,24 @@ class HostGather:
             e2m1_values(device)  # on the device before any capture needs it
 
     # -- one lookup --------------------------------------------------------------------------
-    def _fill(self, job, bufs: _Buffers, ids: torch.Tensor, a: int, b: int, touch: bool = False) -> None:
-        """Point ``job`` at ids [a, b) of a lookup whose ids are in ``bufs`` (or ``ids`` on the host)."""
-        size = ids.element_size()
+    def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int], touch: bool = False) -> None:
+        """Point ``job`` at ``n`` ids of kind ``kind`` at ``ids_ptr``, their rows to ``dst``."""
         job.tables[0] = self.rows.address
         job.tables[1] = self.block_scales.address if self.block_scales is not None and not touch else None
-        base = bufs.ids.data_ptr() if bufs is not None else ids.data_ptr()
-        job.ids = base + a * size
-        job.n = b - a
+        job.ids, job.n = ids_ptr, n
         job.counts = self.counts.address
-        job.id_kind = rowcopy.ID_KINDS[ids.dtype]
+        job.id_kind = kind
         job.touch = int(touch)
         job.threads = self.threads
         job.inline_rows = INLINE_ROWS
-        if bufs is not None and not touch:
-            for k, staging in enumerate(bufs.staging):
-                job.dst[k] = staging.data_ptr() + a * staging.shape[1]
+        for k, address in enumerate(dst):
+            job.dst[k] = address
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rows of flat ``ids`` (on the device; any integer dtype) into ``out`` [n, row_dim]: raw rows
-        when out has the storage dtype (an NVFP4 table's packed bytes: [n, row_bytes]), else
-        dequantized or decoded. Queued on the current stream; no host sync."""
+        """Rows of flat ``ids`` (on the device, contiguous; any integer dtype) into ``out`` [n,
+        row_dim] (contiguous): raw rows when out has the storage dtype (an NVFP4 table's packed
+        bytes: [n, row_bytes]), else dequantized or decoded. Queued on the current stream; no
+        host sync."""
         return self._lookup(ids, [out])
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
@@ -234,23 +299,24 @@ class HostGather:
         n = ids.numel()
         if n == 0:
             return
+        kind = rowcopy.ID_KINDS[ids.dtype]
         if not self.cuda:
             job = rowcopy.LookupStruct()
-            self._fill(job, None, ids, 0, n, touch=True)
+            self._fill(job, ids.data_ptr(), kind, n, [], touch=True)
             self.lib.ple_lookup_run(ctypes.addressof(job))
             return
-        stream = torch.cuda.current_stream(self.device)
-        state, capturing = self._state(stream)
+        self._driver.ensure_context(self.index)
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        capturing = torch.cuda.is_current_stream_capturing()
+        state = self._state(stream)
         with state.lock:
             bufs = self._buffers(state, n, capturing)
             job = rowcopy.LookupStruct() if capturing else state.slot()
-            self._fill(job, bufs, ids, 0, n, touch=True)
-            self._ids_in(bufs, ids)
+            self._fill(job, bufs.ids_ptr, kind, n, [], touch=True)
+            self._driver.d2h(bufs.ids_ptr, ids.data_ptr(), n * ids.element_size(), stream)
             self._launch(stream, job)
             if capturing:
                 self._keep((job, bufs))
-            else:
-                state.held[(state.next - 1) % RING] = bufs
 
     def _lookup(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool | None = None) -> torch.Tensor:
         out = outs[0]
@@ -262,36 +328,37 @@ class HostGather:
         if not self.cuda:
             return self._lookup_here(ids, outs, raw)
         t0 = time.perf_counter()
-        stream = torch.cuda.current_stream(self.device)
-        state, capturing = self._state(stream)
+        self._driver.ensure_context(self.index)
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        capturing = torch.cuda.is_current_stream_capturing()
+        state = self._state(stream)
+        kind, size = rowcopy.ID_KINDS[ids.dtype], ids.element_size()
+        if raw:
+            targets = [o.data_ptr() for o in outs]
+        else:
+            raws = [torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes]
+            targets = [r.data_ptr() for r in raws]
         pieces = chunks(n)
         with state.lock:
             bufs = self._buffers(state, n, capturing)
             jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.slot() for _ in pieces]
             for job, (a, b) in zip(jobs, pieces, strict=True):
-                self._fill(job, bufs, ids, a, b)
-            if raw:
-                targets = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
-            else:
-                targets = [
-                    torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes
-                ]
+                self._fill(
+                    job, bufs.ids_ptr + a * size, kind, b - a, [p + a * rb for p, rb in bufs.staging_ptrs]
+                )
             if len(pieces) == 1:
-                self._ids_in(bufs, ids)
+                self._driver.d2h(bufs.ids_ptr, ids.data_ptr(), n * size, stream)
                 if not capturing and n > INLINE_ROWS:
                     self.pool.wake()
                 self._launch(stream, jobs[0])
-                for target, staging in zip(targets, bufs.staging, strict=True):
-                    target.copy_(staging[:n], non_blocking=True)
+                for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=True):
+                    self._driver.h2d(target, staging, n * rb, stream)
             else:
                 self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
             if capturing:
                 self._keep((*jobs, bufs))
-            else:
-                for k in range(len(jobs)):
-                    state.held[(state.next - 1 - k) % RING] = bufs
         if not raw:
-            self._decode(targets, out)
+            self._decode(raws, out)
         if not capturing:
             with self._lock:
                 self.enqueue_seconds += time.perf_counter() - t0
@@ -300,42 +367,39 @@ class HostGather:
     def _chunked(self, state, stream, bufs, ids, jobs, pieces, targets, capturing) -> None:
         """A big lookup: the ids in one copy, the chunks' host nodes in turn on the side stream, each
         chunk's copy to the device on the caller's stream once its rows are in."""
+        driver = self._driver
         if state.side is None:
             with _relaxed_capture_mode() if capturing else contextlib.nullcontext():
                 state.side = _own_stream(self.device)
         while len(state.events) < len(pieces) + 2:
-            state.events.append(torch.cuda.Event())
-        side, events = state.side, state.events
+            state.events.append(driver.event())
+        side, events = state.side.cuda_stream, state.events
         if capturing:  # the pool's wake-up overlaps the ids' copy
-            events[-1].record(stream)
-            side.wait_event(events[-1])
-            self._driver.launch_host_func(side.cuda_stream, self._wake, 0)
+            driver.record(events[-1], stream)
+            driver.wait(side, events[-1])
+            driver.launch_host_func(side, self._wake, None)
         else:
             self.pool.wake()
-        self._ids_in(bufs, ids)
-        events[-2].record(stream)
-        side.wait_event(events[-2])
+        driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
+        driver.record(events[-2], stream)
+        driver.wait(side, events[-2])
         for k, job in enumerate(jobs):
             self._launch(side, job)
-            events[k].record(side)
+            driver.record(events[k], side)
         for k, (a, b) in enumerate(pieces):
-            stream.wait_event(events[k])
-            for target, staging in zip(targets, bufs.staging, strict=True):
-                target[a:b].copy_(staging[a:b], non_blocking=True)
+            driver.wait(stream, events[k])
+            for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=True):
+                driver.h2d(target + a * rb, staging + a * rb, (b - a) * rb, stream)
 
-    def _launch(self, stream, job) -> None:
+    def _launch(self, stream: int, job) -> None:
         """Queue the host node of ``job`` on ``stream``. Its ``busy`` flag is up only while a host
         node that will clear it is queued (a ring slot is never waited for in vain)."""
         job.busy = 1
         try:
-            self._driver.launch_host_func(stream.cuda_stream, self._run, ctypes.addressof(job))
+            self._driver.launch_host_func(stream, self._run, ctypes.addressof(job))
         except BaseException:
             job.busy = 0
             raise
-
-    def _ids_in(self, bufs: _Buffers, ids: torch.Tensor) -> None:
-        n = ids.numel()
-        bufs.ids[: n * ids.element_size()].view(ids.dtype).copy_(ids, non_blocking=True)
 
     def _decode(self, raws: list[torch.Tensor], out: torch.Tensor) -> None:
         if self.block_scales is not None:
@@ -355,25 +419,24 @@ class HostGather:
         else:
             staging = [torch.empty((n, rb), dtype=torch.uint8) for rb in self.row_bytes]
         job = rowcopy.LookupStruct()
-        self._fill(job, None, ids, 0, n)
-        for k, s in enumerate(staging):
-            job.dst[k] = s.data_ptr()
+        self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], n, [s.data_ptr() for s in staging])
         self.lib.ple_lookup_run(ctypes.addressof(job))
         if not raw:
             self._decode(staging, outs[0])
         return outs[0]
 
     # -- buffers -----------------------------------------------------------------------------
-    def _state(self, stream: torch.cuda.Stream) -> tuple[_Stream, bool]:
-        handle = stream.cuda_stream
-        state = self._streams.get(handle)
+    def _state(self, stream: int) -> _Stream:
+        state = self._streams.get(stream)
         if state is None:
             with self._lock:
-                state = self._streams.setdefault(handle, _Stream(self.device))
-        return state, torch.cuda.is_current_stream_capturing()
+                state = self._streams.setdefault(stream, _Stream(stream))
+        return state
 
     def _buffers(self, state: _Stream, n: int, capturing: bool) -> _Buffers:
-        """Buffers for ``n`` ids: the stream's eager ones, or its capture ones; grown by doubling."""
+        """Buffers for ``n`` ids: the stream's eager ones, or its capture ones; grown by doubling.
+        Outgrown eager buffers are kept until an event recorded now (after every operation queued
+        on the stream that may read them) has completed."""
         if capturing:
             key = id(state)
             bufs = self._capture_buffers.get(key)
@@ -383,9 +446,20 @@ class HostGather:
                 self._capture_buffers[key] = bufs
             return bufs
         if state.buffers is None or state.buffers.capacity < n:
-            old = state.buffers.capacity if state.buffers is not None else 0
-            state.buffers = _Buffers(max(n, 2 * old, 1024), self.row_bytes)
+            state.retired = [(ev, b) for ev, b in state.retired if not self._freed(ev)]
+            old = state.buffers
+            if old is not None:
+                event = self._driver.event()
+                self._driver.record(event, state.handle)
+                state.retired.append((event, old))
+            state.buffers = _Buffers(max(n, 2 * (old.capacity if old else 0), 1024), self.row_bytes)
         return state.buffers
+
+    def _freed(self, event: int) -> bool:
+        if not self._driver.done(event):
+            return False
+        self._driver.destroy(event)
+        return True
 
     def _keep(self, items: tuple[object, ...]) -> None:
         with self._lock:
@@ -411,12 +485,16 @@ class HostGather:
         )
 
     def close(self) -> None:
-        """Wait for every queued lookup's host node, then drop the buffers (the caller has synchronized
-        the device: this only checks). Idempotent."""
+        """Wait for every queued lookup's host node, then drop the buffers and events (the caller has
+        synchronized the device: this only checks). Idempotent."""
         for state in self._streams.values():
             for job in state.ring:
                 while job.busy:
                     time.sleep(1e-4)
+            for event, _ in state.retired:
+                self._driver.destroy(event)
+            for event in state.events:
+                self._driver.destroy(event)
         self._streams = {}
         self._capture_buffers = {}
         self._captured = []

@@ -264,6 +264,7 @@ def test_the_direct_launch_equals_tritons_own(tables, open_mode, ids_for, rng, d
             for _ in range(3):  # the first call compiles through Triton, the next ones launch directly
                 out = poisoned((3000, layout.row_dim), torch.float32, device)
                 table.lookup(torch.from_numpy(ids_np).to(device), out=out)
+            assert bool(table.gpu._bound) == (direct == "1")  # a bound launcher served the later calls
             outs.append(out.cpu())
     assert same(outs[0], expected(layout, ids_np, torch.float32)) and same(outs[1], outs[0])
 
@@ -298,3 +299,28 @@ def test_graph_replays_serve_a_table_whose_pages_were_dropped(tables, open_mode,
             graph.replay()
             torch.cuda.synchronize()
             assert same(out, expected(layout, fresh, torch.bfloat16))
+
+
+@pytest.mark.parametrize("mode", ["cpu", "registered"])
+def test_a_lookup_from_a_fresh_thread(tables, mode, open_mode, ids_for, rng, device):
+    """A thread that has made no CUDA call yet: the host path makes the device's context current
+    itself before its driver calls, and the kernel path's launcher does too."""
+    import threading
+
+    layout = tables["fp8"]
+    with open_mode(layout, mode, "1", PLE_UM_BULK_ROWS="1000") as table:
+        results = {}
+
+        def look(n):
+            ids_np = ids_for(layout, n, rng)
+            ids = torch.from_numpy(ids_np).to(device)
+            out = poisoned((n, layout.row_dim), layout.dtype, device)
+            table.lookup(ids, out=out)
+            torch.cuda.current_stream(device).synchronize()
+            results[n] = same(out, expected(layout, ids_np, layout.dtype))
+
+        for n in (16, 5000):  # the kernel and, in the registered mode, its host path
+            worker = threading.Thread(target=look, args=(n,))
+            worker.start()
+            worker.join(60)
+        assert results == {16: True, 5000: True}
