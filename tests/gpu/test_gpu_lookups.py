@@ -309,18 +309,17 @@ def test_a_lookup_from_a_fresh_thread(tables, mode, open_mode, ids_for, rng, dev
 
     layout = tables["fp8"]
     with open_mode(layout, mode, "1", PLE_UM_BULK_ROWS="1000") as table:
-        results = {}
-
-        def look(n):
+        calls = {}
+        for n in (16, 5000):  # the kernel and, in the registered mode, its host path
             ids_np = ids_for(layout, n, rng)
             ids = torch.from_numpy(ids_np).to(device)
             out = poisoned((n, layout.row_dim), layout.dtype, device)
-            table.lookup(ids, out=out)
-            torch.cuda.current_stream(device).synchronize()
-            results[n] = same(out, expected(layout, ids_np, layout.dtype))
-
-        for n in (16, 5000):  # the kernel and, in the registered mode, its host path
-            worker = threading.Thread(target=look, args=(n,))
+            torch.cuda.synchronize()
+            # The thread's only CUDA work is the lookup itself (on the default stream).
+            worker = threading.Thread(target=table.lookup, args=(ids,), kwargs={"out": out})
             worker.start()
             worker.join(60)
+            calls[n] = (out, ids_np)
+        torch.cuda.synchronize()
+        results = {n: same(out, expected(layout, ids_np, layout.dtype)) for n, (out, ids_np) in calls.items()}
         assert results == {16: True, 5000: True}
