@@ -28,12 +28,22 @@ from ple_um import envs
 _VERSIONS = ((3, 6), (3, 7), (3, 8))
 
 
+def _hook_active(hook) -> bool:
+    """A launch hook is set: Triton 3.6+ keeps them in a HookChain, which is never None but empty
+    until a profiler adds one (measured on the H200: taking a never-None chain for a set hook kept
+    every call off the direct launch); older Triton used None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _hooks_set() -> bool:
     knobs = getattr(triton, "knobs", None)
     runtime = getattr(knobs, "runtime", None)
-    return runtime is not None and (
-        runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
-    )
+    if runtime is None:
+        return False
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 def why_not_direct(kernel) -> str | None:

@@ -55,7 +55,7 @@ class HostNodeError(RuntimeError):
 
 class _Driver:
     """The few CUDA driver calls of the host path, through ctypes on libcuda: queue a host function,
-    the two async copies, and events. Each is a stream operation (captured like any other); none
+    and events. Each is a stream operation (captured like any other); none
     takes the GIL back while it runs, and every return code is checked."""
 
     _instance: _Driver | None = None
@@ -63,11 +63,9 @@ class _Driver:
 
     def __init__(self) -> None:
         lib = self.lib = ctypes.CDLL("libcuda.so.1")
-        ptr, size, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        ptr, i32 = ctypes.c_void_p, ctypes.c_int
         signatures = {
             "cuLaunchHostFunc": [ptr, ptr, ptr],
-            "cuMemcpyDtoHAsync_v2": [ptr, ctypes.c_uint64, size, ptr],
-            "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, ptr, size, ptr],
             "cuEventCreate": [ctypes.POINTER(ptr), ctypes.c_uint],
             "cuEventRecord": [ptr, ptr],
             "cuEventQuery": [ptr],
@@ -84,8 +82,6 @@ class _Driver:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, i32
         self.launch_host_func = self._checked(lib.cuLaunchHostFunc, "cuLaunchHostFunc")
-        self.d2h = self._checked(lib.cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync")
-        self.h2d = self._checked(lib.cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync")
         self.record = self._checked(lib.cuEventRecord, "cuEventRecord")
         self.wait = self._checked(
             lambda stream, event: lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent"
@@ -313,7 +309,7 @@ class HostGather:
             bufs = self._buffers(state, n, capturing)
             job = rowcopy.LookupStruct() if capturing else state.slot()
             self._fill(job, bufs.ids_ptr, kind, n, [], touch=True)
-            self._driver.d2h(bufs.ids_ptr, ids.data_ptr(), n * ids.element_size(), stream)
+            self._ids_in(bufs, ids)
             self._launch(stream, job)
             if capturing:
                 self._keep((job, bufs))
@@ -334,10 +330,11 @@ class HostGather:
         state = self._state(stream)
         kind, size = rowcopy.ID_KINDS[ids.dtype], ids.element_size()
         if raw:
-            targets = [o.data_ptr() for o in outs]
+            targets = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
         else:
-            raws = [torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes]
-            targets = [r.data_ptr() for r in raws]
+            targets = raws = [
+                torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes
+            ]
         pieces = chunks(n)
         with state.lock:
             bufs = self._buffers(state, n, capturing)
@@ -347,12 +344,12 @@ class HostGather:
                     job, bufs.ids_ptr + a * size, kind, b - a, [p + a * rb for p, rb in bufs.staging_ptrs]
                 )
             if len(pieces) == 1:
-                self._driver.d2h(bufs.ids_ptr, ids.data_ptr(), n * size, stream)
+                self._ids_in(bufs, ids)
                 if not capturing and n > INLINE_ROWS:
                     self.pool.wake()
                 self._launch(stream, jobs[0])
-                for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=True):
-                    self._driver.h2d(target, staging, n * rb, stream)
+                for target, staging in zip(targets, bufs.staging, strict=True):
+                    target.copy_(staging[:n], non_blocking=True)
             else:
                 self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
             if capturing:
@@ -380,7 +377,7 @@ class HostGather:
             driver.launch_host_func(side, self._wake, None)
         else:
             self.pool.wake()
-        driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
+        self._ids_in(bufs, ids)
         driver.record(events[-2], stream)
         driver.wait(side, events[-2])
         for k, job in enumerate(jobs):
@@ -388,8 +385,16 @@ class HostGather:
             driver.record(events[k], side)
         for k, (a, b) in enumerate(pieces):
             driver.wait(stream, events[k])
-            for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=True):
-                driver.h2d(target + a * rb, staging + a * rb, (b - a) * rb, stream)
+            for target, staging in zip(targets, bufs.staging, strict=True):
+                target[a:b].copy_(staging[a:b], non_blocking=True)
+
+    def _ids_in(self, bufs: _Buffers, ids: torch.Tensor) -> None:
+        """The ids' copy into the pinned buffer, through torch: its copies from and to pinned
+        memory are asynchronous (the driver's own copy calls made through ctypes, tried, ran as
+        copies of pageable memory: synchronous, and 2-6x slower at 16 384 rows and more on the
+        H200: docs/PERF_NOTES.md)."""
+        n = ids.numel()
+        bufs.ids[: n * ids.element_size()].view(ids.dtype).copy_(ids, non_blocking=True)
 
     def _launch(self, stream: int, job) -> None:
         """Queue the host node of ``job`` on ``stream``. Its ``busy`` flag is up only while a host
