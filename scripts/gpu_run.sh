@@ -10,7 +10,7 @@
 #   SIZE=16GiB scripts/gpu_run.sh bench      # ple-um bench, side by side
 #   scripts/gpu_run.sh tp                    # scripts/tp_check.py on two GPUs
 #   scripts/gpu_run.sh guard                 # scripts/check_direct_read_guard.py (first read in a child)
-#   scripts/gpu_run.sh formats               # scripts/gpu_check_formats.py --formats unaligned
+#   scripts/gpu_run.sh unaligned             # scripts/check_unaligned.py (tables at odd byte offsets)
 #   scripts/gpu_run.sh eager                 # scripts/profile_eager.py (an eager lookup's host time)
 # Every part that needs the big table shares one: ple-um bench's synthetic table of $SIZE, written
 # once into $PLE_UM_CACHE_DIR (or $TABLE, when set).
@@ -58,9 +58,9 @@ for part in "${parts[@]}"; do
         guard) table; run guard "${GUARD_LIMIT:-300}" python3 scripts/check_direct_read_guard.py --dir "$TABLE" \
                    --size "$SIZE" --faults --json "$OUT/guard.json" ${GUARD_ARGS:-} ;;
         eager) run eager "${EAGER_LIMIT:-120}" python3 scripts/profile_eager.py --out "$OUT/profile_eager.json" ;;
-        formats) run formats "${FORMATS_LIMIT:-300}" python3 scripts/gpu_check_formats.py --dir /tmp/ple-formats \
-                     --formats unaligned --json "$OUT/formats.json" ${FORMATS_ARGS:-} ;;
-        *) echo "unknown part $part (tests, profile, bench, tp, guard, formats, eager)"; exit 2 ;;
+        unaligned) run unaligned "${UNALIGNED_LIMIT:-300}" python3 scripts/check_unaligned.py \
+                       --dir /tmp/ple-unaligned --json "$OUT/unaligned.json" ;;
+        *) echo "unknown part $part (tests, profile, bench, tp, guard, unaligned, eager)"; exit 2 ;;
     esac
 done
 printf '%s\n' "${summary[@]}"

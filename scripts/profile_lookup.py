@@ -86,6 +86,7 @@ def main() -> int:
 
     # -- 1. kernel shapes -------------------------------------------------------------------
     lines = ["| rows | path | alone us | queued us/call |", "| --- | --- | --- | --- |"]
+
     def fresh(n: int) -> list[torch.Tensor]:
         """Ids never used before in this run: rows read earlier could still sit in the GPU's L2."""
         return [torch.from_numpy(rng.integers(0, layout.num_rows, size=n)).to(dev) for _ in range(43)]

@@ -11,7 +11,7 @@ poisoned output, is compared with what the ``safetensors`` package reads from th
 The cpu mode runs the host gather; ats and device run the kernel under the Triton interpreter,
 registered through the injected registration of test_reliability.py. The interpreter does not
 fault on a misaligned load as a GPU does, so the kernel's loads are read from the launch
-(``watch_loads``): none may be misaligned. ``scripts/gpu_check_formats.py --formats unaligned``
+(``watch_loads``): none may be misaligned. ``scripts/check_unaligned.py``
 runs the same kind of tables on a GPU.
 """
 
