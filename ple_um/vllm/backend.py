@@ -164,14 +164,17 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         """The first ``rows`` rows of the prefetch buffer ([rows, heads, head_dim], the lookup
         dtype), allocated at the first (eager) call: vLLM's profile run precedes any capture."""
         buffer = self._prefetch_buffer
-        if buffer is None:
+        width = (*ids.shape[1:], self.embedding_dim)
+        grow = buffer is not None and rows > buffer.shape[0] and tuple(buffer.shape[1:]) == width
+        if buffer is None or (grow and not self._captured):
             if ids.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    f"{self.prefix}: the PLE prefetch buffer must be allocated by an eager call before "
-                    "CUDA graph capture"
+                    f"{self.prefix}: the PLE prefetch buffer must be allocated by an eager call of at least "
+                    f"{rows} tokens before CUDA graph capture"
                 )
-            heads = ids.shape[1] if ids.dim() > 1 else 1
-            shape = (max(self._prefetch_rows, ids.shape[0]), heads, self.embedding_dim)
+            # An eager batch beyond the buffer (vLLM sizes it for max_total_tokens) grows it while
+            # no graph has captured a lookup into it (after that the graphs hold its address).
+            shape = (max(self._prefetch_rows, rows), *width)
             buffer = self._prefetch_buffer = torch.empty(shape, dtype=self.lookup_dtype, device=ids.device)
         if rows > buffer.shape[0] or tuple(buffer.shape[1:]) != (*ids.shape[1:], self.embedding_dim):
             raise ValueError(

@@ -351,3 +351,23 @@ def test_dp_token_gathering_as_stock(world, patched, table_dir, tmp_path, monkey
     assert h.same_bits(got, expected)
     assert h.same_bits(got, backend.table.lookup(mine, out_dtype=backend.lookup_dtype))
     mapped.ngram_embedding.close_table()
+
+
+def test_prefetch_buffer_grows_until_a_graph_captured_it(world, patched, table_dir, tmp_path):
+    """vLLM sizes the prefetch buffer for max_total_tokens; an eager batch beyond it grows the buffer,
+    unless a CUDA graph has captured a lookup into it (then the batch is refused, naming the sizes)."""
+    config = h.text_config(dtype="fp8")
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
+    backend = _mapped(config, layout.directory).ngram_embedding
+    heads = 4
+    small = backend._prefetch_out(3, torch.zeros((3, heads), dtype=torch.long))
+    big = backend._prefetch_out(
+        backend._prefetch_rows + 5, torch.zeros((backend._prefetch_rows + 5, heads), dtype=torch.long)
+    )
+    assert small.shape[1:] == big.shape[1:] == (heads, backend.embedding_dim)
+    assert big.shape[0] == backend._prefetch_rows + 5 and backend._prefetch_buffer.shape[0] >= big.shape[0]
+    backend._captured = True
+    rows = backend._prefetch_buffer.shape[0] + 1
+    with pytest.raises(ValueError, match="prefetch buffer holds"):
+        backend._prefetch_out(rows, torch.zeros((rows, heads), dtype=torch.long))
+    backend.close_table()
