@@ -12,8 +12,9 @@
 #   scripts/gpu_run.sh guard                 # scripts/check_direct_read_guard.py (first read in a child)
 #   scripts/gpu_run.sh unaligned             # scripts/check_unaligned.py (tables at odd byte offsets)
 #   scripts/gpu_run.sh eager                 # scripts/profile_eager.py (an eager lookup's host time)
-# Every part that needs the big table shares one: ple-um bench's synthetic table of $SIZE, written
-# once into $PLE_UM_CACHE_DIR (or $TABLE, when set).
+# The parts that need the big table (profile, bench, guard) share one: ple-um bench's synthetic table
+# of $SIZE, written once into $PLE_UM_CACHE_DIR (or $TABLE, when set); tp writes its own (shaped so
+# that the two ranks' vocab split falls inside a shard).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/.out}
@@ -53,8 +54,8 @@ for part in "${parts[@]}"; do
         profile) table; run profile "${PROFILE_LIMIT:-300}" python3 scripts/profile_host_node.py --dir "$TABLE" \
                      --size "$SIZE" --out "$OUT/profile_host_node.json" ${PROFILE_ARGS:-} ;;
         bench) table; run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench --size "$SIZE" ${BENCH_ARGS:-} ;;
-        tp) table; run tp "${TP_LIMIT:-400}" python3 scripts/tp_check.py --dir "$TABLE" \
-                --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;
+        tp) run tp "${TP_LIMIT:-400}" python3 scripts/tp_check.py --size "${TP_SIZE:-$SIZE}" \
+                --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;  # its own table: the split inside a shard
         guard) table; run guard "${GUARD_LIMIT:-300}" python3 scripts/check_direct_read_guard.py --dir "$TABLE" \
                    --size "$SIZE" --faults --json "$OUT/guard.json" ${GUARD_ARGS:-} ;;
         eager) run eager "${EAGER_LIMIT:-120}" python3 scripts/profile_eager.py --out "$OUT/profile_eager.json" ;;
