@@ -38,7 +38,8 @@ def _hook_active(hook) -> bool:
     return bool(calls) if calls is not None else True
 
 
-def _hooks_set() -> bool:
+def hooks_set() -> bool:
+    """Whether a Triton launch hook is set (a profiler's): then every call goes through Triton's launch."""
     knobs = getattr(triton, "knobs", None)
     runtime = getattr(knobs, "runtime", None)
     if runtime is None:
@@ -85,7 +86,7 @@ class DirectLaunch:
         device = torch.cuda.current_device()
         key = (device, num_warps, *kind)
         compiled = self._compiled.get(key)
-        if compiled is None or _hooks_set():
+        if compiled is None or hooks_set():
             compiled = self.kernel[(grid,)](*args, num_warps=num_warps)
             if compiled is not None:
                 self._compiled[key] = compiled
@@ -129,6 +130,3 @@ def bind(compiled, args: tuple, *, ids_at: int, n_at: int, rows_per_program: int
         )
 
     return launch
-
-
-hooks_set = _hooks_set

@@ -471,16 +471,9 @@ class StatsReporter:
             return None
         if device not in self._streams:
             try:
-                import torch
-                from cuda.bindings import runtime as rt
+                from ple_um.access.cuda_streams import own_stream
 
-                with torch.cuda.device(device):
-                    torch.cuda.init()
-                    err, handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
-                    if int(err) != 0:
-                        raise RuntimeError(f"cudaStreamCreateWithFlags failed: {err}")
-                    # The handle lives as long as the reporter (the process, in practice).
-                    self._streams[device] = (torch.cuda.ExternalStream(int(handle), device=device), handle)
+                self._streams[device] = own_stream(device)  # lives as long as the reporter
             except Exception as exc:  # noqa: BLE001
                 _warn_once("stream", "no stream of its own on %s: %s: %s", device, type(exc).__name__, exc)
                 self._streams[device] = None
@@ -488,7 +481,7 @@ class StatsReporter:
         if made is None:
             # Reading on a shared stream could break another thread's graph capture: never do.
             raise RuntimeError(f"the stats reporter has no stream of its own on {device}")
-        return made[0]
+        return made
 
     def tick(self) -> str | None:
         """Read every watched table, feed Prometheus, and emit the line of the window that ends
@@ -601,31 +594,18 @@ def _size(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
-@contextlib.contextmanager
-def _relaxed_capture_mode() -> Iterator[None]:
-    """Let this thread copy from the device while another thread captures a CUDA graph.
+def _relaxed_capture_mode():
+    """Let this thread copy from the device while another thread captures a CUDA graph: vLLM's
+    start-up captures would fail whenever a tick landed inside one (seen on an H200). The copy runs
+    on the reporter's own stream, which the capture does not record. Without the relaxed mode (no
+    cuda-python) the read goes on in the default mode, warned once."""
+    from ple_um.access.cuda_streams import relaxed_capture_mode
 
-    In CUDA's default (global) capture interaction mode, a synchronizing call in any thread while
-    another thread captures is refused and invalidates that capture: vLLM's start-up captures
-    would fail whenever a tick landed inside one (seen on an H200). The relaxed mode is per thread
-    and applies to this thread's calls only; its copy runs on its own stream, which the capture
-    does not record."""
-    old = None
-    try:
-        from cuda.bindings import runtime as rt
-
-        err, old = rt.cudaThreadExchangeStreamCaptureMode(
-            rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+    return relaxed_capture_mode(
+        lambda exc: _warn_once(
+            "capture-mode", "cannot relax the capture mode: %s: %s", type(exc).__name__, exc
         )
-        if int(err) != 0:
-            old = None
-    except Exception as exc:  # noqa: BLE001 - without cuda-python, read in the default mode
-        _warn_once("capture-mode", "cannot relax the capture mode: %s: %s", type(exc).__name__, exc)
-    try:
-        yield
-    finally:
-        if old is not None:
-            rt.cudaThreadExchangeStreamCaptureMode(old)
+    )
 
 
 _reporter: StatsReporter | None = None

@@ -30,10 +30,10 @@ import contextlib
 import ctypes
 import threading
 import time
-from collections.abc import Iterator
 
 import torch
 
+from ple_um.access.cuda_streams import own_stream, relaxed_capture_mode
 from ple_um.lookup import rowcopy
 from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize, e2m1_values
 from ple_um.mapping import MappedShards
@@ -139,35 +139,6 @@ class _Driver:
 
     def destroy(self, event: int) -> None:
         self.lib.cuEventDestroy_v2(event)
-
-
-@contextlib.contextmanager
-def _relaxed_capture_mode() -> Iterator[None]:
-    """Let this thread allocate (pinned buffers, a stream) while its stream is being captured: in
-    CUDA's default (global) capture mode such calls are refused. The relaxed mode is per thread;
-    nothing allocated here is a stream operation, so the capture records none of it."""
-    from cuda.bindings import runtime as rt
-
-    err, old = rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
-    if int(err) != 0:
-        raise HostNodeError(f"cudaThreadExchangeStreamCaptureMode failed: {err}")
-    try:
-        yield
-    finally:
-        rt.cudaThreadExchangeStreamCaptureMode(old)
-
-
-def _own_stream(device: torch.device) -> torch.cuda.ExternalStream:
-    """A stream of this gather's own, made through the CUDA runtime: torch hands out its streams
-    from a small pool in turn, so a pool stream can be the very stream another thread captures on.
-    Lives as long as the process."""
-    from cuda.bindings import runtime as rt
-
-    with torch.cuda.device(device):
-        err, handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
-    if int(err) != 0:
-        raise HostNodeError(f"cudaStreamCreateWithFlags failed: {err}")
-    return torch.cuda.ExternalStream(int(handle), device=device)
 
 
 def chunks(n: int) -> list[tuple[int, int]]:
@@ -366,8 +337,8 @@ class HostGather:
         chunk's copy to the device on the caller's stream once its rows are in."""
         driver = self._driver
         if state.side is None:
-            with _relaxed_capture_mode() if capturing else contextlib.nullcontext():
-                state.side = _own_stream(self.device)
+            with relaxed_capture_mode() if capturing else contextlib.nullcontext():
+                state.side = own_stream(self.device)
         while len(state.events) < len(pieces) + 2:
             state.events.append(driver.event())
         side, events = state.side.cuda_stream, state.events
@@ -446,7 +417,7 @@ class HostGather:
             key = id(state)
             bufs = self._capture_buffers.get(key)
             if bufs is None or bufs.capacity < n:
-                with _relaxed_capture_mode():
+                with relaxed_capture_mode():
                     bufs = _Buffers(max(n, 2 * (bufs.capacity if bufs else 0)), self.row_bytes)
                 self._capture_buffers[key] = bufs
             return bufs
@@ -479,15 +450,6 @@ class HostGather:
 
     def reset_counts(self) -> None:
         self.counts.array[:] = 0
-
-    def captured_bytes(self) -> int:
-        """Pinned bytes held for captured lookups."""
-        return sum(
-            b.ids.numel() + sum(s.numel() for s in b.staging)
-            for items in self._captured
-            for b in items
-            if isinstance(b, _Buffers)
-        )
 
     def close(self) -> None:
         """Wait for every queued lookup's host node, then drop the buffers and events (the caller has

@@ -46,6 +46,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 )
 
 from ple_um import MappedTable, envs, open_table
+from ple_um.access.cuda_streams import own_stream
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.errors import CheckpointError, PleUmError
 from ple_um.vllm.source import file_backing, resolve_table_dir
@@ -84,14 +85,6 @@ def _host_lookup(embedding: Qwen4ExpPLEMappedEmbedding, ids: torch.Tensor, out: 
     work that waits for the device, so a piecewise CUDA graph capture runs it in an eager break
     (replayed with the same ``ids`` and ``out`` buffers)."""
     embedding.require_table().lookup(ids, out=out)
-
-
-def _side_stream(device: torch.device):
-    """A stream of the backend's own for prefetched lookups (not one of torch's pooled streams,
-    which another thread may be capturing on)."""
-    from ple_um.lookup.host_node import _own_stream
-
-    return _own_stream(device)
 
 
 class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
@@ -194,7 +187,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             out.zero_()
         elif ids.is_cuda and self.require_table().capture_safe:
             if self._side_stream is None:
-                self._side_stream = _side_stream(ids.device)
+                self._side_stream = own_stream(ids.device)  # not a torch pool stream
             stream = self._side_stream
             stream.wait_stream(torch.cuda.current_stream(ids.device))
             with torch.cuda.stream(stream):

@@ -1,0 +1,61 @@
+"""Streams of ple-um's own, and the per-thread capture mode: what code needs that queues CUDA work,
+or allocates, while another thread (or its own stream) may be capturing a CUDA graph.
+
+torch hands out its streams from a small pool in turn, so a pool stream can be the very stream
+another thread captures on (seen on an H200: the stats reporter's copy on such a stream broke that
+capture). And in CUDA's default (global) capture interaction mode an allocation or a synchronizing
+call in any thread while a capture runs is refused and invalidates the capture; the relaxed mode is
+per thread and applies to this thread's calls only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ple_um.errors import PleUmError
+
+
+class CudaStreamError(PleUmError, RuntimeError):
+    """A stream could not be made, or the capture mode not changed (the CUDA error is named)."""
+
+
+def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A non-blocking stream of ple-um's own on ``device``, made through the CUDA runtime (not from
+    torch's pool). It lives as long as the process."""
+    from cuda.bindings import runtime as rt
+
+    with torch.cuda.device(device):
+        torch.cuda.init()
+        err, handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+    if int(err) != 0:
+        raise CudaStreamError(f"cudaStreamCreateWithFlags failed: {err}")
+    return torch.cuda.ExternalStream(int(handle), device=device)
+
+
+@contextlib.contextmanager
+def relaxed_capture_mode(on_failure: Callable[[BaseException], None] | None = None) -> Iterator[None]:
+    """Run the body in CUDA's relaxed capture mode for this thread, then restore the mode it had.
+    Where the mode cannot be changed (no cuda-python, a CUDA error), ``on_failure(exc)`` is told
+    and the body runs in the current mode; without ``on_failure`` the failure raises."""
+    old = None
+    try:
+        from cuda.bindings import runtime as rt
+
+        err, mode = rt.cudaThreadExchangeStreamCaptureMode(
+            rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+        )
+        if int(err) != 0:
+            raise CudaStreamError(f"cudaThreadExchangeStreamCaptureMode failed: {err}")
+        old = mode
+    except Exception as exc:
+        if on_failure is None:
+            raise
+        on_failure(exc)
+    try:
+        yield
+    finally:
+        if old is not None:
+            rt.cudaThreadExchangeStreamCaptureMode(old)
