@@ -72,6 +72,7 @@ class _Driver:
             "cuEventDestroy_v2": [ptr],
             "cuStreamWaitEvent": [ptr, ptr, ctypes.c_uint],
             "cuGetErrorName": [i32, ctypes.POINTER(ctypes.c_char_p)],
+            "cuStreamQuery": [ptr],
             "cuCtxGetCurrent": [ctypes.POINTER(ptr)],
             "cuCtxSetCurrent": [ptr],
             "cuDeviceGet": [ctypes.POINTER(i32), i32],
@@ -125,6 +126,19 @@ class _Driver:
                         f"making device {index}'s context current failed: {self.error_name(rc)}"
                     )
         self._thread.index = index
+
+    def check_pending(self, streams: list[int], job) -> None:
+        """Raise HostNodeError when ``job``'s host node cannot run any more: one of ``streams`` (where
+        it was queued) is in error, or they are all idle and its flag is still up."""
+        states = [self.lib.cuStreamQuery(stream) for stream in streams]
+        failed = [rc for rc in states if rc not in (0, 600)]  # CUDA_SUCCESS, CUDA_ERROR_NOT_READY
+        if failed:
+            why = self.error_name(failed[0])
+            raise HostNodeError(f"a stream with queued lookups failed ({why}): their host nodes will not run")
+        if all(rc == 0 for rc in states) and job.busy:
+            raise HostNodeError(
+                "a queued host node never ran: its stream is idle and its job is still pending"
+            )
 
     def event(self) -> int:
         """A new event without timing (destroy with ``destroy``)."""
@@ -180,13 +194,18 @@ class _Stream:
         self.side: torch.cuda.ExternalStream | None = None
         self.events: list[int] = []
 
-    def slot(self) -> rowcopy.LookupStruct:
-        """The next job struct of the ring, once its previous host node has finished."""
+    def slot(self, driver: _Driver) -> rowcopy.LookupStruct:
+        """The next job struct of the ring, once its previous host node has finished. While it
+        waits, the streams its nodes run on are asked every ~0.1 s: a stream in error never runs
+        the node (HostNodeError names the error instead of waiting for ever)."""
         job = self.ring[self.next]
         spins = 0
         while job.busy:  # RING lookups queued ahead of their host nodes: back-pressure
             spins += 1
             time.sleep(0 if spins < 1000 else 1e-4)
+            if spins % 1000 == 0:
+                streams = [self.handle] + ([self.side.cuda_stream] if self.side is not None else [])
+                driver.check_pending(streams, job)
         self.next = (self.next + 1) % RING
         return job
 
@@ -278,7 +297,7 @@ class HostGather:
         state = self._state(stream)
         with state.lock:
             bufs = self._buffers(state, n, capturing)
-            job = rowcopy.LookupStruct() if capturing else state.slot()
+            job = rowcopy.LookupStruct() if capturing else state.slot(self._driver)
             self._fill(job, bufs.ids_ptr, kind, n, [], touch=True)
             self._ids_in(bufs, ids)
             self._launch(stream, job)
@@ -309,7 +328,11 @@ class HostGather:
         pieces = chunks(n)
         with state.lock:
             bufs = self._buffers(state, n, capturing)
-            jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.slot() for _ in pieces]
+            jobs = (
+                [rowcopy.LookupStruct() for _ in pieces]
+                if capturing
+                else [state.slot(self._driver) for _ in pieces]
+            )
             for job, (a, b) in zip(jobs, pieces, strict=True):
                 self._fill(
                     job, bufs.ids_ptr + a * size, kind, b - a, [p + a * rb for p, rb in bufs.staging_ptrs]
