@@ -266,12 +266,26 @@ def test_the_knob_picks_the_host_path(monkeypatch, layout, rng, check_rows, knob
 
 
 def test_chunks_cover_the_lookup_and_cut_the_tail():
-    from ple_um.lookup.host_node import CHUNK_ROWS, TAIL_ROWS, chunks
+    from ple_um.lookup.host_node import CHUNK_ROWS, MAX_CHUNKS, RING, TAIL_ROWS, chunks
 
-    for n in (1, 100, CHUNK_ROWS, CHUNK_ROWS + 1, 3 * CHUNK_ROWS, 3 * CHUNK_ROWS + 5, 131072):
+    for n in (
+        1,
+        100,
+        CHUNK_ROWS,
+        CHUNK_ROWS + 1,
+        3 * CHUNK_ROWS,
+        3 * CHUNK_ROWS + 5,
+        131072,
+        10**7,
+        3 * 10**8,
+    ):
         pieces = chunks(n)
         assert pieces[0][0] == 0 and pieces[-1][1] == n
-        assert all(a < b and b - a <= CHUNK_ROWS for a, b in pieces)
         assert all(pieces[k][1] == pieces[k + 1][0] for k in range(len(pieces) - 1))
+        assert all(a < b for a, b in pieces)
+        # A lookup's job structs must fit in its stream's ring at once (one per piece).
+        assert len(pieces) <= MAX_CHUNKS + 1 < RING
+        if n <= MAX_CHUNKS * CHUNK_ROWS:
+            assert all(b - a <= CHUNK_ROWS for a, b in pieces)
         if n > CHUNK_ROWS:
             assert pieces[-1][1] - pieces[-1][0] <= TAIL_ROWS

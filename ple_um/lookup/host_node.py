@@ -41,12 +41,15 @@ from ple_um.mapping import MappedShards
 # At most this many ids a lookup's rows are read by the thread that runs its host node alone (the
 # pool's hand-off costs more below; docs/PERF_NOTES.md).
 INLINE_ROWS = 2048
-# Lookups above this many ids are cut into chunks of it, the last one at most TAIL_ROWS (its copy
-# to the device is the one nothing overlaps).
+# Lookups above this many ids are cut into chunks of it (bigger ones where MAX_CHUNKS would not
+# hold them), the last one at most TAIL_ROWS (its copy to the device is the one nothing overlaps).
 CHUNK_ROWS = 32768
 TAIL_ROWS = 4096
+MAX_CHUNKS = 16
 # Job structs per stream's ring: lookups queued ahead of their host nodes before a caller waits.
+# A lookup takes one per chunk, so the ring must hold a whole lookup's (MAX_CHUNKS + 1) at once.
 RING = 64
+assert RING > MAX_CHUNKS + 1
 
 
 class HostNodeError(RuntimeError):
@@ -156,11 +159,12 @@ class _Driver:
 
 
 def chunks(n: int) -> list[tuple[int, int]]:
-    """[a, b) pieces of a lookup of ``n`` ids: one up to CHUNK_ROWS, else CHUNK_ROWS each with the
-    last piece at most TAIL_ROWS."""
+    """[a, b) pieces of a lookup of ``n`` ids: one up to CHUNK_ROWS, else at most MAX_CHUNKS pieces
+    of CHUNK_ROWS or more, with the last piece cut to at most TAIL_ROWS (MAX_CHUNKS + 1 in all)."""
     if n <= CHUNK_ROWS:
         return [(0, n)]
-    bounds = list(range(0, n, CHUNK_ROWS)) + [n]
+    step = max(CHUNK_ROWS, -(-n // MAX_CHUNKS))
+    bounds = list(range(0, n, step)) + [n]
     pieces = list(zip(bounds[:-1], bounds[1:], strict=True))
     a, b = pieces[-1]
     if b - a > TAIL_ROWS:
