@@ -431,14 +431,12 @@ class MappedTable:
             bulk = self.bulk_rows
             if bulk is None or ids.numel() < bulk:
                 # The kernel path of an eager call with its out: the kernel reads the contiguous ids
-                # and writes the contiguous out by address, whatever their shapes.
-                self._inflight.append(None)
+                # and writes the contiguous out by address, whatever their shapes (no flat views).
+                self._enter()
                 try:
-                    if self._closed:
-                        raise TableClosedError("the table is closed")
                     return gpu.gather(ids, out)
                 finally:
-                    self._inflight.pop()
+                    self._leave()
         flat = ids.view(-1)
         if out is not None:
             self._lookup_flat(flat, out.view(-1, self.row_dim))
