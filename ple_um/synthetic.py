@@ -168,6 +168,7 @@ def write_checkpoint(
     files: int | None = None,
     progress: bool = False,
     workers: int = 1,
+    write_back: bool = False,
 ) -> ShardLayout:
     """Write a PLE table of ``num_rows`` x ``row_dim`` in ``shards`` shards over ``files`` files.
 
@@ -176,7 +177,9 @@ def write_checkpoint(
     ``weight_scale_2``; one small unrelated BF16 tensor (which a reader must skip); and
     ``model.safetensors.index.json``. Existing files of the same names are replaced. ``workers``
     threads write shards at once (each holds a chunk of about 64 MiB); the bytes written do not
-    depend on it. Returns ``read_layout(path, layer)``.
+    depend on it. ``write_back``: each file is written back to disk (fsync) before it is renamed
+    into place, so that no writeback is left to run while the table is timed. Returns
+    ``read_layout(path, layer)``.
     """
     num_rows = _check_int("num_rows", num_rows, 1)
     row_dim = _check_int("row_dim", row_dim, 1)
@@ -231,7 +234,7 @@ def write_checkpoint(
     )
     with bar, ThreadPoolExecutor(workers, thread_name_prefix="ple-um-write") as pool:
         for file_name, tensors in plans:
-            _write_file(os.path.join(directory, file_name), tensors, seed, bar, pool)
+            _write_file(os.path.join(directory, file_name), tensors, seed, bar, pool, write_back)
             weight_map.update({t.name: file_name for t in tensors})
 
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -239,7 +242,9 @@ def write_checkpoint(
     return read_layout(directory, layer)
 
 
-def _write_file(path: str, tensors: list[_Tensor], seed: int, bar: tqdm, pool: ThreadPoolExecutor) -> None:
+def _write_file(
+    path: str, tensors: list[_Tensor], seed: int, bar: tqdm, pool: ThreadPoolExecutor, write_back: bool
+) -> None:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
@@ -271,6 +276,8 @@ def _write_file(path: str, tensors: list[_Tensor], seed: int, bar: tqdm, pool: T
             pos += t.nbytes
         for job in as_completed(jobs):
             bar.update(job.result())
+        if write_back:
+            os.fsync(fd)
     finally:
         wait(jobs)  # no thread may still write through fd once it is closed (its number is reused)
         os.close(fd)

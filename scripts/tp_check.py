@@ -135,7 +135,7 @@ def prepare_table(args, who: str) -> tuple[str, dict]:
         t0 = time.perf_counter()
         partial = directory + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
-        layout = write_checkpoint(
+        write_checkpoint(
             partial,
             num_rows=rows,
             row_dim=args.row_bytes,
@@ -143,13 +143,8 @@ def prepare_table(args, who: str) -> tuple[str, dict]:
             shards=args.shards,
             workers=args.write_workers,
             progress=True,
+            write_back=True,  # written back now, not while lookups are timed
         )
-        for path in layout.files:  # written back now, not while lookups are timed
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
         shutil.rmtree(directory, ignore_errors=True)  # a broken table of ours, or an empty --dir
         os.rename(partial, directory)
         seconds = time.perf_counter() - t0

@@ -309,6 +309,28 @@ def test_progress_bar(make_checkpoint, capsys):
     assert "write" in capsys.readouterr().err
 
 
+def test_write_back_syncs_every_file_once_its_data_is_in(tmp_path, monkeypatch):
+    """write_back: each safetensors file is fsynced once, holding all its bytes, before it is renamed
+    into place; without it nothing is synced."""
+    synced = {}
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        with open(f"/proc/self/fd/{fd}", "rb") as f:
+            synced[os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))] = f.read()
+        real_fsync(fd)
+
+    monkeypatch.setattr(synthetic.os, "fsync", fsync)
+    args = dict(num_rows=40, row_dim=16, dtype="fp8", shards=3, files=2)
+    write_checkpoint(tmp_path / "plain", **args)
+    assert synced == {}
+    layout = write_checkpoint(tmp_path / "synced", **args, write_back=True)
+    assert len(synced) == len(layout.files) == 2
+    for path in layout.files:
+        with open(path, "rb") as f:
+            assert synced[os.path.basename(path) + ".partial"] == f.read(), path
+
+
 def test_rewrite_in_place(tmp_path):
     write_checkpoint(tmp_path, num_rows=8, row_dim=4, dtype="fp8", shards=2, seed=1)
     layout = write_checkpoint(tmp_path, num_rows=8, row_dim=4, dtype="fp8", shards=2, seed=2)
