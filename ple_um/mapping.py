@@ -68,6 +68,14 @@ class MappedRegion:
         """A uint8 view of the whole mapping (read-only memory: a write through it faults)."""
         return np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.addr))
 
+    def resident_pages(self) -> np.ndarray:
+        """uint8, one per page of the mapping: 1 where the page is in the page cache (mincore);
+        OSError naming the file where mincore fails."""
+        vec = np.zeros((self.length + PAGE - 1) // PAGE, dtype=np.uint8)
+        if _libc.mincore(self.addr, self.length, vec.ctypes.data) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore failed on {self.path}: {_errno_text()}")
+        return vec & 1
+
 
 @dataclass(frozen=True)
 class OwnedShard:
@@ -222,12 +230,12 @@ class MappedShards:
         self._check_open()
         total = 0
         for r in self.regions:
-            pages = (r.length + PAGE - 1) // PAGE
-            vec = np.zeros(pages, dtype=np.uint8)
-            if _libc.mincore(r.addr, r.length, vec.ctypes.data) != 0:
-                logger.debug("mincore failed on %s: %s", r.path, _errno_text())
+            try:
+                pages = r.resident_pages()
+            except OSError as exc:
+                logger.debug("%s", exc)
                 continue
-            resident = np.concatenate(([0], vec & 1, [0])).astype(np.int8)
+            resident = np.concatenate(([0], pages, [0])).astype(np.int8)
             edges = np.flatnonzero(np.diff(resident))
             starts, ends = edges[0::2], edges[1::2]
             longest = np.argsort(starts - ends, kind="stable")[:most_runs]
@@ -271,11 +279,7 @@ class MappedShards:
         self._check_open()
         out = []
         for r in self.regions:
-            pages = (r.length + PAGE - 1) // PAGE
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(r.addr, r.length, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore failed on {r.path}: {_errno_text()}")
-            resident = int(np.frombuffer(vec, dtype=np.uint8).__and__(1).sum())
+            resident = int(r.resident_pages().sum())
             out.append((r.path, min(resident * PAGE, r.length), r.length))
         return out
 
