@@ -538,21 +538,14 @@ class _DecodeStep:
 def ratios(result: dict) -> None:
     """Add ``vs_torch`` to every timed figure that the anchor has too (same ids, same batch size,
     same kind): the figure's median over the anchor's."""
-    names = list(result["ids"])
-    base = result["lookup"].get(ANCHOR, {})
-    for entry in result["lookup"].values():
-        for dist in names:
-            mine, ref = entry.get(dist, {}), base.get(dist, {})
-            for key, row in mine.items():
-                if key in ref:
-                    row["vs_torch"] = row["median_us"] / ref[key]["median_us"]
-    base = result["decode_step"].get(ANCHOR, {})
-    for entry in result["decode_step"].values():
-        for dist in names:
-            mine, ref = entry.get(dist, {}), base.get(dist, {})
-            for kind, row in mine.items():
-                if kind in ref:
-                    row["vs_torch"] = row["median_us"] / ref[kind]["median_us"]
+    for section in ("lookup", "decode_step"):
+        base = result[section].get(ANCHOR, {})
+        for entry in result[section].values():
+            for dist in result["ids"]:
+                mine, ref = entry.get(dist, {}), base.get(dist, {})
+                for key, row in mine.items():
+                    if key in ref:
+                        row["vs_torch"] = row["median_us"] / ref[key]["median_us"]
 
 
 def _startup(directory: str, layout: ShardLayout, device: torch.device) -> dict:
