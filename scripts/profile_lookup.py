@@ -4,9 +4,10 @@
    batch size, next to the same kernel on the table resident in GPU memory and the vLLM-style
    pinned-host kernel: each call timed alone with CUDA events (host launch + GPU, as the bench
    times it) and 20 calls queued back to back (the GPU's own rate);
-2. the host's launch work per eager call (GPU idle, 200 calls queued, no sync);
-3. the CPU bulk path at 131 072 rows for each pipeline chunk, its phases, and index_select over
-   rows in random against sorted order.
+2. the host's launch work per eager call (GPU idle, 200 calls queued, no sync).
+
+The host paths (the cpu mode's host node, the GPU modes' host path for big batches) are profiled
+by ``scripts/profile_host_node.py``.
 
     python scripts/profile_lookup.py --size-gib 16 --json $OUT/profile.json
 """
@@ -25,7 +26,6 @@ import ple_um
 from ple_um.bench.contenders import VllmPinnedHost
 from ple_um.bench.runner import Config, _warm_cache, default_table
 from ple_um.checkpoint import read_layout
-from ple_um.lookup import cpu_gather
 
 SHAPES = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (8, 4), (16, 4), (16, 8)]
 SIZES = (16, 256, 1024, 4096, 16384, 131072)
@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--size-gib", type=float, default=16)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result: dict = {"device": torch.cuda.get_device_name(), "kernel": {}, "host_us": {}, "bulk": {}}
+    result: dict = {"device": torch.cuda.get_device_name(), "kernel": {}, "host_us": {}}
     cfg = Config(size=int(args.size_gib * (1 << 30)))
     directory = default_table(cfg, progress=False)
     layout = read_layout(directory)
@@ -136,53 +136,7 @@ def main() -> int:
         lines.append(f"| {name} | {result['host_us'][name]:.1f} |")
     print("\n".join(lines[-len(host) :]), flush=True)
 
-    # -- 3. the bulk path ----------------------------------------------------------------------
-    n = 131072
-    out = torch.empty((n, layout.row_dim), dtype=layout.dtype, device=dev)
-    head = "| 131072 rows | median us (alone) | phases ms (dedup/gather/stage/wait) |"
-    lines += ["", head, "| --- | --- | --- |"]
-    default_chunk = cpu_gather.PIPELINE_ROWS
-    for chunk in (8192, 16384, 32768, 65536, 131072):
-        cpu_gather.PIPELINE_ROWS = chunk
-        phases = []
-
-        def bulk(i, phases=phases):
-            reg._bulk_lookup(i, out)
-            phases.append(dict(reg.bulk.last_phases))
-
-        alone, _ = events(bulk, fresh(n))
-        ph = {k: float(np.median([p[k] for p in phases])) * 1e3 for k in phases[0]}
-        result["bulk"][f"bulk chunk={chunk}"] = {"alone_us": alone, "phases_ms": ph}
-        lines.append(
-            f"| bulk chunk={chunk} | {alone:.1f} | "
-            + "/".join(f"{ph[k]:.2f}" for k in ("dedup", "gather", "stage", "wait"))
-            + " |"
-        )
-    cpu_gather.PIPELINE_ROWS = default_chunk
-    cpu = ple_um.open_table(directory, mode="cpu")
-    for name, fn in (
-        ("cpu mode (torch-op plan)", lambda i: cpu.lookup(i, out=out)),
-        ("registered kernel rpp=16", lambda i: kernel(reg, 16, 4)(i, out)),
-        ("vllm pinned-host", lambda i: pinned.lookup(i, out.view(torch.uint8))),
-        ("resident", lambda i: res.gpu.gather(i, out)),
-    ):
-        alone, _ = events(fn, fresh(n))
-        result["bulk"][name] = {"alone_us": alone}
-        lines.append(f"| {name} | {alone:.1f} | |")
-    space = reg.bulk.space_tensors[0]
-    rows = torch.from_numpy(rng.integers(0, space.shape[0], size=n))
-    stage = torch.empty((n, layout.row_bytes), dtype=torch.uint8, pin_memory=True)
-    for label, r in (("random order", rows), ("sorted", torch.sort(rows).values)):
-        ts = []
-        for _ in range(12):
-            t = time.perf_counter()
-            torch.index_select(space, 0, r, out=stage)
-            ts.append(time.perf_counter() - t)
-        result["bulk"][f"index_select {label}"] = {"alone_us": float(np.median(ts[2:])) * 1e6}
-        what = f"index_select 131072 rows of one file, {label} ({torch.get_num_threads()} threads)"
-        lines.append(f"| {what} | {np.median(ts[2:]) * 1e6:.1f} | |")
-    print("\n".join(lines[-10:]), flush=True)
-    for t in (reg, res, pinned, cpu):
+    for t in (reg, res, pinned):
         t.close()
     print("\n" + "\n".join(lines))
     if args.json:

@@ -376,7 +376,6 @@ class SyncGather:
         self.row_reads = f"torch.index_select and numpy, synchronous ({why})"
         self.counts = {"rows": 0, "out_of_range": 0, "lookups": 0}
         self.phases = {"dedup": 0.0, "gather": 0.0, "stage": 0.0, "wait": 0.0}
-        self.last_phases: dict[str, float] = {}
         self.metrics = None  # the table's LookupMetrics, fed at each lookup (set once it serves)
         self._lock = threading.Lock()
 
@@ -420,7 +419,6 @@ class SyncGather:
             self.counts["lookups"] += 1
             for key, value in phases.items():
                 self.phases[key] += value
-            self.last_phases = dict(phases)
 
     def read_counts(self) -> dict[str, int]:
         with self._lock:
