@@ -185,14 +185,16 @@ class _Buffers:
 
 class _Stream:
     """One stream's eager buffers (and those it outgrew, each kept until an event recorded after
-    its last use has completed), its ring of job structs, and its side stream and events for
-    chunked lookups. ``lock`` keeps each lookup's operations together on the stream."""
+    its last use has completed), the buffers of the lookups captured on it, its ring of job
+    structs, and its side stream and events for chunked lookups. ``lock`` keeps each lookup's
+    operations together on the stream."""
 
     def __init__(self, handle: int) -> None:
         self.handle = handle
         self.lock = threading.Lock()
         self.buffers: _Buffers | None = None
         self.retired: list[tuple[int, _Buffers]] = []
+        self.capture_buffers: _Buffers | None = None
         self.ring = (rowcopy.LookupStruct * RING)()
         self.next = 0
         self.side: torch.cuda.ExternalStream | None = None
@@ -252,7 +254,6 @@ class HostGather:
         self._driver = _Driver.get() if self.cuda else None
         self.index = device.index
         self._streams: dict[int, _Stream] = {}
-        self._capture_buffers: dict[int, _Buffers] = {}
         self._captured: list[tuple[object, ...]] = []  # job structs and buffers of captured lookups
         self._lock = threading.Lock()
         if self.cuda:
@@ -441,12 +442,11 @@ class HostGather:
         Outgrown eager buffers are kept until an event recorded now (after every operation queued
         on the stream that may read them) has completed."""
         if capturing:
-            key = id(state)
-            bufs = self._capture_buffers.get(key)
+            bufs = state.capture_buffers
             if bufs is None or bufs.capacity < n:
                 with relaxed_capture_mode():
                     bufs = _Buffers(max(n, 2 * (bufs.capacity if bufs else 0)), self.row_bytes)
-                self._capture_buffers[key] = bufs
+                state.capture_buffers = bufs
             return bufs
         if state.buffers is None or state.buffers.capacity < n:
             state.retired = [(ev, b) for ev, b in state.retired if not self._freed(ev)]
@@ -490,5 +490,4 @@ class HostGather:
             for event in state.events:
                 self._driver.destroy(event)
         self._streams = {}
-        self._capture_buffers = {}
         self._captured = []
