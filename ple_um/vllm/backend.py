@@ -169,10 +169,10 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             # no graph has captured a lookup into it (after that the graphs hold its address).
             shape = (max(self._prefetch_rows, rows), *width)
             buffer = self._prefetch_buffer = torch.empty(shape, dtype=self.lookup_dtype, device=ids.device)
-        if rows > buffer.shape[0] or tuple(buffer.shape[1:]) != (*ids.shape[1:], self.embedding_dim):
+        if rows > buffer.shape[0] or tuple(buffer.shape[1:]) != width:
             raise ValueError(
                 f"{self.prefix}: the PLE prefetch buffer holds {tuple(buffer.shape)}, but the batch needs "
-                f"{(rows, *ids.shape[1:], self.embedding_dim)}"
+                f"{(rows, *width)}"
             )
         return buffer[:rows]
 
