@@ -88,14 +88,6 @@ def expected(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return (
-        got.dtype == want.dtype
-        and got.shape == want.shape
-        and torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
-    )
-
-
 def open_in(mode: str, layout, monkeypatch):
     if mode == "registered":
         inject_machine(monkeypatch, H200)
@@ -114,7 +106,9 @@ def test_the_tables_do_lie_unaligned(unaligned):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "fp8"])
-def test_rows_equal_what_safetensors_reads(unaligned, dtype, mode, monkeypatch, rng, poison, watch_loads):
+def test_rows_equal_what_safetensors_reads(
+    unaligned, dtype, mode, monkeypatch, rng, poison, watch_loads, assert_same_bits
+):
     layout = unaligned(dtype)
     st = safetensors_table(layout)
     ids = lookup_ids(layout, rng)
@@ -124,10 +118,10 @@ def test_rows_equal_what_safetensors_reads(unaligned, dtype, mode, monkeypatch, 
         assert table.mode == mode
         watch_loads.clear()  # the open's self-test launched the kernel too: this reads the lookups'
         out = table.lookup(ids, out=poison(torch.empty((ids.numel(), layout.row_dim), dtype=layout.dtype)))
-        assert same_bits(out, raw), (dtype, mode, "raw")
+        assert_same_bits(out, raw)
         for out_dtype in FLOAT_OUT:
             got = table.lookup(ids, out=poison(torch.empty((ids.numel(), layout.row_dim), dtype=out_dtype)))
-            assert same_bits(got, expected(value.to(out_dtype), ids)), (dtype, mode, out_dtype)
+            assert_same_bits(got, expected(value.to(out_dtype), ids))
         assert table.stats()["out_of_range"] == 4 * int(((ids < 0) | (ids >= layout.num_rows)).sum())
         if table.gpu is not None:
             assert watch_loads.misaligned() == []
@@ -137,7 +131,9 @@ def test_rows_equal_what_safetensors_reads(unaligned, dtype, mode, monkeypatch, 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_nvfp4_equals_what_safetensors_reads(unaligned, mode, monkeypatch, rng, watch_loads):
+def test_nvfp4_equals_what_safetensors_reads(
+    unaligned, mode, monkeypatch, rng, watch_loads, assert_same_bits
+):
     layout = unaligned("nvfp4")
     st = safetensors_table(layout)
     ids = lookup_ids(layout, rng)
@@ -150,10 +146,10 @@ def test_nvfp4_equals_what_safetensors_reads(unaligned, mode, monkeypatch, rng, 
         for out_dtype in FLOAT_OUT:
             out = torch.full((ids.numel(), layout.row_dim), float("nan"), dtype=out_dtype)
             assert table.lookup(ids, out=out) is out
-            assert same_bits(out, decoded.to(out_dtype)), (mode, out_dtype)
+            assert_same_bits(out, decoded.to(out_dtype))
         got_packed, got_scales = table.lookup_packed(ids)
-        assert same_bits(got_packed, packed)
-        assert same_bits(got_scales.view(torch.uint8), scales)
+        assert_same_bits(got_packed, packed)
+        assert_same_bits(got_scales.view(torch.uint8), scales)
         if table.gpu is not None:
             assert watch_loads.misaligned() == []
 
