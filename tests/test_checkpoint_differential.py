@@ -323,6 +323,14 @@ def _structured(rng, files, original) -> tuple[str, dict, bytes] | None:
     return None if parsed is None else (name, *parsed)
 
 
+def _tensor_entry(rng, files, original) -> tuple[str, dict, bytes, str] | None:
+    """A structured file that names tensors, and one of its tensors picked at random, or None."""
+    found = _structured(rng, files, original)
+    if found is None or not entries(found[1]):
+        return None
+    return (*found, rng.choice(entries(found[1])))
+
+
 def header_length(rng, files, original) -> str:
     """The header length field changed: by a few bytes (the issue's case, -1, drops a pad space),
     anywhere within the header, or to an extreme value."""
@@ -429,11 +437,10 @@ def repad(rng, files, original) -> str:
 
 def offsets(rng, files, original) -> str:
     """data_offsets changed: one end moved, reversed, far away, or swapped with another tensor's."""
-    found = _structured(rng, files, original)
-    if found is None or not entries(found[1]):
+    found = _tensor_entry(rng, files, original)
+    if found is None:
         return header_length(rng, files, original)
-    name, header, data = found
-    tensor = rng.choice(entries(header))
+    name, header, data, tensor = found
     meta = header[tensor]
     if not _ints(meta, "data_offsets", 2):
         return header_byte(rng, files, original)
@@ -464,11 +471,10 @@ def offsets(rng, files, original) -> str:
 def shape(rng, files, original) -> str:
     """A shape changed: a dimension off by one, dimensions swapped or merged or split, an extra
     dimension, a zero, the 64-bit limits, and numbers no shape may hold (-0, 4.0)."""
-    found = _structured(rng, files, original)
-    if found is None or not entries(found[1]):
+    found = _tensor_entry(rng, files, original)
+    if found is None:
         return header_length(rng, files, original)
-    name, header, data = found
-    tensor = rng.choice(entries(header))
+    name, header, data, tensor = found
     meta = header[tensor]
     if not _ints(meta, "shape") or not meta["shape"]:
         return header_byte(rng, files, original)
@@ -502,11 +508,10 @@ def shape(rng, files, original) -> str:
 
 def dtype(rng, files, original) -> str:
     """A dtype replaced by another one safetensors knows (same size or not), or by one it does not."""
-    found = _structured(rng, files, original)
-    if found is None or not entries(found[1]):
+    found = _tensor_entry(rng, files, original)
+    if found is None:
         return header_length(rng, files, original)
-    name, header, data = found
-    tensor = rng.choice(entries(header))
+    name, header, data, tensor = found
     if not isinstance(header[tensor], dict):
         return header_byte(rng, files, original)
     new = rng.choice(SAFETENSORS_DTYPES) if rng.random() < 0.8 else rng.choice(UNKNOWN_DTYPES)
@@ -571,11 +576,10 @@ EXTRA_VALUES = [  # (raw JSON, whether safetensors accepts it in a field it does
 def extra_field(rng, files, original) -> str:
     """A field safetensors does not know added to a tensor entry, with any JSON value; serde_json
     refuses some values Python's json takes (NaN, 1e400, nesting past 127, lone surrogates)."""
-    found = _structured(rng, files, original)
-    if found is None or not entries(found[1]):
+    found = _tensor_entry(rng, files, original)
+    if found is None:
         return header_byte(rng, files, original)
-    name, header, data = found
-    tensor = rng.choice(entries(header))
+    name, header, data, tensor = found
     if not isinstance(header[tensor], dict):
         return header_byte(rng, files, original)
     text, _ = rng.choice(EXTRA_VALUES)
@@ -590,11 +594,10 @@ def extra_field(rng, files, original) -> str:
 def repeat(rng, files, original) -> str:
     """A tensor named twice (safetensors keeps the last entry but parses both): an identical copy,
     another sound entry, a malformed one, before or after; or a field repeated inside an entry."""
-    found = _structured(rng, files, original)
-    if found is None or not entries(found[1]):
+    found = _tensor_entry(rng, files, original)
+    if found is None:
         return header_byte(rng, files, original)
-    name, header, data = found
-    tensor = rng.choice(entries(header))
+    name, header, data, tensor = found
     meta = header[tensor]
     if not isinstance(meta, dict):
         return header_byte(rng, files, original)
@@ -630,11 +633,10 @@ def repeat(rng, files, original) -> str:
 
 def rename(rng, files, original) -> str:
     """A tensor renamed: another shard index, a leading zero, another layer, another prefix."""
-    found = _structured(rng, files, original)
-    if found is None or not entries(found[1]):
+    found = _tensor_entry(rng, files, original)
+    if found is None:
         return header_byte(rng, files, original)
-    name, header, data = found
-    tensor = rng.choice(entries(header))
+    name, header, data, tensor = found
     choices = [
         re.sub(r"shard_(\d+)", lambda m: f"shard_{int(m.group(1)) + 1}", tensor),
         re.sub(r"shard_(\d+)", lambda m: f"shard_0{m.group(1)}", tensor),
