@@ -1,10 +1,11 @@
 /* The host gather's row copy: one lookup's rows read from the mapped shard files into a staging
  * buffer, by id, in batch order. ple_um/lookup/rowcopy.py loads it with ctypes (no Python headers).
  *
- * ple_lookup_run(lookup) is the whole of a lookup's host work. It is a CUDA host function: the host
- * node path queues it with cuLaunchHostFunc between the copy that brings the ids into pinned memory
+ * ple_lookup_run(lookup) is the whole of a lookup's host work. It is a CUDA host function: a captured
+ * lookup queues it with cuLaunchHostFunc between the copy that brings the ids into pinned memory
  * and the copy that takes the staged rows to the device, so it runs on a driver thread, in stream
- * order, captured in CUDA graphs like any node. It therefore never calls CUDA, never needs the GIL
+ * order, in CUDA graphs like any node. Eager lookups are run by the dispatcher thread below instead,
+ * signalled through words of pinned memory. It therefore never calls CUDA, never needs the GIL
  * and never fails: an id outside the owned range gives a zero row; an id outside the table gives a
  * zero row and is counted; an owned id whose row lies outside its shard's mapped rows (a broken shard
  * map) gives a zero row and is counted as broken. On a machine without CUDA the same function is
@@ -23,6 +24,9 @@
 #include <time.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/prctl.h>
 #endif
 
 #define MAX_BLOCKS 65536
@@ -47,7 +51,7 @@ enum { C_ROWS, C_OUT_OF_TABLE, C_BROKEN, C_NS, C_LOOKUPS, C_COUNT };
  * With touch set, nothing is copied: one byte of every 4 KiB page of each owned row is read, so that
  * the pages are in memory before a GPU kernel reads the rows. busy is set by the caller when it
  * queues the lookup and cleared here, last, when the lookup is done. */
-typedef struct {
+typedef struct ple_lookup {
     const ple_rows_t *tables[2];
     uint8_t *dst[2];
     const void *ids;
@@ -58,6 +62,13 @@ typedef struct {
     int32_t threads; /* > 1: the pool may help */
     int32_t inline_rows; /* at most this many rows: the calling thread alone */
     atomic_int busy;
+    /* Eager lookups through the dispatcher (below): it waits until *ready reaches seq (the
+     * stream writes it once the ids are in pinned memory), copies, then sets *done to seq (the
+     * stream's copy of the rows to the device waits for it). Unused by host nodes. */
+    uint32_t seq;
+    const volatile uint32_t *ready;
+    volatile uint32_t *done;
+    struct ple_lookup *next; /* the dispatcher's queue */
 } ple_lookup_t;
 
 static inline int64_t id_at(const ple_lookup_t *q, int64_t i) {
@@ -251,8 +262,19 @@ static void *worker(void *arg) {
 /* A forked child has only the thread that forked: none of the workers, and locks other threads held
  * stay held. No thread of the child is inside a lookup (a thread inside ple_lookup_run cannot fork),
  * so every lock starts free and the child's lookups are copied by their calling threads. */
+/* The dispatcher's queue (see "the dispatcher" below). */
+static pthread_mutex_t d_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t d_cv = PTHREAD_COND_INITIALIZER;
+static ple_lookup_t *d_head, *d_tail;
+static int d_sleeping;
+static atomic_int d_running;
+
 static void after_fork_in_child(void) {
     atomic_store(&g_workers, 0);
+    atomic_store(&d_running, 0);
+    d_head = d_tail = NULL, d_sleeping = 0;
+    pthread_mutex_init(&d_mu, NULL);
+    pthread_cond_init(&d_cv, NULL);
     pthread_mutex_init(&g_call, NULL);
     pthread_mutex_init(&g_mu, NULL);
     pthread_cond_init(&g_cv, NULL);
@@ -312,9 +334,8 @@ static tally_t run_pooled(const ple_lookup_t *q) {
     return n;
 }
 
-/* The host function: the whole of one lookup's host work (see the top of this file). */
-void ple_lookup_run(void *arg) {
-    ple_lookup_t *q = (ple_lookup_t *)arg;
+/* One lookup's rows and counters (all but its busy flag). */
+static void run_lookup(ple_lookup_t *q) {
     long t0 = now_ns();
     tally_t n = {0, 0};
     if (q->n > 0) {
@@ -329,7 +350,102 @@ void ple_lookup_run(void *arg) {
     }
     if (n.broken) __atomic_fetch_add(&c[C_BROKEN], n.broken, __ATOMIC_RELAXED);
     __atomic_fetch_add(&c[C_NS], now_ns() - t0, __ATOMIC_RELAXED);
+}
+
+/* The host function: the whole of one lookup's host work (see the top of this file). */
+void ple_lookup_run(void *arg) {
+    ple_lookup_t *q = (ple_lookup_t *)arg;
+    run_lookup(q);
     atomic_store_explicit(&q->busy, 0, memory_order_release);
+}
+
+/* ---- the dispatcher ----------------------------------------------------------------------
+ * CUDA holds device work queued after a host function, on every stream, until that function has
+ * run, so an eager host node stalls the caller's other streams for the node's round trip (the
+ * work it was meant to overlap). Eager lookups are therefore posted here instead: one thread per
+ * process runs them in the order posted, each once its stream has written *ready >= seq (after
+ * the ids' copy to pinned memory), and sets *done = seq when its rows are staged; the stream's copy
+ * of the rows waits for that with cuStreamWaitValue32. Comparisons are cyclic, as CUDA's are.
+ * Jobs are run in the order posted: a lookup posted later never holds up one posted earlier
+ * (host_node.py posts each lookup before its call returns, so anything a lookup waits for on the
+ * device was posted before it). */
+
+#define IDLE_SPIN_NS 200000L  /* the dispatcher spins this long for the next post before sleeping */
+#define READY_SPIN_NS 200000L /* and this long for a job's ids before napping */
+#define NAP_NS 20000L
+
+static inline int reached(const volatile uint32_t *word, uint32_t seq) {
+    return (int32_t)(__atomic_load_n(word, __ATOMIC_ACQUIRE) - seq) >= 0;
+}
+
+static ple_lookup_t *next_job(void) {
+    long t0 = now_ns();
+    while (!__atomic_load_n(&d_head, __ATOMIC_ACQUIRE) && now_ns() - t0 < IDLE_SPIN_NS) relax();
+    pthread_mutex_lock(&d_mu);
+    while (!d_head) {
+        d_sleeping = 1;
+        pthread_cond_wait(&d_cv, &d_mu);
+        d_sleeping = 0;
+    }
+    ple_lookup_t *q = d_head;
+    __atomic_store_n(&d_head, q->next, __ATOMIC_RELEASE);
+    if (!d_head) d_tail = NULL;
+    pthread_mutex_unlock(&d_mu);
+    return q;
+}
+
+static void *dispatcher(void *arg) {
+    (void)arg;
+    struct timespec nap = {0, NAP_NS};
+#if defined(__linux__)
+    prctl(PR_SET_TIMERSLACK, 1000UL); /* naps of NAP_NS, not NAP_NS + the default 50 us slack */
+#endif
+    for (;;) {
+        ple_lookup_t *q = next_job();
+        uint32_t seq = q->seq;
+        volatile uint32_t *done = q->done;
+        long t0 = now_ns();
+        while (!reached(q->ready, seq)) {
+            if (now_ns() - t0 < READY_SPIN_NS) relax();
+            else nanosleep(&nap, NULL);
+        }
+        run_lookup(q);
+        /* busy first: a caller that finds its stream idle while the job is still busy reports a
+         * node that never ran. Once busy is clear the slot may be refilled, so done and seq are
+         * this job's, read above. */
+        atomic_store_explicit(&q->busy, 0, memory_order_release);
+        __atomic_store_n(done, seq, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+/* Start the dispatcher once; 1 when it runs (0: it could not be started, or this is a forked
+ * child, whose lookups then take host nodes). */
+int ple_dispatch_start(void) {
+    pthread_mutex_lock(&g_start);
+    if (!atomic_load(&d_running)) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, dispatcher, NULL) == 0) {
+            pthread_detach(t);
+            atomic_store(&d_running, 1);
+        }
+    }
+    pthread_mutex_unlock(&g_start);
+    return atomic_load(&d_running);
+}
+
+/* Queue one job (its busy flag already set by the caller); 0 when queued, -1 when no dispatcher
+ * runs (the caller takes a host node instead). */
+int ple_dispatch_post(ple_lookup_t *q) {
+    if (!atomic_load(&d_running)) return -1;
+    q->next = NULL;
+    pthread_mutex_lock(&d_mu);
+    if (d_tail) d_tail->next = q;
+    else __atomic_store_n(&d_head, q, __ATOMIC_RELEASE);
+    d_tail = q;
+    if (d_sleeping) pthread_cond_signal(&d_cv);
+    pthread_mutex_unlock(&d_mu);
+    return 0;
 }
 
 /* Sizes of the two structs, so that the ctypes declarations can be checked against them. */

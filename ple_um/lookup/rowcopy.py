@@ -75,6 +75,10 @@ class LookupStruct(ctypes.Structure):
         ("threads", ctypes.c_int32),
         ("inline_rows", ctypes.c_int32),
         ("busy", ctypes.c_int32),
+        ("seq", ctypes.c_uint32),
+        ("ready", ctypes.c_void_p),
+        ("done", ctypes.c_void_p),
+        ("next", ctypes.c_void_p),
     ]
 
 
@@ -108,6 +112,10 @@ def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     lib.ple_pool_wake.restype = None
     lib.ple_lookup_run.argtypes = [ctypes.c_void_p]
     lib.ple_lookup_run.restype = None
+    lib.ple_dispatch_start.argtypes = []
+    lib.ple_dispatch_start.restype = ctypes.c_int
+    lib.ple_dispatch_post.argtypes = [ctypes.c_void_p]
+    lib.ple_dispatch_post.restype = ctypes.c_int
     lib.ple_struct_sizes.argtypes = []
     lib.ple_struct_sizes.restype = ctypes.c_int64
     sizes = lib.ple_struct_sizes()

@@ -1,0 +1,155 @@
+"""The dispatcher thread of rowcopy.c (eager lookups on a CUDA device): a posted job waits until its
+ready word reaches its number (on a GPU the stream writes it after the ids' copy; here the test
+writes it, as the stream would), copies its rows, clears its busy flag and sets its done word; jobs
+run in the order posted; the comparisons are cyclic (CUDA's GEQ); a forked child has no dispatcher
+and is told so. Real files, real mmap, the real C thread."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from reference import reference_rows
+from test_rowcopy import _child, boundary_ids
+
+from ple_um.lookup import rowcopy
+from ple_um.mapping import MappedShards
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    lib, why = rowcopy.load(str(tmp_path_factory.mktemp("cache")))
+    assert lib is not None, why
+    assert lib.ple_dispatch_start() == 1
+    return lib
+
+
+class Signals:
+    """Ready and done words of a few jobs, 64 bytes apart, as host_node lays them out."""
+
+    def __init__(self, jobs: int) -> None:
+        self.words = np.zeros(jobs * 32, dtype=np.uint32)
+
+    def ready(self, k: int) -> int:
+        return self.words.ctypes.data + k * 128
+
+    def done(self, k: int) -> int:
+        return self.words.ctypes.data + k * 128 + 64
+
+    def set_ready(self, k: int, value: int) -> None:
+        self.words[k * 32] = value
+
+    def done_value(self, k: int) -> int:
+        return int(self.words[k * 32 + 16])
+
+
+def job_for(rows, counts, ids, out, *, seq, ready, done, threads=1, inline_rows=2048) -> rowcopy.LookupStruct:
+    job = rowcopy.LookupStruct()
+    job.tables[0] = rows.address
+    job.dst[0] = out.data_ptr()
+    job.ids, job.n = ids.data_ptr(), ids.numel()
+    job.counts = counts.address
+    job.id_kind = rowcopy.ID_KINDS[ids.dtype]
+    job.threads, job.inline_rows = threads, inline_rows
+    job.seq, job.ready, job.done = seq, ready, done
+    job.busy = 1
+    return job
+
+
+def wait_done(signals, k, seq, timeout=20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while signals.done_value(k) != seq:
+        assert time.monotonic() < deadline, f"job {k} never signalled done"
+        time.sleep(1e-4)
+
+
+@pytest.mark.parametrize("threads,inline_rows", [(1, 2048), (4, 0)])
+def test_a_job_waits_for_its_ready_word_then_copies_and_signals(
+    lib, make_checkpoint, rng, poison, threads, inline_rows
+):
+    layout = make_checkpoint(
+        num_rows=5000, row_dim=24, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30))
+    )
+    pool = rowcopy.Pool(lib, threads)
+    owned = (layout.rows_per_shard + 7, layout.num_rows - 3)
+    with MappedShards(layout, owned) as mapping:
+        rows, counts, signals = rowcopy.Rows(mapping), rowcopy.Counts(), Signals(1)
+        ids_np = boundary_ids(layout, rng, 3000, owned)
+        ids = torch.from_numpy(ids_np)
+        out = poison(torch.empty((ids.numel(), layout.row_bytes), dtype=torch.uint8))
+        before = out.clone()
+        signals.set_ready(0, 6)  # the previous lookup's number
+        job = job_for(
+            rows,
+            counts,
+            ids,
+            out,
+            seq=7,
+            ready=signals.ready(0),
+            done=signals.done(0),
+            threads=pool.threads,
+            inline_rows=inline_rows,
+        )
+        assert lib.ple_dispatch_post(ctypes.addressof(job)) == 0
+        time.sleep(0.1)  # the ids have not "arrived": nothing may happen
+        assert job.busy == 1 and signals.done_value(0) == 0 and torch.equal(out, before)
+        assert counts.read()["lookups"] == 0
+        signals.set_ready(0, 7)  # the stream's write after the ids' copy
+        wait_done(signals, 0, 7)
+        assert job.busy == 0
+        want = reference_rows(layout, ids_np, owned)
+        assert np.array_equal(out.numpy(), want.reshape(out.shape))
+        got = counts.read()
+        oob = int(((ids_np < 0) | (ids_np >= layout.num_rows)).sum())
+        assert (got["rows"], got["out_of_range"], got["lookups"]) == (ids.numel(), oob, 1)
+
+
+def test_jobs_run_in_the_order_posted(lib, make_checkpoint, rng):
+    layout = make_checkpoint(num_rows=800, row_dim=16, dtype="fp8", shards=2, seed=int(rng.integers(1 << 30)))
+    with MappedShards(layout) as mapping:
+        rows, counts, signals = rowcopy.Rows(mapping), rowcopy.Counts(), Signals(2)
+        ids = [torch.from_numpy(rng.integers(0, 800, 50)) for _ in range(2)]
+        outs = [torch.zeros((50, layout.row_bytes), dtype=torch.uint8) for _ in range(2)]
+        first = job_for(rows, counts, ids[0], outs[0], seq=1, ready=signals.ready(0), done=signals.done(0))
+        # The second job's ids are "in" already; it still waits for the first, posted before it.
+        second = job_for(rows, counts, ids[1], outs[1], seq=1, ready=signals.ready(1), done=signals.done(1))
+        signals.set_ready(1, 1)
+        for job in (first, second):
+            assert lib.ple_dispatch_post(ctypes.addressof(job)) == 0
+        time.sleep(0.1)
+        assert (first.busy, second.busy, signals.done_value(1)) == (1, 1, 0)
+        signals.set_ready(0, 1)
+        wait_done(signals, 1, 1)
+        assert signals.done_value(0) == 1 and first.busy == 0 and second.busy == 0
+        for k in range(2):
+            assert np.array_equal(outs[k].numpy(), reference_rows(layout, ids[k].numpy()).reshape(50, -1))
+
+
+def test_numbers_compare_cyclically_across_the_wrap(lib, make_checkpoint, rng):
+    layout = make_checkpoint(num_rows=300, row_dim=16, dtype="fp8", shards=2, seed=int(rng.integers(1 << 30)))
+    with MappedShards(layout) as mapping:
+        rows, counts, signals = rowcopy.Rows(mapping), rowcopy.Counts(), Signals(1)
+        ids = torch.from_numpy(rng.integers(0, 300, 20))
+        out = torch.zeros((20, layout.row_bytes), dtype=torch.uint8)
+        seq = (1 << 32) - 2
+        signals.set_ready(0, (1 << 32) - 3)  # one behind: wait
+        job = job_for(rows, counts, ids, out, seq=seq, ready=signals.ready(0), done=signals.done(0))
+        assert lib.ple_dispatch_post(ctypes.addressof(job)) == 0
+        time.sleep(0.05)
+        assert job.busy == 1
+        signals.set_ready(0, 1)  # three past seq, through the wrap: reached
+        wait_done(signals, 0, seq)
+        assert np.array_equal(out.numpy(), reference_rows(layout, ids.numpy()).reshape(20, -1))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_has_no_dispatcher_and_is_told(lib):
+    def in_child() -> bool:
+        job = rowcopy.LookupStruct()
+        return lib.ple_dispatch_post(ctypes.addressof(job)) == -1
+
+    assert _child(in_child) == 0
