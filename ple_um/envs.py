@@ -239,6 +239,14 @@ KNOBS: dict[str, Knob] = {
             "host paths read rows with the C row copy run as a CUDA host node (compiled once into "
             "PLE_UM_CACHE_DIR); off, or where it does not build, the cpu mode's synchronous gather",
         ),
+        Knob(
+            "PLE_UM_DISPATCHER",
+            _bool,
+            True,
+            "host paths, eager lookups: the C row copy run by ple-um's dispatcher thread, the stream "
+            "signalled through CUDA stream memory operations (off: a host node, which holds work "
+            "queued after it on every stream until it has run); captured lookups are host nodes",
+        ),
         Knob("PLE_UM_STRICT", _bool, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(
             "PLE_UM_CACHE_DIR",

@@ -82,6 +82,22 @@ class KernelCall:
         return self.table.gpu.gather(ids, out)
 
 
+class HostNodes:
+    """A table whose eager host-path lookups take host nodes instead of the dispatcher thread (as
+    with PLE_UM_DISPATCHER=0), toggled around each call: the same table, side by side."""
+
+    def __init__(self, table) -> None:
+        self.table, self.dtype = table, table.dtype
+
+    def lookup(self, ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        host = self.table.host
+        saved, host.dispatcher = host.dispatcher, False
+        try:
+            return self.table.lookup(ids, out=out)
+        finally:
+            host.dispatcher = saved
+
+
 def eager_synced(path, n, num_rows, reps, reference=None) -> dict:
     """Wall time per call, synchronized before and after, fresh ids each call."""
     out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
@@ -143,7 +159,7 @@ def graph_replay(path, n, num_rows, reps, reference) -> dict:
     return spread(times)
 
 
-def overlap(table, num_rows, reference, reps) -> dict:
+def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
     """A PLE-shaped step: GPU work (a bf16 matmul chain), then a consumer of the work's result and of
     the lookup's rows. Four variants, each with the same consumer: the work alone (the consumer
     reads a stand-in for the rows), the lookup alone (the consumer reads a stand-in for the work),
@@ -164,7 +180,7 @@ def overlap(table, num_rows, reference, reps) -> dict:
     def consume(x, rows):
         return x.float().mean() + rows.float().mean()
 
-    for chain in (4, 8, 16):
+    for chain in chains:
 
         def work(chain=chain):
             x = a
@@ -312,9 +328,16 @@ def main() -> int:
     registered = ple_um.open_table(directory, mode="registered")
     result["registered_bulk_rows"] = registered.bulk_rows
     result["registered_calibration_s"] = {str(k): v for k, v in registered.bulk_calibration.items()}
+    result["cpu_dispatcher"] = cpu.host.dispatcher
     resident = Resident(cpu)
     num_rows = cpu.num_rows
-    paths = {"torch resident": resident, "ple-um registered": registered, "ple-um cpu": cpu}
+    paths = {
+        "torch resident": resident,
+        "ple-um registered": registered,
+        "ple-um registered, eager host nodes": HostNodes(registered),
+        "ple-um cpu": cpu,
+        "ple-um cpu, eager host nodes": HostNodes(cpu),
+    }
 
     eager = {name: {} for name in paths}
     graphs = {name: {} for name in paths}
@@ -341,6 +364,7 @@ def main() -> int:
     result["host_cost_us_16_rows"] = {name: host_cost(path, num_rows) for name, path in costs.items()}
     print("host cost", result["host_cost_us_16_rows"], flush=True)
     result["overlap_cpu_mode"] = overlap(cpu, num_rows, resident, args.reps)
+    result["overlap_cpu_mode_host_nodes"] = overlap(HostNodes(cpu), num_rows, resident, args.reps, (4, 16))
     if not args.skip_cold:
         result["cold_cpu_mode"] = cold(cpu, num_rows, resident, max(5, args.reps // 3))
     result["failures"] = FAILURES
@@ -356,14 +380,18 @@ def main() -> int:
         print(f"| {name} | " + " | ".join(cells) + f" | {result['host_cost_us_16_rows'][name]:.1f} |")
     k = result["registered_kernel_only_131072"]["median_us"]
     print(f"registered 131072 kernel only: {k:.1f} us; bulk_rows {registered.bulk_rows}")
-    for chain, row in result["overlap_cpu_mode"].items():
-        med = {name: row[name]["graph"]["median_us"] for name in ("work", "lookup", "overlapped", "serial")}
-        print(
-            f"overlap {chain} (graph, us): "
-            + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
-            + f"; overlapped/max: graph {row['overlapped_over_max_graph']:.2f}, "
-            f"eager {row['overlapped_over_max_eager']:.2f}"
-        )
+    names = ("work", "lookup", "overlapped", "serial")
+    for key in ("overlap_cpu_mode", "overlap_cpu_mode_host_nodes"):
+        for chain, row in result[key].items():
+            cells = [
+                f"{kind} " + " / ".join(f"{row[name][kind]['median_us']:.1f}" for name in names)
+                for kind in ("graph", "eager")
+            ]
+            print(
+                f"{key} {chain}, work / lookup / overlapped / serial (us): {'; '.join(cells)}; "
+                f"overlapped/max: graph {row['overlapped_over_max_graph']:.2f}, "
+                f"eager {row['overlapped_over_max_eager']:.2f}"
+            )
     if "cold_cpu_mode" in result:
         c = result["cold_cpu_mode"]["cold"]
         w = result["cold_cpu_mode"]["warm"]

@@ -1,21 +1,33 @@
 """HostGather: a lookup's rows read on the host, as stream-ordered CUDA work.
 
-A lookup on a CUDA device is three operations queued on the current stream, and nothing else:
-the ids copied device-to-host into a pinned buffer; a host node (``cuLaunchHostFunc``) that runs
-the C row copy (``rowcopy.c``: each id's row read from the mapped files into pinned staging, zeros
-for ids not owned, counted in host counters); the staged rows copied host-to-device into the
-output (dequantized or decoded there with torch ops when the output is a float tensor). The caller
-never waits: an eager lookup returns before its rows exist, like any CUDA op, and the same calls
-made while a stream is captured become memcpy, host and memcpy nodes of the graph, replayed with
-new ids each time. The host function runs on a driver thread: no GIL, and the OS serves any page
-fault in it, so tables of any size, resident or not, are served this way (docs/FACTS.md section 7).
+A lookup on a CUDA device is queued on the current stream and nothing waits: the ids copied
+device-to-host into a pinned buffer; the C row copy (``rowcopy.c``: each id's row read from the
+mapped files into pinned staging, zeros for ids not owned, counted in host counters); the staged
+rows copied host-to-device into the output (dequantized or decoded there with torch ops when the
+output is a float tensor). An eager lookup returns before its rows exist, like any CUDA op. The row
+copy runs outside Python (no GIL) and the OS serves any page fault in it, so tables of any size,
+resident or not, are served this way (docs/FACTS.md section 7).
 
-Big lookups are cut into chunks whose host nodes run on a side stream, each chunk's copy to the
-device waiting only for its own rows: the copies overlap the reading of the next chunk.
+Who runs the row copy:
+- Captured lookups (``torch.cuda.graph``, torch.compile, vLLM's graphs): a host node
+  (``cuLaunchHostFunc``) between the two copies, replayed with new ids each time.
+- Eager lookups: the dispatcher, one C thread per process (``rowcopy.c``). The stream writes the
+  lookup's number into a ready word of pinned memory after the ids' copy (``cuStreamWriteValue32``);
+  the dispatcher copies the rows once it sees it and writes a done word; the stream's copy of the
+  rows waits for that (``cuStreamWaitValue32``). An eager host node would do the same, but CUDA
+  holds device work queued after a host function, on every stream, until that function has run
+  (the host function's documented semantics; measured in docs/PERF_NOTES.md row 18): the caller's
+  next kernels would wait for the row copy instead of overlapping it. Where stream memory
+  operations do not work (checked once per device) or ``PLE_UM_DISPATCHER=0``, eager lookups are
+  host nodes too.
+
+Big lookups are cut into chunks, each chunk's copy to the device waiting only for its own rows: the
+copies overlap the reading of the next chunk (eager: the dispatcher runs the chunks in turn;
+captured: their host nodes run in turn on a side stream).
 
 Buffers. Eager lookups use one set of pinned buffers per stream (grown, never shrunk): the stream's
 order makes reuse safe (the next lookup's ids arrive after the previous lookup's rows left). Each
-queued lookup gets its own job struct from the stream's ring; a struct is reused once its host node
+queued lookup gets its own job structs from the stream's ring; a struct is reused once its row copy
 has finished (it clears its ``busy`` flag). A captured lookup gets job structs of its own and the
 capture buffers of its stream, shared by the lookups captured on that stream (replayed one at a
 time in stream order, as vLLM replays its graphs; graphs captured on different streams have their
@@ -33,6 +45,7 @@ import time
 
 import torch
 
+from ple_um import envs
 from ple_um.access.cuda_streams import own_stream, relaxed_capture_mode
 from ple_um.lookup import rowcopy
 from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize, e2m1_values
@@ -66,8 +79,10 @@ class _Driver:
 
     def __init__(self) -> None:
         lib = self.lib = ctypes.CDLL("libcuda.so.1")
-        ptr, i32 = ctypes.c_void_p, ctypes.c_int
+        ptr, i32, u32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint64
         signatures = {
+            "cuMemcpyDtoHAsync_v2": [ptr, u64, ctypes.c_size_t, ptr],
+            "cuMemcpyHtoDAsync_v2": [u64, ptr, ctypes.c_size_t, ptr],
             "cuLaunchHostFunc": [ptr, ptr, ptr],
             "cuEventCreate": [ctypes.POINTER(ptr), ctypes.c_uint],
             "cuEventRecord": [ptr, ptr],
@@ -81,10 +96,32 @@ class _Driver:
             "cuDeviceGet": [ctypes.POINTER(i32), i32],
             "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ptr), i32],
         }
+        # Stream memory operations (the dispatcher's signals; CUDA 11.7+ drivers have the _v2 calls).
+        mem_ops = {
+            "cuStreamWriteValue32_v2": [ptr, u64, u32, u32],
+            "cuStreamWaitValue32_v2": [ptr, u64, u32, u32],
+            "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(u64), ptr, u32],
+        }
         self._thread = threading.local()
+        self._signals_checked: dict[int, str] = {}
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, i32
+        self.mem_ops = all(hasattr(lib, name) for name in mem_ops)
+        if self.mem_ops:
+            for name, argtypes in mem_ops.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, i32
+            self.write_value = self._checked(
+                lambda stream, address, value: lib.cuStreamWriteValue32_v2(stream, address, value, 0),
+                "cuStreamWriteValue32",
+            )
+            self.wait_value = self._checked(  # flags 0: CU_STREAM_WAIT_VALUE_GEQ (cyclic)
+                lambda stream, address, value: lib.cuStreamWaitValue32_v2(stream, address, value, 0),
+                "cuStreamWaitValue32",
+            )
+        self.d2h = self._checked(lib.cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync")
+        self.h2d = self._checked(lib.cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync")
         self.launch_host_func = self._checked(lib.cuLaunchHostFunc, "cuLaunchHostFunc")
         self.record = self._checked(lib.cuEventRecord, "cuEventRecord")
         self.wait = self._checked(
@@ -143,6 +180,47 @@ class _Driver:
                 "a queued host node never ran: its stream is idle and its job is still pending"
             )
 
+    def device_pointer(self, host: int) -> int:
+        """The device address of pinned host memory at ``host`` (the same address under UVA)."""
+        address = ctypes.c_uint64()
+        rc = self.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(address), host, 0)
+        if rc != 0:
+            raise HostNodeError(f"cuMemHostGetDevicePointer failed: {self.error_name(rc)}")
+        return address.value
+
+    def signals_work(self, device: torch.device) -> str | None:
+        """None when stream memory operations work on ``device`` as the dispatcher uses them
+        (checked once per device), else why not: a stream writes a word of pinned memory, then
+        waits for a word that this thread writes after the wait was queued."""
+        known = self._signals_checked.get(device.index)
+        if known is None:
+            known = self._signals_checked[device.index] = self._check_signals(device)
+        return known or None
+
+    def _check_signals(self, device: torch.device) -> str:
+        if not self.mem_ops:
+            return "this driver has no cuStreamWriteValue32_v2 / cuStreamWaitValue32_v2"
+        try:
+            self.ensure_context(device.index)
+            word = torch.zeros(16, dtype=torch.int32, pin_memory=True)
+            address = self.device_pointer(word.data_ptr())
+            stream = own_stream(device).cuda_stream
+            self.write_value(stream, address, 7)
+            self.wait_value(stream, address + 64, 1)
+            time.sleep(1e-3)
+            word[16] = 1  # as the dispatcher signals a lookup done
+            deadline = time.monotonic() + 5.0
+            while (rc := self.lib.cuStreamQuery(stream)) == 600 and time.monotonic() < deadline:
+                time.sleep(1e-4)
+            if rc != 0:  # (a stream that never saw the write stays blocked: that device is off limits)
+                why = "it never saw" if rc == 600 else f"{self.error_name(rc)} after"
+                return f"a stream waiting on pinned memory: {why} this thread's write"
+            if int(word[0]) != 7:
+                return f"a stream's write of pinned memory did not arrive (read {int(word[0])})"
+        except Exception as exc:  # noqa: BLE001 - any failure means: use host nodes
+            return f"stream memory operations failed: {exc}"
+        return ""
+
     def event(self) -> int:
         """A new event without timing (destroy with ``destroy``)."""
         handle = ctypes.c_void_p()
@@ -199,12 +277,25 @@ class _Stream:
         self.next = 0
         self.side: torch.cuda.ExternalStream | None = None
         self.events: list[int] = []
+        # The dispatcher's signals: per ring slot a ready word (written by the stream) and a done
+        # word (written by the dispatcher), each on its own 64-byte line; the lookup's number.
+        self.signals: torch.Tensor | None = None
+        self.signals_device = 0
+        self.seq = 0
 
-    def slot(self, driver: _Driver) -> rowcopy.LookupStruct:
-        """The next job struct of the ring, once its previous host node has finished. While it
-        waits, the streams its nodes run on are asked every ~0.1 s: a stream in error never runs
-        the node (HostNodeError names the error instead of waiting for ever)."""
-        job = self.ring[self.next]
+    def words(self, driver: _Driver) -> tuple[int, int]:
+        """The host and device addresses of the signal words (made on first use)."""
+        if self.signals is None:
+            self.signals = torch.zeros(RING * 32, dtype=torch.int32, pin_memory=True)
+            self.signals_device = driver.device_pointer(self.signals.data_ptr())
+        return self.signals.data_ptr(), self.signals_device
+
+    def slot(self, driver: _Driver) -> int:
+        """The index of the next job struct of the ring, once its previous lookup has finished.
+        While it waits, the streams its work runs on are asked every ~0.1 s: a stream in error
+        never runs it (HostNodeError names the error instead of waiting for ever)."""
+        index = self.next
+        job = self.ring[index]
         spins = 0
         while job.busy:  # RING lookups queued ahead of their host nodes: back-pressure
             spins += 1
@@ -213,7 +304,7 @@ class _Stream:
                 streams = [self.handle] + ([self.side.cuda_stream] if self.side is not None else [])
                 driver.check_pending(streams, job)
         self.next = (self.next + 1) % RING
-        return job
+        return index
 
 
 class HostGather:
@@ -256,8 +347,18 @@ class HostGather:
         self._streams: dict[int, _Stream] = {}
         self._captured: list[tuple[object, ...]] = []  # job structs and buffers of captured lookups
         self._lock = threading.Lock()
+        self.dispatcher = False  # eager lookups through the dispatcher thread (else host nodes)
         if self.cuda:
             e2m1_values(device)  # on the device before any capture needs it
+            if not envs.PLE_UM_DISPATCHER:
+                why = "PLE_UM_DISPATCHER=0"
+            elif not lib.ple_dispatch_start():
+                why = "the dispatcher thread could not be started"
+            else:
+                why = self._driver.signals_work(device)
+            self.dispatcher = why is None
+            eager = "by the dispatcher thread" if self.dispatcher else f"as host nodes ({why})"
+            self.row_reads += f"; eager lookups {eager}"
 
     # -- one lookup --------------------------------------------------------------------------
     def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int], touch: bool = False) -> None:
@@ -302,7 +403,12 @@ class HostGather:
         state = self._state(stream)
         with state.lock:
             bufs = self._buffers(state, n, capturing)
-            job = rowcopy.LookupStruct() if capturing else state.slot(self._driver)
+            if not capturing and self.dispatcher:
+                slot = state.slot(self._driver)
+                self._fill(state.ring[slot], bufs.ids_ptr, kind, n, [], touch=True)
+                self._dispatched(state, stream, bufs, ids, [slot], [(0, n)], [])
+                return
+            job = rowcopy.LookupStruct() if capturing else state.ring[state.slot(self._driver)]
             self._fill(job, bufs.ids_ptr, kind, n, [], touch=True)
             self._ids_in(bufs, ids)
             self._launch(stream, job)
@@ -333,16 +439,15 @@ class HostGather:
         pieces = chunks(n)
         with state.lock:
             bufs = self._buffers(state, n, capturing)
-            jobs = (
-                [rowcopy.LookupStruct() for _ in pieces]
-                if capturing
-                else [state.slot(self._driver) for _ in pieces]
-            )
+            slots = [] if capturing else [state.slot(self._driver) for _ in pieces]
+            jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.ring[k] for k in slots]
             for job, (a, b) in zip(jobs, pieces, strict=True):
                 self._fill(
                     job, bufs.ids_ptr + a * size, kind, b - a, [p + a * rb for p, rb in bufs.staging_ptrs]
                 )
-            if len(pieces) == 1:
+            if not capturing and self.dispatcher:
+                self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
+            elif len(pieces) == 1:
                 self._ids_in(bufs, ids)
                 if not capturing and n > INLINE_ROWS:
                     self.pool.wake()
@@ -359,6 +464,38 @@ class HostGather:
             with self._lock:
                 self.enqueue_seconds += time.perf_counter() - t0
         return out
+
+    def _dispatched(self, state, stream, bufs, ids, slots, pieces, targets) -> None:
+        """An eager lookup through the dispatcher thread, all on the caller's stream: the ids' copy
+        and a write of the lookup's number into its ready word; each piece's job posted; then each
+        piece's copy to the device behind a wait for its done word (the pieces' copies overlap the
+        reading of the next). No host node: work the caller queues next, on any stream, is not held
+        up. Where a job cannot be posted (no dispatcher runs: a forked child) it becomes a host
+        node, queued before the copies."""
+        driver = self._driver
+        host, device = state.words(driver)
+        offset = device - host
+        seq = state.seq = (state.seq + 1) & 0xFFFFFFFF
+        ready = host + slots[0] * 128
+        driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
+        driver.write_value(stream, ready + offset, seq)
+        if ids.numel() > INLINE_ROWS:
+            self.pool.wake()
+        posted = []
+        for slot in slots:
+            job = state.ring[slot]
+            job.seq, job.ready, job.done = seq, ready, host + slot * 128 + 64
+            job.busy = 1
+            if self.lib.ple_dispatch_post(ctypes.addressof(job)) == 0:
+                posted.append(True)
+            else:
+                self._launch(stream, job)
+                posted.append(False)
+        for slot, (a, b), waits in zip(slots, pieces, posted, strict=True):
+            if waits:
+                driver.wait_value(stream, host + slot * 128 + 64 + offset, seq)
+            for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=True):
+                driver.h2d(target.data_ptr() + a * rb, staging + a * rb, (b - a) * rb, stream)
 
     def _chunked(self, state, stream, bufs, ids, jobs, pieces, targets, capturing) -> None:
         """A big lookup: the ids in one copy, the chunks' host nodes in turn on the side stream, each

@@ -8,6 +8,8 @@ buffers were reused, the host path of the GPU modes, the page touch, no host syn
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -19,8 +21,10 @@ from ple_um.lookup.cpu_gather import SyncGather
 from ple_um.lookup.host_node import HostGather
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-# (mode, PLE_UM_ROWCOPY): the cpu mode through its host node and through its synchronous path.
-MODES = [("registered", "1"), ("device", "1"), ("cpu", "1"), ("cpu", "0"), ("ats", "1")]
+# (mode, rowcopy): "1" the C row copy (eager lookups of the host path by the dispatcher thread,
+# captured ones as host nodes), "node" the same with eager lookups as host nodes too
+# (PLE_UM_DISPATCHER=0), "0" the cpu mode's synchronous path (PLE_UM_ROWCOPY=0).
+MODES = [("registered", "1"), ("device", "1"), ("cpu", "1"), ("cpu", "node"), ("cpu", "0"), ("ats", "1")]
 
 
 class Expected:
@@ -75,13 +79,16 @@ def open_mode(monkeypatch, device):
     def open_(layout, mode, rowcopy, rows=None, **env):
         if mode == "ats" and not caps.pageable_memory_access_uses_host_page_tables:
             pytest.skip("no ATS on this device (PageableMemoryAccessUsesHostPageTables = 0)")
-        monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
+        monkeypatch.setenv("PLE_UM_ROWCOPY", "0" if rowcopy == "0" else "1")
+        monkeypatch.setenv("PLE_UM_DISPATCHER", "0" if rowcopy == "node" else "1")
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         table = ple_um.open_table(layout.directory, mode=mode, rows=rows, device=device)
         if mode == "cpu":
-            assert isinstance(table.host, HostGather if rowcopy == "1" else SyncGather), table.row_reads
-            assert table.capture_safe == (rowcopy == "1")
+            assert isinstance(table.host, SyncGather if rowcopy == "0" else HostGather), table.row_reads
+            assert table.capture_safe == (rowcopy != "0")
+        if isinstance(table.host, HostGather):
+            assert table.host.dispatcher == (rowcopy == "1"), table.row_reads
         return table
 
     return open_
@@ -115,7 +122,7 @@ def test_every_mode_equals_the_files(tables, name, mode, rowcopy, open_mode, ids
             assert stats["broken_rows"] == 0
 
 
-@pytest.mark.parametrize("mode,rowcopy", [m for m in MODES if m != ("cpu", "0")])
+@pytest.mark.parametrize("mode,rowcopy", [m for m in MODES if m not in (("cpu", "0"), ("cpu", "node"))])
 @pytest.mark.parametrize("name", ["fp8", "nvfp4"])
 def test_graphs_replay_with_new_ids(tables, name, mode, rowcopy, open_mode, ids_for, rng, device):
     layout = tables[name]
@@ -234,6 +241,68 @@ def test_a_host_node_lookup_does_not_wait_for_the_device(tables, open_mode, ids_
         assert not busy.query()  # the lookup was queued, the GPU is still asleep
         torch.cuda.synchronize()
         assert same(out, expected(layout, ids_np, layout.dtype))
+
+
+@pytest.mark.parametrize("n", [1024, 70_000])
+def test_an_eager_lookup_does_not_hold_up_work_queued_after_it_on_other_streams(
+    tables, open_mode, ids_for, rng, device, n
+):
+    """Behind 200 ms of GPU work on its stream, an eager cpu-mode lookup (the dispatcher: no host
+    node, which CUDA would let hold every later launch until it ran) leaves a kernel queued after
+    it on another stream free to run at once; the lookup's rows are exact once the work is done."""
+    layout = tables["fp8"]
+    with open_mode(layout, "cpu", "1") as table:
+        ids_np = ids_for(layout, n, rng)
+        ids = torch.from_numpy(ids_np).to(device)
+        out = poisoned((n, layout.row_dim), torch.bfloat16, device)
+        table.lookup(ids, out=out)  # buffers made
+        torch.cuda.synchronize()
+        busy, other = torch.cuda.Stream(), torch.cuda.Stream()
+        x = torch.ones(1024, device=device)
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(400_000_000)  # about 0.2 s
+            asleep = torch.cuda.Event()
+            asleep.record()
+            out.view(torch.uint8).fill_(0xAB)
+            table.lookup(ids, out=out)
+        with torch.cuda.stream(other):
+            x.mul_(2)
+            later = torch.cuda.Event()
+            later.record()
+        deadline = time.monotonic() + 0.1
+        while not later.query() and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        assert later.query() and not asleep.query()  # the other stream ran while the lookup waited
+        torch.cuda.synchronize()
+        assert same(out, expected(layout, ids_np, torch.bfloat16)) and int(x[0]) == 2
+
+
+class _NoDispatcher:
+    """The row copy library as a forked child sees it: every post refused (-1)."""
+
+    def __init__(self, lib) -> None:
+        self._lib = lib
+
+    def ple_dispatch_post(self, job) -> int:
+        return -1
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+def test_a_lookup_that_cannot_be_posted_takes_host_nodes(tables, open_mode, ids_for, rng, device):
+    """A job the dispatcher refuses becomes a host node queued before the copies: exact, counted."""
+    layout = tables["fp8"]
+    with open_mode(layout, "cpu", "1") as table:
+        table.host.lib = _NoDispatcher(table.host.lib)
+        total = table.host.read_counts()["rows"]
+        for n in (16, 5000, 70_000):  # inline, pooled, chunked
+            ids_np = ids_for(layout, n, rng)
+            out = poisoned((n, layout.row_dim), layout.dtype, device)
+            table.lookup(torch.from_numpy(ids_np).to(device), out=out)
+            assert same(out, expected(layout, ids_np, layout.dtype)), n
+            total += n
+        assert table.host.read_counts()["rows"] == total
 
 
 def test_the_page_touch_runs_before_the_kernel(tables, open_mode, ids_for, rng, device):
