@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import struct
+import sys
 import tempfile
 
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from reference import encode_safetensors, tensor_bytes, write_raw, write_safetensors
 
 from ple_um.checkpoint import find_layers, read_layout, validate
+from ple_um.checkpoint.safetensors import MAX_JSON_NESTING
 from ple_um.errors import CheckpointError
 
 FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -264,6 +266,33 @@ def test_deep_nesting(depth, opener, closed):
     with tempfile.TemporaryDirectory() as directory:
         write_raw(os.path.join(directory, "x.safetensors"), text)
         assert check(directory) is None
+
+
+def _at_stack_depth(frames: int, fn):
+    return fn() if frames == 0 else _at_stack_depth(frames - 1, fn)
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_NESTING - 2, MAX_JSON_NESTING - 1, 1982])
+def test_how_deep_is_too_deep_does_not_depend_on_the_callers_stack(depth):
+    """The limit is counted in the header, before parsing: the same verdict from a shallow and a
+    deep caller (the parser's own recursion limit counts the caller's frames; a header 1 982 deep
+    was once refused as too deep from one caller and as cut short from another)."""
+    opener = '{"t": {"dtype": "U8", "data_offsets": [0, 0], "shape": '  # two levels, then the shape's
+    with tempfile.TemporaryDirectory() as directory:
+        write_raw(os.path.join(directory, "x.safetensors"), opener + "[" * depth)
+        verdicts = []
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(2500)  # as under hypothesis: a 1 982-deep parse fits from a shallow caller
+        try:
+            for frames in (0, 300, 700):
+                try:
+                    _at_stack_depth(frames, lambda: read_layout(directory))
+                except CheckpointError as e:
+                    verdicts.append(str(e))
+        finally:
+            sys.setrecursionlimit(limit)
+        assert len(verdicts) == 3 and len(set(verdicts)) == 1, verdicts
+        assert ("nested too deeply" in verdicts[0]) == (depth + 2 > MAX_JSON_NESTING), verdicts[0]
 
 
 @settings(max_examples=4, deadline=None, database=None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import reprlib
 import stat
 import struct
@@ -25,10 +26,19 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ple_um.errors import CheckpointError
 
 # The safetensors package refuses larger headers too (its MAX_HEADER_SIZE).
 MAX_HEADER_BYTES = 100_000_000
+# JSON nested deeper than this is refused before it is parsed (the header's deeper nesting past
+# MAX_JSON_DEPTH is a problem of its entry, found after parsing); Python's parser recurses once a
+# level, within the recursion limit left to it by its callers.
+MAX_JSON_NESTING = 512
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
+_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
 # serde_json, the JSON parser of safetensors, refuses arrays and objects nested deeper than this
 # (the header object itself is level 1).
 MAX_JSON_DEPTH = 127
@@ -465,6 +475,18 @@ def read_header(path: str, *, strict: bool = True) -> SafetensorsHeader:
     )
 
 
+def _nesting(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in ``raw`` (brackets inside strings not counted).
+    Checked before parsing, so that how deep is too deep does not depend on how deep the Python
+    stack already is where the parser runs (its recursion limit counts those frames too)."""
+    bare = _JSON_STRING.sub(b"", raw)
+    if not bare:
+        return 0
+    step = np.frombuffer(bare, dtype=np.uint8)
+    depth = np.cumsum(np.isin(step, _OPENERS).astype(np.int64) - np.isin(step, _CLOSERS).astype(np.int64))
+    return int(depth.max(initial=0))
+
+
 def _decode_json(raw: bytes, path: str, *, what: str, header: bool = False) -> object:
     """``raw`` as UTF-8 JSON; every way it can fail becomes a CheckpointError naming ``path``.
 
@@ -474,6 +496,8 @@ def _decode_json(raw: bytes, path: str, *, what: str, header: bool = False) -> o
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{what} is not valid UTF-8 (byte {e.start})", path=path) from e
+    if _nesting(raw) > MAX_JSON_NESTING:
+        raise CheckpointError(f"{what} JSON is nested too deeply", path=path)
     try:
         if header:
             return json.loads(text, object_pairs_hook=_json_object, parse_int=_json_int)
