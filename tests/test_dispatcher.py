@@ -108,25 +108,59 @@ def test_a_job_waits_for_its_ready_word_then_copies_and_signals(
         assert (got["rows"], got["out_of_range"], got["lookups"]) == (ids.numel(), oob, 1)
 
 
-def test_jobs_run_in_the_order_posted(lib, make_checkpoint, rng):
+def test_a_job_whose_ids_are_in_does_not_wait_for_one_posted_before_it(lib, make_checkpoint, rng):
+    """Two streams: the first job's stream is behind (its ready word not yet written), the second's
+    ids are in. The second runs at once; the first when its word arrives."""
     layout = make_checkpoint(num_rows=800, row_dim=16, dtype="fp8", shards=2, seed=int(rng.integers(1 << 30)))
     with MappedShards(layout) as mapping:
         rows, counts, signals = rowcopy.Rows(mapping), rowcopy.Counts(), Signals(2)
         ids = [torch.from_numpy(rng.integers(0, 800, 50)) for _ in range(2)]
         outs = [torch.zeros((50, layout.row_bytes), dtype=torch.uint8) for _ in range(2)]
-        first = job_for(rows, counts, ids[0], outs[0], seq=1, ready=signals.ready(0), done=signals.done(0))
-        # The second job's ids are "in" already; it still waits for the first, posted before it.
-        second = job_for(rows, counts, ids[1], outs[1], seq=1, ready=signals.ready(1), done=signals.done(1))
+        jobs = [
+            job_for(rows, counts, ids[k], outs[k], seq=1, ready=signals.ready(k), done=signals.done(k))
+            for k in range(2)
+        ]
         signals.set_ready(1, 1)
-        for job in (first, second):
+        for job in jobs:
             assert lib.ple_dispatch_post(ctypes.addressof(job)) == 0
-        time.sleep(0.1)
-        assert (first.busy, second.busy, signals.done_value(1)) == (1, 1, 0)
-        signals.set_ready(0, 1)
         wait_done(signals, 1, 1)
-        assert signals.done_value(0) == 1 and first.busy == 0 and second.busy == 0
+        assert jobs[1].busy == 0 and jobs[0].busy == 1 and signals.done_value(0) == 0
+        signals.set_ready(0, 1)
+        wait_done(signals, 0, 1)
+        assert jobs[0].busy == 0
         for k in range(2):
             assert np.array_equal(outs[k].numpy(), reference_rows(layout, ids[k].numpy()).reshape(50, -1))
+
+
+def test_the_chunks_of_one_lookup_run_in_order(lib, make_checkpoint, rng):
+    """Chunks posted together under one ready word: each chunk's done word is set in turn, never a
+    later chunk's before an earlier one's (the stream copies them in that order)."""
+    layout = make_checkpoint(
+        num_rows=4000, row_dim=16, dtype="fp8", shards=3, seed=int(rng.integers(1 << 30))
+    )
+    with MappedShards(layout) as mapping:
+        rows, counts, signals = rowcopy.Rows(mapping), rowcopy.Counts(), Signals(6)
+        ids = torch.from_numpy(rng.integers(0, 4000, 6 * 3000))
+        out = torch.zeros((ids.numel(), layout.row_bytes), dtype=torch.uint8)
+        jobs = []
+        for k in range(6):
+            piece = ids[k * 3000 : (k + 1) * 3000]
+            jobs.append(
+                job_for(
+                    rows, counts, piece, out[k * 3000 :], seq=9, ready=signals.ready(0), done=signals.done(k)
+                )
+            )
+        for job in jobs:
+            assert lib.ple_dispatch_post(ctypes.addressof(job)) == 0
+        signals.set_ready(0, 9)
+        seen = []
+        deadline = time.monotonic() + 20
+        while len(seen) < 6 and time.monotonic() < deadline:
+            done = [k for k in range(6) if signals.done_value(k) == 9]
+            assert done == list(range(len(done))), done  # a prefix, always
+            seen = done
+        assert len(seen) == 6
+        assert np.array_equal(out.numpy(), reference_rows(layout, ids.numpy()).reshape(out.shape))
 
 
 def test_numbers_compare_cyclically_across_the_wrap(lib, make_checkpoint, rng):

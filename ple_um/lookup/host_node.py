@@ -202,7 +202,7 @@ class _Driver:
             return "this driver has no cuStreamWriteValue32_v2 / cuStreamWaitValue32_v2"
         try:
             self.ensure_context(device.index)
-            word = torch.zeros(16, dtype=torch.int32, pin_memory=True)
+            word = torch.zeros(32, dtype=torch.int32, pin_memory=True)  # two words 64 B apart
             address = self.device_pointer(word.data_ptr())
             stream = own_stream(device).cuda_stream
             self.write_value(stream, address, 7)

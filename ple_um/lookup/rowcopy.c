@@ -360,38 +360,42 @@ void ple_lookup_run(void *arg) {
 }
 
 /* ---- the dispatcher ----------------------------------------------------------------------
- * CUDA holds device work queued after a host function, on every stream, until that function has
- * run, so an eager host node stalls the caller's other streams for the node's round trip (the
- * work it was meant to overlap). Eager lookups are therefore posted here instead: one thread per
- * process runs them in the order posted, each once its stream has written *ready >= seq (after
- * the ids' copy to pinned memory), and sets *done = seq when its rows are staged; the stream's copy
- * of the rows waits for that with cuStreamWaitValue32. Comparisons are cyclic, as CUDA's are.
- * Jobs are run in the order posted: a lookup posted later never holds up one posted earlier
- * (host_node.py posts each lookup before its call returns, so anything a lookup waits for on the
- * device was posted before it). */
+ * Eager lookups on a CUDA device are posted here rather than queued as host nodes (host_node.py
+ * says why): one thread per process runs each once its stream has written *ready >= seq (after the
+ * ids' copy to pinned memory), then clears its busy flag and sets *done = seq; the stream's copy of
+ * the rows waits for that with cuStreamWaitValue32. Comparisons are cyclic, as CUDA's are. Of the
+ * jobs posted, the first (in the order posted) whose ids are in runs next: a job never waits for
+ * one whose stream is behind, so no stream is held up by another's, and the chunks of one lookup,
+ * posted together under one ready word, run in order. */
 
-#define IDLE_SPIN_NS 200000L  /* the dispatcher spins this long for the next post before sleeping */
-#define READY_SPIN_NS 200000L /* and this long for a job's ids before napping */
+#define IDLE_SPIN_NS 200000L  /* the dispatcher spins this long for work before it sleeps or naps */
 #define NAP_NS 20000L
 
 static inline int reached(const volatile uint32_t *word, uint32_t seq) {
     return (int32_t)(__atomic_load_n(word, __ATOMIC_ACQUIRE) - seq) >= 0;
 }
 
-static ple_lookup_t *next_job(void) {
+/* Move the posted jobs to the end of the dispatcher's own list; sleep for a post while both are
+ * empty, after a spin. */
+static void take_posted(ple_lookup_t **head, ple_lookup_t **tail) {
     long t0 = now_ns();
-    while (!__atomic_load_n(&d_head, __ATOMIC_ACQUIRE) && now_ns() - t0 < IDLE_SPIN_NS) relax();
+    if (!*head)
+        while (!__atomic_load_n(&d_head, __ATOMIC_ACQUIRE) && now_ns() - t0 < IDLE_SPIN_NS) relax();
+    if (!__atomic_load_n(&d_head, __ATOMIC_ACQUIRE) && *head) return;
     pthread_mutex_lock(&d_mu);
-    while (!d_head) {
+    while (!d_head && !*head) {
         d_sleeping = 1;
         pthread_cond_wait(&d_cv, &d_mu);
         d_sleeping = 0;
     }
-    ple_lookup_t *q = d_head;
-    __atomic_store_n(&d_head, q->next, __ATOMIC_RELEASE);
-    if (!d_head) d_tail = NULL;
+    if (d_head) {
+        if (*tail) (*tail)->next = d_head;
+        else *head = d_head;
+        *tail = d_tail;
+        __atomic_store_n(&d_head, NULL, __ATOMIC_RELEASE);
+        d_tail = NULL;
+    }
     pthread_mutex_unlock(&d_mu);
-    return q;
 }
 
 static void *dispatcher(void *arg) {
@@ -400,21 +404,29 @@ static void *dispatcher(void *arg) {
 #if defined(__linux__)
     prctl(PR_SET_TIMERSLACK, 1000UL); /* naps of NAP_NS, not NAP_NS + the default 50 us slack */
 #endif
+    ple_lookup_t *head = NULL, *tail = NULL; /* posted, not yet run */
+    long idle_since = now_ns();
     for (;;) {
-        ple_lookup_t *q = next_job();
+        take_posted(&head, &tail);
+        ple_lookup_t *prev = NULL, *q = head;
+        while (q && !reached(q->ready, q->seq)) prev = q, q = q->next;
+        if (!q) { /* every job waits for its stream: spin a while, then nap */
+            if (now_ns() - idle_since < IDLE_SPIN_NS) relax();
+            else nanosleep(&nap, NULL);
+            continue;
+        }
+        if (prev) prev->next = q->next;
+        else head = q->next;
+        if (tail == q) tail = prev;
         uint32_t seq = q->seq;
         volatile uint32_t *done = q->done;
-        long t0 = now_ns();
-        while (!reached(q->ready, seq)) {
-            if (now_ns() - t0 < READY_SPIN_NS) relax();
-            else nanosleep(&nap, NULL);
-        }
         run_lookup(q);
         /* busy first: a caller that finds its stream idle while the job is still busy reports a
          * node that never ran. Once busy is clear the slot may be refilled, so done and seq are
          * this job's, read above. */
         atomic_store_explicit(&q->busy, 0, memory_order_release);
         __atomic_store_n(done, seq, __ATOMIC_RELEASE);
+        idle_since = now_ns();
     }
     return NULL;
 }
