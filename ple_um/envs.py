@@ -109,7 +109,11 @@ class Knob:
 
 
 def _default_threads() -> int:
-    return max(1, min(16, os.cpu_count() or 1))
+    """The cores less one, at most 16 (all of them on two cores or fewer): the thread that queues
+    the lookups keeps a core, or a big lookup's readers crowd it out and one of them loses its core
+    for a scheduler tick (a 131 072-row lookup at 2-3 ms instead of 1 ms: docs/PERF_NOTES.md row 19)."""
+    cores = os.cpu_count() or 1
+    return max(1, min(16, cores - 1 if cores > 2 else cores))
 
 
 MODES = ("auto", "ats", "registered", "cpu", "device")
@@ -139,7 +143,8 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_CPU_THREADS",
             int,
             _default_threads,
-            "threads that read a big host-path lookup's rows (the calling one included)",
+            "threads that read a big host-path lookup's rows (the calling one included; default the "
+            "cores less one, at most 16)",
             ("VLLM_PLE_MMAP_WORKERS",),
         ),
         Knob(
@@ -244,8 +249,8 @@ KNOBS: dict[str, Knob] = {
             _bool,
             True,
             "host paths, eager lookups: the C row copy run by ple-um's dispatcher thread, the stream "
-            "signalled through CUDA stream memory operations (off: a host node, which holds work "
-            "queued after it on every stream until it has run); captured lookups are host nodes",
+            "signalled through CUDA stream memory operations (off: a CUDA host node per lookup and "
+            "per chunk, as captured lookups always are)",
         ),
         Knob("PLE_UM_STRICT", _bool, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(

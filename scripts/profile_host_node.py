@@ -388,7 +388,7 @@ def main() -> int:
         cells = [f"{eager[name][n]['median_us']:.1f} / {graphs[name][n]['median_us']:.1f}" for n in SIZES]
         print(f"| {name} | " + " | ".join(cells) + f" | {result['host_cost_us_16_rows'][name]:.1f} |")
     k = result["registered_kernel_only_131072"]["median_us"]
-    print(f"registered 131072 kernel only: {k:.1f} us; bulk_rows {registered.bulk_rows}")
+    print(f"registered 131072 kernel only: {k:.1f} us; bulk_rows {result['registered_bulk_rows']}")
     names = ("work", "lookup", "overlapped", "serial")
     for key in ("overlap_cpu_mode", "overlap_cpu_mode_host_nodes"):
         for chain, row in result[key].items():

@@ -14,12 +14,10 @@ Who runs the row copy:
 - Eager lookups: the dispatcher, one C thread per process (``rowcopy.c``). The stream writes the
   lookup's number into a ready word of pinned memory after the ids' copy (``cuStreamWriteValue32``);
   the dispatcher copies the rows once it sees it and writes a done word; the stream's copy of the
-  rows waits for that (``cuStreamWaitValue32``). An eager host node would do the same, but CUDA
-  holds device work queued after a host function, on every stream, until that function has run
-  (the host function's documented semantics; measured in docs/PERF_NOTES.md row 18): the caller's
-  next kernels would wait for the row copy instead of overlapping it. Where stream memory
-  operations do not work (checked once per device) or ``PLE_UM_DISPATCHER=0``, eager lookups are
-  host nodes too.
+  rows waits for that (``cuStreamWaitValue32``). Against a host node per lookup (and per chunk) it
+  saves the driver's round trip to its callback thread and back: faster at every size measured on
+  the H200 (docs/PERF_NOTES.md row 18). Where stream memory operations do not work (checked once
+  per device) or ``PLE_UM_DISPATCHER=0``, eager lookups are host nodes too.
 
 Big lookups are cut into chunks, each chunk's copy to the device waiting only for its own rows: the
 copies overlap the reading of the next chunk (eager: the dispatcher runs the chunks in turn;
@@ -406,7 +404,7 @@ class HostGather:
             if not capturing and self.dispatcher:
                 slot = state.slot(self._driver)
                 self._fill(state.ring[slot], bufs.ids_ptr, kind, n, [], touch=True)
-                self._dispatched(state, stream, bufs, ids, [slot], [(0, n)], [])
+                self._dispatched(state, stream, bufs, ids, [slot], [(0, n)], None)
                 return
             job = rowcopy.LookupStruct() if capturing else state.ring[state.slot(self._driver)]
             self._fill(job, bufs.ids_ptr, kind, n, [], touch=True)
@@ -469,9 +467,9 @@ class HostGather:
         """An eager lookup through the dispatcher thread, all on the caller's stream: the ids' copy
         and a write of the lookup's number into its ready word; each piece's job posted; then each
         piece's copy to the device behind a wait for its done word (the pieces' copies overlap the
-        reading of the next). No host node: work the caller queues next, on any stream, is not held
-        up. Where a job cannot be posted (no dispatcher runs: a forked child) it becomes a host
-        node, queued before the copies."""
+        reading of the next). ``targets`` None: no copies (the page touch). Where a job cannot be
+        posted (no dispatcher runs: a forked child) it becomes a host node, queued before the
+        copies."""
         driver = self._driver
         host, device = state.words(driver)
         offset = device - host
@@ -494,6 +492,8 @@ class HostGather:
         for slot, (a, b), waits in zip(slots, pieces, posted, strict=True):
             if waits:
                 driver.wait_value(stream, host + slot * 128 + 64 + offset, seq)
+            if targets is None:
+                continue
             for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=True):
                 driver.h2d(target.data_ptr() + a * rb, staging + a * rb, (b - a) * rb, stream)
 

@@ -243,22 +243,26 @@ def test_a_host_node_lookup_does_not_wait_for_the_device(tables, open_mode, ids_
         assert same(out, expected(layout, ids_np, layout.dtype))
 
 
+@pytest.mark.parametrize("rowcopy", ["1", "node"])
 @pytest.mark.parametrize("n", [1024, 70_000])
 def test_an_eager_lookup_does_not_hold_up_work_queued_after_it_on_other_streams(
-    tables, open_mode, ids_for, rng, device, n
+    tables, open_mode, ids_for, rng, device, n, rowcopy
 ):
-    """Behind 200 ms of GPU work on its stream, an eager cpu-mode lookup (the dispatcher: no host
-    node, which CUDA would let hold every later launch until it ran) leaves a kernel queued after
-    it on another stream free to run at once; the lookup's rows are exact once the work is done."""
+    """Behind 200 ms of GPU work on its stream, an eager cpu-mode lookup (the dispatcher, or host
+    nodes) leaves a kernel queued after it on another stream free to run at once; the lookup's rows
+    are exact once the work is done."""
     layout = tables["fp8"]
-    with open_mode(layout, "cpu", "1") as table:
+    with open_mode(layout, "cpu", rowcopy) as table:
         ids_np = ids_for(layout, n, rng)
         ids = torch.from_numpy(ids_np).to(device)
         out = poisoned((n, layout.row_dim), torch.bfloat16, device)
-        table.lookup(ids, out=out)  # buffers made
-        torch.cuda.synchronize()
         busy, other = torch.cuda.Stream(), torch.cuda.Stream()
         x = torch.ones(1024, device=device)
+        with torch.cuda.stream(busy):
+            table.lookup(ids, out=out)  # buffers made
+        with torch.cuda.stream(other):
+            x.mul_(1)  # loaded now: a kernel's first launch may wait for the device (lazy loading)
+        torch.cuda.synchronize()
         with torch.cuda.stream(busy):
             torch.cuda._sleep(400_000_000)  # about 0.2 s
             asleep = torch.cuda.Event()
