@@ -1,6 +1,6 @@
 """The dispatcher thread of rowcopy.c (eager lookups on a CUDA device): a posted job waits until its
 ready word reaches its number (on a GPU the stream writes it after the ids' copy; here the test
-writes it, as the stream would), copies its rows, clears its busy flag and sets its done word; jobs
+writes it, as the stream would), copies its rows, sets its done word, then clears its busy flag; jobs
 run in the order posted; the comparisons are cyclic (CUDA's GEQ); a forked child has no dispatcher
 and is told so. Real files, real mmap, the real C thread."""
 
@@ -60,9 +60,10 @@ def job_for(rows, counts, ids, out, *, seq, ready, done, threads=1, inline_rows=
     return job
 
 
-def wait_done(signals, k, seq, timeout=20.0) -> None:
+def wait_done(signals, k, seq, job=None, timeout=20.0) -> None:
+    """Until job k's done word is ``seq`` (and ``job``'s busy flag, cleared after it, is down)."""
     deadline = time.monotonic() + timeout
-    while signals.done_value(k) != seq:
+    while signals.done_value(k) != seq or (job is not None and job.busy):
         assert time.monotonic() < deadline, f"job {k} never signalled done"
         time.sleep(1e-4)
 
@@ -99,8 +100,7 @@ def test_a_job_waits_for_its_ready_word_then_copies_and_signals(
         assert job.busy == 1 and signals.done_value(0) == 0 and torch.equal(out, before)
         assert counts.read()["lookups"] == 0
         signals.set_ready(0, 7)  # the stream's write after the ids' copy
-        wait_done(signals, 0, 7)
-        assert job.busy == 0
+        wait_done(signals, 0, 7, job)
         want = reference_rows(layout, ids_np, owned)
         assert np.array_equal(out.numpy(), want.reshape(out.shape))
         got = counts.read()
@@ -123,11 +123,10 @@ def test_a_job_whose_ids_are_in_does_not_wait_for_one_posted_before_it(lib, make
         signals.set_ready(1, 1)
         for job in jobs:
             assert lib.ple_dispatch_post(ctypes.addressof(job)) == 0
-        wait_done(signals, 1, 1)
-        assert jobs[1].busy == 0 and jobs[0].busy == 1 and signals.done_value(0) == 0
+        wait_done(signals, 1, 1, jobs[1])
+        assert jobs[0].busy == 1 and signals.done_value(0) == 0
         signals.set_ready(0, 1)
-        wait_done(signals, 0, 1)
-        assert jobs[0].busy == 0
+        wait_done(signals, 0, 1, jobs[0])
         for k in range(2):
             assert np.array_equal(outs[k].numpy(), reference_rows(layout, ids[k].numpy()).reshape(50, -1))
 
@@ -176,7 +175,7 @@ def test_numbers_compare_cyclically_across_the_wrap(lib, make_checkpoint, rng):
         time.sleep(0.05)
         assert job.busy == 1
         signals.set_ready(0, 1)  # three past seq, through the wrap: reached
-        wait_done(signals, 0, seq)
+        wait_done(signals, 0, seq, job)
         assert np.array_equal(out.numpy(), reference_rows(layout, ids.numpy()).reshape(20, -1))
 
 

@@ -63,6 +63,26 @@ def test_a_node_that_cannot_run_ends_the_wait(monkeypatch, codes, match):
     assert len(raised) == 1 and isinstance(raised[0], HostNodeError) and match in str(raised[0])
 
 
+def test_a_dispatched_job_whose_done_word_is_set_is_not_a_node_that_never_ran(monkeypatch):
+    """The dispatcher sets a job's done word, then clears its busy flag: a stream idle in between
+    is not an error; with the word not yet set (or no word: a host node) it is."""
+    import numpy as np
+
+    _error_names(monkeypatch)
+    words = np.zeros(16, dtype=np.uint32)
+    job = rowcopy.LookupStruct()
+    job.busy, job.seq, job.done = 1, 5, words.ctypes.data
+    idle = _InjectedDriver({0: 0})
+    words[0] = 5
+    idle.check_pending([0], job)  # signalled: no error
+    words[0] = 4
+    with pytest.raises(HostNodeError, match="never ran"):
+        idle.check_pending([0], job)
+    job.done = None
+    with pytest.raises(HostNodeError, match="never ran"):
+        idle.check_pending([0], job)
+
+
 def test_the_wait_ends_when_the_node_runs(make_checkpoint, tmp_path):
     lib, why = rowcopy.load(str(tmp_path))
     assert lib is not None, why

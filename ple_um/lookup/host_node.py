@@ -173,7 +173,7 @@ class _Driver:
         if failed:
             why = self.error_name(failed[0])
             raise HostNodeError(f"a stream with queued lookups failed ({why}): their host nodes will not run")
-        if all(rc == 0 for rc in states) and job.busy:
+        if all(rc == 0 for rc in states) and job.busy and not _signalled(job):
             raise HostNodeError(
                 "a queued host node never ran: its stream is idle and its job is still pending"
             )
@@ -232,6 +232,15 @@ class _Driver:
 
     def destroy(self, event: int) -> None:
         self.lib.cuEventDestroy_v2(event)
+
+
+def _signalled(job) -> bool:
+    """Whether the dispatcher has set ``job``'s done word (its stream's wait is over, and the job's
+    busy flag is about to clear): a job of the dispatcher whose stream is idle."""
+    if not job.done:
+        return False
+    done = ctypes.c_uint32.from_address(job.done).value
+    return ((done - job.seq) & 0xFFFFFFFF) < 1 << 31
 
 
 def chunks(n: int) -> list[tuple[int, int]]:

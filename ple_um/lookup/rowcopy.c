@@ -362,7 +362,7 @@ void ple_lookup_run(void *arg) {
 /* ---- the dispatcher ----------------------------------------------------------------------
  * Eager lookups on a CUDA device are posted here rather than queued as host nodes (host_node.py
  * says why): one thread per process runs each once its stream has written *ready >= seq (after the
- * ids' copy to pinned memory), then clears its busy flag and sets *done = seq; the stream's copy of
+ * ids' copy to pinned memory), then sets *done = seq and clears its busy flag; the stream's copy of
  * the rows waits for that with cuStreamWaitValue32. Comparisons are cyclic, as CUDA's are. Of the
  * jobs posted, the first (in the order posted) whose ids are in runs next: a job never waits for
  * one whose stream is behind, so no stream is held up by another's, and the chunks of one lookup,
@@ -421,11 +421,10 @@ static void *dispatcher(void *arg) {
         uint32_t seq = q->seq;
         volatile uint32_t *done = q->done;
         run_lookup(q);
-        /* busy first: a caller that finds its stream idle while the job is still busy reports a
-         * node that never ran. Once busy is clear the slot may be refilled, so done and seq are
-         * this job's, read above. */
-        atomic_store_explicit(&q->busy, 0, memory_order_release);
+        /* busy last: once it is clear the caller may refill the job or free the words (a closed
+         * table), so nothing of the job is touched after it. */
         __atomic_store_n(done, seq, __ATOMIC_RELEASE);
+        atomic_store_explicit(&q->busy, 0, memory_order_release);
         idle_since = now_ns();
     }
     return NULL;
