@@ -49,8 +49,9 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests profile bench)
 for part in "${parts[@]}"; do
     case $part in
-        tests) run tests "${TESTS_LIMIT:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-                   --junitxml="$OUT/gpu_tests.xml" ${PYTEST_ARGS:-} ;;
+        tests) eval "extra=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS='-k "not nvfp4"' keeps its quotes
+               run tests "${TESTS_LIMIT:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+                   --junitxml="$OUT/gpu_tests.xml" "${extra[@]}" ;;
         profile) table; run profile "${PROFILE_LIMIT:-300}" python3 scripts/profile_host_node.py --dir "$TABLE" \
                      --size "$SIZE" --out "$OUT/profile_host_node.json" ${PROFILE_ARGS:-} ;;
         bench) table; run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench --size "$SIZE" ${BENCH_ARGS:-} ;;
