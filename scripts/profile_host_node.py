@@ -1,8 +1,10 @@
-"""Profile the host paths on a CUDA host: the cpu mode's host node (eager and graph-replayed), the
-GPU modes' host path for big batches, the overlap of a prefetched lookup with GPU work, and a table
-whose pages are not resident; beside plain torch (the owned rows resident in GPU memory, gathered
-with torch.index_select) and the registered mode's kernel, in one run. Every output is compared with
-the resident copy of the rows (read from the files), fresh ids at every call.
+"""Profile the host paths on a CUDA host: the cpu mode's host path (eager through the dispatcher and
+through host nodes, and graph-replayed), the GPU modes' host path for big batches, the overlap of a
+prefetched lookup with GPU work, the host time of each CUDA call an eager lookup makes with the GPU
+idle and busy, and a table whose pages are not resident; beside plain torch (the owned rows
+resident in GPU memory, gathered with torch.index_select) and the registered mode's kernel, in one
+run. Every output is compared with the resident copy of the rows (read from the files), fresh ids
+at every call.
 
     python scripts/profile_host_node.py --size 16GiB --out $OUT/profile_host_node.json
 
@@ -254,6 +256,51 @@ def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
     return results
 
 
+def host_calls(reps: int = 20) -> dict:
+    """Host time of each CUDA call an eager host-path lookup makes, with the GPU idle and with the
+    call queued behind ~2 ms of GPU work (a sleep kernel on the same stream): where an eager lookup's
+    host time goes when the device is busy (the overlap above). Medians of ``reps``, microseconds."""
+    import ctypes
+
+    from ple_um.lookup.host_node import _Driver
+
+    driver = _Driver.get()
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    pinned = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    word = driver.device_pointer(pinned.data_ptr()) if driver.mem_ops else None
+    free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p).value  # a host function that does nothing
+
+    calls = {
+        "torch copy_ D2H 8 KiB into pinned": lambda: pinned[:8192].copy_(dev[:8192], non_blocking=True),
+        "torch copy_ H2D 160 KiB from pinned": lambda: dev[:163840].copy_(pinned[:163840], non_blocking=True),
+        "cuMemcpyDtoHAsync 8 KiB": lambda: driver.d2h(pinned.data_ptr(), dev.data_ptr(), 8192, stream),
+        "cuMemcpyHtoDAsync 160 KiB": lambda: driver.h2d(dev.data_ptr(), pinned.data_ptr(), 163840, stream),
+        "cuLaunchHostFunc (a no-op)": lambda: driver.launch_host_func(stream, free, None),
+        "a torch kernel (add_)": lambda: dev[:1024].add_(1),
+    }
+    if word is not None:
+        calls["cuStreamWriteValue32"] = lambda: driver.write_value(stream, word + 4096, 1)
+        calls["cuStreamWaitValue32 (met)"] = lambda: driver.wait_value(stream, word + 4096, 0)
+    out = {}
+    for name, call in calls.items():
+        row = {}
+        for busy in (False, True):
+            times = []
+            for _ in range(reps + 2):
+                torch.cuda.synchronize()
+                if busy:
+                    torch.cuda._sleep(4_000_000)  # about 2 ms at the H200's clock
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            row["busy" if busy else "idle"] = spread(times[2:])["median_us"]
+        out[name] = row
+        print(f"host call {name}: idle {row['idle']:.1f} us, behind GPU work {row['busy']:.1f} us")
+    return out
+
+
 def drop_rows(table, ids: np.ndarray, libc) -> None:
     """Drop the pages of the rows of ``ids`` (a 4 KiB page each side of the row start): this
     process's page-table entries (MADV_DONTNEED) and the files' cached pages (POSIX_FADV_DONTNEED)."""
@@ -374,6 +421,11 @@ def main() -> int:
     print("host cost", result["host_cost_us_16_rows"], flush=True)
     result["overlap_cpu_mode"] = overlap(cpu, num_rows, resident, args.reps)
     result["overlap_cpu_mode_host_nodes"] = overlap(HostNodes(cpu), num_rows, resident, args.reps, (4, 16))
+    try:  # (added after the last GPU run: a failure here must not lose the rest of the run)
+        result["host_calls_us"] = host_calls()
+    except Exception as exc:  # noqa: BLE001 - recorded and printed, the run goes on
+        result["host_calls_us"] = {"error": repr(exc)}
+        print(f"host calls: {exc!r}")
     if not args.skip_cold:
         result["cold_cpu_mode"] = cold(cpu, num_rows, resident, max(5, args.reps // 3))
     result["failures"] = FAILURES
