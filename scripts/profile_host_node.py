@@ -146,9 +146,19 @@ def graph_replay(path, n, num_rows, reps, reference) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         path.lookup(ids, out=out.view(path.dtype))
+
+    def verify() -> None:
+        check(f"graph {type(path).__name__} {n}", torch.equal(out, reference.rows[ids]))
+
+    return spread(timed_replays(graph, ids, num_rows, reps, verify))
+
+
+def timed_replays(graph, ids: torch.Tensor, num_rows: int, reps: int, verify=None) -> list[float]:
+    """Seconds of ``reps`` event-timed replays of ``graph`` (after 3 untimed ones), new random ids
+    copied into its ``ids`` before each; ``verify()``, when given, after each replay."""
     times = []
     for k in range(reps + 3):
-        ids.copy_(torch.randint(0, num_rows, (n,), device="cuda"))
+        ids.copy_(torch.randint(0, num_rows, ids.shape, device="cuda"))
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -157,8 +167,9 @@ def graph_replay(path, n, num_rows, reps, reference) -> dict:
         b.synchronize()
         if k >= 3:
             times.append(a.elapsed_time(b) * 1e-3)
-        check(f"graph {type(path).__name__} {n}", torch.equal(out, reference.rows[ids]))
-    return spread(times)
+        if verify is not None:
+            verify()
+    return times
 
 
 def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
@@ -231,19 +242,12 @@ def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 fn()
-            replays = []
-            for k in range(reps + 3):
-                ids.copy_(torch.randint(0, num_rows, (n,), device="cuda"))
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                graph.replay()
-                e1.record()
-                e1.synchronize()
-                if k >= 3:
-                    replays.append(e0.elapsed_time(e1) * 1e-3)
-                if name in ("lookup", "overlapped"):
-                    check(f"overlap graph {name} {chain}", torch.equal(out, reference.rows[ids]))
+            checked = name in ("lookup", "overlapped")
+
+            def verify(name=name, chain=chain) -> None:
+                check(f"overlap graph {name} {chain}", torch.equal(out, reference.rows[ids]))
+
+            replays = timed_replays(graph, ids, num_rows, reps, verify if checked else None)
             row[name] = {
                 "eager": spread(steps),
                 "graph": spread(replays),
