@@ -37,7 +37,7 @@ if not _gpu_session():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (ple_um below)
 sys.path.insert(0, os.path.dirname(__file__))  # `from reference import ...`, whatever the import mode
 
-from reference import reference_rows  # noqa: E402
+from reference import bits_differ, reference_rows  # noqa: E402
 
 from ple_um.synthetic import write_checkpoint  # noqa: E402
 
@@ -149,20 +149,9 @@ def _expected_rows(layout, ids, out_dtype: torch.dtype | None = None, rows=None)
     return value.to(out_dtype)
 
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _assert_same_bits(got: torch.Tensor, expect: torch.Tensor, *, raw: bool = True) -> None:
-    assert got.shape == expect.shape and got.dtype == expect.dtype, (got.shape, got.dtype, expect.shape)
-    got, expect = got.detach().cpu(), expect.detach().cpu()
-    view = _INT_VIEW[got.element_size()]
-    g, e = got.contiguous().view(view), expect.contiguous().view(view)
-    if not raw:
-        nan = torch.isnan(expect)
-        assert torch.equal(torch.isnan(got), nan), "NaN positions differ"
-        g, e = g[~nan], e[~nan]
-    bad = (g != e).nonzero()
-    assert bad.numel() == 0, f"{bad.shape[0]} elements differ, first at {bad[:4].tolist()}"
+    why = bits_differ(got, expect, raw=raw)
+    assert why is None, why
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@
   byte, sound or deliberately broken; ``misalign_checkpoint``: a checkpoint's files rewritten so
   their tensors start at odd bytes, as exporters other than the safetensors package may lay them.
 - ``safetensors_table``: a table's tensors as the ``safetensors`` package itself reads them.
+- ``bits_differ``: an output against the expected rows, shape, dtype and bits.
 - ``drop_page_cache`` and ``maps_of``: the page cache and this process's mappings of a table's
   files, read or changed through the OS alone.
 
@@ -262,6 +263,29 @@ def tensor_bytes(dtype: str, shape: list[int], fill: int | None = None, seed: in
         return bytes([fill]) * n
     # Bytes below 0x70 are finite in every dtype used here.
     return (np.random.default_rng(seed).integers(0, 0x70, n, dtype=np.uint8)).tobytes()
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_differ(got: torch.Tensor, expect: torch.Tensor, *, raw: bool = True) -> str | None:
+    """None when ``got`` has ``expect``'s shape, dtype and bits, element by element, else what
+    differs. Where not ``raw`` (dequantized rows) a NaN need only be a NaN: its payload and sign are
+    unspecified."""
+    if got.shape != expect.shape or got.dtype != expect.dtype:
+        return f"got {tuple(got.shape)} {got.dtype}, expected {tuple(expect.shape)} {expect.dtype}"
+    got, expect = got.detach().cpu(), expect.detach().cpu()
+    view = _INT_VIEW[got.element_size()]
+    g, e = got.contiguous().view(view), expect.contiguous().view(view)
+    if not raw:
+        nan = torch.isnan(expect)
+        if not torch.equal(torch.isnan(got), nan):
+            return "NaN positions differ"
+        g, e = g[~nan], e[~nan]
+    if torch.equal(g, e):
+        return None
+    bad = (g != e).nonzero()
+    return f"{bad.shape[0]} elements differ, first at {bad[:4].tolist()}"
 
 
 def drop_page_cache(layout) -> None:
