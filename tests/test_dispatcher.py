@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from reference import reference_rows
-from test_rowcopy import _child, boundary_ids
+from test_rowcopy import _child, boundary_ids, make_job
 
 from ple_um.lookup import rowcopy
 from ple_um.mapping import MappedShards
@@ -48,15 +48,8 @@ class Signals:
 
 
 def job_for(rows, counts, ids, out, *, seq, ready, done, threads=1, inline_rows=2048) -> rowcopy.LookupStruct:
-    job = rowcopy.LookupStruct()
-    job.tables[0] = rows.address
-    job.dst[0] = out.data_ptr()
-    job.ids, job.n = ids.data_ptr(), ids.numel()
-    job.counts = counts.address
-    job.id_kind = rowcopy.ID_KINDS[ids.dtype]
-    job.threads, job.inline_rows = threads, inline_rows
+    job = make_job([rows], ids, [out], counts, threads=threads, inline_rows=inline_rows)
     job.seq, job.ready, job.done = seq, ready, done
-    job.busy = 1
     return job
 
 

@@ -31,8 +31,8 @@ def lib(tmp_path_factory):
     return lib
 
 
-def run(lib, tables, ids, dsts, counts, *, threads=1, inline_rows=2048, touch=False) -> rowcopy.LookupStruct:
-    """One lookup, as the driver runs a host node: a job struct, then ple_lookup_run(&job)."""
+def make_job(tables, ids, dsts, counts, *, threads=1, inline_rows=2048, touch=False) -> rowcopy.LookupStruct:
+    """A job struct for one lookup of ``ids`` (its busy flag up, as a caller queues it)."""
     job = rowcopy.LookupStruct()
     job.tables[0] = tables[0].address
     job.tables[1] = tables[1].address if len(tables) > 1 else None
@@ -42,6 +42,12 @@ def run(lib, tables, ids, dsts, counts, *, threads=1, inline_rows=2048, touch=Fa
     job.counts = counts.address
     job.id_kind = rowcopy.ID_KINDS[ids.dtype]
     job.touch, job.threads, job.inline_rows, job.busy = int(touch), threads, inline_rows, 1
+    return job
+
+
+def run(lib, tables, ids, dsts, counts, **kw) -> rowcopy.LookupStruct:
+    """One lookup, as the driver runs a host node: a job struct, then ple_lookup_run(&job)."""
+    job = make_job(tables, ids, dsts, counts, **kw)
     lib.ple_lookup_run(ctypes.addressof(job))
     return job
 
