@@ -148,7 +148,9 @@ def test_the_chunks_of_one_lookup_run_in_order(lib, make_checkpoint, rng):
         seen = []
         deadline = time.monotonic() + 20
         while len(seen) < 6 and time.monotonic() < deadline:
-            done = [k for k in range(6) if signals.done_value(k) == 9]
+            # Read last chunk first: a chunk seen done must find every earlier one done when it is
+            # read after it (read first, an earlier chunk could finish between the reads).
+            done = sorted(k for k in reversed(range(6)) if signals.done_value(k) == 9)
             assert done == list(range(len(done))), done  # a prefix, always
             seen = done
         assert len(seen) == 6
