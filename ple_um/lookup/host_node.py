@@ -61,6 +61,9 @@ MAX_CHUNKS = 16
 # A lookup takes one per chunk, so the ring must hold a whole lookup's (MAX_CHUNKS + 1) at once.
 RING = 64
 assert RING > MAX_CHUNKS + 1
+# The dispatcher's words of a ring slot: its ready word at the slot's start, its done word a cache
+# line further (the stream writes one, the dispatcher the other).
+SIGNAL_BYTES, DONE_AT = 128, 64
 
 
 class HostNodeError(RuntimeError):
@@ -293,7 +296,7 @@ class _Stream:
     def words(self, driver: _Driver) -> tuple[int, int]:
         """The host and device addresses of the signal words (made on first use)."""
         if self.signals is None:
-            self.signals = torch.zeros(RING * 32, dtype=torch.int32, pin_memory=True)
+            self.signals = torch.zeros(RING * SIGNAL_BYTES // 4, dtype=torch.int32, pin_memory=True)
             self.signals_device = driver.device_pointer(self.signals.data_ptr())
         return self.signals.data_ptr(), self.signals_device
 
@@ -483,7 +486,7 @@ class HostGather:
         host, device = state.words(driver)
         offset = device - host
         seq = state.seq = (state.seq + 1) & 0xFFFFFFFF
-        ready = host + slots[0] * 128
+        ready = host + slots[0] * SIGNAL_BYTES
         driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
         driver.write_value(stream, ready + offset, seq)
         if ids.numel() > INLINE_ROWS:
@@ -491,7 +494,7 @@ class HostGather:
         posted = []
         for slot in slots:
             job = state.ring[slot]
-            job.seq, job.ready, job.done = seq, ready, host + slot * 128 + 64
+            job.seq, job.ready, job.done = seq, ready, host + slot * SIGNAL_BYTES + DONE_AT
             job.busy = 1
             if self.lib.ple_dispatch_post(ctypes.addressof(job)) == 0:
                 posted.append(True)
@@ -500,7 +503,7 @@ class HostGather:
                 posted.append(False)
         for slot, (a, b), waits in zip(slots, pieces, posted, strict=True):
             if waits:
-                driver.wait_value(stream, host + slot * 128 + 64 + offset, seq)
+                driver.wait_value(stream, state.ring[slot].done + offset, seq)
             if targets is None:
                 continue
             for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=True):
@@ -534,10 +537,10 @@ class HostGather:
                 target[a:b].copy_(staging[a:b], non_blocking=True)
 
     def _ids_in(self, bufs: _Buffers, ids: torch.Tensor) -> None:
-        """The ids' copy into the pinned buffer, through torch: its copies from and to pinned
-        memory are asynchronous (the driver's own copy calls made through ctypes, tried, ran as
-        copies of pageable memory: synchronous, and 2-6x slower at 16 384 rows and more on the
-        H200: docs/PERF_NOTES.md)."""
+        """The ids' copy into the pinned buffer for a host node, through torch, as the host-node
+        path was measured and checked (the driver's copy calls it once tried ran as copies of
+        pageable memory there, PERF_NOTES row 16; the dispatcher's path makes them since, row 18,
+        asynchronous on the H200: unifying the two is left for a GPU run)."""
         n = ids.numel()
         bufs.ids[: n * ids.element_size()].view(ids.dtype).copy_(ids, non_blocking=True)
 
