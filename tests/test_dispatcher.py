@@ -181,3 +181,50 @@ def test_a_forked_child_has_no_dispatcher_and_is_told(lib):
         return lib.ple_dispatch_post(ctypes.addressof(job)) == -1
 
     assert _child(in_child) == 0
+
+
+def test_a_ready_word_left_from_long_ago_is_armed_before_the_post(lib, make_checkpoint, rng):
+    """A slot that has not been the first of a lookup for 2**31 lookups holds a number that
+    compares as reached: posted under it unarmed, the job reads the ids before they arrive.
+    ``arm`` sets the word one behind first: the job waits for the stream's write."""
+    from ple_um.lookup.host_node import arm
+
+    layout = make_checkpoint(num_rows=300, row_dim=16, dtype="fp8", shards=2, seed=int(rng.integers(1 << 30)))
+    with MappedShards(layout) as mapping:
+        rows, counts, signals = rowcopy.Rows(mapping), rowcopy.Counts(), Signals(2)
+        ids = torch.from_numpy(rng.integers(0, 300, 20))
+        seq = 5
+        stale = (seq + (1 << 31) - 1) & 0xFFFFFFFF  # written 2**31 - 1 lookups "later": reached
+        outs = [torch.zeros((20, layout.row_bytes), dtype=torch.uint8) for _ in range(2)]
+        jobs = [
+            job_for(rows, counts, ids, outs[k], seq=seq, ready=signals.ready(k), done=signals.done(k))
+            for k in range(2)
+        ]
+        for k in range(2):
+            signals.set_ready(k, stale)
+        arm(signals.ready(1), seq)
+        for job in jobs:
+            assert lib.ple_dispatch_post(ctypes.addressof(job)) == 0
+        wait_done(signals, 0, seq, jobs[0])  # unarmed: ran with no write from the stream
+        time.sleep(0.05)
+        assert jobs[1].busy == 1 and signals.done_value(1) == 0
+        assert not outs[1].any()
+        signals.set_ready(1, seq)
+        wait_done(signals, 1, seq, jobs[1])
+        assert np.array_equal(outs[1].numpy(), reference_rows(layout, ids.numpy()).reshape(20, -1))
+
+
+@pytest.mark.parametrize("seq", [1, 0, (1 << 32) - 1])
+def test_arm_leaves_the_word_one_behind_and_an_earlier_chunk_runnable(seq):
+    """Armed, the word is one behind ``seq`` (through the wrap); a job of an earlier lookup that
+    waits for a lower number still finds it reached."""
+    from ple_um.lookup.host_node import arm
+
+    word = np.full(1, 12345, dtype=np.uint32)
+    arm(word.ctypes.data, seq)
+    assert int(word[0]) == (seq - 1) & 0xFFFFFFFF
+
+    def reached(want: int) -> bool:  # as the C dispatcher compares
+        return ((int(word[0]) - want) & 0xFFFFFFFF) < 1 << 31
+
+    assert not reached(seq) and reached((seq - 3) & 0xFFFFFFFF)

@@ -237,6 +237,17 @@ class _Driver:
         self.lib.cuEventDestroy_v2(event)
 
 
+def arm(ready: int, seq: int) -> None:
+    """Set the ready word at ``ready`` one behind ``seq`` before the lookup numbered ``seq`` is
+    posted under it. A ring slot's word is written by its stream only when the slot is a lookup's
+    first: a slot that has not been first for about 2**31 lookups holds a number that compares as
+    reached, and the dispatcher would read the ids before they arrive. Safe to store: the slot is
+    free, so the stream's last write of this word has landed (the job that waited for it has run),
+    and a later chunk of that lookup, still waiting on it, waits for that number or a lower one
+    (at or below ``seq - 1``: still reached)."""
+    ctypes.c_uint32.from_address(ready).value = (seq - 1) & 0xFFFFFFFF
+
+
 def _signalled(job) -> bool:
     """Whether the dispatcher has set ``job``'s done word (its stream's wait is over, and the job's
     busy flag is about to clear): a job of the dispatcher whose stream is idle."""
@@ -487,6 +498,7 @@ class HostGather:
         offset = device - host
         seq = state.seq = (state.seq + 1) & 0xFFFFFFFF
         ready = host + slots[0] * SIGNAL_BYTES
+        arm(ready, seq)
         driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
         driver.write_value(stream, ready + offset, seq)
         if ids.numel() > INLINE_ROWS:

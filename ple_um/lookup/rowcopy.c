@@ -430,8 +430,9 @@ static void *dispatcher(void *arg) {
     return NULL;
 }
 
-/* Start the dispatcher once; 1 when it runs (0: it could not be started, or this is a forked
- * child, whose lookups then take host nodes). */
+/* Start the dispatcher once per process; 1 when it runs, 0 when it could not be started. A
+ * forked child inherits no thread: until it calls this, its posts are refused (-1) and its
+ * lookups take host nodes. */
 int ple_dispatch_start(void) {
     pthread_mutex_lock(&g_start);
     if (!atomic_load(&d_running)) {
