@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from ple_um.lookup import rowcopy
+from ple_um.lookup import host_node, rowcopy
 from ple_um.lookup.host_node import RING, HostNodeError, _Driver, _Stream
 from ple_um.mapping import MappedShards
 
@@ -101,3 +101,83 @@ def test_the_wait_ends_when_the_node_runs(make_checkpoint, tmp_path):
         assert state.slot(_InjectedDriver({0: 600})) == 0
         runner.join()
         assert counts.read()["rows"] == 10 and job.busy == 0
+
+
+class _SignalsDriver:
+    """The open-time check's driver calls, answered as a device would: a write of a value to an
+    address lands in the (here: unpinned) word; a waiting stream is done once its word reaches the
+    value, where the device sees the host's writes (``sees_host``) or the device itself wrote it
+    (``sees_device``)."""
+
+    def __init__(self, word: torch.Tensor, *, sees_host: bool, sees_device: bool = True) -> None:
+        self.word, self.sees_host, self.sees_device = word, sees_host, sees_device
+        self.waits: dict[int, tuple[int, int]] = {}
+        self.device_wrote: set[int] = set()
+        self.lib = type("lib", (), {"cuStreamQuery": lambda _self, stream: self.query(stream)})()
+
+    def device_pointer(self, host: int) -> int:
+        return host
+
+    def write_value(self, stream: int, address: int, value: int) -> None:
+        ctypes.c_uint32.from_address(address).value = value
+        self.device_wrote.add(address)
+
+    def wait_value(self, stream: int, address: int, value: int) -> None:
+        self.waits[stream] = (address, value)
+
+    def query(self, stream: int) -> int:
+        if stream not in self.waits:
+            return 0
+        address, value = self.waits[stream]
+        seen = self.sees_host or (self.sees_device and address in self.device_wrote)
+        return 0 if seen and ctypes.c_uint32.from_address(address).value >= value else 600
+
+    error_name = _Driver.error_name
+    _round_trip = _Driver._round_trip
+    _settle = _Driver._settle
+
+
+@pytest.mark.parametrize(
+    "sees_host,sees_device,reason",
+    [
+        (True, True, ""),
+        (False, True, "never saw this thread's write"),
+        (False, False, "stays blocked"),
+    ],
+    ids=["works", "released by the device's write", "blocked for good"],
+)
+def test_the_signals_check_never_leaves_a_stream_waiting_unsaid(monkeypatch, sees_host, sees_device, reason):
+    """The open-time check of the dispatcher's signals: where the device does not see the host's
+    write, the stream is released by the device's own write on another stream and the dispatcher is
+    not used (the word kept: the stream may still read it); where nothing releases it, HostNodeError
+    says so and how to run instead, rather than a hang at the next synchronize."""
+    monkeypatch.setattr(host_node, "SIGNAL_TIMEOUT", 0.2)
+    monkeypatch.setattr(_Driver, "_stranded", [])
+    word = torch.zeros(host_node.SIGNAL_BYTES // 4, dtype=torch.int32)
+    driver = _SignalsDriver(word, sees_host=sees_host, sees_device=sees_device)
+    if reason == "stays blocked":
+        with pytest.raises(HostNodeError, match="stays blocked.*PLE_UM_DISPATCHER=0"):
+            driver._round_trip(1, word, lambda: 2)
+    else:
+        said = driver._round_trip(1, word, lambda: 2)
+        assert reason in said and (said == "") == (reason == "")
+    assert int(word[0]) == 7 and int(word[host_node.DONE_AT // 4]) == 1
+    assert (_Driver._stranded == [word]) == (not sees_host)
+
+
+def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice():
+    calls = []
+
+    class Checked:
+        _signals_checked: dict = {}
+        signals_work = _Driver.signals_work
+
+        def _check_signals(self, device):
+            calls.append(device)
+            raise HostNodeError("a stream ... stays blocked")
+
+    driver, device = Checked(), torch.device("cuda", 3)
+    for _ in range(2):
+        with pytest.raises(HostNodeError, match="stays blocked"):
+            driver.signals_work(device)
+    assert calls == [device]

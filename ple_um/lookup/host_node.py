@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import threading
 import time
 
@@ -48,6 +49,8 @@ from ple_um.access.cuda_streams import own_stream, relaxed_capture_mode
 from ple_um.lookup import rowcopy
 from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize, e2m1_values
 from ple_um.mapping import MappedShards
+
+log = logging.getLogger(__name__)
 
 # At most this many ids a lookup's rows are read by the thread that runs its host node alone (the
 # pool's hand-off costs more below; docs/PERF_NOTES.md).
@@ -64,6 +67,8 @@ assert RING > MAX_CHUNKS + 1
 # The dispatcher's words of a ring slot: its ready word at the slot's start, its done word a cache
 # line further (the stream writes one, the dispatcher the other).
 SIGNAL_BYTES, DONE_AT = 128, 64
+# Seconds the open-time check of the dispatcher's signals waits for a stream to see a write.
+SIGNAL_TIMEOUT = 5.0
 
 
 class HostNodeError(RuntimeError):
@@ -77,6 +82,7 @@ class _Driver:
 
     _instance: _Driver | None = None
     _lock = threading.Lock()
+    _stranded: list[torch.Tensor] = []  # pinned words a blocked stream may still wait on: never freed
 
     def __init__(self) -> None:
         lib = self.lib = ctypes.CDLL("libcuda.so.1")
@@ -104,7 +110,7 @@ class _Driver:
             "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(u64), ptr, u32],
         }
         self._thread = threading.local()
-        self._signals_checked: dict[int, str] = {}
+        self._signals_checked: dict[int, str | HostNodeError] = {}
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, i32
@@ -195,7 +201,13 @@ class _Driver:
         waits for a word that this thread writes after the wait was queued."""
         known = self._signals_checked.get(device.index)
         if known is None:
-            known = self._signals_checked[device.index] = self._check_signals(device)
+            try:
+                known = self._check_signals(device)
+            except HostNodeError as exc:  # a stream left blocked: said again at every open
+                known = exc
+            self._signals_checked[device.index] = known
+        if isinstance(known, HostNodeError):
+            raise known
         return known or None
 
     def _check_signals(self, device: torch.device) -> str:
@@ -203,24 +215,57 @@ class _Driver:
             return "this driver has no cuStreamWriteValue32_v2 / cuStreamWaitValue32_v2"
         try:
             self.ensure_context(device.index)
-            word = torch.zeros(32, dtype=torch.int32, pin_memory=True)  # two words 64 B apart
-            address = self.device_pointer(word.data_ptr())
+            word = torch.zeros(SIGNAL_BYTES // 4, dtype=torch.int32, pin_memory=True)  # one slot's words
             stream = own_stream(device).cuda_stream
-            self.write_value(stream, address, 7)
-            self.wait_value(stream, address + 64, 1)
-            time.sleep(1e-3)
-            word[16] = 1  # as the dispatcher signals a lookup done
-            deadline = time.monotonic() + 5.0
-            while (rc := self.lib.cuStreamQuery(stream)) == 600 and time.monotonic() < deadline:
-                time.sleep(1e-4)
-            if rc != 0:  # (a stream that never saw the write stays blocked: that device is off limits)
-                why = "it never saw" if rc == 600 else f"{self.error_name(rc)} after"
-                return f"a stream waiting on pinned memory: {why} this thread's write"
-            if int(word[0]) != 7:
-                return f"a stream's write of pinned memory did not arrive (read {int(word[0])})"
         except Exception as exc:  # noqa: BLE001 - any failure means: use host nodes
             return f"stream memory operations failed: {exc}"
+        return self._round_trip(stream, word, lambda: own_stream(device).cuda_stream)
+
+    def _round_trip(self, stream: int, word: torch.Tensor, other_stream) -> str:
+        """The check itself, on ``stream`` with one slot's words in ``word`` (pinned): the stream
+        writes the ready word, then waits for the done word, which this thread sets. A stream that
+        never sees the write still waits: the word is kept for the life of the process (freed, its
+        memory could be handed out and written again), and the same write is made from the device
+        on ``other_stream()`` to release it (else every later synchronize of the device would hang).
+        Where even that does not release it, HostNodeError (logged first)."""
+        done = DONE_AT // 4
+        try:
+            address = self.device_pointer(word.data_ptr())
+            self.write_value(stream, address, 7)
+            self.wait_value(stream, address + DONE_AT, 1)
+            time.sleep(1e-3)
+            word[done] = 1  # as the dispatcher signals a lookup done
+            rc = self._settle(stream)
+            if rc == 600:
+                _Driver._stranded.append(word)
+                self.write_value(other_stream(), address + DONE_AT, 1)
+                released = self._settle(stream) == 0
+        except Exception as exc:  # noqa: BLE001 - any failure means: use host nodes
+            return f"stream memory operations failed: {exc}"
+        if rc == 600 and not released:
+            why = (
+                "a stream waiting on pinned memory saw neither this thread's write nor the device's "
+                f"own within {2 * SIGNAL_TIMEOUT:g} s: it stays blocked, so any synchronize of this "
+                "device will hang. Run with PLE_UM_DISPATCHER=0 (eager lookups as host nodes; this "
+                "check is then not made)"
+            )
+            log.error("ple-um: %s", why)
+            raise HostNodeError(why)
+        if rc == 600:
+            return "a stream waiting on pinned memory never saw this thread's write"
+        if rc != 0:
+            return f"a stream waiting on pinned memory: {self.error_name(rc)} after this thread's write"
+        if int(word[0]) != 7:
+            return f"a stream's write of pinned memory did not arrive (read {int(word[0])})"
         return ""
+
+    def _settle(self, stream: int) -> int:
+        """cuStreamQuery's answer once ``stream`` is no longer busy, or 600 (not ready) after
+        SIGNAL_TIMEOUT seconds."""
+        deadline = time.monotonic() + SIGNAL_TIMEOUT
+        while (rc := self.lib.cuStreamQuery(stream)) == 600 and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        return rc
 
     def event(self) -> int:
         """A new event without timing (destroy with ``destroy``)."""
