@@ -38,6 +38,9 @@ from ple_um.mapping import MappedShards
 
 logger = logging.getLogger(__name__)
 
+# What a table whose close failed still holds: never freed (see MappedTable.close).
+_KEPT_AFTER_FAILED_CLOSE: list[tuple[object, ...]] = []
+
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -543,7 +546,9 @@ class MappedTable:
 
     def close(self) -> None:
         """Wait for lookups in flight and for the device, then release prefetch, access resources
-        and mappings. Idempotent; a second caller returns once the first has released everything."""
+        and mappings. Idempotent; a second caller returns once the first has released everything.
+        Where that wait or a release fails (a CUDA error), the error is raised and the mappings are
+        kept until the process exits: host threads may still read them."""
         with self._close_lock:
             closing, self._closing = self._closing, True
         if closing:
@@ -558,10 +563,16 @@ class MappedTable:
             ops.unregister_table(self.handle)
             try:
                 self._release_access()
-            finally:
-                if self.scale_mapping is not None:
-                    self.scale_mapping.close()
-                self.mapping.close()
+            except BaseException:
+                # Not known to be idle (a CUDA error, say): a host thread (the dispatcher, a host
+                # node, the pool) may still read the mappings or a job struct. Kept for the life of
+                # the process rather than unmapped under it.
+                _KEPT_AFTER_FAILED_CLOSE.append((self.host, self.mapping, self.scale_mapping))
+                logger.error("ple-um: closing %s failed; its mappings stay until exit", self.layout.directory)
+                raise
+            if self.scale_mapping is not None:
+                self.scale_mapping.close()
+            self.mapping.close()
         finally:
             self._released.set()
 

@@ -513,6 +513,30 @@ def test_use_after_close_and_double_close(layout):
         table.lookup(torch.tensor([1]))
 
 
+def test_a_close_that_fails_keeps_the_mappings(layout, monkeypatch):
+    """close() whose wait for the device fails (injected here as a CUDA error would raise it):
+    the error reaches the caller and the files stay mapped (a host thread may still read them);
+    the table is closed to new lookups, and a second close() returns."""
+    from ple_um import table as table_module
+
+    monkeypatch.setattr(table_module, "_KEPT_AFTER_FAILED_CLOSE", [])
+    table = ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+
+    def failing() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    monkeypatch.setattr(table, "_release_access", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        table.close()
+    assert table.closed and maps_of(layout.files)
+    assert [kept[1] for kept in table_module._KEPT_AFTER_FAILED_CLOSE] == [table.mapping]
+    assert not table.mapping.closed
+    table.close()
+    with pytest.raises(TableClosedError):
+        table.lookup(torch.tensor([1]))
+    table.mapping.close()  # (the test's own clean-up: the process goes on)
+
+
 class _HeldLibrary:
     """The C row copy with its lookup held at the start (the real copy, started a little late)."""
 
