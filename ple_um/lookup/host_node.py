@@ -157,7 +157,8 @@ class _Driver:
 
     def ensure_context(self, index: int) -> None:
         """Make device ``index``'s primary context current in this thread where none is (a thread
-        that has made no CUDA call yet: the driver calls below need one). Once per thread."""
+        that has made no CUDA call yet: the driver calls below need one). Once per thread. The
+        caller has made ``index`` torch's current device (whose context is then current)."""
         if getattr(self._thread, "index", None) == index:
             return
         current = ctypes.c_void_p()
@@ -463,6 +464,9 @@ class HostGather:
             self._fill(job, ids.data_ptr(), kind, n, [], touch=True)
             self.lib.ple_lookup_run(ctypes.addressof(job))
             return
+        if torch.cuda.current_device() != self.index:
+            with torch.cuda.device(self.index):
+                return self.touch(ids)
         self._driver.ensure_context(self.index)
         stream = torch._C._cuda_getCurrentRawStream(self.index)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -490,6 +494,9 @@ class HostGather:
             return out
         if not self.cuda:
             return self._lookup_here(ids, outs, raw)
+        if torch.cuda.current_device() != self.index:  # the driver calls need its context current
+            with torch.cuda.device(self.index):
+                return self._lookup(ids, outs, raw)
         t0 = time.perf_counter()
         self._driver.ensure_context(self.index)
         stream = torch._C._cuda_getCurrentRawStream(self.index)
