@@ -18,7 +18,7 @@ from reference import bits_differ, reference_nvfp4, reference_rows
 import ple_um
 from ple_um.access.capabilities import read_capabilities
 from ple_um.lookup.cpu_gather import SyncGather
-from ple_um.lookup.host_node import HostGather
+from ple_um.lookup.host_node import HostGather, chunks
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 # (mode, rowcopy): "1" the C row copy (eager lookups of the host path by the dispatcher thread,
@@ -273,12 +273,14 @@ def test_an_eager_lookup_does_not_hold_up_work_queued_after_it_on_other_streams(
 
 
 class _NoDispatcher:
-    """The row copy library as a forked child sees it: every post refused (-1)."""
+    """The row copy library as a forked child sees it: every post refused (-1), and counted."""
 
     def __init__(self, lib) -> None:
         self._lib = lib
+        self.refused = 0
 
     def ple_dispatch_post(self, job) -> int:
+        self.refused += 1
         return -1
 
     def __getattr__(self, name):
@@ -289,12 +291,15 @@ def test_a_lookup_that_cannot_be_posted_takes_host_nodes(tables, open_mode, ids_
     """A job the dispatcher refuses becomes a host node queued before the copies: exact, counted."""
     layout = tables["fp8"]
     with open_mode(layout, "cpu", "1") as table:
-        table.host.lib = _NoDispatcher(table.host.lib)
+        assert table.host.dispatcher
+        lib = table.host.lib = _NoDispatcher(table.host.lib)
         total = table.host.read_counts()["rows"]
         for n in (16, 5000, 70_000):  # inline, pooled, chunked
             ids_np = ids_for(layout, n, rng)
             out = poisoned((n, layout.row_dim), layout.dtype, device)
+            refused = lib.refused
             table.lookup(torch.from_numpy(ids_np).to(device), out=out)
+            assert lib.refused - refused == len(chunks(n)), n  # every job was offered, and refused
             assert same(out, expected(layout, ids_np, layout.dtype)), n
             total += n
         assert table.host.read_counts()["rows"] == total
