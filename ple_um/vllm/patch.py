@@ -127,6 +127,10 @@ def _patched_init(module: ModuleType, original):
                 f"backend: vLLM {_vllm_version()} selects its backend differently than vLLM 0.33"
             )
         backend.split_ngram_parts = int(self.split_ngram_parts)
+        if not hasattr(type(self), "start_prefetch"):
+            # No prefetch wiring in this layer (ROCm's): with the hook declared, its forward would
+            # take the pinned backend's branch and call sync_lookup; without it, the backend's forward.
+            backend.supports_prefetch = False
         _patch_model_classes(module)
 
     return __init__

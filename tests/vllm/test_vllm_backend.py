@@ -371,3 +371,61 @@ def test_prefetch_buffer_grows_until_a_graph_captured_it(world, patched, table_d
     with pytest.raises(ValueError, match="prefetch buffer holds"):
         backend._prefetch_out(rows, torch.zeros((rows, heads), dtype=torch.long))
     backend.close_table()
+
+
+def test_rocm_layer_takes_no_prefetch_hook(world, patched, monkeypatch):
+    """ROCm's Qwen4ExpNGramEmbedding has no prefetch wiring and sends a backend that declares the hook
+    down the pinned backend's branch (sync_lookup, which this backend lacks): there the backend
+    declares none, and the layer calls its forward; the NVIDIA layer keeps the hook."""
+    from vllm.models.qwen4_exp.amd import ple_layer
+
+    from ple_um.vllm.patch import patch_ngram_class, unpatch_ngram_class
+
+    monkeypatch.setenv("PLE_UM_OVERLAP", "1")
+    config = h.text_config(fp8=True)
+    assert h.build(config, ple_um_on=True).ngram_embedding.supports_prefetch
+    patch_ngram_class(ple_layer)
+    try:
+        assert not h.build_amd(config, ple_um_on=True).ngram_embedding.supports_prefetch
+    finally:
+        unpatch_ngram_class(ple_layer)
+
+
+def test_a_dropped_layer_closes_its_table(world, patched, table_dir, tmp_path):
+    """A model dropped in a process that goes on (an in-process LLM re-created): its tables close
+    when their layers are collected: no mapping or descriptor of the files is left."""
+    import gc
+
+    from reference import maps_of
+
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    module = _mapped(config, layout.directory)
+    table = module.ngram_embedding.table
+    assert maps_of(layout.files)
+    del module
+    gc.collect()
+    assert table.closed and not maps_of(layout.files)
+
+
+def test_breakable_piecewise_capture_keeps_the_lookup_in_its_segment(monkeypatch):
+    """Under vLLM's breakable capture in a mode other than FULL an attention op ends the graph
+    segment between start_prefetch and finalize_prefetch, so the prefetch must not fork a side
+    stream there; FULL captures (no breaks) and eager calls may. The capture state is injected (a
+    capture needs a GPU), the decision is the backend's own."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    from vllm.config import CUDAGraphMode
+
+    from ple_um.vllm import backend
+
+    assert not backend._segments_end_before_join()  # no capture
+    capture = BreakableCUDAGraphCapture()
+    monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", capture, raising=False)
+    assert not backend._segments_end_before_join()  # between segments (not capturing)
+    capture._capturing = True
+    assert backend._segments_end_before_join()  # no forward context: as vLLM's own decorator decides
+    monkeypatch.setattr(backend, "is_forward_context_available", lambda: True)
+    for mode, ends in ((CUDAGraphMode.PIECEWISE, True), (CUDAGraphMode.FULL, False)):
+        context = type("context", (), {"cudagraph_runtime_mode": mode})()
+        monkeypatch.setattr(backend, "get_forward_context", lambda context=context: context)
+        assert backend._segments_end_before_join() is ends
