@@ -20,8 +20,11 @@ does: the model calls ``start_prefetch`` one decoder layer ahead, which queues t
 stream forked from the current one, and ``finalize_prefetch`` joins that stream back and reduces.
 Both are plain stream operations, so a FULL CUDA graph captures the fork, the lookup and the join,
 and the host gather of the cpu mode (a CUDA host node) runs while the GPU computes the layer
-before. Only a table whose lookup is not capture-safe (the cpu mode without its C row copy) runs it
-in an eager break of a piecewise graph.
+before. In vLLM's breakable piecewise captures an attention op ends the graph segment between the
+two, so there the lookup stays on the capture stream, in its segment (a fork left unjoined at a
+segment's end is a CUDA error). Only a table whose lookup is not capture-safe (the cpu mode
+without its C row copy) runs it in an eager break of a piecewise graph. ROCm's layer has no prefetch
+wiring, and there the backend declares no hook (``patch``).
 
 The patched ``Qwen4ExpNGramEmbedding.load_weights`` (``ple_um.vllm.patch``) hands every shard tensor
 (for NVFP4 the shards' block scales too) to ``receive_shard`` instead of copying it: a view of a
@@ -33,10 +36,16 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 
 import torch
-from vllm.compilation.breakable_cudagraph import eager_break_during_capture, is_breakable_cudagraph_enabled
+from vllm.compilation.breakable_cudagraph import (
+    BreakableCUDAGraphCapture,
+    eager_break_during_capture,
+    is_breakable_cudagraph_enabled,
+)
 from vllm.config import CUDAGraphMode, get_current_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEEmbedding,
@@ -77,6 +86,25 @@ def _layer_index(prefix: str) -> int:
     if not found:
         raise ValueError(f"cannot find the decoder layer index (layers.<L>.) in the PLE prefix {prefix!r}")
     return int(found[-1])
+
+
+def _capturing(ids: torch.Tensor) -> bool:
+    """Whether this lookup is being captured into a CUDA graph."""
+    return ids.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _segments_end_before_join() -> bool:
+    """Whether vLLM is capturing a breakable CUDA graph in a mode other than FULL (its PIECEWISE
+    captures): then each attention op ends a graph segment, some between ``start_prefetch`` and
+    ``finalize_prefetch`` (the model starts layer L+1's lookup before layer L runs), and a side
+    stream forked in one segment and joined in a later one would leave the first capture unjoined,
+    a CUDA error. The same test vLLM's ``eager_break_during_capture`` makes."""
+    capture = BreakableCUDAGraphCapture.current()
+    if capture is None or not capture._capturing:
+        return False
+    if is_forward_context_available():
+        return get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.FULL
+    return True
 
 
 @eager_break_during_capture
@@ -131,12 +159,15 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self._source_dir: str | None = None
         self._source_files: frozenset[str] = frozenset()
         self._captured = False
+        self._captured_zeros = False
+        self._closer: weakref.finalize | None = None
         # vLLM's prefetch hook (read by Qwen4ExpNGramEmbedding right after construction): the
         # lookup queued one decoder layer ahead on a side stream.
         self.supports_prefetch = envs.PLE_UM_OVERLAP
         self._prefetch_rows = max_total_tokens * self.etp_data_parallel_size
         self._prefetch_buffer: torch.Tensor | None = None
-        self._prefetched: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+        self._prefetched: tuple[torch.Tensor, torch.Tensor, bool, int] | None = None
+        self._unjoined: list[tuple[torch.Tensor, torch.Tensor, bool, int]] = []
         self._side_stream = None
         # Shard tensors (NVFP4: rows and block scales alike) delivered as file views: not read; and
         # delivered in memory: compared with the mapped bytes.
@@ -179,13 +210,17 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Queue this layer's lookup for ``ngram_ids`` [tokens, heads] on a side stream forked from
         the current one (a FULL graph captures the fork); ``finalize_prefetch`` joins it."""
+        if self._prefetched is not None:
+            # A start never finalized (a forward that raised in between): its ids stay referenced
+            # until the next join, since the side stream may not have read them yet.
+            self._unjoined.append(self._prefetched)
         slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
         ids = self._gather_dp_ids(ngram_ids, slot_size)
         out = self._prefetch_out(ids.shape[0], ids)
         side = False
         if self._table is None and self._dummy:
-            out.zero_()
-        elif ids.is_cuda and self.require_table().capture_safe:
+            self._zero_rows(ids, out)
+        elif ids.is_cuda and self.require_table().capture_safe and not _segments_end_before_join():
             if self._side_stream is None:
                 self._side_stream = own_stream(ids.device)  # not a torch pool stream
             stream = self._side_stream
@@ -193,20 +228,26 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             with torch.cuda.stream(stream):
                 self.lookup_rows(ids, out)
             side = True
-        else:
-            self.lookup_rows(ids, out)  # the host path's eager break, or a CPU device
+        else:  # on the current stream: a CPU device, the host path's eager break, or a graph
+            self.lookup_rows(ids, out)  # segment that ends before the join (captured into it)
         # ids stay referenced until the join: their memory is not reused while the side stream reads it.
-        self._prefetched = (out, ids, side)
+        self._prefetched = (out, ids, side, ngram_ids.shape[0])
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """Join the side stream and return the rows of the last ``start_prefetch``, combined across
         the ranks that share the table: [total_tokens, heads * head_dim]."""
         if self._prefetched is None:
             raise RuntimeError(f"{self.prefix}: finalize_prefetch without a start_prefetch")
-        rows, _, side = self._prefetched
+        rows, _, side, tokens = self._prefetched
         self._prefetched = None
-        if side:
+        if side or any(started[2] for started in self._unjoined):
             torch.cuda.current_stream(rows.device).wait_stream(self._side_stream)
+        self._unjoined.clear()
+        if total_tokens != tokens:
+            raise ValueError(
+                f"{self.prefix}: finalize_prefetch for {total_tokens} tokens, but start_prefetch looked up "
+                f"{tokens}"
+            )
         slot_size, slot_offset = self._get_dp_gather_slot(total_tokens)
         rows = rows[: slot_size * self.etp_data_parallel_size]
         if self.reduce_results and self.tp_size > 1:
@@ -408,6 +449,13 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         directory = self._resolved_dir()
         if self._table is not None and self._table_dir == directory:
             return self._table
+        if self._captured_zeros:
+            raise RuntimeError(
+                f"{self.prefix}: CUDA graphs captured this layer's lookup as zero rows (--load-format "
+                f"dummy, no table open); opening the table at {directory} now would not change what they "
+                "replay. Load the real weights before graph capture (or run with --enforce-eager), or "
+                "restart vLLM on the checkpoint"
+            )
         if self._table is not None and self._captured:
             raise RuntimeError(
                 f"{self.prefix}: the PLE table moved from {self._table_dir} to {directory} after CUDA graphs "
@@ -428,6 +476,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             table.close()
             raise
         old, self._table, self._table_dir = self._table, table, directory
+        self._close_with_layer(table)
         if old is not None:
             logger.info("ple-um: %s remapped from %s to %s", self.prefix, old.layout.directory, directory)
             old.close()
@@ -566,8 +615,20 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""
         table, self._table, self._table_dir = self._table, None, None
+        self._close_with_layer(None)
         if table is not None:
             table.close()
+
+    def _close_with_layer(self, table: MappedTable | None) -> None:
+        """Close ``table`` when this layer is garbage collected (a model dropped in a process that
+        goes on, as an in-process ``LLM`` re-created), not at exit (the process's end releases its
+        mappings and pins). Replaces the previous table's hook."""
+        if self._closer is not None:
+            self._closer.detach()
+        self._closer = None
+        if table is not None:
+            self._closer = weakref.finalize(self, table.close)
+            self._closer.atexit = False
 
     # -- lookup -------------------------------------------------------------------------------
     def require_table(self) -> MappedTable:
@@ -589,15 +650,22 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         copy: host work, run in vLLM's eager break during piecewise graph capture.
         """
         if self._table is None and self._dummy:
-            return out.zero_()
+            return self._zero_rows(ids, out)
         table = self.require_table()
         if table.capture_safe:
-            if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            if _capturing(ids):
                 self._captured = True
             table.lookup(ids, out=out)
         else:
             _host_lookup(self, ids, out)
         return out
+
+    def _zero_rows(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``--load-format dummy`` before any table is open: zero rows. A graph that captures this
+        fill replays zeros for ever, so a table opened later refuses (``ensure_table``)."""
+        if _capturing(ids):
+            self._captured_zeros = True
+        return out.zero_()
 
     def _reduce(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Sum the partial rows of the embedding-parallel group (each row has one owner): FP8 as

@@ -280,3 +280,56 @@ def test_dummy_load_format_serves_zeros(world, patched):
         module = h.build(h.text_config(fp8=True), ple_um_on=True)
     raw, _ = h.forward(module, 0)
     assert module.ngram_embedding.table is None and not raw.view(torch.uint8).any()
+
+
+def test_a_dummy_graph_of_zero_rows_refuses_a_table_opened_later(
+    world, patched, table_dir, tmp_path, monkeypatch
+):
+    """--load-format dummy, then a graph captures the zero fill (the capture injected: no GPU here),
+    then real weights arrive (an RL weight sync): the graphs would replay zeros for ever, so the
+    load refuses and says what to do; without a capture the same load opens the table."""
+    from vllm.config import DeviceConfig, LoadConfig, VllmConfig, set_current_vllm_config
+
+    from ple_um.vllm import backend as backend_module
+
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    monkeypatch.setenv("PLE_UM_DIR", layout.directory)  # the dummy config names no model path
+    dummy = VllmConfig(device_config=DeviceConfig(device="cpu"), load_config=LoadConfig(load_format="dummy"))
+    for captured in (False, True):
+        with set_current_vllm_config(dummy):
+            module = h.build(config, ple_um_on=True)
+        with monkeypatch.context() as m:
+            m.setattr(backend_module, "_capturing", lambda ids, captured=captured: captured)
+            raw, _ = h.forward(module, 0)
+        assert not raw.view(torch.uint8).any()
+        if captured:
+            with pytest.raises(RuntimeError, match="as zero rows.*before graph capture"):
+                h.load(module, layout.directory)
+            assert module.ngram_embedding.table is None
+        else:
+            h.load(module, layout.directory)
+            assert module.ngram_embedding.table is not None
+            module.ngram_embedding.close_table()
+
+
+def test_prefetch_misuse(world, patched, table_dir, tmp_path):
+    """A finalize for another number of tokens than the start looked up raises (stock would hand out
+    rows of the wrong batch); a start never finalized (a forward that raised in between) does not
+    stop the next one, whose rows are the file's."""
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    module = h.build(config, ple_um_on=True)
+    h.load(module, layout.directory)
+    ids, query_start_loc, ngram_context = h.inputs(0, tokens=30)
+    with torch.no_grad():
+        module.start_prefetch(ids, query_start_loc, ngram_context)
+        with pytest.raises(ValueError, match="finalize_prefetch for 61 tokens, but start_prefetch looked"):
+            module.ngram_embedding.finalize_prefetch(61)
+        module.start_prefetch(ids, query_start_loc, ngram_context)  # never finalized
+    raw_again, _ = h.forward(module, 1)
+    module.ngram_embedding.close_table()
+    stock = h.build(config, ple_um_on=False)
+    h.load(stock, layout.directory)
+    raw_stock, _ = h.forward(stock, 1)
+    assert h.same_bits(raw_again, raw_stock) and raw_stock.view(torch.uint8).any()
