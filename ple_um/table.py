@@ -385,29 +385,7 @@ class MappedTable:
         whose table is ``capture_safe``."""
         if self._closed:
             raise TableClosedError("the table is closed")
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
-        if ids.dtype not in _ID_DTYPES:
-            raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
-        if out is not None:
-            if out_dtype is not None and out_dtype != out.dtype:
-                raise TypeError(f"out is {out.dtype} but out_dtype is {out_dtype}: pass one of them")
-            out_dtype = out.dtype
-            if out_dtype not in self._out_dtypes:
-                self._refuse_dtype(out_dtype)
-            if out.shape != (*ids.shape, self.row_dim):
-                raise ValueError(f"out has shape {tuple(out.shape)}, expected {(*ids.shape, self.row_dim)}")
-            if out.device != self.device:
-                raise ValueError(f"out is on {out.device}, the table on {self.device}")
-            if not out.is_contiguous():
-                raise ValueError("out must be contiguous")
-        elif (
-            out_dtype is not None
-            and out_dtype not in self._out_dtypes
-            or out_dtype is None
-            and self._float_only
-        ):
-            self._refuse_dtype(out_dtype)
+        out_dtype = self._check_args(ids, out, out_dtype)
         if ids.device != self.device:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise ValueError(
@@ -445,6 +423,44 @@ class MappedTable:
             self._lookup_flat(flat, out.view(-1, self.row_dim))
             return out
         return self._lookup_flat(flat, None, out_dtype).view(*ids.shape, self.row_dim)
+
+    def _check_args(self, ids, out: torch.Tensor | None, out_dtype) -> torch.dtype | None:
+        """The argument checks of every lookup (``lookup`` and the torch ops); the out dtype."""
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
+        if ids.dtype not in _ID_DTYPES:
+            raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+        if out is not None:
+            if out_dtype is not None and out_dtype != out.dtype:
+                raise TypeError(f"out is {out.dtype} but out_dtype is {out_dtype}: pass one of them")
+            out_dtype = out.dtype
+            if out_dtype not in self._out_dtypes:
+                self._refuse_dtype(out_dtype)
+            if out.shape != (*ids.shape, self.row_dim):
+                raise ValueError(f"out has shape {tuple(out.shape)}, expected {(*ids.shape, self.row_dim)}")
+            if out.device != self.device:
+                raise ValueError(f"out is on {out.device}, the table on {self.device}")
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous")
+        elif (
+            out_dtype is not None
+            and out_dtype not in self._out_dtypes
+            or out_dtype is None
+            and self._float_only
+        ):
+            self._refuse_dtype(out_dtype)
+        return out_dtype
+
+    def _op_lookup(self, ids: torch.Tensor, out: torch.Tensor | None, out_dtype=None) -> torch.Tensor:
+        """The body of the torch ops (``ple_um::lookup`` / ``lookup_out``): flat ids on the table's
+        device, checked as ``lookup`` checks its arguments (the ops are public)."""
+        self._check_open()
+        self._check_args(ids, out, out_dtype)
+        if ids.dim() != 1:
+            raise ValueError(f"the ple_um ops take flat ids (1-D), got shape {tuple(ids.shape)}")
+        if ids.device != self.device:
+            raise ValueError(f"ids are on {ids.device}, the table on {self.device}")
+        return self._lookup_flat(ids.contiguous(), out, out_dtype)
 
     def _refuse_dtype(self, out_dtype) -> None:
         if self._float_only:

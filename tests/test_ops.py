@@ -99,3 +99,28 @@ def test_compile_fullgraph_matches_eager(layout, rng, check_rows, poison):
         stats = table.stats()
         assert (stats["lookups"], stats["rows"]) == (18, rows)  # compiled calls are counted too
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rowcopy", ["1", "0"])
+def test_the_ops_check_their_arguments_as_lookup_does(layout, rowcopy, monkeypatch):
+    """The ops are public: an out too small for the rows (written past its end before), a dtype
+    lookup() refuses, float or 2-D ids all raise, and nothing is written beside out."""
+    monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        ids = torch.arange(50)
+        canary = torch.zeros(1 << 12, dtype=torch.uint8)
+        small = canary[:50].view(torch.float8_e4m3fn).view(50, 1)
+        with pytest.raises(ValueError, match="out has shape"):
+            torch.ops.ple_um.lookup_out(ids, small, table.handle)
+        assert not canary.any()
+        with pytest.raises(TypeError, match="out_dtype must be"):
+            torch.ops.ple_um.lookup(ids, table.handle, torch.int32)
+        with pytest.raises(TypeError, match="integer tensor"):
+            torch.ops.ple_um.lookup(ids.float(), table.handle, torch.bfloat16)
+        with pytest.raises(ValueError, match="flat ids"):
+            torch.ops.ple_um.lookup(ids.view(5, 10), table.handle, torch.bfloat16)
+        out = torch.empty((50, table.row_dim), dtype=torch.bfloat16)
+        torch.ops.ple_um.lookup_out(ids, out, table.handle)
+        assert torch.equal(out, table.lookup(ids, out_dtype=torch.bfloat16))
+    with pytest.raises(ple_um.TableClosedError):
+        torch.ops.ple_um.lookup(ids, table.handle, torch.bfloat16)
