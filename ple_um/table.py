@@ -477,12 +477,17 @@ class MappedTable:
         self._check_open()
         if self.scale_mapping is None:
             raise TypeError("lookup_packed() is for NVFP4 tables; use lookup()")
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
         if ids.dtype not in _ID_DTYPES:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         flat = ids.to(self.device).reshape(-1).contiguous()
         with self._in_use():
             packed, scales = self._packed_flat(flat)
-        return (packed.view(*ids.shape, -1), scales.view(torch.float8_e4m3fn).view(*ids.shape, -1))
+        return (
+            packed.view(*ids.shape, packed.shape[1]),
+            scales.view(torch.float8_e4m3fn).view(*ids.shape, scales.shape[1]),
+        )
 
     def _packed_flat(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = ids.numel()

@@ -86,6 +86,14 @@ def test_lookup_packed_gives_the_file_bytes(nvfp4, mode, rng):
         )
 
 
+def test_lookup_packed_of_no_ids_and_of_a_list(nvfp4):
+    with ple_um.open_table(nvfp4.directory, mode="cpu", device="cpu") as table:
+        packed, scales = table.lookup_packed(torch.empty((0, 3), dtype=torch.int64))
+        assert packed.shape == (0, 3, 32) and scales.shape == (0, 3, 4)
+        with pytest.raises(TypeError, match="torch.Tensor, not list"):
+            table.lookup_packed([1])
+
+
 def test_raw_lookup_of_an_nvfp4_table_is_refused(nvfp4):
     with ple_um.open_table(nvfp4.directory, mode="cpu", device="cpu") as table:
         with pytest.raises(TypeError, match="NVFP4"):
