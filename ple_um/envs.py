@@ -71,6 +71,48 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _count(low: int, high: int) -> Callable[[str], int]:
+    """A whole number in [low, high] (a C int takes it without wrapping)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"expected a whole number from {low} to {high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise ValueError(f"expected a whole number from {low} to {high}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds_or_off(text: str) -> float:
+    """Seconds between two reports: a finite number >= 0 (0 = off), at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds (0 = off), got {text!r}") from None
+    if not 0 <= value <= 86400:
+        raise ValueError(f"expected a number of seconds from 0 (off) to 86400, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a fraction from 0 to 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise ValueError(f"expected a fraction from 0 to 1, got {text!r}")
+    return value
+
+
+def _directory(text: str) -> str:
+    if not text.strip():
+        raise ValueError("expected a directory, got an empty value")
+    return text
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
@@ -141,7 +183,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_CPU_THREADS",
-            int,
+            _count(1, 1024),
             _default_threads,
             "threads that read a big host-path lookup's rows (the calling one included; default the "
             "cores less one, at most 16)",
@@ -149,7 +191,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_CPU_CHUNK",
-            int,
+            _count(1, 1 << 30),
             2048,
             "rows per gather task of the cpu mode's synchronous gather (no C row copy)",
             ("VLLM_PLE_MMAP_CHUNK",),
@@ -177,7 +219,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_STATS_SEC",
-            float,
+            _seconds_or_off,
             0.0,
             "seconds between stats log lines (0 = off)",
             ("VLLM_PLE_MMAP_STATS_SEC",),
@@ -188,7 +230,7 @@ KNOBS: dict[str, Knob] = {
             None,
             "most bytes the registered mode may pin (default: PLE_UM_PIN_FRACTION of MemAvailable)",
         ),
-        Knob("PLE_UM_PIN_FRACTION", float, 0.5, "fraction of MemAvailable the registered mode may pin"),
+        Knob("PLE_UM_PIN_FRACTION", _fraction, 0.5, "fraction of MemAvailable the registered mode may pin"),
         Knob(
             "PLE_UM_ATS_PREFETCH",
             _choice("auto", "on", "off"),
@@ -223,10 +265,15 @@ KNOBS: dict[str, Knob] = {
             False,
             "ats mode: populate the mapping through cudaHostRegister at open",
         ),
-        Knob("PLE_UM_SELF_TEST_ROWS", int, 64, "rows the self-test compares with the file at open (0 = off)"),
+        Knob(
+            "PLE_UM_SELF_TEST_ROWS",
+            _count(0, 1 << 20),
+            64,
+            "rows the self-test compares with the file at open (0 = off)",
+        ),
         Knob(
             "PLE_UM_STAGING_SLOTS",
-            int,
+            _count(1, 64),
             3,
             "cpu mode without the C row copy: pinned staging buffers used in turn",
         ),
@@ -255,7 +302,7 @@ KNOBS: dict[str, Knob] = {
         Knob("PLE_UM_STRICT", _bool, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(
             "PLE_UM_CACHE_DIR",
-            str,
+            _directory,
             lambda: os.path.join(os.path.expanduser("~"), ".cache", "ple-um"),
             "where `ple-um bench` keeps its synthetic table, the compiled C row copy, and the "
             "first-read verdicts (first-read/)",
@@ -282,7 +329,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_METRICS_SEC",
-            float,
+            _seconds_or_off,
             15.0,
             "seconds between reads of the GPU modes' device counters and the page-cache residency for "
             "Prometheus when the stats line is off (0 = never; with PLE_UM_STATS_SEC > 0 that period)",
@@ -296,6 +343,12 @@ def __getattr__(name: str) -> Any:
     if knob is None:
         raise AttributeError(f"module {__name__!r} has no knob {name!r}")
     return knob.value()
+
+
+def check() -> None:
+    """Read every knob: the first set to a value it does not take raises KnobError, naming it."""
+    for knob in KNOBS.values():
+        knob.value()
 
 
 def describe() -> list[dict[str, Any]]:

@@ -643,6 +643,7 @@ def open_table(
 ) -> MappedTable:
     """Open one PLE layer's table from the checkpoint directory ``path`` (see DESIGN.md)."""
     t0 = time.perf_counter()
+    envs.check()  # a knob set to a value it does not take is an error here, not a rejected mode
     forced = requested_mode(mode)
     layout = read_layout(os.fspath(path), layer)
     if rows is None:

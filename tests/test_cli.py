@@ -109,6 +109,10 @@ def test_probe_of_a_device_that_is_no_device(capsys):
             "suffix (4096, 512MiB, 48GiB, 1T), got 'lots'",
         ),
         (
+            {"PLE_UM_PIN_FRACTION": "nan"},
+            "environment variable PLE_UM_PIN_FRACTION='nan': expected a fraction from 0 to 1, got 'nan'",
+        ),
+        (
             {"PLE_UM_MODE": "registered"},
             "PLE_UM_MODE=registered: access mode 'registered' is not available: no CUDA device; "
             "this machine can run: ats, cpu, device",

@@ -8,6 +8,7 @@ the reference reader, into poisoned outputs where the test provides them.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from concurrent.futures import Future
 
@@ -460,3 +461,36 @@ def test_prefetch_in_device_mode_is_a_no_op(layout):
     with ple_um.open_table(layout.directory, mode="device", device="cpu") as table:
         future = table.prefetch(torch.arange(10))
         assert isinstance(future, Future) and future.result(timeout=5) == 0
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "expected"),
+    [
+        ("PLE_UM_CPU_THREADS", "abc", "a whole number from 1 to 1024"),
+        ("PLE_UM_CPU_THREADS", "4294967297", "a whole number from 1 to 1024"),
+        ("PLE_UM_MADVISE", "bogus", "one of auto, random, normal, none"),
+        ("PLE_UM_SELF_TEST_ROWS", "x", "a whole number from 0 to"),
+        ("PLE_UM_PIN_FRACTION", "inf", "a fraction from 0 to 1"),
+        ("PLE_UM_PIN_FRACTION", "-1", "a fraction from 0 to 1"),
+        ("PLE_UM_STATS_SEC", "inf", "a number of seconds from 0 (off) to 86400"),
+        ("PLE_UM_METRICS_SEC", "nan", "a number of seconds from 0 (off) to 86400"),
+        ("PLE_UM_CACHE_DIR", " ", "a directory"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["auto", "cpu"])
+def test_a_bad_knob_is_an_error_at_open_naming_it(layout, monkeypatch, mode, var, value, expected):
+    """Not a rejected mode (a bare StopIteration once every mode was), not a silent fallback, not a
+    crash in a thread later: KnobError at open, naming the variable and what it takes."""
+    from ple_um.errors import KnobError
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(KnobError, match=re.escape(f"{var}={value!r}: expected {expected}")):
+        ple_um.open_table(layout.directory, mode=mode, device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"), [("meta", "served on cpu or cuda"), ("cpu:3", "one CPU device")]
+)
+def test_a_device_that_cannot_serve_is_refused_at_open(layout, device, expected):
+    with pytest.raises(ValueError, match=expected):
+        ple_um.open_table(layout.directory, mode="cpu", device=device)

@@ -71,8 +71,12 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"{device!r} is not a device: expected cpu, cuda or cuda:N ({exc})") from None
+    if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            raise ValueError(f"device {str(dev)!r}: there is one CPU device, 'cpu'")
+        return torch.device("cpu")
     if dev.type != "cuda":
-        return dev
+        raise ValueError(f"device {str(dev)!r}: a table is served on cpu or cuda[:N], not on {dev.type}")
     if not torch.cuda.is_available():
         raise ValueError(f"device {str(dev)!r}: no CUDA device here (torch.cuda.is_available() is False)")
     if dev.index is None:

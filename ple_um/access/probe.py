@@ -175,7 +175,11 @@ def decide(
             raise ModeUnavailableError(mode, reasons[mode])
         chosen = mode
     else:
-        chosen = next(m for m in auto_order(caps) if m not in reasons)
+        chosen = next((m for m in auto_order(caps) if m not in reasons), None)
+        if chosen is None:
+            raise ModeUnavailableError(
+                "auto", "every mode was rejected: " + "; ".join(f"{m}: {why}" for m, why in reasons.items())
+            )
     for m in ALL_MODES:
         if m != chosen and m not in reasons:
             if m == "device" and mode == "auto":
