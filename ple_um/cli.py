@@ -150,8 +150,15 @@ def _bench_refusal(args: argparse.Namespace) -> str | None:
         except ImportError:
             return "--plot needs matplotlib, which is not installed: pip install 'ple-um[plot]'"
     for flag, path in (("--json-file", args.json_file), ("--plot", args.plot)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        if not path:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if path.endswith(os.sep) or os.path.isdir(path):
+            return f"{flag} {path}: is a directory; give a file name"
+        if not os.path.isdir(parent):
             return f"{flag} {path}: its directory does not exist"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"{flag} {path}: its directory is not writable"
     if args.dir is not None and not os.path.isdir(args.dir):
         hint = (
             " (--json prints the results, --json-file PATH writes them)" if args.dir.endswith(".json") else ""
@@ -174,6 +181,7 @@ def _bench_refusal(args: argparse.Namespace) -> str | None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ple_um.bench import runner
+    from ple_um.errors import CheckpointError
 
     refusal = _bench_refusal(args)
     if refusal is not None:
@@ -193,7 +201,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     # Under --json, stdout holds the JSON object alone: progress lines and the table go to stderr.
     to_stderr = lambda line: print(line, file=sys.stderr)
-    result = runner.run(cfg, log=to_stderr if args.quiet or args.json else print)
+    try:
+        result = runner.run(cfg, log=to_stderr if args.quiet or args.json else print)
+    except CheckpointError as exc:  # the directory's table (the synthetic one is written valid)
+        return _fail(args, str(exc))
     (to_stderr if args.json else print)(runner.format_table(result, cfg.rows))
     if args.json:
         _emit_json(result)

@@ -453,6 +453,7 @@ BENCH_REFUSALS = [
         "results, --json-file PATH writes them)",
     ),
     (["--json-file", "/nowhere/b.json"], "--json-file /nowhere/b.json: its directory does not exist"),
+    (["--json-file", "/tmp"], "--json-file /tmp: is a directory; give a file name"),
 ]
 
 
@@ -469,6 +470,12 @@ def test_bench_refuses_bad_arguments_before_it_runs(capsys, tmp_path, monkeypatc
     assert code == 2 and err == ""
     assert message in json.loads(out)["error"]
     assert not (tmp_path / "cache").exists()
+
+
+def test_bench_on_a_directory_without_a_table_says_so_in_one_line(capsys, tmp_path):
+    code, out, err = run(capsys, "bench", str(tmp_path), "--device", "cpu")
+    assert code == 1 and out == ""
+    assert err.strip() == f"ple-um bench: error: no PLE shards were found in {tmp_path}"
 
 
 def test_bench_without_matplotlib_refuses_plot_before_it_runs(capsys, tmp_path, monkeypatch):
