@@ -270,6 +270,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"scale {scale}"
         )
         for f in t["files"]:
+            if not f["shards"]:  # an NVFP4 table's block scales in a file of their own
+                print(f"  {f['file']}: block scales, {_human(f['bytes'])}")
+                continue
             first, last = f["shards"][0], f["shards"][-1]
             span = f"shard {first}" if first == last else f"shards {first}-{last}"
             print(f"  {f['file']}: {span}, {_human(f['bytes'])}")

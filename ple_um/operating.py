@@ -6,6 +6,7 @@ Everything here works on the files alone (headers, mmaps, mincore): no device, n
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -221,27 +222,34 @@ def prewarm(
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     layout = read_layout(directory, layer)
-    with MappedShards(layout) as mapping:
-        requested = sum(int(r.length * fraction) for r in mapping.regions)
+    # The rows, and an NVFP4 table's block scales beside them (every lookup reads both).
+    layouts = [layout, layout.scale_layout()] if layout.is_nvfp4 else [layout]
+    with contextlib.ExitStack() as stack:
+        mappings = [stack.enter_context(MappedShards(each)) for each in layouts]
+        requested = sum(int(r.length * fraction) for m in mappings for r in m.regions)
         memory = available()
         allowed = memory if limit is None else int(limit)
         if requested > allowed and not force:
             what = "the --max-bytes limit" if limit is not None else "MemAvailable"
+            fits = max(0.01, int(fraction * allowed / requested * 90) / 100)
             raise PrewarmRefused(
                 f"prewarming layer {layout.layer} of {layout.directory} reads {human_bytes(requested)}, "
                 f"more than {what} ({human_bytes(allowed)}): filling the page cache would evict the "
                 f"table's own first pages (or other processes' memory) to hold the rest. Prewarm a part "
-                f"with --fraction {max(0.01, int(allowed / requested * 90) / 100):.2f}, or pass --force"
+                f"with --fraction {fits:.2f}, or pass --force"
             )
-        before = _residency(mapping)["total"]
+        before = _total(mappings)
         t0 = time.perf_counter()
+        read = 0
         if progress is None:
-            read = mapping.populate(fraction, workers=workers)
+            for m in mappings:
+                read += m.populate(fraction, workers=workers)
         else:
             with progress(requested, "prewarm") as advance:
-                read = mapping.populate(fraction, workers=workers, progress=advance)
+                for m in mappings:
+                    read += m.populate(fraction, workers=workers, progress=advance)
         seconds = time.perf_counter() - t0
-        after = _residency(mapping)["total"]
+        after = _total(mappings)
     return {
         "directory": layout.directory,
         "layer": layout.layer,
@@ -255,6 +263,14 @@ def prewarm(
         "before": before,
         "after": after,
     }
+
+
+def _total(mappings: list[MappedShards]) -> dict:
+    """The residency totals of several mappings together (a table's rows and block scales)."""
+    totals = [_residency(m)["total"] for m in mappings]
+    size = sum(t["bytes"] for t in totals)
+    resident = sum(t["resident_bytes"] for t in totals)
+    return {"bytes": size, "resident_bytes": resident, "fraction": resident / size if size else 1.0}
 
 
 def human_bytes(n: float) -> str:

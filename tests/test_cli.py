@@ -631,3 +631,61 @@ def test_bench_smoke_console_script(tmp_path):
     assert {"mode", "open_s", "pinned_bytes"} <= set(result["startup"]["warm"])
     assert len(result["processes"]["ple-um"]["mem_available_drop_bytes"]) == 1  # --processes 1 runs one
     assert result["processes"]["ple-um"]["mode"] == result["startup"]["warm"]["mode"]
+
+
+def _scales_in_their_own_file(layout, directory):
+    """A copy of an NVFP4 checkpoint whose shards' block scales sit in one file of their own."""
+    from safetensors.torch import load_file, save_file
+
+    from ple_um.checkpoint import read_layout
+
+    os.makedirs(directory)
+    layout_dir = layout.directory
+    with open(os.path.join(layout_dir, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    weight_map, scales = {}, {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors = load_file(os.path.join(layout_dir, name))
+        keep = {k: v for k, v in tensors.items() if not (".shard_" in k and k.endswith(".weight_scale"))}
+        scales.update({k: v for k, v in tensors.items() if k not in keep})
+        save_file(keep, os.path.join(directory, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keep, name))
+    save_file(scales, os.path.join(directory, "model-scales.safetensors"), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(scales, "model-scales.safetensors"))
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return read_layout(str(directory))
+
+
+def test_nvfp4_block_scales_in_a_file_of_their_own(capsys, make_checkpoint, tmp_path):
+    """inspect lists the scales' file (its text crashed on a file holding no shard's rows), and
+    prewarm reads the block scales too (every lookup reads them)."""
+    layout = _scales_in_their_own_file(
+        make_checkpoint(dtype="nvfp4", num_rows=20000, row_dim=64, shards=4), tmp_path / "split"
+    )
+    path = layout.directory
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0 and "  model-scales.safetensors: block scales, 78.12 KiB" in out.splitlines()
+    scale_files = layout.scale_layout().files
+    drop_page_cache(layout)
+    drop_page_cache(layout.scale_layout())
+    code, data = run_json(capsys, "prewarm", path)
+    assert code == 0 and data["requested_bytes"] >= layout.nbytes
+    assert data["after"]["bytes"] == layout.nbytes
+    if fs_type(path) != "tmpfs":
+        assert data["before"]["fraction"] < 0.5 and data["after"]["fraction"] > 0.99
+        code, residency = run_json(capsys, "residency", path)
+        assert residency["block_scales"]["total"]["fraction"] > 0.99, scale_files
+
+
+def test_prewarm_suggests_a_fraction_that_fits(table_dir):
+    """The refusal's --fraction, asked for with the same limit, is taken (it was computed as if the
+    whole table had been asked for)."""
+    import re
+
+    path, layout = table_dir
+    limit = layout.nbytes // 4
+    with pytest.raises(operating.PrewarmRefused) as info:
+        operating.prewarm(path, fraction=0.5, limit=limit)
+    suggested = float(re.search(r"--fraction (\d\.\d\d)", str(info.value)).group(1))
+    assert operating.prewarm(path, fraction=suggested, limit=limit)["requested_bytes"] <= limit
