@@ -386,6 +386,7 @@ class StatsReporter:
         self.emit = emit or (lambda line: logger.info("%s", line))
         self.clock = clock
         self.watches: list[Watch] = []
+        self._gauged: dict[str, LookupMetrics] = {}  # the modes whose page-cache gauges were set
         self._retired: dict[str, dict[str, float]] = {}  # figures of watches closed mid-window
         self._lock = threading.RLock()  # one tick at a time; add/remove wait for it
         self._held = 0
@@ -533,6 +534,10 @@ class StatsReporter:
             by_mode[watch.mode] = (m, r + watch.resident[0], t + watch.resident[1])
         for metrics, resident, mapped in by_mode.values():
             metrics.set_residency(resident, mapped)
+        for mode, metrics in self._gauged.items():  # the last table of a mode closed: nothing mapped
+            if mode not in by_mode:
+                metrics.set_residency(0, 0)
+        self._gauged = {mode: entry[0] for mode, entry in by_mode.items()}
 
     # -- the thread ------------------------------------------------------------------------
     def start(self) -> StatsReporter:

@@ -269,7 +269,8 @@ class MappedTable:
 
     def self_test(self, count: int) -> str | None:
         """Gather sample rows through this mode's lookup path and compare them with the bytes read
-        from the files; None when equal, else what differed."""
+        from the files; None when equal, else what differed. The rows it reads count like a
+        lookup's (``open_table`` zeroes the counters after its own self-test)."""
         if count <= 0 or not self.mapping.owned:
             return None  # self-test disabled (PLE_UM_SELF_TEST_ROWS=0) or nothing owned
         ids_np = _sample_ids(self.mapping, count)
@@ -281,7 +282,6 @@ class MappedTable:
             got = torch.cat(self._packed_flat(ids), dim=1)
             expect = np.concatenate([expect, _file_rows(self.layout.scale_layout(), ids_np)], axis=1)
         got = got.cpu().numpy()
-        self._reset_counts()  # the self-test is not a lookup
         if not np.array_equal(got, expect):
             bad = np.flatnonzero((got != expect).any(axis=1))
             first = ids_np[bad[0]]
@@ -710,15 +710,21 @@ def open_table(
             else:
                 table.bulk_rows = int(knob)
     if envs.PLE_UM_PREWARM:
-        with metrics.progress(mapping.mapped_bytes, "ple-um prewarm") as advance:
-            mapping.populate(progress=advance)
+        with metrics.progress(pinned_bytes, "ple-um prewarm") as advance:
+            for each in (mapping, scale_mapping):
+                if each is not None:
+                    each.populate(progress=advance)
+    table._reset_counts()  # the self-test's and the calibration's rows were not lookups
     table.metrics = metrics.LookupMetrics(table.mode, host_counted=isinstance(table.host, SyncGather))
     if isinstance(table.host, SyncGather):
         table.host.metrics = table.metrics
     if table.registration is not None:
         table.metrics.registration(table.registration.seconds)
+    residency = mapping.residency
+    if scale_mapping is not None:  # the page-cache figures count the block scales beside the rows
+        residency = lambda: [*mapping.residency(), *scale_mapping.residency()]  # noqa: E731
     table.watch = metrics.watch(
-        functools.partial(table.stats, sync=False), table.metrics, mapping.residency, device=dev
+        functools.partial(table.stats, sync=False), table.metrics, residency, device=dev
     )
     table.open_seconds = time.perf_counter() - t0
     logger.info(

@@ -398,3 +398,40 @@ def test_progress_bar_over_populate(make_checkpoint, capsys):
     with metrics.progress(10 << 20, "register") as advance:  # below min_bytes: no bar
         advance(10 << 20)
     assert capsys.readouterr().err == ""
+
+
+def test_the_page_cache_gauges_fall_to_zero_when_a_modes_last_table_closes(make_checkpoint):
+    """`count by (mode) (vllm:ple_um_mapped_bytes)` must not keep reporting a closed table's mode."""
+    layout = make_checkpoint(num_rows=4000, row_dim=40, shards=4)
+    reporter = metrics.StatsReporter(30, emit=lambda line: None, clock=Clock())
+    try:
+        with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+            watch = reporter.add(table.stats, table.metrics, table.mapping.residency)
+            reporter.tick()
+            assert REGISTRY.get_sample_value("vllm:ple_um_mapped_bytes", {"mode": "cpu"}) > 0
+            watch.close()
+        reporter.tick()
+        for gauge in ("vllm:ple_um_mapped_bytes", "vllm:ple_um_resident_bytes"):
+            assert REGISTRY.get_sample_value(gauge, {"mode": "cpu"}) == 0
+    finally:
+        reporter.close()
+
+
+@pytest.mark.parametrize("rowcopy", ["1", "0"])
+def test_packed_lookups_reach_the_counters(make_checkpoint, monkeypatch, rowcopy):
+    """NVFP4's lookup_packed counts its rows and bytes (rows and block scales) in stats() and in
+    Prometheus on both host paths (the synchronous one left them out of Prometheus)."""
+    monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
+    layout = make_checkpoint(num_rows=300, row_dim=64, dtype="nvfp4", shards=3)
+    reporter = metrics.StatsReporter(30, emit=lambda line: None, clock=Clock())
+    rows_before = REGISTRY.get_sample_value("vllm:ple_um_rows_total", {"mode": "cpu"}) or 0
+    try:
+        with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+            watch = reporter.add(table.stats, table.metrics, table.mapping.residency)
+            table.lookup_packed(torch.arange(100))
+            assert table.stats()["rows"] == 100
+            reporter.tick()
+            watch.close()
+    finally:
+        reporter.close()
+    assert REGISTRY.get_sample_value("vllm:ple_um_rows_total", {"mode": "cpu"}) - rows_before == 100

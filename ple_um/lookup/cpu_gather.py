@@ -407,10 +407,15 @@ class SyncGather:
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
         """NVFP4: the packed rows and block scales of ``ids`` (uint8)."""
+        t0 = time.perf_counter()
         ids, owned, bad = self._classify(ids)
         self.rows.gather(ids, owned, packed)
         self.block_scales.gather(ids, owned, scales)
-        self._count(ids.numel(), bad, self.rows.last_phases)
+        n = ids.numel()
+        self._count(n, bad, self.rows.last_phases)
+        if self.metrics is not None:
+            nbytes = n * (self.rows.row_bytes + self.block_scales.row_bytes)
+            self.metrics.observe(n, nbytes, bad, self.rows.last_phases, time.perf_counter() - t0)
 
     def _count(self, n: int, bad: int, phases: dict[str, float]) -> None:
         with self._lock:  # lookups from several threads: += is not atomic
