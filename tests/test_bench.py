@@ -121,13 +121,22 @@ def test_back_to_back_runs_each_burst_of_calls_in_rotated_rounds():
     per_call = runner._Timer(torch.device("cpu")).back_to_back(fns, calls=30, rounds=4)
     assert {name: len(t) for name, t in per_call.items()} == {"a": 4, "b": 4, "c": 4}
     assert all(t >= 0 for ts in per_call.values() for t in ts)
-    # A round per contender: 10 warm calls, then the burst k = 0 .. 29; round r starts with path r % 3.
-    burst = list(range(10)) + list(range(30))
-    assert len(log) == 3 * 4 * len(burst)
-    blocks = [log[i : i + len(burst)] for i in range(0, len(log), len(burst))]
-    assert all(len({n for n, _ in blk}) == 1 and [k for _, k in blk] == burst for blk in blocks)
+    # A round per contender: 10 warm calls on the warm-up sets (120 .. 129), then the burst on the
+    # round's own sets (r * 30 .. r * 30 + 29); round r starts with path r % 3.
+    warm = list(range(120, 130))
+    blocks = [log[i : i + 40] for i in range(0, len(log), 40)]
+    assert len(log) == 3 * 4 * 40
+    for index, blk in enumerate(blocks):
+        r = index // 3
+        assert len({n for n, _ in blk}) == 1
+        assert [k for _, k in blk] == warm + list(range(r * 30, r * 30 + 30))
     order = [blk[0][0] for blk in blocks]
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    # Every timed call of a path on ids of its own, and as many sets as the runner draws.
+    for name in "abc":
+        timed = [k for n, k in log if n == name and k < 120]
+        assert sorted(timed) == list(range(120))
+    assert runner._Timer.back_to_back_sets(30, 4) == 130
 
 
 def _timing(median: float) -> dict:

@@ -113,26 +113,33 @@ class _Timer:
     def back_to_back(
         self, fns: dict[str, Callable[[int], object]], calls: int, rounds: int
     ) -> dict[str, list[float]]:
-        """Wall seconds per call of ``calls`` back-to-back calls fn(k) (k = 0 .. calls - 1, each on
-        its own ids) with no synchronisation between them and one at the end: what an eager caller
-        pays per call, the host's launch work where the host is the slower side (the device's time
-        where the device is). Once per round for each contender, in side_by_side's rotated order,
-        each burst after a few warm calls."""
+        """Wall seconds per call of ``calls`` back-to-back calls with no synchronisation between
+        them and one at the end: what an eager caller pays per call, the host's launch work where
+        the host is the slower side (the device's time where the device is). Once per round for
+        each contender, in side_by_side's rotated order, each burst after a few warm calls. Every
+        timed call has ids of its own: round r calls fn(r * calls + i); the warm calls reuse
+        fn(rounds * calls + j), j < 10. So fn takes ``back_to_back_sets(calls, rounds)`` id sets."""
         names = list(fns)
         per_call: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(max(1, rounds)):
+        rounds = max(1, rounds)
+        for r in range(rounds):
             first = r % len(names)
             for name in names[first:] + names[:first]:
                 fn = fns[name]
-                for k in range(min(calls, 10)):
-                    fn(k)
+                for j in range(min(calls, 10)):
+                    fn(rounds * calls + j)
                 self.sync()
                 t0 = time.perf_counter()
-                for k in range(calls):
+                for k in range(r * calls, (r + 1) * calls):
                     fn(k)
                 self.sync()
                 per_call[name].append((time.perf_counter() - t0) / calls)
         return per_call
+
+    @staticmethod
+    def back_to_back_sets(calls: int, rounds: int) -> int:
+        """How many id sets ``back_to_back`` uses: one per timed call, and the warm calls'."""
+        return max(1, rounds) * calls + min(calls, 10)
 
     def side_by_side(
         self, fns: dict[str, Callable[[int], object]], calls: int, warmup: int, rounds: int
@@ -323,11 +330,12 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
                     log(f"{name:30s} {n:>8d} rows  {row['median_us']:10.1f} us")
                 del fns, times
             # -- 2. host overhead: back-to-back eager calls of HOST_ROWS rows ------------------
+            sets = timer.back_to_back_sets(cfg.host_calls, cfg.rounds)
             fns = {
                 name: _lookup_call(
                     impl,
-                    torch.from_numpy(dist.draw(rng, layout.num_rows, cfg.host_calls * HOST_ROWS))
-                    .view(cfg.host_calls, HOST_ROWS)
+                    torch.from_numpy(dist.draw(rng, layout.num_rows, sets * HOST_ROWS))
+                    .view(sets, HOST_ROWS)
                     .to(device),
                     layout,
                     HOST_ROWS,
