@@ -172,3 +172,39 @@ def test_file_backing_tells_file_views_from_memory(tmp_path):
         assert file_backing(view) == (os.path.realpath(spec.path), spec.offset)
         assert file_backing(view.clone()) is None
     assert file_backing(torch.zeros(4)) is None
+
+
+_LOG_PROBE = textwrap.dedent(
+    """
+    import logging
+    from vllm.config import LoggingConfig
+    from vllm.logger import configure_logging
+    from ple_um.vllm.plugin import register
+    register()  # as vLLM loads its plugins: before it configures its logging
+    register()
+    configure_logging(LoggingConfig())
+    logging.getLogger("ple_um.metrics").info("ple-um stats (a line for the test)")
+    """
+)
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+@pytest.mark.parametrize("on", [True, False])
+def test_ple_um_lines_reach_vllms_log(on):
+    """Under vLLM the stats line and a table's open line (INFO on ``ple_um.*``) are written through
+    vLLM's handler, once each; without PLE_UM the plugin leaves logging alone."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PLE_UM", "VLLM_PLE_MMAP", "VLLM_CONFIGURE_LOGGING")
+    }
+    if on:
+        env["PLE_UM"] = "1"
+    env["VLLM_LOGGING_STREAM"] = "ext://sys.stdout"
+    done = subprocess.run(
+        [sys.executable, "-c", _LOG_PROBE], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "a line for the test" in line]
+    assert len(lines) == (1 if on else 0), done.stdout[-2000:]
+    if on:
+        assert "INFO" in lines[0]  # vLLM's format, not a bare message
