@@ -236,13 +236,14 @@ KNOBS: dict[str, Knob] = {
             _choice("auto", "on", "off"),
             "auto",
             "ats mode: a host node queued before the kernel touches the pages of the lookup's rows "
-            "(auto = when the table was not fully resident at open; on = always, in every GPU mode)",
+            "(auto = when the table was not fully resident at open; on = always, in the ats and registered "
+            "modes)",
         ),
         Knob(
             "PLE_UM_MAP_RESIDENT",
             _bool,
             True,
-            "host paths: at open, map the table pages already in the page cache into this process "
+            "ats and cpu modes: at open, map the table pages already in the page cache into this process "
             "(MADV_POPULATE_READ over resident ranges only), so that lookups take no minor faults",
         ),
         Knob(
@@ -281,8 +282,8 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_BULK_ROWS",
             _bulk_rows,
             "auto",
-            "GPU modes: lookups of at least this many ids (eager or captured) take the host path; "
-            "auto = the crossover measured at open, 0 = never",
+            "ats and registered modes: lookups of at least this many ids (eager or captured) take the "
+            "host path; auto = the crossover measured at open, 0 = never",
         ),
         Knob(
             "PLE_UM_ROWCOPY",

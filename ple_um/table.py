@@ -718,8 +718,9 @@ def open_table(
     table.metrics = metrics.LookupMetrics(table.mode, host_counted=isinstance(table.host, SyncGather))
     if isinstance(table.host, SyncGather):
         table.host.metrics = table.metrics
-    if table.registration is not None:
-        table.metrics.registration(table.registration.seconds)
+    registrations = [r for r in (table.registration, table.scale_registration) if r is not None]
+    if registrations:
+        table.metrics.registration(sum(r.seconds for r in registrations))
     residency = mapping.residency
     if scale_mapping is not None:  # the page-cache figures count the block scales beside the rows
         residency = lambda: [*mapping.residency(), *scale_mapping.residency()]  # noqa: E731
