@@ -28,25 +28,11 @@ def register() -> None:
         )
 
 
-class _ThroughVllm(logging.Handler):
-    """Hands each record of ``ple_um.*`` to vLLM's ``vllm`` logger as it is configured when the
-    record is written (vLLM configures its logging after the plugins load, and again in each
-    process it starts). Where vLLM configured none (VLLM_CONFIGURE_LOGGING=0) it does nothing:
-    the record still propagates to the root logger, as it always did."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        target = logging.getLogger("vllm")
-        if target.handlers and target.isEnabledFor(record.levelno):
-            target.handle(record)
-
-
 def log_through_vllm() -> None:
-    """Route ple-um's own log lines (``ple_um.*``: a table's open line, the stats line, the
-    metrics' notes) into vLLM's log: vLLM configures only its ``vllm`` logger tree, so under
-    ``vllm serve`` their INFO lines reached no log. Idempotent."""
-    ours = logging.getLogger("ple_um")
-    if any(isinstance(h, _ThroughVllm) for h in ours.handlers):
-        return
-    ours.addHandler(_ThroughVllm())
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
+    """Make ``ple_um`` (a table's open line, the stats line, the metrics' notes) a child of vLLM's
+    ``vllm`` logger: vLLM configures only that tree, after loading plugins, so under ``vllm serve``
+    ple-um's INFO lines reached no log. As a child, its records follow vLLM's level and handlers
+    as configured when they are written, once each; where vLLM configured nothing
+    (VLLM_CONFIGURE_LOGGING=0) ``vllm`` passes them on to the root logger, as before (warnings
+    still reach stderr through logging's last resort). Idempotent."""
+    logging.getLogger("ple_um").parent = logging.getLogger("vllm")

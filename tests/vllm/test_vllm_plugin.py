@@ -176,35 +176,44 @@ def test_file_backing_tells_file_views_from_memory(tmp_path):
 
 _LOG_PROBE = textwrap.dedent(
     """
-    import logging
+    import logging, sys
     from vllm.config import LoggingConfig
     from vllm.logger import configure_logging
     from ple_um.vllm.plugin import register
+    if sys.argv[1] == "root":  # a launcher that configured the root logger too
+        logging.basicConfig(stream=sys.stdout, level=logging.INFO)
     register()  # as vLLM loads its plugins: before it configures its logging
     register()
-    configure_logging(LoggingConfig())
+    if sys.argv[1] != "off":
+        configure_logging(LoggingConfig())
     logging.getLogger("ple_um.metrics").info("ple-um stats (a line for the test)")
+    logging.getLogger("ple_um.table").warning("ple-um warning (a line for the test)")
     """
 )
 
 
 @pytest.mark.vllm
 @h.needs_vllm
-@pytest.mark.parametrize("on", [True, False])
-def test_ple_um_lines_reach_vllms_log(on):
-    """Under vLLM the stats line and a table's open line (INFO on ``ple_um.*``) are written through
-    vLLM's handler, once each; without PLE_UM the plugin leaves logging alone."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("PLE_UM", "VLLM_PLE_MMAP", "VLLM_CONFIGURE_LOGGING")
-    }
-    if on:
+@pytest.mark.parametrize("case", ["vllm", "root", "off", "unset"])
+def test_ple_um_lines_reach_vllms_log(case):
+    """Under vLLM (PLE_UM=1) the stats line and a table's open line (INFO on ``ple_um.*``) are
+    written through vLLM's handler, once each, also when the root logger has a handler of its own;
+    with vLLM's logging off (VLLM_CONFIGURE_LOGGING=0) a warning still reaches stderr (logging's
+    last resort) and INFO stays silent, as before; without PLE_UM the plugin changes nothing."""
+    drop = ("PLE_UM", "VLLM_PLE_MMAP", "VLLM_CONFIGURE_LOGGING")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    if case != "unset":
         env["PLE_UM"] = "1"
+    if case == "off":
+        env["VLLM_CONFIGURE_LOGGING"] = "0"
     env["VLLM_LOGGING_STREAM"] = "ext://sys.stdout"
-    done = subprocess.run(
-        [sys.executable, "-c", _LOG_PROBE], env=env, capture_output=True, text=True, timeout=240
-    )
+    command = [sys.executable, "-c", _LOG_PROBE, "vllm" if case == "unset" else case]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if "a line for the test" in line]
-    assert len(lines) == (1 if on else 0), done.stdout[-2000:]
-    if on:
-        assert "INFO" in lines[0]  # vLLM's format, not a bare message
+    info = [line for line in done.stdout.splitlines() if "stats (a line for the test)" in line]
+    warning = [line for line in (done.stdout + done.stderr).splitlines() if "warning (a line" in line]
+    if case in ("vllm", "root"):
+        assert len(info) == 1 and "INFO" in info[0], done.stdout[-2000:]  # vLLM's format
+        assert len(warning) == 1
+    else:
+        assert info == [] and len(warning) == 1, (done.stdout[-2000:], done.stderr[-2000:])
