@@ -32,7 +32,7 @@ from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedErro
 from ple_um.lookup import rowcopy
 from ple_um.lookup.cpu_gather import SyncGather
 from ple_um.lookup.gpu_gather import GpuGather
-from ple_um.lookup.host_node import HostGather
+from ple_um.lookup.host_node import HostGather, StreamBlockedError
 from ple_um.lookup.nvfp4 import BLOCK
 from ple_um.mapping import MappedShards
 
@@ -665,6 +665,7 @@ def open_table(
         raise
     pinned_bytes = mapping.mapped_bytes + (scale_mapping.mapped_bytes if scale_mapping is not None else 0)
     rejected: dict[str, str] = {}
+    kept = False
     try:
         while True:
             report = decide(caps, mode=forced, table_bytes=pinned_bytes, budget=budget, exclude=rejected)
@@ -685,22 +686,30 @@ def open_table(
                     why = table.self_test(envs.PLE_UM_SELF_TEST_ROWS)
                 elif isinstance(table.host, HostGather):
                     _self_test_host_node(table, caps.cuda)
+            except StreamBlockedError:
+                ops.unregister_table(table.handle)
+                raise  # nothing may synchronize the device now: no release through it
             except Exception as exc:  # noqa: BLE001 - a mode that fails to build is rejected with its reason
                 why = f"{type(exc).__name__}: {exc}"
             if why is None:
                 break
-            if forced != "auto":
+            ops.unregister_table(table.handle)
+            try:
                 table._release_access()
-                ops.unregister_table(table.handle)
+            except BaseException:
+                # As in close(): not known to be idle, so a host thread may still read the mappings.
+                _KEPT_AFTER_FAILED_CLOSE.append((table.host, mapping, scale_mapping))
+                kept = True
+                raise
+            if forced != "auto":
                 raise ModeUnavailableError(report.mode, why)
             logger.warning("ple-um: %s mode rejected for %s: %s", report.mode, layout.directory, why)
-            table._release_access()
-            ops.unregister_table(table.handle)
             rejected[report.mode] = why
     except BaseException:
-        if scale_mapping is not None:
-            scale_mapping.close()
-        mapping.close()
+        if not kept:
+            if scale_mapping is not None:
+                scale_mapping.close()
+            mapping.close()
         raise
     knob = envs.PLE_UM_BULK_ROWS
     if table.gpu is not None and isinstance(table.host, HostGather) and knob != 0 and mapping.owned:

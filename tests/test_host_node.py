@@ -156,7 +156,7 @@ def test_the_signals_check_never_leaves_a_stream_waiting_unsaid(monkeypatch, see
     word = torch.zeros(host_node.SIGNAL_BYTES // 4, dtype=torch.int32)
     driver = _SignalsDriver(word, sees_host=sees_host, sees_device=sees_device)
     if reason == "stays blocked":
-        with pytest.raises(HostNodeError, match="stays blocked.*PLE_UM_DISPATCHER=0"):
+        with pytest.raises(host_node.StreamBlockedError, match="stays blocked.*PLE_UM_DISPATCHER=0"):
             driver._round_trip(1, word, lambda: 2)
     else:
         said = driver._round_trip(1, word, lambda: 2)
@@ -174,7 +174,7 @@ def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice
 
         def _check_signals(self, device):
             calls.append(device)
-            raise HostNodeError("a stream ... stays blocked")
+            raise host_node.StreamBlockedError("a stream ... stays blocked")
 
     driver, device = Checked(), torch.device("cuda", 3)
     for _ in range(2):

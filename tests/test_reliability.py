@@ -537,6 +537,48 @@ def test_a_close_that_fails_keeps_the_mappings(layout, monkeypatch):
     table.mapping.close()  # (the test's own clean-up: the process goes on)
 
 
+def test_a_blocked_stream_at_open_is_raised_without_a_release(layout, monkeypatch):
+    """The dispatcher's check found a stream blocked for good (injected here): open_table raises
+    it at once and never releases through the device (its synchronize would wait for ever); the
+    files are unmapped (no host thread reads them)."""
+    from ple_um.lookup.host_node import StreamBlockedError
+    from ple_um.table import MappedTable
+
+    released = []
+
+    def blocked(self, caps_cuda, host_node=True):
+        raise StreamBlockedError("a stream ... stays blocked (injected)")
+
+    monkeypatch.setattr(MappedTable, "_build", blocked)
+    monkeypatch.setattr(MappedTable, "_release_access", lambda self: released.append(self))
+    for mode in ("auto", "cpu"):
+        with pytest.raises(StreamBlockedError, match="injected"):
+            ple_um.open_table(layout.directory, mode=mode, device="cpu")
+    assert released == [] and not maps_of(layout.files)
+
+
+def test_a_rejected_mode_whose_release_fails_keeps_the_mappings(layout, monkeypatch):
+    """As close() does: a release that fails (a CUDA error) leaves the files mapped until exit."""
+    from ple_um import table as table_module
+    from ple_um.table import MappedTable
+
+    monkeypatch.setattr(table_module, "_KEPT_AFTER_FAILED_CLOSE", [])
+
+    def rejected(self, caps_cuda, host_node=True):
+        raise ValueError("this mode does not build (injected)")
+
+    def failing(self):
+        raise RuntimeError("CUDA error (injected)")
+
+    monkeypatch.setattr(MappedTable, "_build", rejected)
+    monkeypatch.setattr(MappedTable, "_release_access", failing)
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    assert maps_of(layout.files) and len(table_module._KEPT_AFTER_FAILED_CLOSE) == 1
+    for _, mapping, _ in table_module._KEPT_AFTER_FAILED_CLOSE:
+        mapping.close()  # (the test's own clean-up)
+
+
 class _HeldLibrary:
     """The C row copy with its lookup held at the start (the real copy, started a little late)."""
 

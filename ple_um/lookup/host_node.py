@@ -75,6 +75,11 @@ class HostNodeError(RuntimeError):
     """The CUDA driver refused to queue a host node (the message names the call and the error)."""
 
 
+class StreamBlockedError(HostNodeError):
+    """A stream of this device waits for ever (the dispatcher's check at open): nothing may
+    synchronize the device after it, so the open gives up without releasing through the device."""
+
+
 class _Driver:
     """The few CUDA driver calls of the host path, through ctypes on libcuda: queue a host function,
     and events. Each is a stream operation (captured like any other); none
@@ -110,7 +115,7 @@ class _Driver:
             "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(u64), ptr, u32],
         }
         self._thread = threading.local()
-        self._signals_checked: dict[int, str | HostNodeError] = {}
+        self._signals_checked: dict[int, str | StreamBlockedError] = {}
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, i32
@@ -204,10 +209,10 @@ class _Driver:
         if known is None:
             try:
                 known = self._check_signals(device)
-            except HostNodeError as exc:  # a stream left blocked: said again at every open
+            except StreamBlockedError as exc:  # a stream left blocked: said again at every open
                 known = exc
             self._signals_checked[device.index] = known
-        if isinstance(known, HostNodeError):
+        if isinstance(known, StreamBlockedError):
             raise known
         return known or None
 
@@ -251,7 +256,7 @@ class _Driver:
                 "check is then not made)"
             )
             log.error("ple-um: %s", why)
-            raise HostNodeError(why)
+            raise StreamBlockedError(why)
         if rc == 600:
             return "a stream waiting on pinned memory never saw this thread's write"
         if rc != 0:
