@@ -643,7 +643,9 @@ def open_table(
 ) -> MappedTable:
     """Open one PLE layer's table from the checkpoint directory ``path`` (see DESIGN.md)."""
     t0 = time.perf_counter()
-    envs.check()  # a knob set to a value it does not take is an error here, not a rejected mode
+    # A knob set to a value it does not take is an error here, not a rejected mode (PLE_UM_MODE:
+    # read by requested_mode, and only when no mode is given).
+    envs.check(skip=("PLE_UM_MODE",))
     forced = requested_mode(mode)
     layout = read_layout(os.fspath(path), layer)
     if rows is None:

@@ -498,3 +498,14 @@ def test_a_bad_knob_is_an_error_at_open_naming_it(layout, monkeypatch, mode, var
 def test_a_device_that_cannot_serve_is_refused_at_open(layout, device, expected):
     with pytest.raises(ValueError, match=expected):
         ple_um.open_table(layout.directory, mode="cpu", device=device)
+
+
+def test_an_explicit_mode_ignores_a_stale_mode_knob(layout, monkeypatch):
+    """PLE_UM_MODE is read only when no mode is given: a stale value does not stop mode="cpu"."""
+    from ple_um.errors import KnobError
+
+    monkeypatch.setenv("PLE_UM_MODE", "host")
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        assert table.mode == "cpu"
+    with pytest.raises(KnobError, match="PLE_UM_MODE='host'"):
+        ple_um.open_table(layout.directory, device="cpu")

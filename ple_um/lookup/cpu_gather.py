@@ -401,7 +401,7 @@ class SyncGather:
             dequantize(self.rows.gather(ids, owned), self.storage, self.scale, out)
         self._count(n, bad, self.rows.last_phases)
         if self.metrics is not None:
-            row_bytes = self.rows.row_bytes
+            row_bytes = self.rows.row_bytes + (self.block_scales.row_bytes if self.block_scales else 0)
             self.metrics.observe(n, n * row_bytes, bad, self.rows.last_phases, time.perf_counter() - t0)
         return out
 

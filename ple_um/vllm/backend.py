@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import re
-import weakref
 
 import torch
 from vllm.compilation.breakable_cudagraph import (
@@ -160,7 +159,6 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self._source_files: frozenset[str] = frozenset()
         self._captured = False
         self._captured_zeros = False
-        self._closer: weakref.finalize | None = None
         # vLLM's prefetch hook (read by Qwen4ExpNGramEmbedding right after construction): the
         # lookup queued one decoder layer ahead on a side stream.
         self.supports_prefetch = envs.PLE_UM_OVERLAP
@@ -476,7 +474,6 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             table.close()
             raise
         old, self._table, self._table_dir = self._table, table, directory
-        self._close_with_layer(table)
         if old is not None:
             logger.info("ple-um: %s remapped from %s to %s", self.prefix, old.layout.directory, directory)
             old.close()
@@ -615,20 +612,8 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""
         table, self._table, self._table_dir = self._table, None, None
-        self._close_with_layer(None)
         if table is not None:
             table.close()
-
-    def _close_with_layer(self, table: MappedTable | None) -> None:
-        """Close ``table`` when this layer is garbage collected (a model dropped in a process that
-        goes on, as an in-process ``LLM`` re-created), not at exit (the process's end releases its
-        mappings and pins). Replaces the previous table's hook."""
-        if self._closer is not None:
-            self._closer.detach()
-        self._closer = None
-        if table is not None:
-            self._closer = weakref.finalize(self, table.close)
-            self._closer.atexit = False
 
     # -- lookup -------------------------------------------------------------------------------
     def require_table(self) -> MappedTable:

@@ -391,23 +391,6 @@ def test_rocm_layer_takes_no_prefetch_hook(world, patched, monkeypatch):
         unpatch_ngram_class(ple_layer)
 
 
-def test_a_dropped_layer_closes_its_table(world, patched, table_dir, tmp_path):
-    """A model dropped in a process that goes on (an in-process LLM re-created): its tables close
-    when their layers are collected: no mapping or descriptor of the files is left."""
-    import gc
-
-    from reference import maps_of
-
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
-    module = _mapped(config, layout.directory)
-    table = module.ngram_embedding.table
-    assert maps_of(layout.files)
-    del module
-    gc.collect()
-    assert table.closed and not maps_of(layout.files)
-
-
 def test_breakable_piecewise_capture_keeps_the_lookup_in_its_segment(monkeypatch):
     """Under vLLM's breakable capture in a mode other than FULL an attention op ends the graph
     segment between start_prefetch and finalize_prefetch, so the prefetch must not fork a side
