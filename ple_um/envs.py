@@ -71,40 +71,28 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _count(low: int, high: int) -> Callable[[str], int]:
-    """A whole number in [low, high] (a C int takes it without wrapping)."""
+def _ranged(convert: Callable[[str], Any], low: float, high: float, expected: str) -> Callable[[str], Any]:
+    """A number that ``convert`` (int, float) reads, in [low, high]: NaN and the infinities are out
+    of range, and an int knob never wraps a C int. ``expected`` says what is taken."""
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text.strip())
+            value = convert(text.strip())
         except ValueError:
-            raise ValueError(f"expected a whole number from {low} to {high}, got {text!r}") from None
-        if not low <= value <= high:
-            raise ValueError(f"expected a whole number from {low} to {high}, got {text!r}")
+            value = None
+        if value is None or not low <= value <= high:
+            raise ValueError(f"expected {expected}, got {text!r}")
         return value
 
     return parse
 
 
-def _seconds_or_off(text: str) -> float:
-    """Seconds between two reports: a finite number >= 0 (0 = off), at most a day."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number of seconds (0 = off), got {text!r}") from None
-    if not 0 <= value <= 86400:
-        raise ValueError(f"expected a number of seconds from 0 (off) to 86400, got {text!r}")
-    return value
+def _count(low: int, high: int) -> Callable[[str], int]:
+    return _ranged(int, low, high, f"a whole number from {low} to {high}")
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a fraction from 0 to 1, got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise ValueError(f"expected a fraction from 0 to 1, got {text!r}")
-    return value
+_seconds_or_off = _ranged(float, 0, 86400, "a number of seconds from 0 (off) to 86400")
+_fraction = _ranged(float, 0, 1, "a fraction from 0 to 1")
 
 
 def _directory(text: str) -> str:
