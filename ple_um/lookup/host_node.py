@@ -233,7 +233,7 @@ class _Driver:
         never sees the write still waits: the word is kept for the life of the process (freed, its
         memory could be handed out and written again), and the same write is made from the device
         on ``other_stream()`` to release it (else every later synchronize of the device would hang).
-        Where even that does not release it, HostNodeError (logged first)."""
+        Where even that does not release it, StreamBlockedError (logged first)."""
         done = DONE_AT // 4
         try:
             address = self.device_pointer(word.data_ptr())

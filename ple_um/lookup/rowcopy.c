@@ -259,9 +259,6 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* A forked child has only the thread that forked: none of the workers, and locks other threads held
- * stay held. No thread of the child is inside a lookup (a thread inside ple_lookup_run cannot fork),
- * so every lock starts free and the child's lookups are copied by their calling threads. */
 /* The dispatcher's queue (see "the dispatcher" below). */
 static pthread_mutex_t d_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t d_cv = PTHREAD_COND_INITIALIZER;
@@ -269,6 +266,9 @@ static ple_lookup_t *d_head, *d_tail;
 static int d_sleeping;
 static atomic_int d_running;
 
+/* A forked child has only the thread that forked: none of the workers, and locks other threads held
+ * stay held. No thread of the child is inside a lookup (a thread inside ple_lookup_run cannot fork),
+ * so every lock starts free and the child's lookups are copied by their calling threads. */
 static void after_fork_in_child(void) {
     atomic_store(&g_workers, 0);
     atomic_store(&d_running, 0);
