@@ -255,17 +255,31 @@ class MappedTable:
         return bases
 
     def _release_access(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # every queued kernel and host node has run
-        for res in (self.prefetcher, self.host, self.scale_registration, self.registration):
-            if res is not None:
-                res.close()
+        """Wait for the device, then release the mode's resources. Where that fails (a CUDA error)
+        the device is not known to be idle: a host thread (the dispatcher, a host node, the pool)
+        may still read the mappings or a job struct, so they are kept for the life of the process
+        (``mappings_kept``: the caller leaves them mapped) and the error is raised."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # every queued kernel and host node has run
+            for res in (self.prefetcher, self.host, self.scale_registration, self.registration):
+                if res is not None:
+                    res.close()
+        except BaseException:
+            _KEPT_AFTER_FAILED_CLOSE.append((self.host, self.mapping, self.scale_mapping))
+            logger.error("ple-um: releasing %s failed; its mappings stay until exit", self.layout.directory)
+            raise
         self.prefetcher = self.host = None
         self.scale_registration = self.registration = None
         self.bulk_rows = None
         self.touch_pages = False
         self.gpu = None
         self.device_copy = self.scale_device_copy = None
+
+    @property
+    def mappings_kept(self) -> bool:
+        """Whether a failed release left this table's mappings to the process's end."""
+        return any(kept[1] is self.mapping for kept in _KEPT_AFTER_FAILED_CLOSE)
 
     def self_test(self, count: int) -> str | None:
         """Gather sample rows through this mode's lookup path and compare them with the bytes read
@@ -582,15 +596,7 @@ class MappedTable:
             while self._inflight:
                 time.sleep(1e-3)
             ops.unregister_table(self.handle)
-            try:
-                self._release_access()
-            except BaseException:
-                # Not known to be idle (a CUDA error, say): a host thread (the dispatcher, a host
-                # node, the pool) may still read the mappings or a job struct. Kept for the life of
-                # the process rather than unmapped under it.
-                _KEPT_AFTER_FAILED_CLOSE.append((self.host, self.mapping, self.scale_mapping))
-                logger.error("ple-um: closing %s failed; its mappings stay until exit", self.layout.directory)
-                raise
+            self._release_access()  # where it fails, the mappings stay mapped (and it raises)
             if self.scale_mapping is not None:
                 self.scale_mapping.close()
             self.mapping.close()
@@ -667,7 +673,7 @@ def open_table(
         raise
     pinned_bytes = mapping.mapped_bytes + (scale_mapping.mapped_bytes if scale_mapping is not None else 0)
     rejected: dict[str, str] = {}
-    kept = False
+    table = None
     try:
         while True:
             report = decide(caps, mode=forced, table_bytes=pinned_bytes, budget=budget, exclude=rejected)
@@ -696,19 +702,13 @@ def open_table(
             if why is None:
                 break
             ops.unregister_table(table.handle)
-            try:
-                table._release_access()
-            except BaseException:
-                # As in close(): not known to be idle, so a host thread may still read the mappings.
-                _KEPT_AFTER_FAILED_CLOSE.append((table.host, mapping, scale_mapping))
-                kept = True
-                raise
+            table._release_access()
             if forced != "auto":
                 raise ModeUnavailableError(report.mode, why)
             logger.warning("ple-um: %s mode rejected for %s: %s", report.mode, layout.directory, why)
             rejected[report.mode] = why
     except BaseException:
-        if not kept:
+        if table is None or not table.mappings_kept:
             if scale_mapping is not None:
                 scale_mapping.close()
             mapping.close()

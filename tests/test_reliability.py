@@ -514,7 +514,7 @@ def test_use_after_close_and_double_close(layout):
 
 
 def test_a_close_that_fails_keeps_the_mappings(layout, monkeypatch):
-    """close() whose wait for the device fails (injected here as a CUDA error would raise it):
+    """close() whose release fails (injected in the host path's release, as a CUDA error would):
     the error reaches the caller and the files stay mapped (a host thread may still read them);
     the table is closed to new lookups, and a second close() returns."""
     from ple_um import table as table_module
@@ -525,7 +525,7 @@ def test_a_close_that_fails_keeps_the_mappings(layout, monkeypatch):
     def failing() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
 
-    monkeypatch.setattr(table, "_release_access", failing)
+    monkeypatch.setattr(table.host, "close", failing)  # inside the release, as a CUDA error would
     with pytest.raises(RuntimeError, match="injected"):
         table.close()
     assert table.closed and maps_of(layout.files)
@@ -564,14 +564,15 @@ def test_a_rejected_mode_whose_release_fails_keeps_the_mappings(layout, monkeypa
 
     monkeypatch.setattr(table_module, "_KEPT_AFTER_FAILED_CLOSE", [])
 
+    class Failing:
+        def close(self):
+            raise RuntimeError("CUDA error (injected)")
+
     def rejected(self, caps_cuda, host_node=True):
+        self.host = Failing()  # a resource whose release fails, as after a CUDA error
         raise ValueError("this mode does not build (injected)")
 
-    def failing(self):
-        raise RuntimeError("CUDA error (injected)")
-
     monkeypatch.setattr(MappedTable, "_build", rejected)
-    monkeypatch.setattr(MappedTable, "_release_access", failing)
     with pytest.raises(RuntimeError, match="CUDA error"):
         ple_um.open_table(layout.directory, mode="cpu", device="cpu")
     assert maps_of(layout.files) and len(table_module._KEPT_AFTER_FAILED_CLOSE) == 1
