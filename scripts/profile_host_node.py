@@ -172,7 +172,7 @@ def timed_replays(graph, ids: torch.Tensor, num_rows: int, reps: int, verify=Non
     return times
 
 
-def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
+def overlap(table, num_rows, reference, reps, shapes=((2048, 4), (2048, 8), (2048, 16)), priority=0) -> dict:
     """A PLE-shaped step: GPU work (a bf16 matmul chain), then a consumer of the work's result and of
     the lookup's rows. Four variants, each with the same consumer: the work alone (the consumer
     reads a stand-in for the rows), the lookup alone (the consumer reads a stand-in for the work),
@@ -181,21 +181,21 @@ def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
     one (events); eager steps back to back, as a serving loop issues them (the ids of every step
     copied in first), time per step."""
     n = 1024
-    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, num_rows, (n,), device="cuda")
     fresh = torch.randint(0, num_rows, (64, n), device="cuda")
     out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
     rows_stand_in = torch.empty_like(out)
-    work_stand_in = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(priority=priority)
     results = {}
 
     def consume(x, rows):
         return x.float().mean() + rows.float().mean()
 
-    for chain in chains:
+    for size, chain in shapes:
+        a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        work_stand_in = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
 
-        def work(chain=chain):
+        def work(chain=chain, a=a):
             x = a
             for _ in range(chain):
                 x = x @ a
@@ -210,7 +210,7 @@ def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
 
         variants = {
             "work": lambda: consume(work(), rows_stand_in),
-            "lookup": lambda: (lookup(), consume(work_stand_in, out))[1],
+            "lookup": lambda work_stand_in=work_stand_in: (lookup(), consume(work_stand_in, out))[1],
             "serial": lambda: (lookup(), consume(work(), out))[1],
         }
 
@@ -227,7 +227,7 @@ def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
         for name, fn in variants.items():
             fn()
             torch.cuda.synchronize()
-            steps = []
+            steps, issued = [], []
             spent[0] = 0.0
             for _ in range(reps):
                 torch.cuda.synchronize()
@@ -235,6 +235,7 @@ def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
                 for k in range(fresh.shape[0]):
                     ids.copy_(fresh[k])
                     fn()
+                issued.append((time.perf_counter() - t0) / fresh.shape[0])
                 torch.cuda.synchronize()
                 steps.append((time.perf_counter() - t0) / fresh.shape[0])
             if name in ("lookup", "overlapped"):
@@ -252,11 +253,15 @@ def overlap(table, num_rows, reference, reps, chains=(4, 8, 16)) -> dict:
                 "eager": spread(steps),
                 "graph": spread(replays),
                 "eager_lookup_call_us": spent[0] / (reps * fresh.shape[0]) * 1e6,
+                "eager_issue": spread(issued),  # host time to queue a step (the host's share)
             }
         for kind in ("eager", "graph"):
             floor = max(row["work"][kind]["median_us"], row["lookup"][kind]["median_us"])
             row[f"overlapped_over_max_{kind}"] = row["overlapped"][kind]["median_us"] / floor
-        results[f"matmuls_{chain}"] = row
+        # The host's issue time is most of the step: the step is the host's, nothing to overlap on it.
+        issue, step = ({k: row[k][key]["median_us"] for k in variants} for key in ("eager_issue", "eager"))
+        row["host_bound_eager"] = {k: issue[k] >= 0.9 * step[k] for k in variants}
+        results[f"matmuls_{chain}x{size}"] = row
     return results
 
 
@@ -287,6 +292,25 @@ def host_calls(reps: int = 20) -> dict:
         calls["cuStreamWriteValue32"] = lambda: driver.write_value(stream, word + 4096, 1)
         calls["cuStreamWaitValue32 (met)"] = lambda: driver.wait_value(stream, word + 4096, 0)
     out = {}
+    if word is not None:  # how soon a stream waiting on pinned memory sees the host's write
+        go = ctypes.c_uint32.from_address(pinned.data_ptr() + 8192)
+        back = ctypes.c_uint32.from_address(pinned.data_ptr() + 8256)
+        go.value = back.value = 0
+        for waited in (0.0002, 0.002):
+            times = []
+            for k in range(1, reps + 3):
+                driver.wait_value(stream, word + 8192, k)
+                driver.write_value(stream, word + 8256, k)
+                time.sleep(waited)  # the stream waits this long first
+                t0 = time.perf_counter()
+                go.value = k
+                while back.value != k:
+                    pass
+                times.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            key = f"signal round trip after {waited * 1e3:g} ms waiting"
+            out[key] = spread(times[2:])["median_us"]
+            print(f"host call {key}: {out[key]:.1f} us", flush=True)
     for name, call in calls.items():
         row = {}
         for busy in (False, True):
@@ -303,6 +327,200 @@ def host_calls(reps: int = 20) -> dict:
         out[name] = row
         print(f"host call {name}: idle {row['idle']:.1f} us, behind GPU work {row['busy']:.1f} us")
     return out
+
+
+def bulk(name: str, table, num_rows: int, reference, reps: int) -> dict:
+    """Where a 131 072-row host-path lookup's time goes (the registered mode's miss): the C row copy
+    alone into pinned staging (host ids, the pool woken first, as a lookup does), the rows' copy to
+    the device alone, the row copy while that copy runs, and the whole eager lookup (synced) with
+    other chunk sizes; then the GPU timeline of one lookup (torch.profiler: the ids' copy and each
+    chunk's copy to the device, microseconds from the ids' copy's start)."""
+    import ctypes
+
+    from ple_um.lookup import host_node, rowcopy
+
+    host, n = table.host, 131072
+    rng = np.random.default_rng()
+    staging = torch.empty((n, 160), dtype=torch.uint8, pin_memory=True)
+    other = torch.empty((2 * n, 160), dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty((2 * n, 160), dtype=torch.uint8, device="cuda")
+    out: dict = {}
+
+    def reads() -> float:
+        ids = torch.from_numpy(rng.integers(0, num_rows, n))
+        job = rowcopy.LookupStruct()
+        host._fill(job, ids.data_ptr(), 0, n, [staging.data_ptr()])
+        host.pool.wake()
+        t0 = time.perf_counter()
+        host.lib.ple_lookup_run(ctypes.addressof(job))
+        dt = time.perf_counter() - t0
+        check(f"bulk reads {name}", torch.equal(staging[:64].cuda(), reference.rows[ids[:64].cuda()]))
+        return dt
+
+    out["reads_alone"] = spread([reads() for _ in range(reps)])
+
+    def copy(rows: int) -> float:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dev[:rows].copy_(other[:rows], non_blocking=True)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e-3
+
+    out["h2d_21MB_alone"] = spread([copy(n) for _ in range(reps)])
+    during = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dev.copy_(other, non_blocking=True)  # 42 MB: longer than the reads
+        during.append(reads())
+    torch.cuda.synchronize()
+    out["reads_during_h2d"] = spread(during)
+
+    def copies(rows: int, pieces: int) -> float:  # the staging's first rows, in pieces, to the device
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for k in range(pieces):
+            dev[k * rows : (k + 1) * rows].copy_(staging[k * rows : (k + 1) * rows], non_blocking=True)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e-3
+
+    fresh, again = [], []
+    for _ in range(reps):  # just written by the row copy, then the same bytes copied again
+        reads()
+        fresh.append(copies(32768, 4))
+        again.append(copies(32768, 4))
+    out["h2d_4x32768_just_written"] = spread(fresh)
+    out["h2d_4x32768_again"] = spread(again)
+    out["h2d_1x131072_again"] = spread([copies(n, 1) for _ in range(reps)])
+    out["h2d_32x4096_again"] = spread([copies(4096, 32) for _ in range(reps)])
+    saved = host_node.chunks
+    try:
+        for label, sizes in SCHEDULES.items():
+            if label != "default":
+                host_node.chunks = lambda m, sizes=sizes: pieces_of(m, sizes, saved)
+            out[f"eager {label}"] = eager_synced(table, n, num_rows, reps, reference)
+            out[f"graph {label}"] = graph_replay(table, n, num_rows, reps, reference)
+            host_node.chunks = saved
+    finally:
+        host_node.chunks = saved
+    out["timeline"] = [lookup_timeline(table, n, num_rows) for _ in range(3)]
+    for key, value in out.items():
+        print(f"bulk {name} {key}: {value}", flush=True)
+    return out
+
+
+# Chunk schedules tried at 131 072 rows (the rows of each piece in turn; "default": the library's).
+SCHEDULES = {
+    "default": None,
+    "65536+61440+4096": (65536, 61440, 4096),
+    "65536+65536": (65536, 65536),
+    "8192+16384+32768+69632+4096": (8192, 16384, 32768, 69632, 4096),
+    "16384+49152+61440+4096": (16384, 49152, 61440, 4096),
+    "8192+24576+49152+45056+4096": (8192, 24576, 49152, 45056, 4096),
+    "4096+12288+45056+65536+4096": (4096, 12288, 45056, 65536, 4096),
+    "16384x8": (16384,) * 8,
+}
+
+
+def pieces_of(n: int, sizes: tuple[int, ...], default) -> list[tuple[int, int]]:
+    """[a, b) pieces of ``sizes`` for a lookup of their sum, else the library's ``default(n)``."""
+    if n != sum(sizes):
+        return default(n)
+    bounds = np.cumsum((0, *sizes)).tolist()
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def gpu_events(prof) -> list[dict]:
+    """The GPU activities of a torch.profiler run: name, kind, stream, start and end (us)."""
+    events = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            events.append(
+                {
+                    "name": e.name[:60],
+                    "stream": getattr(e, "device_resource_id", None) or getattr(e, "thread", None),
+                    "start": e.time_range.start,
+                    "end": e.time_range.end,
+                }
+            )
+    return sorted(events, key=lambda e: e["start"])
+
+
+def lookup_timeline(table, n: int, num_rows: int) -> list:
+    """One eager lookup of ``n`` fresh ids under torch.profiler: its GPU activities, microseconds
+    from the first one's start."""
+    out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
+    ids = torch.randint(0, num_rows, (n,), device="cuda")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        table.lookup(ids, out=out.view(table.dtype))
+        torch.cuda.synchronize()
+    return relative(gpu_events(prof))
+
+
+def relative(events: list[dict]) -> list:
+    """(name, stream, start, end) of each event, microseconds from the first one's start."""
+    t0 = events[0]["start"] if events else 0
+    return [(e["name"], e["stream"], round(e["start"] - t0, 1), round(e["end"] - t0, 1)) for e in events]
+
+
+def overlap_trace(table, num_rows: int, steps: int = 12, chain: int = 8) -> dict:
+    """The eager overlapped step under torch.profiler (the miss): the GPU activities of ``steps``
+    back-to-back steps (chain matmuls on the current stream, the 1 024-row lookup forked onto a side
+    stream and joined), each with its stream, and the host time each step took to issue."""
+    n = 1024
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, num_rows, (n,), device="cuda")
+    fresh = torch.randint(0, num_rows, (steps, n), device="cuda")
+    out = torch.empty((n, 160), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    result = {}
+    for variant in ("overlapped", "serial"):
+
+        def step(variant=variant):
+            if variant == "overlapped":
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    table.lookup(ids, out=out.view(table.dtype))
+            else:
+                table.lookup(ids, out=out.view(table.dtype))
+            x = a
+            for _ in range(chain):
+                x = x @ a
+            torch.cuda.current_stream().wait_stream(side)
+            return x.float().mean() + out.float().mean()
+
+        for k in range(3):
+            ids.copy_(fresh[k])
+            step()
+        torch.cuda.synchronize()
+        issue = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for k in range(steps):
+                t = time.perf_counter()
+                ids.copy_(fresh[k])
+                step()
+                issue.append(round((time.perf_counter() - t) * 1e6, 1))
+            issued = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            total = time.perf_counter() - t0
+        events = gpu_events(prof)
+        result[variant] = {
+            "issue_us_per_step": issue,
+            "issued_us": issued * 1e6,
+            "total_us": total * 1e6,
+            "gpu": relative(events),
+        }
+        print(
+            f"overlap trace {variant}: issued {issued * 1e6 / steps:.1f} us/step, "
+            f"total {total * 1e6 / steps:.1f} us/step; issue per step {issue}",
+            flush=True,
+        )
+    return result
 
 
 def drop_rows(table, ids: np.ndarray, libc) -> None:
@@ -367,6 +585,9 @@ def cold(table, num_rows, reference, reps) -> dict:
     }
 
 
+PARTS = ("paths", "overlap", "host_calls", "bulk", "trace", "cold")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -375,11 +596,36 @@ def main() -> int:
     parser.add_argument("--dir", default=None)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_host_node.json"))
-    parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument("--skip-cold", action="store_true", help="the same as leaving 'cold' out of --parts")
+    parser.add_argument(
+        "--parts",
+        default="paths,overlap,host_calls,cold",
+        help=f"comma-separated, of {', '.join(PARTS)} (bulk: where a 131 072-row host-path lookup's "
+        "time goes; trace: the eager overlapped step under torch.profiler)",
+    )
+    parser.add_argument(
+        "--shapes",
+        default="2048x4,2048x8,2048x16,4096x2,4096x4",
+        help="the overlap's GPU work, comma-separated SIZExCHAIN: CHAIN bf16 matmuls of SIZE x SIZE",
+    )
+    parser.add_argument("--side-priority", type=int, default=0, help="the overlap's side stream priority")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        parser.error(f"unknown parts {sorted(parts - set(PARTS))}; known: {', '.join(PARTS)}")
+    if args.skip_cold:
+        parts.discard("cold")
+    shapes = tuple(tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(","))
     directory = table_dir(args)
     os.environ["PLE_UM_BULK_ROWS"] = "auto"
-    result: dict = {"size": args.size, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result: dict = {
+        "size": args.size,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "parts": sorted(parts),
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+        "side_priority": args.side_priority,
+    }
     t0 = time.perf_counter()
     cpu = ple_um.open_table(directory, mode="cpu")
     result["cpu_open_seconds"] = time.perf_counter() - t0
@@ -398,39 +644,50 @@ def main() -> int:
         "ple-um cpu": cpu,
         "ple-um cpu, eager host nodes": HostNodes(cpu),
     }
-
     eager = {name: {} for name in paths}
     graphs = {name: {} for name in paths}
-    for n in SIZES:
-        for name, path in paths.items():
-            eager[name][n] = eager_synced(path, n, num_rows, args.reps, resident)
-            graphs[name][n] = graph_replay(path, n, num_rows, args.reps, resident)
-            print(
-                name,
-                n,
-                "eager",
-                round(eager[name][n]["median_us"], 1),
-                "graph",
-                round(graphs[name][n]["median_us"], 1),
-                flush=True,
-            )
-    result["eager"] = eager
-    result["graph"] = graphs
-    # The registered mode's kernel alone at the big size (its host path switched off for the call).
-    saved, registered.bulk_rows = registered.bulk_rows, None
-    result["registered_kernel_only_131072"] = eager_synced(registered, 131072, num_rows, args.reps, resident)
-    registered.bulk_rows = saved
-    costs = {**paths, "GpuGather.gather alone (registered)": KernelCall(registered)}
-    result["host_cost_us_16_rows"] = {name: host_cost(path, num_rows) for name, path in costs.items()}
-    print("host cost", result["host_cost_us_16_rows"], flush=True)
-    result["overlap_cpu_mode"] = overlap(cpu, num_rows, resident, args.reps)
-    result["overlap_cpu_mode_host_nodes"] = overlap(HostNodes(cpu), num_rows, resident, args.reps, (4, 16))
-    try:  # (added after the last GPU run: a failure here must not lose the rest of the run)
-        result["host_calls_us"] = host_calls()
-    except Exception as exc:  # noqa: BLE001 - recorded and printed, the run goes on
-        result["host_calls_us"] = {"error": repr(exc)}
-        print(f"host calls: {exc!r}")
-    if not args.skip_cold:
+    if "paths" in parts:
+        for n in SIZES:
+            for name, path in paths.items():
+                eager[name][n] = eager_synced(path, n, num_rows, args.reps, resident)
+                graphs[name][n] = graph_replay(path, n, num_rows, args.reps, resident)
+                print(
+                    name,
+                    n,
+                    "eager",
+                    round(eager[name][n]["median_us"], 1),
+                    "graph",
+                    round(graphs[name][n]["median_us"], 1),
+                    flush=True,
+                )
+        result["eager"] = eager
+        result["graph"] = graphs
+        # The registered mode's kernel alone at the big size (its host path switched off for the call).
+        saved, registered.bulk_rows = registered.bulk_rows, None
+        kernel_only = eager_synced(registered, 131072, num_rows, args.reps, resident)
+        result["registered_kernel_only_131072"] = kernel_only
+        registered.bulk_rows = saved
+        costs = {**paths, "GpuGather.gather alone (registered)": KernelCall(registered)}
+        result["host_cost_us_16_rows"] = {name: host_cost(path, num_rows) for name, path in costs.items()}
+        print("host cost", result["host_cost_us_16_rows"], flush=True)
+    if "bulk" in parts:
+        result["bulk_registered"] = bulk("registered", registered, num_rows, resident, args.reps)
+        result["bulk_cpu"] = bulk("cpu", cpu, num_rows, resident, args.reps)
+    if "overlap" in parts:
+        result["overlap_cpu_mode"] = overlap(cpu, num_rows, resident, args.reps, shapes, args.side_priority)
+        result["overlap_cpu_mode_host_nodes"] = overlap(
+            HostNodes(cpu), num_rows, resident, args.reps, shapes, args.side_priority
+        )
+    if "trace" in parts:
+        result["overlap_trace_dispatcher"] = overlap_trace(cpu, num_rows)
+        result["overlap_trace_host_nodes"] = overlap_trace(HostNodes(cpu), num_rows)
+    if "host_calls" in parts:
+        try:
+            result["host_calls_us"] = host_calls()
+        except Exception as exc:  # noqa: BLE001 - recorded and printed, the run goes on
+            result["host_calls_us"] = {"error": repr(exc)}
+            print(f"host calls: {exc!r}")
+    if "cold" in parts:
         result["cold_cpu_mode"] = cold(cpu, num_rows, resident, max(5, args.reps // 3))
     result["failures"] = FAILURES
     for table in (cpu, registered):
@@ -438,26 +695,34 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
-    print("\n| path | " + " | ".join(f"{n} eager / graph (us)" for n in SIZES) + " | host cost 16 (us) |")
-    print("| --- |" + " --- |" * (len(SIZES) + 1))
-    for name in paths:
-        cells = [f"{eager[name][n]['median_us']:.1f} / {graphs[name][n]['median_us']:.1f}" for n in SIZES]
-        print(f"| {name} | " + " | ".join(cells) + f" | {result['host_cost_us_16_rows'][name]:.1f} |")
-    k = result["registered_kernel_only_131072"]["median_us"]
-    print(f"registered 131072 kernel only: {k:.1f} us; bulk_rows {result['registered_bulk_rows']}")
+    if "paths" in parts:
+        print("\n| path | " + " | ".join(f"{n} eager / graph (us)" for n in SIZES) + " | host cost 16 (us) |")
+        print("| --- |" + " --- |" * (len(SIZES) + 1))
+        for name in paths:
+            cells = [f"{eager[name][n]['median_us']:.1f} / {graphs[name][n]['median_us']:.1f}" for n in SIZES]
+            print(f"| {name} | " + " | ".join(cells) + f" | {result['host_cost_us_16_rows'][name]:.1f} |")
+        k = result["registered_kernel_only_131072"]["median_us"]
+        print(f"registered 131072 kernel only: {k:.1f} us; bulk_rows {result['registered_bulk_rows']}")
+    for key in ("bulk_registered", "bulk_cpu"):
+        if key in result:
+            b = result[key]
+            cells = [f"{name} {v['median_us']:.1f}" for name, v in b.items() if isinstance(v, dict)]
+            print(f"{key} (median us): " + "; ".join(cells))
     names = ("work", "lookup", "overlapped", "serial")
     for key in ("overlap_cpu_mode", "overlap_cpu_mode_host_nodes"):
-        for chain, row in result[key].items():
+        for chain, row in result.get(key, {}).items():
             cells = [
                 f"{kind} " + " / ".join(f"{row[name][kind]['median_us']:.1f}" for name in names)
                 for kind in ("graph", "eager")
             ]
+            issue = " / ".join(f"{row[name]['eager_issue']['median_us']:.1f}" for name in names)
             print(
                 f"{key} {chain}, work / lookup / overlapped / serial (us): {'; '.join(cells)}; "
                 f"overlapped/max: graph {row['overlapped_over_max_graph']:.2f}, "
                 f"eager {row['overlapped_over_max_eager']:.2f}; eager lookup call (host) "
                 f"{row['lookup']['eager_lookup_call_us']:.1f} us alone, "
-                f"{row['overlapped']['eager_lookup_call_us']:.1f} us overlapped"
+                f"{row['overlapped']['eager_lookup_call_us']:.1f} us overlapped; "
+                f"host issue per step {issue}; host-bound eager: {row['host_bound_eager']}"
             )
     if "cold_cpu_mode" in result:
         c = result["cold_cpu_mode"]["cold"]
