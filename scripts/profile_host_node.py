@@ -329,7 +329,7 @@ def host_calls(reps: int = 20) -> dict:
     return out
 
 
-def bulk(name: str, table, num_rows: int, reference, reps: int) -> dict:
+def bulk(name: str, table, num_rows: int, reference, reps: int, schedules=None) -> dict:
     """Where a 131 072-row host-path lookup's time goes (the registered mode's miss): the C row copy
     alone into pinned staging (host ids, the pool woken first, as a lookup does), the rows' copy to
     the device alone, the row copy while that copy runs, and the whole eager lookup (synced) with
@@ -399,6 +399,8 @@ def bulk(name: str, table, num_rows: int, reference, reps: int) -> dict:
     saved = host_node.chunks
     try:
         for label, sizes in SCHEDULES.items():
+            if schedules and label not in schedules:
+                continue
             if label != "default":
                 host_node.chunks = lambda m, sizes=sizes: pieces_of(m, sizes, saved)
             out[f"eager {label}"] = eager_synced(table, n, num_rows, reps, reference)
@@ -608,6 +610,7 @@ def main() -> int:
         default="2048x4,2048x8,2048x16,4096x2,4096x4",
         help="the overlap's GPU work, comma-separated SIZExCHAIN: CHAIN bf16 matmuls of SIZE x SIZE",
     )
+    parser.add_argument("--schedules", default="", help="bulk: the chunk schedules to time (default all)")
     parser.add_argument("--side-priority", type=int, default=0, help="the overlap's side stream priority")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -671,8 +674,9 @@ def main() -> int:
         result["host_cost_us_16_rows"] = {name: host_cost(path, num_rows) for name, path in costs.items()}
         print("host cost", result["host_cost_us_16_rows"], flush=True)
     if "bulk" in parts:
-        result["bulk_registered"] = bulk("registered", registered, num_rows, resident, args.reps)
-        result["bulk_cpu"] = bulk("cpu", cpu, num_rows, resident, args.reps)
+        schedules = args.schedules.split(",") if args.schedules else None
+        result["bulk_registered"] = bulk("registered", registered, num_rows, resident, args.reps, schedules)
+        result["bulk_cpu"] = bulk("cpu", cpu, num_rows, resident, args.reps, schedules)
     if "overlap" in parts:
         result["overlap_cpu_mode"] = overlap(cpu, num_rows, resident, args.reps, shapes, args.side_priority)
         result["overlap_cpu_mode_host_nodes"] = overlap(
@@ -706,7 +710,8 @@ def main() -> int:
     for key in ("bulk_registered", "bulk_cpu"):
         if key in result:
             b = result[key]
-            cells = [f"{name} {v['median_us']:.1f}" for name, v in b.items() if isinstance(v, dict)]
+            timed = {name: v for name, v in b.items() if isinstance(v, dict) and "median_us" in v}
+            cells = [f"{name} {v['median_us']:.1f}" for name, v in timed.items()]
             print(f"{key} (median us): " + "; ".join(cells))
     names = ("work", "lookup", "overlapped", "serial")
     for key in ("overlap_cpu_mode", "overlap_cpu_mode_host_nodes"):
