@@ -346,18 +346,21 @@ def bulk(name: str, table, num_rows: int, reference, reps: int, schedules=None) 
     dev = torch.empty((2 * n, 160), dtype=torch.uint8, device="cuda")
     out: dict = {}
 
-    def reads() -> float:
+    def reads(dst: torch.Tensor = staging, woken_ahead: float = 0.0) -> float:
         ids = torch.from_numpy(rng.integers(0, num_rows, n))
         job = rowcopy.LookupStruct()
-        host._fill(job, ids.data_ptr(), 0, n, [staging.data_ptr()])
+        host._fill(job, ids.data_ptr(), 0, n, [dst.data_ptr()])
         host.pool.wake()
+        if woken_ahead:
+            time.sleep(woken_ahead)  # the woken workers are spinning when the lookup comes
         t0 = time.perf_counter()
         host.lib.ple_lookup_run(ctypes.addressof(job))
         dt = time.perf_counter() - t0
-        check(f"bulk reads {name}", torch.equal(staging[:64].cuda(), reference.rows[ids[:64].cuda()]))
+        check(f"bulk reads {name}", torch.equal(dst[:64].cuda(), reference.rows[ids[:64].cuda()]))
         return dt
 
     out["reads_alone"] = spread([reads() for _ in range(reps)])
+    out["reads_alone, pool woken 0.3 ms ahead"] = spread([reads(woken_ahead=3e-4) for _ in range(reps)])
 
     def copy(rows: int) -> float:
         torch.cuda.synchronize()
@@ -377,12 +380,19 @@ def bulk(name: str, table, num_rows: int, reference, reps: int, schedules=None) 
     torch.cuda.synchronize()
     out["reads_during_h2d"] = spread(during)
 
-    def copies(rows: int, pieces: int) -> float:  # the staging's first rows, in pieces, to the device
+    second = torch.cuda.Stream()
+
+    def copies(rows: int, pieces: int, streams: int = 1, src: torch.Tensor = staging) -> float:
+        """The staging's first rows, in pieces, to the device; with streams=2, every other piece on a
+        second stream (forked and joined: two copies in flight)."""
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        second.wait_stream(torch.cuda.current_stream())
         for k in range(pieces):
-            dev[k * rows : (k + 1) * rows].copy_(staging[k * rows : (k + 1) * rows], non_blocking=True)
+            with torch.cuda.stream(second if streams == 2 and k % 2 else torch.cuda.current_stream()):
+                dev[k * rows : (k + 1) * rows].copy_(src[k * rows : (k + 1) * rows], non_blocking=True)
+        torch.cuda.current_stream().wait_stream(second)
         b.record()
         b.synchronize()
         return a.elapsed_time(b) * 1e-3
@@ -394,6 +404,29 @@ def bulk(name: str, table, num_rows: int, reference, reps: int, schedules=None) 
         again.append(copies(32768, 4))
     out["h2d_4x32768_just_written"] = spread(fresh)
     out["h2d_4x32768_again"] = spread(again)
+    fresh, again = [], []
+    for _ in range(reps):
+        reads()
+        fresh.append(copies(16384, 8, streams=2))
+        again.append(copies(16384, 8, streams=2))
+    out["h2d_8x16384_two_streams_just_written"] = spread(fresh)
+    out["h2d_8x16384_two_streams_again"] = spread(again)
+    fresh = []
+    for _ in range(reps):
+        reads()
+        fresh.append(copies(16384, 8))
+    out["h2d_8x16384_one_stream_just_written"] = spread(fresh)
+    # Copies of rows not just written (``other``) while the row copy reads into ``staging``.
+    import threading
+
+    during_reads = []
+    for _ in range(reps):
+        reader = threading.Thread(target=reads)
+        reader.start()
+        time.sleep(5e-5)
+        during_reads.append(copies(32768, 4, src=other))
+        reader.join()
+    out["h2d_4x32768_not_just_written, while the row copy reads"] = spread(during_reads)
     out["h2d_1x131072_again"] = spread([copies(n, 1) for _ in range(reps)])
     out["h2d_32x4096_again"] = spread([copies(4096, 32) for _ in range(reps)])
     saved = host_node.chunks
