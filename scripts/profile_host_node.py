@@ -7,6 +7,12 @@ run. Every output is compared with the resident copy of the rows (read from the 
 at every call.
 
     python scripts/profile_host_node.py --size 16GiB --out $OUT/profile_host_node.json
+    python scripts/profile_host_node.py --parts bulk,trace --schedules default   # the diagnostics
+
+``--parts`` picks what runs (default paths, overlap, host_calls, cold): ``bulk`` times where a
+131 072-row host-path lookup's time goes (the row copy alone, the rows' copies alone, just after the
+row copy wrote them and on two streams, chunk schedules, the GPU timeline of one lookup); ``trace``
+records the eager overlapped step under torch.profiler (docs/PERF_NOTES.md rows 20-24).
 
 Prints a table last and writes JSON (medians and the 10th-90th percentile spread, microseconds).
 """
