@@ -438,12 +438,16 @@ class MappedTable:
             return out
         return self._lookup_flat(flat, None, out_dtype).view(*ids.shape, self.row_dim)
 
-    def _check_args(self, ids, out: torch.Tensor | None, out_dtype) -> torch.dtype | None:
-        """The argument checks of every lookup (``lookup`` and the torch ops); the out dtype."""
+    @staticmethod
+    def _check_ids(ids) -> None:
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
         if ids.dtype not in _ID_DTYPES:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+
+    def _check_args(self, ids, out: torch.Tensor | None, out_dtype) -> torch.dtype | None:
+        """The argument checks of every lookup (``lookup`` and the torch ops); the out dtype."""
+        self._check_ids(ids)
         if out is not None:
             if out_dtype is not None and out_dtype != out.dtype:
                 raise TypeError(f"out is {out.dtype} but out_dtype is {out_dtype}: pass one of them")
@@ -491,10 +495,7 @@ class MappedTable:
         self._check_open()
         if self.scale_mapping is None:
             raise TypeError("lookup_packed() is for NVFP4 tables; use lookup()")
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
-        if ids.dtype not in _ID_DTYPES:
-            raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+        self._check_ids(ids)
         flat = ids.to(self.device).reshape(-1).contiguous()
         with self._in_use():
             packed, scales = self._packed_flat(flat)
