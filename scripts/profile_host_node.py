@@ -20,10 +20,12 @@ Prints a table last and writes JSON (medians and the 10th-90th percentile spread
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
 import sys
+import threading
 import time
 
 import numpy as np
@@ -275,8 +277,6 @@ def host_calls(reps: int = 20) -> dict:
     """Host time of each CUDA call an eager host-path lookup makes, with the GPU idle and with the
     call queued behind ~2 ms of GPU work (a sleep kernel on the same stream): where an eager lookup's
     host time goes when the device is busy (the overlap above). Medians of ``reps``, microseconds."""
-    import ctypes
-
     from ple_um.lookup.host_node import _Driver
 
     driver = _Driver.get()
@@ -337,12 +337,12 @@ def host_calls(reps: int = 20) -> dict:
 
 def bulk(name: str, table, num_rows: int, reference, reps: int, schedules=None) -> dict:
     """Where a 131 072-row host-path lookup's time goes (the registered mode's miss): the C row copy
-    alone into pinned staging (host ids, the pool woken first, as a lookup does), the rows' copy to
-    the device alone, the row copy while that copy runs, and the whole eager lookup (synced) with
-    other chunk sizes; then the GPU timeline of one lookup (torch.profiler: the ids' copy and each
-    chunk's copy to the device, microseconds from the ids' copy's start)."""
-    import ctypes
-
+    alone into pinned staging (host ids, the pool woken first, as a lookup does, or 0.3 ms ahead),
+    the rows' copy to the device alone, each beside the other, the copies of staging just written
+    (on one stream or two) against the same copies again, and the whole lookup, eager (synced) and
+    replayed, with the chunk schedules of SCHEDULES (``schedules``: their labels, default all); then
+    the GPU timeline of one lookup (torch.profiler: the ids' copy and each chunk's copy to the
+    device, microseconds from the ids' copy's start)."""
     from ple_um.lookup import host_node, rowcopy
 
     host, n = table.host, 131072
@@ -352,44 +352,23 @@ def bulk(name: str, table, num_rows: int, reference, reps: int, schedules=None) 
     dev = torch.empty((2 * n, 160), dtype=torch.uint8, device="cuda")
     out: dict = {}
 
-    def reads(dst: torch.Tensor = staging, woken_ahead: float = 0.0) -> float:
+    def reads(woken_ahead: float = 0.0) -> float:
         ids = torch.from_numpy(rng.integers(0, num_rows, n))
         job = rowcopy.LookupStruct()
-        host._fill(job, ids.data_ptr(), 0, n, [dst.data_ptr()])
+        host._fill(job, ids.data_ptr(), 0, n, [staging.data_ptr()])
         host.pool.wake()
         if woken_ahead:
             time.sleep(woken_ahead)  # the woken workers are spinning when the lookup comes
         t0 = time.perf_counter()
         host.lib.ple_lookup_run(ctypes.addressof(job))
         dt = time.perf_counter() - t0
-        check(f"bulk reads {name}", torch.equal(dst[:64].cuda(), reference.rows[ids[:64].cuda()]))
+        check(f"bulk reads {name}", torch.equal(staging[:64].cuda(), reference.rows[ids[:64].cuda()]))
         return dt
-
-    out["reads_alone"] = spread([reads() for _ in range(reps)])
-    out["reads_alone, pool woken 0.3 ms ahead"] = spread([reads(woken_ahead=3e-4) for _ in range(reps)])
-
-    def copy(rows: int) -> float:
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dev[:rows].copy_(other[:rows], non_blocking=True)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) * 1e-3
-
-    out["h2d_21MB_alone"] = spread([copy(n) for _ in range(reps)])
-    during = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        dev.copy_(other, non_blocking=True)  # 42 MB: longer than the reads
-        during.append(reads())
-    torch.cuda.synchronize()
-    out["reads_during_h2d"] = spread(during)
 
     second = torch.cuda.Stream()
 
     def copies(rows: int, pieces: int, streams: int = 1, src: torch.Tensor = staging) -> float:
-        """The staging's first rows, in pieces, to the device; with streams=2, every other piece on a
+        """``src``'s first rows, in pieces, to the device; with streams=2, every other piece on a
         second stream (forked and joined: two copies in flight)."""
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -403,28 +382,33 @@ def bulk(name: str, table, num_rows: int, reference, reps: int, schedules=None) 
         b.synchronize()
         return a.elapsed_time(b) * 1e-3
 
-    fresh, again = [], []
-    for _ in range(reps):  # just written by the row copy, then the same bytes copied again
-        reads()
-        fresh.append(copies(32768, 4))
-        again.append(copies(32768, 4))
-    out["h2d_4x32768_just_written"] = spread(fresh)
-    out["h2d_4x32768_again"] = spread(again)
-    fresh, again = [], []
-    for _ in range(reps):
-        reads()
-        fresh.append(copies(16384, 8, streams=2))
-        again.append(copies(16384, 8, streams=2))
-    out["h2d_8x16384_two_streams_just_written"] = spread(fresh)
-    out["h2d_8x16384_two_streams_again"] = spread(again)
-    fresh = []
-    for _ in range(reps):
-        reads()
-        fresh.append(copies(16384, 8))
-    out["h2d_8x16384_one_stream_just_written"] = spread(fresh)
-    # Copies of rows not just written (``other``) while the row copy reads into ``staging``.
-    import threading
+    def after_reads(label: str, rows: int, pieces: int, streams: int = 1, again: bool = True) -> None:
+        """The staging's copies just after the row copy wrote it, and (``again``) the same bytes
+        copied once more right after."""
+        fresh, repeated = [], []
+        for _ in range(reps):
+            reads()
+            fresh.append(copies(rows, pieces, streams))
+            if again:
+                repeated.append(copies(rows, pieces, streams))
+        out[f"h2d_{label}_just_written"] = spread(fresh)
+        if again:
+            out[f"h2d_{label}_again"] = spread(repeated)
 
+    out["reads_alone"] = spread([reads() for _ in range(reps)])
+    out["reads_alone, pool woken 0.3 ms ahead"] = spread([reads(woken_ahead=3e-4) for _ in range(reps)])
+    out["h2d_21MB_alone"] = spread([copies(n, 1, src=other) for _ in range(reps)])
+    during = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dev.copy_(other, non_blocking=True)  # 42 MB: longer than the reads
+        during.append(reads())
+    torch.cuda.synchronize()
+    out["reads_during_h2d"] = spread(during)
+    after_reads("4x32768", 32768, 4)
+    after_reads("8x16384_two_streams", 16384, 8, streams=2)
+    after_reads("8x16384_one_stream", 16384, 8, again=False)
+    # Copies of rows not just written (``other``) while the row copy reads into ``staging``.
     during_reads = []
     for _ in range(reps):
         reader = threading.Thread(target=reads)
@@ -588,8 +572,6 @@ def cold(table, num_rows, reference, reps) -> dict:
     """1 024-row graph replays whose rows' pages were dropped just before (this process's page-table
     entries and the files' cached pages): latency and the faults the host node served, beside warm
     replays (the same ids replayed again)."""
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     n = 1024
