@@ -149,7 +149,7 @@ def _default_threads() -> int:
 MODES = ("auto", "ats", "registered", "cpu", "device")
 # The modes in which the GPU reads host memory, whose first read a child process can make.
 FIRST_READ_MODES = ("ats", "registered")
-# What a test can make the first-read child do instead of passing (tests/test_first_read.py).
+# What a test can make the first-read child do instead of passing (tests/access/test_first_read.py).
 FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
 
 KNOBS: dict[str, Knob] = {

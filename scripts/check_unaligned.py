@@ -25,7 +25,7 @@ from ple_um.checkpoint import read_layout
 from ple_um.synthetic import write_checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from reference import decode_nvfp4, misalign_checkpoint, safetensors_table  # noqa: E402
+from helpers.reference import decode_nvfp4, misalign_checkpoint, safetensors_table  # noqa: E402
 
 RESULTS: list[tuple[str, bool, str]] = []
 

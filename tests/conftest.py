@@ -1,7 +1,10 @@
 """Fixtures shared by the tests: small synthetic checkpoints written to tmp_path.
 
-The reference readers and the byte-level safetensors writers live in ``tests/reference.py``
-(``from reference import reference_rows``), so that any test module can import them.
+Shared helpers live in the ``tests/helpers`` package (``from helpers.reference import
+reference_rows``; this file puts ``tests/`` on ``sys.path``): the reference readers and the
+byte-level safetensors writers, the injected machines, the C row copy's job structs. No test module
+imports another. Every knob of ``ple_um.envs`` is cleared before each test (``_default_knobs``), so a
+test sees the defaults unless it sets a knob itself.
 
 The GPU paths (the ats and device modes, the Triton kernel, the self-test) run on the CPU under
 the Triton interpreter: ``TRITON_INTERPRET=1`` must be set before triton is imported (the kernels
@@ -35,10 +38,11 @@ def _gpu_session() -> bool:
 
 if not _gpu_session():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (ple_um below)
-sys.path.insert(0, os.path.dirname(__file__))  # `from reference import ...`, whatever the import mode
+sys.path.insert(0, os.path.dirname(__file__))  # `from helpers... import`, whatever the import mode
 
-from reference import bits_differ, reference_rows  # noqa: E402
+from helpers.reference import bits_differ, reference_rows  # noqa: E402
 
+from ple_um import envs  # noqa: E402
 from ple_um.synthetic import write_checkpoint  # noqa: E402
 
 __all__ = ["reference_rows"]
@@ -59,6 +63,20 @@ def _session_cache_dir(tmp_path_factory):
     os.environ.pop("PLE_UM_CACHE_DIR", None)
 
 
+# Knobs a test run keeps: the session's cache folder (above), or the caller's.
+_KEPT_KNOBS = ("PLE_UM_CACHE_DIR",)
+
+
+@pytest.fixture(autouse=True)
+def _default_knobs(monkeypatch):
+    """Every knob of ``ple_um.envs`` (and its seed aliases) unset, but the cache folder: a knob
+    exported in the shell that runs the tests cannot change what they see."""
+    for knob in envs.KNOBS.values():
+        if knob.name not in _KEPT_KNOBS:
+            for var in (knob.name, *knob.aliases):
+                monkeypatch.delenv(var, raising=False)
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("ple-um")
     group.addoption(
@@ -66,7 +84,7 @@ def pytest_addoption(parser):
         type=int,
         default=None,
         metavar="N",
-        help="cases of test_checkpoint_differential.py, the fuzzing against safetensors (400 in CI)",
+        help="cases of tests/checkpoint/test_differential.py, the fuzzing against safetensors (400 in CI)",
     )
     group.addoption(
         "--differential-seed", type=int, default=None, metavar="S", help="the seed of those cases (default 0)"

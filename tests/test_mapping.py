@@ -18,7 +18,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from reference import drop_page_cache, maps_of, reference_rows
+from helpers.reference import drop_page_cache, maps_of, reference_rows
 
 from ple_um.errors import CheckpointError, TableClosedError
 from ple_um.mapping import PAGE, MappedShards

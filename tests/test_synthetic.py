@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from reference import reference_rows
+from helpers.reference import reference_rows
 from safetensors import safe_open
 
 from ple_um import synthetic
@@ -339,6 +339,6 @@ def test_rewrite_in_place(tmp_path):
 
 
 def test_reference_rows_importable_both_ways():
-    from tests.reference import reference_rows as from_package
+    from tests.helpers.reference import reference_rows as from_package
 
     assert from_package.__code__.co_code == reference_rows.__code__.co_code

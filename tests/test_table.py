@@ -15,7 +15,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
-from reference import drop_page_cache, maps_of
+from helpers.reference import drop_page_cache, maps_of
 
 import ple_um
 from ple_um import ops
@@ -33,12 +33,6 @@ pytestmark = [
 
 MODES = ["ats", "cpu", "device"]  # what a CPU host offers under the interpreter
 ID_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
-
-
-@pytest.fixture(autouse=True)
-def _default_knobs(monkeypatch):
-    for var in ("PLE_UM_MODE", "PLE_UM_STRICT", "PLE_UM_PREWARM", "PLE_UM_SELF_TEST_ROWS", "PLE_UM_MADVISE"):
-        monkeypatch.delenv(var, raising=False)
 
 
 def all_ids(layout) -> torch.Tensor:
@@ -148,7 +142,7 @@ def test_bad_rows(layout, rows):
 
 
 def test_bad_checkpoints_raise_checkpoint_error(tmp_path):
-    from reference import write_safetensors
+    from helpers.reference import write_safetensors
 
     from ple_um.synthetic import shard_name
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from reference import bits_differ, reference_nvfp4, reference_rows
+from helpers.reference import bits_differ, reference_nvfp4, reference_rows
 
 import ple_um
 from ple_um.access.capabilities import read_capabilities

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import threading
 
 import numpy as np
 import pytest
 import torch
-from reference import drop_page_cache
+from helpers.reference import drop_page_cache
+from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job
 
 from ple_um.lookup import rowcopy
 from ple_um.lookup.cpu_gather import SyncGather
@@ -31,34 +31,11 @@ def lib(tmp_path_factory):
     return lib
 
 
-def make_job(tables, ids, dsts, counts, *, threads=1, inline_rows=2048, touch=False) -> rowcopy.LookupStruct:
-    """A job struct for one lookup of ``ids`` (its busy flag up, as a caller queues it)."""
-    job = rowcopy.LookupStruct()
-    job.tables[0] = tables[0].address
-    job.tables[1] = tables[1].address if len(tables) > 1 else None
-    for k, dst in enumerate(dsts):
-        job.dst[k] = dst.data_ptr()
-    job.ids, job.n = ids.data_ptr(), ids.numel()
-    job.counts = counts.address
-    job.id_kind = rowcopy.ID_KINDS[ids.dtype]
-    job.touch, job.threads, job.inline_rows, job.busy = int(touch), threads, inline_rows, 1
-    return job
-
-
 def run(lib, tables, ids, dsts, counts, **kw) -> rowcopy.LookupStruct:
     """One lookup, as the driver runs a host node: a job struct, then ple_lookup_run(&job)."""
     job = make_job(tables, ids, dsts, counts, **kw)
     lib.ple_lookup_run(ctypes.addressof(job))
     return job
-
-
-def boundary_ids(layout, rng, n: int, owned) -> np.ndarray:
-    """Random ids with every shard boundary, ids outside the table and outside ``owned``, shuffled."""
-    S, N = layout.rows_per_shard, layout.num_rows
-    extra = [k * S + d for k in range(layout.parts + 1) for d in (-1, 0, 1)] + [-5, -1, N, N + 3, 1 << 40]
-    extra += [owned[0] - 1, owned[0], owned[1] - 1, owned[1]]
-    ids = np.concatenate([extra, rng.integers(-10, N + 10, max(0, n - len(extra)))])
-    return rng.permutation(ids).astype(np.int64)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +81,7 @@ def test_lookups_equal_the_reference_rows(
 
 
 def test_nvfp4_rows_and_block_scales_in_one_lookup(lib, make_checkpoint, rng, poison):
-    from reference import reference_rows
+    from helpers.reference import reference_rows
 
     layout = make_checkpoint(
         num_rows=900, row_dim=64, dtype="nvfp4", shards=5, seed=int(rng.integers(1 << 30))
@@ -200,23 +177,9 @@ def test_lookups_from_several_threads_each_get_their_rows(lib, make_checkpoint, 
         assert counts.read()["rows"] == 6 * sum(sizes) and counts.read()["lookups"] == 6 * len(sizes)
 
 
-def _child(fn) -> int:
-    """Run fn() in a forked child (killed after 20 s, so a hang fails the test); its exit code."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.alarm(20)
-            code = 0 if fn() else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_runs_pooled_lookups_without_the_parents_workers(lib, make_checkpoint, rng):
-    from reference import reference_rows
+    from helpers.reference import reference_rows
 
     layout = make_checkpoint(
         num_rows=6000, row_dim=24, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
@@ -235,7 +198,7 @@ def test_a_forked_child_runs_pooled_lookups_without_the_parents_workers(lib, mak
             run(lib, [rows], ids, [out], counts, threads=pool.threads, inline_rows=0)
             return np.array_equal(out.numpy(), want)
 
-        assert _child(in_child) == 0
+        assert in_forked_child(in_child) == 0
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])

@@ -29,7 +29,7 @@ One known exception is counted, not failed: 16-bit rows at an odd byte offset (a
 an odd number of bytes), which both readers accept but ``open_table`` refuses until issue 18 lands.
 
 Seeded: case ``i`` of seed ``s`` is the same mutant on every machine. CI runs ``DEFAULT_CASES``;
-more on demand: ``pytest tests/test_checkpoint_differential.py --differential-cases 20000
+more on demand: ``pytest tests/checkpoint/test_differential.py --differential-cases 20000
 --differential-seed 7`` (the options are declared in tests/conftest.py).
 """
 

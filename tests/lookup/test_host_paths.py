@@ -20,12 +20,6 @@ from ple_um.lookup.host_node import HostGather
 PATHS = {"node": HostGather, "sync": SyncGather}
 
 
-@pytest.fixture(autouse=True)
-def _default_knobs(monkeypatch):
-    for var in ("PLE_UM_MODE", "PLE_UM_STRICT", "PLE_UM_CPU_THREADS", "PLE_UM_CPU_CHUNK"):
-        monkeypatch.delenv(var, raising=False)
-
-
 @pytest.fixture(params=sorted(PATHS))
 def host_path(request, monkeypatch):
     """Each test runs through both host paths; returns the class the table must use."""

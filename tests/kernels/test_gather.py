@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from reference import misalign_checkpoint, write_safetensors
+from helpers.reference import misalign_checkpoint, write_safetensors
 
 import ple_um
 from ple_um.access.capabilities import triton_interpreter

@@ -1,6 +1,6 @@
 """NVFP4 tables end to end: the decode kernel under the Triton interpreter (ats and device modes on
 the CPU) and the cpu mode's torch decoder, each against the independent NumPy decoder of
-tests/reference.py, bit for bit, on real files; packed rows and block scales against the bytes."""
+tests/helpers/reference.py, bit for bit, on real files; packed rows and block scales against the bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from reference import reference_nvfp4, reference_rows
+from helpers.reference import reference_nvfp4, reference_rows
 
 import ple_um
 

@@ -16,9 +16,9 @@ import sys
 import tempfile
 
 import pytest
+from helpers.reference import encode_safetensors, tensor_bytes, write_raw, write_safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import encode_safetensors, tensor_bytes, write_raw, write_safetensors
 
 from ple_um.checkpoint import find_layers, read_layout, validate
 from ple_um.checkpoint.safetensors import MAX_JSON_NESTING

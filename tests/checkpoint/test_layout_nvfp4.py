@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from reference import (
+from helpers.reference import (
     decode_e2m1,
     decode_e4m3,
     encode_safetensors,

@@ -2,7 +2,7 @@
 
 The modes: cpu (the host gather, both its deduplicating path and its bulk path), ats and device
 (the kernel under the Triton interpreter) and registered (the kernel reading through injected
-"device pointers": see test_reliability.py). The documented results (README, DESIGN.md):
+"device pointers": see tests/reliability/test_reliability.py). The documented results (README, DESIGN.md):
 
 - ids outside ``[0, num_rows)``: zero rows, counted in ``stats()["out_of_range"]``; IndexError
   when strict (nothing counted then);
@@ -12,8 +12,8 @@ The modes: cpu (the host gather, both its deduplicating path and its bulk path),
 - empty ids: an empty result of shape ``ids.shape + (row_dim,)``;
 - ids on another device: copied to the table's (outside a CUDA graph capture).
 
-Test_table.py and test_cpu_mode.py already cover ids a little outside the table, every id dtype,
-float/bool/uint16 ids and strict lookups; test_kernel.py the kernel with int32/int64 extremes;
+Test_table.py and tests/lookup/test_host_paths.py already cover ids a little outside the table, every id dtype,
+float/bool/uint16 ids and strict lookups; tests/kernels/test_gather.py the kernel with int32/int64 extremes;
 docs/GPU_RESULTS.md records the same cases under compute-sanitizer memcheck on the H200.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_reliability import inject_machine
+from helpers.machines import inject_machine
 
 import ple_um
 from ple_um.access.capabilities import triton_interpreter
@@ -36,12 +36,6 @@ MODES = ["cpu", "ats", "device", "registered"]
 ID_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
 N = 120  # rows of the table
 OWNED = (20, 61)  # an owned range that starts and ends inside shards (S = 24)
-
-
-@pytest.fixture(autouse=True)
-def _default_knobs(monkeypatch):
-    for var in ("PLE_UM_MODE", "PLE_UM_STRICT", "PLE_UM_SELF_TEST_ROWS", "PLE_UM_CPU_THREADS"):
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")

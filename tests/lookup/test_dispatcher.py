@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from reference import reference_rows
-from test_rowcopy import _child, boundary_ids, make_job
+from helpers.reference import reference_rows
+from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job
 
 from ple_um.lookup import rowcopy
 from ple_um.mapping import MappedShards
@@ -180,7 +180,7 @@ def test_a_forked_child_has_no_dispatcher_and_is_told(lib):
         job = rowcopy.LookupStruct()
         return lib.ple_dispatch_post(ctypes.addressof(job)) == -1
 
-    assert _child(in_child) == 0
+    assert in_forked_child(in_child) == 0
 
 
 def test_a_ready_word_left_from_long_ago_is_armed_before_the_post(lib, make_checkpoint, rng):

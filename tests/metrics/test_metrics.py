@@ -29,9 +29,7 @@ NAMES = {spec.key: spec for spec in metrics.METRICS}
 
 
 @pytest.fixture(autouse=True)
-def _prometheus_on(monkeypatch):
-    monkeypatch.delenv("PLE_UM_PROMETHEUS", raising=False)
-    monkeypatch.delenv("VLLM_PLE_MMAP_PROMETHEUS", raising=False)
+def _prometheus_on():
     if metrics.prometheus() is None:
         pytest.skip("Prometheus metrics are off in this process")
 

@@ -8,19 +8,16 @@ cudaHostGetDevicePointer returns; unregistering unmaps the alias. Under the Trit
 real kernel then reads the alias, so the registered mode runs end to end on the CPU. Failures of
 register or of the device-pointer call are injected at a chosen region.
 
-Hostile headers and index files are fuzzed in test_checkpoint_fuzz.py; a write through the
-mapping faulting in test_mapping.py; the bad-id cases are in test_reliability_ids.py; threads,
-page-cache eviction and the file digests after long runs in test_reliability_load.py. See
+Hostile headers and index files are fuzzed in tests/checkpoint/test_fuzz.py; a write through the
+mapping faulting in test_mapping.py; the bad-id cases are in tests/reliability/test_reliability_ids.py; threads,
+page-cache eviction and the file digests after long runs in tests/reliability/test_reliability_load.py. See
 docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import functools
 import json
-import mmap
 import os
 import shutil
 import signal
@@ -34,119 +31,23 @@ import time
 import numpy as np
 import pytest
 import torch
-from machines import ATS, DISCRETE
-from reference import maps_of, reference_rows
+from helpers.machines import GH200, H200, InjectedRegistration, inject_machine
+from helpers.reference import maps_of, reference_rows
 
 import ple_um
 import ple_um.table
 from ple_um import ops
-from ple_um.access.capabilities import DeviceCapabilities, triton_interpreter
+from ple_um.access.capabilities import triton_interpreter
 from ple_um.access.registration import RegisteredMapping, RegistrationError
 from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError
-from ple_um.mapping import (
-    MappedShards,
-    _libc,  # libc with mmap, munmap, madvise declared
-)
+from ple_um.mapping import MappedShards
 from ple_um.synthetic import write_checkpoint
 
 pytestmark = [
     pytest.mark.skipif(not triton_interpreter(), reason="GPU paths run on the CPU under TRITON_INTERPRET=1"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
 ]
-
-KNOBS = (
-    "PLE_UM_MODE",
-    "PLE_UM_STRICT",
-    "PLE_UM_PREWARM",
-    "PLE_UM_SELF_TEST_ROWS",
-    "PLE_UM_MADVISE",
-    "PLE_UM_PIN_BUDGET",
-    "PLE_UM_PIN_FRACTION",
-    "PLE_UM_ATS_POPULATE",
-    "PLE_UM_CPU_THREADS",
-    "PLE_UM_CPU_CHUNK",
-    "PLE_UM_BULK_ROWS",
-)
-
-# The injected machines (tests/machines.py) on the "cpu" device, whose kernels the Triton
-# interpreter runs: an H200 on x86 (read-only host registration, no ATS), and a coherent Grace
-# system (the GPU walks the host's page tables, so the ats mode reads the mapping's host
-# addresses; registration there populates).
-H200 = dataclasses.replace(DISCRETE, device="cpu", name="NVIDIA H200 (injected)")
-GH200 = dataclasses.replace(ATS, device="cpu", name="NVIDIA GH200 (injected)")
-
-
-class InjectedRegistration:
-    """cudaHostRegister, cudaHostUnregister and cudaHostGetDevicePointer for RegisteredMapping.
-
-    ``register`` maps the region's bytes a second time (PROT_READ, MAP_SHARED, from the region's
-    own fd and offset) and ``device_pointer`` returns that alias: the kernel reads rows only
-    through it. ``fail_register=k`` / ``fail_pointer=k`` make the k-th call (0-based) raise
-    ``error`` (``fail_register="all"``: every call). Records every call, and whether the mapping
-    was still open at each unregister. Serves every MappedShards it is given (an NVFP4 table
-    registers its block scales' mapping too)."""
-
-    def __init__(self, *, fail_register=None, fail_pointer=None, error=RegistrationError) -> None:
-        self.fail_register, self.fail_pointer, self.error = fail_register, fail_pointer, error
-        self.mappings: list[MappedShards] = []
-        self.live: dict[int, tuple[int, int, MappedShards]] = {}  # host address -> (alias, length, mapping)
-        self.registered: list[int] = []
-        self.unregistered: list[int] = []
-        self.register_calls = self.pointer_calls = 0
-        self.mapping_open_at_unregister: list[bool] = []
-
-    def register(self, addr: int, length: int) -> None:
-        k, self.register_calls = self.register_calls, self.register_calls + 1
-        if k == self.fail_register or self.fail_register == "all":
-            raise self.error(f"cudaHostRegister({length} bytes) failed: cudaErrorMemoryAllocation (injected)")
-        mapping, region = next((m, r) for m in self.mappings for r in m.regions if r.addr == addr)
-        assert region.length == length
-        alias = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, region.fd, region.file_offset)
-        assert alias not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        self.live[addr] = (alias, length, mapping)
-        self.registered.append(addr)
-
-    def device_pointer(self, addr: int) -> int:
-        k, self.pointer_calls = self.pointer_calls, self.pointer_calls + 1
-        if k == self.fail_pointer:
-            raise RegistrationError("cudaHostGetDevicePointer failed: cudaErrorInvalidValue (injected)")
-        return self.live[addr][0]
-
-    def unregister(self, addr: int) -> None:
-        alias, length, mapping = self.live.pop(addr)
-        self.mapping_open_at_unregister.append(not mapping.closed)
-        assert _libc.munmap(alias, length) == 0
-        self.unregistered.append(addr)
-
-    def __call__(self, mapping: MappedShards, device: torch.device, **kwargs) -> RegisteredMapping:
-        """What ple_um.table calls in place of RegisteredMapping: the real one, these callables."""
-        self.mappings.append(mapping)
-        return RegisteredMapping(
-            mapping,
-            device,
-            register=self.register,
-            unregister=self.unregister,
-            device_pointer=self.device_pointer,
-            **kwargs,
-        )
-
-
-@pytest.fixture(autouse=True)
-def _default_knobs(monkeypatch):
-    for var in KNOBS:
-        monkeypatch.delenv(var, raising=False)
-
-
-def inject_machine(monkeypatch, caps: DeviceCapabilities = H200, **failures) -> InjectedRegistration:
-    """From now on (until ``monkeypatch`` undoes it) open_table sees ``caps`` and registers through
-    the returned injection. RegisteredMapping binds the CUDA calls as default arguments at
-    definition time, so the class is replaced in ple_um.table's namespace by the injection, which
-    builds the real RegisteredMapping with its own callables."""
-    injected = InjectedRegistration(**failures)
-    monkeypatch.setattr(ple_um.table, "read_capabilities", lambda device=None: caps)
-    monkeypatch.setattr(ple_um.table, "RegisteredMapping", injected)
-    return injected
 
 
 @pytest.fixture
@@ -282,7 +183,7 @@ def test_forced_registered_mode_whose_registration_fails_is_unavailable(layout, 
 
 # -- the pin budget --------------------------------------------------------------------------------
 def test_a_table_over_the_pin_budget_is_not_registered(layout, machine, monkeypatch, check_rows):
-    # decide()'s side is in test_probe.py (test_table_over_the_pin_budget_falls_back_to_cpu,
+    # decide()'s side is in tests/access/test_probe.py (test_table_over_the_pin_budget_falls_back_to_cpu,
     # test_forced_registered_over_budget_raises); this goes through open_table and the knob.
     injected = machine(H200)
     monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1KiB")

@@ -24,8 +24,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from machines import ATS, DISCRETE, HMM
-from reference import reference_rows
+from helpers.machines import ATS, DISCRETE, HMM
+from helpers.reference import reference_rows
 
 import ple_um
 import ple_um.table

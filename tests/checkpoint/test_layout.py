@@ -1,6 +1,6 @@
 """ple_um.checkpoint: the layout read from real files, and every way a checkpoint can be refused.
 
-Every malformed checkpoint here is written byte by byte into tmp_path (tests/reference.py).
+Every malformed checkpoint here is written byte by byte into tmp_path (tests/helpers/reference.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from reference import encode_safetensors, reference_rows, tensor_bytes, write_raw, write_safetensors
+from helpers.reference import encode_safetensors, reference_rows, tensor_bytes, write_raw, write_safetensors
 
 from ple_um.checkpoint import find_layers, read_layout, validate
 from ple_um.checkpoint.safetensors import MAX_HEADER_BYTES, read_header

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reference import reference_rows
+from helpers.reference import reference_rows
 
 import ple_um
 from ple_um.bench import runner

@@ -24,8 +24,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from reference import bits_differ, drop_page_cache, reference_rows
-from test_reliability import GH200, inject_machine
+from helpers.machines import GH200, inject_machine
+from helpers.reference import bits_differ, drop_page_cache, reference_rows
 
 import ple_um
 import ple_um.lookup.gpu_gather
@@ -42,21 +42,6 @@ pytestmark = [
 ]
 
 MADV_DONTNEED = 4
-
-
-@pytest.fixture(autouse=True)
-def _default_knobs(monkeypatch):
-    for var in (
-        "PLE_UM_MODE",
-        "PLE_UM_STRICT",
-        "PLE_UM_PREWARM",
-        "PLE_UM_SELF_TEST_ROWS",
-        "PLE_UM_MADVISE",
-        "PLE_UM_ATS_POPULATE",
-        "PLE_UM_CPU_THREADS",
-        "PLE_UM_CPU_CHUNK",
-    ):
-        monkeypatch.delenv(var, raising=False)
 
 
 class Reference:

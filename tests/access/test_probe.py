@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from machines import ATS, DISCRETE, HMM
+from helpers.machines import ATS, DISCRETE, HMM
 
 import ple_um
 from ple_um.access.capabilities import (
@@ -55,12 +55,6 @@ MACHINES = {
     "no-cuda": NO_CUDA,
     "interpreter": INTERPRETER,
 }
-
-
-@pytest.fixture(autouse=True)
-def _no_mode_knobs(monkeypatch):
-    for var in ("PLE_UM_MODE", "PLE_UM_PIN_BUDGET", "PLE_UM_PIN_FRACTION"):
-        monkeypatch.delenv(var, raising=False)
 
 
 def assert_reasons_complete(report) -> None:
@@ -226,7 +220,7 @@ def test_cpu_can_always_be_forced():
         assert report.mode == "cpu"
         assert_reasons_complete(report)
     # The cpu mode's lookup is a CUDA host node: capture-safe (its synchronous fallback, where the C
-    # row copy cannot be built, says so on the table: tests/test_rowcopy.py).
+    # row copy cannot be built, says so on the table: tests/lookup/test_rowcopy.py).
     assert CAPTURE_SAFE == {"ats": True, "registered": True, "cpu": True, "device": True}
 
 

@@ -15,13 +15,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from reference import reference_rows
+from helpers.reference import reference_rows
 
 from ple_um.checkpoint import read_layout
 from ple_um.mapping import MappedShards
 from ple_um.synthetic import write_checkpoint
 
-SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "tp_check.py"
+SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "tp_check.py"
 IDS = (1024, 4096)
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from reference import drop_page_cache
+from helpers.reference import drop_page_cache
 
 from ple_um import cli, operating
 from ple_um.access.probe import ALL_MODES

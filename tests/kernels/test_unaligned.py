@@ -6,10 +6,10 @@ served too. Each checkpoint here is a synthetic one rewritten by ``misalign_chec
 padded to odd lengths and odd-sized tensors ahead of the shards, so BF16, F16 and FP8 rows and
 NVFP4 packed rows and block scales start at odd bytes. Every lookup, raw and dequantized, into a
 poisoned output, is compared with what the ``safetensors`` package reads from the same files
-(the kernel alone on every 16-bit pattern at odd addresses: test_kernel.py).
+(the kernel alone on every 16-bit pattern at odd addresses: tests/kernels/test_gather.py).
 
 The cpu mode runs the host gather; ats and device run the kernel under the Triton interpreter,
-registered through the injected registration of test_reliability.py. The interpreter does not
+registered through the injected registration of tests/reliability/test_reliability.py. The interpreter does not
 fault on a misaligned load as a GPU does, so the kernel's loads are read from the launch
 (``watch_loads``): none may be misaligned. ``scripts/check_unaligned.py``
 runs the same kind of tables on a GPU.
@@ -23,8 +23,8 @@ import struct
 
 import pytest
 import torch
-from reference import decode_nvfp4, misalign_checkpoint, safetensors_table
-from test_reliability import H200, inject_machine
+from helpers.machines import H200, inject_machine
+from helpers.reference import decode_nvfp4, misalign_checkpoint, safetensors_table
 
 import ple_um
 from ple_um.access.capabilities import triton_interpreter
@@ -41,12 +41,6 @@ MODES = ["cpu", "ats", "device", "registered"]
 FLOAT_OUT = [torch.bfloat16, torch.float16, torch.float32]
 # dtype: row_dim (NVFP4: 48 values, 24 packed bytes and 3 block scales a row)
 TABLES = {"bf16": 6, "f16": 6, "fp8": 5, "nvfp4": 48}
-
-
-@pytest.fixture(autouse=True)
-def _default_knobs(monkeypatch):
-    for var in ("PLE_UM_MODE", "PLE_UM_STRICT", "PLE_UM_PREWARM", "PLE_UM_SELF_TEST_ROWS", "PLE_UM_MADVISE"):
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")

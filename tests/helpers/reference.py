@@ -11,8 +11,8 @@
 - ``drop_page_cache`` and ``maps_of``: the page cache and this process's mappings of a table's
   files, read or changed through the OS alone.
 
-Import from any test module as ``from reference import reference_rows`` (pytest puts ``tests/`` on
-``sys.path``, the rootdir-conftest way) or ``from tests.reference import ...`` from the repo root.
+Import from any test module as ``from helpers.reference import reference_rows`` (the root conftest
+puts ``tests/`` on ``sys.path``) or ``from tests.helpers.reference import ...`` from the repo root.
 """
 
 from __future__ import annotations

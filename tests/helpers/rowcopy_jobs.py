@@ -1,0 +1,48 @@
+"""Driving the C row copy directly through ctypes, as the CUDA driver runs a host node: a job
+struct for one lookup, ids that cross every shard boundary, and a forked child to run one in."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+
+from ple_um.lookup import rowcopy
+
+
+def make_job(tables, ids, dsts, counts, *, threads=1, inline_rows=2048, touch=False) -> rowcopy.LookupStruct:
+    """A job struct for one lookup of ``ids`` (its busy flag up, as a caller queues it)."""
+    job = rowcopy.LookupStruct()
+    job.tables[0] = tables[0].address
+    job.tables[1] = tables[1].address if len(tables) > 1 else None
+    for k, dst in enumerate(dsts):
+        job.dst[k] = dst.data_ptr()
+    job.ids, job.n = ids.data_ptr(), ids.numel()
+    job.counts = counts.address
+    job.id_kind = rowcopy.ID_KINDS[ids.dtype]
+    job.touch, job.threads, job.inline_rows, job.busy = int(touch), threads, inline_rows, 1
+    return job
+
+
+def boundary_ids(layout, rng, n: int, owned) -> np.ndarray:
+    """Random ids with every shard boundary, ids outside the table and outside ``owned``, shuffled."""
+    S, N = layout.rows_per_shard, layout.num_rows
+    extra = [k * S + d for k in range(layout.parts + 1) for d in (-1, 0, 1)] + [-5, -1, N, N + 3, 1 << 40]
+    extra += [owned[0] - 1, owned[0], owned[1] - 1, owned[1]]
+    ids = np.concatenate([extra, rng.integers(-10, N + 10, max(0, n - len(extra)))])
+    return rng.permutation(ids).astype(np.int64)
+
+
+def in_forked_child(fn) -> int:
+    """Run fn() in a forked child (killed after 20 s, so a hang fails the test); its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(20)
+            code = 0 if fn() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
