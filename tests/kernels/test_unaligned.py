@@ -9,7 +9,7 @@ poisoned output, is compared with what the ``safetensors`` package reads from th
 (the kernel alone on every 16-bit pattern at odd addresses: tests/kernels/test_gather.py).
 
 The cpu mode runs the host gather; ats and device run the kernel under the Triton interpreter,
-registered through the injected registration of tests/reliability/test_reliability.py. The interpreter does not
+registered through the injected registration of tests/helpers/machines.py. The interpreter does not
 fault on a misaligned load as a GPU does, so the kernel's loads are read from the launch
 (``watch_loads``): none may be misaligned. ``scripts/check_unaligned.py``
 runs the same kind of tables on a GPU.

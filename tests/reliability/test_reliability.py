@@ -9,8 +9,8 @@ real kernel then reads the alias, so the registered mode runs end to end on the 
 register or of the device-pointer call are injected at a chosen region.
 
 Hostile headers and index files are fuzzed in tests/checkpoint/test_fuzz.py; a write through the
-mapping faulting in test_mapping.py; the bad-id cases are in tests/reliability/test_reliability_ids.py; threads,
-page-cache eviction and the file digests after long runs in tests/reliability/test_reliability_load.py. See
+mapping faulting in test_mapping.py; the bad-id cases are in test_reliability_ids.py beside this
+file; threads, page-cache eviction and the file digests after long runs in test_reliability_load.py. See
 docs/RELIABILITY.md.
 """
 

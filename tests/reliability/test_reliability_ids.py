@@ -12,8 +12,9 @@ The modes: cpu (the host gather, both its deduplicating path and its bulk path),
 - empty ids: an empty result of shape ``ids.shape + (row_dim,)``;
 - ids on another device: copied to the table's (outside a CUDA graph capture).
 
-Test_table.py and tests/lookup/test_host_paths.py already cover ids a little outside the table, every id dtype,
-float/bool/uint16 ids and strict lookups; tests/kernels/test_gather.py the kernel with int32/int64 extremes;
+tests/test_table.py and tests/lookup/test_host_paths.py already cover ids a little outside the table,
+every id dtype, float/bool/uint16 ids and strict lookups; tests/kernels/test_gather.py the kernel
+with int32/int64 extremes;
 docs/GPU_RESULTS.md records the same cases under compute-sanitizer memcheck on the H200.
 """
 
