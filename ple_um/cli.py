@@ -14,7 +14,8 @@ import os
 import sys
 from functools import partial
 
-from ple_um import envs
+from ple_um import envs, units
+from ple_um.units import format_bytes
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 # What a shell reports for a command killed by SIGPIPE (Python ignores the signal and raises instead).
@@ -41,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 # -- argument types: each refuses a bad value naming it and what is accepted -------------------
 def _size(text: str) -> int:
     try:
-        return envs._size(text)
+        return units.parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -120,12 +121,6 @@ def _device(text: str) -> str:
 
 
 # -- output ---------------------------------------------------------------------------------------
-def _human(n: float) -> str:
-    from ple_um.operating import human_bytes
-
-    return human_bytes(n)
-
-
 def _emit_json(data: dict) -> None:
     print(json.dumps(data, indent=1, default=str))
 
@@ -239,7 +234,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         for key, value in report.capabilities.items():
             print(f"  {key}: {value}")
         if report.pin_budget is not None:
-            print(f"pin budget: {_human(report.pin_budget)}")
+            print(f"pin budget: {format_bytes(report.pin_budget)}")
     return EXIT_OK
 
 
@@ -263,7 +258,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         scale = "none (16-bit table)" if t["scale"] is None else f"{t['scale']:.8g} ({t['scale_tensor']})"
         print(
             f"layer {t['layer']}: {t['rows']} rows x {t['row_dim']} {t['dtype']} "
-            f"({t['row_bytes']} B/row) = {_human(t['bytes'])} ({t['bytes']} B)"
+            f"({t['row_bytes']} B/row) = {format_bytes(t['bytes'])} ({t['bytes']} B)"
         )
         print(
             f"  {t['parts']} shards of {t['rows_per_shard']} rows (ceil layout) in {len(t['files'])} files; "
@@ -271,11 +266,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
         for f in t["files"]:
             if not f["shards"]:  # an NVFP4 table's block scales in a file of their own
-                print(f"  {f['file']}: block scales, {_human(f['bytes'])}")
+                print(f"  {f['file']}: block scales, {format_bytes(f['bytes'])}")
                 continue
             first, last = f["shards"][0], f["shards"][-1]
             span = f"shard {first}" if first == last else f"shards {first}-{last}"
-            print(f"  {f['file']}: {span}, {_human(f['bytes'])}")
+            print(f"  {f['file']}: {span}, {format_bytes(f['bytes'])}")
         if args.shards:
             print("  | shard | file | offset | rows | bytes |")
             for sh in t["shards"]:
@@ -314,12 +309,12 @@ def _residency_lines(r: dict) -> list[str]:
     lines = ["| shard | file | bytes | resident | % |", "| --- | --- | --- | --- | --- |"]
     for s in r["shards"]:
         lines.append(
-            f"| {s['index']} | {s['file']} | {_human(s['bytes'])} | {_human(s['resident_bytes'])} | "
-            f"{100 * s['fraction']:.1f} |"
+            f"| {s['index']} | {s['file']} | {format_bytes(s['bytes'])} | "
+            f"{format_bytes(s['resident_bytes'])} | {100 * s['fraction']:.1f} |"
         )
     t = r["total"]
     lines.append(
-        f"total: {_human(t['resident_bytes'])} of {_human(t['bytes'])} resident "
+        f"total: {format_bytes(t['resident_bytes'])} of {format_bytes(t['bytes'])} resident "
         f"({100 * t['fraction']:.1f}%), layer {r['layer']}, {r['directory']}"
     )
     return lines
@@ -371,13 +366,13 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
     before, after = result["before"], result["after"]
     rate = result["read_bytes"] / result["seconds"] / 1e9 if result["seconds"] else 0.0
     print(
-        f"prewarmed {_human(result['read_bytes'])} ({100 * result['fraction']:.0f}% of each file) of layer "
-        f"{result['layer']} in {result['seconds']:.2f} s ({rate:.2f} GB/s)"
+        f"prewarmed {format_bytes(result['read_bytes'])} ({100 * result['fraction']:.0f}% of each file) "
+        f"of layer {result['layer']} in {result['seconds']:.2f} s ({rate:.2f} GB/s)"
         + (" (forced past the memory limit)" if result["forced"] else "")
     )
     print(
-        f"resident: {_human(before['resident_bytes'])} -> {_human(after['resident_bytes'])} of "
-        f"{_human(after['bytes'])} ({100 * before['fraction']:.1f}% -> {100 * after['fraction']:.1f}%)"
+        f"resident: {format_bytes(before['resident_bytes'])} -> {format_bytes(after['resident_bytes'])} of "
+        f"{format_bytes(after['bytes'])} ({100 * before['fraction']:.1f}% -> {100 * after['fraction']:.1f}%)"
     )
     return EXIT_OK
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ple_um.errors import KnobError
+from ple_um.units import parse_size
 
 
 def _bool(text: str) -> bool:
@@ -22,22 +23,6 @@ def _bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
-
-
-def _size(text: str) -> int:
-    """Bytes, with an optional binary suffix: 512MiB, 16GiB, 1T (= TiB); never negative."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    low = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(low[-1:], 1)
-    try:
-        value = int(float(low[:-1] if scale > 1 else low) * scale)
-    except (ValueError, OverflowError):
-        raise ValueError(
-            f"expected a byte count with an optional binary suffix (4096, 512MiB, 48GiB, 1T), got {text!r}"
-        ) from None
-    if value < 0:
-        raise ValueError(f"expected a byte count >= 0, got {text!r}")
-    return value
 
 
 def _bulk_rows(text: str) -> str | int:
@@ -214,7 +199,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_PIN_BUDGET",
-            _size,
+            parse_size,
             None,
             "most bytes the registered mode may pin (default: PLE_UM_PIN_FRACTION of MemAvailable)",
         ),

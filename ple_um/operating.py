@@ -20,6 +20,7 @@ from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.checkpoint.layout import find_layers, validate
 from ple_um.errors import CheckpointError, PleUmError
 from ple_um.mapping import MappedShards
+from ple_um.units import format_bytes
 
 PAGE = mmap.PAGESIZE
 
@@ -233,8 +234,8 @@ def prewarm(
             what = "the --max-bytes limit" if limit is not None else "MemAvailable"
             fits = max(0.01, int(fraction * allowed / requested * 90) / 100)
             raise PrewarmRefused(
-                f"prewarming layer {layout.layer} of {layout.directory} reads {human_bytes(requested)}, "
-                f"more than {what} ({human_bytes(allowed)}): filling the page cache would evict the "
+                f"prewarming layer {layout.layer} of {layout.directory} reads {format_bytes(requested)}, "
+                f"more than {what} ({format_bytes(allowed)}): filling the page cache would evict the "
                 f"table's own first pages (or other processes' memory) to hold the rest. Prewarm a part "
                 f"with --fraction {fits:.2f}, or pass --force"
             )
@@ -271,12 +272,3 @@ def _total(mappings: list[MappedShards]) -> dict:
     size = sum(t["bytes"] for t in totals)
     resident = sum(t["resident_bytes"] for t in totals)
     return {"bytes": size, "resident_bytes": resident, "fraction": resident / size if size else 1.0}
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in binary units: 512 B, 1.50 KiB, 47.68 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

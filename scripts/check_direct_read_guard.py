@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import ple_um
-from ple_um import envs
+from ple_um import units
 from ple_um.access import first_read
 from ple_um.access.capabilities import read_capabilities, resolve_device, triton_interpreter
 from ple_um.access.probe import direct_read
@@ -197,13 +197,13 @@ def check_faults(args, device, root: str, rng, guarded: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=envs._size, default=16 << 30, help="table size (default 16GiB)")
+    p.add_argument("--size", type=units.parse_size, default=16 << 30, help="table size (default 16GiB)")
     p.add_argument("--dir", default=None, help="checkpoint dir (default /tmp/ple-guard-<size>)")
     p.add_argument("--row-bytes", type=int, default=160)
     p.add_argument("--shards", type=int, default=128)
     p.add_argument("--warm-opens", type=int, default=3)
     p.add_argument("--faults", action="store_true", help="also inject each child failure (small table)")
-    p.add_argument("--fault-size", type=envs._size, default=64 << 20)
+    p.add_argument("--fault-size", type=units.parse_size, default=64 << 20)
     p.add_argument("--hang-timeout", type=float, default=45.0, help="PLE_UM_FIRST_READ_TIMEOUT for the hang")
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None)

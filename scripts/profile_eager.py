@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 import ple_um
-from ple_um import envs
+from ple_um import units
 from ple_um.kernels.launch import hooks_set
 
 
@@ -66,7 +66,7 @@ def main() -> int:
     args = parser.parse_args()
     from ple_um.bench.runner import Config, default_table
 
-    directory = default_table(Config(size=envs._size(args.size)), progress=False)
+    directory = default_table(Config(size=units.parse_size(args.size)), progress=False)
     registered = ple_um.open_table(directory, mode="registered")
     cpu = ple_um.open_table(directory, mode="cpu")
     n = 16

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import ple_um
-from ple_um import envs
+from ple_um import units
 
 SIZES = (16, 1024, 16384, 131072)
 FAILURES: list[str] = []
@@ -59,7 +59,7 @@ def table_dir(args) -> str:
         return args.dir
     from ple_um.bench.runner import Config, default_table
 
-    return default_table(Config(size=envs._size(args.size)))
+    return default_table(Config(size=units.parse_size(args.size)))
 
 
 class Resident:

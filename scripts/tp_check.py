@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ple_um import envs
+from ple_um import envs, units
 
 # The lent GPU hosts must never use NVLink multicast (NVLS); set in every rank before NCCL starts.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -895,7 +895,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--size", type=envs._size, default=16 << 30, help="table bytes (16GiB, 8GiB, 32MiB)")
+    p.add_argument("--size", type=units.parse_size, default=16 << 30, help="table bytes (16GiB, 8GiB, 32MiB)")
     p.add_argument("--row-bytes", type=int, default=160, help="FP8 row width (Qwen3.8-Flash-Next: 160)")
     p.add_argument("--shards", type=int, default=128, help="shards of the table (4 files)")
     p.add_argument(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ple_um import envs
 from ple_um.access.capabilities import DeviceCapabilities, read_capabilities
 from ple_um.errors import ModeUnavailableError
+from ple_um.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +89,6 @@ def pin_budget() -> int:
     return int(mem_available() * envs.PLE_UM_PIN_FRACTION)
 
 
-def _size(n: int) -> str:
-    """Bytes in the largest binary unit that keeps them above 1 (exact bytes below 1 KiB)."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
-
-
 def direct_read(caps: DeviceCapabilities) -> str | None:
     """How ``caps``' device can dereference a host address (an mmap's), or None when it cannot."""
     if caps.pageable_memory_access_uses_host_page_tables:
@@ -139,7 +132,8 @@ def reason_if_unsatisfied(
             )
         if table_bytes is not None and budget is not None and table_bytes > budget:
             return (
-                f"the table ({_size(table_bytes)}) is larger than the pin budget ({_size(budget)}); "
+                f"the table ({format_bytes(table_bytes)}) is larger than the pin budget "
+                f"({format_bytes(budget)}); "
                 "raise PLE_UM_PIN_BUDGET or PLE_UM_PIN_FRACTION to allow it"
             )
         return None
