@@ -472,7 +472,7 @@ class StatsReporter:
             return None
         if device not in self._streams:
             try:
-                from ple_um.access.cuda_streams import own_stream
+                from ple_um.lookup.streams import own_stream
 
                 self._streams[device] = own_stream(device)  # lives as long as the reporter
             except Exception as exc:  # noqa: BLE001
@@ -604,7 +604,7 @@ def _relaxed_capture_mode():
     start-up captures would fail whenever a tick landed inside one (seen on an H200). The copy runs
     on the reporter's own stream, which the capture does not record. Without the relaxed mode (no
     cuda-python) the read goes on in the default mode, warned once."""
-    from ple_um.access.cuda_streams import relaxed_capture_mode
+    from ple_um.lookup.streams import relaxed_capture_mode
 
     return relaxed_capture_mode(
         lambda exc: _warn_once(

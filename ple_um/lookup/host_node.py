@@ -45,9 +45,9 @@ import time
 import torch
 
 from ple_um import envs
-from ple_um.access.cuda_streams import own_stream, relaxed_capture_mode
 from ple_um.lookup import rowcopy
 from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize, e2m1_values
+from ple_um.lookup.streams import own_stream, relaxed_capture_mode
 from ple_um.mapping import MappedShards
 
 log = logging.getLogger(__name__)

@@ -54,9 +54,9 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 )
 
 from ple_um import MappedTable, envs, open_table
-from ple_um.access.cuda_streams import own_stream
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.errors import CheckpointError, PleUmError
+from ple_um.lookup.streams import own_stream
 from ple_um.vllm.source import file_backing, resolve_table_dir
 
 # Under "vllm.": vLLM configures only its own logger tree, so only there do INFO lines reach its log.
