@@ -35,6 +35,16 @@ def _bulk_rows(text: str) -> str | int:
     return rows
 
 
+def _auto_or_size(text: str) -> str | int:
+    """``auto`` or a byte count (``parse_size``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError(f"expected auto or a byte count (0, 512MiB, 4GiB), got {text!r}") from None
+
+
 def _checked_modes(text: str) -> tuple[str, ...]:
     """Comma-separated access modes whose first read runs in a child (ats, registered); off/none = none."""
     value = text.strip().lower()
@@ -300,6 +310,47 @@ KNOBS: dict[str, Knob] = {
             None,
             "tests only: the first-read child crashes (segv, abort), hangs, exits at once (exit), "
             "fails with a CUDA-like error (error) or corrupts the rows it compares (corrupt)",
+        ),
+        Knob(
+            "PLE_UM_ROW_CACHE",
+            _auto_or_size,
+            "auto",
+            "host path: bytes of hot rows kept at row granularity in memory the table owns; auto = "
+            "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table is not in the page cache at "
+            "open (else none); 0 = none",
+        ),
+        Knob(
+            "PLE_UM_ROW_CACHE_FRACTION",
+            _fraction,
+            0.5,
+            "the fraction of the memory this process can still take (MemAvailable, its memory cgroup's "
+            "room) that PLE_UM_ROW_CACHE=auto gives the row cache",
+        ),
+        Knob(
+            "PLE_UM_ROW_CACHE_POLICY",
+            _choice("tinylfu", "lru", "clock"),
+            "tinylfu",
+            "what the row cache keeps: tinylfu admits a row only when it is wanted more often than the "
+            "one it would evict; lru and clock admit every row",
+        ),
+        Knob(
+            "PLE_UM_FILE_READS",
+            _choice("auto", "uring", "threads", "mmap"),
+            "auto",
+            "host path: how the rows a lookup misses are read, many at a time; auto = io_uring where a "
+            "ring can be made, else reader threads; mmap = one page fault at a time",
+        ),
+        Knob(
+            "PLE_UM_DIRECT_READS",
+            _choice("auto", "on", "off"),
+            "auto",
+            "host path: read misses with O_DIRECT (past the page cache); auto = when there is a row cache",
+        ),
+        Knob(
+            "PLE_UM_READ_DEPTH",
+            _count(1, 256),
+            64,
+            "host path: reads of missing rows in flight per reading thread",
         ),
         Knob(
             "PLE_UM_METRICS_SEC",

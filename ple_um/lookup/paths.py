@@ -23,6 +23,7 @@ from ple_um.checkpoint import ShardLayout
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
+from ple_um.lookup.host import cold
 from ple_um.lookup.host.gather import HostGather
 from ple_um.lookup.sync_gather import SyncGather
 
@@ -52,6 +53,11 @@ class LookupPaths:
     def row_copy(self) -> HostGather | None:
         """The C row copy's host path, or None."""
         return self.host if isinstance(self.host, HostGather) else None
+
+    def row_cache_stats(self) -> dict | None:
+        """The host path's row cache (``HostGather.row_cache_stats``), or None."""
+        host = self.row_copy
+        return host.row_cache_stats() if host is not None else None
 
     def read_counts(self) -> dict:
         """The paths' counts added up (``counts.path_counts``' keys). Device counters are read on
@@ -106,6 +112,7 @@ def build_paths(
             threads=envs.PLE_UM_CPU_THREADS,
             scale_mapping=scale_mapping,
             built=why,
+            cold=cold.plan(lib, mapping, scale_mapping),
         )
 
     if mode == "cpu":
