@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ple_um.checkpoint import find_layers, read_layout, validate
-from ple_um.checkpoint.safetensors import MAX_JSON_NESTING
+from ple_um.checkpoint.header_json import MAX_JSON_NESTING
 from ple_um.errors import CheckpointError
 
 FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
