@@ -16,9 +16,10 @@ import struct
 
 import pytest
 
-from helpers.reference import tensor_bytes, write_safetensors
 from ple_um.checkpoint import read_layout, validate
 from ple_um.errors import CheckpointError
+
+from .reference import tensor_bytes, write_safetensors
 
 PREFIX = "model.language_model."
 INDEX = "model.safetensors.index.json"
