@@ -1,0 +1,159 @@
+"""The directory scan: which files may hold PLE tensors (those the index names, else every
+``*.safetensors``), their headers, and the PLE tensors found in them, per layer.
+
+Only headers are read. With an index, only the files it names for PLE tensors are opened, so a
+broken file that holds none of them does not stop the table; every index entry is still checked
+to stay inside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+
+from ple_um.checkpoint.files import read_json_file
+from ple_um.checkpoint.naming import ple_match
+from ple_um.checkpoint.problems import Problems
+from ple_um.checkpoint.safetensors import MAX_HEADER_BYTES, SafetensorsHeader, TensorEntry, read_header
+from ple_um.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class LayerTensors:
+    """The PLE tensors of one layer, as found in the headers (duplicates kept, to be reported)."""
+
+    shards: dict[int, list[TensorEntry]] = field(default_factory=dict)
+    scales: list[TensorEntry] = field(default_factory=list)  # ...ngram_embedding.weight_scale
+    block_scales: dict[int, list[TensorEntry]] = field(default_factory=dict)  # NVFP4 shard_<i>.weight_scale
+    global_scales: list[TensorEntry] = field(default_factory=list)  # NVFP4 ...weight_scale_2
+
+
+@dataclass
+class Scan:
+    directory: str
+    layers: set[int]  # every layer seen with at least one shard tensor
+    tensors: dict[int, LayerTensors]  # per layer (only the requested one when a layer is given)
+
+
+def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
+    """Read the headers of the files that may hold PLE tensors (of ``layer`` when given); None when
+    the directory or its index cannot be read (reported)."""
+    directory = os.path.abspath(directory)
+    if not os.path.exists(directory):
+        problems.report(f"checkpoint directory {directory} does not exist")
+        return None
+    if not os.path.isdir(directory):
+        problems.report(f"checkpoint path {directory} is not a directory")
+        return None
+
+    index_path = os.path.join(directory, INDEX_FILE)
+    claims: dict[str, str] = {}  # PLE tensor name -> absolute file path, per the index
+    index_layers: set[int] = set()
+    if os.path.lexists(index_path):
+        files = _files_from_index(directory, index_path, layer, problems, claims, index_layers)
+        if files is None:
+            return None
+    else:
+        files = sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
+
+    found = Scan(directory=directory, layers=set(index_layers), tensors={})
+    for path in files:
+        try:
+            header = read_header(path, strict=False)
+        except CheckpointError as e:
+            problems.add(e)
+            continue
+        for error in header.problems:
+            problems.add(error)
+        _collect(header, layer, found)
+        _check_claims(header, claims, problems)
+    return found
+
+
+def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:
+    """Add the PLE tensors of one header to ``found``."""
+    for name, entry in header.tensors.items():
+        match = ple_match(name)
+        if match is None:
+            continue
+        at, kind, index = match
+        if kind == "shard":
+            found.layers.add(at)
+        if layer is not None and at != layer:
+            continue
+        tensors = found.tensors.setdefault(at, LayerTensors())
+        if kind == "shard":
+            tensors.shards.setdefault(index, []).append(entry)
+        elif kind == "block_scale":
+            tensors.block_scales.setdefault(index, []).append(entry)
+        elif kind == "scale":
+            tensors.scales.append(entry)
+        else:
+            tensors.global_scales.append(entry)
+
+
+def _check_claims(header: SafetensorsHeader, claims: dict[str, str], problems: Problems) -> None:
+    """Report each tensor the index maps to this file that the file does not hold (an entry the
+    header has but found unsound is reported there already)."""
+    bad = {e.tensor for e in header.problems}
+    for name, claimed in claims.items():
+        if claimed == header.path and name not in header.tensors and name not in bad:
+            problems.report(
+                f"{INDEX_FILE} maps this tensor to {os.path.basename(header.path)}, which does not hold it",
+                path=header.path,
+                tensor=name,
+            )
+
+
+def _files_from_index(
+    directory: str,
+    index_path: str,
+    layer: int | None,
+    problems: Problems,
+    claims: dict[str, str],
+    index_layers: set[int],
+) -> list[str] | None:
+    """The files the index says hold PLE tensors (of ``layer`` when given); fills ``claims``."""
+    try:
+        index = read_json_file(index_path, what="index", limit=MAX_HEADER_BYTES)
+    except CheckpointError as e:
+        problems.add(e)
+        return None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        problems.report("index has no weight_map object", path=index_path)
+        return None
+    files: set[str] = set()
+    for name, file_name in weight_map.items():
+        if not isinstance(file_name, str) or not file_name or "\0" in file_name:
+            problems.report(
+                f"index entry names file {file_name!r}, expected a file name", path=index_path, tensor=name
+            )
+            continue
+        normal = os.path.normpath(file_name)
+        if os.path.isabs(file_name) or normal == ".." or normal.startswith(".." + os.sep):
+            problems.report(
+                f"index entry names {file_name!r}, outside the checkpoint directory",
+                path=index_path,
+                tensor=name,
+            )
+            continue
+        match = ple_match(name)
+        if match is None:
+            continue
+        at, kind, _ = match
+        if kind == "shard":
+            index_layers.add(at)
+        if layer is not None and at != layer:
+            continue
+        path = os.path.join(directory, normal)
+        if not os.path.exists(path):
+            what = "a symlink to a missing file" if os.path.islink(path) else "a missing file"
+            problems.report(f"index entry names {file_name!r}, {what}", path=index_path, tensor=name)
+            continue
+        claims[name] = path
+        files.add(path)
+    return sorted(files)
