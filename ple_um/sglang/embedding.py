@@ -138,7 +138,7 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         if layout.row_dim != self.embedding_dim:
             raise CheckpointError(
                 f"{self.prefix}: the table's rows have {layout.row_dim} elements, but the layer's row width "
-                f"(n-gram head_dim = ple_embed_dim / n-gram heads) is {self.embedding_dim}",
+                f"is {self.embedding_dim} (the n-gram head_dim: ple_embed_dim / n-gram heads)",
                 **where,
             )
         if layout.num_rows != self.org_vocab_size:

@@ -33,6 +33,18 @@ PLE_LAYER = 1  # decoder layer 1 (ple_layer_ids=[2]): checkpoint names layers.1.
 PARTS = 4  # split_ngram_parts
 
 
+def ngram_rows(vocab_base: int, heads: int = 4, divisible_by: int = 8) -> int:
+    """The table's rows for an n-gram vocabulary base, as SGLang sizes it: the sum of the ``heads``
+    primes that follow ``vocab_base - 1``, padded to ``divisible_by``."""
+    import sympy
+
+    total, prime = 0, vocab_base - 1
+    for _ in range(heads):
+        prime = int(sympy.nextprime(prime))
+        total += prime
+    return -(-total // divisible_by) * divisible_by
+
+
 def text_config(row_dim: int, **overrides) -> dict:
     """A Qwen4Exp text config small enough for the CPU; the PLE rows are ``row_dim`` wide."""
     config = dict(
@@ -124,8 +136,9 @@ def sglang_checkpoint(make_checkpoint):
 
     def make(dtype="fp8", *, seed=0, shards=PARTS, files=2, **config):
         row_dim = 16 if dtype == "nvfp4" else 8
+        rows = ngram_rows(config["ngram_vocab_size_base"]) if "ngram_vocab_size_base" in config else ROWS
         layout = make_checkpoint(
-            num_rows=ROWS,
+            num_rows=rows,
             row_dim=row_dim,
             dtype=dtype,
             shards=shards,
