@@ -26,6 +26,11 @@ MODEL = "sglang.srt.models.qwen4_exp"
 LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
+NOT_APPLIED = (
+    "ple-um: PLE_UM is set but SGLang's Qwen4ExpPinnedHostEmbedding is not replaced (see the HookRegistry "
+    "error logged at start-up); unset PLE_UM to run stock SGLang"
+)
+
 _registered = False
 
 
@@ -67,10 +72,7 @@ def ngram_init(original, self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
         return
     if not applied():
-        raise RuntimeError(
-            "ple-um: PLE_UM is set but SGLang's Qwen4ExpPinnedHostEmbedding is not replaced (see the "
-            "HookRegistry error logged at start-up); unset PLE_UM to run stock SGLang"
-        )
+        raise RuntimeError(NOT_APPLIED)
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     config, prefix = bound.arguments["config"], bound.arguments.get("prefix", "")
     found = _LAYER.findall(prefix)

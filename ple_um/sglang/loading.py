@@ -25,9 +25,11 @@ from collections.abc import Iterable, Iterator
 
 import safetensors
 import torch
+from sglang.srt.models.qwen4_exp import Qwen4ExpNGramEmbedding
 
 from ple_um import envs
 from ple_um.checkpoint import find_layers, read_layout
+from ple_um.sglang import hooks
 from ple_um.sglang.embedding import PleUmHostEmbedding
 from ple_um.sglang.source import note_model_folder, table_directory, table_tensor
 
@@ -45,6 +47,8 @@ def weights_iterator(original, loader, source, *, resolved_source=None, **kwargs
     """The AROUND hook of ``DefaultModelLoader._get_weights_iterator`` (see the module's docstring)."""
     if not _serves(source):
         return original(loader, source, resolved_source=resolved_source, **kwargs)
+    if not hooks.applied():  # stock tables would get no rows
+        raise RuntimeError(hooks.NOT_APPLIED)
     if resolved_source is None:
         folder, files, use_safetensors = loader._prepare_weights(
             source.model_or_path, source.revision, source.fall_back_to_pt, source.allow_patterns_overrides
@@ -97,6 +101,14 @@ def served_layers(model) -> dict[int, tuple[str, PleUmHostEmbedding]]:
 def load_weights(original, model, weights: Iterable[tuple[str, torch.Tensor]]):
     """The AROUND hook of ``Qwen4ExpForConditionalGeneration.load_weights`` (see the module's docstring)."""
     served = served_layers(model)
+    if envs.PLE_UM and any(
+        isinstance(m, Qwen4ExpNGramEmbedding) and not isinstance(m.ngram_embedding, PleUmHostEmbedding)
+        for m in model.modules()
+    ):  # SGLang's iterator, under PLE_UM, delivers no table rows to a stock table
+        raise RuntimeError(
+            "ple-um: PLE_UM is set, but this Qwen4Exp model was built with stock PLE tables (PLE_UM was "
+            "unset when it was built): set PLE_UM before SGLang builds the model, or unset it"
+        )
     if not served:
         return original(model, weights)
 

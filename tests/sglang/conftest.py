@@ -97,6 +97,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(name="free_port")
+def free_port_fixture():
+    """``free_port()``: a free TCP port on the loopback (gloo's rendezvous)."""
+    return free_port
+
+
 @pytest.fixture(scope="session")
 def sglang_world():
     """The gloo world and the plugin, loaded by SGLang's ``load_plugins()`` with PLE_UM=1."""
@@ -127,16 +133,17 @@ def key_proj_shape(row_dim: int) -> tuple[int, int]:
 
 @pytest.fixture
 def sglang_checkpoint(make_checkpoint):
-    """``sglang_checkpoint(dtype=..., seed=..., shards=PARTS, files=2, **config)`` -> (directory, layout,
-    key_proj): a synthetic checkpoint (``ple_um.synthetic.write_checkpoint``) made loadable by
-    SGLang: a config.json of the tiny model, the FP8 scale as SGLang loads it ([1], not []), and in
-    place of the synthetic unrelated tensor the PLE layer's key_proj weight (random bf16), which
-    shares its file with table shards."""
+    """``sglang_checkpoint(dtype=..., seed=..., shards=PARTS, files=2, num_rows=None, **config)`` ->
+    (directory, layout, key_proj): a synthetic checkpoint (``ple_um.synthetic.write_checkpoint``) of the
+    config's rows (or ``num_rows``), made loadable by SGLang: a config.json of the tiny model, the FP8
+    scale as SGLang loads it ([1], not []), and in place of the synthetic unrelated tensor the PLE
+    layer's key_proj weight (random bf16), which shares its file with table shards."""
     import safetensors.torch as st
 
-    def make(dtype="fp8", *, seed=0, shards=PARTS, files=2, **config):
+    def make(dtype="fp8", *, seed=0, shards=PARTS, files=2, num_rows=None, **config):
         row_dim = 16 if dtype == "nvfp4" else 8
         rows = ngram_rows(config["ngram_vocab_size_base"]) if "ngram_vocab_size_base" in config else ROWS
+        rows = rows if num_rows is None else num_rows
         layout = make_checkpoint(
             num_rows=rows,
             row_dim=row_dim,

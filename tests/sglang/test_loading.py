@@ -146,7 +146,7 @@ def test_broken_shard_file_is_refused_naming_file_and_tensor(sglang_checkpoint, 
     [
         ({"split_ngram_parts": 5}, "split into 4 shards, but the config has split_ngram_parts=5"),
         ({"heads_per_ngram": 4}, "rows have 8 elements, but the layer's row width is 4"),
-        ({"ngram_vocab_size_base": 60}, "the table has 240 rows, but the config gives"),
+        ({"num_rows": 248}, "the table has 248 rows, but the config gives 240"),
     ],
 )
 def test_table_that_does_not_fit_the_config_is_refused(change, match, sglang_checkpoint, load_model, rng):
@@ -199,3 +199,13 @@ def test_table_delivered_in_memory_is_compared(sglang_checkpoint, load_model, ti
     assert spec.path in str(caught.value) and spec.tensor in str(caught.value)
     with pytest.raises(ReloadMismatchError):
         model.load_weights([(spec.tensor, shard.to(torch.bfloat16))])
+
+
+def test_stock_model_is_not_loaded_under_ple_um(sglang_checkpoint, load_model, monkeypatch, rng):
+    """A model built with PLE_UM unset has stock tables, which SGLang's iterator under PLE_UM would
+    leave without rows: its load refuses instead."""
+    directory, layout, _ = sglang_checkpoint("fp8", seed=int(rng.integers(1 << 30)))
+    model = load_model(directory, ple_um=False)
+    monkeypatch.setenv("PLE_UM", "1")
+    with pytest.raises(RuntimeError, match="built with stock PLE tables"):
+        model.load_weights([])
