@@ -155,7 +155,7 @@ FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in (
-        Knob("PLE_UM", _bool, False, "enable the vLLM and SGLang plugins' ple-um backend", ("VLLM_PLE_MMAP",)),
+        Knob("PLE_UM", _bool, False, "enable the vLLM and SGLang plugins' ple-um path", ("VLLM_PLE_MMAP",)),
         Knob(
             "PLE_UM_MODE",
             _choice(*MODES),
