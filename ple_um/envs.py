@@ -150,7 +150,7 @@ FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in (
-        Knob("PLE_UM", _bool, False, "enable the vLLM plugin's ple-um backend", ("VLLM_PLE_MMAP",)),
+        Knob("PLE_UM", _bool, False, "enable the vLLM and SGLang plugins' ple-um path", ("VLLM_PLE_MMAP",)),
         Knob(
             "PLE_UM_MODE",
             _choice(*MODES),
@@ -240,8 +240,8 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_OVERLAP",
             _bool,
             True,
-            "vLLM plugin: queue each PLE lookup on a side stream one decoder layer ahead "
-            "(vLLM's start_prefetch hook), so the host gather overlaps the GPU's work",
+            "vLLM and SGLang plugins: queue each PLE lookup on a side stream one decoder layer ahead "
+            "(the engine's start_prefetch hook), so the host gather overlaps the GPU's work",
         ),
         Knob(
             "PLE_UM_ATS_POPULATE",
