@@ -22,9 +22,8 @@ import torch
 from ple_um import metrics, ops, verify
 from ple_um.access.build import ModeAccess
 from ple_um.access.probe import ProbeReport
-from ple_um.checkpoint import ShardLayout
+from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout
 from ple_um.errors import TableClosedError
-from ple_um.lookup.nvfp4 import BLOCK as NVFP4_BLOCK
 from ple_um.lookup.paths import LookupPaths
 from ple_um.mapping import MappedShards
 
