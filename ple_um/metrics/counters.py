@@ -22,6 +22,15 @@ from ple_um import envs
 from ple_um.metrics.failures import logger, warn_once
 
 PHASES = ("dedup", "gather", "stage", "wait")
+# The counters absorb brings up to a table's stats(): its own keys, and the row cache's (metric key
+# -> the key in stats()["row_cache"]).
+ABSORBED = ("lookups", "rows", "bytes", "out_of_range")
+ROW_CACHE_COUNTS = {
+    "row_cache_hits": "hits",
+    "row_cache_misses": "misses",
+    "row_cache_evictions": "evictions",
+    "file_reads": "file_reads",
+}
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,50 @@ METRICS: tuple[MetricSpec, ...] = (
         "vllm:ple_um_registration_seconds_total",
         None,
         "Seconds spent registering the mapped shards with CUDA (cudaHostRegister) at open.",
+    ),
+    MetricSpec(
+        "row_cache_hits",
+        "vllm:ple_um_row_cache_hits_total",
+        None,
+        "Host path: rows the row cache served (a table not in memory at open keeps one).",
+    ),
+    MetricSpec(
+        "row_cache_misses",
+        "vllm:ple_um_row_cache_misses_total",
+        None,
+        "Host path: owned rows the row cache did not hold (read from the files).",
+    ),
+    MetricSpec(
+        "row_cache_evictions",
+        "vllm:ple_um_row_cache_evictions_total",
+        None,
+        "Host path: rows the row cache dropped to take others.",
+    ),
+    MetricSpec(
+        "file_reads",
+        "vllm:ple_um_file_reads_total",
+        None,
+        "Host path: rows read from the files by the reader of misses (many in flight), not faulted in.",
+    ),
+    MetricSpec(
+        "file_read_seconds",
+        "vllm:ple_um_file_read_seconds_total",
+        None,
+        "Host path: seconds the reader of misses waited for the files.",
+    ),
+    MetricSpec(
+        "row_cache_rows",
+        "vllm:ple_um_row_cache_rows",
+        None,
+        "Rows the row cache holds now, read every stats period.",
+        kind="gauge",
+    ),
+    MetricSpec(
+        "row_cache_bytes",
+        "vllm:ple_um_row_cache_bytes",
+        None,
+        "Bytes of the row cache's memory in RAM now, read every stats period.",
+        kind="gauge",
     ),
     MetricSpec(
         "resident_bytes",
@@ -191,8 +244,8 @@ class LookupMetrics:
         self.host_counted = mode == "cpu" if host_counted is None else host_counted
         self._children: dict[str, list] | None = None
         self._ready = False
-        self._absorbed = {"lookups": 0, "rows": 0, "bytes": 0, "out_of_range": 0}
-        self._absorbed_seconds = dict.fromkeys((*PHASES, "lookup_seconds"), 0.0)
+        self._absorbed = dict.fromkeys((*ABSORBED, *ROW_CACHE_COUNTS), 0)
+        self._absorbed_seconds = dict.fromkeys((*PHASES, "lookup_seconds", "file_read_seconds"), 0.0)
         self._absorb_lock = threading.Lock()
 
     def _metrics(self) -> dict[str, list] | None:
@@ -261,10 +314,14 @@ class LookupMetrics:
             phases = stats.get("phase_seconds") or {}
             seconds = {key: float(phases.get(key, 0.0)) for key in PHASES}
             seconds["lookup_seconds"] = sum(seconds.values())
+            cache = stats.get("row_cache") or {}
+            seconds["file_read_seconds"] = float(cache.get("read_seconds", 0.0))
+            counts = {key: int(stats.get(key, 0)) for key in ABSORBED}
+            counts.update({key: int(cache.get(field, 0)) for key, field in ROW_CACHE_COUNTS.items()})
             with self._absorb_lock:
                 rise: dict[str, float] = {}
                 for key, before in self._absorbed.items():
-                    now = int(stats.get(key, 0))
+                    now = counts[key]
                     rise[key] = max(0, now - before)
                     self._absorbed[key] = now
                 for key, before in self._absorbed_seconds.items():
@@ -276,6 +333,18 @@ class LookupMetrics:
                     self._inc(children, key, value)
         except Exception as exc:  # noqa: BLE001
             warn_once("absorb", "absorb failed: %s: %s", type(exc).__name__, exc)
+
+    def set_row_cache(self, rows: int, resident: int) -> None:
+        """Set this mode's row-cache gauges (rows held, bytes in RAM) for this process."""
+        try:
+            children = self._metrics()
+            if children is not None:
+                for child in children["row_cache_rows"]:
+                    child.set(rows)
+                for child in children["row_cache_bytes"]:
+                    child.set(resident)
+        except Exception as exc:  # noqa: BLE001
+            warn_once("gauge", "row cache gauge failed: %s: %s", type(exc).__name__, exc)
 
     def set_residency(self, resident: int, mapped: int) -> None:
         """Set this mode's page-cache gauges (bytes resident, bytes mapped) for this process."""

@@ -19,17 +19,19 @@ from ple_um.errors import TableClosedError
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
 from ple_um.metrics.counters import LookupMetrics, prometheus
 from ple_um.metrics.failures import logger, warn_once
-from ple_um.metrics.stats_line import figures, format_line
+from ple_um.metrics.stats_line import CACHE_HELD, figures, format_line
 
 
 def _fold(window: dict[str, dict[str, float]], watch: Watch, stats: dict) -> None:
-    """Add what the watched table did since its last reading to its mode's window figures."""
+    """Add what the watched table did since its last reading to its mode's window figures (and
+    what its row cache holds now to the mode's)."""
     now = figures(stats)
     watch.mode = watch.mode or str(stats.get("mode", "?"))
+    watch.cache = (int(now["cache_rows"]), int(now["cache_resident"]))
     if watch.last is not None:
         acc = window.setdefault(watch.mode, dict.fromkeys(now, 0.0))
         for key, value in now.items():
-            acc[key] += value - watch.last[key]
+            acc[key] += value if key in CACHE_HELD else value - watch.last[key]
     watch.last = now
 
 
@@ -53,6 +55,7 @@ class Watch:
         self.mode = metrics.mode if metrics is not None else None
         self.last: dict[str, float] | None = None  # figures at the previous tick
         self.resident = (0, 0)
+        self.cache = (0, 0)  # the row cache's rows and bytes in RAM, at the last reading
         self.closed = False
 
     def close(self) -> None:
@@ -218,17 +221,25 @@ class StatsReporter:
         return line
 
     def _set_gauges(self) -> None:
-        by_mode: dict[str, tuple[LookupMetrics, int, int]] = {}
+        by_mode: dict[str, tuple[LookupMetrics, int, int, int, int]] = {}
         for watch in self.watches:
             if watch.metrics is None or watch.residency is None:
                 continue
-            m, r, t = by_mode.get(watch.mode, (watch.metrics, 0, 0))
-            by_mode[watch.mode] = (m, r + watch.resident[0], t + watch.resident[1])
-        for metrics, resident, mapped in by_mode.values():
+            m, r, t, rows, held = by_mode.get(watch.mode, (watch.metrics, 0, 0, 0, 0))
+            by_mode[watch.mode] = (
+                m,
+                r + watch.resident[0],
+                t + watch.resident[1],
+                rows + watch.cache[0],
+                held + watch.cache[1],
+            )
+        for metrics, resident, mapped, rows, held in by_mode.values():
             metrics.set_residency(resident, mapped)
+            metrics.set_row_cache(rows, held)
         for mode, metrics in self._gauged.items():  # the last table of a mode closed: nothing mapped
             if mode not in by_mode:
                 metrics.set_residency(0, 0)
+                metrics.set_row_cache(0, 0)
         self._gauged = {mode: entry[0] for mode, entry in by_mode.items()}
 
     # -- the thread ------------------------------------------------------------------------

@@ -12,6 +12,8 @@ def window(**figures: float) -> dict[str, float]:
     base = dict.fromkeys(
         ("lookups", "rows", "bytes", "out_of_range", "dedup", "gather", "stage", "wait"), 0.0
     )
+    base |= dict.fromkeys(("cache_hits", "cache_misses", "file_reads", "read_seconds"), 0.0)
+    base |= dict.fromkeys(("cache_rows", "cache_resident"), 0.0)
     return base | figures
 
 
@@ -59,3 +61,43 @@ def test_figures_of_a_stats_dict():
     }
     assert figures(stats) == window(lookups=3, rows=7, bytes=70, out_of_range=1, gather=0.5)
     assert figures({}) == window()
+    cache = {
+        "hits": 90,
+        "misses": 10,
+        "file_reads": 8,
+        "read_seconds": 0.25,
+        "rows": 40,
+        "resident_bytes": 4096,
+    }
+    assert figures({**stats, "row_cache": cache}) == window(
+        lookups=3,
+        rows=7,
+        bytes=70,
+        out_of_range=1,
+        gather=0.5,
+        cache_hits=90,
+        cache_misses=10,
+        file_reads=8,
+        read_seconds=0.25,
+        cache_rows=40,
+        cache_resident=4096,
+    )
+    assert figures({**stats, "row_cache": None}) == figures(stats)  # a table without a cache
+
+
+def test_the_row_cache_in_the_line():
+    cpu = window(
+        lookups=10,
+        rows=16000,
+        bytes=2_560_000,
+        gather=0.02,
+        cache_hits=15400,
+        cache_misses=600,
+        file_reads=580,
+        read_seconds=0.0021,
+        cache_rows=6_100_000,
+        cache_resident=int(1.02 * (1 << 30)),
+    )
+    line = format_line({"cpu": cpu}, 10.0, 0, 0)
+    assert "; row cache: 96.2% hits, 580 file reads (2.1 ms), 6.10 M rows in 1.02 GiB" in line
+    assert "row cache" not in format_line({"cpu": window(lookups=1, rows=2, bytes=20)}, 1.0, 0, 0)
