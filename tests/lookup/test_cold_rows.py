@@ -93,6 +93,35 @@ def test_every_missing_row_read_from_the_files_is_exact(lib, make_checkpoint, rn
             reader.close()
 
 
+def test_a_forked_child_reads_through_a_ring_of_its_own(lib, make_checkpoint, rng):
+    """The parent's reading thread has an io_uring ring; a child forked from it gets a ring of its
+    own for its reads (sharing the parent's would mix their queues), and both read exact rows."""
+    from helpers.rowcopy_jobs import in_forked_child
+
+    layout = make_checkpoint(
+        num_rows=2000, row_dim=32, dtype="fp8", shards=3, seed=int(rng.integers(1 << 30))
+    )
+    with MappedShards(layout) as mapping:
+        reader = FileReader(mapping, strategy="uring", direct=True, depth=16)
+        try:
+            rows = rowcopy.Rows(mapping, reader=reader)
+            ids = torch.from_numpy(rng.integers(0, 2000, 500))
+            expect = reference_rows(layout, ids.numpy())
+
+            def look() -> bool:
+                evict(mapping, layout)
+                out = torch.full((500, layout.row_bytes), 0xAB, dtype=torch.uint8)
+                counts = rowcopy.Counts()
+                got = run(lib, [rows], ids, [out], counts)
+                return np.array_equal(out.numpy(), expect) and got["file_reads"] > 0
+
+            assert look()  # the parent's ring is made
+            assert in_forked_child(look) == 0
+            assert look()  # and still works after the child's
+        finally:
+            reader.close()
+
+
 def test_files_that_refuse_o_direct_get_plain_reads(lib, make_checkpoint, rng, monkeypatch):
     """Where a file does not read back through O_DIRECT (a filesystem without it; injected here by
     the reader's own probe answering so), every file of the table is read through the page cache,

@@ -186,14 +186,6 @@ static tally_t read_threads(const ple_rows_t *t, ple_miss_t *misses, int64_t n, 
     return (tally_t){0, atomic_load(&j.broken)};
 }
 
-static void after_fork_in_child(void) {
-    r_jobs = NULL, r_threads = 0;
-    pthread_mutex_init(&r_mu, NULL);
-    pthread_cond_init(&r_cv, NULL);
-}
-
-__attribute__((constructor)) static void hook_fork(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
-
 /* ---- READ_URING ---------------------------------------------------------------------------------- */
 #ifdef HAVE_URING
 typedef struct {
@@ -313,6 +305,24 @@ static tally_t read_uring(const ple_rows_t *t, ple_miss_t *misses, int64_t n, ui
     return out;
 }
 #endif
+
+/* A forked child has only the thread that forked: no reader threads, every lock free. That thread's
+ * ring is the parent's too (the same io_uring instance, the same mapped queues): the child lets go
+ * of it and makes its own on its next read. */
+static void after_fork_in_child(void) {
+    r_jobs = NULL, r_threads = 0;
+    pthread_mutex_init(&r_mu, NULL);
+    pthread_cond_init(&r_cv, NULL);
+#ifdef HAVE_URING
+    if (t_ring_state == 1) {
+        ring_unmake(&t_ring, t_ring.fd);
+        free(t_ring.buffers);
+    }
+    t_ring_state = 0;
+#endif
+}
+
+__attribute__((constructor)) static void hook_fork(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
 
 tally_t ple_read_misses(const ple_rows_t *t, ple_miss_t *misses, int64_t n, uint8_t *dst, int64_t *counts) {
     long t0 = now_ns();
