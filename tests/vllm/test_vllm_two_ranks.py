@@ -15,6 +15,7 @@ from two_rank_worker import DTYPES
 pytestmark = [pytest.mark.vllm, h.needs_vllm, pytest.mark.slow]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_rank_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,8 @@ def reports(tmp_path_factory):
     # The stock masked lookup is a torch.compile(inductor) function: compiling it on the CPU costs
     # more than the rest of the test, and eager integer masking is the same computation.
     env["TORCHDYNAMO_DISABLE"] = "1"
+    # The workers import the ple_um under test (this checkout's), not whichever one is installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, str(rank), "2", str(tmp), str(checkpoints), str(tmp)],
