@@ -359,17 +359,21 @@ def test_prefetch_buffer_grows_until_a_graph_captured_it(world, patched, table_d
     config = h.text_config(dtype="fp8")
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     backend = _mapped(config, layout.directory).ngram_embedding
+    prefetches, dtype = backend.prefetches, backend.lookup_dtype
     heads = 4
-    small = backend._prefetch_out(3, torch.zeros((3, heads), dtype=torch.long))
-    big = backend._prefetch_out(
-        backend._prefetch_rows + 5, torch.zeros((backend._prefetch_rows + 5, heads), dtype=torch.long)
-    )
+
+    def out(rows):
+        return prefetches.out(
+            rows, torch.zeros((rows, heads), dtype=torch.long), dtype, fixed=backend.graphs.lookup
+        )
+
+    small = out(3)
+    big = out(prefetches.rows + 5)
     assert small.shape[1:] == big.shape[1:] == (heads, backend.embedding_dim)
-    assert big.shape[0] == backend._prefetch_rows + 5 and backend._prefetch_buffer.shape[0] >= big.shape[0]
-    backend._captured = True
-    rows = backend._prefetch_buffer.shape[0] + 1
+    assert big.shape[0] == prefetches.rows + 5 and prefetches.buffer.shape[0] >= big.shape[0]
+    backend.graphs.lookup = True
     with pytest.raises(ValueError, match="prefetch buffer holds"):
-        backend._prefetch_out(rows, torch.zeros((rows, heads), dtype=torch.long))
+        out(prefetches.buffer.shape[0] + 1)
     backend.close_table()
 
 
@@ -399,16 +403,16 @@ def test_breakable_piecewise_capture_keeps_the_lookup_in_its_segment(monkeypatch
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
     from vllm.config import CUDAGraphMode
 
-    from ple_um.vllm import backend
+    from ple_um.vllm import capture as rules
 
-    assert not backend._segments_end_before_join()  # no capture
+    assert not rules.segments_end_before_join()  # no capture
     capture = BreakableCUDAGraphCapture()
     monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", capture, raising=False)
-    assert not backend._segments_end_before_join()  # between segments (not capturing)
+    assert not rules.segments_end_before_join()  # between segments (not capturing)
     capture._capturing = True
-    assert backend._segments_end_before_join()  # no forward context: as vLLM's own decorator decides
-    monkeypatch.setattr(backend, "is_forward_context_available", lambda: True)
+    assert rules.segments_end_before_join()  # no forward context: as vLLM's own decorator decides
+    monkeypatch.setattr(rules, "is_forward_context_available", lambda: True)
     for mode, ends in ((CUDAGraphMode.PIECEWISE, True), (CUDAGraphMode.FULL, False)):
         context = type("context", (), {"cudagraph_runtime_mode": mode})()
-        monkeypatch.setattr(backend, "get_forward_context", lambda context=context: context)
-        assert backend._segments_end_before_join() is ends
+        monkeypatch.setattr(rules, "get_forward_context", lambda context=context: context)
+        assert rules.segments_end_before_join() is ends
