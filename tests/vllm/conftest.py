@@ -1,8 +1,14 @@
 """vLLM integration tests: real vLLM 0.33 on the CPU, marked ``vllm`` and skipped only when vLLM is
 not installed (``vllm_harness.needs_vllm``).
 
+The folder mirrors ``ple_um/vllm``: ``test_vllm_<module>.py`` tests ``ple_um.vllm.<module>``
+(``test_vllm_backend*``: the layer, NVFP4 tables, two ranks). ``test_contract_*.py`` check, stock
+against ple-um, the behaviours vLLM's own PLE tests pin down. ``vllm_harness.py`` (building, loading
+and running the real layer) and ``two_rank_worker.py`` (one rank of the two-rank runs) are the
+shared helpers, imported by file name.
+
 One gloo world of one rank serves every in-process test of this folder (``world``); the two-rank
-test runs its own processes. The plugin's patch is applied once (``patched``); each layer is built
+tests run their own processes. The plugin's patch is applied once (``patched``); each layer is built
 stock or ple-um by the PLE_UM value at build time.
 """
 

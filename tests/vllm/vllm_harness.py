@@ -13,6 +13,7 @@ import contextlib
 import glob
 import importlib.metadata
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 
@@ -50,6 +51,10 @@ EOS = 2
 
 # Table dtypes as the tests name them -> the config's ple_embedding_dtype (None: the model dtype).
 EMBEDDING_DTYPES = {"fp8": "float8_e4m3fn", "bf16": None, "nvfp4": "nvfp4"}
+# Per table dtype: the layer's global-scale parameter, and the shard tensors per shard (the rows,
+# and NVFP4's block scales).
+GLOBAL_SCALE = {"fp8": "weight_scale", "bf16": None, "nvfp4": "weight_scale_2"}
+PER_SHARD = {"fp8": 1, "bf16": 1, "nvfp4": 2}
 
 
 def text_config(
@@ -209,6 +214,36 @@ def build_amd(config, *, ple_um_on: bool, max_tokens: int = 256):
             quant_config=None,
             params_dtype=torch.bfloat16,
         )
+
+
+def stock(config, directory, **build_args):
+    """The layer with the stock device backend, loaded from ``directory``."""
+    module = build(config, ple_um_on=False, **build_args)
+    load(module, directory)
+    return module
+
+
+def mapped(config, directory, **build_args):
+    """The layer with the ple-um backend, loaded from ``directory``."""
+    module = build(config, ple_um_on=True, **build_args)
+    load(module, directory)
+    return module
+
+
+def drop_tensor(directory, name: str) -> None:
+    """Rewrite the checkpoint file holding ``name`` without it, and the index without its entry."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    path = os.path.join(directory, index["weight_map"].pop(name))
+    with safe_open(path, framework="pt") as f:
+        kept = {key: f.get_tensor(key).clone() for key in f.keys() if key != name}  # noqa: SIM118
+    save_file(kept, path, metadata={"format": "pt"})
+    with open(index_path, "w") as f:
+        json.dump(index, f)
 
 
 def checkpoint_weights(directory) -> Iterator[tuple[str, torch.Tensor]]:
