@@ -57,3 +57,28 @@ def table_dir(monkeypatch):
 
     monkeypatch.delenv("VLLM_PLE_MMAP_DIR", raising=False)
     return use
+
+
+@pytest.fixture
+def stock_and_mapped(world, patched):
+    """``pair(config, directory, **build_args)``: (stock, mapped), the real Qwen4ExpNGramEmbedding
+    built twice the way vLLM's model builds it and loaded through its real ``load_weights`` from
+    ``directory``: with the stock device backend, and with the plugin in effect (asserted by the
+    backend's class). The mapped layers' tables are closed after the test."""
+    import vllm_harness
+
+    from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
+
+    opened = []
+
+    def make(config, directory, **build_args):
+        stock = vllm_harness.stock(config, directory, **build_args)
+        mapped = vllm_harness.mapped(config, directory, **build_args)
+        assert type(stock.ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
+        assert isinstance(mapped.ngram_embedding, Qwen4ExpPLEMappedEmbedding)
+        opened.append(mapped.ngram_embedding)
+        return stock, mapped
+
+    yield make
+    for backend in opened:
+        backend.close_table()
