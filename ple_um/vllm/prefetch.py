@@ -81,7 +81,7 @@ class PrefetchLookups:
     def join(self, total_tokens: int) -> torch.Tensor:
         """The rows of the last start, the side stream joined into the current one."""
         if self.started is None:
-            raise RuntimeError(f"{self.prefix}: finalize_prefetch without a start_prefetch")
+            raise RuntimeError(f"{self.prefix}: finalize_prefetch requires a prior start_prefetch")
         rows, _, side, tokens = self.started
         self.started = None
         if side or any(started[2] for started in self.unjoined):
