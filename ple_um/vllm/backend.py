@@ -322,13 +322,18 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """Join the side stream and return the rows of the last ``start_prefetch``, combined across
-        the ranks that share the table: [total_tokens, heads * head_dim]."""
+        the ranks that share the table: [total_tokens, heads * head_dim], a tensor of the caller's
+        own, as stock's pinned backend returns (the prefetch buffer, and an in-place all-reduce's
+        result in it, are the next start_prefetch's to overwrite)."""
         rows = self.prefetches.join(total_tokens)
         slot_size, slot_offset = self._get_dp_gather_slot(total_tokens)
         rows = rows[: slot_size * self.etp_data_parallel_size]
         if self.reduce_results and self.tp_size > 1:
             rows = self._reduce(rows)
-        return self._select_embeddings(rows, total_tokens, slot_offset).flatten(-2)
+        rows = self._select_embeddings(rows, total_tokens, slot_offset).flatten(-2)
+        out = rows.new_empty(rows.shape)
+        out.copy_(rows)
+        return out
 
     def extra_repr(self) -> str:
         table = self._table

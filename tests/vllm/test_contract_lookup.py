@@ -102,6 +102,22 @@ def test_finalize_prefetch_requires_a_prior_start_prefetch(loaded):
         backend.finalize_prefetch(total_tokens=2)
 
 
+# vLLM: test_pinned_embedding_finalize_prefetch_optionally_reduces_output (its output, a new tensor)
+def test_finalize_prefetch_returns_rows_of_the_callers_own(loaded):
+    """The rows finalize_prefetch returns are not a view of the prefetch buffer: the layer's next
+    start_prefetch (the next step) leaves them as they were, as the stock pinned backend's
+    ``output`` (a new tensor the rows are copied into)."""
+    layout, stock, mapped = loaded
+    backend = mapped.ngram_embedding
+    first, second = _ids(layout, 4, 9), _ids(layout, 4, 10)
+    rows = _prefetched(mapped, first)
+    buffer = backend.prefetches.buffer
+    assert rows.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    backend.start_prefetch(second)
+    assert h.same_bits(rows, stock.ngram_embedding(first).flatten(-2))
+    assert h.same_bits(backend.finalize_prefetch(4), stock.ngram_embedding(second).flatten(-2))
+
+
 # vLLM: test_pinned_embedding_start_prefetch_allocates_lazily
 def test_prefetch_buffer_is_allocated_lazily(loaded):
     """No buffer after construction and loading; the first start_prefetch allocates it for
