@@ -25,13 +25,6 @@ from ple_um import synthetic
 pytestmark = [pytest.mark.vllm, h.needs_vllm]
 
 
-def _weights(directory, delivery: str, drop: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
-    """The layer's checkpoint tensors as vLLM's iterator yields them (``file``: lazy views of the
-    files) or copied into memory (``memory``: a reload, a weight sync), less ``drop``."""
-    weights = [(name, t) for name, t in h.checkpoint_weights(directory) if name not in drop]
-    return [(name, t.clone()) for name, t in weights] if delivery == "memory" else weights
-
-
 def _post_load(module) -> None:
     embedding = module.ngram_embedding
     embedding.quant_method.process_weights_after_loading(embedding)
@@ -61,7 +54,7 @@ def test_loads_shards_and_ignores_legacy_tensors(world, patched, table_dir, tmp_
     stock, mapped = h.build(config, ple_um_on=False), h.build(config, ple_um_on=True)
     assert isinstance(mapped.ngram_embedding, Qwen4ExpPLEMappedEmbedding)
     for module in (stock, mapped):
-        assert module.load_weights(iter(_weights(layout.directory, delivery) + legacy)) == expected
+        assert module.load_weights(iter(h.delivered(layout.directory, delivery) + legacy)) == expected
         _post_load(module)
     ours, theirs = mapped.ngram_embedding, stock.ngram_embedding
     _check_counts(ours, delivery, h.PARTS)
@@ -77,25 +70,6 @@ def test_loads_shards_and_ignores_legacy_tensors(world, patched, table_dir, tmp_
     ours.close_table()
 
 
-def _streamed(directory, delivery: str, drop: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
-    """NVFP4 tensors in the order vLLM's test streams them: shards out of order, each shard's block
-    scales before its rows, the global scale last."""
-    tensors = dict(_weights(directory, delivery))
-    order = []
-    for shard in (2, 0, 1, 6, 3, 5, 4):
-        order += [f"ngram_embedding.shard_{shard}.weight_scale", f"ngram_embedding.shard_{shard}.weight"]
-    order.append("ngram_embedding.weight_scale_2")
-    assert sorted(order) == sorted(tensors)
-    return [(name, tensors[name]) for name in order if name not in drop]
-
-
-def _load_in_calls(module, weights, per_call: int = 3) -> set[str]:
-    loaded: set[str] = set()
-    for start in range(0, len(weights), per_call):
-        loaded |= module.load_weights(iter(weights[start : start + per_call]))
-    return loaded
-
-
 # vLLM: test_nvfp4_ple_loads_streamed_shards_across_etp_boundaries (one rank)
 @pytest.mark.parametrize("delivery", ["file", "memory"])
 def test_nvfp4_shards_streamed_a_few_at_a_time(world, patched, table_dir, tmp_path, delivery):
@@ -106,7 +80,7 @@ def test_nvfp4_shards_streamed_a_few_at_a_time(world, patched, table_dir, tmp_pa
     names = {f"ngram_embedding.{n}" for n in ("weight", "weight_scale", "weight_scale_2")}
     stock, mapped = h.build(config, ple_um_on=False), h.build(config, ple_um_on=True)
     for module in (stock, mapped):
-        assert _load_in_calls(module, _streamed(layout.directory, delivery)) == names
+        assert h.load_in_calls(module, h.streamed_nvfp4(layout.directory, delivery)) == names
         _post_load(module)
     ours, theirs = mapped.ngram_embedding, stock.ngram_embedding
     _check_counts(ours, delivery, 2 * h.PARTS)
@@ -130,7 +104,7 @@ def test_a_global_scale_the_load_never_delivered(world, patched, table_dir, tmp_
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config, seed=23)
     for ple_um_on in (False, True):
         module = h.build(config, ple_um_on=ple_um_on)
-        module.load_weights(iter(_weights(layout.directory, "file", drop=(f"ngram_embedding.{scale}",))))
+        module.load_weights(iter(h.delivered(layout.directory, "file", drop=(f"ngram_embedding.{scale}",))))
         with pytest.raises(ValueError, match="PLE checkpoint is missing its global scale"):
             _post_load(module)
         if ple_um_on:
@@ -149,12 +123,12 @@ def test_a_global_scale_missing_from_the_checkpoint(world, patched, table_dir, t
     name = (synthetic.scale_name if dtype == "fp8" else synthetic.global_scale_name)(h.LAYER)
     h.drop_tensor(layout.directory, name)
     stock = h.build(config, ple_um_on=False)
-    stock.load_weights(iter(_weights(layout.directory, "file")))
+    stock.load_weights(iter(h.delivered(layout.directory, "file")))
     with pytest.raises(ValueError, match="PLE checkpoint is missing its global scale"):
         _post_load(stock)
     mapped = h.build(config, ple_um_on=True)
     with pytest.raises(ple_um.CheckpointError, match="without its global scale") as info:
-        mapped.load_weights(iter(_weights(layout.directory, "file")))
+        mapped.load_weights(iter(h.delivered(layout.directory, "file")))
     assert isinstance(info.value, ValueError)
     assert info.value.tensor == name and name in str(info.value)
     assert info.value.path in layout.files
@@ -179,7 +153,7 @@ def test_post_load_processing_validates_the_scale_in_place(
     staging = loader_utils.device_loading_context
     for ple_um_on in (False, True):
         module = h.build(config, ple_um_on=ple_um_on)
-        module.load_weights(iter(_weights(layout.directory, "file", drop=drop)))
+        module.load_weights(iter(h.delivered(layout.directory, "file", drop=drop)))
         embedding = module.ngram_embedding
         assert not embedding.quant_method.requires_device_loading
         if requires_device_loading:

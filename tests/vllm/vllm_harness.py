@@ -264,6 +264,33 @@ def checkpoint_weights(directory, layer: int = LAYER) -> Iterator[tuple[str, tor
             yield name[len(prefix) :], tensor
 
 
+def delivered(directory, delivery: str, drop: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
+    """The layer's checkpoint tensors as vLLM's iterator yields them (``file``: lazy views of the
+    files) or copied into memory (``memory``: a reload, a weight sync), less ``drop``."""
+    weights = [(name, t) for name, t in checkpoint_weights(directory) if name not in drop]
+    return [(name, t.clone()) for name, t in weights] if delivery == "memory" else weights
+
+
+def streamed_nvfp4(directory, delivery: str) -> list[tuple[str, torch.Tensor]]:
+    """An NVFP4 layer's tensors in the order vLLM's streaming test delivers them: shards out of
+    order, each shard's block scales before its rows, the global scale last."""
+    tensors = dict(delivered(directory, delivery))
+    order = []
+    for shard in (2, 0, 1, 6, 3, 5, 4):
+        order += [f"ngram_embedding.shard_{shard}.weight_scale", f"ngram_embedding.shard_{shard}.weight"]
+    order.append("ngram_embedding.weight_scale_2")
+    assert sorted(order) == sorted(tensors), "the checkpoint is not PARTS NVFP4 shards"
+    return [(name, tensors[name]) for name in order]
+
+
+def load_in_calls(module, weights, per_call: int = 3) -> set[str]:
+    """``weights`` through ``per_call`` tensors a load_weights call; the names the calls loaded."""
+    loaded: set[str] = set()
+    for start in range(0, len(weights), per_call):
+        loaded |= module.load_weights(iter(weights[start : start + per_call]))
+    return loaded
+
+
 def load(module, directory) -> set[str]:
     """Load through the real load_weights, then vLLM's post-load processing of the embedding."""
     layer = int(re.findall(r"layers\.(\d+)\.", module.ngram_embedding.prefix)[-1])
