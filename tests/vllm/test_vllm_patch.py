@@ -64,6 +64,7 @@ def test_model_load_opens_tables_never_given_weights(world, patched, table_dir, 
     backend.close_table()
 
 
+# vLLM: test_amd_fp8_embedding_loads_checkpoint_shards_and_global_scale (its cpu-resident case)
 def test_amd_variant_matches_stock(world, table_dir, tmp_path):
     """The ROCm Qwen4ExpNGramEmbedding (another constructor signature) takes the same patch; its
     lookup op copies the backend's rows into a params_dtype buffer, then the layer dequantizes."""
