@@ -1,7 +1,19 @@
-"""ple-um's vLLM integration: a ``vllm.general_plugins`` entry point (``plugin.register``) that, with
-``PLE_UM=1``, makes Qwen4Exp PLE layers build the ``Qwen4ExpPLEMappedEmbedding`` storage backend
-(``backend``) through a small patch of vLLM 0.33 (``patch``). ``source`` finds the checkpoint
-directory and tells file-backed tensors from tensors in memory.
+"""ple-um's vLLM integration: with ``PLE_UM=1``, Qwen4Exp PLE layers serve their n-gram table from the
+checkpoint files through ple-um, through a small patch of vLLM 0.33.
+
+Which file holds what, in the order a load and a step reach them:
+
+- ``plugin``: the ``vllm.general_plugins`` entry point; applies the patch when PLE_UM is set.
+- ``patch``: the vLLM symbols replaced, so that vLLM's own backend selection builds ours and its
+  ``load_weights`` hands the shard tensors over instead of copying them.
+- ``backend``: the layer itself, ``Qwen4ExpPLEMappedEmbedding`` (storage, opening the table, the
+  lookup, the reduce across ranks, vLLM's prefetch hook).
+- ``source``: which directory holds the table, and whether a delivered tensor is a view of a file.
+- ``loading``: the table a layer expects, and the checks that what vLLM loads is that table.
+- ``capture``: the CUDA-graph rules (when the prefetch forks a side stream, the eager break of a
+  table that is not capture-safe, the graph modes refused, the opens a capture forbids).
+- ``prefetch``: the buffer, side stream and started lookups between ``start_prefetch`` and
+  ``finalize_prefetch``.
 
 Importing this package imports nothing from vLLM; its modules other than ``plugin`` and ``source``
 do.

@@ -30,9 +30,9 @@ def register() -> None:
 
 def log_through_vllm() -> None:
     """Make ``ple_um`` (a table's open line, the stats line, the metrics' notes) a child of vLLM's
-    ``vllm`` logger: vLLM configures only that tree, after loading plugins, so under ``vllm serve``
-    ple-um's INFO lines reached no log. As a child, its records follow vLLM's level and handlers
-    as configured when they are written, once each; where vLLM configured nothing
-    (VLLM_CONFIGURE_LOGGING=0) ``vllm`` passes them on to the root logger, as before (warnings
-    still reach stderr through logging's last resort). Idempotent."""
+    ``vllm`` logger: vLLM configures only that tree, after loading plugins, so a ``ple_um`` logger
+    outside it would reach no log under ``vllm serve``. As a child, its records follow vLLM's level
+    and handlers as configured when they are written, once each; where vLLM configured nothing
+    (VLLM_CONFIGURE_LOGGING=0) ``vllm`` passes them on to the root logger, where they go without
+    the plugin too (warnings still reach stderr through logging's last resort). Idempotent."""
     logging.getLogger("ple_um").parent = logging.getLogger("vllm")

@@ -1,12 +1,15 @@
 """Where the table comes from: the checkpoint directory to map, and whether a delivered tensor is a
 view of a file on disk.
 
-Two questions the vLLM backend asks and nothing else in ple-um does:
+Questions the vLLM backend asks and nothing else in ple-um does (this module imports nothing from
+vLLM; it reads vLLM's config objects by attribute):
 
 - ``resolve_table_dir``: which local directory holds the PLE shard files. ``PLE_UM_DIR`` (alias
   ``VLLM_PLE_MMAP_DIR``) first, then the model path when it is a local directory, then the local
   Hugging Face cache snapshot when the model is a repo id. Nothing is downloaded here: vLLM has
   already fetched the snapshot by the time weights are loaded.
+- ``TableSource``: one layer's answer, kept while vLLM's config and the knob stay the same, with
+  the set of ``*.safetensors`` files in that directory.
 - ``file_backing``: whether a tensor handed to ``load_weights`` lies in a file mapping of this
   process (the lazy views vLLM's safetensors iterator yields), and where. Such a tensor's bytes
   have not been read, and reading them is exactly what the backend avoids.
@@ -57,6 +60,47 @@ def resolve_table_dir(model: str | None, revision: str | None = None, download_d
         + ". Set PLE_UM_DIR to the directory holding the *.safetensors files with the "
         "...ple_embedding.ngram_embedding.shard_<i>.weight tensors."
     )
+
+
+class TableSource:
+    """The checkpoint directory one layer maps, resolved from vLLM's config and ``PLE_UM_DIR``.
+
+    Resolved afresh whenever the knob or vLLM's model path, revision or download directory changes,
+    since a reload may point vLLM's model config at another path.
+    """
+
+    def __init__(self, vllm_config) -> None:
+        self._vllm_config = vllm_config
+        self._key: tuple | None = None
+        self._directory: str | None = None
+        self._files: frozenset[str] = frozenset()
+
+    def directory(self) -> str:
+        """The directory to map now (its real path), or CheckpointError saying what was tried."""
+        model_config = getattr(self._vllm_config, "model_config", None)
+        load_config = getattr(self._vllm_config, "load_config", None)
+        model = getattr(model_config, "model", None)
+        revision = getattr(model_config, "revision", None)
+        download_dir = getattr(load_config, "download_dir", None)
+        key = (envs.PLE_UM_DIR, model, revision, download_dir)
+        if key != self._key:
+            directory = os.path.realpath(resolve_table_dir(model, revision, download_dir))
+            files = frozenset(
+                os.path.realpath(os.path.join(directory, name))
+                for name in os.listdir(directory)
+                if name.endswith(".safetensors")
+            )
+            self._key, self._directory, self._files = key, directory, files
+        assert self._directory is not None
+        return self._directory
+
+    def is_table_file(self, path: str) -> bool:
+        """Whether a file vLLM is loading from is one the table is mapped from. With PLE_UM_DIR set,
+        the table is explicitly elsewhere, and shard views of the model's own files are not read."""
+        if envs.PLE_UM_DIR:
+            return True
+        self.directory()
+        return os.path.realpath(path) in self._files
 
 
 def _hf_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> tuple[str | None, str]:

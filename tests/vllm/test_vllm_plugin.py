@@ -1,5 +1,6 @@
-"""The entry point vLLM loads in every process: off unless PLE_UM is set, idempotent, and touching
-nothing but the Qwen4Exp n-gram embedding; and where the backend looks for the table."""
+"""The entry point vLLM loads in every process (``ple_um.vllm.plugin``): off unless PLE_UM is set,
+idempotent, touching nothing but the Qwen4Exp n-gram embedding, and routing ple-um's log lines
+through vLLM's logging."""
 
 from __future__ import annotations
 
@@ -11,11 +12,7 @@ import sys
 import textwrap
 
 import pytest
-import torch
 import vllm_harness as h
-
-import ple_um
-from ple_um.vllm.source import file_backing, resolve_table_dir
 
 # Run in a fresh interpreter: loads vLLM's general plugins (ple-um's entry point when the package is
 # installed, else register() itself), applies them again, and reports what vLLM symbols look like.
@@ -83,7 +80,7 @@ def probe_off():
 
 @pytest.fixture(scope="module")
 def probe_on():
-    return _probe(VLLM_PLE_MMAP="1")  # the seeds' alias enables it too
+    return _probe(VLLM_PLE_MMAP="1")  # the VLLM_PLE_MMAP alias enables it too
 
 
 @pytest.mark.vllm
@@ -117,63 +114,6 @@ def test_enabled_without_ple_layers_leaves_vllm_untouched(probe_on):
     assert probe_on["model_classes_patched"] == [False, False]
 
 
-@pytest.mark.vllm
-@h.needs_vllm
-def test_built_stock_when_unset_at_build_time(world, patched, monkeypatch, tmp_path):
-    module = h.build(h.text_config(fp8=False), ple_um_on=False)
-    assert type(module.ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
-
-
-# -- where the table is -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def no_dir_knob(monkeypatch):
-    monkeypatch.delenv("PLE_UM_DIR", raising=False)
-    monkeypatch.delenv("VLLM_PLE_MMAP_DIR", raising=False)
-
-
-def test_resolve_model_path(no_dir_knob, tmp_path):
-    assert resolve_table_dir(str(tmp_path)) == str(tmp_path)
-
-
-def test_resolve_knob_first(monkeypatch, tmp_path):
-    table = tmp_path / "table"
-    table.mkdir()
-    monkeypatch.setenv("PLE_UM_DIR", str(table))
-    assert resolve_table_dir(str(tmp_path)) == str(table)
-
-
-def test_resolve_hf_snapshot(no_dir_knob, tmp_path):
-    pytest.importorskip("huggingface_hub")
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
-    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text(commit)
-    assert resolve_table_dir("acme/tiny", None, str(tmp_path / "hub")) == str(snapshot)
-
-
-def test_resolve_error_says_what_was_tried(no_dir_knob, tmp_path):
-    with pytest.raises(ple_um.CheckpointError) as info:
-        resolve_table_dir("acme/absent", "v1", str(tmp_path / "hub"))
-    message = str(info.value)
-    for part in ("PLE_UM_DIR", "'acme/absent': not a local directory", "Hugging Face cache", "v1"):
-        assert part in message
-
-
-def test_file_backing_tells_file_views_from_memory(tmp_path):
-    from safetensors import safe_open
-
-    layout = ple_um.synthetic.write_checkpoint(tmp_path, num_rows=40, row_dim=16, dtype="bf16", shards=3)
-    spec = layout.shards[1]
-    with safe_open(spec.path, framework="pt") as f:
-        view = f.get_tensor(spec.tensor)
-        assert file_backing(view) == (os.path.realpath(spec.path), spec.offset)
-        assert file_backing(view.clone()) is None
-    assert file_backing(torch.zeros(4)) is None
-
-
 _LOG_PROBE = textwrap.dedent(
     """
     import logging, sys
@@ -199,7 +139,7 @@ def test_ple_um_lines_reach_vllms_log(case):
     """Under vLLM (PLE_UM=1) the stats line and a table's open line (INFO on ``ple_um.*``) are
     written through vLLM's handler, once each, also when the root logger has a handler of its own;
     with vLLM's logging off (VLLM_CONFIGURE_LOGGING=0) a warning still reaches stderr (logging's
-    last resort) and INFO stays silent, as before; without PLE_UM the plugin changes nothing."""
+    last resort) and INFO stays silent; without PLE_UM the plugin changes nothing."""
     drop = ("PLE_UM", "VLLM_PLE_MMAP", "VLLM_CONFIGURE_LOGGING")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     if case != "unset":

@@ -13,7 +13,9 @@ import contextlib
 import glob
 import importlib.metadata
 import importlib.util
+import json
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -39,7 +41,6 @@ needs_vllm = pytest.mark.skipif(
 
 LAYER = 1  # checkpoint layer index: "...layers.1.ple..."
 PREFIX = f"model.layers.{LAYER}.ple.ple_embedding"
-CHECKPOINT_PREFIX = f"{synthetic.PREFIX}layers.{LAYER}.ple.ple_embedding."
 HEADS = 16  # (ngram_size - 1) * heads_per_ngram with the config defaults 3 and 8
 HEAD_DIM = 8
 NVFP4_HEAD_DIM = 32  # NVFP4 rows hold blocks of 16 values: two blocks a row
@@ -50,6 +51,10 @@ EOS = 2
 
 # Table dtypes as the tests name them -> the config's ple_embedding_dtype (None: the model dtype).
 EMBEDDING_DTYPES = {"fp8": "float8_e4m3fn", "bf16": None, "nvfp4": "nvfp4"}
+# Per table dtype: the layer's global-scale parameter, and the shard tensors per shard (the rows,
+# and NVFP4's block scales).
+GLOBAL_SCALE = {"fp8": "weight_scale", "bf16": None, "nvfp4": "weight_scale_2"}
+PER_SHARD = {"fp8": 1, "bf16": 1, "nvfp4": 2}
 
 
 def text_config(
@@ -175,9 +180,14 @@ def build(
     max_tokens: int = 256,
     params_dtype: torch.dtype = torch.bfloat16,
     quant_config=None,
+    prefix: str = PREFIX,
+    data_parallel_rank: int = 0,
+    use_sequence_parallel: bool = False,
 ):
     """The real (NVIDIA) Qwen4ExpNGramEmbedding; the patched constructor builds the ple-um backend
-    when PLE_UM is set, the stock device backend otherwise."""
+    when PLE_UM is set, the stock device backend otherwise. ``use_sequence_parallel`` (with the
+    embedding-parallel group equal to the TP group, as here) makes the embedding return its rank's
+    partial rows unreduced, as vLLM's sequence-parallel decoder builds it."""
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 
     with _ple_um_env(ple_um_on):
@@ -186,10 +196,11 @@ def build(
             config.ple_embed_dim,
             0,
             max_tokens,
-            data_parallel_rank=0,
-            prefix=PREFIX,
+            data_parallel_rank=data_parallel_rank,
+            prefix=prefix,
             quant_config=quant_config,
             params_dtype=params_dtype,
+            use_sequence_parallel=use_sequence_parallel,
         )
 
 
@@ -211,20 +222,79 @@ def build_amd(config, *, ple_um_on: bool, max_tokens: int = 256):
         )
 
 
-def checkpoint_weights(directory) -> Iterator[tuple[str, torch.Tensor]]:
-    """The layer's tensors as vLLM's default loader yields them (its safetensors iterator: lazy
-    views of the files), named as Qwen4ExpNGramEmbedding.load_weights receives them."""
+def stock(config, directory, **build_args):
+    """The layer with the stock device backend, loaded from ``directory``."""
+    module = build(config, ple_um_on=False, **build_args)
+    load(module, directory)
+    return module
+
+
+def mapped(config, directory, **build_args):
+    """The layer with the ple-um backend, loaded from ``directory``."""
+    module = build(config, ple_um_on=True, **build_args)
+    load(module, directory)
+    return module
+
+
+def drop_tensor(directory, name: str) -> None:
+    """Rewrite the checkpoint file holding ``name`` without it, and the index without its entry."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    path = os.path.join(directory, index["weight_map"].pop(name))
+    with safe_open(path, framework="pt") as f:
+        kept = {key: f.get_tensor(key).clone() for key in f.keys() if key != name}  # noqa: SIM118
+    save_file(kept, path, metadata={"format": "pt"})
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+
+
+def checkpoint_weights(directory, layer: int = LAYER) -> Iterator[tuple[str, torch.Tensor]]:
+    """Decoder layer ``layer``'s tensors as vLLM's default loader yields them (its safetensors
+    iterator: lazy views of the files), named as Qwen4ExpNGramEmbedding.load_weights receives them."""
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
+    prefix = f"{synthetic.PREFIX}layers.{layer}.ple.ple_embedding."
     files = sorted(glob.glob(os.path.join(os.fspath(directory), "*.safetensors")))
     for name, tensor in safetensors_weights_iterator(files, False):
-        if name.startswith(CHECKPOINT_PREFIX):
-            yield name[len(CHECKPOINT_PREFIX) :], tensor
+        if name.startswith(prefix):
+            yield name[len(prefix) :], tensor
+
+
+def delivered(directory, delivery: str, drop: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
+    """The layer's checkpoint tensors as vLLM's iterator yields them (``file``: lazy views of the
+    files) or copied into memory (``memory``: a reload, a weight sync), less ``drop``."""
+    weights = [(name, t) for name, t in checkpoint_weights(directory) if name not in drop]
+    return [(name, t.clone()) for name, t in weights] if delivery == "memory" else weights
+
+
+def streamed_nvfp4(directory, delivery: str) -> list[tuple[str, torch.Tensor]]:
+    """An NVFP4 layer's tensors in the order vLLM's streaming test delivers them: shards out of
+    order, each shard's block scales before its rows, the global scale last."""
+    tensors = dict(delivered(directory, delivery))
+    order = []
+    for shard in (2, 0, 1, 6, 3, 5, 4):
+        order += [f"ngram_embedding.shard_{shard}.weight_scale", f"ngram_embedding.shard_{shard}.weight"]
+    order.append("ngram_embedding.weight_scale_2")
+    assert sorted(order) == sorted(tensors), "the checkpoint is not PARTS NVFP4 shards"
+    return [(name, tensors[name]) for name in order]
+
+
+def load_in_calls(module, weights, per_call: int = 3) -> set[str]:
+    """``weights`` through ``per_call`` tensors a load_weights call; the names the calls loaded."""
+    loaded: set[str] = set()
+    for start in range(0, len(weights), per_call):
+        loaded |= module.load_weights(iter(weights[start : start + per_call]))
+    return loaded
 
 
 def load(module, directory) -> set[str]:
     """Load through the real load_weights, then vLLM's post-load processing of the embedding."""
-    loaded = module.load_weights(checkpoint_weights(directory))
+    layer = int(re.findall(r"layers\.(\d+)\.", module.ngram_embedding.prefix)[-1])
+    loaded = module.load_weights(checkpoint_weights(directory, layer))
     embedding = module.ngram_embedding
     embedding.quant_method.process_weights_after_loading(embedding)
     return loaded
@@ -253,3 +323,66 @@ def forward(module, seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[tor
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for vLLM's data-parallel group, which starts over TCP)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(worker: str, tmp, *args: str) -> list[dict]:
+    """Run ``worker RANK 2 TMP ARGS...`` as two processes (ranks 0 and 1 of one gloo world) and
+    return what each wrote to ``TMP/rank<R>.pt``; a rank that fails fails the caller with its log."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PLE_UM_DIR", "VLLM_PLE_MMAP_DIR")}
+    # The stock masked lookup is a torch.compile(inductor) function: compiling it on the CPU costs
+    # more than the rest of the test, and eager integer masking is the same computation.
+    env["TORCHDYNAMO_DISABLE"] = "1"
+    # The workers import the ple_um under test (this checkout's), not whichever one is installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(rank), "2", str(tmp), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    logs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        logs.append(out)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:]}"
+    return [torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False) for rank in range(2)]
+
+
+def file_rows(layout, ids, rows: tuple[int, int] | None = None, params_dtype=torch.bfloat16) -> torch.Tensor:
+    """What the layer's lookup of ``ids`` must return, read from the files by the tests' reference
+    readers: ``ids.shape + (row_dim,)``, raw in the storage dtype (FP8, BF16), or for NVFP4 decoded
+    to ``params_dtype``; zeros for ids outside the table and outside ``rows``."""
+    import numpy as np
+    from helpers.reference import reference_nvfp4, reference_rows
+
+    ids = ids.cpu() if isinstance(ids, torch.Tensor) else ids
+    if layout.is_nvfp4:
+        return reference_nvfp4(layout, ids, rows, out_dtype=params_dtype)
+    data = reference_rows(layout, ids, rows)
+    raw = torch.zeros(data.shape, dtype=torch.uint8)  # (from_numpy of an empty array cannot be viewed)
+    raw.numpy()[...] = data
+    return raw.view(layout.dtype).reshape(*np.shape(np.asarray(ids)), layout.row_dim)

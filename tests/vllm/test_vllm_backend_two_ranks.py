@@ -4,8 +4,6 @@ result equals the stock device backend's, bit for bit, for FP8, BF16 and NVFP4 t
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,31 +22,7 @@ def reports(tmp_path_factory):
     for dtype in DTYPES:
         # Without the world there is no vLLM config to size the table from; table_rows needs none.
         h.write_table(checkpoints / dtype, h.text_config(dtype=dtype), seed=3)
-    env = {k: v for k, v in os.environ.items() if k not in ("PLE_UM_DIR", "VLLM_PLE_MMAP_DIR")}
-    # The stock masked lookup is a torch.compile(inductor) function: compiling it on the CPU costs
-    # more than the rest of the test, and eager integer masking is the same computation.
-    env["TORCHDYNAMO_DISABLE"] = "1"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, str(rank), "2", str(tmp), str(checkpoints), str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    logs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        logs.append(out)
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:]}"
-    return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return h.run_two_ranks(WORKER, tmp, str(checkpoints), str(tmp))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

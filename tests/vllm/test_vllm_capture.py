@@ -1,8 +1,10 @@
-"""CUDA graphs and the cpu mode. With its host node (the C row copy, the default) the cpu mode is
-capture-safe: every graph mode is accepted and the lookup never becomes an eager break. Without it
-(PLE_UM_ROWCOPY=0, or no C compiler) its lookup waits for the device and runs in vLLM's eager break,
-and a graph mode that cannot break fails at start-up naming the flags to use. (Capture itself runs
-on a GPU: tests/gpu; a CPU-only host has only the cpu mode.)"""
+"""The CUDA-graph rules (``ple_um.vllm.capture``). With its host node (the C row copy, the default)
+the cpu mode is capture-safe: every graph mode is accepted and the lookup never becomes an eager
+break. Without it (PLE_UM_ROWCOPY=0, or no C compiler) its lookup waits for the device and runs in
+vLLM's eager break, and a graph mode that cannot break fails at start-up naming the flags to use.
+The prefetch forks no side stream where a graph segment ends before its join, and graphs that
+captured the zero rows of a dummy load refuse a table opened later. (Capture itself runs on a GPU:
+tests/gpu; a CPU-only host has only the cpu mode, and the capture state is injected here.)"""
 
 from __future__ import annotations
 
@@ -139,3 +141,57 @@ def test_only_the_synchronous_lookup_is_an_eager_break(
     monkeypatch.undo()
     assert h.same_bits(raw, h.forward(module, 0)[0])
     backend.close_table()
+
+
+def test_breakable_piecewise_capture_keeps_the_lookup_in_its_segment(monkeypatch):
+    """Under vLLM's breakable capture in a mode other than FULL an attention op ends the graph
+    segment between start_prefetch and finalize_prefetch, so the prefetch must not fork a side
+    stream there; FULL captures (no breaks) and eager calls may. The capture state is injected (a
+    capture needs a GPU), the decision is the backend's own."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    from vllm.config import CUDAGraphMode
+
+    from ple_um.vllm import capture as rules
+
+    assert not rules.segments_end_before_join()  # no capture
+    capture = BreakableCUDAGraphCapture()
+    monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", capture, raising=False)
+    assert not rules.segments_end_before_join()  # between segments (not capturing)
+    capture._capturing = True
+    assert rules.segments_end_before_join()  # no forward context: as vLLM's own decorator decides
+    monkeypatch.setattr(rules, "is_forward_context_available", lambda: True)
+    for mode, ends in ((CUDAGraphMode.PIECEWISE, True), (CUDAGraphMode.FULL, False)):
+        context = type("context", (), {"cudagraph_runtime_mode": mode})()
+        monkeypatch.setattr(rules, "get_forward_context", lambda context=context: context)
+        assert rules.segments_end_before_join() is ends
+
+
+def test_a_dummy_graph_of_zero_rows_refuses_a_table_opened_later(
+    world, patched, table_dir, tmp_path, monkeypatch
+):
+    """--load-format dummy, then a graph captures the zero fill (the capture injected: no GPU here),
+    then real weights arrive (an RL weight sync): the graphs would replay zeros for ever, so the
+    load refuses and says what to do; without a capture the same load opens the table."""
+    from vllm.config import DeviceConfig, LoadConfig, VllmConfig, set_current_vllm_config
+
+    from ple_um.vllm import capture
+
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
+    monkeypatch.setenv("PLE_UM_DIR", layout.directory)  # the dummy config names no model path
+    dummy = VllmConfig(device_config=DeviceConfig(device="cpu"), load_config=LoadConfig(load_format="dummy"))
+    for captured in (False, True):
+        with set_current_vllm_config(dummy):
+            module = h.build(config, ple_um_on=True)
+        with monkeypatch.context() as m:
+            m.setattr(capture, "capturing", lambda ids, captured=captured: captured)
+            raw, _ = h.forward(module, 0)
+        assert not raw.view(torch.uint8).any()
+        if captured:
+            with pytest.raises(RuntimeError, match="as zero rows.*before graph capture"):
+                h.load(module, layout.directory)
+            assert module.ngram_embedding.table is None
+        else:
+            h.load(module, layout.directory)
+            assert module.ngram_embedding.table is not None
+            module.ngram_embedding.close_table()

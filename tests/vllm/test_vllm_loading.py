@@ -1,10 +1,12 @@
-"""Checkpoints that do not fit the layer, and tables that cannot be found, fail with errors that say
-what is wrong; none is served."""
+"""Loading (``ple_um.vllm.loading``): shard tensors handed over by the real ``load_weights``, never
+read when they are views of the table's files and compared with the mapped bytes when they come
+from memory; checkpoints that do not fit the layer fail with errors that say what is wrong, naming
+the file and tensor, and none is served.
+"""
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import struct
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 import vllm_harness as h
 from safetensors import safe_open
-from safetensors.torch import save_file
+from torch.utils._pytree import tree_map
 
 import ple_um
 from ple_um import synthetic
@@ -20,39 +22,99 @@ from ple_um import synthetic
 pytestmark = [pytest.mark.vllm, h.needs_vllm]
 
 
-def test_no_checkpoint_directory(world, patched, monkeypatch, tmp_path):
-    """No PLE_UM_DIR and no model path: the error lists what was tried."""
-    monkeypatch.delenv("PLE_UM_DIR", raising=False)
-    monkeypatch.delenv("VLLM_PLE_MMAP_DIR", raising=False)
-    config = h.text_config(fp8=False)
-    layout = h.write_table(tmp_path / "ckpt", config, fp8=False)
-    module = h.build(config, ple_um_on=True)
-    with pytest.raises(ple_um.CheckpointError) as info:
-        h.load(module, layout.directory)
-    message = str(info.value)
-    assert "PLE_UM_DIR" in message and "model path" in message
+class _Touch(torch.Tensor):
+    """A tensor from the loader that records every aten op run on it or on a view of it."""
+
+    @staticmethod
+    def __new__(cls, inner, name, log):
+        tensor = torch.Tensor._make_subclass(cls, inner)
+        tensor._inner, tensor._name, tensor._log = inner, name, log
+        return tensor
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        touched = []
+
+        def unwrap(x):
+            if isinstance(x, _Touch):
+                x._log.append((x._name, str(func)))
+                touched.append(x)
+                return x._inner
+            return x
+
+        result = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+        def rewrap(r):  # views stay recorded (narrow, then copy_)
+            if isinstance(r, torch.Tensor) and not isinstance(r, _Touch):
+                for source in touched:
+                    if r.untyped_storage().data_ptr() == source._inner.untyped_storage().data_ptr():
+                        return _Touch(r, source._name, source._log)
+            return r
+
+        return tree_map(rewrap, result)
 
 
-def test_missing_directory_named(world, patched, monkeypatch, tmp_path):
-    missing = tmp_path / "not-there"
-    monkeypatch.delenv("PLE_UM_DIR", raising=False)
-    monkeypatch.setenv("VLLM_PLE_MMAP_DIR", str(missing))  # the seeds' alias
-    config = h.text_config(fp8=False)
-    layout = h.write_table(tmp_path / "ckpt", config, fp8=False)
-    module = h.build(config, ple_um_on=True)
-    with pytest.raises(ple_um.CheckpointError, match="VLLM_PLE_MMAP_DIR=.*not-there.*is not a directory"):
-        h.load(module, layout.directory)
+def _recording(directory, log):
+    for name, tensor in h.checkpoint_weights(directory):
+        yield name, _Touch(tensor, name, log)
 
 
-def test_directory_without_table(world, patched, table_dir, tmp_path):
-    config = h.text_config(fp8=False)
-    layout = h.write_table(tmp_path / "ckpt", config, fp8=False)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    table_dir(empty)
-    module = h.build(config, ple_um_on=True)
-    with pytest.raises(ple_um.CheckpointError, match="empty"):
-        h.load(module, layout.directory)
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_loading_reads_no_shard(world, patched, table_dir, tmp_path, dtype):
+    """With the plugin on, load_weights never runs an op on a shard tensor (no byte is read: for
+    NVFP4 neither the packed rows nor the block scales); the global scale loads as stock. The same
+    recording shows the stock backend copying every shard tensor."""
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
+    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
+    sharded = {"ngram_embedding.weight"} | ({"ngram_embedding.weight_scale"} if dtype == "nvfp4" else set())
+
+    log: list[tuple[str, str]] = []
+    mapped = h.build(config, ple_um_on=True)
+    loaded = mapped.load_weights(_recording(layout.directory, log))
+    assert sharded | {scale} <= loaded
+    assert not [entry for entry in log if ".shard_" in entry[0]]
+    assert any(name == scale for name, _ in log)
+    assert mapped.ngram_embedding.shards_skipped == h.PARTS * h.PER_SHARD[dtype]
+    assert mapped.ngram_embedding.shards_compared == 0
+
+    log.clear()
+    stock = h.build(config, ple_um_on=False)
+    assert stock.load_weights(_recording(layout.directory, log)) >= sharded | {scale}
+    copied = {name for name, op in log if ".shard_" in name and op.startswith("aten.copy_")}
+    assert len(copied) == h.PARTS * h.PER_SHARD[dtype]
+    mapped.ngram_embedding.close_table()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_reload_from_memory_is_compared(world, patched, table_dir, tmp_path, dtype):
+    """Shard tensors delivered in memory are compared with the mapped files (NVFP4: the packed rows
+    through lookup_packed's bytes, and the block scales through its scales)."""
+    from ple_um.vllm.backend import ReloadMismatchError
+
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
+    module = h.mapped(config, layout.directory)
+    backend = module.ngram_embedding
+
+    in_memory = [(name, tensor.clone()) for name, tensor in h.checkpoint_weights(layout.directory)]
+    module.load_weights(iter(in_memory))  # the same rows: accepted
+    assert backend.shards_compared == h.PARTS * h.PER_SHARD[dtype]
+
+    cases = [("shard_3.weight", "shard 3 "), ("shard_3.weight_scale", "shard 3 block scales")]
+    for changed_name, what in cases[: h.PER_SHARD[dtype]]:
+        changed = []
+        for name, tensor in in_memory:
+            if name == f"ngram_embedding.{changed_name}":
+                tensor = tensor.clone()
+                tensor.view(torch.uint8)[17, 1] ^= 1
+            changed.append((name, tensor))
+        with pytest.raises(ReloadMismatchError) as info:
+            module.load_weights(iter(changed))
+        message = str(info.value)
+        assert what in message and "row 566" in message, message  # 3 * 183 + 17
+        assert changed_name in message  # the tensor named
+    backend.close_table()
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
@@ -144,19 +206,6 @@ def test_other_checkpoint_under_nvfp4_method(world, patched, table_dir, tmp_path
     assert module.ngram_embedding.table is None
 
 
-def _drop_tensor(directory, name: str) -> None:
-    """Rewrite the file holding ``name`` without it, and the index without its entry."""
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    with open(index_path) as f:
-        index = json.load(f)
-    path = os.path.join(directory, index["weight_map"].pop(name))
-    with safe_open(path, framework="pt") as f:
-        kept = {key: f.get_tensor(key).clone() for key in f.keys() if key != name}  # noqa: SIM118
-    save_file(kept, path, metadata={"format": "pt"})
-    with open(index_path, "w") as f:
-        json.dump(index, f)
-
-
 @pytest.mark.parametrize(
     ("dtype", "scale_name", "expected"),
     [("fp8", synthetic.scale_name, "scale"), ("nvfp4", synthetic.global_scale_name, "weight_scale_2")],
@@ -165,7 +214,7 @@ def _drop_tensor(directory, name: str) -> None:
 def test_without_global_scale(world, patched, table_dir, tmp_path, dtype, scale_name, expected):
     config = h.text_config(dtype=dtype)
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
-    _drop_tensor(layout.directory, scale_name(h.LAYER))
+    h.drop_tensor(layout.directory, scale_name(h.LAYER))
     module = h.build(config, ple_um_on=True)
     with pytest.raises(ple_um.CheckpointError, match=expected):
         h.load(module, layout.directory)
@@ -174,7 +223,7 @@ def test_without_global_scale(world, patched, table_dir, tmp_path, dtype, scale_
 def test_nvfp4_without_block_scales_of_a_shard(world, patched, table_dir, tmp_path):
     config = h.text_config(dtype="nvfp4")
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
-    _drop_tensor(layout.directory, synthetic.block_scale_name(h.LAYER, 2))
+    h.drop_tensor(layout.directory, synthetic.block_scale_name(h.LAYER, 2))
     module = h.build(config, ple_um_on=True)
     with pytest.raises(ple_um.CheckpointError, match="shard_2.weight_scale|block scale"):
         h.load(module, layout.directory)
@@ -193,7 +242,7 @@ def test_scale_of_another_table(world, patched, table_dir, tmp_path, dtype, name
 
 
 def _shift_header(path: str) -> None:
-    """The issue 19 corruption: the header length one short, so that the header loses its last pad
+    """A shifted header: the header length one short, so that the header loses its last pad
     space (padded first when it has none) and stays sound JSON, and every tensor of the file is
     read one byte early."""
     with open(path, "rb") as f:
@@ -263,73 +312,3 @@ def test_shifted_header_in_the_models_own_files(world, patched, table_dir, tmp_p
         load_weights(holder, vllm_weights())
     assert info.value.path == shifted
     assert holder.ple.ngram_embedding.table is None
-
-
-def test_forward_before_loading(world, patched, tmp_path):
-    module = h.build(h.text_config(fp8=True), ple_um_on=True)
-    with pytest.raises(RuntimeError, match="not open"):
-        h.forward(module, 0)
-
-
-def test_dummy_load_format_serves_zeros(world, patched):
-    """--load-format dummy never calls load_weights: no table, zero rows (as stock's are random)."""
-    from vllm.config import DeviceConfig, LoadConfig, VllmConfig, set_current_vllm_config
-
-    dummy = VllmConfig(device_config=DeviceConfig(device="cpu"), load_config=LoadConfig(load_format="dummy"))
-    with set_current_vllm_config(dummy):
-        module = h.build(h.text_config(fp8=True), ple_um_on=True)
-    raw, _ = h.forward(module, 0)
-    assert module.ngram_embedding.table is None and not raw.view(torch.uint8).any()
-
-
-def test_a_dummy_graph_of_zero_rows_refuses_a_table_opened_later(
-    world, patched, table_dir, tmp_path, monkeypatch
-):
-    """--load-format dummy, then a graph captures the zero fill (the capture injected: no GPU here),
-    then real weights arrive (an RL weight sync): the graphs would replay zeros for ever, so the
-    load refuses and says what to do; without a capture the same load opens the table."""
-    from vllm.config import DeviceConfig, LoadConfig, VllmConfig, set_current_vllm_config
-
-    from ple_um.vllm import backend as backend_module
-
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
-    monkeypatch.setenv("PLE_UM_DIR", layout.directory)  # the dummy config names no model path
-    dummy = VllmConfig(device_config=DeviceConfig(device="cpu"), load_config=LoadConfig(load_format="dummy"))
-    for captured in (False, True):
-        with set_current_vllm_config(dummy):
-            module = h.build(config, ple_um_on=True)
-        with monkeypatch.context() as m:
-            m.setattr(backend_module, "_capturing", lambda ids, captured=captured: captured)
-            raw, _ = h.forward(module, 0)
-        assert not raw.view(torch.uint8).any()
-        if captured:
-            with pytest.raises(RuntimeError, match="as zero rows.*before graph capture"):
-                h.load(module, layout.directory)
-            assert module.ngram_embedding.table is None
-        else:
-            h.load(module, layout.directory)
-            assert module.ngram_embedding.table is not None
-            module.ngram_embedding.close_table()
-
-
-def test_prefetch_misuse(world, patched, table_dir, tmp_path):
-    """A finalize for another number of tokens than the start looked up raises (stock would hand out
-    rows of the wrong batch); a start never finalized (a forward that raised in between) does not
-    stop the next one, whose rows are the file's."""
-    config = h.text_config(fp8=True)
-    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
-    module = h.build(config, ple_um_on=True)
-    h.load(module, layout.directory)
-    ids, query_start_loc, ngram_context = h.inputs(0, tokens=30)
-    with torch.no_grad():
-        module.start_prefetch(ids, query_start_loc, ngram_context)
-        with pytest.raises(ValueError, match="finalize_prefetch for 61 tokens, but start_prefetch looked"):
-            module.ngram_embedding.finalize_prefetch(61)
-        module.start_prefetch(ids, query_start_loc, ngram_context)  # never finalized
-    raw_again, _ = h.forward(module, 1)
-    module.ngram_embedding.close_table()
-    stock = h.build(config, ple_um_on=False)
-    h.load(stock, layout.directory)
-    raw_stock, _ = h.forward(stock, 1)
-    assert h.same_bits(raw_again, raw_stock) and raw_stock.view(torch.uint8).any()

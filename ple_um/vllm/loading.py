@@ -1,0 +1,277 @@
+"""Loading the vLLM layer: the table a layer expects, and the checks that what vLLM loads is that
+table.
+
+``Qwen4ExpNGramEmbedding.load_weights`` (patched, ``ple_um.vllm.patch``) hands each shard tensor of
+the checkpoint (``shard_<i>.weight``; for NVFP4 also ``shard_<i>.weight_scale``, the block scales)
+to the layer instead of copying it. The layer describes itself as an ``ExpectedTable`` and asks:
+
+- ``check_shard``: is the tensor of the kind, shape and dtype the layer's embedding method loads
+  (vLLM's own shape check, and an NVFP4 checkpoint under another method or the reverse refused
+  naming the cure)?
+- ``compare_shard``: a tensor in memory (a reload from an iterator, a weight sync) must equal the
+  bytes this rank maps, since the table is served read-only from the files
+  (``ReloadMismatchError``). A view of a table file on disk is not read at all (``source``).
+- ``check_layout``: the checkpoint's table (its headers) fits the layer: row width, row count,
+  shard count, storage dtype, the global scale and NVFP4's block scales present.
+- ``check_scale``: the global scale vLLM loaded is the mapped table's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from vllm.models.qwen4_exp.common.ngram_embedding import (
+    Qwen4ExpPLEEmbeddingMethod,
+    Qwen4ExpPLEFp8EmbeddingMethod,
+    Qwen4ExpPLENvFp4EmbeddingMethod,
+)
+
+from ple_um import MappedTable
+from ple_um.checkpoint import ShardLayout
+from ple_um.errors import CheckpointError, PleUmError
+
+NVFP4_HINT = (
+    "an NVFP4 table needs ple_embedding_dtype='nvfp4' in the model's text config (or a ModelOpt "
+    "mixed-precision quantization config with NVFP4 for this layer)"
+)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Rows compared per lookup when a reload delivers a shard from memory.
+_COMPARE_ROWS = 1 << 16
+
+
+class ReloadMismatchError(PleUmError, ValueError):
+    """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder layer index in a PLE prefix (``...layers.<L>....``), which names the table's tensors."""
+    found = _LAYER.findall(prefix)
+    if not found:
+        raise ValueError(f"cannot find the decoder layer index (layers.<L>.) in the PLE prefix {prefix!r}")
+    return int(found[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpectedTable:
+    """The table a layer was built for, as vLLM built it.
+
+    ``shards`` maps each parameter the checkpoint splits into ``shard_<i>.<name>`` tensors (as
+    stock loads them: ``weight``, and NVFP4's ``weight_scale``) to the parameter's (width, dtype),
+    which the files must have. ``rows``: this rank's global row range.
+    """
+
+    prefix: str
+    num_rows: int
+    row_dim: int
+    parts: int
+    method: Qwen4ExpPLEEmbeddingMethod
+    shards: dict[str, tuple[int, torch.dtype]]
+    rows: tuple[int, int]
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return isinstance(self.method, Qwen4ExpPLENvFp4EmbeddingMethod)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype the embedding method chose (NVFP4: uint8, the packed rows)."""
+        return self.shards["weight"][1]
+
+    @property
+    def method_name(self) -> str:
+        return type(self.method).__name__
+
+    def rows_per_shard(self) -> int:
+        return -(-self.num_rows // self.parts)
+
+    def shard_rows(self, index: int) -> int:
+        per_shard = self.rows_per_shard()
+        return max(0, min(per_shard, self.num_rows - index * per_shard))
+
+    def width_meaning(self, name: str) -> str:
+        head_dim = self.row_dim
+        if not self.is_nvfp4:
+            return f"the layer's n-gram head_dim {head_dim}"
+        if name == "weight":
+            return f"{head_dim // 2}, the packed bytes of the layer's n-gram head_dim {head_dim} (2 a byte)"
+        return f"{head_dim // 16}, the block scales of the layer's n-gram head_dim {head_dim} (1 per 16)"
+
+
+def check_shard(
+    expected: ExpectedTable, index: int, tensor: torch.Tensor, name: str, backing: tuple[str, int] | None
+) -> None:
+    """Shard tensor ``shard_<index>.<name>`` (``backing``: the file it is a view of, if any) must be
+    one the layer's embedding method loads, of the shape vLLM's loader requires."""
+    parts = expected.parts
+    if not 0 <= index < parts:
+        raise ValueError(
+            f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({expected.prefix})"
+        )
+    _check_shard_kind(expected, index, tensor, name, backing)
+    rows = expected.shard_rows(index)
+    width = expected.shards[name][0]  # as stock: the parameter's width
+    if tuple(tensor.shape) != (rows, width):
+        if tensor.dim() == 2 and tensor.shape[-1] != width:
+            what = f"row width {tensor.shape[-1]} != {expected.width_meaning(name)}"
+        else:
+            what = (
+                f"{tensor.shape[0] if tensor.dim() else 0} rows, expected {rows} "
+                f"(ceil({expected.num_rows} rows / {parts} parts) per shard)"
+            )
+        raise ValueError(
+            f"Shape mismatch for PLE embedding shard {index}{'' if name == 'weight' else ' ' + name} of "
+            f"{expected.prefix}: got {tuple(tensor.shape)}, expected {(rows, width)}: {what}"
+        )
+
+
+def _check_shard_kind(
+    expected: ExpectedTable, index: int, tensor: torch.Tensor, name: str, backing: tuple[str, int] | None
+) -> None:
+    """The delivered tensor must be of the kind the layer's embedding method loads: an NVFP4
+    checkpoint under an FP8 or 16-bit method, or the reverse, fails here naming the cure."""
+    where = {"path": backing[0] if backing else None, "tensor": f"ngram_embedding.shard_{index}.{name}"}
+    method, prefix = expected.method_name, expected.prefix
+    if name not in expected.shards:
+        raise CheckpointError(
+            f"{prefix}: the checkpoint splits NVFP4 block scales into shards (shard_<i>.{name}), "
+            f"but the layer's {method} serves {expected.dtype} rows: {NVFP4_HINT}",
+            **where,
+        )
+    dtype = expected.shards[name][1]
+    if expected.is_nvfp4 and tensor.dtype != dtype:
+        # Stock refuses it too: a cast would silently reinterpret packed E2M1 bytes.
+        raise CheckpointError(
+            f"{prefix}: NVFP4 PLE shard {index} {name} requires {dtype}, got {tensor.dtype}: "
+            f"the layer's {method} serves NVFP4 (ple_embedding_dtype='nvfp4' or its quantization "
+            "config) but the checkpoint's table is not NVFP4: configure the layer for the table's dtype",
+            **where,
+        )
+    if not expected.is_nvfp4 and tensor.dtype == torch.uint8:
+        raise CheckpointError(
+            f"{prefix}: shard {index} holds packed NVFP4 rows (uint8), but the layer's {method} "
+            f"serves {dtype} rows: {NVFP4_HINT}",
+            **where,
+        )
+
+
+def compare_shard(
+    expected: ExpectedTable, table: MappedTable, index: int, tensor: torch.Tensor, name: str = "weight"
+) -> None:
+    """The rows of shard tensor ``shard_<index>.<name>`` that this rank owns, delivered in memory,
+    must equal the mapped bytes (NVFP4: the packed rows through ``lookup_packed``'s bytes, the block
+    scales through its scales); ReloadMismatchError names the first row that differs."""
+    start = index * expected.rows_per_shard()
+    row_start, row_end = expected.rows
+    lo, hi = max(start, row_start), min(start + tensor.shape[0], row_end)
+    if lo >= hi:
+        return
+    if name == "weight":
+        spec, stored, what = table.layout.shards[index], table.dtype, ""
+    else:  # NVFP4 block scales
+        spec, stored, what = table.layout.block_scales[index], torch.float8_e4m3fn, " block scales"
+    if tensor.dtype != stored:
+        raise ReloadMismatchError(
+            f"{expected.prefix}: shard {index}{what} was delivered as {tensor.dtype}, but the table in "
+            f"{spec.path} ({spec.tensor}) is {stored}; ple-um serves the checkpoint files read-only"
+        )
+    for a in range(lo, hi, _COMPARE_ROWS):
+        b = min(hi, a + _COMPARE_ROWS)
+        ids = torch.arange(a, b, device=table.device)
+        if table.layout.is_nvfp4:
+            mapped = table.lookup_packed(ids)[0 if name == "weight" else 1].view(torch.uint8)
+        else:
+            mapped = table.lookup(ids).view(torch.uint8)
+        given = tensor[a - start : b - start].to(table.device).contiguous().view(torch.uint8)
+        if not torch.equal(mapped, given):
+            row = a + int((mapped != given).any(dim=1).nonzero()[0])
+            raise ReloadMismatchError(
+                f"{expected.prefix}: shard {index}{what} delivered in memory differs from the mapped "
+                f"checkpoint at row {row} (file {spec.path}, tensor {spec.tensor}). ple-um serves the "
+                "table read-only from the checkpoint files: write the new table to a checkpoint "
+                "directory and reload from that path, or unset PLE_UM to keep the table in memory"
+            )
+
+
+def check_layout(expected: ExpectedTable, layout: ShardLayout) -> None:
+    """The checkpoint's table must be the one this layer was built for."""
+    first = layout.shards[0]
+    where = {"path": first.path, "tensor": first.tensor}
+    prefix = expected.prefix
+    if layout.row_dim != expected.row_dim:
+        raise CheckpointError(
+            f"{prefix}: the table's rows have {layout.row_dim} elements, but the layer's row width "
+            f"(n-gram head_dim = ple_embed_dim / n-gram heads) is {expected.row_dim}",
+            **where,
+        )
+    if layout.num_rows != expected.num_rows:
+        raise CheckpointError(
+            f"{prefix}: the table has {layout.num_rows} rows, but the config gives "
+            f"{expected.num_rows} (the n-gram vocabulary padded to make_ngram_vocab_size_divisible_by)",
+            **where,
+        )
+    if layout.parts != expected.parts:
+        raise CheckpointError(
+            f"{prefix}: the table is split into {layout.parts} shards, but the config has "
+            f"split_ngram_parts={expected.parts}",
+            **where,
+        )
+    _check_layout_dtype(expected, layout, where)
+    if isinstance(expected.method, Qwen4ExpPLEFp8EmbeddingMethod) and layout.scale is None:
+        raise CheckpointError(f"{prefix}: the FP8 table has no ngram_embedding.weight_scale", **where)
+    if expected.is_nvfp4 and layout.scale is None:
+        raise CheckpointError(
+            f"{prefix}: the NVFP4 table has no ngram_embedding.weight_scale_2 (its global scale)",
+            **where,
+        )
+    if expected.is_nvfp4 and len(layout.block_scales) != layout.parts:
+        raise CheckpointError(
+            f"{prefix}: the NVFP4 table has block scales (ngram_embedding.shard_<i>.weight_scale) "
+            f"for {len(layout.block_scales)} of its {layout.parts} shards",
+            **where,
+        )
+
+
+def _check_layout_dtype(expected: ExpectedTable, layout: ShardLayout, where: dict) -> None:
+    """The table's storage must be the one the layer's embedding method serves."""
+    stored = expected.dtype
+    if layout.is_nvfp4 == expected.is_nvfp4 and layout.dtype == stored:
+        return
+    if layout.is_nvfp4:
+        serves, hint = f"{stored} rows", NVFP4_HINT
+    elif expected.is_nvfp4:
+        serves = "NVFP4 (packed E2M1 rows with E4M3 block scales)"
+        hint = (
+            "the layer is NVFP4 (ple_embedding_dtype='nvfp4' or its quantization config) but the "
+            "table is not: point PLE_UM_DIR at the model's NVFP4 table"
+        )
+    else:
+        serves = str(stored)
+        hint = (
+            "an FP8 table needs an FP8 quantization config (or ple_embedding_dtype=float8_e4m3fn), "
+            "a 16-bit table the model dtype"
+        )
+    raise CheckpointError(
+        f"{expected.prefix}: the table is stored as {layout.dtype_name} ({layout.dtype}), but the "
+        f"layer's {expected.method_name} serves {serves}: {hint}",
+        **where,
+    )
+
+
+def check_scale(prefix: str, table: MappedTable | None, name: str, scale: torch.Tensor | None) -> None:
+    """The global scale vLLM loaded (``name``: FP8 weight_scale, NVFP4 weight_scale_2) must be the
+    mapped table's own (PLE_UM_DIR could name another table). A scale vLLM has not loaded yet (its
+    sentinel) is left to vLLM's own check, which reports a scale the checkpoint lacks."""
+    if table is None or table.scale is None or scale is None or scale.device.type == "meta":
+        return
+    loaded = scale.detach().float().cpu().reshape(-1)
+    if bool((loaded == torch.finfo(torch.float32).min).any()):
+        return
+    if not torch.equal(loaded, torch.full_like(loaded, table.scale)):
+        raise CheckpointError(
+            f"{prefix}: vLLM loaded {name} {loaded.tolist()} but the mapped table's scale is "
+            f"{table.scale}: PLE_UM_DIR names a table that does not belong to this checkpoint",
+            path=table.layout.directory,
+            tensor=table.layout.scale_tensor,
+        )

@@ -1,0 +1,95 @@
+"""The lookups vLLM's prefetch hook starts one decoder layer ahead, for one layer.
+
+Qwen4Exp's model calls the layer's ``start_prefetch`` one decoder layer ahead and
+``finalize_prefetch`` in its forward. ``PrefetchLookups`` holds what lies between the two: the
+buffer the lookups write into (allocated by the first, eager call), the side stream they may be
+queued on (``capture.prefetch_may_fork`` decides), and the started lookups whose ids must stay
+referenced until the side stream is joined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ple_um.lookup.streams import own_stream
+from ple_um.vllm.capture import capturing
+
+
+class PrefetchLookups:
+    """The prefetch buffer, side stream and started lookups of one layer (``prefix``), whose
+    buffer holds at least ``rows`` gathered tokens of ``row_dim`` elements per head."""
+
+    def __init__(self, prefix: str, rows: int, row_dim: int) -> None:
+        self.prefix = prefix
+        self.rows = rows
+        self.row_dim = row_dim
+        self.buffer: torch.Tensor | None = None
+        self.side_stream = None
+        # The last start: (rows it writes, the ids it reads, whether on the side stream, tokens).
+        self.started: tuple[torch.Tensor, torch.Tensor, bool, int] | None = None
+        self.unjoined: list[tuple[torch.Tensor, torch.Tensor, bool, int]] = []
+
+    def begin(self) -> None:
+        """A new start. One never finalized (a forward that raised in between) keeps its ids
+        referenced until the next join, since the side stream may not have read them yet."""
+        if self.started is not None:
+            self.unjoined.append(self.started)
+
+    def out(self, rows: int, ids: torch.Tensor, dtype: torch.dtype, *, fixed: bool) -> torch.Tensor:
+        """The first ``rows`` rows of the buffer ([rows, heads, row_dim] in ``dtype``), allocated at
+        the first (eager) call: vLLM's profile run precedes any capture. ``fixed``: a CUDA graph has
+        captured a lookup into the buffer, whose address it holds."""
+        buffer = self.buffer
+        width = (*ids.shape[1:], self.row_dim)
+        grow = buffer is not None and rows > buffer.shape[0] and tuple(buffer.shape[1:]) == width
+        if buffer is None or (grow and not fixed):
+            if capturing(ids):
+                raise RuntimeError(
+                    f"{self.prefix}: the PLE prefetch buffer must be allocated by an eager call of at least "
+                    f"{rows} tokens before CUDA graph capture"
+                )
+            # An eager batch beyond the buffer (vLLM sizes it for max_total_tokens) grows it while
+            # no graph has captured a lookup into it (after that the graphs hold its address).
+            shape = (max(self.rows, rows), *width)
+            buffer = self.buffer = torch.empty(shape, dtype=dtype, device=ids.device)
+        if rows > buffer.shape[0] or tuple(buffer.shape[1:]) != width:
+            raise ValueError(
+                f"{self.prefix}: the PLE prefetch buffer holds {tuple(buffer.shape)}, but the batch needs "
+                f"{(rows, *width)}"
+            )
+        return buffer[:rows]
+
+    @contextlib.contextmanager
+    def on_side_stream(self, device: torch.device) -> Iterator[None]:
+        """Work queued inside runs on the side stream, forked from the current stream here (a FULL
+        graph captures the fork)."""
+        if self.side_stream is None:
+            self.side_stream = own_stream(device)  # not a torch pool stream
+        stream = self.side_stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield
+
+    def start(self, out: torch.Tensor, ids: torch.Tensor, side: bool, tokens: int) -> None:
+        """Record the lookup of ``ids`` into ``out`` for ``tokens`` local tokens. The ids stay
+        referenced until the join: their memory is not reused while the side stream reads it."""
+        self.started = (out, ids, side, tokens)
+
+    def join(self, total_tokens: int) -> torch.Tensor:
+        """The rows of the last start, the side stream joined into the current one."""
+        if self.started is None:
+            raise RuntimeError(f"{self.prefix}: finalize_prefetch requires a prior start_prefetch")
+        rows, _, side, tokens = self.started
+        self.started = None
+        if side or any(started[2] for started in self.unjoined):
+            torch.cuda.current_stream(rows.device).wait_stream(self.side_stream)
+        self.unjoined.clear()
+        if total_tokens != tokens:
+            raise ValueError(
+                f"{self.prefix}: finalize_prefetch for {total_tokens} tokens, but start_prefetch looked up "
+                f"{tokens}"
+            )
+        return rows

@@ -1,0 +1,102 @@
+"""Where the backend looks for the table (``ple_um.vllm.source``): PLE_UM_DIR, the model path, the
+Hugging Face cache snapshot, and the errors that say what was tried; and file-backed tensors told
+from tensors in memory. The resolution tests need no vLLM; the loads do."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import vllm_harness as h
+
+import ple_um
+from ple_um.vllm.source import file_backing, resolve_table_dir
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_no_checkpoint_directory(world, patched, monkeypatch, tmp_path):
+    """No PLE_UM_DIR and no model path: the error lists what was tried."""
+    monkeypatch.delenv("PLE_UM_DIR", raising=False)
+    monkeypatch.delenv("VLLM_PLE_MMAP_DIR", raising=False)
+    config = h.text_config(fp8=False)
+    layout = h.write_table(tmp_path / "ckpt", config, fp8=False)
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError) as info:
+        h.load(module, layout.directory)
+    message = str(info.value)
+    assert "PLE_UM_DIR" in message and "model path" in message
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_missing_directory_named(world, patched, monkeypatch, tmp_path):
+    missing = tmp_path / "not-there"
+    monkeypatch.delenv("PLE_UM_DIR", raising=False)
+    monkeypatch.setenv("VLLM_PLE_MMAP_DIR", str(missing))  # the VLLM_PLE_MMAP_DIR alias
+    config = h.text_config(fp8=False)
+    layout = h.write_table(tmp_path / "ckpt", config, fp8=False)
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError, match="VLLM_PLE_MMAP_DIR=.*not-there.*is not a directory"):
+        h.load(module, layout.directory)
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_directory_without_table(world, patched, table_dir, tmp_path):
+    config = h.text_config(fp8=False)
+    layout = h.write_table(tmp_path / "ckpt", config, fp8=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    table_dir(empty)
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError, match="empty"):
+        h.load(module, layout.directory)
+
+
+@pytest.fixture
+def no_dir_knob(monkeypatch):
+    monkeypatch.delenv("PLE_UM_DIR", raising=False)
+    monkeypatch.delenv("VLLM_PLE_MMAP_DIR", raising=False)
+
+
+def test_resolve_model_path(no_dir_knob, tmp_path):
+    assert resolve_table_dir(str(tmp_path)) == str(tmp_path)
+
+
+def test_resolve_knob_first(monkeypatch, tmp_path):
+    table = tmp_path / "table"
+    table.mkdir()
+    monkeypatch.setenv("PLE_UM_DIR", str(table))
+    assert resolve_table_dir(str(tmp_path)) == str(table)
+
+
+def test_resolve_hf_snapshot(no_dir_knob, tmp_path):
+    pytest.importorskip("huggingface_hub")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text(commit)
+    assert resolve_table_dir("acme/tiny", None, str(tmp_path / "hub")) == str(snapshot)
+
+
+def test_resolve_error_says_what_was_tried(no_dir_knob, tmp_path):
+    with pytest.raises(ple_um.CheckpointError) as info:
+        resolve_table_dir("acme/absent", "v1", str(tmp_path / "hub"))
+    message = str(info.value)
+    for part in ("PLE_UM_DIR", "'acme/absent': not a local directory", "Hugging Face cache", "v1"):
+        assert part in message
+
+
+def test_file_backing_tells_file_views_from_memory(tmp_path):
+    from safetensors import safe_open
+
+    layout = ple_um.synthetic.write_checkpoint(tmp_path, num_rows=40, row_dim=16, dtype="bf16", shards=3)
+    spec = layout.shards[1]
+    with safe_open(spec.path, framework="pt") as f:
+        view = f.get_tensor(spec.tensor)
+        assert file_backing(view) == (os.path.realpath(spec.path), spec.offset)
+        assert file_backing(view.clone()) is None
+    assert file_backing(torch.zeros(4)) is None
