@@ -29,7 +29,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 )
 
 from ple_um import MappedTable
-from ple_um.checkpoint import ShardLayout
+from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout
 from ple_um.errors import CheckpointError, PleUmError
 
 NVFP4_HINT = (
@@ -96,7 +96,10 @@ class ExpectedTable:
             return f"the layer's n-gram head_dim {head_dim}"
         if name == "weight":
             return f"{head_dim // 2}, the packed bytes of the layer's n-gram head_dim {head_dim} (2 a byte)"
-        return f"{head_dim // 16}, the block scales of the layer's n-gram head_dim {head_dim} (1 per 16)"
+        return (
+            f"{head_dim // NVFP4_BLOCK}, the block scales of the layer's n-gram head_dim {head_dim} "
+            f"(1 per {NVFP4_BLOCK})"
+        )
 
 
 def check_shard(
