@@ -117,19 +117,22 @@ def plot(r: dict, path: str) -> None:
         label="no first lookups missed",
     )
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("cache bytes (MiB)")
+    ax.set_xticks(x, [mib(b) for b in budgets])
+    ax.set_xlabel("cache bytes")
     ax.set_ylabel("hit rate (second half of the trace, warmed on the first)")
     ax.set_title("row caches on the trace, equal bytes")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    for label, hot in [("trace", r["hottest"])] + [(f"zipf:{s}", z["hottest"]) for s, z in r["zipf"].items()]:
-        xs = [0.0] + [float(k) for k in hot]
+    curve = "hottest_curve" if "hottest_curve" in r else "hottest"
+    for label, hot in [("trace", r[curve])] + [(f"zipf:{s}", z[curve]) for s, z in r["zipf"].items()]:
+        xs = [float(k) for k in hot]
         style = (
             {"color": "k", "lw": 2}
             if label == "trace"
             else {"lw": 1, "ls": "--" if label != f"zipf:{best}" else "-"}
         )
-        bx.plot(xs, [0.0] + [h["share"] for h in hot.values()], marker=".", label=label, **style)
+        bx.plot(xs, [h["share"] for h in hot.values()], label=label, **style)
+    bx.set_xscale("log")
     bx.set_xlabel("hottest fraction of the rows looked up")
     bx.set_ylabel("share of the lookups")
     bx.set_title("skew: trace against the bench's zipf:S ids")

@@ -13,6 +13,8 @@ from ple_um.bench.ids import hash_onto_rows, zipf_ngrams
 from ple_um.bench.trace import DecodeReplay, PrefillReplay, Trace
 
 HOT_FRACTIONS = (0.01, 0.1, 0.3, 0.6)
+# The plot's skew curves: finer near the hottest end.
+CURVE_FRACTIONS = (0.001, 0.003, 0.01, 0.02, 0.05) + tuple(k / 20 for k in range(2, 21))
 BUDGETS = tuple(m << 20 for m in (1, 4, 16, 64, 256, 1024))
 ZIPF_S = (1.01, 1.02, 1.03, 1.05, 1.075, 1.1, 1.15, 1.2, 1.3, 1.5)
 DECODE_TOKENS, PREFILL_TOKENS = 64, 8192
@@ -99,6 +101,7 @@ def zipf_figures(
     return {
         "distinct_fraction": float(np.unique(rows).size / rows.size),
         "hottest": hottest_share(rows),
+        "hottest_curve": hottest_share(rows, CURVE_FRACTIONS),
         "repeats": {"decode": step_repeats(decode), "prefill": step_repeats(prefill)},
         "lru": cache_curves(rows, budgets, ("lru",), log),
     }
@@ -130,6 +133,7 @@ def analyse(
         "row_bytes": cache_sim.ROW_BYTES,
         "page_bytes": cache_sim.PAGE_BYTES,
         "hottest": hottest_share(rows),
+        "hottest_curve": hottest_share(rows, CURVE_FRACTIONS),
         "repeats": replay_steps(trace, rng, decode_steps),
         "caches": cache_curves(rows, budgets, policies, log),
         "zipf": {},

@@ -62,6 +62,7 @@ def test_analyse_the_sample():
     assert set(r["hottest"]) == {"0.01", "0.1", "0.3", "0.6"}
     shares = [h["share"] for h in r["hottest"].values()]
     assert shares == sorted(shares) and 0 < shares[0] < shares[-1] <= 1
+    assert r["hottest_curve"]["1"]["share"] == 1.0 and r["hottest_curve"]["0.1"] == r["hottest"]["0.1"]
     assert r["repeats"]["decode"]["steps"] == 50
     assert r["repeats"]["prefill"]["steps"] == trace.num_tokens // traffic.PREFILL_TOKENS
     assert set(r["zipf"]) == {"1.05", "1.3"}
