@@ -53,7 +53,7 @@ class TraceError(PleUmError, ValueError):
 
 def sample_path() -> str:
     """Where the committed sample trace lies (package data of ple_um.bench)."""
-    return str(resources.files("ple_um.bench").joinpath("data", SAMPLE_NAME))
+    return str(resources.files("ple_um.bench").joinpath("data").joinpath(SAMPLE_NAME))
 
 
 @dataclass
