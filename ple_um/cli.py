@@ -417,7 +417,8 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
         type=_ids,
         default="uniform",
         help="id distributions, comma-separated: uniform (default), zipf:S (n-grams drawn Zipf(S), "
-        "1.01 <= S <= 10, hashed onto rows), e.g. uniform,zipf:1.1",
+        "1.01 <= S <= 10, hashed onto rows), trace[:FILE] (real traffic: the shipped sample or FILE, "
+        "replayed as decode steps and prefill chunks; docs/TRAFFIC.md), e.g. uniform,zipf:1.1,trace",
     )
     b.add_argument("--repeats", type=_positive, default=20, help="timed calls per measurement")
     b.add_argument(

@@ -1,4 +1,5 @@
-"""The ids the bench looks up: uniform over the table, or Zipf-distributed n-grams hashed onto rows.
+"""The ids the bench looks up: uniform over the table, Zipf-distributed n-grams hashed onto rows,
+or a trace of real traffic (``trace[:FILE]``: ``bench/trace.py``).
 
 Real PLE traffic is skewed: a few n-grams come up again and again, most rarely. The model hashes
 each n-gram onto a row, so the hot rows are scattered over the whole table, not packed at its
@@ -10,6 +11,7 @@ server.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,15 +68,21 @@ class IdDistribution:
         }
 
 
-def parse_ids(text: str) -> tuple[IdDistribution, ...]:
-    """``uniform``, ``zipf:S`` or a comma-separated list of them; ValueError naming what is accepted."""
+def parse_ids(text: str) -> tuple:
+    """``uniform``, ``zipf:S``, ``trace[:FILE]`` or a comma-separated list of them; ValueError
+    naming what is accepted. A trace (``trace.TraceIds``) replays the committed sample, or the
+    trace file FILE; ``trace-decode[:FILE]`` and ``trace-prefill[:FILE]`` replay every lookup as a
+    decode step or as a prefill chunk (``trace`` chooses by the lookup's size)."""
     accepted = (
-        f"expected uniform or zipf:S with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} (e.g. uniform,zipf:1.1)"
+        f"expected uniform or zipf:S with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} (e.g. uniform,zipf:1.1), "
+        "or trace[:FILE], trace-decode[:FILE], trace-prefill[:FILE]"
     )
-    found: list[IdDistribution] = []
+    found: list = []
     for item in (part.strip() for part in text.split(",")):
         kind, _, arg = item.partition(":")
-        if item == "uniform":
+        if kind in TRACE_KINDS:
+            dist = _trace_ids(kind, arg, item)
+        elif item == "uniform":
             dist = IdDistribution("uniform")
         elif kind == "zipf":
             try:
@@ -86,7 +94,21 @@ def parse_ids(text: str) -> tuple[IdDistribution, ...]:
             dist = IdDistribution(f"zipf:{s:g}", s)
         else:
             raise ValueError(f"{item!r} is not an id distribution: {accepted}")
-        if dist in found:
+        if dist.name in [d.name for d in found]:
             raise ValueError(f"{item!r} is named twice in {text!r}")
         found.append(dist)
     return tuple(found)
+
+
+TRACE_KINDS = {"trace": "auto", "trace-decode": "decode", "trace-prefill": "prefill"}
+
+
+def _trace_ids(kind: str, path: str, item: str):
+    from ple_um.bench.trace import TraceError, TraceIds
+
+    if path and not os.path.isfile(path):
+        raise ValueError(f"{item!r}: no trace file {path}")
+    try:
+        return TraceIds(path or None, TRACE_KINDS[kind])
+    except TraceError as exc:
+        raise ValueError(f"{item!r}: {exc}") from None

