@@ -1,13 +1,12 @@
 """ple_um.access.first_read: the first read of a mapping made in a child process, its verdict cached.
 
-Real children throughout: each is a fresh ``python -m ple_um.access.first_read`` that opens a few
-rows of the real checkpoint files in the mode and gathers them through the kernel, which the Triton
-interpreter runs here on the mapping's host addresses (the parent's TRITON_INTERPRET=1 is in the
-child's environment). What is injected: the machine the parent sees (``DeviceCapabilities``), and
-the child's failure, through the hook it honours (PLE_UM_FIRST_READ_FAULT: a SIGSEGV, an abort, a
-hang, an exit, a CUDA-like error, rows corrupted before the comparison). A child costs about two
-seconds here, most of it importing torch.
-"""
+Real children throughout: each is a fresh interpreter running ``ple_um.first_read_child`` that opens
+a few rows of the real checkpoint files in the mode and gathers them through the kernel, which the
+Triton interpreter runs here on the mapping's host addresses (the parent's TRITON_INTERPRET=1 is in
+the child's environment). What is injected: the machine the parent sees (``DeviceCapabilities``),
+and the child's failure, through the hook it honours (PLE_UM_FIRST_READ_FAULT: a SIGSEGV, an abort,
+a hang, an exit, a CUDA-like error, rows corrupted before the comparison). A child costs about two
+seconds here, most of it importing torch. """
 
 from __future__ import annotations
 
@@ -78,7 +77,7 @@ def child_processes(directory: str) -> list[int]:
                 cmd = f.read().decode(errors="replace")
         except OSError:
             continue
-        if "ple_um.access.first_read" in cmd and directory in cmd:
+        if "ple_um.first_read_child" in cmd and directory in cmd:
             found.append(int(pid))
     return found
 

@@ -23,35 +23,34 @@ from ple_um.mapping import _libc
 
 POLICIES = {"tinylfu": 0, "lru": 1, "clock": 2}
 WAYS = 8  # slots per set: an id is looked for in one set only
-# Bytes a slot takes beside its row's: tag, version and policy word; its share of the admission
-# sketch (4 rows of 2 one-byte counters a slot) and of the doorkeeper (8 bytes a slot).
-SLOT_OVERHEAD = 8 + 4 + 4 + 8 + 8
+# Bytes a slot takes beside its row's, at most: tag, version and policy word; its share of the
+# admission sketch (4 rows of 1-2 one-byte counters a slot) and of the doorkeeper (8-16 bytes a slot:
+# about 6 bits for each access of the period it remembers, 10 x the sketch's width).
+SLOT_OVERHEAD = 8 + 4 + 4 + 8 + 16
 MADV_HUGEPAGE = 14
 
 
 def slots_for(capacity: int, row_bytes: int) -> int:
-    """The slots a cache of ``capacity`` bytes has: a power of two of sets of WAYS slots (0 when
-    not even one set fits)."""
-    sets = capacity // (WAYS * (row_bytes + SLOT_OVERHEAD) + 1)
-    return 0 if sets < 1 else WAYS * (1 << (int(sets).bit_length() - 1))
+    """The slots a cache of ``capacity`` bytes has: sets of WAYS slots (0 when not even one set
+    fits; the sketch and doorkeeper are a power of two wide, so a cache may take a little less)."""
+    return WAYS * max(0, capacity // (WAYS * (row_bytes + SLOT_OVERHEAD)))
 
 
 class RowCache:
-    """A row cache of ``slots`` slots (a multiple of WAYS whose sets are a power of two) for rows of
-    ``row_bytes``; hits, misses, insertions and evictions are added to ``counts`` (the host
-    gather's ``rowcopy.Counts``)."""
+    """A row cache of ``slots`` slots (a multiple of WAYS) for rows of ``row_bytes``; hits, misses,
+    insertions and evictions are added to ``counts`` (the host gather's ``rowcopy.Counts``)."""
 
     def __init__(
         self, slots: int, row_bytes: int, counts: rowcopy.Counts, *, policy: str = "tinylfu"
     ) -> None:
         sets = slots // WAYS
-        if slots <= 0 or slots % WAYS or sets & (sets - 1):
-            raise ValueError(f"a row cache has a power of two of sets of {WAYS} slots, not {slots} slots")
+        if slots <= 0 or slots % WAYS:
+            raise ValueError(f"a row cache has sets of {WAYS} slots, not {slots} slots")
         if policy not in POLICIES:
             raise ValueError(f"row cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
         self.slots, self.row_bytes, self.policy = slots, row_bytes, policy
-        sketch_width = 1 << max(4, (2 * slots - 1).bit_length())  # twice the slots (rowcache.c)
-        door_words = sketch_width // 2  # 64 bits a word: 32 doorkeeper bits a counter
+        sketch_width = 1 << max(4, (slots - 1).bit_length())  # 1-2 counters a slot a row (rowcache.c)
+        door_words = sketch_width  # 64 doorkeeper bits a counter (rowcache.c)
         layout = [
             ("tags", slots * 8),
             ("versions", slots * 4),

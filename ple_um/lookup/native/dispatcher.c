@@ -1,11 +1,12 @@
 /* The dispatcher: the one thread per process that runs eager lookups (rowcopy.h says what the
  * files do). Eager lookups on a CUDA device are posted here rather than queued as host nodes
- * (ple_um/lookup/host/gather.py says why): one thread per process runs each once its stream has written *ready >= seq (after the
- * ids' copy to pinned memory), then sets *done = seq and clears its busy flag; the stream's copy of
- * the rows waits for that with cuStreamWaitValue32. Comparisons are cyclic, as CUDA's are. Of the
- * jobs posted, the first (in the order posted) whose ids are in runs next: a job never waits for
- * one whose stream is behind, so no stream is held up by another's, and the chunks of one lookup,
- * posted together under one ready word, run in order. */
+ * (ple_um/lookup/host/gather.py says why): one thread per process runs each once its stream has
+ * written *ready >= seq (after the ids' copy to pinned memory), then sets *done = seq and clears
+ * its busy flag; the stream's copy of the rows waits for that with cuStreamWaitValue32.
+ * Comparisons are cyclic, as CUDA's are. Of the jobs posted, the first (in the order posted) whose
+ * ids are in runs next: a job never waits for one whose stream is behind, so no stream is held up
+ * by another's, and the chunks of one lookup, posted together under one ready word, run in order.
+ */
 #include "rowcopy.h"
 
 #if defined(__linux__)

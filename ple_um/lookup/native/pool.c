@@ -1,12 +1,13 @@
 /* The pool: worker threads that split a big lookup (rowcopy.h says what the files do).
  *
- * One pooled lookup at a time in the process: ple_run_pooled holds g_call from the job's posting to
- * its end (one thread, inside one ple_lookup_run). Blocks are claimed with a compare-and-swap on one word holding
- * (job number << 32 | next block), so a worker that wakes late can never claim a block of another
- * job than the one it read. A job's descriptor (one of two, by job number) is rewritten only two
- * jobs later, after the job in between ended, by when every block of this one was copied. The
- * calling thread copies blocks too while it waits, so a lookup completes even with no worker
- * running (none could be started, or the process was forked). */
+ * One pooled lookup at a time in the process: ple_run_pooled holds g_call from the job's posting
+ * to its end (one thread, inside one ple_lookup_run). Blocks are claimed with a compare-and-swap
+ * on one word holding (job number << 32 | next block), so a worker that wakes late can never claim
+ * a block of another job than the one it read. A job's descriptor (one of two, by job number) is
+ * rewritten only two jobs later, after the job in between ended, by when every block of this one
+ * was copied. The calling thread copies blocks too while it waits, so a lookup completes even with
+ * no worker running (none could be started, or the process was forked).
+ */
 #include "rowcopy.h"
 
 #define MAX_BLOCKS 65536

@@ -15,13 +15,13 @@
  *
  * Policies (policy): POLICY_TINYLFU admits a missed row only when its estimated frequency is above
  * that of the row it would evict, the victim being the set's row of the lowest estimate (then the
- * fewest hits): one-off rows then never flush hot ones. The estimate is a
- * doorkeeper bit (the id was seen in the current period) plus a count-min sketch of the ids seen
- * more than once (4 rows of saturating counters, twice as wide as the cache has slots, raised by
- * conservative update: only the counters at the minimum). Counts fade: every AGE_EVERY accesses one
- * counter of each row is halved and, in turn, one word of the doorkeeper cleared, so the whole
- * sketch and doorkeeper age once in AGE_EVERY x width accesses. POLICY_LRU evicts the set's least recently used slot
- * and admits every row; POLICY_CLOCK gives each slot a second chance.
+ * fewest hits): one-off rows then never flush hot ones. The estimate is a doorkeeper bit (the id
+ * was seen in the current period) plus a count-min sketch of the ids seen more than once (4 rows
+ * of saturating counters, 1-2 a slot, raised by conservative update: only the counters at the
+ * minimum). Counts fade: every AGE_EVERY accesses one counter of each row is halved and one word of
+ * the doorkeeper cleared, in turn, so the whole sketch and doorkeeper age once in AGE_EVERY x width
+ * accesses. POLICY_LRU evicts the set's least recently used slot and admits every row; POLICY_CLOCK
+ * gives each slot a second chance. docs/BENCHMARKS.md compares them.
  */
 #include "rowcopy.h"
 
@@ -30,10 +30,10 @@
 enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
 #define SKETCH_ROWS 4
 #define SATURATE 15
-#define AGE_EVERY 4 /* accesses per counter halved */
+#define AGE_EVERY 10 /* accesses per counter halved: counts fade over about 10 x the cache's slots */
 
 struct ple_cache {
-    int64_t sets;  /* a power of two */
+    int64_t sets;
     int64_t rb;    /* bytes per row */
     int32_t ways; /* slots per set */
     int32_t policy;
@@ -60,6 +60,11 @@ static inline uint64_t mix(uint64_t x) { /* splitmix64's finalizer */
     x ^= x >> 27;
     x *= 0x94d049bb133111ebULL;
     return x ^ (x >> 31);
+}
+
+/* The set of an id's hash: its place in [0, sets) by a multiply (any number of sets). */
+static inline int64_t set_of(const ple_cache_t *c, uint64_t h) {
+    return (int64_t)(((unsigned __int128)h * (uint64_t)c->sets) >> 64);
 }
 
 static inline uint32_t load32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -102,7 +107,8 @@ static void sketch_add(ple_cache_t *c, uint64_t h) {
             uint8_t *old = c->sketch + r * (c->sketch_mask + 1) + (at & (uint64_t)c->sketch_mask);
             __atomic_store_n(old, (uint8_t)(__atomic_load_n(old, __ATOMIC_RELAXED) >> 1), __ATOMIC_RELAXED);
         }
-        if ((at & 15) == 0) __atomic_store_n(&c->door[(at >> 4) & (uint64_t)(c->door_words - 1)], 0, __ATOMIC_RELAXED);
+        /* door_words = width: the doorkeeper swept as often as the sketch */
+        __atomic_store_n(&c->door[at & (uint64_t)(c->door_words - 1)], 0, __ATOMIC_RELAXED);
     }
     if (!door_seen(c, h, 1)) return; /* a first sighting only sets the doorkeeper */
     int low = sketch_min(c, h);
@@ -118,7 +124,7 @@ static int sketch_estimate(ple_cache_t *c, uint64_t h) { return sketch_min(c, h)
 /* The row of `id` copied to dst (1), or 0 when the cache does not hold it. */
 int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst) {
     uint64_t h = mix((uint64_t)id);
-    int64_t first = (int64_t)(h & (uint64_t)(c->sets - 1)) * c->ways;
+    int64_t first = set_of(c, h) * c->ways;
     if (c->policy == POLICY_TINYLFU) sketch_add(c, h);
     for (int32_t w = 0; w < c->ways; w++) {
         int64_t k = first + w;
@@ -179,7 +185,7 @@ static int64_t choose(ple_cache_t *c, int64_t first, uint64_t h) {
 /* Offer the row of `id` just read (row: its bytes); the policy decides whether it is kept. */
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
     uint64_t h = mix((uint64_t)id);
-    int64_t set = (int64_t)(h & (uint64_t)(c->sets - 1)), first = set * c->ways;
+    int64_t set = set_of(c, h), first = set * c->ways;
     if (__atomic_test_and_set(&c->locks[set], __ATOMIC_ACQUIRE)) return;
     for (int32_t w = 0; w < c->ways; w++)
         if (c->tags[first + w] == id) {
