@@ -6,7 +6,7 @@ Triton interpreter runs here on the mapping's host addresses (the parent's TRITO
 the child's environment). What is injected: the machine the parent sees (``DeviceCapabilities``),
 and the child's failure, through the hook it honours (PLE_UM_FIRST_READ_FAULT: a SIGSEGV, an abort,
 a hang, an exit, a CUDA-like error, rows corrupted before the comparison). A child costs about two
-seconds here, most of it importing torch. """
+seconds here, most of it importing torch."""
 
 from __future__ import annotations
 
