@@ -22,17 +22,7 @@ def _bool(text: str) -> bool:
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
-
-
-def _bulk_rows(text: str) -> str | int:
-    value = text.strip().lower()
-    if value == "auto":
-        return value
-    rows = int(value)
-    if rows < 0:
-        raise ValueError("expected auto or a row count >= 0")
-    return rows
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
 
 def _checked_modes(text: str) -> tuple[str, ...]:
@@ -49,23 +39,19 @@ def _checked_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"expected a number of seconds > 0, got {text!r}")
-    return value
-
-
-def _ranged(convert: Callable[[str], Any], low: float, high: float, expected: str) -> Callable[[str], Any]:
-    """A number that ``convert`` (int, float) reads, in [low, high]: NaN and the infinities are out
-    of range, and an int knob never wraps a C int. ``expected`` says what is taken."""
+def _ranged(
+    convert: Callable[[str], Any], low: float, high: float, expected: str, *, above_low: bool = False
+) -> Callable[[str], Any]:
+    """A number that ``convert`` (int, float) reads, in [low, high] (``above_low``: in (low, high]):
+    NaN and the infinities are out of range, and an int knob never wraps a C int. ``expected``
+    says what is taken."""
 
     def parse(text: str):
         try:
             value = convert(text.strip())
-        except ValueError:
+        except (ValueError, OverflowError):
             value = None
-        if value is None or not low <= value <= high:
+        if value is None or not low <= value <= high or (above_low and value == low):
             raise ValueError(f"expected {expected}, got {text!r}")
         return value
 
@@ -77,7 +63,22 @@ def _count(low: int, high: int) -> Callable[[str], int]:
 
 
 _seconds_or_off = _ranged(float, 0, 86400, "a number of seconds from 0 (off) to 86400")
+_positive_seconds = _ranged(float, 0, 86400, "a number of seconds above 0, at most 86400", above_low=True)
 _fraction = _ranged(float, 0, 1, "a fraction from 0 to 1")
+# Rows at most a lookup's id count can reach (int32 indexing of a batch).
+_MAX_BULK_ROWS = 1 << 31
+_bulk_row_count = _count(0, _MAX_BULK_ROWS)
+
+
+def _bulk_rows(text: str) -> str | int:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _bulk_row_count(text)
+    except ValueError:
+        raise ValueError(
+            f"expected auto or a whole number of rows from 0 (never) to {_MAX_BULK_ROWS}, got {text!r}"
+        ) from None
 
 
 def _directory(text: str) -> str:
@@ -120,7 +121,16 @@ class Knob:
         try:
             return self.parse(text)
         except ValueError as exc:
-            raise KnobError(f"environment variable {var}={text!r}: {exc}") from None
+            alias = "" if var == self.name else f" (an alias of {self.name})"
+            raise KnobError(f"environment variable {var}={text!r}{alias}: {exc}") from None
+
+    def problem(self) -> str | None:
+        """Why the value set for this knob is not taken (the KnobError's message), or None."""
+        try:
+            self.value()
+        except KnobError as exc:
+            return str(exc)
+        return None
 
 
 def _default_threads() -> int:
@@ -319,16 +329,23 @@ def __getattr__(name: str) -> Any:
     return knob.value()
 
 
-def check(skip: tuple[str, ...] = ()) -> None:
-    """Read every knob but ``skip``: the first set to a value it does not take raises KnobError,
-    naming it."""
+def check(skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
+    """Read every knob (or those in ``only``) but ``skip``: the first set to a value it does not
+    take raises KnobError, naming it."""
     for name, knob in KNOBS.items():
-        if name not in skip:
+        if name not in skip and (only is None or name in only):
             knob.value()
 
 
+def problems(only: tuple[str, ...] | None = None) -> list[str]:
+    """The message of every knob (or of those in ``only``) set to a value it does not take."""
+    found = (knob.problem() for name, knob in KNOBS.items() if only is None or name in only)
+    return [why for why in found if why is not None]
+
+
 def describe() -> list[dict[str, Any]]:
-    """Every knob as a dict (name, aliases, default, doc, current value text), for docs and the CLI."""
+    """Every knob as a dict (name, aliases, default, doc, current value text, and ``invalid``: why
+    that value is not taken, or None), for docs and the CLI."""
     rows = []
     for knob in KNOBS.values():
         default = knob.default() if callable(knob.default) else knob.default
@@ -340,6 +357,7 @@ def describe() -> list[dict[str, Any]]:
                 "default": default,
                 "doc": knob.doc,
                 "set": None if found is None else f"{found[0]}={found[1]}",
+                "invalid": None if found is None else knob.problem(),
             }
         )
     return rows
