@@ -126,15 +126,17 @@ class ShardLayout:
         )
 
 
-def find_layers(directory: str) -> list[int]:
+def find_layers(directory: str, *, strict: bool = True) -> list[int] | None:
     """PLE layer indices that have shard tensors in the checkpoint at ``directory``.
 
     Reads only headers; raises CheckpointError when the directory or a header cannot be read.
+    ``strict=False``: the layers seen in the headers that can be read and in the index, None when
+    nothing can be read (for `ple-um inspect`, whose verdict lists why).
     """
-    problems = _Problems(strict=True)
+    problems = _Problems(strict=strict)
     scan = _scan(directory, None, problems)
-    assert scan is not None  # a strict _Problems raises instead of returning nothing
-    return sorted(scan.layers)
+    assert scan is not None or not strict  # a strict _Problems raises instead of returning nothing
+    return None if scan is None else sorted(scan.layers)
 
 
 def read_layout(directory: str, layer: int | None = None) -> ShardLayout:
@@ -153,7 +155,10 @@ def validate(directory: str, layer: int | None = None) -> list[str]:
     """Every problem found (empty when sound), for `ple-um inspect`.
 
     The checks are read_layout's; where read_layout stops at the first problem, this goes on as
-    far as the checkpoint allows (with ``layer=None`` and several layers, it checks each).
+    far as the checkpoint allows (with ``layer=None`` and several layers, it checks each). A broken
+    file counts once: its first problem (a header that cannot be read, a truncated file, a missing
+    file the index names), not each of its tensors, and not the tensors that are missing from the
+    table because they are in it (its shards, its scale).
     """
     problems = _Problems(strict=False)
     _analyze(directory, layer, problems)
@@ -191,6 +196,15 @@ class _Scan:
     directory: str
     layers: set[int]  # every layer seen with at least one shard tensor
     tensors: dict[int, _LayerTensors]  # per layer (only the requested one when a layer is given)
+    # PLE tensors that cannot be read because of a problem already reported (a broken or missing
+    # file, an index entry pointing elsewhere), as (layer, kind, shard index or None): their
+    # absence from the table is not reported again.
+    lost: set[tuple[int, str, int | None]] = field(default_factory=set)
+
+    def lose(self, name: str | None) -> None:
+        match = _ple_match(name) if name else None
+        if match is not None:
+            self.lost.add(match)
 
 
 _KINDS = (
@@ -227,28 +241,32 @@ def _scan(directory: str, layer: int | None, problems: _Problems) -> _Scan | Non
         problems.report(f"checkpoint directory {directory} does not exist")
         return None
     if not os.path.isdir(directory):
-        problems.report(f"checkpoint path {directory} is not a directory")
+        problems.report(f"checkpoint directory {directory} is not a directory")
         return None
 
     index_path = os.path.join(directory, INDEX_FILE)
     claims: dict[str, str] = {}  # PLE tensor name -> absolute file path, per the index
-    index_layers: set[int] = set()
+    scan = _Scan(directory=directory, layers=set(), tensors={})
     if os.path.lexists(index_path):
-        files = _files_from_index(directory, index_path, layer, problems, claims, index_layers)
+        files = _files_from_index(directory, index_path, layer, problems, claims, scan)
         if files is None:
             return None
     else:
         files = sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
 
-    scan = _Scan(directory=directory, layers=set(index_layers), tensors={})
     for path in files:
         try:
             header = read_header(path, strict=False)
         except CheckpointError as e:
             problems.add(e)
+            for name, claimed in claims.items():
+                if claimed == path:
+                    scan.lose(name)
             continue
+        if header.problems:
+            problems.add(_one_per_file(header.problems))
         for error in header.problems:
-            problems.add(error)
+            scan.lose(error.tensor)
         for name, entry in header.tensors.items():
             match = _ple_match(name)
             if match is None:
@@ -275,7 +293,19 @@ def _scan(directory: str, layer: int | None, problems: _Problems) -> _Scan | Non
                     path=path,
                     tensor=name,
                 )
+                scan.lose(name)
     return scan
+
+
+def _one_per_file(errors: list[CheckpointError]) -> CheckpointError:
+    """One error for the problems of one file's header: the first, naming the other tensors."""
+    first, rest = errors[0], errors[1:]
+    if not rest:
+        return first
+    names = [e.tensor for e in rest if e.tensor is not None]
+    listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    more = f"; {len(rest)} more tensor{'s' if len(rest) > 1 else ''} of this file too: {listed}"
+    return CheckpointError(first.message + more, path=first.path, tensor=first.tensor)
 
 
 def _files_from_index(
@@ -284,9 +314,11 @@ def _files_from_index(
     layer: int | None,
     problems: _Problems,
     claims: dict[str, str],
-    index_layers: set[int],
+    scan: _Scan,
 ) -> list[str] | None:
-    """The files the index says hold PLE tensors (of ``layer`` when given); fills ``claims``."""
+    """The files the index says hold PLE tensors (of ``layer`` when given); fills ``claims``, and
+    ``scan``'s layers and lost tensors (those the index maps to a missing file, reported once per
+    file)."""
     try:
         index = read_json_file(index_path, what="index")
     except CheckpointError as e:
@@ -297,6 +329,7 @@ def _files_from_index(
         problems.report("index has no weight_map object", path=index_path)
         return None
     files: set[str] = set()
+    missing: set[str] = set()
     for name, file_name in weight_map.items():
         if not isinstance(file_name, str) or not file_name or "\0" in file_name:
             problems.report(
@@ -316,13 +349,16 @@ def _files_from_index(
             continue
         at, kind, _ = match
         if kind == "shard":
-            index_layers.add(at)
+            scan.layers.add(at)
         if layer is not None and at != layer:
             continue
         path = os.path.join(directory, normal)
         if not os.path.exists(path):
-            what = "a symlink to a missing file" if os.path.islink(path) else "a missing file"
-            problems.report(f"index entry names {file_name!r}, {what}", path=index_path, tensor=name)
+            if path not in missing:
+                missing.add(path)
+                what = "a symlink to a missing file" if os.path.islink(path) else "a missing file"
+                problems.report(f"index entry names {file_name!r}, {what}", path=index_path, tensor=name)
+            scan.lose(name)
             continue
         claims[name] = path
         files.add(path)
@@ -428,13 +464,17 @@ def _build(scan: _Scan, layer: int, problems: _Problems) -> ShardLayout | None:
         )
         sound = False
 
+    lost = {index for at, kind, index in scan.lost if at == layer and kind == "shard"}
     if not shards:  # the index named shards that their files do not hold (reported by _scan)
-        problems.report(f"no PLE shards of layer {layer} could be read in {scan.directory}")
+        if not lost:
+            problems.report(f"no PLE shards of layer {layer} could be read in {scan.directory}")
         return None
-    parts = max(shards) + 1
-    missing = _missing(sorted(shards), parts)
+    parts = max(shards.keys() | lost) + 1
+    accounted = sorted(shards.keys() | lost)  # a lost shard's problem is reported already
+    missing = _missing(accounted, parts)
+    sound = sound and not lost
     if missing:
-        count = parts - len(shards)
+        count = parts - len(accounted)
         listed = ", ".join(str(i) for i in missing) + (", ..." if count > len(missing) else "")
         problems.report(
             f"layer {layer}: {count} of shard indices 0..{parts - 1} missing: {listed}",
@@ -479,13 +519,14 @@ def _build(scan: _Scan, layer: int, problems: _Problems) -> ShardLayout | None:
             reference.path,
             f"FP8 table ({storage}) without its global scale; no such tensor in any file",
             problems,
+            lost=(layer, "scale", None) in scan.lost,
         )
         if read is None:
             sound = False
         else:
             scale, scale_tensor = read
     elif nvfp4:
-        checked = _check_nvfp4(found, shards, reference, problems)
+        checked = _check_nvfp4(found, shards, reference, problems, {m for m in scan.lost if m[0] == layer})
         if checked is None:
             sound = False
         else:
@@ -517,10 +558,16 @@ def _build(scan: _Scan, layer: int, problems: _Problems) -> ShardLayout | None:
 
 
 def _check_nvfp4(
-    found: _LayerTensors, shards: dict[int, TensorEntry], reference: TensorEntry, problems: _Problems
+    found: _LayerTensors,
+    shards: dict[int, TensorEntry],
+    reference: TensorEntry,
+    problems: _Problems,
+    lost: set[tuple[int, str, int | None]],
 ) -> tuple[dict[int, TensorEntry], float, str] | None:
     """An NVFP4 table's block scales by shard index, and its global scale (value, tensor name);
-    None when any of them is unsound (every problem reported)."""
+    None when any of them is unsound (every problem reported; a tensor in ``lost``, of a file
+    already reported, is not reported missing again)."""
+    lost_kinds = {(kind, index) for _, kind, index in lost}
     sound = True
     # vLLM refuses an unsharded ngram_embedding.weight_scale next to an NVFP4 table.
     for entry in sorted(found.scales, key=lambda e: (e.path, e.name)):
@@ -541,21 +588,25 @@ def _check_nvfp4(
         rows, block = shards.get(index), blocks.get(index)
         if block is None:
             assert rows is not None
+            sound = False
+            if ("block_scale", index) in lost_kinds:
+                continue
             problems.report(
                 f"NVFP4 shard {index} without its block scales; no such tensor in any file",
                 path=rows.path,
                 tensor=rows.name + "_scale",
             )
-            sound = False
             continue
         if rows is None:
+            sound = False
+            if ("shard", index) in lost_kinds:
+                continue
             problems.report(
                 f"block scales of shard {index} without its rows: no tensor "
                 f"{block.name.removesuffix('_scale')} in any file",
                 path=block.path,
                 tensor=block.name,
             )
-            sound = False
             continue
         if block.dtype != NVFP4_SCALE_DTYPE:
             problems.report(
@@ -597,6 +648,7 @@ def _check_nvfp4(
         "NVFP4 table without its global scale weight_scale_2; no such tensor in any file",
         problems,
         noun="global scale",
+        lost=("global_scale", None) in lost_kinds,
     )
     if read is None or not sound:
         return None
@@ -625,6 +677,7 @@ def _read_scale(
     problems: _Problems,
     *,
     noun: str = "scale",
+    lost: bool = False,
 ) -> tuple[float, str] | None:
     """A table's global scale (value, tensor name), or None when absent or unsound (reported).
 
@@ -633,7 +686,8 @@ def _read_scale(
     "global scale").
     """
     if not scales:
-        problems.report(missing, path=path, tensor=expected)
+        if not lost:  # else the file that should hold it is reported already
+            problems.report(missing, path=path, tensor=expected)
         return None
     first, *others = sorted(scales, key=lambda e: (e.path, e.name))
     for other in others:
