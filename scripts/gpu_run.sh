@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 summary=()
 table() {  # the shared table's directory (written on first use)
     if [ -z "${TABLE:-}" ]; then
-        TABLE=$(python3 -c "import sys; from ple_um import units; from ple_um.bench.runner import Config, default_table; \
+        TABLE=$(python3 -c "import sys; from ple_um import units; from ple_um.bench.config import Config, default_table; \
 print(default_table(Config(size=units.parse_size(sys.argv[1]))))" "$SIZE" 2> "$OUT/table.log") \
             || { echo "writing the table failed"; tail "$OUT/table.log"; exit 1; }
         echo "table: $TABLE"

@@ -1,11 +1,57 @@
-"""A PNG of the lookup tables: median time per batch size, one line per path and id distribution
-(log-log; the torch anchor in black)."""
+"""A plot of the lookup tables: median time per batch size, one line per path and id distribution
+(log-log; the torch anchor in black), in any image format matplotlib writes (by the file's
+extension)."""
 
 from __future__ import annotations
 
+import os
+
+from ple_um.bench.report import write_atomically
 from ple_um.bench.runner import ANCHOR
 
 LINESTYLES = ("-", "--", ":", "-.")
+
+
+def formats() -> dict[str, str]:
+    """The file extensions matplotlib can write (without the dot) -> what each is."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return FigureCanvasBase.get_supported_filetypes()
+
+
+def plot_format(path: str) -> str:
+    """The image format of ``path``, from its extension; ValueError naming the formats accepted."""
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    known = formats()
+    if ext not in known:
+        given = f"its extension .{ext}" if ext else "no extension"
+        raise ValueError(
+            f"{path} has {given}: give a file name ending in one of "
+            + ", ".join(f".{e}" for e in sorted(known))
+        )
+    return ext
+
+
+def check_writable_format(path: str) -> None:
+    """Render an empty figure in ``path``'s format, in memory: ValueError before a run whose plot
+    could not be written (an unknown extension, a format whose writer is missing here)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmt = plot_format(path)
+    fig = plt.figure(figsize=(1, 1))
+    try:
+        fig.savefig(io.BytesIO(), format=fmt)
+    except Exception as exc:  # noqa: BLE001 - any writer's failure means: this format does not work here
+        raise ValueError(
+            f"{path}: matplotlib cannot write .{fmt} here ({type(exc).__name__}: {exc})"
+        ) from None
+    finally:
+        plt.close(fig)
 
 
 def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
@@ -42,5 +88,8 @@ def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fmt = plot_format(path)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
+    finally:
+        plt.close(fig)
