@@ -135,18 +135,27 @@ def check_disk(cfg: Config) -> None:
         )
 
 
-def memory_needed(table_bytes: int, cuda: bool, modes: tuple[str, ...], nvfp4: bool = False) -> dict:
+def memory_needed(
+    table_bytes: int, cuda: bool, modes: tuple[str, ...], nvfp4: bool = False, processes: int = 0
+) -> dict:
     """Bytes the run holds at its peak, by kind of memory, and what holds them.
 
     Every contender is open at once. Host memory: the table in the page cache (its lookups are
     timed warm), the torch anchor's copy on a machine without CUDA or vLLM's pinned copy with it
-    (neither for an NVFP4 table), and RUN_OVERHEAD_BYTES. GPU memory: the anchor's copy and the
-    ``device`` mode's."""
+    (neither for an NVFP4 table; with ``processes`` N >= 2 on CUDA, N pinned copies are open at
+    the end of the processes' figure), and RUN_OVERHEAD_BYTES. GPU memory: the anchor's copy and
+    the ``device`` mode's."""
     host = {"the table in the page cache": table_bytes, "the run itself": RUN_OVERHEAD_BYTES}
     gpu: dict[str, int] = {}
     if not nvfp4:
         if cuda:
-            host["vllm pinned-host's copy"] = table_bytes
+            copies = max(1, processes)
+            what = (
+                "vllm pinned-host's copy"
+                if copies == 1
+                else f"vllm pinned-host's copies in {copies} processes"
+            )
+            host[what] = copies * table_bytes
             gpu["the torch anchor's copy"] = table_bytes
         else:
             host["the torch anchor's copy"] = table_bytes

@@ -148,7 +148,8 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
     ple_um.probe(device, table_bytes=table_bytes)  # ModeUnavailableError: a mode forced where it cannot work
     cuda = device.type == "cuda"
     modes = cfg.modes or (a.MODES if cuda else ("cpu",))
-    needed = config.memory_needed(table_bytes, cuda, modes, nvfp4=layout is not None and layout.is_nvfp4)
+    nvfp4 = layout is not None and layout.is_nvfp4
+    needed = config.memory_needed(table_bytes, cuda, modes, nvfp4=nvfp4, processes=cfg.processes)
     gpu_free = torch.cuda.mem_get_info(device)[0] if cuda else None
     try:
         if layout is None:

@@ -56,6 +56,12 @@ def test_memory_needed_names_what_holds_it():
     assert gpu["host"]["vllm pinned-host's copy"] == T and "the torch anchor's copy" not in gpu["host"]
     assert gpu["gpu"] == {"the torch anchor's copy": T, "the device mode's copy": T}
     assert config.memory_needed(T, cuda=True, modes=("cpu",))["gpu"] == {"the torch anchor's copy": T}
+    assert config.memory_needed(T, cuda=True, modes=("cpu",), processes=3)["host"] == {
+        "the table in the page cache": T,
+        "the run itself": config.RUN_OVERHEAD_BYTES,
+        "vllm pinned-host's copies in 3 processes": 3 * T,
+    }
+    assert config.memory_needed(T, cuda=False, modes=("cpu",), processes=3) == cpu
     nvfp4 = config.memory_needed(T, cuda=True, modes=("cpu",), nvfp4=True)
     assert nvfp4["gpu"] == {} and set(nvfp4["host"]) == {"the table in the page cache", "the run itself"}
 
