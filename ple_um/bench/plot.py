@@ -8,6 +8,7 @@ import os
 
 from ple_um.bench.report import write_atomically
 from ple_um.bench.runner import ANCHOR
+from ple_um.units import format_bytes
 
 LINESTYLES = ("-", "--", ":", "-.")
 
@@ -84,7 +85,7 @@ def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
     ax.set_xlabel("rows per lookup")
     ax.set_ylabel("median time (us)")
     t = result["table"]
-    ax.set_title(f"{result['device']}: {t['bytes'] / (1 << 30):.1f} GiB table, {t['row_bytes']} B rows")
+    ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table, {t['row_bytes']} B rows")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()

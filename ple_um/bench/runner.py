@@ -5,7 +5,7 @@ every contender's calls, each block after its own warm-up, in an order rotated f
 round, so drift in the host's speed over the run (other tenants, clocks, background work) falls on
 all of them alike instead of on whichever ran at a bad moment. Fresh ids for every timed call
 (drawn ahead, uniform or Zipf-hashed: ``bench/ids.py``), CUDA events on a GPU (perf_counter on the
-CPU), medians with p10/p90, GB/s of useful rows, and every median's ratio to the anchor: plain
+CPU), medians with p10/p90, bytes/s of useful rows, and every median's ratio to the anchor: plain
 ``torch.index_select`` over the table resident in GPU memory. Beside the medians, the host's cost
 of an eager call: wall time per call of back-to-back 16-row calls with one sync at the end. Then a
 decode step, eager and graph-replayed, and start-up and memory figures (``bench/footprint.py``).
