@@ -155,6 +155,30 @@ def shard_residency(mapping: MappedShards) -> list[ShardResidency]:
     return out
 
 
+def resident_rows(mapping: MappedShards, ids: np.ndarray) -> np.ndarray:
+    """For each id (owned by ``mapping``), whether all of its row's bytes are in the page cache
+    now: one mincore per mapped file, no data read. Ids the mapping does not own read as False."""
+    layout = mapping.layout
+    rb, per_shard = layout.row_bytes, layout.rows_per_shard
+    pages = [region.resident_pages() for region in mapping.regions]
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    out = np.zeros(ids.shape, dtype=bool)
+    shard = ids // per_shard
+    for index, owned in mapping.owned.items():
+        pick = np.flatnonzero(shard == index)
+        if pick.size == 0:
+            continue
+        local = ids[pick] - index * per_shard
+        inside = (local >= owned.lo) & (local < owned.hi)
+        region = mapping.regions[owned.region]
+        start = owned.addr - region.addr + (local - owned.lo) * rb
+        first, last = start // PAGE, (start + rb - 1) // PAGE
+        vec = pages[owned.region]
+        first, last = np.clip(first, 0, vec.size - 1), np.clip(last, 0, vec.size - 1)
+        out[pick] = inside & (vec[first] == 1) & (vec[last] == 1)
+    return out
+
+
 def residency(directory: str, layer: int | None = None) -> dict:
     """How much of the table is in the page cache right now: per shard, per file and in total.
 

@@ -41,6 +41,7 @@ class Config:
     rows: tuple[int, ...] = DEFAULT_ROWS
     modes: tuple[str, ...] | None = None
     ids: tuple[IdDistribution, ...] = parse_ids("uniform")
+    ids_text: str | None = None  # ``ids`` as given (the cold bench's child parses it again)
     repeats: int = 20
     warmup: int = 3
     rounds: int = 4

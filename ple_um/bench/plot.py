@@ -94,3 +94,49 @@ def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
         write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
     finally:
         plt.close(fig)
+
+
+def plot_limits(result: dict, path: str) -> None:
+    """The bench for tables larger than memory: median lookup time against the memory limit, one
+    line per path, id distribution and batch size, steady state solid and cold dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    limits = [e for e in result["limits"].values() if "modes" in e]
+    lines: dict[tuple[str, str, str], dict[str, list]] = {}
+    for entry in limits:
+        for mode, runs in entry["modes"].items():
+            for dist in result["ids"]:
+                for n, row in runs.get(dist, {}).items():
+                    line = lines.setdefault((mode, dist, n), {"x": [], "cold": [], "steady": []})
+                    line["x"].append(entry["bytes"] / (1 << 30))
+                    line["cold"].append(row["cold"]["median_us"])
+                    line["steady"].append(row["steady"]["median_us"])
+    for (mode, dist, n), line in lines.items():
+        (drawn,) = ax.plot(
+            line["x"], line["steady"], marker="o", label=f"ple-um {mode}, {dist}, {n} rows, steady"
+        )
+        ax.plot(
+            line["x"],
+            line["cold"],
+            marker="x",
+            linestyle="--",
+            color=drawn.get_color(),
+            label=f"ple-um {mode}, {dist}, {n} rows, cold",
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("memory limit (GiB)")
+    ax.set_ylabel("median lookup time (us)")
+    t = result["table"]
+    ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table under a memory limit")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fmt = plot_format(path)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
+    finally:
+        plt.close(fig)

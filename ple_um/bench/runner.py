@@ -38,7 +38,7 @@ from ple_um.checkpoint import ShardLayout, read_layout
 ANCHOR = "torch index_select"
 
 
-def _versions() -> dict:
+def versions() -> dict:
     """The versions a reader needs to compare two runs (vLLM's from its metadata, not imported)."""
     found = {
         "ple-um": ple_um.__version__,
@@ -63,7 +63,7 @@ def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device
         "command": cfg.command,
         "host": platform.node(),
         "device": torch.cuda.get_device_name(device) if cuda else f"CPU ({os.cpu_count()} cores)",
-        "versions": _versions(),
+        "versions": versions(),
         "torch": torch.__version__,
         "table": {
             "directory": layout.directory,

@@ -123,16 +123,24 @@ def modes(text: str) -> tuple[str, ...]:
     return found
 
 
-def ids(text: str):
+class IdsArg(tuple):
+    """The id distributions parsed, with ``text``, what was given (a child process parses it again)."""
+
+    text: str
+
+
+def ids(text: str) -> IdsArg:
     from ple_um.bench.ids import parse_ids
 
     listed = items(text)
     if not listed:
         raise argparse.ArgumentTypeError("no id distribution given")
     try:
-        return parse_ids(",".join(listed))
+        parsed = IdsArg(parse_ids(",".join(listed)))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    parsed.text = ",".join(listed)
+    return parsed
 
 
 def device(text: str) -> str:

@@ -40,7 +40,13 @@ def add_parser(sub) -> None:
     b.add_argument("--size", type=a.nonzero_size, default="2GiB", help="synthetic table size")
     b.add_argument("--row-bytes", type=a.positive, default=160, help="synthetic table row width in bytes")
     b.add_argument("--shards", type=a.positive, default=128, help="synthetic table shard count")
-    b.add_argument("--rows", type=a.rows, default="16,1024,16384,131072", help="batch sizes, comma-separated")
+    b.add_argument(
+        "--rows",
+        type=a.rows,
+        default=None,
+        help="batch sizes, comma-separated (default: 16,1024,16384,131072; with --memory-limit "
+        "16,1024,16384)",
+    )
     b.add_argument(
         "--modes",
         type=a.modes,
@@ -80,6 +86,16 @@ def add_parser(sub) -> None:
         metavar="FILE",
         help="write a plot of the lookup times to FILE, its format from the extension: .png, .pdf, .svg, ... "
         "(pip install 'ple-um[plot]')",
+    )
+    b.add_argument(
+        "--memory-limit",
+        type=a.sizes,
+        default=None,
+        metavar="SIZE[,SIZE...]",
+        help="the bench for tables larger than memory: for each limit, ple-um's cpu and ats lookups in a "
+        "child process held to that many bytes by a memory cgroup (page cache included), cold and in the "
+        "steady state, beside the storage's ceiling measured in the same run; --plot draws time against "
+        "the limit",
     )
     b.add_argument("--quiet", action="store_true", help="progress lines to stderr")
     b.set_defaults(func=run, knobs=None)
@@ -154,23 +170,27 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
     try:
         if layout is None:
             config.check_disk(cfg)
-        config.check_memory(needed, mem_available(), gpu_free)
+        if not args.memory_limit:  # the bench under a limit holds no copy of the table
+            config.check_memory(needed, mem_available(), gpu_free)
     except config.BenchRefused as exc:
         raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
 
 
 def _config(args: argparse.Namespace, argv: list[str] | None):
-    from ple_um.bench.config import Config
+    from ple_um.bench.cold import COLD_ROWS
+    from ple_um.bench.config import DEFAULT_ROWS, Config
 
+    rows = args.rows or (COLD_ROWS if args.memory_limit else DEFAULT_ROWS)
     return Config(
         directory=args.dir,
         layer=args.layer,
         size=args.size,
         row_bytes=args.row_bytes,
         shards=args.shards,
-        rows=args.rows,
+        rows=rows,
         modes=args.modes,
         ids=args.ids,
+        ids_text=getattr(args.ids, "text", None),
         repeats=args.repeats,
         rounds=args.rounds,
         device=args.device,
@@ -179,30 +199,17 @@ def _config(args: argparse.Namespace, argv: list[str] | None):
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from ple_um.bench import report, runner
-    from ple_um.errors import CheckpointError
+def _write(args: argparse.Namespace, result: dict, plot, say) -> None:
+    """The JSON and the plot, each written whole or not at all; then where they went."""
+    from ple_um.bench import report
 
-    _check_outputs(args)
-    layout = _check_table(args)
-    cfg = _config(args, getattr(args, "argv", None))
-    _check_machine(args, cfg, layout)
-    # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
-    say = to_stderr if args.json else emit
-    try:
-        result = runner.run(cfg, log=to_stderr if args.quiet or args.json else emit)
-    except CheckpointError as exc:  # the directory's table (the synthetic one is written valid)
-        raise CliError(str(exc), EXIT_INVALID) from None
-    say(report.format_table(result, cfg.rows))
     written = []
     try:
         if args.json_file:
             report.write_json(result, args.json_file)
             written.append(f"results (JSON): {os.path.abspath(args.json_file)}")
         if args.plot:
-            from ple_um.bench.plot import plot
-
-            plot(result, cfg.rows, args.plot)
+            plot(result, args.plot)
             written.append(f"plot: {os.path.abspath(args.plot)}")
     except (OSError, ValueError) as exc:
         # The results go with the error (under --json in its object), so that no run is lost.
@@ -215,4 +222,31 @@ def run(args: argparse.Namespace) -> int:
         "results: not written to a file (--json-file PATH writes them, --plot FILE plots them)"
     ]:
         say(line)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ple_um.errors import CheckpointError
+
+    _check_outputs(args)
+    layout = _check_table(args)
+    cfg = _config(args, getattr(args, "argv", None))
+    _check_machine(args, cfg, layout)
+    # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
+    say = to_stderr if args.json else emit
+    log = to_stderr if args.quiet or args.json else emit
+    try:
+        if args.memory_limit:
+            from ple_um.bench import cold, cold_report, plot
+
+            result = cold.run(cfg, args.memory_limit, log=log)
+            say(cold_report.format_cold(result))
+            _write(args, result, plot.plot_limits, say)
+        else:
+            from ple_um.bench import plot, report, runner
+
+            result = runner.run(cfg, log=log)
+            say(report.format_table(result, cfg.rows))
+            _write(args, result, lambda r, path: plot.plot(r, cfg.rows, path), say)
+    except CheckpointError as exc:  # the directory's table (the synthetic one is written valid)
+        raise CliError(str(exc), EXIT_INVALID) from None
     return EXIT_OK

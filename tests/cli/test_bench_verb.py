@@ -54,10 +54,17 @@ BENCH_REFUSALS = [
     (["--plot", "/nowhere/p.png"], "--plot /nowhere/p.png: its directory does not exist"),
     (["--plot", "PLOT.xyz"], "has its extension .xyz: give a file name ending in one of "),
     (["--plot", "PLOT"], "has no extension: give a file name ending in one of "),
+    (["--memory-limit", "0"], "argument --memory-limit: must be at least 1 byte, got '0'"),
+    (["--memory-limit", "1GiB,,"], None),
+    (["--memory-limit", ","], "argument --memory-limit: no sizes given"),
+    (
+        ["--memory-limit", "lots"],
+        "argument --memory-limit: expected a byte count with an optional binary suffix",
+    ),
 ]
 
 
-@pytest.mark.parametrize("argv,message", BENCH_REFUSALS)
+@pytest.mark.parametrize("argv,message", [case for case in BENCH_REFUSALS if case[1] is not None])
 def test_bench_refuses_bad_arguments_before_it_runs(capsys, tmp_path, monkeypatch, argv, message):
     """Exit 2 and one line naming the bad value and what is accepted (the JSON error under --json),
     before anything is written: the bench takes minutes, its synthetic table gigabytes."""
@@ -75,11 +82,12 @@ def test_bench_refuses_bad_arguments_before_it_runs(capsys, tmp_path, monkeypatc
 
 def test_list_options_take_empty_items_and_any_case_alike():
     parser = cli.build_parser()
+    assert parser.parse_args(["bench", "--memory-limit", "1GiB,,2GiB,"]).memory_limit == (1 << 30, 2 << 30)
     args = parser.parse_args(["bench", "--modes", "CPU,", "--rows", "16,,1024,", "--ids", "uniform,"])
     assert args.modes == ("cpu",) and args.rows == (16, 1024) and [d.name for d in args.ids] == ["uniform"]
     assert parser.parse_args(["bench", "--modes", " Device , cpu"]).modes == ("device", "cpu")
     defaults = parser.parse_args(["bench"])
-    assert defaults.size == 2 << 30 and defaults.rows == (16, 1024, 16384, 131072)
+    assert defaults.size == 2 << 30 and defaults.rows is None and defaults.memory_limit is None
 
 
 def test_a_table_larger_than_the_disk_is_refused_with_the_figures(tmp_path):
@@ -303,3 +311,26 @@ def test_bench_smoke_console_script(tmp_path):
     assert len(result["processes"]["ple-um"]["mem_available_drop_bytes"]) == 1  # --processes 1 runs one
     assert result["processes"]["ple-um"]["mode"] == result["startup"]["warm"]["mode"]
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
+
+
+def test_bench_under_a_memory_limit_end_to_end(capsys, tmp_path, monkeypatch):
+    """`ple-um bench --memory-limit`: the child under each limit (a real cgroup where this machine
+    allows one, else said not enforced), the storage's ceiling, the report on stderr under --json,
+    the JSON and the plot of time against the limit written."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    out, png = tmp_path / "cold.json", tmp_path / "cold.png"
+    argv = ["--size", "4MiB", "--shards", "8", "--memory-limit", "768MiB", "--rows", "16", "--repeats", "2"]
+    code, stdout, stderr = run(
+        capsys, "bench", *argv, "--device", "cpu", "--json", "--json-file", str(out), "--plot", str(png)
+    )
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert json.loads(out.read_text()) == result and png.read_bytes().startswith(b"\x89PNG")
+    assert result["command"].startswith("ple-um bench --size 4MiB")
+    (entry,) = result["limits"].values()
+    assert entry["bytes"] == 768 << 20
+    row = entry["modes"]["cpu"]["uniform"]["16"]
+    assert row["cold"]["calls"] == row["steady"]["calls"] == 2 and row["cold"]["vs_ceiling"] > 0
+    assert "storage: random reads from the table's 4 files" in stderr
+    assert "| ple-um cpu (eager) | 16 |" in stderr
+    assert stderr.splitlines()[-2:] == [f"results (JSON): {out}", f"plot: {png}"]

@@ -33,7 +33,7 @@ def test_every_verb_has_a_description_and_shows_its_defaults(capsys, verb):
     defaults = {
         "bench": [
             "(default: 2GiB)",
-            "(default: 16,1024,16384,131072)",
+            "(default: 16,1024,16384,131072; with --memory-limit 16,1024,16384)",
             "(default: 160)",
             "(default: uniform)",
         ],
