@@ -125,6 +125,12 @@ def _check_table(args: argparse.Namespace):
     from ple_um.checkpoint import read_layout
     from ple_um.errors import CheckpointError
 
+    if args.memory_limit and args.modes and not set(args.modes) & {"cpu", "ats"}:
+        raise CliError(
+            f"--memory-limit runs only the modes that read the table where it lies (cpu, ats): --modes "
+            f"{','.join(args.modes)} holds it in memory",
+            EXIT_USAGE,
+        )
     if args.dir is not None:
         a.checkpoint_dir(args.dir)
         a.one_layer(args.dir, args.layer)

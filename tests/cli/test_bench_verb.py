@@ -58,6 +58,11 @@ BENCH_REFUSALS = [
     (["--memory-limit", "1GiB,,"], None),
     (["--memory-limit", ","], "argument --memory-limit: no sizes given"),
     (
+        ["--memory-limit", "1GiB", "--modes", "registered,device"],
+        "--memory-limit runs only the modes that read the table where it lies (cpu, ats): --modes "
+        "registered,device holds it in memory",
+    ),
+    (
         ["--memory-limit", "lots"],
         "argument --memory-limit: expected a byte count with an optional binary suffix",
     ),
