@@ -14,8 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ple_um.checkpoint import NVFP4_BLOCK
 from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _decode, _locate, _to_bf16_bits
 from ple_um.kernels.launch import DirectLaunch
+
+_BLOCK = tl.constexpr(NVFP4_BLOCK)  # values per block scale
 
 
 @triton.jit
@@ -60,8 +63,8 @@ def _gather_nvfp4_kernel(
     packed = row_base + local * (row_dim // 2)
     byte = tl.load(packed[:, None] + (e // 2)[None, :], mask=m, other=0).to(tl.int32)
     code = (byte >> ((e % 2) * 4)[None, :]) & 0xF
-    scales = scale_base + local * (row_dim // 16)
-    scale_byte = tl.load(scales[:, None] + (e // 16)[None, :], mask=m, other=0).to(tl.int32)
+    scales = scale_base + local * (row_dim // _BLOCK)
+    scale_byte = tl.load(scales[:, None] + (e // _BLOCK)[None, :], mask=m, other=0).to(tl.int32)
     block_scale = _decode(scale_byte, 0) * tl.load(global_scale_ptr)  # 0: E4M3 (constexpr literal)
     val = _e2m1(code) * block_scale
     if OUT_BF16:

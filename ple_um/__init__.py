@@ -2,17 +2,19 @@
 
 The shards are mmapped read-only, made addressable by the GPU (ATS on coherent Grace systems,
 read-only cudaHostRegister on discrete GPUs) and rows are gathered by a Triton kernel; a CPU
-gather is the fallback a probe selects at start-up. See DESIGN.md for the contract.
+gather is the fallback a probe selects at start-up. docs/DESIGN.md maps the package and states the
+contract.
 """
 
 from ple_um import synthetic
-from ple_um.access.probe import ProbeReport, probe
+from ple_um.access.probe import ProbeReport
 from ple_um.errors import CheckpointError, ModeUnavailableError, PleUmError, TableClosedError
-from ple_um.table import MappedTable, open_table
-
-__version__ = "0.1.0"
+from ple_um.opening import open_table, probe
+from ple_um.table import MappedTable
+from ple_um.version import __version__
 
 __all__ = [
+    "__version__",
     "CheckpointError",
     "MappedTable",
     "ModeUnavailableError",

@@ -25,6 +25,16 @@ def _bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
 
+def _auto_or_size(text: str) -> str | int:
+    """``auto`` or a byte count (``parse_size``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError(f"expected auto or a byte count (0, 512MiB, 4GiB), got {text!r}") from None
+
+
 def _checked_modes(text: str) -> tuple[str, ...]:
     """Comma-separated access modes whose first read runs in a child (ats, registered); off/none = none."""
     value = text.strip().lower()
@@ -150,7 +160,7 @@ FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in (
-        Knob("PLE_UM", _bool, False, "enable the vLLM plugin's ple-um backend", ("VLLM_PLE_MMAP",)),
+        Knob("PLE_UM", _bool, False, "enable the vLLM and SGLang plugins' ple-um path", ("VLLM_PLE_MMAP",)),
         Knob(
             "PLE_UM_MODE",
             _choice(*MODES),
@@ -240,8 +250,8 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_OVERLAP",
             _bool,
             True,
-            "vLLM plugin: queue each PLE lookup on a side stream one decoder layer ahead "
-            "(vLLM's start_prefetch hook), so the host gather overlaps the GPU's work",
+            "vLLM and SGLang plugins: queue each PLE lookup on a side stream one decoder layer ahead "
+            "(the engine's start_prefetch hook), so the host gather overlaps the GPU's work",
         ),
         Knob(
             "PLE_UM_ATS_POPULATE",
@@ -310,6 +320,47 @@ KNOBS: dict[str, Knob] = {
             None,
             "tests only: the first-read child crashes (segv, abort), hangs, exits at once (exit), "
             "fails with a CUDA-like error (error) or corrupts the rows it compares (corrupt)",
+        ),
+        Knob(
+            "PLE_UM_ROW_CACHE",
+            _auto_or_size,
+            "auto",
+            "host path: bytes of hot rows kept at row granularity in memory the table owns; auto = "
+            "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table is not in the page cache at "
+            "open (else none); 0 = none",
+        ),
+        Knob(
+            "PLE_UM_ROW_CACHE_FRACTION",
+            _fraction,
+            0.5,
+            "the fraction of the memory this process can still take (MemAvailable, its memory cgroup's "
+            "room) that PLE_UM_ROW_CACHE=auto gives the row cache",
+        ),
+        Knob(
+            "PLE_UM_ROW_CACHE_POLICY",
+            _choice("tinylfu", "lru", "clock"),
+            "tinylfu",
+            "what the row cache keeps: tinylfu admits a row only when it is wanted more often than the "
+            "one it would evict; lru and clock admit every row",
+        ),
+        Knob(
+            "PLE_UM_FILE_READS",
+            _choice("auto", "uring", "threads", "mmap"),
+            "auto",
+            "host path: how the rows a lookup misses are read, many at a time; auto = io_uring where a "
+            "ring can be made, else reader threads; mmap = one page fault at a time",
+        ),
+        Knob(
+            "PLE_UM_DIRECT_READS",
+            _choice("auto", "on", "off"),
+            "auto",
+            "host path: read misses with O_DIRECT (past the page cache); auto = when there is a row cache",
+        ),
+        Knob(
+            "PLE_UM_READ_DEPTH",
+            _count(1, 256),
+            64,
+            "host path: reads of missing rows in flight per reading thread",
         ),
         Knob(
             "PLE_UM_METRICS_SEC",

@@ -42,7 +42,7 @@ def _table(handle: int):
 @torch.library.custom_op("ple_um::lookup", mutates_args=())
 def lookup(ids: torch.Tensor, handle: int, out_dtype: torch.dtype) -> torch.Tensor:
     """Rows [n, row_dim] of flat ``ids``, in ``out_dtype`` (the storage dtype: raw)."""
-    return _table(handle)._op_lookup(ids, None, out_dtype)
+    return _table(handle).op_lookup(ids, None, out_dtype)
 
 
 @lookup.register_fake
@@ -54,7 +54,7 @@ def _(ids: torch.Tensor, handle: int, out_dtype: torch.dtype) -> torch.Tensor:
 @torch.library.custom_op("ple_um::lookup_out", mutates_args=("out",))
 def lookup_out(ids: torch.Tensor, out: torch.Tensor, handle: int) -> None:
     """Rows of flat ``ids`` into ``out`` [n, row_dim]; raw when out has the storage dtype."""
-    _table(handle)._op_lookup(ids, out)
+    _table(handle).op_lookup(ids, out)
 
 
 @lookup_out.register_fake

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ple_um.checkpoint.layout import ShardLayout, read_layout
+from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, read_layout
+from ple_um.checkpoint.scan import INDEX_FILE
 
 PREFIX = "model.language_model."
 CHUNK_BYTES = 64 << 20
@@ -53,7 +54,6 @@ _TORCH_DTYPES = {
     torch.float16: "F16",
 }
 _ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1}
-NVFP4_BLOCK_SIZE = 16
 
 
 def shard_name(layer: int, index: int) -> str:
@@ -192,24 +192,42 @@ def write_checkpoint(
         raise ValueError(f"files ({files}) must not exceed shards ({shards}): each file holds at least one")
     name = dtype_name(dtype)
     nvfp4 = name == "NVFP4"
-    if nvfp4 and row_dim % NVFP4_BLOCK_SIZE:
-        raise ValueError(f"row_dim of an NVFP4 table must be a multiple of {NVFP4_BLOCK_SIZE}, got {row_dim}")
-    storage = "U8" if nvfp4 else name
-    width = row_dim // 2 if nvfp4 else row_dim  # elements of the shard tensor per row
-    rows = shard_rows(num_rows, shards)
-
-    # Contiguous runs of shards per file; the small tensors go in the last file.
-    groups = np.array_split(np.arange(shards), files)
+    if nvfp4 and row_dim % NVFP4_BLOCK:
+        raise ValueError(f"row_dim of an NVFP4 table must be a multiple of {NVFP4_BLOCK}, got {row_dim}")
     directory = os.fspath(path)
     os.makedirs(directory, exist_ok=True)
+    plans = _plan_files(name, shard_rows(num_rows, shards), row_dim, layer, files)
 
+    total_bytes = sum(t.nbytes for _, tensors in plans for t in tensors)
+    weight_map: dict[str, str] = {}
+    bar = tqdm(
+        total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="write", disable=not progress
+    )
+    with bar, ThreadPoolExecutor(workers, thread_name_prefix="ple-um-write") as pool:
+        for file_name, tensors in plans:
+            _write_file(os.path.join(directory, file_name), tensors, seed, bar, pool, write_back)
+            weight_map.update({t.name: file_name for t in tensors})
+
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    _replace(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=2).encode())
+    return read_layout(directory, layer)
+
+
+def _plan_files(
+    name: str, rows: list[int], row_dim: int, layer: int, files: int
+) -> list[tuple[str, list[_Tensor]]]:
+    """Each file's name and tensors, in the order they are written: contiguous runs of shards per
+    file (an NVFP4 shard's block scales beside it), the small tensors in the last file."""
+    nvfp4 = name == "NVFP4"
+    storage = "U8" if nvfp4 else name
+    width = row_dim // 2 if nvfp4 else row_dim  # elements of the shard tensor per row
     plans: list[tuple[str, list[_Tensor]]] = []
-    for k, group in enumerate(groups):
+    for k, group in enumerate(np.array_split(np.arange(len(rows)), files)):
         tensors = [
             _Tensor(shard_name(layer, int(i)), storage, [rows[i], width], "shard", int(i)) for i in group
         ]
         if nvfp4:  # each shard's block scales in its file
-            width_scales = row_dim // NVFP4_BLOCK_SIZE
+            width_scales = row_dim // NVFP4_BLOCK
             tensors += [
                 _Tensor(
                     block_scale_name(layer, int(i)), "F8_E4M3", [rows[i], width_scales], "block_scale", int(i)
@@ -226,20 +244,7 @@ def write_checkpoint(
         # tensor aligned to its element size, which loaders that view the data in place need.
         tensors.sort(key=lambda t: (-_ITEMSIZE[t.dtype], t.name))
         plans.append((_file_name(k + 1, files), tensors))
-
-    total_bytes = sum(t.nbytes for _, tensors in plans for t in tensors)
-    weight_map: dict[str, str] = {}
-    bar = tqdm(
-        total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="write", disable=not progress
-    )
-    with bar, ThreadPoolExecutor(workers, thread_name_prefix="ple-um-write") as pool:
-        for file_name, tensors in plans:
-            _write_file(os.path.join(directory, file_name), tensors, seed, bar, pool, write_back)
-            weight_map.update({t.name: file_name for t in tensors})
-
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    _replace(os.path.join(directory, "model.safetensors.index.json"), json.dumps(index, indent=2).encode())
-    return read_layout(directory, layer)
+    return plans
 
 
 def _write_file(

@@ -89,7 +89,7 @@ class KernelCall:
         self.table, self.dtype = table, table.dtype
 
     def lookup(self, ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-        return self.table.gpu.gather(ids, out)
+        return self.table.paths.gpu.gather(ids, out)
 
 
 class HostNodes:
@@ -100,7 +100,7 @@ class HostNodes:
         self.table, self.dtype = table, table.dtype
 
     def lookup(self, ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-        host = self.table.host
+        host = self.table.paths.host
         saved, host.dispatcher = host.dispatcher, False
         try:
             return self.table.lookup(ids, out=out)
@@ -345,7 +345,7 @@ def bulk(name: str, table, num_rows: int, reference, reps: int, schedules=None) 
     device, microseconds from the ids' copy's start)."""
     from ple_um.lookup import host_node, rowcopy
 
-    host, n = table.host, 131072
+    host, n = table.paths.host, 131072
     rng = np.random.default_rng()
     staging = torch.empty((n, 160), dtype=torch.uint8, pin_memory=True)
     other = torch.empty((2 * n, 160), dtype=torch.uint8, pin_memory=True)

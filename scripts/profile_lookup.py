@@ -59,7 +59,7 @@ def events(fn, ids, calls=20, warmup=3) -> tuple[float, float]:
 
 def kernel(table, rpp, warps):
     """The table's GPU gather with the program shape given."""
-    return lambda ids, out: table.gpu.gather(ids, out, rows_per_program=rpp, num_warps=warps)
+    return lambda ids, out: table.paths.gpu.gather(ids, out, rows_per_program=rpp, num_warps=warps)
 
 
 def main() -> int:

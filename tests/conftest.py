@@ -15,6 +15,7 @@ selects the GPU tests (``python -m pytest -m gpu``, tests/gpu) leaves the interp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import sys
@@ -75,6 +76,17 @@ def _default_knobs(monkeypatch):
         if knob.name not in _KEPT_KNOBS:
             for var in (knob.name, *knob.aliases):
                 monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def machine():
+    """``machine(caps=H200, register=True, **failures) -> InjectedRegistration``: from the call to
+    the end of the test, open_table sees ``caps`` and registers through the injection
+    (``helpers.machines.injected_machine``)."""
+    from helpers.machines import H200, injected_machine
+
+    with contextlib.ExitStack() as stack:
+        yield lambda caps=H200, **kw: stack.enter_context(injected_machine(caps, **kw))
 
 
 def pytest_addoption(parser):

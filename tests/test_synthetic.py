@@ -1,4 +1,5 @@
-"""ple_um.synthetic: real, deterministic, finite checkpoints that the safetensors package agrees with."""
+"""ple_um.synthetic: real, deterministic, finite checkpoints (NVFP4 included) that the safetensors
+package agrees with."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from helpers.reference import reference_rows
+from helpers.hand_checkpoints import block, global_name, scale_name
+from helpers.reference import decode_e4m3, reference_nvfp4, reference_rows
 from safetensors import safe_open
 
 from ple_um import synthetic
@@ -342,3 +344,108 @@ def test_reference_rows_importable_both_ways():
     from tests.helpers.reference import reference_rows as from_package
 
     assert from_package.__code__.co_code == reference_rows.__code__.co_code
+
+
+# -- NVFP4 tables -------------------------------------------------------------------------------
+def test_writer_layout_and_tensors(make_checkpoint):
+    layout = make_checkpoint(dtype="nvfp4", num_rows=37, row_dim=64, shards=4, files=3, layer=2, seed=5)
+    assert (layout.dtype_name, layout.dtype, layout.layer) == ("NVFP4", torch.uint8, 2)
+    assert (layout.row_dim, layout.row_bytes, layout.num_rows, layout.block_size) == (64, 32, 37, 16)
+    assert [s.rows for s in layout.shards] == [s.rows for s in layout.block_scales] == [10, 10, 10, 7]
+    assert [s.tensor for s in layout.block_scales] == [block(i, layer=2) for i in range(4)]
+    assert layout.scale_tensor == global_name(layer=2)
+    # Each shard's block scales lie in its file.
+    assert [s.path for s in layout.shards] == [s.path for s in layout.block_scales]
+    assert validate(layout.directory) == []
+    tensors = load_all(layout.directory)  # the safetensors package agrees with the names and offsets
+    for s, b in zip(layout.shards, layout.block_scales, strict=True):
+        rows, scales = tensors[s.tensor], tensors[b.tensor]
+        assert rows.dtype == torch.uint8 and list(rows.shape) == [s.rows, 32]
+        assert scales.dtype == torch.float8_e4m3fn and list(scales.shape) == [s.rows, 4]
+        with open(s.path, "rb") as f:
+            f.seek(s.offset)
+            assert f.read(s.rows * 32) == rows.numpy().tobytes()
+            f.seek(b.offset)
+            assert f.read(b.rows * 4) == scales.view(torch.uint8).numpy().tobytes()
+    global_scale = tensors[global_name(layer=2)]
+    assert global_scale.dtype == torch.float32 and global_scale.shape == ()
+    assert global_scale.item() == layout.scale
+    assert math.frexp(layout.scale)[0] != 0.5  # not a power of two
+    assert scale_name(layer=2) not in tensors  # vLLM refuses it next to NVFP4
+    with open(os.path.join(layout.directory, INDEX)) as f:
+        weight_map = json.load(f)["weight_map"]
+    assert set(weight_map) == set(tensors)
+
+
+@pytest.mark.parametrize("spelling", ["nvfp4", "NVFP4", "NvFp4"])
+def test_writer_spellings(make_checkpoint, spelling):
+    assert make_checkpoint(dtype=spelling, row_dim=16, num_rows=3, shards=1).dtype_name == "NVFP4"
+
+
+@pytest.mark.parametrize("row_dim", [8, 24, 33, 1])
+def test_writer_refuses_a_width_not_a_multiple_of_16(tmp_path, row_dim):
+    with pytest.raises(
+        ValueError, match=f"row_dim of an NVFP4 table must be a multiple of 16, got {row_dim}"
+    ):
+        write_checkpoint(tmp_path / "c", num_rows=8, row_dim=row_dim, dtype="nvfp4", shards=2)
+    assert not (tmp_path / "c").exists()
+
+
+def _content(layout) -> tuple[np.ndarray, np.ndarray]:
+    """Packed rows [num_rows, row_bytes] and block scales [num_rows, row_dim // 16], as uint8."""
+    rows = reference_rows(layout, np.arange(layout.num_rows))
+    return rows, reference_rows(layout.scale_layout(), np.arange(layout.num_rows))
+
+
+def test_writer_determinism(make_checkpoint):
+    args = dict(dtype="nvfp4", num_rows=33, row_dim=32, shards=3)
+    a, b = make_checkpoint(**args, seed=7), make_checkpoint(**args, seed=7)
+    for name in os.listdir(a.directory):
+        with (
+            open(os.path.join(a.directory, name), "rb") as fa,
+            open(os.path.join(b.directory, name), "rb") as fb,
+        ):
+            assert fa.read() == fb.read(), name
+    c = make_checkpoint(**args, seed=8)
+    (ra, sa), (rc, sc) = _content(a), _content(c)
+    assert (ra != rc).mean() > 0.5 and (sa != sc).mean() > 0.5 and a.scale != c.scale
+    # Rows and their block scales draw from different streams.
+    assert not np.array_equal(ra[:, : sa.shape[1]], sa)
+    # The file split does not change the content.
+    d = make_checkpoint(**args, seed=7, files=1)
+    rd, sd = _content(d)
+    assert np.array_equal(rd, ra) and np.array_equal(sd, sa) and d.scale == a.scale
+
+
+def test_writer_many_chunks(make_checkpoint, monkeypatch):
+    monkeypatch.setattr(synthetic, "CHUNK_BYTES", 50)  # 2 rows of 24 bytes; 16 rows of 3 scales
+    layout = make_checkpoint(dtype="nvfp4", num_rows=31, row_dim=48, shards=2)
+    assert validate(layout.directory) == []
+    rows, scales = _content(layout)
+    assert rows.shape == (31, 24) and scales.shape == (31, 3)
+    assert not np.isin(scales, [0x7F, 0xFF]).any() and len(np.unique(scales)) > 40
+
+
+def test_writer_codes_cover_everything_finite(tmp_path):
+    """Enough values that every byte and every scale code would show up if it could."""
+    layout = write_checkpoint(tmp_path, num_rows=4096, row_dim=64, dtype="nvfp4", shards=2, seed=11)
+    rows, scales = _content(layout)
+    assert len(np.unique(rows)) == 256  # any byte is two valid E2M1 codes
+    codes = np.unique(scales)
+    assert len(codes) == 254 and not np.isin(codes, [0x7F, 0xFF]).any()  # every code but the NaNs
+    values = decode_e4m3(scales)
+    assert np.isfinite(values).all()
+    assert (values < 0).any() and (values == 0).any() and np.signbit(values[values == 0]).any()
+    assert ((np.abs(values) > 0) & (np.abs(values) < 2.0**-6)).any()  # subnormals
+    decoded = reference_nvfp4(layout, np.arange(layout.num_rows), out_dtype=torch.float32)
+    assert torch.isfinite(decoded).all()
+    assert torch.isfinite(reference_nvfp4(layout, np.arange(layout.num_rows), out_dtype=torch.float16)).all()
+
+
+def test_writer_global_scale_per_seed(make_checkpoint):
+    values = set()
+    for seed in range(8):
+        layout = make_checkpoint(dtype="nvfp4", num_rows=4, row_dim=16, shards=1, seed=seed)
+        assert 0.01 <= layout.scale < 0.05 * 1.25 and math.frexp(layout.scale)[0] != 0.5
+        values.add(layout.scale)
+    assert len(values) == 8

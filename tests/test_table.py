@@ -18,9 +18,8 @@ import torch
 from helpers.reference import drop_page_cache, maps_of
 
 import ple_um
-from ple_um import ops
+from ple_um import opening, ops
 from ple_um.access.capabilities import triton_interpreter
-from ple_um.access.probe import CAPTURE_SAFE
 from ple_um.checkpoint import read_layout
 from ple_um.mapping import PAGE
 from ple_um.synthetic import scale_value, write_checkpoint
@@ -63,7 +62,7 @@ def test_attributes(make_checkpoint, mode, dtype):
         assert set(table.report.reasons) == {"ats", "registered", "cpu", "device"} - {mode}
         assert (table.num_rows, table.row_dim, table.dtype) == (9, 6, layout.dtype)
         assert table.scale == (scale_value(5) if dtype.startswith("F8") else None)
-        assert table.capture_safe is CAPTURE_SAFE[mode]
+        assert table.capture_safe is True  # every mode's lookup is stream-ordered work here
         assert table.device == torch.device("cpu")
         assert table.rows == (0, 9)
         stats = table.stats()
@@ -388,16 +387,16 @@ def swap_during_open(monkeypatch):
     access mode is built (after the mapping, before the self-test), as a concurrent re-download would."""
 
     def arm(layout, path):
-        build = MappedTable._build
+        build = opening._build
         swapped = []
 
-        def build_then_swap(self, caps_cuda, **kw):
-            build(self, caps_cuda, **kw)
+        def build_then_swap(table, cuda):
+            build(table, cuda)
             if not swapped:
-                swapped.append(self.mode)
+                swapped.append(table.mode)
                 swap_data(layout, path)
 
-        monkeypatch.setattr(MappedTable, "_build", build_then_swap)
+        monkeypatch.setattr(opening, "_build", build_then_swap)
         return swapped
 
     return arm

@@ -12,58 +12,44 @@ no answer within ``PLE_UM_FIRST_READ_TIMEOUT`` rejects the mode with that reason
 then goes on to the next mode, as it does for a failed self-test. (vLLM guards CUDA peer access the
 same way: tested once in a child, the verdict cached.)
 
-The verdict is cached in ``PLE_UM_CACHE_DIR/first-read/``, one JSON file per key: the device
-(UUID), the driver version, the kernel release, the mode and its kind of direct read, the
-filesystems that hold the table, and the ple-um version (with a digest of the kernels' source).
-Later opens read it and start no child; a changed key is another file, so it runs the child again;
-``ple-um probe DIR --recheck`` ignores the cache. A file that does not parse, is of another format
-or version, or was written for another key is ignored with a warning, never trusted. Writes go to a
-temporary file renamed over the old one (atomic), under an exclusive lock that also makes ranks
-starting at once run one child, not one each. A timeout is not cached: a loaded machine or a cold
-disk can cause one, so the next open tries again.
+The verdict is cached per machine (``verdict_cache``): later opens read it and start no child; a
+changed key (device, driver, kernel, mode, filesystem, ple-um version) runs the child again;
+``ple-um probe DIR --recheck`` ignores the cache. A timeout is not cached: a loaded machine or a
+cold disk can cause one, so the next open tries again.
 
-The child (``_child_main``) opens the sample through ``ple_um.table.open_table``, the public API, as
-any user of the table would: that import is the one this layer makes upwards, and only in the
-child.
+The child is the program ``ple_um.first_read_child``, started as a fresh interpreter (this module
+never imports it); it prints its stage and its verdict on stdout behind ``MARK``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
-import hashlib
 import json
 import logging
 import os
-import platform
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ple_um import envs
-from ple_um.access.capabilities import DeviceCapabilities, read_capabilities, resolve_device
-from ple_um.access.probe import ProbeReport, decide, direct_read, pin_budget, requested_mode
-from ple_um.checkpoint import ShardLayout, read_layout
-from ple_um.errors import ModeUnavailableError, PleUmError
+from ple_um.access import verdict_cache
+from ple_um.access.capabilities import DeviceCapabilities
+from ple_um.access.probe import ProbeReport
+from ple_um.checkpoint import ShardLayout
+from ple_um.errors import PleUmError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "ple-um first-read verdict"
-FORMAT_VERSION = 1
 SAMPLE_WIDTH = 8  # rows per sample window
-_MARK = "ple-um-first-read"  # prefix of the child's stage and result lines on stdout
+MARK = "ple-um-first-read"  # prefix of the child's stage and result lines on stdout
 # The child's program: a fresh interpreter (not ``-m``, which would run this module a second time
 # beside the copy that importing ple_um loads).
-_CHILD = "import sys; from ple_um.access.first_read import main; sys.exit(main(sys.argv[1:]))"
-_STAGES = {
+_CHILD = "import sys; from ple_um.first_read_child import main; sys.exit(main(sys.argv[1:]))"
+STAGES = {
     "import": "importing ple-um",
     "open": "opening the sample",
     "gather": "gathering rows through the kernel",
@@ -137,173 +123,6 @@ class FirstReadVerdict:
             "child_seconds": self.child_seconds,
             "key": dict(self.key),
         }
-
-
-# -- the key and the cache file ----------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def ple_um_version() -> str:
-    """The package version and a digest of the kernels' source: a kernel edited without a version
-    change must not inherit the verdict of the kernel before it."""
-    from ple_um import __version__, kernels
-
-    digest = hashlib.sha256()
-    folder = os.path.dirname(kernels.__file__)
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
-    return f"{__version__}+kernels.{digest.hexdigest()[:12]}"
-
-
-def _mount_points() -> list[tuple[str, str]]:
-    """(mount point, filesystem type) of this process's mounts, longest mount point first."""
-    mounts = []
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if "-" not in fields[6:]:
-                    continue
-                sep = fields.index("-", 6)
-                # mountinfo escapes blanks and backslashes in paths as octal (\040).
-                point = fields[4].encode().decode("unicode_escape")
-                mounts.append((point, fields[sep + 1]))
-    except (OSError, IndexError, UnicodeDecodeError):
-        return []
-    return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
-
-
-def filesystems(paths) -> str:
-    """The filesystem types that hold ``paths`` ("ext4", "ext4+nfs4"), "unknown" when unreadable:
-    how the OS serves a fault on a file's page depends on them (page cache, tmpfs, DAX, FUSE)."""
-    mounts = _mount_points()
-    found = set()
-    for path in paths:
-        real = os.path.realpath(path)
-        fs = next(
-            (t for point, t in mounts if real == point or real.startswith(point.rstrip("/") + "/")),
-            "unknown",
-        )
-        found.add(fs)
-    return "+".join(sorted(found)) or "unknown"
-
-
-def verdict_key(caps: DeviceCapabilities, mode: str, files) -> dict:
-    """What decides whether ``mode``'s first read of the table in ``files`` works here: the cache key."""
-    driver = caps.driver_version
-    if not driver and caps.host_is_device:
-        import triton
-
-        driver = f"Triton {triton.__version__} interpreter"
-    return {
-        "device": caps.uuid or f"{caps.name} ({caps.device}) on {socket.gethostname()}",
-        "driver": driver,
-        "kernel": platform.release(),
-        "mode": mode,
-        "direct_read": direct_read(caps) if mode == "ats" else None,
-        "filesystem": filesystems(files),
-        "ple_um": ple_um_version(),
-    }
-
-
-def verdict_dir() -> str:
-    return os.path.join(envs.PLE_UM_CACHE_DIR, "first-read")
-
-
-def verdict_path(key: dict) -> str:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(verdict_dir(), f"{key['mode']}-{digest}.json")
-
-
-def _why_untrusted(record: object, key: dict | None) -> str | None:
-    """None when ``record`` is a verdict of this format (and for ``key``, when given), else why not."""
-    if not isinstance(record, dict):
-        return f"not a JSON object but {type(record).__name__}"
-    if record.get("format") != FORMAT:
-        return f"not a {FORMAT} (format {record.get('format')!r})"
-    if record.get("version") != FORMAT_VERSION:
-        return f"format version {record.get('version')!r}; this ple-um reads version {FORMAT_VERSION}"
-    if not isinstance(record.get("key"), dict) or (key is not None and record["key"] != key):
-        return "written for another key (machine, driver, kernel, filesystem or ple-um version)"
-    if not isinstance(record.get("passed"), bool):
-        return "no passed/rejected verdict"
-    if not record["passed"] and not isinstance(record.get("reason"), str):
-        return "a rejection without a reason"
-    if not isinstance(record.get("checked_at"), str):
-        return "no checked_at time"
-    return None
-
-
-def read_verdict(path: str, key: dict | None) -> dict | None:
-    """The verdict stored at ``path`` for ``key`` (None: any key), or None when there is none or it
-    cannot be trusted (then with a warning)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        logger.warning("ple-um: ignoring the first-read verdict file %s: unreadable: %s", path, exc)
-        return None
-    why = _why_untrusted(record, key)
-    if why is not None:
-        logger.warning("ple-um: ignoring the first-read verdict file %s: %s", path, why)
-        return None
-    return record
-
-
-def write_verdict(path: str, record: dict) -> bool:
-    """Store ``record`` at ``path`` atomically (a temporary file in the same folder, renamed over the
-    old one): a reader sees the old file or the new one, never a part. False (and a warning) when
-    the folder cannot be written: the verdict then holds for this process only."""
-    tmp = None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the verdict from the machine's other users
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return True
-    except OSError as exc:
-        logger.warning("ple-um: cannot cache the first-read verdict in %s: %s", path, exc)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        return False
-
-
-@contextlib.contextmanager
-def _exclusive(path: str, wait: float) -> Iterator[bool]:
-    """Hold the lock of ``path``'s verdict (flock on ``path.lock``) for at most ``wait`` seconds of
-    waiting: ranks that start at once run one child. Yields whether the lock is held; on a folder
-    that cannot be written, or after the wait, the caller goes on without it."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield False
-        return
-    held = False
-    try:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    logger.warning("ple-um: %s.lock still held after %.0f s; going on without it", path, wait)
-                    break
-                time.sleep(0.05)
-        yield held
-    finally:
-        if held:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 
 # -- the sample and the child ----------------------------------------------------------------------
@@ -404,12 +223,12 @@ def run_child(
     seconds = time.perf_counter() - t0
     stage, result = "import", None
     for line in out.splitlines():
-        if line.startswith(_MARK + " stage "):
+        if line.startswith(MARK + " stage "):
             stage = line.split()[-1]
-        elif line.startswith(_MARK + " result "):
+        elif line.startswith(MARK + " result "):
             with contextlib.suppress(ValueError):
-                result = json.loads(line[len(_MARK + " result ") :])
-    doing = _STAGES.get(stage, stage)
+                result = json.loads(line[len(MARK + " result ") :])
+    doing = STAGES.get(stage, stage)
     stderr = _tail(err)
     said = f"; stderr: {stderr}" if stderr else ""
     if timed_out:
@@ -467,25 +286,25 @@ def first_read_verdict(
     skip = _not_needed(mode, rows)
     if skip is not None:
         return FirstReadVerdict(mode=mode, status="not needed", reason=skip)
-    key = verdict_key(caps, mode, layout.files)
-    path = verdict_path(key)
+    key = verdict_cache.verdict_key(caps, mode, layout.files)
+    path = verdict_cache.verdict_path(key)
     if not recheck:
-        record = read_verdict(path, key)
+        record = verdict_cache.read_verdict(path, key)
         if record is not None:
             return _from_record(mode, record, path, "cache")
     timeout = envs.PLE_UM_FIRST_READ_TIMEOUT
-    with _exclusive(path, timeout + 30) as held:
+    with verdict_cache.exclusive(path, timeout + 30) as held:
         if held and not recheck:
             # Another process may have run the child while this one waited for the lock.
-            record = read_verdict(path, key)
+            record = verdict_cache.read_verdict(path, key)
             if record is not None:
                 return _from_record(mode, record, path, "cache")
         windows = sample_windows(layout, rows)
         logger.info("ple-um: checking the %s mode's first read in a child process (rows %s)", mode, windows)
         outcome = run_child(layout, windows, mode, device, timeout)
         record = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
+            "format": verdict_cache.FORMAT,
+            "version": verdict_cache.FORMAT_VERSION,
             "key": key,
             "passed": outcome.passed,
             "reason": outcome.reason,
@@ -498,7 +317,7 @@ def first_read_verdict(
                 "rows_compared": outcome.rows,
             },
         }
-        stored = outcome.cacheable and write_verdict(path, record)
+        stored = outcome.cacheable and verdict_cache.write_verdict(path, record)
     verdict = _from_record(mode, record, path if stored else None, "child")
     (logger.info if outcome.passed else logger.warning)("ple-um: %s", verdict.describe())
     return verdict
@@ -522,36 +341,6 @@ def check(
     return verdict
 
 
-def probe_table(
-    path,
-    *,
-    layer: int | None = None,
-    device=None,
-    mode: str = "auto",
-    recheck: bool = False,
-) -> ProbeReport:
-    """The probe for the table at ``path``: the mode ``open_table`` would try to build there, after
-    the first-read checks it makes (from the cache, or in a child; ``recheck`` ignores the cache).
-    The in-process self-test is not made: that needs the mode built."""
-    forced = requested_mode(mode)
-    layout = read_layout(os.fspath(path), layer)
-    dev = resolve_device(device)
-    caps = read_capabilities(dev)
-    budget = pin_budget()
-    rejected: dict[str, str] = {}
-    while True:
-        report = decide(caps, mode=forced, table_bytes=layout.nbytes, budget=budget, exclude=rejected)
-        try:
-            check(report, caps, layout, (0, layout.num_rows), dev, recheck=recheck)
-        except FirstReadRejected as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            if forced != "auto":
-                raise ModeUnavailableError(report.mode, why) from None
-            rejected[report.mode] = why
-            continue
-        return report
-
-
 def cached_verdicts(report: ProbeReport, caps: DeviceCapabilities) -> list[FirstReadVerdict]:
     """For a probe without a table: the verdicts cached on this machine for ``report.mode`` (one per
     filesystem that held a table), or why none is needed, or that none was made yet."""
@@ -559,24 +348,24 @@ def cached_verdicts(report: ProbeReport, caps: DeviceCapabilities) -> list[First
     if skip is not None:
         return [FirstReadVerdict(mode=report.mode, status="not needed", reason=skip)]
     found = []
-    here = _machine_key(verdict_key(caps, report.mode, ()))
-    folder = verdict_dir()
+    here = verdict_cache.machine_key(verdict_cache.verdict_key(caps, report.mode, ()))
+    folder = verdict_cache.verdict_dir()
     with contextlib.suppress(OSError):
         for name in sorted(os.listdir(folder)):
             if not (name.startswith(report.mode + "-") and name.endswith(".json")):
                 continue
             path = os.path.join(folder, name)
-            record = read_verdict(path, None)
+            record = verdict_cache.read_verdict(path, None)
             if record is None:
                 continue
             key = record["key"]
             # The filesystem is the table's: any one counts here; the rest must be this machine's.
-            if path != verdict_path(key):
+            if path != verdict_cache.verdict_path(key):
                 logger.warning(
                     "ple-um: ignoring the first-read verdict file %s: its name is not its key's", path
                 )
                 continue
-            if _machine_key(key) == here:
+            if verdict_cache.machine_key(key) == here:
                 found.append(_from_record(report.mode, record, path, "cache"))
     if found:
         return found
@@ -584,138 +373,3 @@ def cached_verdicts(report: ProbeReport, caps: DeviceCapabilities) -> list[First
     return [
         FirstReadVerdict(mode=report.mode, status="not checked", reason=why, direct_read=report.direct_read)
     ]
-
-
-def _machine_key(key: dict) -> dict:
-    """A key without the table's filesystem: what names this machine, driver, kernel and ple-um."""
-    return {k: v for k, v in key.items() if k != "filesystem"}
-
-
-# -- the child -------------------------------------------------------------------------------------
-_now = {"stage": "import"}  # the child's stage, for the reason of an error it reports
-
-
-def _say(kind: str, text: str) -> None:
-    if kind == "stage":
-        _now["stage"] = text
-    print(f"{_MARK} {kind} {text}", flush=True)
-
-
-def _file_rows(layout: ShardLayout, ids, window: tuple[int, int]):
-    """The rows of ``ids`` read with pread from the files (zeros outside ``window``): the reference."""
-    import numpy as np
-
-    out = np.zeros((len(ids), layout.row_bytes), dtype=np.uint8)
-    S = layout.rows_per_shard
-    fds: dict[str, int] = {}
-    try:
-        for k, i in enumerate(ids):
-            if not window[0] <= i < window[1]:
-                continue
-            spec = layout.shards[i // S]
-            if spec.path not in fds:
-                fds[spec.path] = os.open(spec.path, os.O_RDONLY)
-            data = os.pread(
-                fds[spec.path], layout.row_bytes, spec.offset + (i - i // S * S) * layout.row_bytes
-            )
-            out[k] = np.frombuffer(data, dtype=np.uint8)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return out
-
-
-def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
-    """Ask the kernel to drop the window's pages from the page cache (POSIX_FADV_DONTNEED: pages
-    another process maps stay), so that the GPU's first touch reads them from the file, as a
-    serving process's does. A hint: nothing depends on it."""
-    S, rb = layout.rows_per_shard, layout.row_bytes
-    for spec in layout.shards:
-        lo = max(window[0], spec.index * S)
-        hi = min(window[1], spec.index * S + spec.rows)
-        if hi <= lo:
-            continue
-        with contextlib.suppress(OSError):
-            fd = os.open(spec.path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(
-                    fd, spec.offset + (lo - spec.index * S) * rb, (hi - lo) * rb, os.POSIX_FADV_DONTNEED
-                )
-            finally:
-                os.close(fd)
-
-
-def _inject(fault: str | None) -> None:
-    """The test hook (PLE_UM_FIRST_READ_FAULT), while the child reads through the kernel."""
-    if fault == "segv":
-        import ctypes
-
-        ctypes.string_at(0)  # a read of address 0: SIGSEGV
-    elif fault == "abort":
-        os.abort()
-    elif fault == "hang":
-        while True:
-            time.sleep(60)
-    elif fault == "exit":
-        os._exit(3)
-    elif fault == "error":
-        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-
-
-def _child_main(spec: dict) -> int:
-    _say("stage", "import")
-    import numpy as np
-
-    from ple_um.table import open_table  # the public API, as any user opens a table
-
-    fault = envs.PLE_UM_FIRST_READ_FAULT
-    layout = read_layout(spec["directory"], spec["layer"])
-    parts = [layout, layout.scale_layout()] if layout.is_nvfp4 else [layout]
-    rows = 0
-    for lo, hi in spec["windows"]:
-        for part in parts:
-            _evict(part, (lo, hi))
-        _say("stage", "open")
-        with open_table(
-            layout.directory, layer=layout.layer, rows=(lo, hi), mode=spec["mode"], device=spec["device"]
-        ) as table:
-            # The window's rows and two on each side, which the table does not own: zeros.
-            ids_np = np.arange(max(0, lo - 2), min(layout.num_rows, hi + 2), dtype=np.int64)
-            ids = torch.from_numpy(ids_np).to(table.device)
-            _say("stage", "gather")
-            _inject(fault)
-            if layout.is_nvfp4:
-                packed, scales = table.lookup_packed(ids)
-                got = torch.cat([packed.view(torch.uint8), scales.view(torch.uint8)], dim=1)
-            else:
-                got = table.lookup(ids).view(torch.uint8).reshape(ids_np.size, -1)
-            if table.device.type == "cuda":
-                torch.cuda.synchronize(table.device)  # a fault in the kernel surfaces here
-            got = got.cpu().numpy().copy()
-        _say("stage", "compare")
-        if fault == "corrupt":
-            got[got.shape[0] // 2, 0] ^= 0x5A
-        expect = np.concatenate([_file_rows(part, ids_np.tolist(), (lo, hi)) for part in parts], axis=1)
-        if not np.array_equal(got, expect):
-            bad = np.flatnonzero((got != expect).any(axis=1))
-            reason = (
-                f"{bad.size} of {ids_np.size} sample rows read through the kernel differ from the file "
-                f"(first: row {int(ids_np[bad[0]])})"
-            )
-            _say("result", json.dumps({"passed": False, "reason": reason}))
-            return 0
-        rows += ids_np.size
-    _say("result", json.dumps({"passed": True, "rows": rows}))
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    """The child's entry (``_CHILD SPEC``): one first read; the verdict on stdout. Exit 0 with a
-    verdict, 1 with an error reported as a rejection."""
-    spec = json.loads(argv[0])
-    try:
-        return _child_main(spec)
-    except Exception as exc:  # noqa: BLE001 - any error in the mode is its verdict
-        doing = _STAGES.get(_now["stage"], _now["stage"])
-        _say("result", json.dumps({"passed": False, "reason": f"while {doing}: {type(exc).__name__}: {exc}"}))
-        return 1

@@ -3,8 +3,8 @@
 Each mode declares what it needs (the Liger-Kernel ``reason_if_unsatisfied`` idea): a gate returns
 None when satisfied, else a sentence. ``auto`` takes the first of ats, registered, cpu whose gate
 passes (on an HMM device: registered, ats, cpu; see ``auto_order``); ``device`` is explicit only.
-``open_table`` then makes the first read of a guarded mode in a child process
-(``ple_um.access.first_read``) and self-tests the chosen GPU mode.
+This module is the policy alone: ``ple_um.opening`` runs it, makes the first read of a guarded mode
+in a child process (``ple_um.access.first_read``) and self-tests the mode it builds.
 
 The ``ats`` mode is the direct read: the kernel dereferences the mapping's host addresses. A
 device offers it in one of two ways, which ``direct_read`` names: hardware coherent (ATS: the GPU
@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ple_um import envs
-from ple_um.access.capabilities import DeviceCapabilities, read_capabilities
+from ple_um.access.capabilities import DeviceCapabilities
 from ple_um.errors import ModeUnavailableError
 from ple_um.units import format_bytes
 
@@ -34,7 +34,6 @@ ATS_DIRECT_READ = "hardware coherent (ATS)"
 HMM_DIRECT_READ = "HMM"
 INTERPRETER_DIRECT_READ = "Triton interpreter: the host is the device"
 ALL_MODES = ("ats", "registered", "cpu", "device")
-CAPTURE_SAFE = {"ats": True, "registered": True, "cpu": True, "device": True}
 
 
 @dataclass
@@ -208,28 +207,3 @@ def requested_mode(mode: str) -> str:
     if mode not in ("auto", *ALL_MODES):
         raise ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
     return envs.PLE_UM_MODE if mode == "auto" else mode
-
-
-def probe(
-    device=None,
-    *,
-    table_bytes: int | None = None,
-    mode: str = "auto",
-    path=None,
-    layer: int | None = None,
-    recheck: bool = False,
-) -> ProbeReport:
-    """Read the device's capabilities and pick a mode (no self-test: that needs a table).
-
-    Without ``path`` the report lists the first-read verdicts cached for the chosen mode on this
-    machine. With a checkpoint directory ``path`` the chosen mode's first read is made as an open
-    makes it (from the cache, or in a child process; ``recheck`` ignores the cache), and a mode
-    whose first read fails gives way to the next."""
-    from ple_um.access import first_read  # it builds on this module
-
-    if path is not None:
-        return first_read.probe_table(path, layer=layer, device=device, mode=mode, recheck=recheck)
-    caps = read_capabilities(device)
-    report = decide(caps, mode=requested_mode(mode), table_bytes=table_bytes, budget=pin_budget())
-    report.first_read = first_read.cached_verdicts(report, caps)
-    return report

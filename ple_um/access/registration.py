@@ -2,10 +2,11 @@
 
 On a discrete GPU without ATS (the H200 host) registration pins the range and gives the GPU a
 device pointer to it: the kernel reads rows over PCIe, no copy, no GPU memory. A ``PROT_READ``
-mapping needs the ReadOnly flag (default flags fail with cudaErrorInvalidValue: FACTS.md). On ATS
-systems the same call only populates the pages (it does not pin), which the ats mode may use.
-The object owns the registrations: a failure part-way releases the earlier ones, and ``close()``
-waits for the device, then unregisters in reverse order.
+mapping needs the ReadOnly flag (with the default flags the driver refuses a read-only range with
+cudaErrorInvalidValue). On ATS systems the same call only populates the pages (it does not pin),
+which the ats mode may use. The object owns the registrations: a failure part-way releases the
+earlier ones, and ``close()`` waits for the device, then unregisters in reverse order. The calls
+are the machine's (``ple_um.access.machine.registration()``: CUDA's, or an injected machine's).
 """
 
 from __future__ import annotations
@@ -16,61 +17,29 @@ from collections.abc import Callable
 
 import torch
 
-from ple_um.errors import PleUmError
+from ple_um.access.machine import HostRegistration, RegistrationError, registration
 from ple_um.mapping import MappedShards
 
 logger = logging.getLogger(__name__)
 
 
-class RegistrationError(PleUmError, RuntimeError):
-    """cudaHostRegister or cudaHostGetDevicePointer failed; earlier registrations were released."""
-
-
-def _cuda_register(addr: int, length: int) -> None:
-    from cuda.bindings import runtime as rt
-
-    flags = rt.cudaHostRegisterMapped | rt.cudaHostRegisterReadOnly | rt.cudaHostRegisterPortable
-    (err,) = rt.cudaHostRegister(addr, length, flags)
-    if int(err) != 0:
-        raise RegistrationError(f"cudaHostRegister({length} bytes) failed: {err}")
-
-
-def _cuda_unregister(addr: int) -> None:
-    from cuda.bindings import runtime as rt
-
-    (err,) = rt.cudaHostUnregister(addr)
-    if int(err) != 0:
-        logger.warning("cudaHostUnregister failed: %s", err)
-
-
-def _cuda_device_pointer(addr: int) -> int:
-    from cuda.bindings import runtime as rt
-
-    err, dptr = rt.cudaHostGetDevicePointer(addr, 0)
-    if int(err) != 0:
-        raise RegistrationError(f"cudaHostGetDevicePointer failed: {err}")
-    return int(dptr)
-
-
 class RegisteredMapping:
     """The CUDA registrations of a MappedShards' regions and the device base of each shard.
 
-    ``register``, ``unregister`` and ``device_pointer`` default to the CUDA runtime; tests pass
-    others to inject failures."""
+    ``calls``: the registration calls (default: the machine's, read when it is built)."""
 
     def __init__(
         self,
         mapping: MappedShards,
         device: torch.device,
         *,
-        register: Callable[[int, int], None] = _cuda_register,
-        unregister: Callable[[int], None] = _cuda_unregister,
-        device_pointer: Callable[[int], int] = _cuda_device_pointer,
+        calls: HostRegistration | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
+        calls = calls or registration()
         self.mapping = mapping
         self.device = device
-        self._unregister = unregister
+        self._unregister = calls.unregister
         self._registered: list[int] = []
         self.device_addrs: list[int] = []
         self.registered_bytes = 0
@@ -80,12 +49,12 @@ class RegisteredMapping:
             with torch.cuda.device(device) if device.type == "cuda" else _null():
                 for region in mapping.regions:
                     try:
-                        register(region.addr, region.length)
+                        calls.register(region.addr, region.length)
                     except RegistrationError as exc:
                         raise RegistrationError(f"{exc} for {region.path}") from None
                     self._registered.append(region.addr)
                     self.registered_bytes += region.length
-                    self.device_addrs.append(device_pointer(region.addr))
+                    self.device_addrs.append(calls.device_pointer(region.addr))
                     if progress is not None:
                         progress(region.length)
         except BaseException:

@@ -1,5 +1,12 @@
-"""Checkpoint layer: safetensors headers -> a validated ShardLayout of one PLE layer's table."""
+"""Checkpoint layer: safetensors headers -> a validated ShardLayout of one PLE layer's table.
+
+``layout`` holds the entry points; below it ``scan`` reads the directory (index, files, headers
+through ``safetensors``, ``header_json`` and ``files``), ``naming`` knows the tensors' names,
+``validation`` checks them (``global_scale`` reads a table's scale), and ``shard_layout`` is the
+data model and the storage formats (``NVFP4_BLOCK``: the values per NVFP4 block scale).
+"""
 
 from ple_um.checkpoint.layout import ShardLayout, ShardSpec, find_layers, read_layout, validate
+from ple_um.checkpoint.shard_layout import NVFP4_BLOCK
 
-__all__ = ["ShardLayout", "ShardSpec", "find_layers", "read_layout", "validate"]
+__all__ = ["NVFP4_BLOCK", "ShardLayout", "ShardSpec", "find_layers", "read_layout", "validate"]

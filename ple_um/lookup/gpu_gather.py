@@ -17,6 +17,7 @@ from ple_um.kernels import DirectLaunch, gather_nvfp4, gather_rows
 from ple_um.kernels.gather import ROWS_PER_PROGRAM, _gather_kernel
 from ple_um.kernels.gather_nvfp4 import _gather_nvfp4_kernel
 from ple_um.kernels.launch import bind, hooks_set
+from ple_um.lookup.counts import path_counts
 
 _BIG = 1 << 31  # batches this big take 64-bit sizes: another compiled kernel
 
@@ -139,10 +140,10 @@ class GpuGather:
             launch=self._block_scales,
         )
 
-    def read_counts(self) -> dict[str, int]:
-        """The device counters (a copy to the host on the current stream)."""
+    def read_counts(self) -> dict:
+        """The device counters (a copy to the host on the current stream), as ``path_counts``."""
         rows, out_of_range = (int(v) for v in self.counters.tolist())
-        return {"rows": rows, "out_of_range": out_of_range}
+        return path_counts(rows, out_of_range)
 
     def reset_counts(self) -> None:
         self.counters.zero_()

@@ -13,7 +13,8 @@ import threading
 
 import torch
 
-BLOCK = 16  # values per E4M3 block scale
+from ple_um.checkpoint import NVFP4_BLOCK
+
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 _on_device: dict[torch.device, torch.Tensor] = {}
 _lock = threading.Lock()
@@ -46,4 +47,4 @@ def decode_nvfp4(
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(n, dim).long()
     values = e2m1_values(out.device)[codes & 7] * torch.where((codes & 8) > 0, -1.0, 1.0)
     block = scales.view(torch.float8_e4m3fn).float() * global_scale
-    out.copy_((values.view(n, dim // BLOCK, BLOCK) * block.unsqueeze(-1)).view(n, dim))
+    out.copy_((values.view(n, dim // NVFP4_BLOCK, NVFP4_BLOCK) * block.unsqueeze(-1)).view(n, dim))

@@ -1,17 +1,17 @@
-"""The C row copy (``rowcopy.c``): a lookup's host work, loaded with ctypes.
+"""The C row copy (``native/``): a lookup's host work, loaded with ctypes.
 
 ``ple_lookup_run`` reads the rows of a batch of ids from the mapped shard files into a staging
 buffer, in batch order (each id's shard and row worked out in C, as the GPU kernel does), zeros for
 ids not owned, and adds to the table's host counters. It is written to run as a CUDA host function
-(``host_node.py`` queues it with ``cuLaunchHostFunc``): no CUDA call, no GIL, no failure; on a
+(``host/gather.py`` queues it with ``cuLaunchHostFunc``): no CUDA call, no GIL, no failure; on a
 machine without CUDA it is called directly. Each thread prefetches the row 16 positions ahead of
 the one it copies (``torch.index_select`` copies row by row, about one miss in flight); big lookups
-are split in blocks over a pool of worker threads that stays up between lookups (docs/PERF_NOTES.md
-rows 12 and 14).
+are split in blocks over a pool of worker threads that stays up between lookups. A table may add a
+row cache (``host/row_cache.py``) and a reader of the rows it misses (``host/file_reads.py``).
 
-The C file is compiled once per machine with the system C compiler (``$CC``, else ``cc`` or
-``gcc``: Triton needs one too) into the cache directory; where none is found or the build fails,
-``load`` says why, and the ``cpu`` mode keeps its synchronous path (``cpu_gather.py``).
+The C files are compiled once per machine with the system C compiler (``$CC``, else ``cc`` or
+``gcc``: Triton needs one too) into one library in the cache directory; where none is found or the
+build fails, ``load`` says why, and the ``cpu`` mode keeps its synchronous path (``sync_gather.py``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,29 @@ import torch
 
 from ple_um.mapping import MappedShards
 
-SOURCE = Path(__file__).with_name("rowcopy.c")
+NATIVE = Path(__file__).with_name("native")
+SOURCES = tuple(NATIVE / name for name in ("rowcopy.c", "pool.c", "dispatcher.c", "rowcache.c", "reader.c"))
+HEADERS = (NATIVE / "rowcopy.h",)
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 # How long idle workers spin after a lookup before they sleep (H200 host, PERF_NOTES row 12: 500 us
 # gained 0.1-0.2 ms a lookup back to back for 15 threads busy half a millisecond after each one).
 SPIN_US = 50
-# rowcopy.c's counters, in the order of its enum.
-COUNTS = ("rows", "out_of_range", "broken", "ns", "lookups")
+# rowcopy.h's counters, in the order of its enum.
+COUNTS = (
+    "rows",
+    "out_of_range",
+    "broken",
+    "ns",
+    "lookups",
+    "cache_hits",
+    "cache_misses",
+    "cache_inserts",
+    "cache_evictions",
+    "file_reads",
+    "read_ns",
+)
+# rowcopy.h's ways of reading the rows a lookup misses.
+READ_STRATEGIES = {"mmap": 0, "uring": 1, "threads": 2}
 # Id dtypes the C code reads, as its id_kind.
 ID_KINDS = {torch.int64: 0, torch.int32: 1, torch.int16: 2, torch.int8: 3, torch.uint8: 4}
 
@@ -46,7 +62,7 @@ _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 
 
 class RowsStruct(ctypes.Structure):
-    """rowcopy.c's ple_rows_t."""
+    """rowcopy.h's ple_rows_t."""
 
     _fields_ = [
         ("shards", ctypes.c_int64),
@@ -58,11 +74,50 @@ class RowsStruct(ctypes.Structure):
         ("bases", ctypes.c_void_p),
         ("first", ctypes.c_void_p),
         ("end", ctypes.c_void_p),
+        ("cache", ctypes.c_void_p),
+        ("reader", ctypes.c_void_p),
+    ]
+
+
+class ReaderStruct(ctypes.Structure):
+    """rowcopy.h's ple_reader_t: how the rows a lookup misses are read."""
+
+    _fields_ = [
+        ("fds", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("align", ctypes.c_int32),
+        ("strategy", ctypes.c_int32),
+        ("depth", ctypes.c_int32),
+        ("resident_check", ctypes.c_int32),
+    ]
+
+
+class CacheStruct(ctypes.Structure):
+    """rowcache.c's struct ple_cache."""
+
+    _fields_ = [
+        ("sets", ctypes.c_int64),
+        ("rb", ctypes.c_int64),
+        ("ways", ctypes.c_int32),
+        ("policy", ctypes.c_int32),
+        ("publish_first", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+        ("tags", ctypes.c_void_p),
+        ("versions", ctypes.c_void_p),
+        ("meta", ctypes.c_void_p),
+        ("locks", ctypes.c_void_p),
+        ("data", ctypes.c_void_p),
+        ("sketch", ctypes.c_void_p),
+        ("sketch_mask", ctypes.c_int64),
+        ("door", ctypes.c_void_p),
+        ("door_words", ctypes.c_int64),
+        ("clock", ctypes.c_void_p),
+        ("counts", ctypes.c_void_p),
     ]
 
 
 class LookupStruct(ctypes.Structure):
-    """rowcopy.c's ple_lookup_t: one queued lookup."""
+    """rowcopy.h's ple_lookup_t: one queued lookup."""
 
     _fields_ = [
         ("tables", ctypes.c_void_p * 2),
@@ -83,43 +138,48 @@ class LookupStruct(ctypes.Structure):
 
 
 def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
-    source = SOURCE.read_bytes()
+    digest = hashlib.sha256()
+    for path in (*HEADERS, *SOURCES):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler found ($CC, cc, gcc)"
-    tag = hashlib.sha256(source + " ".join((cc, *FLAGS, platform.machine())).encode()).hexdigest()[:16]
-    target = Path(cache_dir) / "native" / f"rowcopy-{tag}.so"
+    digest.update(" ".join((cc, *FLAGS, platform.machine())).encode())
+    target = Path(cache_dir) / "native" / f"rowcopy-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
                 done = subprocess.run(
-                    [cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=120
+                    [cc, *FLAGS, "-o", str(built), *map(str, SOURCES)],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
                 )
                 if done.returncode != 0:
-                    return None, f"compiling {SOURCE} with {cc} failed: {done.stderr.strip()[-500:]}"
+                    return None, f"compiling {NATIVE} with {cc} failed: {done.stderr.strip()[-500:]}"
                 os.replace(built, target)  # atomic: another process may build the same file at once
         except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"compiling {SOURCE} with {cc} into {target.parent} failed: {exc}"
+            return None, f"compiling {NATIVE} with {cc} into {target.parent} failed: {exc}"
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
         return None, f"loading {target} failed: {exc}"
-    lib.ple_pool_start.argtypes = [ctypes.c_int, ctypes.c_long]
-    lib.ple_pool_start.restype = ctypes.c_int
-    lib.ple_pool_wake.argtypes = [ctypes.c_void_p]
-    lib.ple_pool_wake.restype = None
-    lib.ple_lookup_run.argtypes = [ctypes.c_void_p]
-    lib.ple_lookup_run.restype = None
-    lib.ple_dispatch_start.argtypes = []
-    lib.ple_dispatch_start.restype = ctypes.c_int
-    lib.ple_dispatch_post.argtypes = [ctypes.c_void_p]
-    lib.ple_dispatch_post.restype = ctypes.c_int
-    lib.ple_struct_sizes.argtypes = []
-    lib.ple_struct_sizes.restype = ctypes.c_int64
+    for name, argtypes, restype in (
+        ("ple_pool_start", [ctypes.c_int, ctypes.c_long], ctypes.c_int),
+        ("ple_pool_wake", [ctypes.c_void_p], None),
+        ("ple_lookup_run", [ctypes.c_void_p], None),
+        ("ple_dispatch_start", [], ctypes.c_int),
+        ("ple_dispatch_post", [ctypes.c_void_p], ctypes.c_int),
+        ("ple_struct_sizes", [], ctypes.c_int64),
+        ("ple_uring_works", [], ctypes.c_int),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     sizes = lib.ple_struct_sizes()
-    if (sizes >> 32, sizes & 0xFFFFFFFF) != (ctypes.sizeof(RowsStruct), ctypes.sizeof(LookupStruct)):
+    declared = (RowsStruct, LookupStruct, ReaderStruct, CacheStruct)
+    if [(sizes >> shift) & 0xFFFF for shift in (48, 32, 16, 0)] != [ctypes.sizeof(s) for s in declared]:
         return None, f"{target}: the C structs do not match their ctypes declarations"
     return lib, f"C row copy ({target.name}, built with {cc})"
 
@@ -140,10 +200,12 @@ def function_address(lib: ctypes.CDLL, name: str) -> int:
 
 class Rows:
     """One table's rows as the C code reads them (a ple_rows_t and the arrays it points to): the
-    owned rows of ``mapping`` (a table's rows, or an NVFP4 table's block scales). The mapping must
-    stay open as long as this is used."""
+    owned rows of ``mapping`` (a table's rows, or an NVFP4 table's block scales), and the row cache
+    (``host.row_cache.RowCache``) and reader (``host.file_reads.FileReader``) they are looked up
+    and read with, where there are any. The mapping, cache and reader must stay open as long as
+    this is used."""
 
-    def __init__(self, mapping: MappedShards) -> None:
+    def __init__(self, mapping: MappedShards, *, cache=None, reader=None) -> None:
         layout = mapping.layout
         parts, rb = layout.parts, layout.row_bytes
         self.bases = np.zeros(parts, dtype=np.uint64)
@@ -163,13 +225,16 @@ class Rows:
             self.bases.ctypes.data,
             self.first.ctypes.data,
             self.end.ctypes.data,
+            cache.address if cache is not None else None,
+            reader.address if reader is not None else None,
         )
+        self.cache, self.reader = cache, reader  # kept: the struct points into them
         self.row_bytes = rb
         self.address = ctypes.addressof(self.struct)
 
 
 class Counts:
-    """The host counters lookups add to (rowcopy.c's enum), read without a lock: each is one
+    """The host counters lookups add to (rowcopy.h's enum), read without a lock: each is one
     aligned int64 that the C code adds to atomically."""
 
     def __init__(self) -> None:
@@ -181,7 +246,7 @@ class Counts:
 
 
 class Pool:
-    """rowcopy.c's worker threads (one pool per process, grown to the most workers any table asked
+    """pool.c's worker threads (one pool per process, grown to the most workers any table asked
     for): ``threads`` = the workers plus the thread that runs the lookup."""
 
     def __init__(self, lib: ctypes.CDLL, threads: int) -> None:

@@ -28,16 +28,14 @@ from helpers.machines import ATS, DISCRETE, HMM
 from helpers.reference import reference_rows
 
 import ple_um
-import ple_um.table
 from ple_um import cli, envs
-from ple_um.access import first_read
+from ple_um.access import verdict_cache
 from ple_um.access.capabilities import read_capabilities, triton_interpreter
-from ple_um.access.first_read import (
+from ple_um.access.first_read import first_read_verdict, sample_windows
+from ple_um.access.verdict_cache import (
     FORMAT,
     FORMAT_VERSION,
-    first_read_verdict,
     read_verdict,
-    sample_windows,
     verdict_key,
     verdict_path,
     write_verdict,
@@ -49,25 +47,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
 ]
 
-KNOBS = (
-    "PLE_UM_MODE",
-    "PLE_UM_FIRST_READ_CHECK",
-    "PLE_UM_FIRST_READ_TIMEOUT",
-    "PLE_UM_FIRST_READ_FAULT",
-    "PLE_UM_PIN_BUDGET",
-    "PLE_UM_PIN_FRACTION",
-    "PLE_UM_SELF_TEST_ROWS",
-    "PLE_UM_ATS_POPULATE",
-)
 CPU = torch.device("cpu")
 INJECTED = {"ats": dataclasses.replace(ATS, device="cpu"), "hmm": dataclasses.replace(HMM, device="cpu")}
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """A fresh PLE_UM_CACHE_DIR, the first-read knobs at their defaults."""
-    for var in KNOBS:
-        monkeypatch.delenv(var, raising=False)
+    """A fresh PLE_UM_CACHE_DIR (every other knob at its default: the root conftest)."""
     path = tmp_path / "cache"
     monkeypatch.setenv("PLE_UM_CACHE_DIR", str(path))
     return path
@@ -79,12 +65,6 @@ def verdict_files(cache) -> list[str]:
 
 def all_ids(layout) -> torch.Tensor:
     return torch.arange(-3, layout.num_rows + 3)
-
-
-def inject(monkeypatch, caps) -> None:
-    """open_table (and the probe of a table) see ``caps`` from now on."""
-    monkeypatch.setattr(ple_um.table, "read_capabilities", lambda device=None: caps)
-    monkeypatch.setattr(first_read, "read_capabilities", lambda device=None: caps)
 
 
 def child_processes(directory: str) -> list[int]:
@@ -210,20 +190,20 @@ def test_a_child_that_hangs_is_killed_at_the_timeout_and_the_timeout_is_not_cach
 
 
 # -- the machines: hardware coherent, HMM, neither -------------------------------------------------
-@pytest.mark.parametrize(("machine", "named"), [("ats", "hardware coherent (ATS)"), ("hmm", "HMM")])
+@pytest.mark.parametrize(("kind", "named"), [("ats", "hardware coherent (ATS)"), ("hmm", "HMM")])
 def test_the_direct_read_is_checked_and_named_on_ats_and_hmm_machines(
-    layout, cache, monkeypatch, check_rows, machine, named
+    layout, cache, monkeypatch, check_rows, machine, kind, named
 ):
-    inject(monkeypatch, INJECTED[machine])
-    if machine == "hmm":
+    machine(INJECTED[kind], register=False)
+    if kind == "hmm":
         # HMM tries registered first; a table over the pin budget takes the direct read.
         monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1KiB")
     with ple_um.open_table(layout.directory) as table:
         assert table.mode == "ats" and table.report.direct_read == named
         (verdict,) = table.report.first_read
         assert verdict.source == "child" and verdict.direct_read == named
-        assert verdict.key["direct_read"] == named and verdict.key["device"] == INJECTED[machine].uuid
-        assert verdict.key["driver"] == INJECTED[machine].driver_version
+        assert verdict.key["direct_read"] == named and verdict.key["device"] == INJECTED[kind].uuid
+        assert verdict.key["driver"] == INJECTED[kind].driver_version
         assert f"direct read: {named}\n" in table.report.describe() + "\n"
         assert f"first read: ats ({named}) passed" in table.report.describe()
         check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
@@ -233,10 +213,10 @@ def test_the_direct_read_is_checked_and_named_on_ats_and_hmm_machines(
         assert table.mode == "cpu" and "killed by SIGSEGV" in table.report.reasons["ats"]
 
 
-def test_hmm_takes_the_direct_read_when_registration_fails(layout, cache, monkeypatch, check_rows):
+def test_hmm_takes_the_direct_read_when_registration_fails(layout, cache, monkeypatch, check_rows, machine):
     # Within the pin budget HMM tries registered first; here cudaHostRegister fails (no driver on
     # this host), so the open rejects it and goes on to the direct read, checked in a child.
-    inject(monkeypatch, INJECTED["hmm"])
+    machine(INJECTED["hmm"], register=False)
     with ple_um.open_table(layout.directory) as table:
         assert table.mode == "ats" and table.report.direct_read == "HMM"
         assert table.report.reasons["registered"].startswith("RegistrationError: ")
@@ -244,8 +224,8 @@ def test_hmm_takes_the_direct_read_when_registration_fails(layout, cache, monkey
         check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
 
 
-def test_a_device_without_a_direct_read_starts_no_child(layout, cache, monkeypatch):
-    inject(monkeypatch, dataclasses.replace(DISCRETE, device="cpu"))
+def test_a_device_without_a_direct_read_starts_no_child(layout, cache, monkeypatch, machine):
+    machine(dataclasses.replace(DISCRETE, device="cpu"), register=False)
     monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1KiB")
     with ple_um.open_table(layout.directory) as table:
         assert table.mode == "cpu" and table.report.direct_read is None
@@ -254,10 +234,10 @@ def test_a_device_without_a_direct_read_starts_no_child(layout, cache, monkeypat
     assert verdict_files(cache) == []
 
 
-def test_registered_is_checked_in_a_child_when_asked(layout, cache, monkeypatch):
+def test_registered_is_checked_in_a_child_when_asked(layout, cache, monkeypatch, machine):
     # PLE_UM_FIRST_READ_CHECK=ats,registered: registered's first use runs a child too. This host
     # has no CUDA, so the child's registered open fails there, never in this process.
-    inject(monkeypatch, dataclasses.replace(DISCRETE, device="cpu"))
+    machine(dataclasses.replace(DISCRETE, device="cpu"), register=False)
     monkeypatch.setenv("PLE_UM_FIRST_READ_CHECK", "ats,registered")
     with ple_um.open_table(layout.directory) as table:
         assert table.mode == "cpu"
@@ -314,12 +294,12 @@ def test_each_part_of_the_key_names_its_own_verdict(layout, cache, monkeypatch):
         verdict_key(caps, "registered", layout.files),
         verdict_key(dataclasses.replace(caps, pageable_memory_access=True), "ats", layout.files),  # HMM
     ]
-    monkeypatch.setattr(first_read.platform, "release", lambda: "9.9.9-another")
+    monkeypatch.setattr(verdict_cache.platform, "release", lambda: "9.9.9-another")
     changed.append(verdict_key(caps, "ats", layout.files))
     monkeypatch.undo()
-    monkeypatch.setattr(first_read, "ple_um_version", lambda: "0.2.0+kernels.another")
+    monkeypatch.setattr(verdict_cache, "ple_um_version", lambda: "0.2.0+kernels.another")
     changed.append(verdict_key(caps, "ats", layout.files))
-    monkeypatch.setattr(first_read, "filesystems", lambda paths: "nfs4")
+    monkeypatch.setattr(verdict_cache, "filesystems", lambda paths: "nfs4")
     changed.append(verdict_key(caps, "ats", layout.files))
     paths = {verdict_path(k) for k in (key, *changed)}
     assert len(paths) == 1 + len(changed)
@@ -407,7 +387,7 @@ def test_writers_racing_never_leave_a_partial_file(tmp_path):
     writer = textwrap.dedent(
         f"""
         import sys
-        from ple_um.access.first_read import FORMAT, write_verdict
+        from ple_um.access.verdict_cache import FORMAT, write_verdict
         for i in range(150):
             write_verdict({path!r}, {{"format": FORMAT, "version": 1, "key": {{}}, "passed": True,
                 "checked_at": "now", "writer": sys.argv[1], "i": i, "pad": sys.argv[1] * 200_000}})
@@ -477,7 +457,7 @@ def test_probe_shows_the_verdict_and_where_it_came_from(layout, cache, monkeypat
     assert f"(cache file {path}, checked " in out
     # Without a table: the verdicts cached on this machine, with the filesystem they concern.
     code, out, _ = run(capsys, "probe")
-    fs = first_read.filesystems(layout.files)
+    fs = verdict_cache.filesystems(layout.files)
     assert f"passed in a child process on {fs} (cache file {path}, checked " in out
     code, out, _ = run(capsys, "probe", layout.directory, "--json")
     (verdict,) = json.loads(out)["first_read"]
@@ -510,8 +490,6 @@ def test_probe_of_a_forced_mode_whose_first_read_fails(layout, cache, monkeypatc
 
 # -- the knobs -------------------------------------------------------------------------------------
 def test_the_first_read_knobs(monkeypatch):
-    for var in KNOBS:
-        monkeypatch.delenv(var, raising=False)
     assert envs.PLE_UM_FIRST_READ_CHECK == ("ats",)
     assert envs.PLE_UM_FIRST_READ_TIMEOUT == 120.0 and envs.PLE_UM_FIRST_READ_FAULT is None
     for text, modes in (("ats,registered", ("ats", "registered")), (" Registered ", ("registered",))):

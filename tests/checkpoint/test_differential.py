@@ -1,4 +1,4 @@
-"""Differential fuzzing of the checkpoint reader against the ``safetensors`` package (issue 19).
+"""Differential fuzzing of the checkpoint reader against the ``safetensors`` package.
 
 ple-um must refuse every checkpoint whose table files safetensors (the loader stock vLLM uses)
 refuses, and serve exactly the bytes safetensors reads where both accept. Three real checkpoints
@@ -25,8 +25,8 @@ Asserted for every mutant:
 3. Where safetensors accepts every one of those files, the index is consistent and the table's
    tensors (names, files, dtypes, shapes, bytes) are the original's, ple-um accepts too.
 
-One known exception is counted, not failed: 16-bit rows at an odd byte offset (a header padded by
-an odd number of bytes), which both readers accept but ``open_table`` refuses until issue 18 lands.
+16-bit rows at an odd byte offset (a header padded by an odd number of bytes) are no exception:
+both readers accept them and ``open_table`` serves them.
 
 Seeded: case ``i`` of seed ``s`` is the same mutant on every machine. CI runs ``DEFAULT_CASES``;
 more on demand: ``pytest tests/checkpoint/test_differential.py --differential-cases 20000
@@ -70,8 +70,6 @@ SHARD_NAME = re.compile(rf"(?:^|\.)layers\.{LAYER}\.ple\.ple_embedding\.ngram_em
 BLOCK_NAME = re.compile(
     rf"(?:^|\.)layers\.{LAYER}\.ple\.ple_embedding\.ngram_embedding\.shard_\d+\.weight_scale\Z"
 )
-# The open_table refusal that issue 18 removes (16-bit rows at an odd offset).
-PENDING_ISSUE_18 = "not aligned to its"
 
 SAFETENSORS_DTYPES = [
     "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16",
@@ -830,13 +828,7 @@ def ple_um_open(directory: str) -> Served | str:
         layout = read_layout(directory, LAYER)
     except CheckpointError as e:
         return str(e)
-    try:
-        table = ple_um.open_table(directory, layer=LAYER, mode="cpu")
-    except CheckpointError as e:
-        if PENDING_ISSUE_18 in str(e):
-            return Served(layout, None, None)
-        raise
-    with table:
+    with ple_um.open_table(directory, layer=LAYER, mode="cpu") as table:
         ids = torch.arange(layout.num_rows)
         if layout.is_nvfp4:
             packed, scales = table.lookup_packed(ids)
@@ -876,8 +868,6 @@ def check_served(served: Served, view: View) -> None:
         assert {s.tensor for s in layout.block_scales} == {n for n in view.table if BLOCK_NAME.search(n)}
         width = layout.row_dim // layout.block_size
         blocks = _expected_rows(view, layout.block_scales, width, "F8_E4M3")
-    if served.rows is None:
-        return  # open_table refused 16-bit rows at an odd offset: issue 18
     assert np.array_equal(served.rows, expected), "a row ple-um serves differs from safetensors' bytes"
     if layout.is_nvfp4:
         assert np.array_equal(served.block_rows, blocks), "NVFP4 block scales differ from safetensors' bytes"
@@ -893,7 +883,7 @@ def check_served(served: Served, view: View) -> None:
 
 @dataclass
 class Outcome:
-    ple_um: str  # "served", "pending issue 18" or "refused"
+    ple_um: str  # "served" or "refused"
     safetensors: str  # "accepts" or "refuses"
     unchanged: bool  # the table, its files and the index as in the original
 
@@ -928,7 +918,7 @@ def run_case(directory: str, original: Original) -> Outcome:
         return Outcome("refused", "refuses" if refuses else "accepts", unchanged)
     assert not refuses, f"ple-um accepted what safetensors refuses: {view.must_refuse} {view.refused}"
     check_served(result, view)
-    return Outcome("served" if result.rows is not None else "pending issue 18", "accepts", unchanged)
+    return Outcome("served", "accepts", unchanged)
 
 
 def mutate(rng: random.Random, files: dict[str, bytes], original: Original) -> list[str]:
@@ -1109,8 +1099,8 @@ def test_rules_of_the_installed_safetensors(tmp_path, case):
 
 
 def test_16bit_rows_at_an_odd_offset_are_read(tmp_path):
-    """A header padded by one byte puts BF16 rows at an odd offset: safetensors accepts the file, and
-    so does the checkpoint layer (serving such rows is issue 18's)."""
+    """A header padded by one byte puts BF16 rows at an odd offset: safetensors accepts the file, so
+    does the checkpoint layer, and the cpu mode serves its rows bit for bit."""
     rows = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
     path = tmp_path / "model.safetensors"
     save_file({f"{TABLE}shard_0.weight": rows[:3], f"{TABLE}shard_1.weight": rows[3:]}, str(path))
@@ -1120,3 +1110,7 @@ def test_16bit_rows_at_an_odd_offset_are_read(tmp_path):
         assert torch.equal(f.get_tensor(f"{TABLE}shard_1.weight"), rows[3:])
     layout = read_layout(str(tmp_path))
     assert [s.offset % 2 for s in layout.shards] == [1, 1] and layout.num_rows == 6
+    with ple_um.open_table(str(tmp_path), mode="cpu") as table:
+        out = table.lookup(torch.tensor([5, 0, 3, 2, -1, 6]))
+    expect = torch.cat((rows[[5, 0, 3, 2]], torch.zeros(2, 4, dtype=torch.bfloat16)))
+    assert torch.equal(out.view(torch.int16), expect.view(torch.int16))

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ple_um.checkpoint import find_layers, read_layout, validate
-from ple_um.checkpoint.safetensors import MAX_JSON_NESTING
+from ple_um.checkpoint.header_json import MAX_JSON_NESTING
 from ple_um.errors import CheckpointError
 
 FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -275,8 +275,9 @@ def _at_stack_depth(frames: int, fn):
 @pytest.mark.parametrize("depth", [MAX_JSON_NESTING - 2, MAX_JSON_NESTING - 1, 1982])
 def test_how_deep_is_too_deep_does_not_depend_on_the_callers_stack(depth):
     """The limit is counted in the header, before parsing: the same verdict from a shallow and a
-    deep caller (the parser's own recursion limit counts the caller's frames; a header 1 982 deep
-    was once refused as too deep from one caller and as cut short from another)."""
+    deep caller (the parser's own recursion limit counts the caller's frames, so a header 1 982
+    deep parsed by it alone would be refused as too deep from one caller and as cut short from
+    another)."""
     opener = '{"t": {"dtype": "U8", "data_offsets": [0, 0], "shape": '  # two levels, then the shape's
     with tempfile.TemporaryDirectory() as directory:
         write_raw(os.path.join(directory, "x.safetensors"), opener + "[" * depth)

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent(
     directory, victim = sys.argv[1], sys.argv[2]
     table = ple_um.open_table(directory, mode="cpu", device="cuda")
     assert table.capture_safe, table.row_reads
-    assert table.host.dispatcher == (os.environ["PLE_UM_DISPATCHER"] == "1"), table.row_reads
+    assert table.paths.host.dispatcher == (os.environ["PLE_UM_DISPATCHER"] == "1"), table.row_reads
     spec = [s for s in table.layout.shards if s.path == victim][-1]
     first = spec.index * table.layout.rows_per_shard
     ids = torch.arange(first, first + spec.rows, device="cuda")

@@ -17,8 +17,9 @@ from helpers.reference import bits_differ, reference_nvfp4, reference_rows
 
 import ple_um
 from ple_um.access.capabilities import read_capabilities
-from ple_um.lookup.cpu_gather import SyncGather
-from ple_um.lookup.host_node import HostGather, chunks
+from ple_um.lookup.host.buffers import chunks
+from ple_um.lookup.host.gather import HostGather
+from ple_um.lookup.sync_gather import SyncGather
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 # (mode, rowcopy): "1" the C row copy (eager lookups of the host path by the dispatcher thread,
@@ -76,10 +77,10 @@ def open_mode(monkeypatch, device):
             monkeypatch.setenv(key, value)
         table = ple_um.open_table(layout.directory, mode=mode, rows=rows, device=device)
         if mode == "cpu":
-            assert isinstance(table.host, SyncGather if rowcopy == "0" else HostGather), table.row_reads
+            assert isinstance(table.paths.host, SyncGather if rowcopy == "0" else HostGather), table.row_reads
             assert table.capture_safe == (rowcopy != "0")
-        if isinstance(table.host, HostGather):
-            assert table.host.dispatcher == (rowcopy == "1"), table.row_reads
+        if isinstance(table.paths.host, HostGather):
+            assert table.paths.host.dispatcher == (rowcopy == "1"), table.row_reads
         return table
 
     return open_
@@ -291,9 +292,9 @@ def test_a_lookup_that_cannot_be_posted_takes_host_nodes(tables, open_mode, ids_
     """A job the dispatcher refuses becomes a host node queued before the copies: exact, counted."""
     layout = tables["fp8"]
     with open_mode(layout, "cpu", "1") as table:
-        assert table.host.dispatcher
-        lib = table.host.lib = _NoDispatcher(table.host.lib)
-        total = table.host.read_counts()["rows"]
+        assert table.paths.host.dispatcher
+        lib = table.paths.host.lib = _NoDispatcher(table.paths.host.lib)
+        total = table.paths.host.read_counts()["rows"]
         for n in (16, 5000, 70_000):  # inline, pooled, chunked
             ids_np = ids_for(layout, n, rng)
             out = poisoned((n, layout.row_dim), layout.dtype, device)
@@ -302,7 +303,7 @@ def test_a_lookup_that_cannot_be_posted_takes_host_nodes(tables, open_mode, ids_
             assert lib.refused - refused == len(chunks(n)), n  # every job was offered, and refused
             assert same(out, expected(layout, ids_np, layout.dtype)), n
             total += n
-        assert table.host.read_counts()["rows"] == total
+        assert table.paths.host.read_counts()["rows"] == total
 
 
 def test_the_page_touch_runs_before_the_kernel(tables, open_mode, ids_for, rng, device):
@@ -311,14 +312,14 @@ def test_the_page_touch_runs_before_the_kernel(tables, open_mode, ids_for, rng, 
     (host-node time rose) and counted no rows (the kernel counts the lookup)."""
     layout = tables["fp8"]
     with open_mode(layout, "registered", "1", PLE_UM_ATS_PREFETCH="on", PLE_UM_BULK_ROWS="0") as table:
-        assert table.touch_pages and isinstance(table.host, HostGather)
-        ns0 = table.host.read_counts()["ns"]
+        assert table.touch_pages and isinstance(table.paths.host, HostGather)
+        ns0 = table.paths.host.read_counts()["ns"]
         for n in (16, 5000):
             ids_np = ids_for(layout, n, rng)
             out = poisoned((n, layout.row_dim), torch.float16, device)
             table.lookup(torch.from_numpy(ids_np).to(device), out=out)
             assert same(out, expected(layout, ids_np, torch.float16))
-        counts = table.host.read_counts()
+        counts = table.paths.host.read_counts()
         assert counts["ns"] > ns0 and counts["rows"] == 0 and counts["lookups"] == 0
         assert table.stats()["rows"] == 5016
 
@@ -329,11 +330,11 @@ def test_the_direct_launch_equals_tritons_own(tables, open_mode, ids_for, rng, d
     ids_np = ids_for(layout, 3000, rng)
     for direct in ("1", "0"):
         with open_mode(layout, "registered", "1", PLE_UM_DIRECT_LAUNCH=direct, PLE_UM_BULK_ROWS="0") as table:
-            assert (table.gpu.launch.startswith("direct")) == (direct == "1"), table.gpu.launch
+            assert (table.paths.gpu.launch.startswith("direct")) == (direct == "1"), table.paths.gpu.launch
             for _ in range(3):  # the first call compiles through Triton, the next ones launch directly
                 out = poisoned((3000, layout.row_dim), torch.float32, device)
                 table.lookup(torch.from_numpy(ids_np).to(device), out=out)
-            assert bool(table.gpu._bound) == (direct == "1")  # a bound launcher served the later calls
+            assert bool(table.paths.gpu._bound) == (direct == "1")  # a bound launcher served the later calls
             outs.append(out.cpu())
     assert same(outs[0], expected(layout, ids_np, torch.float32)) and same(outs[1], outs[0])
 

@@ -1,2 +1,3 @@
-"""Helpers shared by the tests: reference readers and writers (``reference``), the injected machines
-(``machines``), the C row copy driven through ctypes (``rowcopy_jobs``)."""
+"""Helpers shared by the tests: reference readers and writers (``reference``), PLE checkpoints built
+tensor by tensor (``hand_checkpoints``), the injected machines (``machines``), the C row copy driven
+through ctypes (``rowcopy_jobs``)."""

@@ -2,22 +2,22 @@
 coherent Grace system, on a discrete GPU with HMM, and on a discrete GPU without it
 (``from helpers.machines import ATS, DISCRETE, HMM``; conftest puts tests/ on the path); the same
 machines on the "cpu" device, whose kernels the Triton interpreter runs (H200, GH200); and
-``inject_machine``, which makes open_table see one of them and register through
+``injected_machine``, which makes open_table see one of them and register through
 ``InjectedRegistration``."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import mmap
 import os
+from collections.abc import Iterator
 
-import torch
-
-import ple_um.table
+from ple_um.access import machine
 from ple_um.access.capabilities import DeviceCapabilities
-from ple_um.access.registration import RegisteredMapping, RegistrationError
-from ple_um.mapping import MappedShards, _libc
+from ple_um.access.machine import HostRegistration, RegistrationError
+from ple_um.mapping import _libc
 
 # A coherent Grace system (GH200, GB10 / DGX Spark): the GPU walks the CPU's page tables.
 ATS = DeviceCapabilities(
@@ -66,33 +66,32 @@ GH200 = dataclasses.replace(ATS, device="cpu", name="NVIDIA GH200 (injected)")
 
 
 class InjectedRegistration:
-    """cudaHostRegister, cudaHostUnregister and cudaHostGetDevicePointer for RegisteredMapping.
+    """cudaHostRegister, cudaHostUnregister and cudaHostGetDevicePointer, injected as the machine's
+    registration calls (``calls``).
 
-    ``register`` maps the region's bytes a second time (PROT_READ, MAP_SHARED, from the region's
-    own fd and offset) and ``device_pointer`` returns that alias: the kernel reads rows only
-    through it. ``fail_register=k`` / ``fail_pointer=k`` make the k-th call (0-based) raise
-    ``error`` (``fail_register="all"``: every call). Records every call, and whether the mapping
-    was still open at each unregister. Serves every MappedShards it is given (an NVFP4 table
-    registers its block scales' mapping too)."""
+    ``register`` maps the range's pages a second time (``mremap`` with an old size of 0, which
+    duplicates a shared mapping) and ``device_pointer`` returns that alias: the kernel reads rows
+    only through it, as a GPU reads registered pages through the pointer CUDA returns.
+    ``fail_register=k`` / ``fail_pointer=k`` make the k-th call (0-based) raise ``error``
+    (``fail_register="all"``: every call). Records every call, and whether the range was still
+    mapped at each unregister (the registration released before the mapping)."""
 
     def __init__(self, *, fail_register=None, fail_pointer=None, error=RegistrationError) -> None:
         self.fail_register, self.fail_pointer, self.error = fail_register, fail_pointer, error
-        self.mappings: list[MappedShards] = []
-        self.live: dict[int, tuple[int, int, MappedShards]] = {}  # host address -> (alias, length, mapping)
+        self.live: dict[int, tuple[int, int]] = {}  # host address -> (alias, length)
         self.registered: list[int] = []
         self.unregistered: list[int] = []
         self.register_calls = self.pointer_calls = 0
         self.mapping_open_at_unregister: list[bool] = []
+        self.calls = HostRegistration(self.register, self.unregister, self.device_pointer)
 
     def register(self, addr: int, length: int) -> None:
         k, self.register_calls = self.register_calls, self.register_calls + 1
         if k == self.fail_register or self.fail_register == "all":
             raise self.error(f"cudaHostRegister({length} bytes) failed: cudaErrorMemoryAllocation (injected)")
-        mapping, region = next((m, r) for m in self.mappings for r in m.regions if r.addr == addr)
-        assert region.length == length
-        alias = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, region.fd, region.file_offset)
+        alias = _mremap(addr, 0, length, _MREMAP_MAYMOVE)
         assert alias not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        self.live[addr] = (alias, length, mapping)
+        self.live[addr] = (alias, length)
         self.registered.append(addr)
 
     def device_pointer(self, addr: int) -> int:
@@ -102,30 +101,26 @@ class InjectedRegistration:
         return self.live[addr][0]
 
     def unregister(self, addr: int) -> None:
-        alias, length, mapping = self.live.pop(addr)
-        self.mapping_open_at_unregister.append(not mapping.closed)
+        alias, length = self.live.pop(addr)
+        vec = (ctypes.c_ubyte * ((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+        self.mapping_open_at_unregister.append(_libc.mincore(addr, length, vec) == 0)  # ENOMEM: unmapped
         assert _libc.munmap(alias, length) == 0
         self.unregistered.append(addr)
 
-    def __call__(self, mapping: MappedShards, device: torch.device, **kwargs) -> RegisteredMapping:
-        """What ple_um.table calls in place of RegisteredMapping: the real one, these callables."""
-        self.mappings.append(mapping)
-        return RegisteredMapping(
-            mapping,
-            device,
-            register=self.register,
-            unregister=self.unregister,
-            device_pointer=self.device_pointer,
-            **kwargs,
-        )
+
+_MREMAP_MAYMOVE = 1
+_mremap = _libc.mremap
+_mremap.restype = ctypes.c_void_p
+_mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
 
 
-def inject_machine(monkeypatch, caps: DeviceCapabilities = H200, **failures) -> InjectedRegistration:
-    """From now on (until ``monkeypatch`` undoes it) open_table sees ``caps`` and registers through
-    the returned injection. RegisteredMapping binds the CUDA calls as default arguments at
-    definition time, so the class is replaced in ple_um.table's namespace by the injection, which
-    builds the real RegisteredMapping with its own callables."""
+@contextlib.contextmanager
+def injected_machine(
+    caps: DeviceCapabilities = H200, *, register: bool = True, **failures
+) -> Iterator[InjectedRegistration]:
+    """Inside the body, open_table sees ``caps`` and registers through the returned injection
+    (``ple_um.access.machine.injected``, the package's hook for this); ``register=False``: through
+    CUDA's own calls (which fail on a machine without CUDA)."""
     injected = InjectedRegistration(**failures)
-    monkeypatch.setattr(ple_um.table, "read_capabilities", lambda device=None: caps)
-    monkeypatch.setattr(ple_um.table, "RegisteredMapping", injected)
-    return injected
+    with machine.injected(capabilities=caps, registration=injected.calls if register else None):
+        yield injected

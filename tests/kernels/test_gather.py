@@ -372,12 +372,12 @@ def test_ats_table_runs_the_kernel(layouts, name, out_dtype, rng, check_rows, wa
     ids = torch.tensor(in_int32 + rng.integers(0, layout.num_rows, 40).tolist(), dtype=torch.int32)
     ids = ids[: (ids.numel() // 4) * 4].reshape(4, -1)  # 2-D int32 ids
     with ple_um.open_table(layout.directory, mode="ats", device="cpu") as table:
-        assert table.mode == "ats" and table.gpu is not None
+        assert table.mode == "ats" and table.paths.gpu is not None
         watch_loads.clear()  # the open's self-test launched the kernel too: this reads the lookup's
         out = table.lookup(ids, out_dtype=out_dtype)
         # The table's alignment let the launch read its rows in the words the module expects, and
         # no load was wider than its address's alignment.
-        assert watch_loads.row_widths(table.gpu.bases, table.mapping) == {LAYOUTS[name][-1]}
+        assert watch_loads.row_widths(table.paths.gpu.bases, table.mapping) == {LAYOUTS[name][-1]}
         assert watch_loads.misaligned() == []
         assert out.shape == (*ids.shape, layout.row_dim)
         check_rows(out, layout, ids)

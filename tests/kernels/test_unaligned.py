@@ -23,7 +23,7 @@ import struct
 
 import pytest
 import torch
-from helpers.machines import H200, inject_machine
+from helpers.machines import H200
 from helpers.reference import decode_nvfp4, misalign_checkpoint, safetensors_table
 
 import ple_um
@@ -82,9 +82,9 @@ def expected(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def open_in(mode: str, layout, monkeypatch):
+def open_in(mode: str, layout, machine):
     if mode == "registered":
-        inject_machine(monkeypatch, H200)
+        machine(H200)
     return ple_um.open_table(layout.directory, mode=mode, device="cpu")
 
 
@@ -101,14 +101,14 @@ def test_the_tables_do_lie_unaligned(unaligned):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "fp8"])
 def test_rows_equal_what_safetensors_reads(
-    unaligned, dtype, mode, monkeypatch, rng, poison, watch_loads, assert_same_bits
+    unaligned, dtype, mode, machine, rng, poison, watch_loads, assert_same_bits
 ):
     layout = unaligned(dtype)
     st = safetensors_table(layout)
     ids = lookup_ids(layout, rng)
     raw = expected(st["rows"], ids)
     value = st["rows"].float() * st["scale"] if "scale" in st else st["rows"].float()
-    with open_in(mode, layout, monkeypatch) as table:
+    with open_in(mode, layout, machine) as table:
         assert table.mode == mode
         watch_loads.clear()  # the open's self-test launched the kernel too: this reads the lookups'
         out = table.lookup(ids, out=poison(torch.empty((ids.numel(), layout.row_dim), dtype=layout.dtype)))
@@ -117,24 +117,22 @@ def test_rows_equal_what_safetensors_reads(
             got = table.lookup(ids, out=poison(torch.empty((ids.numel(), layout.row_dim), dtype=out_dtype)))
             assert_same_bits(got, expected(value.to(out_dtype), ids))
         assert table.stats()["out_of_range"] == 4 * int(((ids < 0) | (ids >= layout.num_rows)).sum())
-        if table.gpu is not None:
+        if table.paths.gpu is not None:
             assert watch_loads.misaligned() == []
             if mode != "device":  # the device copy's rows start at multiples of row_bytes
                 # Rows starting at odd bytes are read a byte at a time, raw and dequantized.
-                assert watch_loads.row_widths(table.gpu.bases, table.mapping) == {8}
+                assert watch_loads.row_widths(table.paths.gpu.bases, table.mapping) == {8}
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_nvfp4_equals_what_safetensors_reads(
-    unaligned, mode, monkeypatch, rng, watch_loads, assert_same_bits
-):
+def test_nvfp4_equals_what_safetensors_reads(unaligned, mode, machine, rng, watch_loads, assert_same_bits):
     layout = unaligned("nvfp4")
     st = safetensors_table(layout)
     ids = lookup_ids(layout, rng)
     packed = expected(st["rows"], ids)
     scales = expected(st["block_scales"].view(torch.uint8), ids)
     decoded = torch.from_numpy(decode_nvfp4(packed.numpy(), scales.numpy(), st["scale"].item()))
-    with open_in(mode, layout, monkeypatch) as table:
+    with open_in(mode, layout, machine) as table:
         assert table.mode == mode
         watch_loads.clear()
         for out_dtype in FLOAT_OUT:
@@ -144,7 +142,7 @@ def test_nvfp4_equals_what_safetensors_reads(
         got_packed, got_scales = table.lookup_packed(ids)
         assert_same_bits(got_packed, packed)
         assert_same_bits(got_scales.view(torch.uint8), scales)
-        if table.gpu is not None:
+        if table.paths.gpu is not None:
             assert watch_loads.misaligned() == []
 
 

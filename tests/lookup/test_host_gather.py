@@ -1,4 +1,4 @@
-"""The host path's ring of job structs (``host_node._Stream.slot``): a slot is handed out once its
+"""The host path's ring of job structs (``host.buffers.StreamState.slot``): a slot is handed out once its
 host node has run; while the caller waits, a stream in error or a node that never ran ends the wait
 with HostNodeError instead of a hang. The CUDA driver's answers are injected (a CPU machine has no
 driver); the job's flag is cleared by the real C row copy, as a host node clears it."""
@@ -11,8 +11,10 @@ import threading
 import pytest
 import torch
 
-from ple_um.lookup import host_node, rowcopy
-from ple_um.lookup.host_node import RING, HostNodeError, _Driver, _Stream
+from ple_um.lookup import rowcopy
+from ple_um.lookup.host import signals
+from ple_um.lookup.host.buffers import RING, StreamState, check_pending
+from ple_um.lookup.host.driver import HostNodeError
 from ple_um.mapping import MappedShards
 
 
@@ -20,18 +22,17 @@ class _InjectedDriver:
     """Answers cuStreamQuery with the codes given (0 done, 600 not ready, else an error)."""
 
     def __init__(self, codes):
-        self.lib = type("lib", (), {"cuStreamQuery": lambda _self, stream: codes[stream]})()
+        self.codes = codes
 
-    error_name = _Driver.error_name
-    check_pending = _Driver.check_pending
+    def query(self, stream: int) -> int:
+        return self.codes[stream]
 
-
-def _error_names(monkeypatch):
-    monkeypatch.setattr(_InjectedDriver, "error_name", lambda self, rc: f"error {rc}", raising=False)
+    def error_name(self, rc: int) -> str:
+        return f"error {rc}"
 
 
 def test_a_free_slot_comes_at_once_and_the_ring_turns():
-    state = _Stream(0)
+    state = StreamState(0)
     seen = [state.slot(_InjectedDriver({0: 0})) for _ in range(RING + 1)]
     assert seen[:RING] == list(range(RING)) and seen[RING] == 0
 
@@ -42,8 +43,7 @@ def test_a_free_slot_comes_at_once_and_the_ring_turns():
     ids=["stream failed", "never ran"],
 )
 def test_a_node_that_cannot_run_ends_the_wait(monkeypatch, codes, match):
-    _error_names(monkeypatch)
-    state = _Stream(0)
+    state = StreamState(0)
     if 7 in codes:
         state.side = type("side", (), {"cuda_stream": 7})()
     state.ring[0].busy = 1
@@ -68,19 +68,18 @@ def test_a_dispatched_job_whose_done_word_is_set_is_not_a_node_that_never_ran(mo
     is not an error; with the word not yet set (or no word: a host node) it is."""
     import numpy as np
 
-    _error_names(monkeypatch)
     words = np.zeros(16, dtype=np.uint32)
     job = rowcopy.LookupStruct()
     job.busy, job.seq, job.done = 1, 5, words.ctypes.data
     idle = _InjectedDriver({0: 0})
     words[0] = 5
-    idle.check_pending([0], job)  # signalled: no error
+    check_pending(idle, [0], job)  # signalled: no error
     words[0] = 4
     with pytest.raises(HostNodeError, match="never ran"):
-        idle.check_pending([0], job)
+        check_pending(idle, [0], job)
     job.done = None
     with pytest.raises(HostNodeError, match="never ran"):
-        idle.check_pending([0], job)
+        check_pending(idle, [0], job)
 
 
 def test_the_wait_ends_when_the_node_runs(make_checkpoint, tmp_path):
@@ -89,7 +88,7 @@ def test_the_wait_ends_when_the_node_runs(make_checkpoint, tmp_path):
     layout = make_checkpoint(num_rows=100, row_dim=16, dtype="fp8", shards=2)
     with MappedShards(layout) as mapping:
         rows, counts = rowcopy.Rows(mapping), rowcopy.Counts()
-        state = _Stream(0)
+        state = StreamState(0)
         job = state.ring[0]
         ids = torch.arange(10)
         out = torch.empty((10, layout.row_bytes), dtype=torch.uint8)
@@ -113,7 +112,6 @@ class _SignalsDriver:
         self.word, self.sees_host, self.sees_device = word, sees_host, sees_device
         self.waits: dict[int, tuple[int, int]] = {}
         self.device_wrote: set[int] = set()
-        self.lib = type("lib", (), {"cuStreamQuery": lambda _self, stream: self.query(stream)})()
 
     def device_pointer(self, host: int) -> int:
         return host
@@ -132,9 +130,8 @@ class _SignalsDriver:
         seen = self.sees_host or (self.sees_device and address in self.device_wrote)
         return 0 if seen and ctypes.c_uint32.from_address(address).value >= value else 600
 
-    error_name = _Driver.error_name
-    _round_trip = _Driver._round_trip
-    _settle = _Driver._settle
+    def error_name(self, rc: int) -> str:
+        return f"error {rc}"
 
 
 @pytest.mark.parametrize(
@@ -151,33 +148,30 @@ def test_the_signals_check_never_leaves_a_stream_waiting_unsaid(monkeypatch, see
     write, the stream is released by the device's own write on another stream and the dispatcher is
     not used (the word kept: the stream may still read it); where nothing releases it, HostNodeError
     says so and how to run instead, rather than a hang at the next synchronize."""
-    monkeypatch.setattr(host_node, "SIGNAL_TIMEOUT", 0.2)
-    monkeypatch.setattr(_Driver, "_stranded", [])
-    word = torch.zeros(host_node.SIGNAL_BYTES // 4, dtype=torch.int32)
+    monkeypatch.setattr(signals, "_stranded", [])
+    word = torch.zeros(signals.SIGNAL_BYTES // 4, dtype=torch.int32)
     driver = _SignalsDriver(word, sees_host=sees_host, sees_device=sees_device)
     if reason == "stays blocked":
-        with pytest.raises(host_node.StreamBlockedError, match="stays blocked.*PLE_UM_DISPATCHER=0"):
-            driver._round_trip(1, word, lambda: 2)
+        with pytest.raises(signals.StreamBlockedError, match="stays blocked.*PLE_UM_DISPATCHER=0"):
+            signals.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
     else:
-        said = driver._round_trip(1, word, lambda: 2)
+        said = signals.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
         assert reason in said and (said == "") == (reason == "")
-    assert int(word[0]) == 7 and int(word[host_node.DONE_AT // 4]) == 1
-    assert (_Driver._stranded == [word]) == (not sees_host)
+    assert int(word[0]) == 7 and int(word[signals.DONE_AT // 4]) == 1
+    assert (signals._stranded == [word]) == (not sees_host)
 
 
-def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice():
+def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice(monkeypatch):
     calls = []
 
-    class Checked:
-        _signals_checked: dict = {}
-        signals_work = _Driver.signals_work
+    def check(driver, device):
+        calls.append(device)
+        raise signals.StreamBlockedError("a stream ... stays blocked")
 
-        def _check_signals(self, device):
-            calls.append(device)
-            raise host_node.StreamBlockedError("a stream ... stays blocked")
-
-    driver, device = Checked(), torch.device("cuda", 3)
+    monkeypatch.setattr(signals, "_checked", {})
+    monkeypatch.setattr(signals, "_check", check)
+    device = torch.device("cuda", 3)
     for _ in range(2):
         with pytest.raises(HostNodeError, match="stays blocked"):
-            driver.signals_work(device)
+            signals.signals_work(object(), device)
     assert calls == [device]

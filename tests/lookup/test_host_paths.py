@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ple_um
-from ple_um.lookup.cpu_gather import SyncGather
-from ple_um.lookup.host_node import HostGather
+from ple_um.lookup.host.gather import HostGather
+from ple_um.lookup.sync_gather import SyncGather
 
 PATHS = {"node": HostGather, "sync": SyncGather}
 
@@ -38,7 +38,7 @@ def test_random_ids_with_duplicates_masks_and_oob(make_checkpoint, dtype, rng, c
     boundaries = [k * S + d for k in range(layout.parts + 1) for d in (-1, 0, 1)]  # 24: even
     for rows in [None, (S - 1, 3 * S + 1), (0, 0)]:
         with ple_um.open_table(layout.directory, rows=rows, mode="cpu", device="cpu") as table:
-            assert table.mode == "cpu" and isinstance(table.host, host_path) and table.gpu is None
+            assert table.mode == "cpu" and isinstance(table.paths.host, host_path) and table.paths.gpu is None
             ids = np.concatenate([boundaries, rng.integers(-20, 320, 500), rng.integers(0, 10, 50)])
             ids = torch.from_numpy(rng.permutation(ids[: ids.size // 2 * 2])).reshape(2, -1)
             assert len(ids.unique()) < ids.numel()  # duplicates
@@ -73,11 +73,11 @@ def test_thread_pool_paths(make_checkpoint, monkeypatch, rng, check_rows, poison
     layout = make_checkpoint(num_rows=9000, row_dim=6, dtype="fp8", shards=64, seed=seed)
     before = gather_threads()
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        assert isinstance(table.host, host_path)
+        assert isinstance(table.paths.host, host_path)
         if host_path is SyncGather:
-            assert table.host.rows.chunk == 100
+            assert table.paths.host.rows.chunk == 100
         else:
-            assert table.host.threads == 4  # the C pool's 3 workers and the calling thread
+            assert table.paths.host.threads == 4  # the C pool's 3 workers and the calling thread
         rows = 0
         for n in (12000, 20000):
             ids = torch.from_numpy(rng.integers(-50, 9050, n))

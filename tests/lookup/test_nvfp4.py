@@ -128,7 +128,7 @@ def test_self_test_covers_both_tensors(nvfp4):
         assert table.stats()["rows"] == 0  # the self-test at open is not counted
         assert table.self_test(64) is None
         assert table.stats()["mapped_bytes"] > table.mapping.mapped_bytes  # the block scales too
-        for copy in (table.scale_device_copy, table.device_copy):
+        for copy in table.access.device_copies:  # the rows, then the block scales
             copy[0] ^= 0x10
             why = table.self_test(64)
             assert why is not None and re.fullmatch(ROW_0_DIFFERS, why), why

@@ -19,8 +19,8 @@ from helpers.reference import drop_page_cache
 from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job
 
 from ple_um.lookup import rowcopy
-from ple_um.lookup.cpu_gather import SyncGather
-from ple_um.lookup.host_node import HostGather
+from ple_um.lookup.host.gather import HostGather
+from ple_um.lookup.sync_gather import SyncGather
 from ple_um.mapping import PAGE, MappedShards
 
 
@@ -212,7 +212,7 @@ def test_without_a_working_compiler_the_cpu_mode_is_synchronous(
     assert lib is None and "compiling" in why and cc in why
     monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path))
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        assert isinstance(table.host, SyncGather) and not table.capture_safe
+        assert isinstance(table.paths.host, SyncGather) and not table.capture_safe
         assert cc in table.row_reads and "synchronous" in table.row_reads
         ids = torch.from_numpy(rng.integers(-3, layout.num_rows + 3, 500))
         check_rows(table.lookup(ids), layout, ids)
@@ -225,17 +225,17 @@ def test_the_knob_picks_the_host_path(monkeypatch, layout, rng, check_rows, knob
     monkeypatch.setenv("PLE_UM_ROWCOPY", knob)
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
         if knob == "1":
-            assert isinstance(table.host, HostGather) and table.capture_safe
+            assert isinstance(table.paths.host, HostGather) and table.capture_safe
             assert table.row_reads.startswith("C row copy")
         else:
-            assert isinstance(table.host, SyncGather) and not table.capture_safe
+            assert isinstance(table.paths.host, SyncGather) and not table.capture_safe
             assert "PLE_UM_ROWCOPY=0" in table.row_reads
         ids = torch.from_numpy(rng.integers(-3, layout.num_rows + 3, 20000))  # past every inline limit
         check_rows(table.lookup(ids), layout, ids)
 
 
 def test_chunks_cover_the_lookup_and_cut_the_tail():
-    from ple_um.lookup.host_node import CHUNK_ROWS, MAX_CHUNKS, RING, TAIL_ROWS, chunks
+    from ple_um.lookup.host.buffers import CHUNK_ROWS, MAX_CHUNKS, RING, TAIL_ROWS, chunks
 
     for n in (
         1,

@@ -16,7 +16,6 @@ docs/RELIABILITY.md.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers.machines import GH200, H200, InjectedRegistration, inject_machine
+from helpers.machines import GH200, H200, InjectedRegistration
 from helpers.reference import maps_of, reference_rows
 
 import ple_um
@@ -48,12 +47,6 @@ pytestmark = [
     pytest.mark.skipif(not triton_interpreter(), reason="GPU paths run on the CPU under TRITON_INTERPRET=1"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
 ]
-
-
-@pytest.fixture
-def machine(monkeypatch):
-    """``machine(caps=H200, **failures) -> InjectedRegistration``: see ``inject_machine``."""
-    return functools.partial(inject_machine, monkeypatch)
 
 
 def fds_of(paths) -> list[str]:
@@ -86,14 +79,11 @@ def test_registration_failing_part_way_releases_the_earlier_ones(layout, call, f
     injected = InjectedRegistration(**{"fail_register" if call == "register" else "fail_pointer": fail_at})
     with MappedShards(layout) as mapping:
         assert len(mapping.regions) == 4  # one per file: four registrations to make
-        injected.mappings.append(mapping)
         with pytest.raises(RegistrationError) as info:
             RegisteredMapping(
                 mapping,
                 torch.device("cpu"),
-                register=injected.register,
-                unregister=injected.unregister,
-                device_pointer=injected.device_pointer,
+                calls=injected.calls,
             )
         if call == "register":
             # The message names the file whose registration failed.
@@ -117,14 +107,11 @@ def test_any_exception_during_registration_releases_the_earlier_ones(layout):
     # Not only RegistrationError: an interrupt or a bug in a callable must not leak pinned pages.
     injected = InjectedRegistration(fail_register=2, error=KeyboardInterrupt)
     with MappedShards(layout) as mapping:
-        injected.mappings.append(mapping)
         with pytest.raises(KeyboardInterrupt):
             RegisteredMapping(
                 mapping,
                 torch.device("cpu"),
-                register=injected.register,
-                unregister=injected.unregister,
-                device_pointer=injected.device_pointer,
+                calls=injected.calls,
             )
         assert len(injected.registered) == 2 and injected.unregistered == injected.registered[::-1]
 
@@ -136,9 +123,9 @@ def test_registered_mode_serves_through_the_device_pointers(layout, machine, che
         assert "PageableMemoryAccessUsesHostPageTables" in table.report.reasons["ats"]
         assert len(injected.live) == 4
         # The kernel's bases point into the aliases, not into the table's own mapping.
-        aliases = [(a, a + n) for a, n, _ in injected.live.values()]
+        aliases = [(a, a + n) for a, n in injected.live.values()]
         for index, owned in table.mapping.owned.items():
-            base = int(table.gpu.bases[index]) + owned.lo * layout.row_bytes
+            base = int(table.paths.gpu.bases[index]) + owned.lo * layout.row_bytes
             assert any(a <= base < b for a, b in aliases)
         for out_dtype in (None, torch.bfloat16, torch.float32):
             check_rows(table.lookup(all_ids(layout), out_dtype=out_dtype), layout, all_ids(layout))
@@ -426,7 +413,7 @@ def test_a_close_that_fails_keeps_the_mappings(layout, monkeypatch):
     def failing() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
 
-    monkeypatch.setattr(table.host, "close", failing)  # inside the release, as a CUDA error would
+    monkeypatch.setattr(table.paths.host, "close", failing)  # inside the release, as a CUDA error would
     with pytest.raises(RuntimeError, match="injected"):
         table.close()
     assert table.closed and maps_of(layout.files)
@@ -442,16 +429,19 @@ def test_a_blocked_stream_at_open_is_raised_without_a_release(layout, monkeypatc
     """The dispatcher's check found a stream blocked for good (injected here): open_table raises
     it at once and never releases through the device (its synchronize would wait for ever); the
     files are unmapped (no host thread reads them)."""
-    from ple_um.lookup.host_node import StreamBlockedError
+    from ple_um import opening
+    from ple_um.access.build import ModeAccess
+    from ple_um.lookup.host.signals import StreamBlockedError
     from ple_um.table import MappedTable
 
     released = []
 
-    def blocked(self, caps_cuda, host_node=True):
+    def blocked(*args, **kwargs):
         raise StreamBlockedError("a stream ... stays blocked (injected)")
 
-    monkeypatch.setattr(MappedTable, "_build", blocked)
-    monkeypatch.setattr(MappedTable, "_release_access", lambda self: released.append(self))
+    monkeypatch.setattr(opening, "build_paths", blocked)  # where the host gather checks the signals
+    monkeypatch.setattr(MappedTable, "release_mode", lambda self: released.append(self))
+    monkeypatch.setattr(ModeAccess, "close", lambda self: released.append(self))
     for mode in ("auto", "cpu"):
         with pytest.raises(StreamBlockedError, match="injected"):
             ple_um.open_table(layout.directory, mode=mode, device="cpu")
@@ -460,20 +450,20 @@ def test_a_blocked_stream_at_open_is_raised_without_a_release(layout, monkeypatc
 
 def test_a_rejected_mode_whose_release_fails_keeps_the_mappings(layout, monkeypatch):
     """As close() does: a release that fails (a CUDA error) leaves the files mapped until exit."""
+    from ple_um import opening
     from ple_um import table as table_module
-    from ple_um.table import MappedTable
+    from ple_um.access.build import ModeAccess
 
     monkeypatch.setattr(table_module, "_KEPT_AFTER_FAILED_CLOSE", [])
 
-    class Failing:
-        def close(self):
-            raise RuntimeError("CUDA error (injected)")
+    def failing_close(self):
+        raise RuntimeError("CUDA error (injected)")  # a release that fails, as after a CUDA error
 
-    def rejected(self, caps_cuda, host_node=True):
-        self.host = Failing()  # a resource whose release fails, as after a CUDA error
+    def rejected(*args, **kwargs):
         raise ValueError("this mode does not build (injected)")
 
-    monkeypatch.setattr(MappedTable, "_build", rejected)
+    monkeypatch.setattr(ModeAccess, "close", failing_close)
+    monkeypatch.setattr(opening, "build_paths", rejected)
     with pytest.raises(RuntimeError, match="CUDA error"):
         ple_um.open_table(layout.directory, mode="cpu", device="cpu")
     assert maps_of(layout.files) and len(table_module._KEPT_AFTER_FAILED_CLOSE) == 1
@@ -512,15 +502,15 @@ def test_close_waits_for_a_lookup_in_flight(make_checkpoint, check_rows, monkeyp
         time.sleep(0.3)  # close() has run by now, unless it waits for this lookup
 
     if rowcopy == "1":
-        table.host.lib = _HeldLibrary(table.host.lib, hold)
+        table.paths.host.lib = _HeldLibrary(table.paths.host.lib, hold)
     else:
-        read = table.host.rows._read
+        read = table.paths.host.rows._read
 
         def held_read(space, row, out):
             hold()
             return read(space, row, out)
 
-        table.host.rows._read = held_read
+        table.paths.host.rows._read = held_read
     ids = torch.arange(0, 3000, 7)
     outcome: list = []
 
@@ -621,7 +611,7 @@ def test_ats_populate_registers_and_releases_on_a_coherent_machine(layout, machi
     monkeypatch.setenv("PLE_UM_ATS_POPULATE", "1")
     with ple_um.open_table(layout.directory) as table:
         assert table.mode == "ats" and len(injected.live) == 4
-        assert table.gpu.bases.tolist() == table.mapping.host_bases()
+        assert table.paths.gpu.bases.tolist() == table.mapping.host_bases()
         check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
         assert table.stats()["pinned_bytes"] == 0  # counted as pinned only in registered mode
     assert injected.live == {} and injected.mapping_open_at_unregister == [True] * 4

@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.machines import inject_machine
 
 import ple_um
 from ple_um.access.capabilities import triton_interpreter
@@ -51,12 +50,12 @@ def layout(tmp_path_factory):
 
 
 @pytest.fixture
-def open_in(monkeypatch, layout):
+def open_in(machine, layout):
     """``open_in(mode, **kw)``: the table in ``mode`` on the CPU; registered through the injected H200."""
 
     def open_(mode: str, **kwargs):
         if mode == "registered":
-            inject_machine(monkeypatch)
+            machine()
         return ple_um.open_table(layout.directory, mode=mode, device="cpu", **kwargs)
 
     return open_

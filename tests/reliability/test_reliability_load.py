@@ -24,13 +24,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers.machines import GH200, inject_machine
+from helpers.machines import GH200
 from helpers.reference import bits_differ, drop_page_cache, reference_rows
 
 import ple_um
 import ple_um.lookup.gpu_gather
 from ple_um.access.capabilities import triton_interpreter
-from ple_um.lookup.cpu_gather import DEDUP_ROWS
+from ple_um.lookup.sync_reader import DEDUP_ROWS
 from ple_um.mapping import (
     PAGE,
     _libc,  # libc with mmap, munmap, madvise declared
@@ -222,7 +222,7 @@ RUNS = {
 
 
 @pytest.mark.parametrize("run", list(RUNS))
-def test_files_unchanged_after_a_long_run(make_checkpoint, monkeypatch, run, rng):
+def test_files_unchanged_after_a_long_run(make_checkpoint, monkeypatch, machine, run, rng):
     # A write through the mapping faults and leaves the file as it was:
     # test_mapping.py::test_write_through_the_mapping_faults_and_leaves_the_file.
     layout = make_checkpoint(
@@ -232,9 +232,9 @@ def test_files_unchanged_after_a_long_run(make_checkpoint, monkeypatch, run, rng
     if run == "cpu+prewarm":
         monkeypatch.setenv("PLE_UM_PREWARM", "1")  # MappedShards.populate at open
     if mode == "registered":
-        inject_machine(monkeypatch)
+        machine()
     if run == "ats+populate":
-        inject_machine(monkeypatch, GH200)  # registration populates the mapping
+        machine(GH200)  # registration populates the mapping
         monkeypatch.setenv("PLE_UM_ATS_POPULATE", "1")
         monkeypatch.setenv("PLE_UM_PREWARM", "1")
     before = fingerprint(layout)

@@ -1,0 +1,205 @@
+"""The first-read verdicts' cache: one JSON file per key in ``PLE_UM_CACHE_DIR/first-read/``.
+
+The key names what decides whether a mode's first read works here: the device (UUID), the driver
+version, the kernel release, the mode and its kind of direct read, the filesystems that hold the
+table, and the ple-um version (with a digest of the kernels' source). A changed key is another
+file. A file that does not parse, is of another format or version, or was written for another key
+is ignored with a warning, never trusted. Writes go to a temporary file renamed over the old one
+(atomic), under an exclusive lock that also makes ranks starting at once run one child between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+
+from ple_um import envs
+from ple_um.access.capabilities import DeviceCapabilities
+from ple_um.access.probe import direct_read
+from ple_um.version import __version__
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "ple-um first-read verdict"
+FORMAT_VERSION = 1
+
+
+@functools.lru_cache(maxsize=1)
+def ple_um_version() -> str:
+    """The package version and a digest of the kernels' source: a kernel edited without a version
+    change must not inherit the verdict of the kernel before it."""
+    spec = importlib.util.find_spec("ple_um.kernels")  # where they are, without importing them here
+    digest = hashlib.sha256()
+    folder = os.path.dirname(spec.origin)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return f"{__version__}+kernels.{digest.hexdigest()[:12]}"
+
+
+def _mount_points() -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of this process's mounts, longest mount point first."""
+    mounts = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if "-" not in fields[6:]:
+                    continue
+                sep = fields.index("-", 6)
+                # mountinfo escapes blanks and backslashes in paths as octal (\040).
+                point = fields[4].encode().decode("unicode_escape")
+                mounts.append((point, fields[sep + 1]))
+    except (OSError, IndexError, UnicodeDecodeError):
+        return []
+    return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
+
+
+def filesystems(paths) -> str:
+    """The filesystem types that hold ``paths`` ("ext4", "ext4+nfs4"), "unknown" when unreadable:
+    how the OS serves a fault on a file's page depends on them (page cache, tmpfs, DAX, FUSE)."""
+    mounts = _mount_points()
+    found = set()
+    for path in paths:
+        real = os.path.realpath(path)
+        fs = next(
+            (t for point, t in mounts if real == point or real.startswith(point.rstrip("/") + "/")),
+            "unknown",
+        )
+        found.add(fs)
+    return "+".join(sorted(found)) or "unknown"
+
+
+def verdict_key(caps: DeviceCapabilities, mode: str, files) -> dict:
+    """What decides whether ``mode``'s first read of the table in ``files`` works here: the cache key."""
+    driver = caps.driver_version
+    if not driver and caps.host_is_device:
+        import triton
+
+        driver = f"Triton {triton.__version__} interpreter"
+    return {
+        "device": caps.uuid or f"{caps.name} ({caps.device}) on {socket.gethostname()}",
+        "driver": driver,
+        "kernel": platform.release(),
+        "mode": mode,
+        "direct_read": direct_read(caps) if mode == "ats" else None,
+        "filesystem": filesystems(files),
+        "ple_um": ple_um_version(),
+    }
+
+
+def verdict_dir() -> str:
+    return os.path.join(envs.PLE_UM_CACHE_DIR, "first-read")
+
+
+def verdict_path(key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(verdict_dir(), f"{key['mode']}-{digest}.json")
+
+
+def _why_untrusted(record: object, key: dict | None) -> str | None:
+    """None when ``record`` is a verdict of this format (and for ``key``, when given), else why not."""
+    if not isinstance(record, dict):
+        return f"not a JSON object but {type(record).__name__}"
+    if record.get("format") != FORMAT:
+        return f"not a {FORMAT} (format {record.get('format')!r})"
+    if record.get("version") != FORMAT_VERSION:
+        return f"format version {record.get('version')!r}; this ple-um reads version {FORMAT_VERSION}"
+    if not isinstance(record.get("key"), dict) or (key is not None and record["key"] != key):
+        return "written for another key (machine, driver, kernel, filesystem or ple-um version)"
+    if not isinstance(record.get("passed"), bool):
+        return "no passed/rejected verdict"
+    if not record["passed"] and not isinstance(record.get("reason"), str):
+        return "a rejection without a reason"
+    if not isinstance(record.get("checked_at"), str):
+        return "no checked_at time"
+    return None
+
+
+def read_verdict(path: str, key: dict | None) -> dict | None:
+    """The verdict stored at ``path`` for ``key`` (None: any key), or None when there is none or it
+    cannot be trusted (then with a warning)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("ple-um: ignoring the first-read verdict file %s: unreadable: %s", path, exc)
+        return None
+    why = _why_untrusted(record, key)
+    if why is not None:
+        logger.warning("ple-um: ignoring the first-read verdict file %s: %s", path, why)
+        return None
+    return record
+
+
+def write_verdict(path: str, record: dict) -> bool:
+    """Store ``record`` at ``path`` atomically (a temporary file in the same folder, renamed over the
+    old one): a reader sees the old file or the new one, never a part. False (and a warning) when
+    the folder cannot be written: the verdict then holds for this process only."""
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the verdict from the machine's other users
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        logger.warning("ple-um: cannot cache the first-read verdict in %s: %s", path, exc)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return False
+
+
+@contextlib.contextmanager
+def exclusive(path: str, wait: float) -> Iterator[bool]:
+    """Hold the lock of ``path``'s verdict (flock on ``path.lock``) for at most ``wait`` seconds of
+    waiting: ranks that start at once run one child. Yields whether the lock is held; on a folder
+    that cannot be written, or after the wait, the caller goes on without it."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    held = False
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    logger.warning("ple-um: %s.lock still held after %.0f s; going on without it", path, wait)
+                    break
+                time.sleep(0.05)
+        yield held
+    finally:
+        if held:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def machine_key(key: dict) -> dict:
+    """A key without the table's filesystem: what names this machine, driver, kernel and ple-um."""
+    return {k: v for k, v in key.items() if k != "filesystem"}

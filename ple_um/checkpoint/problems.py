@@ -1,0 +1,25 @@
+"""Where the checkpoint's checks report: raise the first problem, or collect them all.
+
+``read_header(strict=True)`` and ``read_layout`` stop at the first problem; ``validate`` (for
+``ple-um inspect``) goes on and lists every one, found by the very same checks in the same order.
+"""
+
+from __future__ import annotations
+
+from ple_um.errors import CheckpointError
+
+
+class Problems:
+    """A strict one raises each problem as it is reported; a lenient one keeps them in ``found``."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.found: list[CheckpointError] = []
+
+    def add(self, error: CheckpointError) -> None:
+        if self.strict:
+            raise error
+        self.found.append(error)
+
+    def report(self, message: str, *, path: str | None = None, tensor: str | None = None) -> None:
+        self.add(CheckpointError(message, path=path, tensor=tensor))

@@ -1,0 +1,190 @@
+"""The directory scan: which files may hold PLE tensors (those the index names, else every
+``*.safetensors``), their headers, and the PLE tensors found in them, per layer.
+
+Only headers are read. With an index, only the files it names for PLE tensors are opened, so a
+broken file that holds none of them does not stop the table; every index entry is still checked
+to stay inside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+
+from ple_um.checkpoint.files import read_json_file
+from ple_um.checkpoint.naming import ple_match
+from ple_um.checkpoint.problems import Problems
+from ple_um.checkpoint.safetensors import MAX_HEADER_BYTES, SafetensorsHeader, TensorEntry, read_header
+from ple_um.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class LayerTensors:
+    """The PLE tensors of one layer, as found in the headers (duplicates kept, to be reported)."""
+
+    shards: dict[int, list[TensorEntry]] = field(default_factory=dict)
+    scales: list[TensorEntry] = field(default_factory=list)  # ...ngram_embedding.weight_scale
+    block_scales: dict[int, list[TensorEntry]] = field(default_factory=dict)  # NVFP4 shard_<i>.weight_scale
+    global_scales: list[TensorEntry] = field(default_factory=list)  # NVFP4 ...weight_scale_2
+
+
+@dataclass
+class Scan:
+    directory: str
+    layers: set[int]  # every layer seen with at least one shard tensor
+    tensors: dict[int, LayerTensors]  # per layer (only the requested one when a layer is given)
+    # PLE tensors that cannot be read because of a problem already reported (a broken or missing
+    # file, an index entry pointing elsewhere), as (layer, kind, shard index or None): their
+    # absence from the table is not reported again.
+    lost: set[tuple[int, str, int | None]] = field(default_factory=set)
+
+    def lose(self, name: str | None) -> None:
+        match = ple_match(name) if name else None
+        if match is not None:
+            self.lost.add(match)
+
+
+def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
+    """Read the headers of the files that may hold PLE tensors (of ``layer`` when given); None when
+    the directory or its index cannot be read (reported)."""
+    directory = os.path.abspath(directory)
+    if not os.path.exists(directory):
+        problems.report(f"checkpoint directory {directory} does not exist")
+        return None
+    if not os.path.isdir(directory):
+        problems.report(f"checkpoint directory {directory} is not a directory")
+        return None
+
+    index_path = os.path.join(directory, INDEX_FILE)
+    claims: dict[str, str] = {}  # PLE tensor name -> absolute file path, per the index
+    found = Scan(directory=directory, layers=set(), tensors={})
+    if os.path.lexists(index_path):
+        files = _files_from_index(directory, index_path, layer, problems, claims, found)
+        if files is None:
+            return None
+    else:
+        files = sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
+
+    for path in files:
+        try:
+            header = read_header(path, strict=False)
+        except CheckpointError as e:
+            problems.add(e)
+            for name, claimed in claims.items():
+                if claimed == path:
+                    found.lose(name)
+            continue
+        if header.problems:
+            problems.add(_one_per_file(header.problems))
+        for error in header.problems:
+            found.lose(error.tensor)
+        _collect(header, layer, found)
+        _check_claims(header, claims, problems, found)
+    return found
+
+
+def _one_per_file(errors: list[CheckpointError]) -> CheckpointError:
+    """One error for the problems of one file's header: the first, naming the other tensors."""
+    first, rest = errors[0], errors[1:]
+    if not rest:
+        return first
+    names = [e.tensor for e in rest if e.tensor is not None]
+    listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    more = f"; {len(rest)} more tensor{'s' if len(rest) > 1 else ''} of this file too: {listed}"
+    return CheckpointError(first.message + more, path=first.path, tensor=first.tensor)
+
+
+def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:
+    """Add the PLE tensors of one header to ``found``."""
+    for name, entry in header.tensors.items():
+        match = ple_match(name)
+        if match is None:
+            continue
+        at, kind, index = match
+        if kind == "shard":
+            found.layers.add(at)
+        if layer is not None and at != layer:
+            continue
+        tensors = found.tensors.setdefault(at, LayerTensors())
+        if kind == "shard":
+            tensors.shards.setdefault(index, []).append(entry)
+        elif kind == "block_scale":
+            tensors.block_scales.setdefault(index, []).append(entry)
+        elif kind == "scale":
+            tensors.scales.append(entry)
+        else:
+            tensors.global_scales.append(entry)
+
+
+def _check_claims(header: SafetensorsHeader, claims: dict[str, str], problems: Problems, found: Scan) -> None:
+    """Report each tensor the index maps to this file that the file does not hold (an entry the
+    header has but found unsound is reported there already), and mark it lost in ``found``."""
+    bad = {e.tensor for e in header.problems}
+    for name, claimed in claims.items():
+        if claimed == header.path and name not in header.tensors and name not in bad:
+            problems.report(
+                f"{INDEX_FILE} maps this tensor to {os.path.basename(header.path)}, which does not hold it",
+                path=header.path,
+                tensor=name,
+            )
+            found.lose(name)
+
+
+def _files_from_index(
+    directory: str,
+    index_path: str,
+    layer: int | None,
+    problems: Problems,
+    claims: dict[str, str],
+    found: Scan,
+) -> list[str] | None:
+    """The files the index says hold PLE tensors (of ``layer`` when given); fills ``claims``, and
+    ``found``'s layers and lost tensors (those the index maps to a missing file, reported once per
+    file)."""
+    try:
+        index = read_json_file(index_path, what="index", limit=MAX_HEADER_BYTES)
+    except CheckpointError as e:
+        problems.add(e)
+        return None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        problems.report("index has no weight_map object", path=index_path)
+        return None
+    files: set[str] = set()
+    missing: set[str] = set()
+    for name, file_name in weight_map.items():
+        if not isinstance(file_name, str) or not file_name or "\0" in file_name:
+            problems.report(
+                f"index entry names file {file_name!r}, expected a file name", path=index_path, tensor=name
+            )
+            continue
+        normal = os.path.normpath(file_name)
+        if os.path.isabs(file_name) or normal == ".." or normal.startswith(".." + os.sep):
+            problems.report(
+                f"index entry names {file_name!r}, outside the checkpoint directory",
+                path=index_path,
+                tensor=name,
+            )
+            continue
+        match = ple_match(name)
+        if match is None:
+            continue
+        at, kind, _ = match
+        if kind == "shard":
+            found.layers.add(at)
+        if layer is not None and at != layer:
+            continue
+        path = os.path.join(directory, normal)
+        if not os.path.exists(path):
+            if path not in missing:
+                missing.add(path)
+                what = "a symlink to a missing file" if os.path.islink(path) else "a missing file"
+                problems.report(f"index entry names {file_name!r}, {what}", path=index_path, tensor=name)
+            found.lose(name)
+            continue
+        claims[name] = path
+        files.add(path)
+    return sorted(files)

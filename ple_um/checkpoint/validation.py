@@ -1,0 +1,353 @@
+"""The checks that turn a scan's PLE tensors into a ShardLayout: one tensor per shard index, one
+dtype and row width, every index present, rows in the ceil layout, and the scales each dtype needs
+(FP8: one global scale; NVFP4: per-shard E4M3 block scales of the right shape and one global
+scale). Every problem goes to a ``Problems``: the first raises (read_layout), or all are listed
+(validate), in the same order either way.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from ple_um.checkpoint.global_scale import read_scale
+from ple_um.checkpoint.naming import block_scale_name, global_scale_name, rows_name, scale_name
+from ple_um.checkpoint.problems import Problems
+from ple_um.checkpoint.safetensors import TensorEntry
+from ple_um.checkpoint.scan import LayerTensors, Scan, scan
+from ple_um.checkpoint.shard_layout import (
+    FP8_DTYPES,
+    NVFP4,
+    NVFP4_BLOCK,
+    NVFP4_SCALE_DTYPE,
+    NVFP4_STORAGE,
+    STORAGE_DTYPES,
+    ShardLayout,
+    ShardSpec,
+)
+
+# Tensors of one layer whose file is reported already, as (kind, shard index or None): see Scan.lost.
+_Lost = set[tuple[str, int | None]]
+_SUPPORTED = ", ".join(f"{d} ({NVFP4})" if d == NVFP4_STORAGE else d for d in STORAGE_DTYPES)
+
+
+def analyze(directory: str, layer: int | None, problems: Problems) -> ShardLayout | None:
+    """Every check of read_layout and validate, reporting to ``problems``; the layout when sound."""
+    if layer is not None:
+        layer = operator.index(layer)  # TypeError for a str or a float, as for any index
+    found = scan(directory, layer, problems)
+    if found is None:
+        return None
+    present = ", ".join(str(at) for at in sorted(found.layers)) or "none"
+    if layer is None:
+        if not found.layers:
+            problems.report(f"no PLE shards were found in {found.directory}")
+            return None
+        if len(found.layers) > 1:
+            problems.report(
+                f"several PLE layers have shards in {found.directory}: {present}; pass layer= to pick one"
+            )
+            for at in sorted(found.layers):
+                _build(found, at, problems)
+            return None
+        (layer,) = found.layers
+    elif layer not in found.layers:
+        problems.report(f"no PLE shards of layer {layer} in {found.directory}; layers with shards: {present}")
+        return None
+    return _build(found, layer, problems)
+
+
+def _build(found: Scan, layer: int, problems: Problems) -> ShardLayout | None:
+    """Check one layer's shards and scales; its ShardLayout when sound, else None (all reported)."""
+    tensors = found.tensors.get(layer, LayerTensors())
+    # One tensor per index: a second one (another file, another prefix, a leading zero) is an error.
+    shards = _one_per_index(tensors.shards, "duplicate shard index", problems)
+    sound = all(len(v) == 1 for v in tensors.shards.values())
+    reference, rows_sound = _check_rows(shards, problems)
+    sound = sound and rows_sound
+    lost = {(kind, index) for at, kind, index in found.lost if at == layer}
+    lost_shards = {index for kind, index in lost if kind == "shard"}
+    if not shards:  # the index named shards that their files do not hold (reported by the scan)
+        if not lost_shards:
+            problems.report(f"no PLE shards of layer {layer} could be read in {found.directory}")
+        return None
+    parts = max(shards.keys() | lost_shards) + 1
+    sound = _check_indices(layer, shards, lost_shards, parts, problems) and sound and not lost_shards
+    # An NVFP4 table goes on to its block scales and global scale even when its rows are unsound,
+    # so that validate lists their problems too; other tables stop here.
+    nvfp4 = reference is not None and reference.dtype == NVFP4_STORAGE
+    if reference is None or not (sound or nvfp4):
+        return None
+
+    total = per_shard = 0
+    if sound:
+        counted = _check_ceil(layer, shards, parts, reference, problems)
+        if counted is None:
+            return None
+        total, per_shard, sound = counted
+    scales = _check_scales(tensors, shards, reference, problems, lost)
+    if scales is None or not sound:
+        return None
+    scale, scale_tensor, blocks = scales
+    storage = reference.dtype
+    return ShardLayout(
+        directory=found.directory,
+        layer=layer,
+        dtype_name=NVFP4 if nvfp4 else storage,
+        dtype=STORAGE_DTYPES[storage],
+        row_dim=2 * reference.shape[1] if nvfp4 else reference.shape[1],
+        row_bytes=reference.shape[1] * STORAGE_DTYPES[storage].itemsize,
+        num_rows=total,
+        rows_per_shard=per_shard,
+        shards=_specs(shards),
+        scale=scale,
+        scale_tensor=scale_tensor,
+        block_scales=_specs(blocks),
+        block_size=NVFP4_BLOCK if nvfp4 else 0,
+    )
+
+
+def _specs(entries: dict[int, TensorEntry]) -> tuple[ShardSpec, ...]:
+    return tuple(
+        ShardSpec(index=i, path=e.path, tensor=e.name, offset=e.start, rows=e.shape[0])
+        for i, e in sorted(entries.items())
+    )
+
+
+def _one_per_index(
+    entries: dict[int, list[TensorEntry]], what: str, problems: Problems
+) -> dict[int, TensorEntry]:
+    """The first tensor of each index (by file, then name); every further one is reported."""
+    chosen: dict[int, TensorEntry] = {}
+    for index in sorted(entries):
+        first, *others = sorted(entries[index], key=lambda e: (e.path, e.name))
+        for other in others:
+            problems.report(
+                f"{what} {index}: also tensor {first.name} in {first.path}",
+                path=other.path,
+                tensor=other.name,
+            )
+        chosen[index] = first
+    return chosen
+
+
+def _check_rows(shards: dict[int, TensorEntry], problems: Problems) -> tuple[TensorEntry | None, bool]:
+    """The first shard of a supported dtype and 2-D shape (the one the others must match), and
+    whether every shard matches it with rows of a width the dtype can hold."""
+    sound = True
+    reference: TensorEntry | None = None
+    for entry in shards.values():
+        wrong = None
+        if entry.dtype not in STORAGE_DTYPES:
+            wrong = f"unsupported dtype {entry.dtype} for a PLE shard (supported: {_SUPPORTED})"
+        elif len(entry.shape) != 2:
+            wrong = f"shard tensor has shape {list(entry.shape)}, expected 2-D [rows, row_dim]"
+        elif reference is None:
+            reference = entry
+        elif entry.dtype != reference.dtype:
+            wrong = f"dtype {entry.dtype} differs from {reference.dtype} of shard tensor {reference.name}"
+        elif entry.shape[1] != reference.shape[1]:
+            wrong = (
+                f"row width {entry.shape[1]} differs from {reference.shape[1]} "
+                f"of shard tensor {reference.name}"
+            )
+        if wrong is not None:
+            problems.report(wrong, path=entry.path, tensor=entry.name)
+            sound = False
+    if reference is not None and reference.shape[1] == 0:
+        problems.report("rows have 0 elements", path=reference.path, tensor=reference.name)
+        sound = False
+    packed_block = NVFP4_BLOCK // 2  # packed bytes of one block: two values a byte
+    if reference is not None and reference.dtype == NVFP4_STORAGE and reference.shape[1] % packed_block:
+        problems.report(
+            f"NVFP4 rows of {2 * reference.shape[1]} values ({reference.shape[1]} packed bytes) do not "
+            f"split into blocks of {NVFP4_BLOCK}: the packed width must be a multiple of {packed_block}",
+            path=reference.path,
+            tensor=reference.name,
+        )
+        sound = False
+    return reference, sound
+
+
+def _check_indices(
+    layer: int, shards: dict[int, TensorEntry], lost: set[int], parts: int, problems: Problems
+) -> bool:
+    """Whether every index of ``range(parts)`` has a shard or is ``lost`` (its file's problem is
+    reported already); the first missing ones are reported."""
+    accounted = sorted(shards.keys() | lost)
+    missing = _missing(accounted, parts)
+    if not missing:
+        return True
+    count = parts - len(accounted)
+    listed = ", ".join(str(i) for i in missing) + (", ..." if count > len(missing) else "")
+    problems.report(
+        f"layer {layer}: {count} of shard indices 0..{parts - 1} missing: {listed}",
+        path=shards[max(shards)].path,
+    )
+    return False
+
+
+def _missing(present: list[int], parts: int, limit: int = 10) -> list[int]:
+    """The first ``limit`` indices of ``range(parts)`` not in sorted ``present`` (no range is built)."""
+    missing: list[int] = []
+    expected = 0
+    for index in [*present, parts]:
+        while expected < index and len(missing) < limit:
+            missing.append(expected)
+            expected += 1
+        if len(missing) >= limit:
+            break
+        expected = index + 1
+    return missing
+
+
+def _check_ceil(
+    layer: int, shards: dict[int, TensorEntry], parts: int, reference: TensorEntry, problems: Problems
+) -> tuple[int, int, bool] | None:
+    """(rows, rows per shard, whether every shard holds its ceil share); None for a table of 0 rows."""
+    total = sum(entry.shape[0] for entry in shards.values())
+    if total == 0:
+        problems.report(f"layer {layer}: the table has 0 rows", path=reference.path, tensor=reference.name)
+        return None
+    per_shard = -(-total // parts)
+    sound = True
+    for index, entry in shards.items():
+        expected = min(max(total - index * per_shard, 0), per_shard)
+        if entry.shape[0] != expected:
+            problems.report(
+                f"shard {index} holds {entry.shape[0]} rows, expected {expected} ({total} rows in "
+                f"{parts} parts: ceil({total}/{parts}) = {per_shard} rows per shard)",
+                path=entry.path,
+                tensor=entry.name,
+            )
+            sound = False
+    return total, per_shard, sound
+
+
+def _check_scales(
+    tensors: LayerTensors,
+    shards: dict[int, TensorEntry],
+    reference: TensorEntry,
+    problems: Problems,
+    lost: _Lost,
+) -> tuple[float | None, str | None, dict[int, TensorEntry]] | None:
+    """The scales the table's dtype needs: (global scale, its tensor name, NVFP4 block scales by
+    shard index); None when they are unsound (reported; one ``lost`` is not reported missing).
+    16-bit tables need none."""
+    if reference.dtype in FP8_DTYPES:
+        read = read_scale(
+            tensors.scales,
+            scale_name(reference.name),
+            reference.path,
+            f"FP8 table ({reference.dtype}) without its global scale; no such tensor in any file",
+            problems,
+            lost=("scale", None) in lost,
+        )
+        return None if read is None else (*read, {})
+    if reference.dtype == NVFP4_STORAGE:
+        checked = _check_nvfp4(tensors, shards, reference, problems, lost)
+        return None if checked is None else (checked[1], checked[2], checked[0])
+    return None, None, {}
+
+
+def _check_nvfp4(
+    tensors: LayerTensors,
+    shards: dict[int, TensorEntry],
+    reference: TensorEntry,
+    problems: Problems,
+    lost: _Lost,
+) -> tuple[dict[int, TensorEntry], float, str] | None:
+    """An NVFP4 table's block scales by shard index, and its global scale (value, tensor name);
+    None when any of them is unsound (every problem reported; a tensor in ``lost``, of a file
+    already reported, is not reported missing again)."""
+    sound = True
+    # vLLM refuses an unsharded ngram_embedding.weight_scale next to an NVFP4 table.
+    for entry in sorted(tensors.scales, key=lambda e: (e.path, e.name)):
+        problems.report(
+            "unsharded weight_scale next to an NVFP4 table: its block scales must be stored per shard, "
+            "as ...ngram_embedding.shard_<i>.weight_scale",
+            path=entry.path,
+            tensor=entry.name,
+        )
+        sound = False
+
+    blocks = _one_per_index(tensors.block_scales, "duplicate block scales of shard index", problems)
+    sound = sound and all(len(v) == 1 for v in tensors.block_scales.values())
+    for index in sorted(shards.keys() | blocks.keys()):
+        sound = _check_block(index, shards.get(index), blocks.get(index), reference, problems, lost) and sound
+
+    read = read_scale(
+        tensors.global_scales,
+        global_scale_name(reference.name),
+        reference.path,
+        "NVFP4 table without its global scale weight_scale_2; no such tensor in any file",
+        problems,
+        noun="global scale",
+        lost=("global_scale", None) in lost,
+    )
+    if read is None or not sound:
+        return None
+    return blocks, read[0], read[1]
+
+
+def _check_block(
+    index: int,
+    rows: TensorEntry | None,
+    block: TensorEntry | None,
+    reference: TensorEntry,
+    problems: Problems,
+    lost: _Lost,
+) -> bool:
+    """Whether shard ``index`` has both its rows and its block scales, the scales E4M3, 2-D, with
+    the rows' count and one scale per NVFP4_BLOCK values of a row (problems reported; a half in
+    ``lost`` is not reported missing)."""
+    if block is None:
+        assert rows is not None
+        if ("block_scale", index) not in lost:
+            problems.report(
+                f"NVFP4 shard {index} without its block scales; no such tensor in any file",
+                path=rows.path,
+                tensor=block_scale_name(rows.name),
+            )
+        return False
+    if rows is None:
+        if ("shard", index) not in lost:
+            problems.report(
+                f"block scales of shard {index} without its rows: no tensor {rows_name(block.name)} "
+                "in any file",
+                path=block.path,
+                tensor=block.name,
+            )
+        return False
+    if block.dtype != NVFP4_SCALE_DTYPE:
+        problems.report(
+            f"block-scale dtype {block.dtype}, expected {NVFP4_SCALE_DTYPE}",
+            path=block.path,
+            tensor=block.name,
+        )
+        return False
+    if len(block.shape) != 2:
+        problems.report(
+            f"block-scale tensor has shape {list(block.shape)}, expected 2-D [rows, row_dim/{NVFP4_BLOCK}]",
+            path=block.path,
+            tensor=block.name,
+        )
+        return False
+    sound = True
+    if rows.dtype == reference.dtype and len(rows.shape) == 2 and block.shape[0] != rows.shape[0]:
+        problems.report(
+            f"block scales of shard {index} have {block.shape[0]} rows, its row shard {rows.name} "
+            f"has {rows.shape[0]}",
+            path=block.path,
+            tensor=block.name,
+        )
+        sound = False
+    row_dim = 2 * reference.shape[1]
+    if row_dim % NVFP4_BLOCK == 0 and block.shape[1] != row_dim // NVFP4_BLOCK:
+        problems.report(
+            f"block-scale width {block.shape[1]}, expected {row_dim // NVFP4_BLOCK}: one scale per "
+            f"{NVFP4_BLOCK} of the {row_dim} values of a row ({reference.shape[1]} packed bytes)",
+            path=block.path,
+            tensor=block.name,
+        )
+        sound = False
+    return sound

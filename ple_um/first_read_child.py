@@ -1,0 +1,127 @@
+"""The first-read child: the program ``access.first_read.run_child`` starts in a fresh interpreter.
+
+It opens a few windows of the real table in the mode under test through ``open_table``, the public
+API, as any user of the table would (the open path, above ``access/``, is why this program is a
+module of its own), gathers their rows through the kernel and compares them, and the zero rows
+beside them, with bytes read from the files. Before each window it asks the kernel to drop the
+window's pages, so that the GPU's first touch reads them from the file. It prints its stage as it
+goes and its verdict last, on stdout, behind ``first_read.MARK``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import torch
+
+from ple_um import envs
+from ple_um.access.first_read import MARK, STAGES
+from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.verify import read_file_rows
+
+_now = {"stage": "import"}  # the child's stage, for the reason of an error it reports
+
+
+def _say(kind: str, text: str) -> None:
+    if kind == "stage":
+        _now["stage"] = text
+    print(f"{MARK} {kind} {text}", flush=True)
+
+
+def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
+    """Ask the kernel to drop the window's pages from the page cache (POSIX_FADV_DONTNEED: pages
+    another process maps stay), so that the GPU's first touch reads them from the file, as a
+    serving process's does. A hint: nothing depends on it."""
+    S, rb = layout.rows_per_shard, layout.row_bytes
+    for spec in layout.shards:
+        lo = max(window[0], spec.index * S)
+        hi = min(window[1], spec.index * S + spec.rows)
+        if hi <= lo:
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(spec.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(
+                    fd, spec.offset + (lo - spec.index * S) * rb, (hi - lo) * rb, os.POSIX_FADV_DONTNEED
+                )
+            finally:
+                os.close(fd)
+
+
+def _inject(fault: str | None) -> None:
+    """The test hook (PLE_UM_FIRST_READ_FAULT), while the child reads through the kernel."""
+    if fault == "segv":
+        import ctypes
+
+        ctypes.string_at(0)  # a read of address 0: SIGSEGV
+    elif fault == "abort":
+        os.abort()
+    elif fault == "hang":
+        while True:
+            time.sleep(60)
+    elif fault == "exit":
+        os._exit(3)
+    elif fault == "error":
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+
+def _child_main(spec: dict) -> int:
+    _say("stage", "import")
+    import numpy as np
+
+    from ple_um.opening import open_table  # the public API, as any user opens a table
+
+    fault = envs.PLE_UM_FIRST_READ_FAULT
+    layout = read_layout(spec["directory"], spec["layer"])
+    parts = [layout, layout.scale_layout()] if layout.is_nvfp4 else [layout]
+    rows = 0
+    for lo, hi in spec["windows"]:
+        for part in parts:
+            _evict(part, (lo, hi))
+        _say("stage", "open")
+        with open_table(
+            layout.directory, layer=layout.layer, rows=(lo, hi), mode=spec["mode"], device=spec["device"]
+        ) as table:
+            # The window's rows and two on each side, which the table does not own: zeros.
+            ids_np = np.arange(max(0, lo - 2), min(layout.num_rows, hi + 2), dtype=np.int64)
+            ids = torch.from_numpy(ids_np).to(table.device)
+            _say("stage", "gather")
+            _inject(fault)
+            if layout.is_nvfp4:
+                packed, scales = table.lookup_packed(ids)
+                got = torch.cat([packed.view(torch.uint8), scales.view(torch.uint8)], dim=1)
+            else:
+                got = table.lookup(ids).view(torch.uint8).reshape(ids_np.size, -1)
+            if table.device.type == "cuda":
+                torch.cuda.synchronize(table.device)  # a fault in the kernel surfaces here
+            got = got.cpu().numpy().copy()
+        _say("stage", "compare")
+        if fault == "corrupt":
+            got[got.shape[0] // 2, 0] ^= 0x5A
+        expect = np.concatenate([read_file_rows(part, ids_np, (lo, hi)) for part in parts], axis=1)
+        if not np.array_equal(got, expect):
+            bad = np.flatnonzero((got != expect).any(axis=1))
+            reason = (
+                f"{bad.size} of {ids_np.size} sample rows read through the kernel differ from the file "
+                f"(first: row {int(ids_np[bad[0]])})"
+            )
+            _say("result", json.dumps({"passed": False, "reason": reason}))
+            return 0
+        rows += ids_np.size
+    _say("result", json.dumps({"passed": True, "rows": rows}))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """The child's entry (``_CHILD SPEC``): one first read; the verdict on stdout. Exit 0 with a
+    verdict, 1 with an error reported as a rejection."""
+    spec = json.loads(argv[0])
+    try:
+        return _child_main(spec)
+    except Exception as exc:  # noqa: BLE001 - any error in the mode is its verdict
+        doing = STAGES.get(_now["stage"], _now["stage"])
+        _say("result", json.dumps({"passed": False, "reason": f"while {doing}: {type(exc).__name__}: {exc}"}))
+        return 1

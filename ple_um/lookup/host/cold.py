@@ -1,0 +1,85 @@
+"""What the host path does about rows that are not in memory: the row cache and the reads of misses.
+
+``plan`` reads the knobs and the table's state at open:
+- ``PLE_UM_ROW_CACHE``: ``auto`` (the default) keeps a row cache when the table is not fully in the
+  page cache at open, of ``PLE_UM_ROW_CACHE_FRACTION`` of the memory this process can still take
+  (``access.memory.available``: MemAvailable, and the memory cgroup's room), at most what the
+  table's owned rows need; a size (``4GiB``) sets it; ``0`` keeps none.
+- ``PLE_UM_FILE_READS``: how misses are read (``host/file_reads.py``): ``auto`` is io_uring where a
+  ring can be made, else reader threads; ``mmap`` faults them in through the mapping.
+- ``PLE_UM_DIRECT_READS``: ``auto`` reads misses with O_DIRECT when there is a row cache (the rows
+  then live in the cache, not also in the page cache), through the page cache otherwise.
+A table fully resident at open with the defaults gets neither: its lookups copy from the mapping
+as fast as ever, and the pages it loses later are faulted back in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ple_um import envs
+from ple_um.access import memory
+from ple_um.lookup.host.file_reads import choose_strategy
+from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, slots_for
+from ple_um.mapping import MappedShards
+from ple_um.units import format_bytes
+
+
+@dataclass(frozen=True)
+class ColdPlan:
+    """``cache_bytes`` of row cache (0: none) with ``policy``; misses read by ``strategy``
+    (uring, threads, mmap), O_DIRECT when ``direct``, ``depth`` in flight; ``resident_check``:
+    without a cache, only rows whose pages are not resident are read. ``why``: in words."""
+
+    cache_bytes: int
+    policy: str
+    strategy: str
+    direct: bool
+    depth: int
+    resident_check: bool
+    why: str
+
+    @property
+    def reads(self) -> bool:
+        return self.strategy != "mmap"
+
+
+def _owned_bytes(mappings: list[MappedShards]) -> int:
+    """What a cache holding every owned row takes (the rows and the slots' words)."""
+    return sum(m.owned_bytes // m.layout.row_bytes * (m.layout.row_bytes + SLOT_OVERHEAD) for m in mappings)
+
+
+def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None) -> ColdPlan | None:
+    """The plan for this table's host path, or None: rows copied from the mapping as they are."""
+    mappings = [m for m in (mapping, scale_mapping) if m is not None]
+    if not mapping.owned:
+        return None
+    knob, reads_knob = envs.PLE_UM_ROW_CACHE, envs.PLE_UM_FILE_READS
+    resident = all(m.fully_resident() for m in mappings)
+    if knob == "auto":
+        if resident:
+            cache, said = 0, "no row cache (the table was in the page cache at open)"
+        else:
+            room = int(memory.available() * envs.PLE_UM_ROW_CACHE_FRACTION)
+            cache = min(room, _owned_bytes(mappings))
+            said = f"a row cache of {format_bytes(cache)} (the table was not in the page cache at open)"
+    else:
+        cache = int(knob)
+        said = f"a row cache of {format_bytes(cache)}" if cache else "no row cache (PLE_UM_ROW_CACHE=0)"
+    if cache and slots_for(cache, mapping.layout.row_bytes) == 0:
+        cache, said = 0, f"no row cache ({format_bytes(cache)} holds not one set of rows)"
+    if cache == 0 and resident and reads_knob == "auto":
+        return None
+    strategy, how = choose_strategy(lib, reads_knob)
+    direct_knob = envs.PLE_UM_DIRECT_READS
+    direct = strategy != "mmap" and (direct_knob == "on" or (direct_knob == "auto" and cache > 0))
+    why = f"{said}; misses read by {how}" + (", O_DIRECT where the files allow it" if direct else "")
+    return ColdPlan(
+        cache_bytes=cache,
+        policy=envs.PLE_UM_ROW_CACHE_POLICY,
+        strategy=strategy,
+        direct=direct,
+        depth=envs.PLE_UM_READ_DEPTH,
+        resident_check=cache == 0,
+        why=why,
+    )

@@ -1,0 +1,397 @@
+"""HostGather: a lookup's rows read on the host, as stream-ordered CUDA work.
+
+A lookup on a CUDA device is queued on the current stream and nothing waits: the ids copied
+device-to-host into a pinned buffer; the C row copy (``rowcopy.c``: each id's row read from the
+mapped files into pinned staging, zeros for ids not owned, counted in host counters); the staged
+rows copied host-to-device into the output (dequantized or decoded there with torch ops when the
+output is a float tensor). An eager lookup returns before its rows exist, like any CUDA op. The row
+copy runs outside Python (no GIL) and the OS serves any page fault in it, so tables of any size,
+resident or not, are served this way.
+
+Who runs the row copy (three strategies, one per case):
+- Captured lookups (``torch.cuda.graph``, torch.compile, vLLM's graphs): a host node
+  (``cuLaunchHostFunc``) between the two copies, replayed with new ids each time; a big one is cut
+  into chunks whose host nodes run in turn on a side stream, each chunk's copy to the device
+  waiting only for its own rows (``_chunked``).
+- Eager lookups: the dispatcher, one C thread per process (``_dispatched``; ``signals.py`` says how
+  the stream and the dispatcher signal each other). It saves the driver's round trip to its
+  callback thread and back that a host node costs (docs/PERF_NOTES.md). Where stream memory
+  operations do not work (checked once per device) or ``PLE_UM_DISPATCHER=0``, eager lookups are
+  host nodes too.
+- No CUDA device: the row copy called directly (``_lookup_here``; ctypes releases the GIL).
+
+Buffers and job structs: ``buffers.py``. Bound: per stream that captured lookups, at most twice
+the largest captured batch of ``8 + row bytes`` per id (the buffers grow by doubling and earlier
+ones stay), plus about 100 B per captured lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+
+import torch
+
+from ple_um import envs
+from ple_um.lookup import rowcopy
+from ple_um.lookup.counts import path_counts
+from ple_um.lookup.host.buffers import INLINE_ROWS, PinnedBuffers, StreamState, chunks
+from ple_um.lookup.host.cold import ColdPlan
+from ple_um.lookup.host.driver import CudaDriver
+from ple_um.lookup.host.file_reads import FileReader
+from ple_um.lookup.host.row_cache import RowCache, slots_for
+from ple_um.lookup.host.signals import DONE_AT, SIGNAL_BYTES, arm, signals_work
+from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize, e2m1_values
+from ple_um.lookup.streams import own_stream, relaxed_capture_mode
+from ple_um.mapping import MappedShards
+
+
+class HostGather:
+    """Rows of a mapped table read on the host by the C row copy; see the module docstring.
+
+    ``mapping``: the table's owned rows; ``scale_mapping``: an NVFP4 table's block scales (read
+    beside the rows), or None. ``scale``: the dequantization scale on the device (FP8: the global
+    scale; NVFP4: ``weight_scale_2``), or None. ``threads``: the threads that read a big lookup."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        mapping: MappedShards,
+        device: torch.device,
+        *,
+        storage: torch.dtype,
+        scale: torch.Tensor | None,
+        threads: int,
+        scale_mapping: MappedShards | None = None,
+        built: str = "C row copy",
+        cold: ColdPlan | None = None,
+    ) -> None:
+        self.lib = lib
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.storage = storage
+        self.scale = scale
+        self.counts = rowcopy.Counts()
+        self.cold = cold
+        self._owned: list[RowCache | FileReader] = []  # released in close(), after the row copies
+        try:
+            share = 1.0 if scale_mapping is None else _share(mapping, scale_mapping)
+            self.rows = self._rows(mapping, cold, share, self.counts)
+            # The block scales' cache counts apart: a lookup asks both caches for each id.
+            self.block_scales = (
+                self._rows(scale_mapping, cold, 1.0 - share, rowcopy.Counts())
+                if scale_mapping is not None
+                else None
+            )
+        except BaseException:
+            self._release_owned()
+            raise
+        self.row_bytes = tuple(r.row_bytes for r in (self.rows, self.block_scales) if r is not None)
+        self.pool = rowcopy.Pool(lib, threads)
+        self.threads = self.pool.threads
+        way = "as a CUDA host node" if self.cuda else "called directly (no CUDA device)"
+        self.row_reads = f"{built}, {way}, {self.threads} threads"
+        if cold is not None:
+            self.row_reads += f"; {cold.why}"
+        self.enqueue_seconds = 0.0  # host seconds spent queuing lookups (eager calls)
+        self._run = rowcopy.function_address(lib, "ple_lookup_run")
+        self._wake = rowcopy.function_address(lib, "ple_pool_wake")
+        self._driver = CudaDriver.get() if self.cuda else None
+        self.index = device.index
+        self._streams: dict[int, StreamState] = {}
+        self._captured: list[tuple[object, ...]] = []  # job structs and buffers of captured lookups
+        self._lock = threading.Lock()
+        self.dispatcher = False  # eager lookups through the dispatcher thread (else host nodes)
+        if self.cuda:
+            e2m1_values(device)  # on the device before any capture needs it
+            if not envs.PLE_UM_DISPATCHER:
+                why = "PLE_UM_DISPATCHER=0"
+            elif not lib.ple_dispatch_start():
+                why = "the dispatcher thread could not be started"
+            else:
+                why = signals_work(self._driver, device)
+            self.dispatcher = why is None
+            eager = "by the dispatcher thread" if self.dispatcher else f"as host nodes ({why})"
+            self.row_reads += f"; eager lookups {eager}"
+
+    def _rows(self, mapping: MappedShards, cold: ColdPlan | None, share: float, counts) -> rowcopy.Rows:
+        """The C code's view of ``mapping``'s rows, with ``share`` of the plan's row cache, whose
+        hits and misses are added to ``counts``."""
+        if cold is None:
+            return rowcopy.Rows(mapping)
+        cache = reader = None
+        slots = slots_for(int(cold.cache_bytes * share), mapping.layout.row_bytes)
+        if slots:
+            cache = RowCache(slots, mapping.layout.row_bytes, counts, policy=cold.policy)
+            self._owned.append(cache)
+        if cold.reads:
+            reader = FileReader(
+                mapping,
+                strategy=cold.strategy,
+                direct=cold.direct,
+                depth=cold.depth,
+                resident_check=cold.resident_check,
+            )
+            self._owned.append(reader)
+        return rowcopy.Rows(mapping, cache=cache, reader=reader)
+
+    def row_cache_stats(self) -> dict | None:
+        """The row cache's hits, misses, evictions and rows (of the rows' cache: an NVFP4 table's
+        block scales are cached beside them, for the same ids) and bytes (both caches), the rows
+        read from the files and the seconds spent on them; None where there is no row cache."""
+        if self.rows.cache is None:
+            return None
+        total = self.rows.cache.stats()
+        if self.block_scales is not None and self.block_scales.cache is not None:
+            total["bytes"] += self.block_scales.cache.nbytes
+            total["resident_bytes"] += self.block_scales.cache.resident_bytes()
+        c = self.counts.read()
+        total["file_reads"], total["read_seconds"] = c["file_reads"], c["read_ns"] * 1e-9
+        return total
+
+    def _release_owned(self) -> None:
+        for resource in reversed(self._owned):
+            resource.close()
+        self._owned = []
+
+    # -- what a lookup asks ------------------------------------------------------------------
+    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows of flat ``ids`` (on the device, contiguous; any integer dtype) into ``out`` [n,
+        row_dim] (contiguous): raw rows when out has the storage dtype (an NVFP4 table's packed
+        bytes: [n, row_bytes]), else dequantized or decoded. Queued on the current stream; no
+        host sync."""
+        return self._lookup(ids, [out])
+
+    def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """NVFP4: the packed rows (uint8 [n, row_bytes]) and block scales (uint8 [n, D/16]) of ``ids``."""
+        self._lookup(ids, [packed, scales], raw=True)
+
+    def touch(self, ids: torch.Tensor) -> None:
+        """Queue a row copy that reads one byte of every page of the rows of ``ids`` and copies
+        nothing (the ats mode's prefetch: the pages are in memory before the kernel queued after
+        it reads them)."""
+        self._lookup(ids, [], raw=True)
+
+    # -- one lookup --------------------------------------------------------------------------
+    def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int]) -> None:
+        """Point ``job`` at ``n`` ids of kind ``kind`` at ``ids_ptr``, their rows to ``dst`` (no
+        destination: the page touch)."""
+        touch = not dst
+        job.tables[0] = self.rows.address
+        job.tables[1] = self.block_scales.address if self.block_scales is not None and not touch else None
+        job.ids, job.n = ids_ptr, n
+        job.counts = self.counts.address
+        job.id_kind = kind
+        job.touch = int(touch)
+        job.threads = self.threads
+        job.inline_rows = INLINE_ROWS
+        for k, address in enumerate(dst):
+            job.dst[k] = address
+
+    def _lookup(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool | None = None) -> torch.Tensor:
+        """The rows of ``ids`` into ``outs`` (the rows, and an NVFP4 table's block scales; none for
+        the page touch), queued on the current stream."""
+        n = ids.numel()
+        out = outs[0] if outs else None
+        if raw is None:
+            raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
+        if n == 0:
+            return out
+        if not self.cuda:
+            return self._lookup_here(ids, outs, raw)
+        if torch.cuda.current_device() != self.index:  # the driver calls need its context current
+            with torch.cuda.device(self.index):
+                return self._lookup(ids, outs, raw)
+        t0 = time.perf_counter()
+        self._driver.ensure_context(self.index)
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        capturing = torch.cuda.is_current_stream_capturing()
+        state = self._state(stream)
+        if raw:
+            targets = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
+        else:
+            targets = raws = [
+                torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes
+            ]
+        with state.lock:
+            self._queue(state, stream, ids, targets, capturing)
+        if not raw:
+            self._decode(raws, out)
+        if not capturing and outs:
+            with self._lock:
+                self.enqueue_seconds += time.perf_counter() - t0
+        return out
+
+    def _queue(self, state: StreamState, stream: int, ids: torch.Tensor, targets, capturing: bool) -> None:
+        """Fill the lookup's job structs and queue its work on ``stream`` by the strategy that
+        serves it (the module docstring); ``targets`` empty: the page touch, no copy out."""
+        n = ids.numel()
+        kind, size = rowcopy.ID_KINDS[ids.dtype], ids.element_size()
+        pieces = chunks(n) if targets else [(0, n)]
+        bufs = state.buffers_for(n, capturing, self.row_bytes, self._driver)
+        slots = [] if capturing else [state.slot(self._driver) for _ in pieces]
+        jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.ring[k] for k in slots]
+        for job, (a, b) in zip(jobs, pieces, strict=True):
+            dst = [p + a * rb for p, rb in bufs.staging_ptrs] if targets else []
+            self._fill(job, bufs.ids_ptr + a * size, kind, b - a, dst)
+        if not capturing and self.dispatcher:
+            self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
+        elif len(pieces) == 1:
+            self._ids_in(bufs, ids)
+            if not capturing and n > INLINE_ROWS:
+                self.pool.wake()
+            self._launch(stream, jobs[0])
+            for target, staging in zip(targets, bufs.staging, strict=False):
+                target.copy_(staging[:n], non_blocking=True)
+        else:
+            self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
+        if capturing:
+            self._keep((*jobs, bufs))
+
+    def _dispatched(self, state, stream, bufs, ids, slots, pieces, targets) -> None:
+        """An eager lookup through the dispatcher thread, all on the caller's stream: the ids' copy
+        and a write of the lookup's number into its ready word; each piece's job posted; then each
+        piece's copy to the device behind a wait for its done word (the pieces' copies overlap the
+        reading of the next). ``targets`` empty: no copies (the page touch). Where a job cannot be
+        posted (no dispatcher runs: a forked child) it becomes a host node, queued before the
+        copies."""
+        driver = self._driver
+        host, device = state.words(driver)
+        offset = device - host
+        seq = state.seq = (state.seq + 1) & 0xFFFFFFFF
+        ready = host + slots[0] * SIGNAL_BYTES
+        arm(ready, seq)
+        driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
+        driver.write_value(stream, ready + offset, seq)
+        if ids.numel() > INLINE_ROWS:
+            self.pool.wake()
+        posted = []
+        for slot in slots:
+            job = state.ring[slot]
+            job.seq, job.ready, job.done = seq, ready, host + slot * SIGNAL_BYTES + DONE_AT
+            job.busy = 1
+            if self.lib.ple_dispatch_post(ctypes.addressof(job)) == 0:
+                posted.append(True)
+            else:
+                self._launch(stream, job)
+                posted.append(False)
+        for slot, (a, b), waits in zip(slots, pieces, posted, strict=True):
+            if waits:
+                driver.wait_value(stream, state.ring[slot].done + offset, seq)
+            for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=False):
+                driver.h2d(target.data_ptr() + a * rb, staging + a * rb, (b - a) * rb, stream)
+
+    def _chunked(self, state, stream, bufs, ids, jobs, pieces, targets, capturing) -> None:
+        """A big lookup: the ids in one copy, the chunks' host nodes in turn on the side stream, each
+        chunk's copy to the device on the caller's stream once its rows are in."""
+        driver = self._driver
+        if state.side is None:
+            with relaxed_capture_mode() if capturing else contextlib.nullcontext():
+                state.side = own_stream(self.device)
+        while len(state.events) < len(pieces) + 2:
+            state.events.append(driver.event())
+        side, events = state.side.cuda_stream, state.events
+        if capturing:  # the pool's wake-up overlaps the ids' copy
+            driver.record(events[-1], stream)
+            driver.wait(side, events[-1])
+            driver.launch_host_func(side, self._wake, None)
+        else:
+            self.pool.wake()
+        self._ids_in(bufs, ids)
+        driver.record(events[-2], stream)
+        driver.wait(side, events[-2])
+        for k, job in enumerate(jobs):
+            self._launch(side, job)
+            driver.record(events[k], side)
+        for k, (a, b) in enumerate(pieces):
+            driver.wait(stream, events[k])
+            for target, staging in zip(targets, bufs.staging, strict=True):
+                target[a:b].copy_(staging[a:b], non_blocking=True)
+
+    def _ids_in(self, bufs: PinnedBuffers, ids: torch.Tensor) -> None:
+        """The ids' copy into the pinned buffer for a host node, through torch (an asynchronous
+        copy into pinned memory, which a captured graph replays)."""
+        n = ids.numel()
+        bufs.ids[: n * ids.element_size()].view(ids.dtype).copy_(ids, non_blocking=True)
+
+    def _launch(self, stream: int, job) -> None:
+        """Queue the host node of ``job`` on ``stream``. Its ``busy`` flag is up only while a host
+        node that will clear it is queued (a ring slot is never waited for in vain)."""
+        job.busy = 1
+        try:
+            self._driver.launch_host_func(stream, self._run, ctypes.addressof(job))
+        except BaseException:
+            job.busy = 0
+            raise
+
+    def _decode(self, raws: list[torch.Tensor], out: torch.Tensor) -> None:
+        if self.block_scales is not None:
+            decode_nvfp4(raws[0], raws[1], self.scale, out)
+        else:
+            dequantize(raws[0], self.storage, self.scale, out)
+
+    def _lookup_here(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool) -> torch.Tensor:
+        """No CUDA: the row copy called directly (ctypes releases the GIL), rows straight into
+        ``out`` when raw."""
+        n = ids.numel()
+        if ids.device.type != "cpu":
+            raise ValueError(f"ids are on {ids.device}; a table on the CPU takes host ids")
+        ids = ids.contiguous()
+        if raw:
+            staging = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
+        else:
+            staging = [torch.empty((n, rb), dtype=torch.uint8) for rb in self.row_bytes]
+        job = rowcopy.LookupStruct()
+        self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], n, [s.data_ptr() for s in staging])
+        self.lib.ple_lookup_run(ctypes.addressof(job))
+        if not raw:
+            self._decode(staging, outs[0])
+        return outs[0] if outs else None
+
+    # -- state, counters and life ------------------------------------------------------------
+    def _state(self, stream: int) -> StreamState:
+        state = self._streams.get(stream)
+        if state is None:
+            with self._lock:
+                state = self._streams.setdefault(stream, StreamState(stream))
+        return state
+
+    def _keep(self, items: tuple[object, ...]) -> None:
+        with self._lock:
+            self._captured.append(items)
+
+    def read_counts(self) -> dict:
+        """The host counters as ``path_counts``: rows, ids outside the table, broken rows, lookups
+        (row copies run, graph replays included); phases: gather = the row copies' seconds, stage =
+        the callers' seconds queuing eager lookups. Lookups queued but not yet run are not in it
+        (``counts.read()`` has the C counters themselves)."""
+        c = self.counts.read()
+        return path_counts(
+            c["rows"],
+            c["out_of_range"],
+            c["broken"],
+            c["lookups"],
+            gather=c["ns"] * 1e-9,
+            stage=self.enqueue_seconds,
+        )
+
+    def reset_counts(self) -> None:
+        self.counts.array[:] = 0
+        self.enqueue_seconds = 0.0
+
+    def close(self) -> None:
+        """Wait for every queued lookup's row copy, then drop the buffers and events (the caller has
+        synchronized the device: this only checks). Idempotent."""
+        for state in self._streams.values():
+            state.close(self._driver)
+        self._streams = {}
+        self._captured = []
+        self._release_owned()
+
+
+def _share(mapping: MappedShards, scale_mapping: MappedShards) -> float:
+    """The rows' share of an NVFP4 table's row cache: as their bytes to the block scales'."""
+    rows, scales = mapping.layout.row_bytes, scale_mapping.layout.row_bytes
+    return rows / (rows + scales)

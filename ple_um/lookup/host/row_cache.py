@@ -1,0 +1,124 @@
+"""RowCache: hot rows of a table kept at row granularity, in host memory the table owns.
+
+The page cache keeps a row as the 4 KiB page it lies in; with hashed n-gram ids the other rows of
+that page are rarely hot, so a page cache of C bytes holds about C / 4 KiB hot rows. A row cache of
+the same bytes holds C / (row bytes + 16) of them. The C row copy looks every owned row up here
+first and offers the rows it had to read (``native/rowcache.c``: set-associative, lock-free reads,
+a row's bytes in place before anything can find it; the policy decides what is kept).
+
+The memory is anonymous (``mmap``, transparent huge pages where the kernel gives them), owned by
+this object and released by ``close()`` once no lookup can read it any more (the host gather's
+release waits for its row copies). It is not pinned: only the CPU reads it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+
+from ple_um.lookup import rowcopy
+from ple_um.mapping import _libc
+
+POLICIES = {"tinylfu": 0, "lru": 1, "clock": 2}
+WAYS = 8  # slots per set: an id is looked for in one set only
+# Bytes a slot takes beside its row's: tag, version and policy word; its share of the admission
+# sketch (4 rows of 2 one-byte counters a slot) and of the doorkeeper (8 bytes a slot).
+SLOT_OVERHEAD = 8 + 4 + 4 + 8 + 8
+MADV_HUGEPAGE = 14
+
+
+def slots_for(capacity: int, row_bytes: int) -> int:
+    """The slots a cache of ``capacity`` bytes has: a power of two of sets of WAYS slots (0 when
+    not even one set fits)."""
+    sets = capacity // (WAYS * (row_bytes + SLOT_OVERHEAD) + 1)
+    return 0 if sets < 1 else WAYS * (1 << (int(sets).bit_length() - 1))
+
+
+class RowCache:
+    """A row cache of ``slots`` slots (a multiple of WAYS whose sets are a power of two) for rows of
+    ``row_bytes``; hits, misses, insertions and evictions are added to ``counts`` (the host
+    gather's ``rowcopy.Counts``)."""
+
+    def __init__(
+        self, slots: int, row_bytes: int, counts: rowcopy.Counts, *, policy: str = "tinylfu"
+    ) -> None:
+        sets = slots // WAYS
+        if slots <= 0 or slots % WAYS or sets & (sets - 1):
+            raise ValueError(f"a row cache has a power of two of sets of {WAYS} slots, not {slots} slots")
+        if policy not in POLICIES:
+            raise ValueError(f"row cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        self.slots, self.row_bytes, self.policy = slots, row_bytes, policy
+        sketch_width = 1 << max(4, (2 * slots - 1).bit_length())  # twice the slots (rowcache.c)
+        door_words = sketch_width // 2  # 64 bits a word: 32 doorkeeper bits a counter
+        layout = [
+            ("tags", slots * 8),
+            ("versions", slots * 4),
+            ("meta", slots * 4),
+            ("locks", sets),
+            ("sketch", 4 * sketch_width),
+            ("door", 8 * door_words),
+            ("clock", 16),
+            ("data", slots * row_bytes),
+        ]
+        self.nbytes = sum(-(-n // 64) * 64 for _, n in layout)
+        self._memory = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
+        _libc.madvise(base, self.nbytes, MADV_HUGEPAGE)  # a hint: fewer TLB misses where it is taken
+        at, self._base = {}, base
+        offset = 0
+        for name, n in layout:
+            at[name] = base + offset
+            offset += -(-n // 64) * 64
+        np.ctypeslib.as_array((ctypes.c_int64 * slots).from_address(at["tags"]))[:] = -1
+        self.struct = rowcopy.CacheStruct(
+            sets,
+            row_bytes,
+            WAYS,
+            POLICIES[policy],
+            0,
+            0,
+            at["tags"],
+            at["versions"],
+            at["meta"],
+            at["locks"],
+            at["data"],
+            at["sketch"],
+            sketch_width - 1,
+            at["door"],
+            door_words,
+            at["clock"],
+            counts.address,
+        )
+        self.address = ctypes.addressof(self.struct)
+        self._counts = counts
+
+    def resident_bytes(self) -> int:
+        """Bytes of the cache's memory that are in RAM now (mincore: pages it has written)."""
+        pages = -(-self.nbytes // mmap.PAGESIZE)
+        vec = np.zeros(pages, dtype=np.uint8)
+        if self._memory is None or _libc.mincore(self._base, self.nbytes, vec.ctypes.data) != 0:
+            return 0
+        return int((vec & 1).sum()) * mmap.PAGESIZE
+
+    def stats(self) -> dict:
+        """hits, misses, evictions, rows (held now), bytes (the memory it owns), resident_bytes (of
+        it in RAM now), slots."""
+        c = self._counts.read()
+        return {
+            "hits": c["cache_hits"],
+            "misses": c["cache_misses"],
+            "evictions": c["cache_evictions"],
+            "rows": c["cache_inserts"] - c["cache_evictions"],
+            "bytes": self.nbytes,
+            "resident_bytes": self.resident_bytes(),
+            "slots": self.slots,
+        }
+
+    def close(self) -> None:
+        """Release the memory (the caller has made sure no row copy reads it any more). Idempotent."""
+        if self._memory is not None:
+            self.struct = None
+            self._memory.close()
+            self._memory = None

@@ -1,0 +1,211 @@
+/* The row cache: hot rows kept at row granularity in memory the table owns (rowcopy.h says what the
+ * files do and what nothing here may do).
+ *
+ * Set-associative: an id hashes to one set of WAYS slots, and only those are searched and replaced.
+ * Each slot has a tag (the id it holds, or -1), a version and a policy word. Lookups read without a
+ * lock; a slot's writer holds its set's lock (try-lock: a writer that finds it taken offers its row
+ * to nobody, the cache is only a cache).
+ *
+ * Publishing: a slot's version is odd while its writer changes it. The writer makes the version odd,
+ * then writes the tag and the row's bytes, then makes the version even again (a release store): a
+ * reader that finds the tag checks the version before and after copying the bytes, and takes the
+ * copy only when both are the same even number. So a row's bytes are in place before anything can
+ * find them, and a slot overwritten while a lookup copies it is a miss for that lookup, never a
+ * torn or foreign row.
+ *
+ * Policies (policy): POLICY_TINYLFU admits a missed row only when its estimated frequency is above
+ * that of the row it would evict, the victim being the set's row of the lowest estimate (then the
+ * fewest hits): one-off rows then never flush hot ones. The estimate is a
+ * doorkeeper bit (the id was seen in the current period) plus a count-min sketch of the ids seen
+ * more than once (4 rows of saturating counters, twice as wide as the cache has slots, raised by
+ * conservative update: only the counters at the minimum). Counts fade: every AGE_EVERY accesses one
+ * counter of each row is halved and, in turn, one word of the doorkeeper cleared, so the whole
+ * sketch and doorkeeper age once in AGE_EVERY x width accesses. POLICY_LRU evicts the set's least recently used slot
+ * and admits every row; POLICY_CLOCK gives each slot a second chance.
+ */
+#include "rowcopy.h"
+
+#include <sched.h>
+
+enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
+#define SKETCH_ROWS 4
+#define SATURATE 15
+#define AGE_EVERY 4 /* accesses per counter halved */
+
+struct ple_cache {
+    int64_t sets;  /* a power of two */
+    int64_t rb;    /* bytes per row */
+    int32_t ways; /* slots per set */
+    int32_t policy;
+    int32_t publish_first; /* tests only: publish the tag before the bytes (a wrong cache) */
+    int32_t unused;
+    int64_t *tags;         /* [sets * ways] */
+    uint32_t *versions;    /* [sets * ways] */
+    uint32_t *meta;        /* [sets * ways] hit count (TINYLFU), last use (LRU), second chance (CLOCK) */
+    uint8_t *locks;        /* [sets] */
+    uint8_t *data;         /* [sets * ways * rb] */
+    uint8_t *sketch;       /* [SKETCH_ROWS * (sketch_mask + 1)] */
+    int64_t sketch_mask;
+    uint64_t *door;  /* [door_words]: 64 bits per word */
+    int64_t door_words; /* a power of two */
+    uint64_t *clock; /* [2]: accesses (LRU's time and the sketch's aging cursor), CLOCK's hand */
+    int64_t *counts; /* the table's counters (rowcopy.h's enum) */
+};
+
+int64_t ple_cache_struct_size(void) { return (int64_t)sizeof(struct ple_cache); }
+
+static inline uint64_t mix(uint64_t x) { /* splitmix64's finalizer */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+static inline uint32_t load32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline int64_t load_tag(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
+/* The doorkeeper: whether an id was seen this period (bit set now, and returned as it was). */
+static int door_seen(ple_cache_t *c, uint64_t h, int set) {
+    uint64_t g = mix(h ^ 0x5851f42d4c957f2dULL);
+    int seen = 1;
+    for (int k = 0; k < 2; k++, g >>= 32) {
+        uint64_t bit = g & (uint64_t)(c->door_words * 64 - 1);
+        uint64_t *word = &c->door[bit >> 6], mask = 1ULL << (bit & 63);
+        if (!(__atomic_load_n(word, __ATOMIC_RELAXED) & mask)) {
+            seen = 0;
+            if (set) __atomic_fetch_or(word, mask, __ATOMIC_RELAXED);
+        }
+    }
+    return seen;
+}
+
+static inline uint8_t *counter(const ple_cache_t *c, int r, uint64_t h) {
+    return c->sketch + r * (c->sketch_mask + 1) + (mix(h + (uint64_t)r * 0x9e3779b97f4a7c15ULL) & (uint64_t)c->sketch_mask);
+}
+
+static int sketch_min(const ple_cache_t *c, uint64_t h) {
+    int best = SATURATE;
+    for (int r = 0; r < SKETCH_ROWS; r++) {
+        int v = __atomic_load_n(counter(c, r, h), __ATOMIC_RELAXED);
+        if (v < best) best = v;
+    }
+    return best;
+}
+
+/* One access to the id of hash h: counted for admission, and the counts aged. */
+static void sketch_add(ple_cache_t *c, uint64_t h) {
+    uint64_t tick = __atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED);
+    if (tick % AGE_EVERY == 0) {
+        uint64_t at = tick / AGE_EVERY;
+        for (int r = 0; r < SKETCH_ROWS; r++) {
+            uint8_t *old = c->sketch + r * (c->sketch_mask + 1) + (at & (uint64_t)c->sketch_mask);
+            __atomic_store_n(old, (uint8_t)(__atomic_load_n(old, __ATOMIC_RELAXED) >> 1), __ATOMIC_RELAXED);
+        }
+        if ((at & 15) == 0) __atomic_store_n(&c->door[(at >> 4) & (uint64_t)(c->door_words - 1)], 0, __ATOMIC_RELAXED);
+    }
+    if (!door_seen(c, h, 1)) return; /* a first sighting only sets the doorkeeper */
+    int low = sketch_min(c, h);
+    if (low >= SATURATE) return;
+    for (int r = 0; r < SKETCH_ROWS; r++) { /* conservative update: only the counters at the minimum */
+        uint8_t *at = counter(c, r, h);
+        if (__atomic_load_n(at, __ATOMIC_RELAXED) == low) __atomic_store_n(at, (uint8_t)(low + 1), __ATOMIC_RELAXED);
+    }
+}
+
+static int sketch_estimate(ple_cache_t *c, uint64_t h) { return sketch_min(c, h) + door_seen(c, h, 0); }
+
+/* The row of `id` copied to dst (1), or 0 when the cache does not hold it. */
+int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst) {
+    uint64_t h = mix((uint64_t)id);
+    int64_t first = (int64_t)(h & (uint64_t)(c->sets - 1)) * c->ways;
+    if (c->policy == POLICY_TINYLFU) sketch_add(c, h);
+    for (int32_t w = 0; w < c->ways; w++) {
+        int64_t k = first + w;
+        if (load_tag(&c->tags[k]) != id) continue;
+        uint32_t before = load32(&c->versions[k]);
+        if ((before & 1) || load_tag(&c->tags[k]) != id) break;
+        memcpy(dst, c->data + k * c->rb, (size_t)c->rb);
+        atomic_thread_fence(memory_order_acquire);
+        if (__atomic_load_n(&c->versions[k], __ATOMIC_RELAXED) != before) break;
+        uint32_t *m = &c->meta[k];
+        if (c->policy == POLICY_TINYLFU) {
+            uint32_t v = __atomic_load_n(m, __ATOMIC_RELAXED);
+            if (v < SATURATE) __atomic_store_n(m, v + 1, __ATOMIC_RELAXED);
+        } else if (c->policy == POLICY_LRU) {
+            __atomic_store_n(m, (uint32_t)__atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+        } else {
+            __atomic_store_n(m, 1, __ATOMIC_RELAXED);
+        }
+        count(c->counts, C_CACHE_HITS, 1);
+        return 1;
+    }
+    count(c->counts, C_CACHE_MISSES, 1);
+    return 0;
+}
+
+/* `n` lookups the cache could not serve, counted without asking it (a window's repeated misses). */
+void ple_cache_missed(ple_cache_t *c, int64_t n) { count(c->counts, C_CACHE_MISSES, n); }
+
+/* The slot of set [first, first + ways) the new row would take, or -1 to keep the set as it is. */
+static int64_t choose(ple_cache_t *c, int64_t first, uint64_t h) {
+    int64_t victim = -1;
+    for (int32_t w = 0; w < c->ways; w++)
+        if (c->tags[first + w] == -1) return first + w;
+    if (c->policy == POLICY_CLOCK) {
+        for (int32_t turn = 0; turn < 2 * c->ways; turn++) {
+            int64_t k = first + (int64_t)(__atomic_fetch_add(&c->clock[1], 1, __ATOMIC_RELAXED) % (uint64_t)c->ways);
+            if (__atomic_exchange_n(&c->meta[k], 0, __ATOMIC_RELAXED) == 0) return k;
+        }
+        return first;
+    }
+    if (c->policy == POLICY_LRU) {
+        for (int32_t w = 0; w < c->ways; w++) /* the least recently used */
+            if (victim < 0 || __atomic_load_n(&c->meta[first + w], __ATOMIC_RELAXED) <
+                                  __atomic_load_n(&c->meta[victim], __ATOMIC_RELAXED))
+                victim = first + w;
+        return victim;
+    }
+    int low = 0; /* TINYLFU: the slot whose row is wanted least, then least hit; kept unless beaten */
+    for (int32_t w = 0; w < c->ways; w++) {
+        int e = sketch_estimate(c, mix((uint64_t)c->tags[first + w]));
+        if (victim < 0 || e < low ||
+            (e == low && c->meta[first + w] < c->meta[victim]))
+            victim = first + w, low = e;
+    }
+    return sketch_estimate(c, h) > low ? victim : -1;
+}
+
+/* Offer the row of `id` just read (row: its bytes); the policy decides whether it is kept. */
+void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
+    uint64_t h = mix((uint64_t)id);
+    int64_t set = (int64_t)(h & (uint64_t)(c->sets - 1)), first = set * c->ways;
+    if (__atomic_test_and_set(&c->locks[set], __ATOMIC_ACQUIRE)) return;
+    for (int32_t w = 0; w < c->ways; w++)
+        if (c->tags[first + w] == id) {
+            __atomic_clear(&c->locks[set], __ATOMIC_RELEASE);
+            return;
+        }
+    int64_t k = choose(c, first, h);
+    if (k >= 0) {
+        int64_t evicted = c->tags[k];
+        uint32_t v = c->versions[k];
+        __atomic_store_n(&c->versions[k], v + 1, __ATOMIC_RELAXED); /* odd: being written */
+        atomic_thread_fence(memory_order_release);
+        if (c->publish_first) {
+            __atomic_store_n(&c->tags[k], id, __ATOMIC_RELAXED);
+            __atomic_store_n(&c->versions[k], v + 2, __ATOMIC_RELEASE);
+            for (int spin = 0; spin < 200; spin++) sched_yield(); /* a reader may find it meanwhile */
+            memcpy(c->data + k * c->rb, row, (size_t)c->rb);
+        } else {
+            __atomic_store_n(&c->tags[k], id, __ATOMIC_RELAXED);
+            memcpy(c->data + k * c->rb, row, (size_t)c->rb);
+            __atomic_store_n(&c->versions[k], v + 2, __ATOMIC_RELEASE); /* even: published */
+        }
+        uint32_t fresh = c->policy == POLICY_LRU ? (uint32_t)__atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED) : 1;
+        __atomic_store_n(&c->meta[k], fresh, __ATOMIC_RELAXED);
+        count(c->counts, C_CACHE_INSERTS, 1);
+        count(c->counts, C_CACHE_EVICTIONS, evicted != -1);
+    }
+    __atomic_clear(&c->locks[set], __ATOMIC_RELEASE);
+}

@@ -1,0 +1,206 @@
+/* One lookup's rows (rowcopy.h says what the files do and what nothing here may do).
+ *
+ * ple_lookup_run(lookup) is the whole of a lookup's host work. It is a CUDA host function: a captured
+ * lookup queues it with cuLaunchHostFunc between the copy that brings the ids into pinned memory
+ * and the copy that takes the staged rows to the device, so it runs on a driver thread, in stream
+ * order, in CUDA graphs like any node. Eager lookups are run by the dispatcher thread instead
+ * (dispatcher.c). On a machine without CUDA the same function is called directly (ctypes releases
+ * the GIL for the call).
+ *
+ * Rows in memory: while it copies row i, a thread prefetches row i + AHEAD, so many rows' TLB and
+ * cache misses are in flight per core (torch.index_select copies row by row: about one).
+ * A table with a row cache or a reader takes the other path: a window of ids at a time, the rows
+ * the cache holds copied from it, the others collected and read from the files together
+ * (reader.c), then offered to the cache.
+ */
+#include "rowcopy.h"
+
+#define AHEAD 16
+#define WINDOW 512 /* ids a table with a cache or a reader looks at before it reads their misses */
+
+static inline int64_t id_at(const ple_lookup_t *q, int64_t i) {
+    switch (q->id_kind) {
+    case 1: return ((const int32_t *)q->ids)[i];
+    case 2: return ((const int16_t *)q->ids)[i];
+    case 3: return ((const int8_t *)q->ids)[i];
+    case 4: return ((const uint8_t *)q->ids)[i];
+    default: return ((const int64_t *)q->ids)[i];
+    }
+}
+
+static inline void prefetch_row(const uint8_t *p, int64_t rb) {
+    for (int64_t k = 0; k < rb; k += 64) __builtin_prefetch(p + k, 0, 3);
+    __builtin_prefetch(p + rb - 1, 0, 3);
+}
+
+/* Where the row of global id `id` lies: NULL when the id is not owned (a zero row), or, with
+ * *broken set, when its row is outside its shard's row space. */
+static inline const uint8_t *id_row(const ple_rows_t *t, int64_t id, int *broken) {
+    if (id < t->lo || id >= t->hi) return NULL;
+    int64_t s = id / t->per_shard; /* id >= lo >= 0 */
+    int64_t r = id - s * t->per_shard;
+    if (s >= t->shards || r < t->first[s] || r >= t->end[s]) {
+        *broken = 1;
+        return NULL;
+    }
+    return (const uint8_t *)(uintptr_t)(t->bases[s] + (uint64_t)r * (uint64_t)t->rb);
+}
+
+/* Rows [a, b) of one table, every row copied from the mapping (in memory, or faulted in). */
+static tally_t copy_mapped(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *dst, int64_t a, int64_t b) {
+    int64_t rb = t->rb;
+    tally_t n = {0, 0};
+    int ignored = 0;
+    const uint8_t *p;
+    for (int64_t i = a; i < a + AHEAD && i < b; i++)
+        if ((p = id_row(t, id_at(q, i), &ignored))) prefetch_row(p, rb);
+    for (int64_t i = a; i < b; i++) {
+        int64_t id = id_at(q, i);
+        if (i + AHEAD < b && (p = id_row(t, id_at(q, i + AHEAD), &ignored))) prefetch_row(p, rb);
+        int broken = 0;
+        if ((p = id_row(t, id, &broken))) {
+            memcpy(dst + i * rb, p, (size_t)rb);
+        } else {
+            memset(dst + i * rb, 0, (size_t)rb);
+            n.broken += broken;
+            n.outside += id < 0 || id >= t->num_rows;
+        }
+    }
+    return n;
+}
+
+/* A window's misses, each id once: the slot of an id in the open-addressed `seen` (2 * WINDOW
+ * entries of miss index + 1; 0 = empty). */
+static inline int64_t *seen_slot(int64_t *seen, const ple_miss_t *miss, int64_t id) {
+    uint64_t h = (uint64_t)id * 0x9e3779b97f4a7c15ULL;
+    for (uint64_t k = h >> 54;; k = (k + 1) & (2 * WINDOW - 1)) /* 2 * WINDOW = 1024 = 2^10 */
+        if (seen[k] == 0 || miss[seen[k] - 1].id == id) return &seen[k];
+}
+
+/* Rows [a, b) of a table with a row cache or a reader: per window, the cache's rows (or, without a
+ * cache, the rows whose pages are resident) copied at once, the others read together (an id that
+ * comes again in the window is read once and copied), then offered to the cache. */
+static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *dst, int64_t a, int64_t b) {
+    int64_t rb = t->rb;
+    tally_t n = {0, 0};
+    ple_miss_t miss[WINDOW];
+    int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (position, index of the miss it repeats) */
+    int check = t->cache == NULL && t->reader != NULL && t->reader->resident_check;
+    for (int64_t w = a; w < b; w += WINDOW) {
+        int64_t e = w + WINDOW < b ? w + WINDOW : b, m = 0, r = 0;
+        memset(seen, 0, sizeof seen);
+        for (int64_t i = w; i < e; i++) {
+            int64_t id = id_at(q, i);
+            int broken = 0;
+            const uint8_t *p = id_row(t, id, &broken);
+            if (!p) {
+                memset(dst + i * rb, 0, (size_t)rb);
+                n.broken += broken;
+                n.outside += id < 0 || id >= t->num_rows;
+                continue;
+            }
+            int64_t *slot = seen_slot(seen, miss, id);
+            if (*slot) {
+                again[r][0] = i, again[r][1] = *slot - 1, r++;
+                continue;
+            }
+            if (t->cache ? ple_cache_get(t->cache, id, dst + i * rb) : check && ple_resident(p, rb)) {
+                if (!t->cache) memcpy(dst + i * rb, p, (size_t)rb);
+                continue;
+            }
+            miss[m] = (ple_miss_t){i, id, p};
+            *slot = ++m;
+        }
+        if (m) tally_add(&n, ple_read_misses(t, miss, m, dst, q->counts));
+        if (t->cache) ple_cache_missed(t->cache, r); /* the repeats missed too */
+        for (int64_t j = 0; j < r; j++) {
+            const ple_miss_t *first = &miss[again[j][1]];
+            if (first->mapped) memcpy(dst + again[j][0] * rb, dst + first->pos * rb, (size_t)rb);
+            else memset(dst + again[j][0] * rb, 0, (size_t)rb), n.broken++;
+        }
+        if (t->cache)
+            for (int64_t j = 0; j < m; j++)
+                if (miss[j].mapped) ple_cache_put(t->cache, miss[j].id, dst + miss[j].pos * rb);
+    }
+    return n;
+}
+
+static tally_t copy_table(const ple_lookup_t *q, int k, int64_t a, int64_t b) {
+    const ple_rows_t *t = q->tables[k];
+    if (t->cache == NULL && (t->reader == NULL || t->reader->strategy == READ_FAULT))
+        return copy_mapped(q, t, q->dst[k], a, b);
+    return copy_cold(q, t, q->dst[k], a, b);
+}
+
+/* Bring every page of each owned row [a, b) of the lookup's first table into memory. With a
+ * reader, the pages not resident are asked for together first (reader.c). */
+static tally_t touch_rows(const ple_lookup_t *q, int64_t a, int64_t b) {
+    const ple_rows_t *t = q->tables[0];
+    tally_t n = {0, 0};
+    ple_miss_t rows[WINDOW];
+    volatile uint8_t sink = 0;
+    for (int64_t w = a; w < b; w += WINDOW) {
+        int64_t e = w + WINDOW < b ? w + WINDOW : b, m = 0;
+        for (int64_t i = w; i < e; i++) {
+            int broken = 0;
+            int64_t id = id_at(q, i);
+            const uint8_t *p = id_row(t, id, &broken);
+            n.broken += broken;
+            if (!p) {
+                n.outside += id < 0 || id >= t->num_rows;
+                continue;
+            }
+            rows[m++] = (ple_miss_t){i, id, p};
+        }
+        if (t->reader && t->reader->strategy != READ_FAULT) ple_touch_pages(t, rows, m);
+        for (int64_t j = 0; j < m; j++) {
+            const uint8_t *p = rows[j].mapped;
+            for (int64_t off = 0; off < t->rb; off += 4096 - (int64_t)((uintptr_t)(p + off) & 4095))
+                sink ^= p[off];
+            sink ^= p[t->rb - 1];
+        }
+    }
+    (void)sink;
+    return n;
+}
+
+/* Rows [a, b) of the lookup, every table; the tally counts the first table's (the rows') ids once. */
+tally_t ple_run_rows(const ple_lookup_t *q, int64_t a, int64_t b) {
+    if (q->touch) return touch_rows(q, a, b);
+    tally_t n = copy_table(q, 0, a, b);
+    if (q->tables[1]) n.broken += copy_table(q, 1, a, b).broken;
+    return n;
+}
+
+/* One lookup's rows and counters (all but its busy flag). */
+void ple_run_lookup(ple_lookup_t *q) {
+    long t0 = now_ns();
+    tally_t n = {0, 0};
+    if (q->n > 0) {
+        if (q->threads > 1 && q->n > q->inline_rows && ple_pool_running()) n = ple_run_pooled(q);
+        else n = ple_run_rows(q, 0, q->n);
+    }
+    int64_t *c = q->counts;
+    if (!q->touch) {
+        count(c, C_ROWS, q->n);
+        count(c, C_OUT_OF_TABLE, n.outside);
+        count(c, C_LOOKUPS, 1);
+    }
+    count(c, C_BROKEN, n.broken);
+    count(c, C_NS, now_ns() - t0);
+}
+
+/* The host function: the whole of one lookup's host work. */
+void ple_lookup_run(void *arg) {
+    ple_lookup_t *q = (ple_lookup_t *)arg;
+    ple_run_lookup(q);
+    atomic_store_explicit(&q->busy, 0, memory_order_release);
+}
+
+/* Sizes of the structs the ctypes declarations must match: ple_rows_t, ple_lookup_t, ple_reader_t,
+ * ple_cache_t, in 16 bits each. */
+int64_t ple_struct_sizes(void) {
+    extern int64_t ple_cache_struct_size(void);
+    return (int64_t)sizeof(ple_rows_t) << 48 | (int64_t)sizeof(ple_lookup_t) << 32 |
+           (int64_t)sizeof(ple_reader_t) << 16 | ple_cache_struct_size();
+}

@@ -1,0 +1,148 @@
+/* The host gather's C side, shared by its files: a lookup's rows read from the mapped shard files
+ * into a staging buffer, by id, in batch order. ple_um/lookup/rowcopy.py compiles the files into
+ * one library and loads it with ctypes (no Python headers).
+ *
+ *   rowcopy.c     one lookup's rows (ple_lookup_run: the whole of a lookup's host work)
+ *   pool.c        the worker threads that split a big lookup
+ *   dispatcher.c  the thread that runs eager lookups, signalled through pinned memory
+ *   rowcache.c    hot rows kept at row granularity in memory the table owns
+ *   reader.c      rows not in memory read from the files many at a time
+ *
+ * Everything here runs where Python cannot: in a CUDA host node on a driver thread, on the
+ * dispatcher's thread, on pool workers. So nothing calls CUDA, nothing needs the GIL and nothing
+ * fails: an id outside the owned range gives a zero row; an id outside the table gives a zero row
+ * and is counted; an owned id whose row lies outside its shard's mapped rows (a broken shard map)
+ * gives a zero row and is counted as broken; a read from a file that fails (an I/O error, a file
+ * shorter than its header said) gives a zero row and is counted as broken.
+ */
+#ifndef PLE_ROWCOPY_H
+#define PLE_ROWCOPY_H
+
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* Counters a lookup adds to (atomically; several lookups may run at once). */
+enum {
+    C_ROWS,         /* ids looked up */
+    C_OUT_OF_TABLE, /* ids outside [0, num_rows) */
+    C_BROKEN,       /* owned ids whose row could not be had: zero rows */
+    C_NS,           /* nanoseconds spent in lookups */
+    C_LOOKUPS,      /* lookups run */
+    C_CACHE_HITS,   /* rows served by the row cache */
+    C_CACHE_MISSES, /* owned rows the row cache did not hold */
+    C_CACHE_INSERTS,
+    C_CACHE_EVICTIONS,
+    C_FILE_READS, /* rows read from the files by the reader (not faulted in through the mapping) */
+    C_READ_NS,    /* nanoseconds spent waiting for those reads */
+    C_COUNT
+};
+
+typedef struct ple_cache ple_cache_t;
+
+/* How the rows a lookup finds missing are read (reader.c). */
+enum { READ_FAULT, READ_URING, READ_THREADS };
+
+typedef struct {
+    const int32_t *fds;     /* per shard: the descriptor its rows are read through (-1: none) */
+    const int64_t *offsets; /* per shard: the file offset of its local row 0 */
+    int32_t align;          /* > 0: O_DIRECT reads of whole blocks of this many bytes; 0: plain reads */
+    int32_t strategy;       /* READ_URING, READ_THREADS, or READ_FAULT (through the mapping) */
+    int32_t depth;          /* reads in flight per reading thread */
+    int32_t resident_check; /* rows without a cache: those whose pages are resident are copied */
+} ple_reader_t;
+
+/* One table's rows as a lookup reads them: the rows of a MappedTable, or an NVFP4 table's block
+ * scales. Shard s holds ids [s * per_shard, (s + 1) * per_shard); its local row r lies at
+ * bases[s] + r * rb, and its local rows [first[s], end[s]) are mapped (first = end: none). Ids in
+ * [lo, hi) are owned. With a cache, rows are looked up there first; with a reader, the rows found
+ * missing are read from the files many at a time rather than faulted in one by one. The arrays,
+ * the cache and the reader belong to the caller and outlive every lookup that uses them. */
+typedef struct {
+    int64_t shards, per_shard, num_rows, lo, hi, rb;
+    const uint64_t *bases;
+    const int64_t *first;
+    const int64_t *end;
+    ple_cache_t *cache;
+    const ple_reader_t *reader;
+} ple_rows_t;
+
+/* One lookup: what cuLaunchHostFunc hands to ple_lookup_run. ids are of kind id_kind (0 int64,
+ * 1 int32, 2 int16, 3 int8, 4 uint8). dst[k] receives n rows of tables[k] (tables[1] may be NULL).
+ * With touch set, nothing is copied: every 4 KiB page of each owned row is brought into memory, so
+ * that the pages are there before a GPU kernel reads the rows. busy is set by the caller when it
+ * queues the lookup and cleared here, last, when the lookup is done. */
+typedef struct ple_lookup {
+    const ple_rows_t *tables[2];
+    uint8_t *dst[2];
+    const void *ids;
+    int64_t n;
+    int64_t *counts;
+    int32_t id_kind;
+    int32_t touch;
+    int32_t threads;     /* > 1: the pool may help */
+    int32_t inline_rows; /* at most this many rows: the calling thread alone */
+    atomic_int busy;
+    /* Eager lookups through the dispatcher: it waits until *ready reaches seq (the stream writes it
+     * once the ids are in pinned memory), copies, then sets *done to seq (the stream's copy of the
+     * rows to the device waits for it). Unused by host nodes. */
+    uint32_t seq;
+    const volatile uint32_t *ready;
+    volatile uint32_t *done;
+    struct ple_lookup *next; /* the dispatcher's queue */
+} ple_lookup_t;
+
+/* What a stretch of a lookup found: ids outside the table, owned ids with no row to give. */
+typedef struct {
+    int64_t outside, broken;
+} tally_t;
+
+static inline void tally_add(tally_t *to, tally_t from) {
+    to->outside += from.outside;
+    to->broken += from.broken;
+}
+
+static inline long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static inline void count(int64_t *counts, int which, int64_t n) {
+    if (n) __atomic_fetch_add(&counts[which], n, __ATOMIC_RELAXED);
+}
+
+/* rowcopy.c */
+tally_t ple_run_rows(const ple_lookup_t *q, int64_t a, int64_t b);
+void ple_run_lookup(ple_lookup_t *q);
+/* pool.c */
+tally_t ple_run_pooled(const ple_lookup_t *q);
+int ple_pool_running(void);
+/* rowcache.c: a hit copies the row to dst and returns 1; insert offers a row just read. */
+int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst);
+void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row);
+void ple_cache_missed(ple_cache_t *c, int64_t n);
+/* reader.c: rows `rows[0..n)` (positions in the lookup) of ids `ids[]` read into dst rows; the
+ * tally counts the rows that could not be read (zeroed). */
+typedef struct {
+    int64_t pos; /* position in the lookup: where in dst the row goes */
+    int64_t id;
+    const uint8_t *mapped; /* the row's address in the mapping */
+} ple_miss_t;
+tally_t ple_read_misses(const ple_rows_t *t, ple_miss_t *misses, int64_t n, uint8_t *dst, int64_t *counts);
+void ple_touch_pages(const ple_rows_t *t, const ple_miss_t *rows, int64_t n);
+int ple_resident(const uint8_t *row, int64_t rb);
+
+#endif

@@ -1,0 +1,118 @@
+"""SyncGather: the ``cpu`` mode where the C row copy cannot be built (no working C compiler, or
+``PLE_UM_ROWCOPY=0``): synchronous, not capture-safe (a lookup waits for the device to read its ids
+on the host). The reading itself is ``sync_reader.RowReader``'s.
+
+Wherever the C row copy builds, the host path is ``host.gather.HostGather`` instead: stream-ordered,
+no host sync, capture-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ple_um.lookup.counts import path_counts
+from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize
+from ple_um.lookup.sync_reader import RowReader
+from ple_um.mapping import MappedShards
+
+
+class SyncGather:
+    """The synchronous host path of the ``cpu`` mode: owns the row readers (the rows, and an NVFP4
+    table's block scales), the dequantization and the counting of its lookups (on the host, under a
+    lock). Every lookup waits for the device to read its ids: not capture-safe."""
+
+    def __init__(
+        self,
+        mapping: MappedShards,
+        device: torch.device,
+        *,
+        storage: torch.dtype,
+        scale: torch.Tensor | None,
+        threads: int,
+        chunk: int,
+        slots: int,
+        why: str,
+        scale_mapping: MappedShards | None = None,
+    ) -> None:
+        self.device = device
+        self.storage = storage
+        self.scale = scale
+        self.num_rows = mapping.layout.num_rows
+        self.owned = (mapping.row_start, mapping.row_end)
+        self.rows = RowReader(mapping, device, threads=threads, chunk=chunk, slots=slots)
+        self.block_scales = (
+            RowReader(scale_mapping, device, threads=threads, chunk=chunk, slots=slots)
+            if scale_mapping is not None
+            else None
+        )
+        self.row_reads = f"torch.index_select and numpy, synchronous ({why})"
+        self.counts = {"rows": 0, "out_of_range": 0, "lookups": 0}
+        self.phases = {"dedup": 0.0, "gather": 0.0, "stage": 0.0, "wait": 0.0}
+        self.metrics = None  # the table's LookupMetrics, fed at each lookup (set once it serves)
+        self._lock = threading.Lock()
+
+    def _classify(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(ids as int64, which are owned, how many are outside the table: read on the host)."""
+        ids = ids.to(torch.int64)
+        in_table = (ids >= 0) & (ids < self.num_rows)
+        owned = in_table & (ids >= self.owned[0]) & (ids < self.owned[1])
+        return ids, owned, int((~in_table).sum())
+
+    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows of flat ``ids`` into ``out`` [n, row_dim]: raw when out has the storage dtype (NVFP4:
+        the packed bytes), else dequantized or decoded."""
+        t0 = time.perf_counter()
+        n = ids.numel()
+        ids, owned, bad = self._classify(ids)
+        raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
+        if raw:
+            self.rows.gather(ids, owned, out.view(torch.uint8).view(n, out.shape[-1] * out.element_size()))
+        elif self.block_scales is not None:
+            decode_nvfp4(self.rows.gather(ids, owned), self.block_scales.gather(ids, owned), self.scale, out)
+        else:
+            dequantize(self.rows.gather(ids, owned), self.storage, self.scale, out)
+        self._count(n, bad, self.rows.last_phases)
+        if self.metrics is not None:
+            row_bytes = self.rows.row_bytes + (self.block_scales.row_bytes if self.block_scales else 0)
+            self.metrics.observe(n, n * row_bytes, bad, self.rows.last_phases, time.perf_counter() - t0)
+        return out
+
+    def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """NVFP4: the packed rows and block scales of ``ids`` (uint8)."""
+        t0 = time.perf_counter()
+        ids, owned, bad = self._classify(ids)
+        self.rows.gather(ids, owned, packed)
+        self.block_scales.gather(ids, owned, scales)
+        n = ids.numel()
+        self._count(n, bad, self.rows.last_phases)
+        if self.metrics is not None:
+            nbytes = n * (self.rows.row_bytes + self.block_scales.row_bytes)
+            self.metrics.observe(n, nbytes, bad, self.rows.last_phases, time.perf_counter() - t0)
+
+    def _count(self, n: int, bad: int, phases: dict[str, float]) -> None:
+        with self._lock:  # lookups from several threads: += is not atomic
+            self.counts["rows"] += n
+            self.counts["out_of_range"] += bad
+            self.counts["lookups"] += 1
+            for key, value in phases.items():
+                self.phases[key] += value
+
+    def read_counts(self) -> dict:
+        """The lookups counted so far, as ``path_counts`` (phases: dedup, gather, stage, wait)."""
+        with self._lock:
+            return path_counts(**self.counts, **self.phases)
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            for key in self.counts:
+                self.counts[key] = 0
+            for key in self.phases:
+                self.phases[key] = 0.0
+
+    def close(self) -> None:
+        for reader in (self.block_scales, self.rows):
+            if reader is not None:
+                reader.close()

@@ -1,0 +1,30 @@
+"""What a table tells its operator while it serves; none of it may ever fail a lookup (a failure
+is logged once and swallowed, ``failures``).
+
+- ``counters``: the process's Prometheus counters and gauges (``METRICS``: names and seed
+  aliases) and ``LookupMetrics``, one table's feed into them, labelled by access mode.
+- ``reporter``: one daemon thread per process (``reporter()``; a table joins it with ``watch()``
+  and leaves it by closing the ``Watch``) that every ``PLE_UM_STATS_SEC`` seconds reads each
+  watched table's ``stats()`` and page-cache residency, logs the stats line (``stats_line``) of
+  the window since the last one, and absorbs the GPU modes' device counters into Prometheus.
+- ``progress_bars``: ``progress(total_bytes, description)``, a bar over long work.
+"""
+
+from ple_um.metrics.counters import METRICS, PHASES, LookupMetrics, MetricSpec, prometheus
+from ple_um.metrics.progress_bars import progress
+from ple_um.metrics.reporter import StatsReporter, Watch, reporter, watch
+from ple_um.metrics.stats_line import format_line
+
+__all__ = [
+    "METRICS",
+    "PHASES",
+    "LookupMetrics",
+    "MetricSpec",
+    "StatsReporter",
+    "Watch",
+    "format_line",
+    "progress",
+    "prometheus",
+    "reporter",
+    "watch",
+]

@@ -1,0 +1,7 @@
+"""ple-um's SGLang 0.5.23 integration: a ``sglang.srt.plugins`` entry point (``plugin.register``)
+that, with ``PLE_UM=1``, registers ``HookRegistry`` hooks (``hooks``) under which every Qwen4Exp PLE
+table is a ``PleUmHostEmbedding`` (``embedding``) served from the checkpoint's files, and SGLang's
+loader never reads a table's bytes (``loading``). ``source`` finds the checkpoint directory.
+
+Importing this package imports nothing from SGLang; ``embedding``, ``loading`` and ``hooks``' hooks do.
+"""

@@ -1,0 +1,305 @@
+"""PleUmHostEmbedding: SGLang's offloaded Qwen4Exp n-gram table, served by ple-um from the checkpoint.
+
+SGLang 0.5.23 builds a PLE layer's n-gram embedding on the meta device and, when
+``ple_offload_embedding`` is on, wraps it in ``Qwen4ExpPinnedHostEmbedding``, which copies the table
+into pinned host memory (or rewrites it into a file of its own). The plugin replaces that class by
+this subclass and turns the offload on for every PLE layer built under PLE_UM=1 (``hooks``).
+
+It keeps the surface SGLang's PLE layer calls. ``allocate_output`` and ``reduce`` are the stock
+ones (bf16 rows; the tensor-parallel all-reduce, or the attention-TP one under
+``SGLANG_USE_ATTN_TP_NGRAM``), ``forward`` is ``reduce(gather(ids))``, and the layer's
+``start_prefetch`` calls ``gather`` on its side stream into its own (CUDA-graph) buffers. ``gather``
+reads this rank's rows ``[org_vocab_start_index, org_vocab_end_index)`` through one ``MappedTable``
+(zeros for every other id, in the table or not), and emits bf16 rows as the stock gather does: FP8
+and 16-bit rows converted by torch without their scale (the model multiplies by ``weight_scale``
+after the reduce, as stock), NVFP4 rows decoded by ple-um (``weight_scale`` stays 1 there). The
+lookup is stream-ordered work in every capture-safe mode: no host synchronisation, so a CUDA graph
+captures it.
+
+The parameter ``weight`` has zero rows: the table stays in the checkpoint's files.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
+from torch import nn
+
+from ple_um import MappedTable, envs, open_table
+from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.errors import CheckpointError, PleUmError
+from ple_um.sglang.source import table_directory
+
+logger = logging.getLogger("ple_um.sglang")
+
+# Rows compared per lookup when a load delivers a shard in memory.
+_COMPARE_ROWS = 1 << 16
+# Tables whose bf16 rows a lookup writes straight into the output: BF16 (raw) and NVFP4 (decoded).
+_INTO_OUT = ("BF16", "NVFP4")
+
+_reported = False
+
+
+class ReloadMismatchError(PleUmError, ValueError):
+    """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
+
+
+class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
+    """This rank's rows of one Qwen4Exp PLE table, read from the checkpoint files through ple-um."""
+
+    def __init__(self, embedding, *, backend: str = "pinned", table_dir: str | None = None) -> None:
+        nn.Module.__init__(self)
+        if not isinstance(embedding.quant_method, UnquantizedEmbeddingMethod):
+            raise NotImplementedError("PLE embedding offload requires an unquantized embedding table")
+        if embedding.num_added_embeddings:
+            raise NotImplementedError("PLE embedding offload does not support added vocabulary rows")
+        for name in self._COPIED_ATTRIBUTES:
+            setattr(self, name, getattr(embedding, name))
+        self.quant_method = None  # as stock: SGLang's post-load pass leaves this module alone
+        source = embedding.weight
+        weight = nn.Parameter(torch.empty((0, self.embedding_dim), dtype=source.dtype), requires_grad=False)
+        for name, value in vars(source).items():
+            setattr(weight, name, value)
+        weight.weight_loader = self.weight_loader
+        self.register_parameter("weight", weight)
+        self.register_buffer("weight_scale", embedding.weight_scale, persistent=True)
+        del embedding.weight
+        # The model is built under `with target_device:`, where the scale was made.
+        self.device = embedding.weight_scale.device
+        if backend != "pinned" or table_dir:
+            logger.info(
+                "ple-um serves the PLE table from the checkpoint: --ple-offload-backend %s and "
+                "--ple-offload-dir %s are not used",
+                backend,
+                table_dir,
+            )
+        # Set by the Qwen4ExpNGramEmbedding hook right after construction (``bind``).
+        self.prefix = "ngram_embedding"
+        self.layer: int | None = None
+        self.split_ngram_parts: int | None = None
+        self._table: MappedTable | None = None
+        self._table_dir: str | None = None
+        self._captured = False
+        self.shards_compared = 0
+
+    def bind(self, *, prefix: str, layer: int, split_ngram_parts: int) -> None:
+        """Where this table is in the model and the checkpoint: the module prefix, the decoder layer
+        index of the checkpoint's ``layers.<L>.ple`` names, the config's ``split_ngram_parts``."""
+        self.prefix, self.layer, self.split_ngram_parts = prefix, layer, split_ngram_parts
+
+    @property
+    def owned_rows(self) -> tuple[int, int]:
+        return self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
+
+    @property
+    def table(self) -> MappedTable | None:
+        """The open table, or None before the model's weights were loaded."""
+        return self._table
+
+    # -- the table ------------------------------------------------------------------------------
+    def ensure_table(self) -> MappedTable:
+        """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""
+        directory = table_directory()
+        if self._table is not None and self._table_dir == directory:
+            return self._table
+        if self._table is not None and self._captured:
+            raise RuntimeError(
+                f"{self.prefix}: the PLE table moved from {self._table_dir} to {directory} after CUDA graphs "
+                "captured its lookup; the captured graphs read the old mapping. Restart SGLang on the new "
+                "checkpoint"
+            )
+        if self.layer is None or self.split_ngram_parts is None:
+            raise RuntimeError(f"{self.prefix}: built outside Qwen4ExpNGramEmbedding (bind() was not called)")
+        # Headers first: a table that does not fit the layer is refused before anything is mapped.
+        self._check_layout(read_layout(directory, self.layer))
+        table = open_table(
+            directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self.device
+        )
+        try:
+            self._check_capture(table)
+        except BaseException:
+            table.close()
+            raise
+        old, self._table, self._table_dir = self._table, table, directory
+        if old is not None:
+            logger.info("ple-um: %s remapped from %s to %s", self.prefix, old.layout.directory, directory)
+            old.close()
+        self._report(table)
+        return table
+
+    def _check_layout(self, layout: ShardLayout) -> None:
+        """The checkpoint's table must be the one this layer was built for (stock SGLang places shard
+        ``i`` at ``i * ceil(rows / split_ngram_parts)``, which ple-um's layout must agree with)."""
+        first = layout.shards[0]
+        where = {"path": first.path, "tensor": first.tensor}
+        if layout.row_dim != self.embedding_dim:
+            raise CheckpointError(
+                f"{self.prefix}: the table's rows have {layout.row_dim} elements, but the layer's row width "
+                f"is {self.embedding_dim} (the n-gram head_dim: ple_embed_dim / n-gram heads)",
+                **where,
+            )
+        if layout.num_rows != self.org_vocab_size:
+            raise CheckpointError(
+                f"{self.prefix}: the table has {layout.num_rows} rows, but the config gives "
+                f"{self.org_vocab_size} (the n-gram vocabulary padded to make_ngram_vocab_size_divisible_by)",
+                **where,
+            )
+        if layout.parts != self.split_ngram_parts:
+            raise CheckpointError(
+                f"{self.prefix}: the table is split into {layout.parts} shards, but the config has "
+                f"split_ngram_parts={self.split_ngram_parts}",
+                **where,
+            )
+        if self.weight.dtype == torch.float8_e4m3fn and layout.dtype_name not in ("F8_E4M3", "NVFP4"):
+            logger.warning(
+                "ple-um: %s: the config stores the table as FP8 E4M3 but the checkpoint's is %s; stock "
+                "SGLang would round its rows to FP8, ple-um serves them as stored",
+                self.prefix,
+                layout.dtype_name,
+            )
+
+    def _check_capture(self, table: MappedTable) -> None:
+        """A lookup that is not capture-safe (the cpu mode without its C row copy) waits for the device,
+        which SGLang's CUDA graphs cannot hold."""
+        if table.capture_safe or self.device.type != "cuda":
+            return
+        from sglang.srt.runtime_context import get_exec
+
+        try:
+            disabled = bool(get_exec().graph.disable_cuda_graph)
+        except ValueError:  # no server arguments published (a layer built outside a server)
+            disabled = False
+        if not disabled:
+            raise RuntimeError(
+                f"ple-um serves {self.prefix} in the {table.mode} mode without its host node "
+                f"({table.row_reads}): the lookup waits for the device, which a CUDA graph cannot capture. "
+                "Make the C row copy available (a working C compiler, PLE_UM_ROWCOPY=1), start SGLang with "
+                f"--disable-cuda-graph, or make a GPU mode available (why not: {table.report.reasons})"
+            )
+
+    def finish_load(self) -> None:
+        """After a load: the table is open and agrees with the global scale SGLang loaded."""
+        table = self.ensure_table()
+        loaded = self.weight_scale.detach().float().cpu().reshape(-1)
+        if table.layout.is_nvfp4 or table.scale is None:
+            expected = torch.ones_like(loaded)  # nothing to multiply: the rows are served as decoded / stored
+        else:  # SGLang holds the FP8 scale as bf16 (`_load_qwen4_exp_ple_buffer`)
+            expected = torch.full_like(loaded, table.scale).to(self.weight_scale.dtype).float()
+        if not torch.equal(loaded, expected):
+            raise CheckpointError(
+                f"{self.prefix}: SGLang loaded weight_scale {loaded.tolist()} but the mapped table's "
+                f"scale is {table.scale if table.scale is not None else 'none'} ({table.layout.dtype_name}): "
+                "the table in the checkpoint directory does not belong to this checkpoint (PLE_UM_DIR?)",
+                path=table.layout.directory,
+                tensor=table.layout.scale_tensor,
+            )
+
+    def receive_shard(self, index: int, kind: str, tensor: torch.Tensor) -> None:
+        """A table tensor a load delivered (``shard_<index>.weight``, NVFP4's ``shard_<index>.weight_scale``
+        or ``weight_scale_2`` with ``index`` -1), compared with the mapped files, never copied: the
+        table is read-only. A difference raises ReloadMismatchError."""
+        table = self.ensure_table()
+        layout = table.layout
+        self.shards_compared += 1
+        if kind == "weight_scale_2":
+            given = tensor.detach().float().cpu().reshape(-1)
+            if not layout.is_nvfp4 or not torch.equal(given, torch.full_like(given, layout.scale)):
+                self._mismatch(f"the global scale {given.tolist()}", layout.directory, layout.scale_tensor)
+            return
+        if kind == "weight_scale" and not layout.is_nvfp4:
+            self._mismatch(f"NVFP4 block scales of shard {index}", layout.directory, None)
+        if not 0 <= index < layout.parts:
+            raise CheckpointError(
+                f"{self.prefix}: shard index {index} is outside the table's {layout.parts} shards",
+                tensor=f"shard_{index}.{kind}",
+            )
+        spec = (layout.shards if kind == "weight" else layout.block_scales)[index]
+        start = layout.shard_start(index)
+        row_start, row_end = self.owned_rows
+        if tensor.dim() != 2 or tensor.shape[0] != spec.rows:
+            self._mismatch(f"shard {index} {kind} of shape {tuple(tensor.shape)}", spec.path, spec.tensor)
+        for a in range(max(start, row_start), min(start + spec.rows, row_end), _COMPARE_ROWS):
+            b = min(start + spec.rows, row_end, a + _COMPARE_ROWS)
+            ids = torch.arange(a, b, device=table.device)
+            if layout.is_nvfp4:
+                mapped = table.lookup_packed(ids)[0 if kind == "weight" else 1]
+            else:
+                mapped = table.lookup(ids)
+            given = tensor[a - start : b - start].to(table.device)
+            if given.dtype != mapped.dtype or not torch.equal(
+                given.contiguous().view(torch.uint8), mapped.view(torch.uint8)
+            ):
+                self._mismatch(f"shard {index} {kind} rows [{a}, {b})", spec.path, spec.tensor)
+
+    def _mismatch(self, what: str, path: str | None, tensor: str | None) -> None:
+        raise ReloadMismatchError(
+            f"{self.prefix}: a load delivered {what} in memory, which differs from the mapped checkpoint "
+            f"(file {path}, tensor {tensor}). ple-um serves the table read-only from the checkpoint files: "
+            "write the new table to a checkpoint directory and load from that path, or unset PLE_UM"
+        )
+
+    def _report(self, table: MappedTable) -> None:
+        global _reported
+        start, end = table.rows
+        line = "ple-um: %s served from %s in the %s mode: rows [%d, %d) of %d, %s, capture-safe=%s"
+        args = (self.prefix, table.layout.directory, table.mode, start, end, table.num_rows)
+        args += (table.layout.dtype_name, table.capture_safe)
+        if _reported:
+            logger.debug(line, *args)
+            return
+        _reported = True
+        logger.info(line + "\n%s", *args, table.report.describe())
+
+    def close_table(self) -> None:
+        """Release the table's mappings and access resources; idempotent."""
+        table, self._table, self._table_dir = self._table, None, None
+        if table is not None:
+            table.close()
+
+    def prefetch_stream(self, stream):
+        """The side stream SGLang's PLE layer queues ``start_prefetch`` on: with PLE_UM_OVERLAP (the
+        default) on a CUDA device, ``stream`` or a new one; else None (the lookup runs in forward)."""
+        if not envs.PLE_UM_OVERLAP or self.device.type != "cuda":
+            return None
+        return stream if stream is not None else torch.cuda.Stream(self.device)
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def require_table(self) -> MappedTable:
+        table = self._table
+        if table is None:
+            raise RuntimeError(
+                f"{self.prefix}: the PLE table is not open: the model's load_weights has not run (ple-um "
+                "serves SGLang's safetensors loaders; startup weight-load overlap, which captures CUDA "
+                "graphs before loading, and --load-format dummy are not supported)"
+            )
+        return table
+
+    def gather(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 rows of the global n-gram ``input_ids`` (``input_ids.shape + (head_dim,)``), into ``out``
+        when given (SGLang's prefetch and CUDA-graph buffers); zeros for ids this rank does not own."""
+        expected = (*input_ids.shape, self.embedding_dim)
+        if out is None:
+            out = self.allocate_output(expected, input_ids.device)
+        elif tuple(out.shape) != expected:
+            raise ValueError(f"invalid PLE prefetch output shape: {tuple(out.shape)} != {expected}")
+        elif out.dtype != torch.bfloat16 or out.device != input_ids.device:
+            raise ValueError("PLE prefetch output must be bfloat16 on the id device")
+        if input_ids.numel() == 0:
+            return out
+        table = self.require_table()
+        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._captured = True
+        if table.layout.dtype_name in _INTO_OUT:
+            table.lookup(input_ids, out=out)
+        else:  # raw rows, converted as stock converts them (no scale: the model applies weight_scale)
+            out.copy_(table.lookup(input_ids))
+        return out
+
+    def extra_repr(self) -> str:
+        table = self._table
+        state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
+        start, end = self.owned_rows
+        return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"

@@ -1,0 +1,100 @@
+"""The hooks the plugin registers with SGLang's ``HookRegistry`` when PLE_UM=1 (no source patch).
+
+Targets in ``sglang.srt.models.qwen4_exp`` and ``sglang.srt.model_loader.loader`` (SGLang 0.5.23):
+
+- ``Qwen4ExpPinnedHostEmbedding`` (class REPLACE): ``PleUmHostEmbedding``, a subclass, wherever
+  SGLang names the class (HookRegistry rebinds every module's import of it).
+- ``Qwen4ExpNGramEmbedding.__init__`` (AROUND): SGLang wraps a PLE table in the offload class only
+  when ``ple_offload_embedding`` is on (``--ple-offload-embedding``, on by default for BF16 models on
+  CUDA); while PLE_UM is set the constructor runs with it on, so every PLE table is ple-um's
+  whatever the flags say, and the built table learns its prefix, layer and ``split_ngram_parts``.
+  PLE_UM is read each time a layer is built: unset, the layer is stock.
+- ``Qwen4ExpPLELayer.__init__`` (AFTER): the layer's prefetch side stream follows PLE_UM_OVERLAP
+  (stock makes one only when the offload flag is on; none on a CPU device).
+- ``Qwen4ExpForConditionalGeneration.load_weights`` and ``DefaultModelLoader._get_weights_iterator``
+  (AROUND): ``ple_um.sglang.loading``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+from ple_um import envs
+
+MODEL = "sglang.srt.models.qwen4_exp"
+LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+NOT_APPLIED = (
+    "ple-um: PLE_UM is set but SGLang's Qwen4ExpPinnedHostEmbedding is not replaced (see the HookRegistry "
+    "error logged at start-up); unset PLE_UM to run stock SGLang"
+)
+
+_registered = False
+
+
+def register() -> list[str]:
+    """Register the hooks (``load_plugins`` applies them); returns the targets, empty when already done."""
+    global _registered
+    if _registered:
+        return []
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from ple_um.sglang import loading
+    from ple_um.sglang.embedding import PleUmHostEmbedding
+
+    hooks = {
+        f"{MODEL}.Qwen4ExpPinnedHostEmbedding": (PleUmHostEmbedding, HookType.REPLACE),
+        f"{MODEL}.Qwen4ExpNGramEmbedding.__init__": (ngram_init, HookType.AROUND),
+        f"{MODEL}.Qwen4ExpPLELayer.__init__": (ple_layer_built, HookType.AFTER),
+        f"{MODEL}.Qwen4ExpForConditionalGeneration.load_weights": (loading.load_weights, HookType.AROUND),
+        f"{LOADER}._get_weights_iterator": (loading.weights_iterator, HookType.AROUND),
+    }
+    for target, (hook, kind) in hooks.items():
+        HookRegistry.register(target, hook, kind)
+    _registered = True
+    return list(hooks)
+
+
+def applied() -> bool:
+    """Whether SGLang's model module builds ple-um tables now (the class REPLACE took effect)."""
+    from sglang.srt.models import qwen4_exp
+
+    from ple_um.sglang.embedding import PleUmHostEmbedding
+
+    return qwen4_exp.Qwen4ExpPinnedHostEmbedding is PleUmHostEmbedding
+
+
+def ngram_init(original, self, *args, **kwargs) -> None:
+    """Build the n-gram embedding with the offload on, so that SGLang wraps the table in ple-um's class."""
+    if not envs.PLE_UM:
+        original(self, *args, **kwargs)
+        return
+    if not applied():
+        raise RuntimeError(NOT_APPLIED)
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    config, prefix = bound.arguments["config"], bound.arguments.get("prefix", "")
+    found = _LAYER.findall(prefix)
+    if not found:
+        raise ValueError(f"ple-um: no decoder layer index (layers.<L>.) in the PLE prefix {prefix!r}")
+    saved = config.ple_offload_embedding
+    config.ple_offload_embedding = True
+    try:
+        original(self, *args, **kwargs)
+    finally:
+        config.ple_offload_embedding = saved
+    self.ngram_embedding.bind(
+        prefix=f"{prefix}.ngram_embedding" if prefix else "ngram_embedding",
+        layer=int(found[-1]),
+        split_ngram_parts=int(getattr(config, "split_ngram_parts", 512)),
+    )
+
+
+def ple_layer_built(result, self, *args, **kwargs) -> None:
+    """After ``Qwen4ExpPLELayer.__init__``: a ple-um table's prefetch stream follows PLE_UM_OVERLAP."""
+    from ple_um.sglang.embedding import PleUmHostEmbedding
+
+    table = self.ple_embedding.ngram_embedding
+    if isinstance(table, PleUmHostEmbedding):
+        self._prefetch_stream = table.prefetch_stream(self._prefetch_stream)

@@ -1,0 +1,129 @@
+"""Loading a Qwen4Exp model whose PLE tables ple-um serves: the shard tensors are never read.
+
+Two hooks (registered by ``hooks``):
+
+- ``weights_iterator`` wraps ``DefaultModelLoader._get_weights_iterator``, through which SGLang's
+  default loader, a layered load and ``update_weights_from_disk`` get their weights. For a Qwen4Exp
+  model under PLE_UM=1 with safetensors files it notes the model's local folder (``source``),
+  checks the headers of every PLE table there (a broken file is a ``CheckpointError`` naming the
+  file and tensor, before SGLang opens any file), and hands SGLang's own iterator only the files
+  that hold none of a table's tensors. Files that hold only table tensors are not opened; files that
+  mix them with other tensors are read here, through the same ``safetensors.safe_open`` SGLang
+  uses, every tensor but the table's. So neither SGLang's prefetch, its copies nor its page-cache
+  drops touch a table's bytes.
+- ``load_weights`` wraps ``Qwen4ExpForConditionalGeneration.load_weights``: a table tensor that
+  still arrives (a loader that does not go through the iterator above, ``update_weights_from_tensor``)
+  goes to its layer's ``receive_shard``, which compares it with the mapped files instead of copying
+  it; once SGLang's own method has loaded the rest (the FP8 ``weight_scale`` among it), each
+  ple-um layer opens its table (``finish_load``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+
+import safetensors
+import torch
+from sglang.srt.models.qwen4_exp import Qwen4ExpNGramEmbedding
+
+from ple_um import envs
+from ple_um.checkpoint import find_layers, read_layout
+from ple_um.sglang import hooks
+from ple_um.sglang.embedding import PleUmHostEmbedding
+from ple_um.sglang.source import note_model_folder, table_directory, table_tensor
+
+MODEL_CLASS = "Qwen4ExpForConditionalGeneration"
+
+
+def _serves(source) -> bool:
+    """Whether this weight source is a Qwen4Exp model's checkpoint loaded under PLE_UM=1."""
+    model_config = getattr(source, "model_config", None)
+    architectures = getattr(getattr(model_config, "hf_config", None), "architectures", None) or ()
+    return bool(envs.PLE_UM) and MODEL_CLASS in architectures
+
+
+def weights_iterator(original, loader, source, *, resolved_source=None, **kwargs):
+    """The AROUND hook of ``DefaultModelLoader._get_weights_iterator`` (see the module's docstring)."""
+    if not _serves(source):
+        return original(loader, source, resolved_source=resolved_source, **kwargs)
+    if not hooks.applied():  # stock tables would get no rows
+        raise RuntimeError(hooks.NOT_APPLIED)
+    if resolved_source is None:
+        folder, files, use_safetensors = loader._prepare_weights(
+            source.model_or_path, source.revision, source.fall_back_to_pt, source.allow_patterns_overrides
+        )
+    else:
+        folder = resolved_source.hf_folder
+        files, use_safetensors = list(resolved_source.weight_files), resolved_source.use_safetensors
+    note_model_folder(folder)
+    if not use_safetensors:  # .bin/.pt weights: the table tensors arrive in memory and are compared
+        resolved = loader.ResolvedSource(source, folder, tuple(files), use_safetensors)
+        return original(loader, source, resolved_source=resolved, **kwargs)
+    directory = table_directory()
+    for layer in find_layers(directory):
+        read_layout(directory, layer)  # every table's headers, before SGLang opens a file
+    plain, mixed = [], []
+    for path in files:
+        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+        table = sum(table_tensor(name) is not None for name in names)
+        if table == 0:
+            plain.append(path)
+        elif table < len(names):
+            mixed.append(path)
+    resolved = loader.ResolvedSource(source, folder, tuple(plain), True)
+    rest = original(loader, source, resolved_source=resolved, **kwargs)
+    return itertools.chain(rest, _mixed_files(loader, source, mixed))
+
+
+def _mixed_files(loader, source, paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``paths`` but a table's, named as SGLang's iterator names them."""
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for path in paths:
+            with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if table_tensor(name) is None:
+                        yield name, f.get_tensor(name)
+
+    draft = loader.load_config.draft_model_idx
+    if draft is not None:
+        return loader._filter_mtp_weights(tensors(), source.prefix, draft)
+    return ((source.prefix + name, tensor) for name, tensor in tensors())
+
+
+def served_layers(model) -> dict[int, tuple[str, PleUmHostEmbedding]]:
+    """The model's ple-um tables by decoder layer, with their module names."""
+    return {m.layer: (name, m) for name, m in model.named_modules() if isinstance(m, PleUmHostEmbedding)}
+
+
+def load_weights(original, model, weights: Iterable[tuple[str, torch.Tensor]]):
+    """The AROUND hook of ``Qwen4ExpForConditionalGeneration.load_weights`` (see the module's docstring)."""
+    served = served_layers(model)
+    if envs.PLE_UM and any(
+        isinstance(m, Qwen4ExpNGramEmbedding) and not isinstance(m.ngram_embedding, PleUmHostEmbedding)
+        for m in model.modules()
+    ):  # SGLang's iterator, under PLE_UM, delivers no table rows to a stock table
+        raise RuntimeError(
+            "ple-um: PLE_UM is set, but this Qwen4Exp model was built with stock PLE tables (PLE_UM was "
+            "unset when it was built): set PLE_UM before SGLang builds the model, or unset it"
+        )
+    if not served:
+        return original(model, weights)
+
+    def others() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            found = table_tensor(name)
+            layer = served.get(found[0]) if found is not None else None
+            if layer is None:
+                yield name, tensor  # not a table's, or a layer outside this pipeline stage (stock skips it)
+            else:
+                layer[1].receive_shard(found[1], found[2], tensor)
+
+    loaded = original(model, others())
+    for _, layer in served.values():
+        layer.finish_load()
+    if loaded is not None:  # as stock reports a table it copied
+        loaded.update(f"{name}.weight" for name, _ in served.values())
+    return loaded

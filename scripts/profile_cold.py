@@ -1,0 +1,280 @@
+"""The profiler of rows not in memory: how the host path's ways of reading misses and the row cache's
+policies compare, on one table, in one run. (The user-facing figures are ``ple-um bench
+--memory-limit``'s; this measures the choices behind its defaults.)
+
+Parts (``--parts``, default both):
+- ``readers``: cold lookups (every page of the table dropped before each call, fresh uniform ids)
+  of 16, 1 024 and 16 384 rows in the cpu mode, eager and, on a GPU, replayed from a CUDA graph,
+  for each way of reading misses (``PLE_UM_FILE_READS`` mmap, uring, threads; O_DIRECT or through
+  the page cache; ``PLE_UM_READ_DEPTH``); beside them the storage's ceiling measured in the same run
+  (``ple_um.bench.storage``) and each figure's ratio to it (rows / reads per second at depth 64).
+- ``policies``: the row cache's hit rate under Zipf(1.1)-hashed ids and the real-traffic trace, at
+  several budgets, for each policy of the C cache (``PLE_UM_ROW_CACHE_POLICY``), measured through
+  the table's own lookups, beside the reference simulations of ``ple_um.bench.cache_sim`` (Belady's
+  optimum, LRU rows, LRU 4 KiB pages: the page cache at the same bytes) on the same ids.
+
+With ``--memory-limit`` the measurements run in a child process held to that many bytes by a memory
+cgroup (``ple_um.bench.memlimit``), as a table larger than memory is served. Prints a table per part
+and writes everything as JSON.
+
+    python scripts/profile_cold.py --dir TABLE --memory-limit 3GiB --out $OUT/profile_cold.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+import ple_um
+from ple_um import units
+from ple_um.bench.ids import parse_ids
+from ple_um.checkpoint import read_layout
+
+READERS = (
+    ("mmap", {"PLE_UM_FILE_READS": "mmap", "PLE_UM_ROW_CACHE": "0"}),
+    ("uring, O_DIRECT, depth 64", {"PLE_UM_FILE_READS": "uring", "PLE_UM_DIRECT_READS": "on"}),
+    (
+        "uring, O_DIRECT, depth 16",
+        {"PLE_UM_FILE_READS": "uring", "PLE_UM_DIRECT_READS": "on", "PLE_UM_READ_DEPTH": "16"},
+    ),
+    (
+        "uring, O_DIRECT, depth 128",
+        {"PLE_UM_FILE_READS": "uring", "PLE_UM_DIRECT_READS": "on", "PLE_UM_READ_DEPTH": "128"},
+    ),
+    ("uring, page cache", {"PLE_UM_FILE_READS": "uring", "PLE_UM_DIRECT_READS": "off"}),
+    ("threads, O_DIRECT, depth 64", {"PLE_UM_FILE_READS": "threads", "PLE_UM_DIRECT_READS": "on"}),
+)
+SIZES = (16, 1024, 16384)
+POLICIES = ("tinylfu", "lru", "clock")
+REFERENCES = ("belady", "lru", "lru-pages")
+MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def say(text: str) -> None:
+    """Progress, on stderr (the child's stdout carries its JSON)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def drop(table) -> None:
+    """Every page of the table out of this process and the page cache."""
+    for mapping in (table.mapping, table.scale_mapping):
+        if mapping is None:
+            continue
+        for region in mapping.regions:
+            _libc.madvise(region.addr, region.length, MADV_DONTNEED)
+        for path in mapping.layout.files:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def with_knobs(knobs: dict[str, str]):
+    """Set ``knobs`` (and clear the other cold-read knobs) for the next open."""
+    for name in (
+        "PLE_UM_FILE_READS",
+        "PLE_UM_DIRECT_READS",
+        "PLE_UM_READ_DEPTH",
+        "PLE_UM_ROW_CACHE",
+        "PLE_UM_ROW_CACHE_POLICY",
+    ):
+        os.environ.pop(name, None)
+    os.environ.update(knobs)
+
+
+class Lookup:
+    """One batch size's lookup into buffers allocated once, eager or replayed from a graph."""
+
+    def __init__(self, table, n: int, graph: bool) -> None:
+        self.table = table
+        self.ids = torch.zeros(n, dtype=torch.int64, device=table.device)
+        self.out = torch.empty((n, table.row_dim), dtype=torch.bfloat16, device=table.device)
+        self.graph = None
+        if graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                table.lookup(self.ids, out=self.out)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                table.lookup(self.ids, out=self.out)
+
+    def time(self, ids: np.ndarray) -> float:
+        self.ids.copy_(torch.from_numpy(ids))
+        cuda = self.table.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.table.lookup(self.ids, out=self.out)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def readers(directory: str, device: str, reps: int, rng) -> dict:
+    from ple_um.bench.storage import ceiling
+
+    layout = read_layout(directory)
+    found = {"ceiling": ceiling(layout.files), "runs": []}
+    for name, knobs in READERS:
+        with_knobs(knobs)
+        with ple_um.open_table(directory, mode="cpu", device=device) as table:
+            for graph in (False, True) if table.device.type == "cuda" else (False,):
+                for n in SIZES:
+                    call = Lookup(table, n, graph)
+                    times = []
+                    for _ in range(reps):
+                        ids = rng.integers(0, layout.num_rows, n)
+                        drop(table)
+                        times.append(call.time(ids))
+                    found["runs"].append(
+                        {
+                            "reads": name,
+                            "knobs": knobs,
+                            "row_reads": table.row_reads,
+                            "graph": graph,
+                            "rows": n,
+                            "median_s": float(np.median(times)),
+                            "p10_s": float(np.percentile(times, 10)),
+                            "p90_s": float(np.percentile(times, 90)),
+                        }
+                    )
+                    call_kind = "graph" if graph else "eager"
+                    say(f"  {name:30s} {call_kind} {n:6d}: {np.median(times) * 1e3:8.2f} ms")
+    return found
+
+
+def policies(directory: str, device: str, budgets: list[int], lookups: int, rng) -> dict:
+    from ple_um.bench import cache_sim
+
+    layout = read_layout(directory)
+    found = {"runs": [], "references": []}
+    for dist in parse_ids("zipf:1.1,trace"):
+        draws = [dist.draw(rng, layout.num_rows, 1024) for _ in range(lookups)]
+        flat = np.concatenate(draws)
+        half = flat.size // 2
+        for budget in budgets:
+            for policy in POLICIES:
+                with_knobs(
+                    {
+                        "PLE_UM_ROW_CACHE": str(budget),
+                        "PLE_UM_ROW_CACHE_POLICY": policy,
+                        "PLE_UM_FILE_READS": "uring",
+                    }
+                )
+                with ple_um.open_table(directory, mode="cpu", device=device) as table:
+                    ids = torch.zeros(1024, dtype=torch.int64, device=table.device)
+                    for k, draw in enumerate(draws):
+                        if k == len(draws) // 2:
+                            first = table.stats()["row_cache"]
+                        ids.copy_(torch.from_numpy(draw))
+                        table.lookup(ids)
+                    last = table.stats()["row_cache"]
+                hits, misses = last["hits"] - first["hits"], last["misses"] - first["misses"]
+                rate = hits / max(1, hits + misses)
+                found["runs"].append(
+                    {
+                        "ids": dist.name,
+                        "budget": budget,
+                        "policy": policy,
+                        "hit_rate": rate,
+                        "slots": last["slots"],
+                    }
+                )
+                say(f"  {dist.name:10s} {units.format_bytes(budget):>10s} {policy:8s} {rate:.3f}")
+            rates = cache_sim.hit_rates(flat, budget, REFERENCES, row_bytes=layout.row_bytes, warmup=half)
+            found["references"].append({"ids": dist.name, "budget": budget, "hit_rates": rates})
+            say(f"  {dist.name:10s} {units.format_bytes(budget):>10s} references {rates}")
+    return found
+
+
+def child(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    out = {"device": args.device, "memory_limit": args.memory_limit}
+    if "readers" in args.parts:
+        out["readers"] = readers(args.dir, args.device, args.reps, rng)
+    if "policies" in args.parts:
+        out["policies"] = policies(
+            args.dir, args.device, [units.parse_size(b) for b in args.budgets.split(",")], args.lookups, rng
+        )
+    return out
+
+
+def report(result: dict) -> None:
+    if "readers" in result:
+        ceiling = result["readers"]["ceiling"]["sizes"]
+        rate, small = ceiling["4096"]["64"]["reads_per_s"], ceiling["512"]["64"]["reads_per_s"]
+        print(f"\nstorage: {rate:.0f} O_DIRECT 4 KiB reads/s at depth 64 ({small:.0f} of 512 B)")
+        print("| reads | call | rows | median ms | p10-p90 ms | x ceiling |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for run in result["readers"]["runs"]:
+            kind, ms = "graph" if run["graph"] else "eager", run["median_s"] * 1e3
+            spread = f"{run['p10_s'] * 1e3:.2f}-{run['p90_s'] * 1e3:.2f}"
+            ratio = run["median_s"] / (run["rows"] / rate)
+            print(f"| {run['reads']} | {kind} | {run['rows']} | {ms:.2f} | {spread} | {ratio:.2f} |")
+    if "policies" in result:
+        print("\n| ids | budget | policy | hit rate |\n| --- | --- | --- | --- |")
+        for run in result["policies"]["runs"]:
+            budget = units.format_bytes(run["budget"])
+            print(f"| {run['ids']} | {budget} | {run['policy']} | {run['hit_rate']:.3f} |")
+        for ref in result["policies"]["references"]:
+            budget = units.format_bytes(ref["budget"])
+            for name, value in ref["hit_rates"].items():
+                print(f"| {ref['ids']} | {budget} | {name} (simulated) | {value:.3f} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", required=True, help="the table's checkpoint directory")
+    p.add_argument("--parts", default="readers,policies", help="readers, policies (default both)")
+    p.add_argument(
+        "--memory-limit", default=None, help="run the measurements in a memory cgroup of this size"
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=7, help="cold calls per reader and size")
+    p.add_argument("--budgets", default="16MiB,64MiB,256MiB", help="row-cache budgets of the policies part")
+    p.add_argument("--lookups", type=int, default=400, help="1 024-id lookups per policy run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_cold.json"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.parts = tuple(x.strip() for x in args.parts.split(","))
+    if args.child:
+        json.dump(child(args), sys.stdout)
+        return 0
+    if args.memory_limit is None:
+        result = child(args)
+    else:
+        from ple_um.bench.memlimit import MemoryLimit
+
+        with MemoryLimit.open(units.parse_size(args.memory_limit), f"ple-um-profile-{os.getpid()}") as limit:
+            say(f"memory limit: {limit.describe()}")
+            command = [sys.executable, __file__, *sys.argv[1:], "--child"]
+            done = subprocess.run(command, stdout=subprocess.PIPE, preexec_fn=limit.preexec, check=False)
+            if done.returncode != 0:
+                print(f"the child exited with {done.returncode}", file=sys.stderr)
+                return 1
+            result = json.loads(done.stdout)
+            result["memory_limit_how"] = limit.describe()
+            result["memory_peak"] = limit.peak()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    report(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""ple_um.checkpoint.scan: the directory (missing, not a directory) and the index file: which files
+it makes the scan open, and every way an index or its entries can be refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from helpers.hand_checkpoints import INDEX, UNRELATED, indexed, ple, raises, scale_name, shard
+from helpers.reference import (
+    write_safetensors,
+)
+
+from ple_um.checkpoint import find_layers, read_layout, validate
+from ple_um.errors import CheckpointError
+
+
+def test_directory_problems(tmp_path):
+    missing = str(tmp_path / "nope")
+    raises(missing, r"checkpoint directory .*nope does not exist")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        find_layers(missing)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    raises(str(a_file), r"is not a directory")
+
+
+def test_index_picks_the_files(tmp_path):
+    tensors = ple(rows=(3, 3, 3, 0))
+    files = {
+        "model-00001-of-00003.safetensors": {k: tensors[k] for k in (shard(0), shard(1))},
+        "model-00002-of-00003.safetensors": {k: tensors[k] for k in (shard(2), shard(3), scale_name())},
+        "model-00003-of-00003.safetensors": UNRELATED,
+    }
+    directory = indexed(tmp_path, files)
+    # Garbage that is not in the index, or holds no PLE tensor, is never opened.
+    (tmp_path / "stray.safetensors").write_bytes(b"garbage")
+    (tmp_path / "model-00003-of-00003.safetensors").write_bytes(b"garbage too")
+    layout = read_layout(directory)
+    assert [os.path.basename(s.path) for s in layout.shards] == [
+        "model-00001-of-00003.safetensors",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+    ]
+    assert validate(directory) == []
+    os.unlink(tmp_path / INDEX)
+    raises(directory, r"exceeds the 100000000 byte limit", path="model-00003-of-00003.safetensors")
+
+
+def test_index_with_layer_opens_only_that_layers_files(tmp_path):
+    files = {"one.safetensors": ple(layer=1), "two.safetensors": ple(layer=2, rows=(2, 2))}
+    directory = indexed(tmp_path, files)
+    (tmp_path / "one.safetensors").write_bytes(b"broken")
+    assert read_layout(directory, layer=2).num_rows == 4
+    raises(directory, r"too short", layer=1, path="one.safetensors")
+    raises(directory, r"too short", path="one.safetensors")
+    raises(directory, r"no PLE shards of layer 3 .*layers with shards: 1, 2", layer=3)
+
+
+def test_index_in_subfolder_and_symlinked_files(tmp_path, tmp_path_factory):
+    (tmp_path / "sub").mkdir()
+    blobs = tmp_path_factory.mktemp("blobs")  # the Hugging Face cache: snapshot files link to blobs
+    write_safetensors(blobs / "blob1", ple())
+    os.symlink(blobs / "blob1", tmp_path / "sub" / "model.safetensors")
+    mapping = {name: "sub/model.safetensors" for name in ple()}
+    directory = indexed(tmp_path, {}, weight_map=mapping)
+    layout = read_layout(directory)
+    assert layout.shards[0].path == str(tmp_path / "sub" / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "target, match",
+    [
+        ("/etc/passwd", r"outside the checkpoint directory"),
+        ("../model.safetensors", r"outside the checkpoint directory"),
+        ("a/../../model.safetensors", r"outside the checkpoint directory"),
+        ("..", r"outside the checkpoint directory"),
+        ("missing.safetensors", r"'missing.safetensors', a missing file"),
+        ("dangling.safetensors", r"'dangling.safetensors', a symlink to a missing file"),
+        ("", r"expected a file name"),
+        ("a\0b", r"expected a file name"),
+        (7, r"names file 7, expected a file name"),
+        (None, r"names file None"),
+    ],
+)
+def test_index_entry_problems(tmp_path, target, match):
+    tensors = ple()
+    os.symlink(tmp_path / "nothing", tmp_path / "dangling.safetensors")
+    mapping = {name: "model.safetensors" for name in tensors}
+    mapping[shard(1)] = target
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    directory = indexed(tmp_path, {}, weight_map=mapping)
+    raises(directory, match, path=INDEX, tensor=shard(1))
+
+
+def test_index_entry_outside_is_an_error_even_for_other_tensors(tmp_path):
+    directory = indexed(
+        tmp_path, {"model.safetensors": ple()}, extra={"lm_head.weight": "/abs/x.safetensors"}
+    )
+    raises(directory, r"outside the checkpoint directory", path=INDEX, tensor="lm_head.weight")
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"{not json", r"index is not valid JSON"),
+        (b"\xff\xfe", r"index is not valid UTF-8"),
+        (b"[]", r"index has no weight_map object"),
+        (b'{"metadata": {}}', r"index has no weight_map object"),
+        (b'{"weight_map": []}', r"index has no weight_map object"),
+        (b"[" * 100_000, r"index JSON is nested too deeply"),
+    ],
+)
+def test_bad_index_file(tmp_path, content, match):
+    write_safetensors(tmp_path / "model.safetensors", ple())
+    (tmp_path / INDEX).write_bytes(content)
+    raises(str(tmp_path), match, path=INDEX)
+
+
+def test_index_that_is_a_dangling_symlink(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", ple())
+    os.symlink(tmp_path / "nothing.json", tmp_path / INDEX)
+    raises(str(tmp_path), r"cannot open: No such file or directory", path=INDEX)
+
+
+def test_index_claims_a_tensor_its_file_lacks(tmp_path):
+    tensors = ple(rows=(2, 2))
+    write_safetensors(
+        tmp_path / "a.safetensors", {shard(0): tensors[shard(0)], scale_name(): tensors[scale_name()]}
+    )
+    write_safetensors(tmp_path / "b.safetensors", {shard(1): tensors[shard(1)]})
+    mapping = {shard(0): "a.safetensors", shard(1): "a.safetensors", scale_name(): "a.safetensors"}
+    directory = indexed(tmp_path, {}, weight_map=mapping)
+    raises(
+        directory,
+        r"maps this tensor to a\.safetensors, which does not hold it",
+        path="a.safetensors",
+        tensor=shard(1),
+    )
+
+
+def test_index_without_ple_entries(tmp_path):
+    directory = indexed(tmp_path, {"model.safetensors": UNRELATED})
+    raises(directory, r"no PLE shards were found in ")

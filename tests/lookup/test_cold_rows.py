@@ -1,0 +1,457 @@
+"""Rows not in memory: the reader of misses (``native/reader.c``, ``host/file_reads.py``) and the row
+cache (``native/rowcache.c``, ``host/row_cache.py``), driven through ctypes as a host node runs them
+and through open_table, on real files: every row against the reference reader on fresh random data,
+poisoned outputs, shard edges, ids outside the owned range and the table, NVFP4, concurrent lookups
+with evictions, a cache smaller than one lookup, a file truncated under the reader, a filesystem
+without O_DIRECT, the publishing order of a cache slot, and cached rows served with no page of the
+files read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers.reference import drop_page_cache, reference_rows
+from helpers.rowcopy_jobs import boundary_ids, make_job
+
+import ple_um
+from ple_um.access import memory
+from ple_um.lookup import rowcopy
+from ple_um.lookup.host.cold import plan
+from ple_um.lookup.host.file_reads import FileReader, choose_strategy
+from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, WAYS, RowCache, slots_for
+from ple_um.mapping import MADV_DONTNEED, PAGE, MappedShards, _libc
+
+STRATEGIES = ["uring", "threads"]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    lib, why = rowcopy.load(str(tmp_path_factory.mktemp("cache")))
+    assert lib is not None, why
+    return lib
+
+
+def run(lib, tables, ids, dsts, counts, **kw):
+    job = make_job(tables, ids, dsts, counts, **kw)
+    lib.ple_lookup_run(ctypes.addressof(job))
+    assert job.busy == 0
+    return counts.read()
+
+
+def evict(mapping: MappedShards, layout) -> None:
+    """Every page of the table out of this process and the page cache: MADV_DONTNEED on the
+    mappings, then POSIX_FADV_DONTNEED on the files (mapped pages survive fadvise alone)."""
+    for region in mapping.regions:
+        assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
+    drop_page_cache(layout)
+
+
+def resident_pages(mapping: MappedShards) -> int:
+    return sum(int(r.resident_pages().sum()) for r in mapping.regions)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+def test_every_missing_row_read_from_the_files_is_exact(lib, make_checkpoint, rng, poison, strategy, direct):
+    layout = make_checkpoint(
+        num_rows=3001, row_dim=40, dtype="fp8", shards=7, files=3, seed=int(rng.integers(1 << 30))
+    )
+    S = layout.rows_per_shard
+    owned = (S - 5, 5 * S + 3)
+    with MappedShards(layout, owned) as mapping:
+        reader = FileReader(mapping, strategy=strategy, direct=direct, depth=16)
+        try:
+            assert reader.direct == direct  # this machine's files take O_DIRECT
+            rows, counts = rowcopy.Rows(mapping, reader=reader), rowcopy.Counts()
+            for threads, inline in ((1, 2048), (rowcopy.Pool(lib, 3).threads, 0)):
+                evict(mapping, layout)
+                ids_np = rng.permutation(np.unique(boundary_ids(layout, rng, 2500, owned)))  # each id once
+                ids = torch.from_numpy(ids_np)
+                out = poison(torch.empty((ids.numel(), layout.row_bytes), dtype=torch.uint8))
+                before = counts.read()["file_reads"]
+                got = run(lib, [rows], ids, [out], counts, threads=threads, inline_rows=inline)
+                assert np.array_equal(out.numpy(), reference_rows(layout, ids_np, owned))
+                in_owned = int(((ids_np >= owned[0]) & (ids_np < owned[1])).sum())
+                assert got["file_reads"] - before == in_owned  # no cache: every owned row is read
+                assert got["broken"] == 0
+            # An id that comes again in a window is read once.
+            evict(mapping, layout)
+            ids = torch.from_numpy(np.repeat(rng.integers(owned[0], owned[1], 50), 6))
+            out = poison(torch.empty((ids.numel(), layout.row_bytes), dtype=torch.uint8))
+            before = counts.read()["file_reads"]
+            got = run(lib, [rows], ids, [out], counts)
+            assert np.array_equal(out.numpy(), reference_rows(layout, ids.numpy()))
+            assert got["file_reads"] - before == len(np.unique(ids.numpy()))
+        finally:
+            reader.close()
+
+
+def test_a_forked_child_reads_through_a_ring_of_its_own(lib, make_checkpoint, rng):
+    """The parent's reading thread has an io_uring ring; a child forked from it gets a ring of its
+    own for its reads (sharing the parent's would mix their queues), and both read exact rows."""
+    from helpers.rowcopy_jobs import in_forked_child
+
+    layout = make_checkpoint(
+        num_rows=2000, row_dim=32, dtype="fp8", shards=3, seed=int(rng.integers(1 << 30))
+    )
+    with MappedShards(layout) as mapping:
+        reader = FileReader(mapping, strategy="uring", direct=True, depth=16)
+        try:
+            rows = rowcopy.Rows(mapping, reader=reader)
+            ids = torch.from_numpy(rng.integers(0, 2000, 500))
+            expect = reference_rows(layout, ids.numpy())
+
+            def look() -> bool:
+                evict(mapping, layout)
+                out = torch.full((500, layout.row_bytes), 0xAB, dtype=torch.uint8)
+                counts = rowcopy.Counts()
+                got = run(lib, [rows], ids, [out], counts)
+                return np.array_equal(out.numpy(), expect) and got["file_reads"] > 0
+
+            assert look()  # the parent's ring is made
+            assert in_forked_child(look) == 0
+            assert look()  # and still works after the child's
+        finally:
+            reader.close()
+
+
+def test_files_that_refuse_o_direct_get_plain_reads(lib, make_checkpoint, rng, monkeypatch):
+    """Where a file does not read back through O_DIRECT (a filesystem without it; injected here by
+    the reader's own probe answering so), every file of the table is read through the page cache,
+    and the rows are the same."""
+    from ple_um.lookup.host import file_reads
+
+    layout = make_checkpoint(
+        num_rows=500, row_dim=24, dtype="bf16", shards=3, files=2, seed=int(rng.integers(1 << 30))
+    )
+    monkeypatch.setattr(file_reads, "_direct_alignment", lambda fd, size: None)
+    with MappedShards(layout) as mapping:
+        reader = FileReader(mapping, strategy="uring", direct=True, depth=8)
+        try:
+            assert not reader.direct and reader.align == 0
+            flags = {fd: _flags(fd) for fd in set(reader.fds.tolist()) if fd >= 0}
+            assert flags and not any(f & os.O_DIRECT for f in flags.values())
+            ids = torch.from_numpy(rng.integers(-3, 503, 700))
+            out = torch.full((700, layout.row_bytes), 0xAB, dtype=torch.uint8)
+            run(lib, [rowcopy.Rows(mapping, reader=reader)], ids, [out], rowcopy.Counts())
+            assert np.array_equal(out.numpy(), reference_rows(layout, ids.numpy()))
+        finally:
+            reader.close()
+
+
+def _flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_file_truncated_under_the_reader_gives_counted_zero_rows(lib, make_checkpoint, rng, strategy):
+    """A read past the end of a truncated file returns fewer bytes: a zero row, counted as broken
+    and never cached (through the mapping the same read would kill the process with SIGBUS)."""
+    layout = make_checkpoint(
+        num_rows=2000, row_dim=64, dtype="fp8", shards=4, files=2, seed=int(rng.integers(1 << 30))
+    )
+    victim = layout.files[-1]
+    with MappedShards(layout) as mapping:
+        reader = FileReader(mapping, strategy=strategy, direct=True, depth=8)
+        counts = rowcopy.Counts()
+        cache = RowCache(slots_for(1 << 20, layout.row_bytes), layout.row_bytes, counts, policy="lru")
+        try:
+            rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
+            lost_from = next(s for s in layout.shards if s.path == victim)
+            os.truncate(victim, lost_from.offset)  # every row of the last file's shards gone
+            evict(mapping, layout)
+            ids = torch.from_numpy(rng.integers(0, layout.num_rows, 800))
+            lost = np.isin(
+                ids.numpy() // layout.rows_per_shard, [s.index for s in layout.shards if s.path == victim]
+            )
+            out = torch.full((800, layout.row_bytes), 0xAB, dtype=torch.uint8)
+            got = run(lib, [rows], ids, [out], counts)
+            assert lost.any() and got["broken"] == int(lost.sum())
+            assert not out[torch.from_numpy(lost)].any()
+            kept = ~lost
+            assert np.array_equal(out.numpy()[kept], reference_rows(layout, ids.numpy()[kept]))
+            # The zero rows were not cached: the same ids again are misses, zeros again.
+            hits = counts.read()["cache_hits"]
+            again = torch.full((800, layout.row_bytes), 0xAB, dtype=torch.uint8)
+            run(lib, [rows], ids, [again], counts)
+            assert (
+                counts.read()["cache_hits"] - hits == int(kept.sum())
+                and not again[torch.from_numpy(lost)].any()
+            )
+        finally:
+            cache.close()
+            reader.close()
+
+
+@pytest.mark.parametrize("policy", ["tinylfu", "lru", "clock"])
+def test_a_cache_smaller_than_one_lookup_stays_exact(lib, make_checkpoint, rng, poison, policy):
+    layout = make_checkpoint(
+        num_rows=5000, row_dim=32, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30))
+    )
+    owned = (100, 4900)
+    with MappedShards(layout, owned) as mapping:
+        counts = rowcopy.Counts()
+        cache = RowCache(2 * WAYS, layout.row_bytes, counts, policy=policy)  # 16 rows
+        reader = FileReader(mapping, strategy="uring", direct=True, depth=32)
+        try:
+            rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
+            hot = rng.integers(owned[0], owned[1], 4)
+            looked_up = 0
+            for _ in range(6):
+                ids_np = np.concatenate([boundary_ids(layout, rng, 1500, owned), np.repeat(hot, 50)])
+                ids = torch.from_numpy(rng.permutation(ids_np))
+                out = poison(torch.empty((ids.numel(), layout.row_bytes), dtype=torch.uint8))
+                run(lib, [rows], ids, [out], counts)
+                assert np.array_equal(out.numpy(), reference_rows(layout, ids.numpy(), owned))
+                looked_up += int(((ids_np >= owned[0]) & (ids_np < owned[1])).sum())
+            stats = cache.stats()
+            assert stats["hits"] > 0 and stats["evictions"] > 0 and 0 < stats["rows"] <= 16
+            assert stats["hits"] + stats["misses"] == looked_up  # owned ids only
+        finally:
+            cache.close()
+            reader.close()
+
+
+def test_concurrent_lookups_with_evictions_get_their_rows(lib, make_checkpoint, rng):
+    """Eight threads, a cache of one set (every insertion evicts a row another thread may be
+    copying): every row of every lookup is exact."""
+    layout = make_checkpoint(
+        num_rows=4000, row_dim=48, dtype="bf16", shards=6, seed=int(rng.integers(1 << 30))
+    )
+    with MappedShards(layout) as mapping:
+        counts = rowcopy.Counts()
+        cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")
+        reader = FileReader(mapping, strategy="uring", direct=True, depth=16)
+        rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
+        expect_all = reference_rows(layout, np.arange(layout.num_rows))
+        bad: list[str] = []
+        seeds = rng.integers(1 << 30, size=8)
+
+        def work(seed):
+            local = np.random.default_rng(seed)
+            for _ in range(40):
+                ids_np = local.choice(np.arange(12), 300)  # 12 ids into 8 slots: constant eviction
+                out = torch.full((300, layout.row_bytes), 0xAB, dtype=torch.uint8)
+                job = make_job([rows], torch.from_numpy(ids_np), [out], counts)
+                lib.ple_lookup_run(ctypes.addressof(job))
+                if not np.array_equal(out.numpy(), expect_all[ids_np]):
+                    bad.append(f"seed {seed}")
+
+        try:
+            threads = [threading.Thread(target=work, args=(int(s),)) for s in seeds]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert bad == [] and cache.stats()["evictions"] > 0
+        finally:
+            cache.close()
+            reader.close()
+
+
+def _race(lib, layout, mapping, publish_first: bool, seconds: float) -> int:
+    """Readers and one writer on a cache of one set: how many rows came back wrong."""
+    counts = rowcopy.Counts()
+    cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")
+    cache.struct.publish_first = int(publish_first)
+    reader = FileReader(mapping, strategy="threads", direct=False, depth=4)
+    rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
+    expect_all = reference_rows(layout, np.arange(layout.num_rows))
+    wrong = [0]
+    stop = time.monotonic() + seconds
+
+    def look(seed):
+        local = np.random.default_rng(seed)
+        while time.monotonic() < stop and not (publish_first and wrong[0]):
+            ids_np = local.integers(0, 16, 64)
+            out = torch.full((64, layout.row_bytes), 0xAB, dtype=torch.uint8)
+            job = make_job([rows], torch.from_numpy(ids_np), [out], counts)  # held while it runs
+            lib.ple_lookup_run(ctypes.addressof(job))
+            wrong[0] += int((out.numpy() != expect_all[ids_np]).any(axis=1).sum())
+
+    try:
+        threads = [threading.Thread(target=look, args=(s,)) for s in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        cache.close()
+        reader.close()
+    return wrong[0]
+
+
+def test_a_row_is_in_place_before_anything_can_find_it(lib, make_checkpoint, rng):
+    """The check can fail: a cache that publishes a slot's tag before its bytes (a test hook) hands
+    out rows that are not theirs; the real order never does."""
+    layout = make_checkpoint(num_rows=64, row_dim=256, dtype="fp8", shards=2, seed=int(rng.integers(1 << 30)))
+    with MappedShards(layout) as mapping:
+        assert _race(lib, layout, mapping, publish_first=True, seconds=30.0) > 0
+        assert _race(lib, layout, mapping, publish_first=False, seconds=3.0) == 0
+
+
+def test_cached_rows_are_served_with_no_page_of_the_files_read(make_checkpoint, rng, monkeypatch):
+    layout = make_checkpoint(
+        num_rows=20000, row_dim=160, dtype="fp8", shards=8, files=2, seed=int(rng.integers(1 << 30))
+    )
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "8MiB")
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        ids = torch.from_numpy(rng.integers(0, layout.num_rows, 3000))
+        expect = reference_rows(layout, ids.numpy())  # read now: the reference's reads would count
+        assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), expect)  # misses read, cached
+        evict(table.mapping, layout)
+        before_pages, before_io = resident_pages(table.mapping), _read_bytes()
+        first = table.stats()["row_cache"]
+        got = table.lookup(ids).view(torch.uint8).numpy()
+        stats = table.stats()["row_cache"]
+        assert resident_pages(table.mapping) == before_pages == 0  # no page of the files came in
+        assert _read_bytes() == before_io  # nothing read from the storage
+        assert np.array_equal(got, expect)
+        assert (stats["hits"] - first["hits"], stats["misses"] - first["misses"]) == (3000, 0)
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def test_the_table_caches_only_its_own_rows_and_never_ids_outside_it(
+    make_checkpoint, rng, monkeypatch, check_rows
+):
+    layout = make_checkpoint(
+        num_rows=3000, row_dim=32, dtype="fp8", shards=6, seed=int(rng.integers(1 << 30))
+    )
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "1MiB")
+    owned = (700, 2100)  # a tensor-parallel rank's rows
+    with ple_um.open_table(layout.directory, rows=owned, mode="cpu", device="cpu") as table:
+        ids = torch.from_numpy(np.concatenate([rng.integers(-50, 3050, 4000), [-1, 3000, 1 << 40]]))
+        for _ in range(2):
+            check_rows(table.lookup(ids), layout, ids, rows=owned)
+        stats = table.stats()
+        inside = (ids >= owned[0]) & (ids < owned[1])
+        cache = stats["row_cache"]
+        assert cache["hits"] + cache["misses"] == 2 * int(inside.sum())  # only owned ids are looked up
+        assert cache["rows"] <= len(np.unique(ids[inside].numpy()))
+        assert stats["out_of_range"] == 2 * int(((ids < 0) | (ids >= 3000)).sum())
+
+
+def test_nvfp4_rows_and_block_scales_through_the_cache(make_checkpoint, rng, monkeypatch, assert_same_bits):
+    from helpers.reference import reference_nvfp4
+
+    layout = make_checkpoint(
+        num_rows=2000, row_dim=64, dtype="nvfp4", shards=4, seed=int(rng.integers(1 << 30))
+    )
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "256KiB")
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        assert table.stats()["row_cache"] is not None
+        for _ in range(3):
+            ids = torch.from_numpy(rng.integers(-5, 2005, 900))
+            packed, scales = table.lookup_packed(ids)
+            assert np.array_equal(packed.numpy(), reference_rows(layout, ids.numpy()))
+            assert np.array_equal(
+                scales.view(torch.uint8).numpy(), reference_rows(layout.scale_layout(), ids.numpy())
+            )
+            got = table.lookup(ids, out_dtype=torch.float32)
+            assert_same_bits(got, reference_nvfp4(layout, ids.numpy(), out_dtype=torch.float32), raw=False)
+        assert table.stats()["row_cache"]["hits"] > 0
+
+
+def test_one_off_rows_do_not_flush_hot_ones_under_tinylfu(lib, make_checkpoint, rng):
+    """Rounds of the same 200 hot rows among 1 000 rows seen once each, into a cache of 512: TinyLFU
+    keeps the hot rows (wanted more often than any one-off), LRU lets the one-offs flush them
+    before they come again."""
+    layout = make_checkpoint(
+        num_rows=60000, row_dim=16, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
+    )
+    hit_rate = {}
+    hot = rng.choice(layout.num_rows, 200, replace=False)
+    cold = rng.permutation(np.setdiff1d(np.arange(layout.num_rows), hot))
+    with MappedShards(layout) as mapping:
+        reader = FileReader(mapping, strategy="uring", direct=False, depth=32)
+        try:
+            for policy in ("tinylfu", "lru"):
+                counts = rowcopy.Counts()
+                cache = RowCache(64 * WAYS, layout.row_bytes, counts, policy=policy)
+                rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
+                for k in range(30):
+                    ids = torch.from_numpy(
+                        rng.permutation(np.concatenate([hot, cold[k * 1000 : (k + 1) * 1000]]))
+                    )
+                    before = counts.read()["cache_hits"]
+                    run(lib, [rows], ids, [torch.empty((1200, layout.row_bytes), dtype=torch.uint8)], counts)
+                hit_rate[policy] = (counts.read()["cache_hits"] - before) / len(hot)  # the last round
+                cache.close()
+        finally:
+            reader.close()
+    assert hit_rate["tinylfu"] >= 0.8 and hit_rate["lru"] <= 0.3, hit_rate
+
+
+def test_the_page_touch_asks_for_the_missing_pages_at_once(lib, make_checkpoint, rng):
+    layout = make_checkpoint(num_rows=4096, row_dim=256, dtype="fp8", shards=2, files=1)
+    with MappedShards(layout) as mapping:
+        reader = FileReader(mapping, strategy="uring", direct=False, depth=16)
+        try:
+            evict(mapping, layout)
+            ids = torch.from_numpy(rng.choice(4096, 60, replace=False))
+            run(lib, [rowcopy.Rows(mapping, reader=reader)], ids, [], rowcopy.Counts(), touch=True)
+            region = mapping.regions[0]
+            pages = region.resident_pages()
+            base = mapping.shard_base(0) - region.addr
+            for i in ids.tolist():
+                assert pages[(base + i * layout.row_bytes) // PAGE], i
+        finally:
+            reader.close()
+
+
+def test_auto_keeps_a_row_cache_only_for_a_table_not_in_memory(lib, make_checkpoint, monkeypatch):
+    layout = make_checkpoint(num_rows=10000, row_dim=160, dtype="fp8", shards=4)
+    with MappedShards(layout) as mapping:
+        mapping.populate()
+        assert plan(lib, mapping, None) is None  # resident, defaults: rows copied as they are
+        evict(mapping, layout)
+        cold = plan(lib, mapping, None)
+        assert cold is not None and cold.direct and cold.strategy in ("uring", "threads")
+        assert (
+            0
+            < cold.cache_bytes
+            <= mapping.owned_bytes // layout.row_bytes * (layout.row_bytes + SLOT_OVERHEAD)
+        )
+        monkeypatch.setenv("PLE_UM_ROW_CACHE_FRACTION", "0.000000001")
+        assert plan(lib, mapping, None).cache_bytes == 0  # nothing fits: no cache, but misses read
+        monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
+        monkeypatch.setenv("PLE_UM_FILE_READS", "mmap")
+        cold = plan(lib, mapping, None)
+        assert cold.cache_bytes == 0 and not cold.reads
+
+
+def test_uring_asked_where_no_ring_can_be_made_takes_threads():
+    class NoRing:
+        def ple_uring_works(self):
+            return 0
+
+    assert choose_strategy(NoRing(), "auto")[0] == "threads"
+    assert choose_strategy(NoRing(), "uring")[0] == "threads"
+    assert choose_strategy(NoRing(), "mmap")[0] == "mmap"
+
+
+def test_the_cgroup_room_is_the_tightest_of_the_groups_above(tmp_path):
+    groups = tmp_path / "cgroup"
+    (groups / "outer" / "inner").mkdir(parents=True)
+    (groups / "outer" / "memory.max").write_text(str(6 << 30))
+    (groups / "outer" / "memory.current").write_text(str(1 << 30))
+    (groups / "outer" / "inner" / "memory.max").write_text("max")
+    (groups / "outer" / "inner" / "memory.current").write_text(str(1 << 30))
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("0::/outer/inner\n")
+    assert memory.cgroup_headroom(str(proc), root=str(groups)) == 5 << 30
+    (groups / "outer" / "memory.max").write_text("max")
+    assert memory.cgroup_headroom(str(proc), root=str(groups)) is None

@@ -1,0 +1,103 @@
+"""ple_um.metrics.stats_line: the line's figures per mode and its page-cache sizes in the package's
+byte units."""
+
+from __future__ import annotations
+
+import os
+
+from ple_um.metrics.stats_line import figures, format_line
+
+
+def window(**figures: float) -> dict[str, float]:
+    base = dict.fromkeys(
+        ("lookups", "rows", "bytes", "out_of_range", "dedup", "gather", "stage", "wait"), 0.0
+    )
+    base |= dict.fromkeys(("cache_hits", "cache_misses", "file_reads", "read_seconds"), 0.0)
+    base |= dict.fromkeys(("cache_rows", "cache_resident"), 0.0)
+    return base | figures
+
+
+def test_line_of_one_window():
+    cpu = window(
+        lookups=1200, rows=19200, bytes=3_072_000, dedup=0.0602, gather=0.3105, stage=0.124, wait=0.0183
+    )
+    line = format_line({"cpu": cpu}, 30.0, int(12.3 * (1 << 30)), int(47.68 * (1 << 30)))
+    assert line == (
+        f"ple-um stats (last 30s, pid {os.getpid()}): cpu: 1200 lookups, 19200 rows (640 rows/s, 0.10 MB/s), "
+        "0 out-of-range, host 0.412 ms/lookup; phases ms: dedup 60.2, gather 310.5, stage 124.0, "
+        "gpu-wait 18.3; page cache: 12.30 GiB of 47.68 GiB resident (25.8%)"
+    )
+
+
+def test_page_cache_sizes_in_binary_units():
+    one = {"ats": window(rows=16, bytes=2560)}
+    assert format_line(one, 10.0, 512 << 20, 1 << 30).endswith(
+        "page cache: 512.00 MiB of 1.00 GiB resident (50.0%)"
+    )
+    assert format_line(one, 10.0, 0, 1536).endswith("page cache: 0 B of 1.50 KiB resident (0.0%)")
+    assert "page cache" not in format_line(one, 10.0, 0, 0)  # nothing mapped: no page-cache part
+
+
+def test_modes_in_order_and_idle_modes_left_out():
+    line = format_line(
+        {"registered": window(rows=5, bytes=50), "cpu": window(lookups=2, rows=3, bytes=30), "ats": window()},
+        1.0,
+        0,
+        0,
+    )
+    assert line.index("): cpu: 2 lookups, 3 rows") < line.index("; registered: 0 lookups, 5 rows")
+    assert "ats:" not in line and "phases" not in line  # no phase seconds: no phase part
+    assert format_line({"ats": window()}, 1.0, 0, 0) is None
+
+
+def test_figures_of_a_stats_dict():
+    stats = {
+        "lookups": 3,
+        "rows": 7,
+        "bytes": 70,
+        "out_of_range": 1,
+        "phase_seconds": {"gather": 0.5},
+        "mode": "cpu",
+    }
+    assert figures(stats) == window(lookups=3, rows=7, bytes=70, out_of_range=1, gather=0.5)
+    assert figures({}) == window()
+    cache = {
+        "hits": 90,
+        "misses": 10,
+        "file_reads": 8,
+        "read_seconds": 0.25,
+        "rows": 40,
+        "resident_bytes": 4096,
+    }
+    assert figures({**stats, "row_cache": cache}) == window(
+        lookups=3,
+        rows=7,
+        bytes=70,
+        out_of_range=1,
+        gather=0.5,
+        cache_hits=90,
+        cache_misses=10,
+        file_reads=8,
+        read_seconds=0.25,
+        cache_rows=40,
+        cache_resident=4096,
+    )
+    assert figures({**stats, "row_cache": None}) == figures(stats)  # a table without a cache
+
+
+def test_the_row_cache_in_the_line():
+    cpu = window(
+        lookups=10,
+        rows=16000,
+        bytes=2_560_000,
+        gather=0.02,
+        cache_hits=15400,
+        cache_misses=600,
+        file_reads=580,
+        read_seconds=0.0021,
+        cache_rows=6_100_000,
+        cache_resident=int(1.02 * (1 << 30)),
+    )
+    line = format_line({"cpu": cpu}, 10.0, 0, 0)
+    assert "; row cache: 96.2% hits, 580 file reads (2.1 ms), 6.10 M rows in 1.02 GiB" in line
+    assert "row cache" not in format_line({"cpu": window(lookups=1, rows=2, bytes=20)}, 1.0, 0, 0)

@@ -1,0 +1,211 @@
+"""SGLang's loader under the plugin: the table's tensors are never read, the rest loads as stock,
+bad checkpoints get ple-um's errors naming the file and the tensor, and a table delivered in memory
+is compared with the files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from ple_um.errors import CheckpointError
+
+
+@pytest.fixture
+def watched_tensors(monkeypatch):
+    """The names every ``safetensors.safe_open(...).get_tensor`` was asked for during the test (SGLang's
+    weight iterators and the plugin's reader open files only through it)."""
+    import safetensors
+
+    asked: list[str] = []
+    opened = safetensors.safe_open
+
+    class Watched:
+        def __init__(self, *args, **kwargs):
+            self._file = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._file.keys()
+
+        def get_tensor(self, name):
+            asked.append(name)
+            return self._file.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self._file, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Watched)
+    return asked
+
+
+@pytest.mark.parametrize("extra", [{}, {"enable_multithread_load": False}], ids=["multithread", "single"])
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_no_table_tensor_is_read(extra, dtype, sglang_checkpoint, load_model, tiny, watched_tensors, rng):
+    """Neither SGLang's iterator nor the plugin asks safetensors for a table tensor, while every other
+    tensor, in a file of its own or beside shards, is loaded as stock loads it."""
+    from ple_um.sglang.source import table_tensor
+
+    directory, layout, key_proj = sglang_checkpoint(dtype, seed=int(rng.integers(1 << 30)), files=3)
+    key_name = f"model.language_model.layers.{tiny.layer}.ple.key_proj.weight"
+    index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))["weight_map"]
+    key_file = os.path.join(directory, index[key_name])
+    assert any(s.path == key_file for s in layout.shards)  # a file that mixes shards with key_proj
+    assert any(s.path != key_file for s in layout.shards)  # and files of shards only
+    model = load_model(directory, ple_um=True, **extra)
+    assert watched_tensors, "no tensor was read through safetensors.safe_open: the watch no longer applies"
+    assert [n for n in watched_tensors if table_tensor(n) is not None] == []
+    assert key_name in watched_tensors
+    assert torch.equal(model.model.layers[tiny.layer].ple.key_proj.weight.data, key_proj)
+    if dtype == "fp8":
+        assert layout.scale_tensor in watched_tensors  # the global FP8 scale loads as stock
+    if dtype == "fp8":  # the stock model asks for every shard: the watch sees what the plugin avoids
+        watched_tensors.clear()
+        load_model(directory, ple_um=False, **extra)
+        assert {s.tensor for s in layout.shards} <= set(watched_tensors)
+
+
+def test_shard_only_files_stay_out_of_the_page_cache(sglang_checkpoint, load_model, tiny, rng):
+    """The loader's whole weight stream, every tensor touched, leaves the files that hold only shards
+    out of the page cache, but for the pages of their headers (and the kernel's readahead after
+    them), which ple-um reads to check the table; the stock stream reads them whole."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    from ple_um.operating import residency
+
+    # 4 MiB shards of 16-byte rows: large beside a header's pages.
+    directory, layout, _ = sglang_checkpoint(
+        "bf16", seed=int(rng.integers(1 << 30)), files=3, ngram_vocab_size_base=1 << 18
+    )
+    only_shards = {os.path.basename(s.path) for s in layout.shards} - {
+        os.path.basename(layout.shards[-1].path)
+    }
+    model = load_model(directory, ple_um=True)  # a model to iterate for
+    model.model.layers[tiny.layer].ple.ple_embedding.ngram_embedding.close_table()
+
+    def drop() -> None:
+        for name in only_shards:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages stay in the cache
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def resident() -> tuple[int, int]:
+        files = [f for f in residency(directory, tiny.layer)["files"] if f["file"] in only_shards]
+        return sum(f["resident_bytes"] for f in files), sum(f["mapped_bytes"] for f in files)
+
+    def stream(ple_um: bool) -> int:
+        drop()
+        before, size = resident()  # the measure reads the headers (and what the kernel reads ahead)
+        if before > size // 4:
+            pytest.skip("this filesystem keeps the files' pages after POSIX_FADV_DONTNEED (tmpfs?)")
+        if ple_um:
+            os.environ["PLE_UM"] = "1"
+        try:
+            model_config = ModelConfig(directory, language_model_only=True)
+            loader = get_model_loader(load_config=LoadConfig(), model_config=model_config)
+            for _, tensor in loader._get_all_weights(model_config, model):
+                float(tensor.float().sum())  # every byte of every tensor yielded is read
+        finally:
+            os.environ.pop("PLE_UM", None)
+        return before
+
+    before = stream(ple_um=True)
+    cached, size = resident()
+    assert size > 8 << 20 and cached - before <= len(only_shards) * (256 << 10), (before, cached, size)
+    stream(ple_um=False)
+    cached, size = resident()
+    assert cached == size  # the stock stream reads the shards: the measure sees them
+
+
+def test_broken_shard_file_is_refused_naming_file_and_tensor(sglang_checkpoint, load_model, rng):
+    directory, layout, _ = sglang_checkpoint("fp8", seed=int(rng.integers(1 << 30)), files=3)
+    victim = layout.shards[0]
+    with open(victim.path, "r+b") as f:
+        f.truncate(os.path.getsize(victim.path) - 3)
+    with pytest.raises(CheckpointError) as caught:
+        load_model(directory, ple_um=True)
+    message = str(caught.value)
+    assert victim.path in message and any(s.tensor in message for s in layout.shards if s.path == victim.path)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"split_ngram_parts": 5}, "split into 4 shards, but the config has split_ngram_parts=5"),
+        ({"heads_per_ngram": 4}, "rows have 8 elements, but the layer's row width is 4"),
+        ({"num_rows": 248}, "the table has 248 rows, but the config gives 240"),
+    ],
+)
+def test_table_that_does_not_fit_the_config_is_refused(change, match, sglang_checkpoint, load_model, rng):
+    directory, layout, _ = sglang_checkpoint("fp8", seed=int(rng.integers(1 << 30)), **change)
+    with pytest.raises(CheckpointError, match=match) as caught:
+        load_model(directory, ple_um=True)
+    assert layout.shards[0].path in str(caught.value) and layout.shards[0].tensor in str(caught.value)
+
+
+def test_table_dir_from_ple_um_dir(sglang_checkpoint, load_model, tiny, monkeypatch, rng):
+    """PLE_UM_DIR serves the table from another copy; one that is not a directory, or whose table is
+    another checkpoint's (its FP8 scale differs from the one SGLang loaded), is refused."""
+    seed = int(rng.integers(1 << 30))
+    directory, layout, _ = sglang_checkpoint("fp8", seed=seed)
+    copy, _, _ = sglang_checkpoint("fp8", seed=seed)
+    monkeypatch.setenv("PLE_UM_DIR", copy)
+    table = tiny.ngram(load_model(directory, ple_um=True)).ngram_embedding.table
+    assert table.layout.directory == os.path.realpath(copy)
+    monkeypatch.setenv("PLE_UM_DIR", os.path.join(copy, "nowhere"))
+    with pytest.raises(CheckpointError, match="PLE_UM_DIR=.* is not a directory"):
+        load_model(directory, ple_um=True)
+    other, other_layout, _ = sglang_checkpoint("fp8", seed=seed + 1)
+    assert other_layout.scale != layout.scale
+    monkeypatch.setenv("PLE_UM_DIR", other)
+    with pytest.raises(CheckpointError, match="does not belong to this checkpoint"):
+        load_model(directory, ple_um=True)
+
+
+def test_table_delivered_in_memory_is_compared(sglang_checkpoint, load_model, tiny, file_rows, rng):
+    """``load_weights`` with shard tensors in memory (a weight update): equal rows are accepted without a
+    copy, different rows raise ReloadMismatchError naming the file and the tensor."""
+    from ple_um.sglang.embedding import ReloadMismatchError
+
+    directory, layout, _ = sglang_checkpoint("fp8", seed=int(rng.integers(1 << 30)))
+    model = load_model(directory, ple_um=True)
+    table = tiny.ngram(model).ngram_embedding
+    rows = file_rows(layout)
+    spec = layout.shards[1]
+    start = layout.shard_start(1)
+    shard = rows[start : start + spec.rows].clone()
+    loaded = model.load_weights([(spec.tensor, shard)])
+    assert (
+        table.shards_compared == 1
+        and f"model.layers.{tiny.layer}.ple.ple_embedding.ngram_embedding.weight" in loaded
+    )
+    changed = shard.clone()
+    changed.view(torch.uint8)[7, 3] ^= 1
+    with pytest.raises(ReloadMismatchError, match=f"rows \\[{start}, {start + spec.rows}\\)") as caught:
+        model.load_weights([(spec.tensor, changed)])
+    assert spec.path in str(caught.value) and spec.tensor in str(caught.value)
+    with pytest.raises(ReloadMismatchError):
+        model.load_weights([(spec.tensor, shard.to(torch.bfloat16))])
+
+
+def test_stock_model_is_not_loaded_under_ple_um(sglang_checkpoint, load_model, monkeypatch, rng):
+    """A model built with PLE_UM unset has stock tables, which SGLang's iterator under PLE_UM would
+    leave without rows: its load refuses instead."""
+    directory, layout, _ = sglang_checkpoint("fp8", seed=int(rng.integers(1 << 30)))
+    model = load_model(directory, ple_um=False)
+    monkeypatch.setenv("PLE_UM", "1")
+    with pytest.raises(RuntimeError, match="built with stock PLE tables"):
+        model.load_weights([])
