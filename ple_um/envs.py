@@ -25,24 +25,13 @@ def _bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
 
-def _auto_or_size(text: str) -> str | int:
-    """``auto`` or a byte count (``parse_size``)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise ValueError(f"expected auto or a byte count (0, 512MiB, 4GiB), got {text!r}") from None
-
-
 def _checked_modes(text: str) -> tuple[str, ...]:
     """Comma-separated access modes whose first read runs in a child (ats, registered); off/none = none."""
     value = text.strip().lower()
     if value in ("", "0", "off", "none", "false", "no"):
         return ()
     modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
-    bad = [m for m in modes if m not in FIRST_READ_MODES]
-    if bad:
+    if any(m not in FIRST_READ_MODES for m in modes):
         raise ValueError(
             f"expected off or a comma-separated list of {', '.join(FIRST_READ_MODES)}, got {text!r}"
         )
@@ -75,20 +64,25 @@ def _count(low: int, high: int) -> Callable[[str], int]:
 _seconds_or_off = _ranged(float, 0, 86400, "a number of seconds from 0 (off) to 86400")
 _positive_seconds = _ranged(float, 0, 86400, "a number of seconds above 0, at most 86400", above_low=True)
 _fraction = _ranged(float, 0, 1, "a fraction from 0 to 1")
+
+
+def _auto_or(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
+    """``auto``, or a value ``parse`` takes; a refusal says both (``expected``: what ``parse`` takes)."""
+
+    def parse_auto(text: str):
+        if text.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse(text)
+        except ValueError:
+            raise ValueError(f"expected auto or {expected}, got {text!r}") from None
+
+    return parse_auto
+
+
 # Rows at most a lookup's id count can reach (int32 indexing of a batch).
 _MAX_BULK_ROWS = 1 << 31
-_bulk_row_count = _count(0, _MAX_BULK_ROWS)
-
-
-def _bulk_rows(text: str) -> str | int:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _bulk_row_count(text)
-    except ValueError:
-        raise ValueError(
-            f"expected auto or a whole number of rows from 0 (never) to {_MAX_BULK_ROWS}, got {text!r}"
-        ) from None
+_bulk_rows = _auto_or(_count(0, _MAX_BULK_ROWS), f"a whole number of rows from 0 (never) to {_MAX_BULK_ROWS}")
 
 
 def _directory(text: str) -> str:
@@ -323,7 +317,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_ROW_CACHE",
-            _auto_or_size,
+            _auto_or(parse_size, "a byte count (0, 512MiB, 4GiB)"),
             "auto",
             "host path: bytes of hot rows kept at row granularity in memory the table owns; auto = "
             "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table is not in the page cache at "
