@@ -1,9 +1,9 @@
 """The bench for tables larger than memory (``ple-um bench --memory-limit SIZE,...``): for each
 limit, ple-um's lookups run in a child process held to that many bytes by a memory cgroup
 (``bench/memlimit.py``; where none can be made, the child runs unlimited and the figures say so,
-and only ple-um's own memory, its row cache where it has one, is held to the limit), timed cold
-and in the steady state (``bench/cold_child.py``); the storage's ceiling measured in the same run
-(``bench/storage.py``) and every cold figure's ratio to it.
+and only ple-um's own memory, its row cache, is held to the limit through ``PLE_UM_ROW_CACHE``),
+timed cold and in the steady state (``bench/cold_child.py``); the storage's ceiling measured in the
+same run (``bench/storage.py``) and every cold figure's ratio to it.
 
 Only the modes that read the table where it lies can be cold: ``cpu`` and ``ats``. ``registered``
 pins the table and ``device`` copies it into GPU memory, so neither is run here.
@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from ple_um import envs
 from ple_um.access.capabilities import read_capabilities, resolve_device
 from ple_um.access.probe import reason_if_unsatisfied
 from ple_um.bench import storage
@@ -35,7 +34,7 @@ COLD_MODES = ("cpu", "ats")
 COLD_ROWS = (16, 1024, 16384)
 # Seconds of lookups before the steady state is timed (and at least 10 calls).
 WARMUP_S = 5.0
-# The row cache's size knob, where this ple-um has one: held to the limit when no cgroup can be.
+# The row cache's size knob: held to the limit when no cgroup can be.
 ROW_CACHE_KNOB = "PLE_UM_ROW_CACHE"
 
 
@@ -59,7 +58,7 @@ def cold_modes(asked: tuple[str, ...] | None, device: torch.device) -> tuple[tup
 
 def _child_env(limit: MemoryLimit) -> dict[str, str]:
     env = dict(os.environ)
-    if not limit.enforced and ROW_CACHE_KNOB in envs.KNOBS:
+    if not limit.enforced:
         env[ROW_CACHE_KNOB] = str(limit.limit)
     return env
 
@@ -111,7 +110,8 @@ def _describe(cfg: Config, layout: ShardLayout, device: torch.device, warmup_s: 
         "ids": {dist.name: dist.describe() for dist in cfg.ids},
         "method": {
             "cold": "every page of the table dropped before each call (MADV_DONTNEED on the child's own "
-            "mappings, then POSIX_FADV_DONTNEED)",
+            f"mappings, then POSIX_FADV_DONTNEED), in a table opened with {ROW_CACHE_KNOB}=0 (no row cache "
+            "to hold the rows of earlier calls)",
             "steady": f"the pages dropped, then at least {warmup_s:g} s of lookups of the largest batch "
             "under the limit, then every batch size",
             "timing": "CUDA graph replays" if cuda else "eager calls, perf_counter",
@@ -164,7 +164,7 @@ def run(
                 "peak_bytes": held.peak(),
             }
         if not held.enforced:
-            entry["row_cache_knob"] = f"{ROW_CACHE_KNOB}={limit}" if ROW_CACHE_KNOB in envs.KNOBS else None
+            entry["row_cache_knob"] = f"{ROW_CACHE_KNOB}={limit}"
         entry.update(found)
         result["limits"][str(limit)] = entry
     vs_ceiling(result)

@@ -1,17 +1,22 @@
 """The child process of the bench for tables larger than memory (``bench/cold.py`` starts it, inside
 its memory limit): opens the table in each mode asked for and times lookups cold (every page of
-the table dropped before each call) and in the steady state (after a warm-up under the limit).
+the table dropped before each call, in a table without a row cache) and in the steady state (after
+a warm-up under the limit, in a table opened as the environment says, its row cache included).
 
 Run as ``python -m ple_um.bench.cold_child``: the request as JSON on stdin, the figures as JSON on
 stdout. Before each cold call the table's pages are dropped inside this process, the one that maps
 them: ``MADV_DONTNEED`` over its own mappings of the files (from ``/proc/self/maps``), then
 ``POSIX_FADV_DONTNEED`` on each file (pages another process maps stay in the page cache).
 Before each timed call, the share of its rows already in the page cache (mincore) and, where the
-table has a row cache (``stats()["row_cache"]``), that cache's hits and misses in the call.
+table has a row cache (``stats()["row_cache"]``), that cache's hit rate over the timed calls (its
+counters' differences around them). The cold calls' table is opened with ``PLE_UM_ROW_CACHE=0``: a
+row cache is not dropped with the pages, and it would serve a cold call the rows of earlier ones
+(and of the self-test at open).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -29,6 +34,8 @@ from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
 
 MADV_DONTNEED = 4
+# The knobs of the cold calls' table: no row cache, so that none of a cold call's rows is in memory.
+COLD_KNOBS = {"PLE_UM_ROW_CACHE": "0"}
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -62,6 +69,21 @@ def drop_table_pages(files: list[str]) -> None:
             os.close(fd)
 
 
+@contextlib.contextmanager
+def _knobs(values: dict[str, str]):
+    """The environment knobs ``values`` set while the block runs (a table reads them at open)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _row_cache(table) -> tuple[int, int] | None:
     found = table.stats().get("row_cache")
     if not found:
@@ -75,9 +97,8 @@ class _Lookup:
     def __init__(self, table, layout: ShardLayout, n: int, device: torch.device, graph: bool) -> None:
         self.table, self.device = table, device
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        shape = (n, layout.row_dim) if layout.is_nvfp4 else (n, layout.row_bytes)
-        dtype = torch.bfloat16 if layout.is_nvfp4 else layout.dtype
-        self.out = torch.empty(shape, dtype=dtype, device=device)
+        dtype = torch.bfloat16 if layout.is_nvfp4 else layout.dtype  # raw rows; NVFP4's decoded
+        self.out = torch.empty((n, layout.row_dim), dtype=dtype, device=device)
         self.graph = None
         if graph:
             s = torch.cuda.Stream()
@@ -121,18 +142,26 @@ def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_
         times.append(timer.once(call.go, 0))
     row = summary(times, nbytes)
     row["page_cache_hits"] = float(np.mean(resident))
-    after = _row_cache(table)
-    if before is not None and after is not None:
-        hits, misses = after[0] - before[0], after[1] - before[1]
-        row["row_cache_hits"] = hits / (hits + misses) if hits + misses else None
+    row["row_cache_hits"] = _hit_rate(before, _row_cache(table))
     return row
+
+
+def _hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """hits / (hits + misses) between two readings of the row cache's counters (None: no cache, or
+    no row asked of it)."""
+    if before is None or after is None:
+        return None
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    return hits / (hits + misses) if hits + misses else None
 
 
 def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> dict:
     """Lookups of ``call``'s batch size, fresh ids each, for at least ``seconds`` (and 10 calls):
     the table's hot rows come into memory as far as the limit lets them. The share of a call's
-    rows already in the page cache, first and last, says whether it settled."""
+    rows already in the page cache, first and last, and the row cache's hit rate over the warm-up
+    say whether it settled."""
     t0, calls, shares = time.perf_counter(), 0, []
+    before = _row_cache(call.table)
     n = call.ids.numel()
     while calls < 10 or time.perf_counter() - t0 < seconds:
         ids = dist.draw(rng, layout.num_rows, n)
@@ -147,40 +176,63 @@ def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> 
         "seconds": time.perf_counter() - t0,
         "first_hits": shares[0],
         "last_hits": shares[-1],
+        "row_cache_hits": _hit_rate(before, _row_cache(call.table)),
     }
 
 
-def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
-    """Per id distribution: every batch size cold; then the pages dropped once, a warm-up at the
-    largest batch size, and every batch size in that steady state."""
-    files = list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
-    drop_table_pages(files)
-    table = ple_um.open_table(layout.directory, layer=layout.layer, mode=mode, device=device)
+def _cold(table, layout: ShardLayout, request: dict, device, graph: bool, probe, files) -> dict:
+    """Every batch size of every id distribution, cold: per distribution, batch size -> figures."""
     timer, rng = Timer(device), np.random.default_rng(request["seed"])
-    graph = device.type == "cuda" and table.capture_safe
-    entry: dict = {"capture_safe": table.capture_safe, "timing": "graph replay" if graph else "eager"}
-    with table, MappedShards(layout) as probe:
-        calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
-        for dist in parse_ids(request["ids"]):
-            runs = entry.setdefault(dist.name, {})
-            for n, call in calls.items():
-                draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
-                runs[str(n)] = {"cold": _timed(call, draws, table, probe, timer, files, n * layout.row_bytes)}
-            drop_table_pages(files)  # the steady state grows from nothing, under the limit
-            largest = calls[max(calls)]
-            entry.setdefault("warmup", {})[dist.name] = _warm_up(
-                largest, dist, rng, layout, probe, timer, request["warmup_s"]
-            )
-            for n, call in calls.items():
-                draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
-                runs[str(n)]["steady"] = _timed(call, draws, table, probe, timer, None, n * layout.row_bytes)
-                row = runs[str(n)]
-                print(
-                    f"{mode} {dist.name} {n} rows: cold {row['cold']['median_us']:.1f} us, "
-                    f"steady {row['steady']['median_us']:.1f} us",
-                    file=sys.stderr,
-                    flush=True,
+    runs: dict = {}
+    calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
+    for dist in parse_ids(request["ids"]):
+        for n, call in calls.items():
+            draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
+            row = _timed(call, draws, table, probe, timer, files, n * layout.row_bytes)
+            runs.setdefault(dist.name, {})[str(n)] = {"cold": row}
+    return runs
+
+
+def _open(layout: ShardLayout, mode: str, device: torch.device, knobs: dict[str, str]):
+    with _knobs(knobs):  # read at open
+        return ple_um.open_table(layout.directory, layer=layout.layer, mode=mode, device=device)
+
+
+def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
+    """Every batch size cold, in a table without a row cache; then, in a table opened as the
+    environment says, per id distribution: the pages dropped, a warm-up at the largest batch size,
+    and every batch size in that steady state."""
+    files = list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
+    with MappedShards(layout) as probe:
+        drop_table_pages(files)
+        with _open(layout, mode, device, COLD_KNOBS) as table:
+            graph = device.type == "cuda" and table.capture_safe
+            entry: dict = {"capture_safe": table.capture_safe, "timing": "graph replay" if graph else "eager"}
+            entry["cold_row_reads"] = table.row_reads
+            entry.update(_cold(table, layout, request, device, graph, probe, files))
+        drop_table_pages(files)
+        # Draws of their own: the steady calls do not repeat the cold calls' ids.
+        timer, rng = Timer(device), np.random.default_rng(request["seed"] + 1)
+        with _open(layout, mode, device, {}) as table:
+            if graph and not table.capture_safe:
+                graph, entry["timing"] = False, "graph replay cold, eager steady"
+            entry["row_reads"] = table.row_reads
+            calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
+            for dist in parse_ids(request["ids"]):
+                drop_table_pages(files)  # the steady state grows from nothing, under the limit
+                entry.setdefault("warmup", {})[dist.name] = _warm_up(
+                    calls[max(calls)], dist, rng, layout, probe, timer, request["warmup_s"]
                 )
+                for n, call in calls.items():
+                    draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
+                    row = entry[dist.name][str(n)]
+                    row["steady"] = _timed(call, draws, table, probe, timer, None, n * layout.row_bytes)
+                    print(
+                        f"{mode} {dist.name} {n} rows: cold {row['cold']['median_us']:.1f} us, "
+                        f"steady {row['steady']['median_us']:.1f} us",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     return entry
 
 

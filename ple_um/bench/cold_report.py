@@ -1,7 +1,8 @@
 """The printed report of the bench for tables larger than memory: the header, the storage's
 ceiling, then per memory limit and id distribution one row per path and batch size: cold and
 steady medians with their spread, the cold figure's ratio to the ceiling, and the share of rows
-found in the page cache and in the row cache (``-`` where the table has none)."""
+found in the page cache and in the row cache (``-`` where the table has none). The cold calls' table
+has no row cache (``bench/cold_child.py``)."""
 
 from __future__ import annotations
 
@@ -45,15 +46,20 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
     status = entry.get("status", {})
     if status:
         lines.append(f"  the child's own anonymous memory (RssAnon): {status.get('RssAnon', '?')}")
+    for mode, runs in entry["modes"].items():
+        if "row_reads" in runs:
+            lines.append(f"  ple-um {mode}, steady state: {runs['row_reads']}")
     for dist in ids:
         lines.append(f"  {dist} ids")
         for mode, runs in entry["modes"].items():
             warm = runs.get("warmup", {}).get(dist)
             if warm:
+                cached = warm.get("row_cache_hits")
                 lines.append(
                     f"  steady state of ple-um {mode}: {warm['calls']} calls ({warm['rows']} rows) in "
                     f"{warm['seconds']:.1f} s, rows in the page cache {_share(warm['first_hits'])} -> "
                     f"{_share(warm['last_hits'])}"
+                    + ("" if cached is None else f", row cache hits {_share(cached)} over them")
                 )
         lines += [
             "| path | rows | cold us [p10-p90] | x storage | steady us [p10-p90] | page cache hits "

@@ -2,7 +2,8 @@
 then the page cache), the rows found resident by mincore, the modes that can be cold, and whole
 runs through the real child process, under a real memory cgroup where this machine allows one and
 with none (the fallback, injected as the hierarchy's answer): every figure's bookkeeping, the
-ratios to the storage's ceiling, the row cache column, the report and the plot."""
+ratios to the storage's ceiling, the row cache column (the steady table's row cache, none in the cold
+calls' table), the report and the plot."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import pytest
 import torch
 from helpers.cli import fs_type
 
+from ple_um import envs
 from ple_um.bench import cold, cold_report, storage
-from ple_um.bench.cold_child import drop_table_pages, own_mappings
+from ple_um.bench.cold_child import COLD_KNOBS, drop_table_pages, own_mappings
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import MemoryLimit
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
+from ple_um.units import format_bytes
 
 
 def _skip_on_tmpfs(path):
@@ -77,8 +80,14 @@ def test_only_the_modes_that_read_the_table_where_it_lies_can_be_cold():
     assert "cpu" in modes and left_out == {}
 
 
-def _run(make_checkpoint, hierarchy, limits):
-    layout = make_checkpoint(num_rows=30000, row_dim=160, shards=8, files=4)
+def test_the_knobs_the_bench_sets_are_ple_ums():
+    assert cold.ROW_CACHE_KNOB in envs.KNOBS and set(COLD_KNOBS) <= set(envs.KNOBS)
+    for name, text in COLD_KNOBS.items():
+        assert envs.KNOBS[name].parse(text) == 0  # no row cache
+
+
+def _run(make_checkpoint, hierarchy, limits, dtype="fp8"):
+    layout = make_checkpoint(num_rows=30000, row_dim=160, dtype=dtype, shards=8, files=4)
     cfg = Config(directory=layout.directory, rows=(16, 256), ids=parse_ids("uniform,zipf:1.1"), repeats=3)
     cfg.modes, cfg.device = ("cpu",), "cpu"
     lines: list[str] = []
@@ -86,13 +95,16 @@ def _run(make_checkpoint, hierarchy, limits):
     return layout, result, lines
 
 
-def _check_figures(result, layout, enforced: bool) -> None:
+def _check_figures(result, layout, enforced: bool, row_cache: bool) -> None:
+    """Every figure's bookkeeping; ``row_cache``: the steady table has one (the cold one never)."""
     assert list(result["ids"]) == ["uniform", "zipf:1.1"]
     rate = result["storage"]["sizes"]["4096"]["64"]["reads_per_s"]
     for key, entry in result["limits"].items():
         assert entry["bytes"] == int(key) and entry["enforced"] is enforced, entry
         runs = entry["modes"]["cpu"]
         assert runs["timing"] == "eager"
+        assert "no row cache" in runs["cold_row_reads"], runs["cold_row_reads"]
+        assert ("a row cache of" in runs["row_reads"]) is row_cache, runs["row_reads"]
         for dist in ("uniform", "zipf:1.1"):
             assert (
                 runs["warmup"][dist]["calls"] >= 10
@@ -107,9 +119,15 @@ def _check_figures(result, layout, enforced: bool) -> None:
                 assert 0 <= s["page_cache_hits"] <= 1
                 if fs_type(layout.directory) != "tmpfs":
                     assert c["page_cache_hits"] == 0  # dropped before each cold call
-                assert (
-                    "row_cache_hits" not in c or c["row_cache_hits"] is None or 0 <= c["row_cache_hits"] <= 1
-                )
+                assert c["row_cache_hits"] is None  # the cold calls' table has no row cache
+                if row_cache:
+                    assert 0 <= s["row_cache_hits"] <= 1
+                    if dist == "zipf:1.1":
+                        assert s["row_cache_hits"] > 0  # hot rows come again
+                else:
+                    assert s["row_cache_hits"] is None
+            warm = runs["warmup"][dist]["row_cache_hits"]
+            assert (warm is not None and 0 <= warm <= 1) if row_cache else warm is None
 
 
 def test_a_run_under_a_real_memory_cgroup(make_checkpoint):
@@ -118,30 +136,40 @@ def test_a_run_under_a_real_memory_cgroup(make_checkpoint):
     if not probe.enforced:
         pytest.skip(f"no memory cgroup here: {probe.why}")
     layout, result, lines = _run(make_checkpoint, None, (768 << 20,))
-    _check_figures(result, layout, enforced=True)
+    # PLE_UM_ROW_CACHE=auto: a row cache when the table is not in the page cache at open.
+    row_cache = fs_type(layout.directory) != "tmpfs"
+    _check_figures(result, layout, enforced=True, row_cache=row_cache)
     (entry,) = result["limits"].values()
     assert entry["how"].startswith("cgroup v") and 0 < entry["peak_bytes"] <= 768 << 20
     assert entry["status"]["RssAnon"].endswith("kB")
     assert any(line.startswith("memory limit 768.00 MiB: cgroup v") for line in lines)
     text = cold_report.format_cold(result)
-    assert "| ple-um cpu (eager) | 16 |" in text and "| - |" in text  # no row cache in this table
+    steady = entry["modes"]["cpu"]["zipf:1.1"]["16"]["steady"]
+    share = f"{100 * steady['row_cache_hits']:.1f}%" if row_cache else "-"
+    assert (
+        "| ple-um cpu (eager) | 16 |" in text
+        and f"{100 * steady['page_cache_hits']:.1f}% | {share} |" in text
+    )
+    assert f"ple-um cpu, steady state: {entry['modes']['cpu']['row_reads']}" in text
     assert f"memory limit 768.00 MiB: {entry['how']}, peak " in text
     group = entry["how"].split()[2].rstrip(":")
     assert not os.path.exists(group)  # the group is gone
 
 
-def test_a_run_where_no_cgroup_can_be_made_says_so(make_checkpoint, tmp_path):
-    layout, result, _ = _run(make_checkpoint, (None, "injected: no memory controller"), (1 << 30, 2 << 30))
-    _check_figures(result, layout, enforced=False)
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])  # rows of 1 and of 2 bytes a value
+def test_a_run_where_no_cgroup_can_be_made_says_so(make_checkpoint, tmp_path, dtype):
+    no_group = (None, "injected: no memory controller")
+    layout, result, _ = _run(make_checkpoint, no_group, (1 << 30, 2 << 30), dtype=dtype)
+    # The row cache is held to the limit instead: PLE_UM_ROW_CACHE=<limit> in the child.
+    _check_figures(result, layout, enforced=False, row_cache=True)
     for entry in result["limits"].values():
         assert entry["how"] == "not enforced: injected: no memory controller"
         assert entry["peak_bytes"] is None
-        assert entry["row_cache_knob"] == (
-            f"PLE_UM_ROW_CACHE={entry['bytes']}" if "PLE_UM_ROW_CACHE" in cold.envs.KNOBS else None
-        )
+        assert entry["row_cache_knob"] == f"PLE_UM_ROW_CACHE={entry['bytes']}"
+        assert f"a row cache of {format_bytes(entry['bytes'])}" in entry["modes"]["cpu"]["row_reads"]
     text = cold_report.format_cold(result)
     assert "memory limit 1.00 GiB: not enforced: injected: no memory controller" in text
-    assert "the page cache is the machine's here" in text
+    assert "the page cache is the machine's here: only ple-um's row cache is held to the limit" in text
     assert text.count("| ple-um cpu (eager) | 256 |") == 4  # 2 limits x 2 id distributions
     from ple_um.bench.plot import plot_limits
 
