@@ -22,27 +22,7 @@ def _bool(text: str) -> bool:
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
-
-
-def _bulk_rows(text: str) -> str | int:
-    value = text.strip().lower()
-    if value == "auto":
-        return value
-    rows = int(value)
-    if rows < 0:
-        raise ValueError("expected auto or a row count >= 0")
-    return rows
-
-
-def _auto_or_size(text: str) -> str | int:
-    """``auto`` or a byte count (``parse_size``)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise ValueError(f"expected auto or a byte count (0, 512MiB, 4GiB), got {text!r}") from None
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
 
 def _checked_modes(text: str) -> tuple[str, ...]:
@@ -51,31 +31,26 @@ def _checked_modes(text: str) -> tuple[str, ...]:
     if value in ("", "0", "off", "none", "false", "no"):
         return ()
     modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
-    bad = [m for m in modes if m not in FIRST_READ_MODES]
-    if bad:
+    if any(m not in FIRST_READ_MODES for m in modes):
         raise ValueError(
             f"expected off or a comma-separated list of {', '.join(FIRST_READ_MODES)}, got {text!r}"
         )
     return modes
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"expected a number of seconds > 0, got {text!r}")
-    return value
-
-
-def _ranged(convert: Callable[[str], Any], low: float, high: float, expected: str) -> Callable[[str], Any]:
-    """A number that ``convert`` (int, float) reads, in [low, high]: NaN and the infinities are out
-    of range, and an int knob never wraps a C int. ``expected`` says what is taken."""
+def _ranged(
+    convert: Callable[[str], Any], low: float, high: float, expected: str, *, above_low: bool = False
+) -> Callable[[str], Any]:
+    """A number that ``convert`` (int, float) reads, in [low, high] (``above_low``: in (low, high]):
+    NaN and the infinities are out of range, and an int knob never wraps a C int. ``expected``
+    says what is taken."""
 
     def parse(text: str):
         try:
             value = convert(text.strip())
-        except ValueError:
+        except (ValueError, OverflowError):
             value = None
-        if value is None or not low <= value <= high:
+        if value is None or not low <= value <= high or (above_low and value == low):
             raise ValueError(f"expected {expected}, got {text!r}")
         return value
 
@@ -87,7 +62,27 @@ def _count(low: int, high: int) -> Callable[[str], int]:
 
 
 _seconds_or_off = _ranged(float, 0, 86400, "a number of seconds from 0 (off) to 86400")
+_positive_seconds = _ranged(float, 0, 86400, "a number of seconds above 0, at most 86400", above_low=True)
 _fraction = _ranged(float, 0, 1, "a fraction from 0 to 1")
+
+
+def _auto_or(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
+    """``auto``, or a value ``parse`` takes; a refusal says both (``expected``: what ``parse`` takes)."""
+
+    def parse_auto(text: str):
+        if text.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse(text)
+        except ValueError:
+            raise ValueError(f"expected auto or {expected}, got {text!r}") from None
+
+    return parse_auto
+
+
+# Rows at most a lookup's id count can reach (int32 indexing of a batch).
+_MAX_BULK_ROWS = 1 << 31
+_bulk_rows = _auto_or(_count(0, _MAX_BULK_ROWS), f"a whole number of rows from 0 (never) to {_MAX_BULK_ROWS}")
 
 
 def _directory(text: str) -> str:
@@ -130,7 +125,16 @@ class Knob:
         try:
             return self.parse(text)
         except ValueError as exc:
-            raise KnobError(f"environment variable {var}={text!r}: {exc}") from None
+            alias = "" if var == self.name else f" (an alias of {self.name})"
+            raise KnobError(f"environment variable {var}={text!r}{alias}: {exc}") from None
+
+    def problem(self) -> str | None:
+        """Why the value set for this knob is not taken (the KnobError's message), or None."""
+        try:
+            self.value()
+        except KnobError as exc:
+            return str(exc)
+        return None
 
 
 def _default_threads() -> int:
@@ -313,7 +317,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_ROW_CACHE",
-            _auto_or_size,
+            _auto_or(parse_size, "a byte count (0, 512MiB, 4GiB)"),
             "auto",
             "host path: bytes of hot rows kept at row granularity in memory the table owns; auto = "
             "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table is not in the page cache at "
@@ -370,16 +374,23 @@ def __getattr__(name: str) -> Any:
     return knob.value()
 
 
-def check(skip: tuple[str, ...] = ()) -> None:
-    """Read every knob but ``skip``: the first set to a value it does not take raises KnobError,
-    naming it."""
+def check(skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
+    """Read every knob (or those in ``only``) but ``skip``: the first set to a value it does not
+    take raises KnobError, naming it."""
     for name, knob in KNOBS.items():
-        if name not in skip:
+        if name not in skip and (only is None or name in only):
             knob.value()
 
 
+def problems(only: tuple[str, ...] | None = None) -> list[str]:
+    """The message of every knob (or of those in ``only``) set to a value it does not take."""
+    found = (knob.problem() for name, knob in KNOBS.items() if only is None or name in only)
+    return [why for why in found if why is not None]
+
+
 def describe() -> list[dict[str, Any]]:
-    """Every knob as a dict (name, aliases, default, doc, current value text), for docs and the CLI."""
+    """Every knob as a dict (name, aliases, default, doc, current value text, and ``invalid``: why
+    that value is not taken, or None), for docs and the CLI."""
     rows = []
     for knob in KNOBS.values():
         default = knob.default() if callable(knob.default) else knob.default
@@ -391,6 +402,7 @@ def describe() -> list[dict[str, Any]]:
                 "default": default,
                 "doc": knob.doc,
                 "set": None if found is None else f"{found[0]}={found[1]}",
+                "invalid": None if found is None else knob.problem(),
             }
         )
     return rows

@@ -18,6 +18,7 @@ class CheckpointError(PleUmError, ValueError):
             where.append(f"tensor {tensor}")
         full = f"{message} ({', '.join(where)})" if where else message
         super().__init__(full)
+        self.message = message  # without the file and tensor it names
         self.path = path
         self.tensor = tensor
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import mmap
 import os
 import time
@@ -18,7 +19,7 @@ import numpy as np
 
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.checkpoint.layout import find_layers, validate
-from ple_um.errors import CheckpointError, PleUmError
+from ple_um.errors import PleUmError
 from ple_um.mapping import MappedShards
 from ple_um.units import format_bytes
 
@@ -79,14 +80,12 @@ def describe_layout(layout: ShardLayout) -> dict:
 def inspect(directory: str, layer: int | None = None) -> dict:
     """What the checkpoint at ``directory`` holds and whether it is sound.
 
-    Returns ``{"directory", "layers", "valid", "problems", "tables"}``: the PLE layers found (None
-    when the headers cannot be read far enough to say), every problem (an empty list when sound),
-    and for each sound layer looked at (``layer``, else every layer found) its table."""
+    Returns ``{"directory", "layers", "valid", "problems", "tables"}``: the PLE layers found in the
+    headers and the index that can be read (None when none can be), every problem (an empty list
+    when sound; one per broken file), and for each sound layer looked at (``layer``, else every
+    layer found) its table."""
     directory = os.path.abspath(directory)
-    try:
-        layers: list[int] | None = find_layers(directory)
-    except CheckpointError:
-        layers = None  # validate() below lists why, with every other problem
+    layers = find_layers(directory, strict=False)  # validate() below lists what cannot be read
     if layer is not None:
         targets: list[int | None] = [layer]
     elif layers:
@@ -153,6 +152,30 @@ def shard_residency(mapping: MappedShards) -> list[ShardResidency]:
         out.append(
             ShardResidency(index, os.path.basename(region.path), nbytes, resident_bytes(owned.addr, nbytes))
         )
+    return out
+
+
+def resident_rows(mapping: MappedShards, ids: np.ndarray) -> np.ndarray:
+    """For each id (owned by ``mapping``), whether all of its row's bytes are in the page cache
+    now: one mincore per mapped file, no data read. Ids the mapping does not own read as False."""
+    layout = mapping.layout
+    rb, per_shard = layout.row_bytes, layout.rows_per_shard
+    pages = [region.resident_pages() for region in mapping.regions]
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    out = np.zeros(ids.shape, dtype=bool)
+    shard = ids // per_shard
+    for index, owned in mapping.owned.items():
+        pick = np.flatnonzero(shard == index)
+        if pick.size == 0:
+            continue
+        local = ids[pick] - index * per_shard
+        inside = (local >= owned.lo) & (local < owned.hi)
+        region = mapping.regions[owned.region]
+        start = owned.addr - region.addr + (local - owned.lo) * rb
+        first, last = start // PAGE, (start + rb - 1) // PAGE
+        vec = pages[owned.region]
+        first, last = np.clip(first, 0, vec.size - 1), np.clip(last, 0, vec.size - 1)
+        out[pick] = inside & (vec[first] == 1) & (vec[last] == 1)
     return out
 
 
@@ -227,17 +250,22 @@ def prewarm(
     layouts = [layout, layout.scale_layout()] if layout.is_nvfp4 else [layout]
     with contextlib.ExitStack() as stack:
         mappings = [stack.enter_context(MappedShards(each)) for each in layouts]
-        requested = sum(int(r.length * fraction) for m in mappings for r in m.regions)
+        requested = _requested(mappings, fraction)
         memory = available()
         allowed = memory if limit is None else int(limit)
         if requested > allowed and not force:
             what = "the --max-bytes limit" if limit is not None else "MemAvailable"
-            fits = max(0.01, int(fraction * allowed / requested * 90) / 100)
+            fits = fraction_that_fits(mappings, fraction, allowed)
+            part = (
+                f"Prewarm a part with --fraction {fits} ({format_bytes(_requested(mappings, float(fits)))}), "
+                if fits is not None
+                else ""
+            )
             raise PrewarmRefused(
                 f"prewarming layer {layout.layer} of {layout.directory} reads {format_bytes(requested)}, "
                 f"more than {what} ({format_bytes(allowed)}): filling the page cache would evict the "
-                f"table's own first pages (or other processes' memory) to hold the rest. Prewarm a part "
-                f"with --fraction {fits:.2f}, or pass --force"
+                f"table's own first pages (or other processes' memory) to hold the rest. {part}"
+                f"{'raise --max-bytes, ' if limit is not None else ''}or pass --force"
             )
         before = _total(mappings)
         t0 = time.perf_counter()
@@ -264,6 +292,28 @@ def prewarm(
         "before": before,
         "after": after,
     }
+
+
+def _requested(mappings: list[MappedShards], fraction: float) -> int:
+    """Bytes a prewarm of the first ``fraction`` of each mapped file asks for."""
+    return sum(int(r.length * fraction) for m in mappings for r in m.regions)
+
+
+def fraction_that_fits(mappings: list[MappedShards], fraction: float, allowed: int) -> str | None:
+    """The largest fraction, written with two significant digits, whose prewarm asks for at most
+    ``allowed`` bytes and for some bytes at all; None when there is none. It is written as the
+    command line will read it back, and checked as read back."""
+    requested = _requested(mappings, fraction)
+    target = fraction * allowed / requested if requested else 1.0
+    if target <= 0:
+        return None
+    step = 10.0 ** (math.floor(math.log10(target)) - 1)
+    for k in range(int(target / step), 0, -1):
+        text = f"{k * step:.2g}"
+        asked = _requested(mappings, float(text))
+        if 0 < asked <= allowed and float(text) <= 1:
+            return text
+    return None
 
 
 def _total(mappings: list[MappedShards]) -> dict:

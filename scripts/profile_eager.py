@@ -64,7 +64,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_eager.json"))
     args = parser.parse_args()
-    from ple_um.bench.runner import Config, default_table
+    from ple_um.bench.config import Config, default_table
 
     directory = default_table(Config(size=units.parse_size(args.size)), progress=False)
     registered = ple_um.open_table(directory, mode="registered")

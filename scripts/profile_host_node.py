@@ -57,7 +57,7 @@ def table_dir(args) -> str:
     """--dir, else the synthetic FP8 table of ``ple-um bench --size`` (written once, shared)."""
     if args.dir:
         return args.dir
-    from ple_um.bench.runner import Config, default_table
+    from ple_um.bench.config import Config, default_table
 
     return default_table(Config(size=units.parse_size(args.size)))
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 import ple_um
+from ple_um.bench.config import Config, default_table, read_cache
 from ple_um.bench.contenders import VllmPinnedHost
-from ple_um.bench.runner import Config, _warm_cache, default_table
 from ple_um.checkpoint import read_layout
 
 SHAPES = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (8, 4), (16, 4), (16, 8)]
@@ -71,7 +71,7 @@ def main() -> int:
     cfg = Config(size=int(args.size_gib * (1 << 30)))
     directory = default_table(cfg, progress=False)
     layout = read_layout(directory)
-    _warm_cache(layout)
+    read_cache(layout)
     rng = np.random.default_rng(0)
     dev = torch.device("cuda")
     t0 = time.perf_counter()

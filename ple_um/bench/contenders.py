@@ -1,4 +1,5 @@
-"""The paths ple-um is measured against, each an honest re-implementation of our own:
+"""The paths ple-um is measured against, each an honest re-implementation of our own, and one line
+for each contender of the bench saying what it is (``describe``):
 
 - ``TorchResident``: the anchor, no ple-um code at all: the table's rows copied into one torch
   tensor in GPU memory (host memory on a machine without a GPU) and gathered by
@@ -6,9 +7,10 @@
   are already where the GPU reads fastest, through one stock torch op.
 - ``VllmPinnedHost``: the vLLM 0.33 pinned-host way: the whole table copied into torch pinned host
   memory and read by a Triton kernel through its device pointer, one program per row copying bytes.
-- ``SeedsCpuPath``: the seeds' gather: ids to the host, np.unique, a thread pool (32 workers, chunks
-  of 2048 rows) indexing np.memmap views of the shards, a pinned staging buffer, an async H2D copy
-  and the expansion on the GPU.
+- ``SeedsCpuPath``: the seeds' gather. The seeds are ``vllm_ple_mmap``, the vLLM patch that came
+  before ple-um, which keeps the table on disk behind mmap and gathers rows on the CPU: ids to
+  the host, np.unique, a thread pool (32 workers, chunks of 2048 rows) indexing np.memmap views of
+  the shards, a pinned staging buffer, an async H2D copy and the expansion on the GPU.
 """
 
 from __future__ import annotations
@@ -112,8 +114,8 @@ class VllmPinnedHost:
 
 
 class SeedsCpuPath:
-    """The seeds' CPU gather, as they run it (32 workers, chunks of 2048 rows). It synchronizes
-    with the GPU to read the ids: never capture-safe."""
+    """The seeds' CPU gather (vllm_ple_mmap), as they run it (32 workers, chunks of 2048 rows). It
+    synchronizes with the GPU to read the ids: never capture-safe."""
 
     capture_safe = False
 
@@ -182,3 +184,40 @@ class SeedsCpuPath:
     def close(self) -> None:
         self.pool.shutdown()
         self.mm = []
+
+
+# What each ple-um mode's lookup does, in the bench's words (README's "Access modes" in full).
+MODE_LINES = {
+    "ats": "the GPU kernel reads the mmap's host addresses directly (ATS or HMM); big batches may take "
+    "the host path",
+    "registered": "the GPU kernel reads the mapping through its read-only cudaHostRegister device "
+    "pointer; big batches may take the host path",
+    "cpu": "the host path: C code copies the rows from the mmap into pinned staging as stream-ordered "
+    "work, then one copy into the output",
+    "device": "the owned rows copied into GPU memory at open, gathered by the GPU kernel",
+}
+
+
+def describe(name: str, anchor_memory: str) -> str:
+    """One line saying what the bench's contender ``name`` is."""
+    if name == "torch index_select":
+        return (
+            f"the anchor, no ple-um code: the table copied into one torch tensor in {anchor_memory}, "
+            "rows gathered by torch.index_select"
+        )
+    if name == "vllm pinned-host":
+        return (
+            "vLLM 0.33's way: the whole table copied into pinned host memory (per process), one Triton "
+            "program per row reading it through the device pointer"
+        )
+    if name == "seeds cpu":
+        return (
+            "the seeds: vllm_ple_mmap, the CPU-gather vLLM patch that came before ple-um (ids to the host, "
+            "np.unique, 32 threads over np.memmap, pinned staging, an async copy; it synchronizes the "
+            "stream, so it is never captured)"
+        )
+    mode = name.removeprefix("ple-um ").removesuffix(" kernel-only")
+    line = f"ple-um's {mode} mode: {MODE_LINES.get(mode, 'an access mode of ple-um')}"
+    if name.endswith(" kernel-only"):
+        line += "; here with the GPU kernel for every batch size (the host path switched off)"
+    return line

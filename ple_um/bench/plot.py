@@ -1,11 +1,58 @@
-"""A PNG of the lookup tables: median time per batch size, one line per path and id distribution
-(log-log; the torch anchor in black)."""
+"""A plot of the lookup tables: median time per batch size, one line per path and id distribution
+(log-log; the torch anchor in black), in any image format matplotlib writes (by the file's
+extension)."""
 
 from __future__ import annotations
 
+import os
+
+from ple_um.bench.report import write_atomically
 from ple_um.bench.runner import ANCHOR
+from ple_um.units import format_bytes
 
 LINESTYLES = ("-", "--", ":", "-.")
+
+
+def formats() -> dict[str, str]:
+    """The file extensions matplotlib can write (without the dot) -> what each is."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return FigureCanvasBase.get_supported_filetypes()
+
+
+def plot_format(path: str) -> str:
+    """The image format of ``path``, from its extension; ValueError naming the formats accepted."""
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    known = formats()
+    if ext not in known:
+        given = f"its extension .{ext}" if ext else "no extension"
+        raise ValueError(
+            f"{path} has {given}: give a file name ending in one of "
+            + ", ".join(f".{e}" for e in sorted(known))
+        )
+    return ext
+
+
+def check_writable_format(path: str) -> None:
+    """Render an empty figure in ``path``'s format, in memory: ValueError before a run whose plot
+    could not be written (an unknown extension, a format whose writer is missing here)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmt = plot_format(path)
+    fig = plt.figure(figsize=(1, 1))
+    try:
+        fig.savefig(io.BytesIO(), format=fmt)
+    except Exception as exc:  # noqa: BLE001 - any writer's failure means: this format does not work here
+        raise ValueError(
+            f"{path}: matplotlib cannot write .{fmt} here ({type(exc).__name__}: {exc})"
+        ) from None
+    finally:
+        plt.close(fig)
 
 
 def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
@@ -38,9 +85,58 @@ def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
     ax.set_xlabel("rows per lookup")
     ax.set_ylabel("median time (us)")
     t = result["table"]
-    ax.set_title(f"{result['device']}: {t['bytes'] / (1 << 30):.1f} GiB table, {t['row_bytes']} B rows")
+    ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table, {t['row_bytes']} B rows")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fmt = plot_format(path)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
+    finally:
+        plt.close(fig)
+
+
+def plot_limits(result: dict, path: str) -> None:
+    """The bench for tables larger than memory: median lookup time against the memory limit, one
+    line per path, id distribution and batch size, steady state solid and cold dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    limits = [e for e in result["limits"].values() if "modes" in e]
+    lines: dict[tuple[str, str, str], dict[str, list]] = {}
+    for entry in limits:
+        for mode, runs in entry["modes"].items():
+            for dist in result["ids"]:
+                for n, row in runs.get(dist, {}).items():
+                    line = lines.setdefault((mode, dist, n), {"x": [], "cold": [], "steady": []})
+                    line["x"].append(entry["bytes"] / (1 << 30))
+                    line["cold"].append(row["cold"]["median_us"])
+                    line["steady"].append(row["steady"]["median_us"])
+    for (mode, dist, n), line in lines.items():
+        (drawn,) = ax.plot(
+            line["x"], line["steady"], marker="o", label=f"ple-um {mode}, {dist}, {n} rows, steady"
+        )
+        ax.plot(
+            line["x"],
+            line["cold"],
+            marker="x",
+            linestyle="--",
+            color=drawn.get_color(),
+            label=f"ple-um {mode}, {dist}, {n} rows, cold",
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("memory limit (GiB)")
+    ax.set_ylabel("median lookup time (us)")
+    t = result["table"]
+    ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table under a memory limit")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fmt = plot_format(path)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
+    finally:
+        plt.close(fig)

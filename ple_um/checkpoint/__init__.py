@@ -2,8 +2,8 @@
 
 ``layout`` holds the entry points; below it ``scan`` reads the directory (index, files, headers
 through ``safetensors``, ``header_json`` and ``files``), ``naming`` knows the tensors' names,
-``validation`` checks them, and ``shard_layout`` is the data model and the storage formats
-(``NVFP4_BLOCK``: the values per NVFP4 block scale).
+``validation`` checks them (``global_scale`` reads a table's scale), and ``shard_layout`` is the
+data model and the storage formats (``NVFP4_BLOCK``: the values per NVFP4 block scale).
 """
 
 from ple_um.checkpoint.layout import ShardLayout, ShardSpec, find_layers, read_layout, validate

@@ -2,8 +2,9 @@
 or list every problem that keeps a checkpoint from serving.
 
 The work is done below: ``scan`` (the index, the files, their headers), ``validation`` (the checks,
-in one order for both ``read_layout`` and ``validate``), with the names of ``naming`` and the data
-model of ``shard_layout``. Only headers and the scales' few bytes are read, never table data.
+in one order for both ``read_layout`` and ``validate``; ``global_scale`` reads a table's scale),
+with the names of ``naming`` and the data model of ``shard_layout``. Only headers and the scales'
+few bytes are read, never table data.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from ple_um.checkpoint.validation import analyze
 __all__ = ["ShardLayout", "ShardSpec", "find_layers", "read_layout", "validate"]
 
 
-def find_layers(directory: str) -> list[int]:
+def find_layers(directory: str, *, strict: bool = True) -> list[int] | None:
     """PLE layer indices that have shard tensors in the checkpoint at ``directory``.
 
     Reads only headers; raises CheckpointError when the directory or a header cannot be read.
+    ``strict=False``: the layers seen in the headers that can be read and in the index, None when
+    nothing can be read (for `ple-um inspect`, whose verdict lists why).
     """
-    found = scan(directory, None, Problems(strict=True))
-    assert found is not None  # a strict Problems raises instead of returning nothing
-    return sorted(found.layers)
+    found = scan(directory, None, Problems(strict=strict))
+    assert found is not None or not strict  # a strict Problems raises instead of returning nothing
+    return None if found is None else sorted(found.layers)
 
 
 def read_layout(directory: str, layer: int | None = None) -> ShardLayout:
@@ -40,7 +43,10 @@ def validate(directory: str, layer: int | None = None) -> list[str]:
     """Every problem found (empty when sound), for `ple-um inspect`.
 
     The checks are read_layout's; where read_layout stops at the first problem, this goes on as
-    far as the checkpoint allows (with ``layer=None`` and several layers, it checks each).
+    far as the checkpoint allows (with ``layer=None`` and several layers, it checks each). A broken
+    file counts once: its first problem (a header that cannot be read, a truncated file, a missing
+    file the index names), not each of its tensors, and not the tensors that are missing from the
+    table because they are in it (its shards, its scale).
     """
     problems = Problems(strict=False)
     analyze(directory, layer, problems)

@@ -36,6 +36,15 @@ class Scan:
     directory: str
     layers: set[int]  # every layer seen with at least one shard tensor
     tensors: dict[int, LayerTensors]  # per layer (only the requested one when a layer is given)
+    # PLE tensors that cannot be read because of a problem already reported (a broken or missing
+    # file, an index entry pointing elsewhere), as (layer, kind, shard index or None): their
+    # absence from the table is not reported again.
+    lost: set[tuple[int, str, int | None]] = field(default_factory=set)
+
+    def lose(self, name: str | None) -> None:
+        match = ple_match(name) if name else None
+        if match is not None:
+            self.lost.add(match)
 
 
 def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
@@ -46,31 +55,46 @@ def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
         problems.report(f"checkpoint directory {directory} does not exist")
         return None
     if not os.path.isdir(directory):
-        problems.report(f"checkpoint path {directory} is not a directory")
+        problems.report(f"checkpoint directory {directory} is not a directory")
         return None
 
     index_path = os.path.join(directory, INDEX_FILE)
     claims: dict[str, str] = {}  # PLE tensor name -> absolute file path, per the index
-    index_layers: set[int] = set()
+    found = Scan(directory=directory, layers=set(), tensors={})
     if os.path.lexists(index_path):
-        files = _files_from_index(directory, index_path, layer, problems, claims, index_layers)
+        files = _files_from_index(directory, index_path, layer, problems, claims, found)
         if files is None:
             return None
     else:
         files = sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
 
-    found = Scan(directory=directory, layers=set(index_layers), tensors={})
     for path in files:
         try:
             header = read_header(path, strict=False)
         except CheckpointError as e:
             problems.add(e)
+            for name, claimed in claims.items():
+                if claimed == path:
+                    found.lose(name)
             continue
+        if header.problems:
+            problems.add(_one_per_file(header.problems))
         for error in header.problems:
-            problems.add(error)
+            found.lose(error.tensor)
         _collect(header, layer, found)
-        _check_claims(header, claims, problems)
+        _check_claims(header, claims, problems, found)
     return found
+
+
+def _one_per_file(errors: list[CheckpointError]) -> CheckpointError:
+    """One error for the problems of one file's header: the first, naming the other tensors."""
+    first, rest = errors[0], errors[1:]
+    if not rest:
+        return first
+    names = [e.tensor for e in rest if e.tensor is not None]
+    listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    more = f"; {len(rest)} more tensor{'s' if len(rest) > 1 else ''} of this file too: {listed}"
+    return CheckpointError(first.message + more, path=first.path, tensor=first.tensor)
 
 
 def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:
@@ -95,9 +119,9 @@ def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:
             tensors.global_scales.append(entry)
 
 
-def _check_claims(header: SafetensorsHeader, claims: dict[str, str], problems: Problems) -> None:
+def _check_claims(header: SafetensorsHeader, claims: dict[str, str], problems: Problems, found: Scan) -> None:
     """Report each tensor the index maps to this file that the file does not hold (an entry the
-    header has but found unsound is reported there already)."""
+    header has but found unsound is reported there already), and mark it lost in ``found``."""
     bad = {e.tensor for e in header.problems}
     for name, claimed in claims.items():
         if claimed == header.path and name not in header.tensors and name not in bad:
@@ -106,6 +130,7 @@ def _check_claims(header: SafetensorsHeader, claims: dict[str, str], problems: P
                 path=header.path,
                 tensor=name,
             )
+            found.lose(name)
 
 
 def _files_from_index(
@@ -114,9 +139,11 @@ def _files_from_index(
     layer: int | None,
     problems: Problems,
     claims: dict[str, str],
-    index_layers: set[int],
+    found: Scan,
 ) -> list[str] | None:
-    """The files the index says hold PLE tensors (of ``layer`` when given); fills ``claims``."""
+    """The files the index says hold PLE tensors (of ``layer`` when given); fills ``claims``, and
+    ``found``'s layers and lost tensors (those the index maps to a missing file, reported once per
+    file)."""
     try:
         index = read_json_file(index_path, what="index", limit=MAX_HEADER_BYTES)
     except CheckpointError as e:
@@ -127,6 +154,7 @@ def _files_from_index(
         problems.report("index has no weight_map object", path=index_path)
         return None
     files: set[str] = set()
+    missing: set[str] = set()
     for name, file_name in weight_map.items():
         if not isinstance(file_name, str) or not file_name or "\0" in file_name:
             problems.report(
@@ -146,13 +174,16 @@ def _files_from_index(
             continue
         at, kind, _ = match
         if kind == "shard":
-            index_layers.add(at)
+            found.layers.add(at)
         if layer is not None and at != layer:
             continue
         path = os.path.join(directory, normal)
         if not os.path.exists(path):
-            what = "a symlink to a missing file" if os.path.islink(path) else "a missing file"
-            problems.report(f"index entry names {file_name!r}, {what}", path=index_path, tensor=name)
+            if path not in missing:
+                missing.add(path)
+                what = "a symlink to a missing file" if os.path.islink(path) else "a missing file"
+                problems.report(f"index entry names {file_name!r}, {what}", path=index_path, tensor=name)
+            found.lose(name)
             continue
         claims[name] = path
         files.add(path)

@@ -7,11 +7,9 @@ scale). Every problem goes to a ``Problems``: the first raises (read_layout), or
 
 from __future__ import annotations
 
-import math
 import operator
-import struct
 
-from ple_um.checkpoint.files import read_bytes
+from ple_um.checkpoint.global_scale import read_scale
 from ple_um.checkpoint.naming import block_scale_name, global_scale_name, rows_name, scale_name
 from ple_um.checkpoint.problems import Problems
 from ple_um.checkpoint.safetensors import TensorEntry
@@ -22,13 +20,13 @@ from ple_um.checkpoint.shard_layout import (
     NVFP4_BLOCK,
     NVFP4_SCALE_DTYPE,
     NVFP4_STORAGE,
-    SCALE_DTYPES,
     STORAGE_DTYPES,
     ShardLayout,
     ShardSpec,
 )
-from ple_um.errors import CheckpointError
 
+# Tensors of one layer whose file is reported already, as (kind, shard index or None): see Scan.lost.
+_Lost = set[tuple[str, int | None]]
 _SUPPORTED = ", ".join(f"{d} ({NVFP4})" if d == NVFP4_STORAGE else d for d in STORAGE_DTYPES)
 
 
@@ -66,11 +64,14 @@ def _build(found: Scan, layer: int, problems: Problems) -> ShardLayout | None:
     sound = all(len(v) == 1 for v in tensors.shards.values())
     reference, rows_sound = _check_rows(shards, problems)
     sound = sound and rows_sound
+    lost = {(kind, index) for at, kind, index in found.lost if at == layer}
+    lost_shards = {index for kind, index in lost if kind == "shard"}
     if not shards:  # the index named shards that their files do not hold (reported by the scan)
-        problems.report(f"no PLE shards of layer {layer} could be read in {found.directory}")
+        if not lost_shards:
+            problems.report(f"no PLE shards of layer {layer} could be read in {found.directory}")
         return None
-    parts = max(shards) + 1
-    sound = _check_indices(layer, shards, parts, problems) and sound
+    parts = max(shards.keys() | lost_shards) + 1
+    sound = _check_indices(layer, shards, lost_shards, parts, problems) and sound and not lost_shards
     # An NVFP4 table goes on to its block scales and global scale even when its rows are unsound,
     # so that validate lists their problems too; other tables stop here.
     nvfp4 = reference is not None and reference.dtype == NVFP4_STORAGE
@@ -83,7 +84,7 @@ def _build(found: Scan, layer: int, problems: Problems) -> ShardLayout | None:
         if counted is None:
             return None
         total, per_shard, sound = counted
-    scales = _check_scales(tensors, shards, reference, problems)
+    scales = _check_scales(tensors, shards, reference, problems, lost)
     if scales is None or not sound:
         return None
     scale, scale_tensor, blocks = scales
@@ -167,12 +168,16 @@ def _check_rows(shards: dict[int, TensorEntry], problems: Problems) -> tuple[Ten
     return reference, sound
 
 
-def _check_indices(layer: int, shards: dict[int, TensorEntry], parts: int, problems: Problems) -> bool:
-    """Whether every index of ``range(parts)`` has a shard; the first missing ones are reported."""
-    missing = _missing(sorted(shards), parts)
+def _check_indices(
+    layer: int, shards: dict[int, TensorEntry], lost: set[int], parts: int, problems: Problems
+) -> bool:
+    """Whether every index of ``range(parts)`` has a shard or is ``lost`` (its file's problem is
+    reported already); the first missing ones are reported."""
+    accounted = sorted(shards.keys() | lost)
+    missing = _missing(accounted, parts)
     if not missing:
         return True
-    count = parts - len(shards)
+    count = parts - len(accounted)
     listed = ", ".join(str(i) for i in missing) + (", ..." if count > len(missing) else "")
     problems.report(
         f"layer {layer}: {count} of shard indices 0..{parts - 1} missing: {listed}",
@@ -219,30 +224,41 @@ def _check_ceil(
 
 
 def _check_scales(
-    tensors: LayerTensors, shards: dict[int, TensorEntry], reference: TensorEntry, problems: Problems
+    tensors: LayerTensors,
+    shards: dict[int, TensorEntry],
+    reference: TensorEntry,
+    problems: Problems,
+    lost: _Lost,
 ) -> tuple[float | None, str | None, dict[int, TensorEntry]] | None:
     """The scales the table's dtype needs: (global scale, its tensor name, NVFP4 block scales by
-    shard index); None when they are unsound (reported). 16-bit tables need none."""
+    shard index); None when they are unsound (reported; one ``lost`` is not reported missing).
+    16-bit tables need none."""
     if reference.dtype in FP8_DTYPES:
-        read = _read_scale(
+        read = read_scale(
             tensors.scales,
             scale_name(reference.name),
             reference.path,
             f"FP8 table ({reference.dtype}) without its global scale; no such tensor in any file",
             problems,
+            lost=("scale", None) in lost,
         )
         return None if read is None else (*read, {})
     if reference.dtype == NVFP4_STORAGE:
-        checked = _check_nvfp4(tensors, shards, reference, problems)
+        checked = _check_nvfp4(tensors, shards, reference, problems, lost)
         return None if checked is None else (checked[1], checked[2], checked[0])
     return None, None, {}
 
 
 def _check_nvfp4(
-    tensors: LayerTensors, shards: dict[int, TensorEntry], reference: TensorEntry, problems: Problems
+    tensors: LayerTensors,
+    shards: dict[int, TensorEntry],
+    reference: TensorEntry,
+    problems: Problems,
+    lost: _Lost,
 ) -> tuple[dict[int, TensorEntry], float, str] | None:
     """An NVFP4 table's block scales by shard index, and its global scale (value, tensor name);
-    None when any of them is unsound (every problem reported)."""
+    None when any of them is unsound (every problem reported; a tensor in ``lost``, of a file
+    already reported, is not reported missing again)."""
     sound = True
     # vLLM refuses an unsharded ngram_embedding.weight_scale next to an NVFP4 table.
     for entry in sorted(tensors.scales, key=lambda e: (e.path, e.name)):
@@ -257,15 +273,16 @@ def _check_nvfp4(
     blocks = _one_per_index(tensors.block_scales, "duplicate block scales of shard index", problems)
     sound = sound and all(len(v) == 1 for v in tensors.block_scales.values())
     for index in sorted(shards.keys() | blocks.keys()):
-        sound = _check_block(index, shards.get(index), blocks.get(index), reference, problems) and sound
+        sound = _check_block(index, shards.get(index), blocks.get(index), reference, problems, lost) and sound
 
-    read = _read_scale(
+    read = read_scale(
         tensors.global_scales,
         global_scale_name(reference.name),
         reference.path,
         "NVFP4 table without its global scale weight_scale_2; no such tensor in any file",
         problems,
         noun="global scale",
+        lost=("global_scale", None) in lost,
     )
     if read is None or not sound:
         return None
@@ -278,23 +295,28 @@ def _check_block(
     block: TensorEntry | None,
     reference: TensorEntry,
     problems: Problems,
+    lost: _Lost,
 ) -> bool:
     """Whether shard ``index`` has both its rows and its block scales, the scales E4M3, 2-D, with
-    the rows' count and one scale per NVFP4_BLOCK values of a row (problems reported)."""
+    the rows' count and one scale per NVFP4_BLOCK values of a row (problems reported; a half in
+    ``lost`` is not reported missing)."""
     if block is None:
         assert rows is not None
-        problems.report(
-            f"NVFP4 shard {index} without its block scales; no such tensor in any file",
-            path=rows.path,
-            tensor=block_scale_name(rows.name),
-        )
+        if ("block_scale", index) not in lost:
+            problems.report(
+                f"NVFP4 shard {index} without its block scales; no such tensor in any file",
+                path=rows.path,
+                tensor=block_scale_name(rows.name),
+            )
         return False
     if rows is None:
-        problems.report(
-            f"block scales of shard {index} without its rows: no tensor {rows_name(block.name)} in any file",
-            path=block.path,
-            tensor=block.name,
-        )
+        if ("shard", index) not in lost:
+            problems.report(
+                f"block scales of shard {index} without its rows: no tensor {rows_name(block.name)} "
+                "in any file",
+                path=block.path,
+                tensor=block.name,
+            )
         return False
     if block.dtype != NVFP4_SCALE_DTYPE:
         problems.report(
@@ -329,59 +351,3 @@ def _check_block(
         )
         sound = False
     return sound
-
-
-def _read_scale(
-    scales: list[TensorEntry],
-    expected: str,
-    path: str,
-    missing: str,
-    problems: Problems,
-    *,
-    noun: str = "scale",
-) -> tuple[float, str] | None:
-    """A table's global scale (value, tensor name), or None when absent or unsound (reported).
-
-    ``missing`` is the message when there is none, naming the ``expected`` tensor and the shard
-    file ``path``; ``noun`` names the scale in the other messages (the FP8 "scale", NVFP4's
-    "global scale").
-    """
-    if not scales:
-        problems.report(missing, path=path, tensor=expected)
-        return None
-    first, *others = sorted(scales, key=lambda e: (e.path, e.name))
-    for other in others:
-        problems.report(
-            f"duplicate {noun}: also tensor {first.name} in {first.path}", path=other.path, tensor=other.name
-        )
-    if others:
-        return None
-    if first.dtype not in SCALE_DTYPES:
-        problems.report(
-            f"{noun} dtype {first.dtype} is not one of {', '.join(SCALE_DTYPES)}",
-            path=first.path,
-            tensor=first.name,
-        )
-        return None
-    if first.shape not in ((), (1,)):
-        problems.report(
-            f"{noun} shape {list(first.shape)} is not [] or [1]", path=first.path, tensor=first.name
-        )
-        return None
-    try:
-        raw = read_bytes(first.path, first.start, first.nbytes)
-    except CheckpointError as e:
-        problems.report(f"cannot read the {noun}: {e}", tensor=first.name)
-        return None
-    if first.dtype == "F32":
-        (value,) = struct.unpack("<f", raw)
-    elif first.dtype == "F16":
-        (value,) = struct.unpack("<e", raw)
-    else:  # BF16: the high half of an F32
-        (value,) = struct.unpack("<f", b"\0\0" + raw)
-    if not math.isfinite(value) or value == 0.0:
-        problems.report(
-            f"{noun} is {value}, expected a finite non-zero number", path=first.path, tensor=first.name
-        )
-        return None
-    return value, first.name

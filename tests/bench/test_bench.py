@@ -1,6 +1,6 @@
-"""The bench's harness on the CPU: the torch anchor's rows, the Zipf-hashed ids, the host-overhead
-burst, the ratios to the anchor and the table's columns. No times are asserted: the numbers here
-are made up or only checked for their bookkeeping."""
+"""The bench's pieces on the CPU: the torch anchor's rows, the Zipf-hashed ids, the ratios to the
+anchor, the decode step, what each contender is said to be. No times are asserted: the numbers
+here are made up or only checked for their bookkeeping."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from helpers.reference import reference_rows
 
 import ple_um
 from ple_um.bench import runner
-from ple_um.bench.contenders import TorchResident
+from ple_um.bench.calls import DecodeStep
+from ple_um.bench.contenders import TorchResident, describe
 from ple_um.bench.ids import HASH_MULTIPLIER, NGRAM_SPACE, hash_onto_rows, parse_ids, zipf_ngrams
 
 
@@ -114,31 +115,6 @@ def test_uniform_ids_cover_the_table_evenly():
     assert counts.max() < 2 * counts.mean()
 
 
-# -- timing harness --------------------------------------------------------------------------------
-def test_back_to_back_runs_each_burst_of_calls_in_rotated_rounds():
-    log: list[tuple[str, int]] = []
-    fns = {name: (lambda k, name=name: log.append((name, k))) for name in ("a", "b", "c")}
-    per_call = runner._Timer(torch.device("cpu")).back_to_back(fns, calls=30, rounds=4)
-    assert {name: len(t) for name, t in per_call.items()} == {"a": 4, "b": 4, "c": 4}
-    assert all(t >= 0 for ts in per_call.values() for t in ts)
-    # A round per contender: 10 warm calls on the warm-up sets (120 .. 129), then the burst on the
-    # round's own sets (r * 30 .. r * 30 + 29); round r starts with path r % 3.
-    warm = list(range(120, 130))
-    blocks = [log[i : i + 40] for i in range(0, len(log), 40)]
-    assert len(log) == 3 * 4 * 40
-    for index, blk in enumerate(blocks):
-        r = index // 3
-        assert len({n for n, _ in blk}) == 1
-        assert [k for _, k in blk] == warm + list(range(r * 30, r * 30 + 30))
-    order = [blk[0][0] for blk in blocks]
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
-    # Every timed call of a path on ids of its own, and as many sets as the runner draws.
-    for name in "abc":
-        timed = [k for n, k in log if n == name and k < 120]
-        assert sorted(timed) == list(range(120))
-    assert runner._Timer.back_to_back_sets(30, 4) == 130
-
-
 def _timing(median: float) -> dict:
     return {"median_us": median, "p10_us": median, "p90_us": median, "gbps": 1.0, "calls": 3}
 
@@ -194,47 +170,22 @@ def test_decode_step_reads_capture_safe_from_the_table(make_checkpoint):
     cfg = runner.Config(decode_tokens=4, heads=2)
     check = [torch.randint(0, layout.num_rows, (8,)) for _ in range(3)]
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        step = runner._DecodeStep(table, layout, torch.device("cpu"), cfg, check)
+        step = DecodeStep(table, layout, torch.device("cpu"), cfg.decode_tokens, cfg.heads, check)
         assert step.capture_safe is table.capture_safe
         assert step.graph is None
         y = step.eager(check[1])
         assert y.shape == (4, 64)
 
 
-def test_format_table_has_a_ratio_and_host_column_per_id_distribution():
-    result = {
-        "device": "CPU (2 cores)",
-        "table": {"bytes": 1 << 30, "row_bytes": 160, "shards": 8},
-        "probe": {"mode": "cpu"},
-        "ids": {"uniform": {}, "zipf:1.1": {}},
-        "anchor": {"name": runner.ANCHOR, "memory": "host memory (no CUDA device)"},
-        "method": {"host_overhead": {"calls": 300, "rows": 16}},
-        "lookup": {
-            runner.ANCHOR: {
-                d: {"16": _timing(2.0), "host": {"median_us": 1.0}} for d in ("uniform", "zipf:1.1")
-            },
-            "ple-um cpu": {
-                d: {"16": _timing(200.0), "host": {"median_us": 150.0}} for d in ("uniform", "zipf:1.1")
-            },
-        },
-        "decode_step": {
-            runner.ANCHOR: {
-                "capture_safe": True,
-                "uniform": {"eager": _timing(50.0)},
-                "zipf:1.1": {"eager": _timing(40.0)},
-            },
-            "ple-um cpu": {
-                "capture_safe": False,
-                "uniform": {"eager": _timing(500.0)},
-                "zipf:1.1": {"eager": _timing(400.0)},
-            },
-        },
-        "startup": {},
-    }
-    runner.ratios(result)
-    text = runner.format_table(result, (16,))
-    assert "lookups, uniform ids" in text and "lookups, zipf:1.1 ids" in text
-    assert text.count("host: us per call, 300 x 16 rows back to back (x torch)") == 2
-    assert "| ple-um cpu | 200.0 (1.00 GB/s, 100.00x) | 150.0 (150.00x) |" in text
-    assert "| torch index_select | 50.0 (1.00x) | no CUDA graphs on the CPU | 40.0 (1.00x) |" in text
-    assert "| ple-um cpu | 500.0 (10.00x) | not capture-safe | 400.0 (10.00x) | not capture-safe |" in text
+def test_every_contender_is_said_what_it_is():
+    assert "vllm_ple_mmap" in describe("seeds cpu", "host memory") and "before ple-um" in describe(
+        "seeds cpu", ""
+    )
+    assert "torch.index_select" in describe(runner.ANCHOR, "GPU memory") and "GPU memory" in describe(
+        runner.ANCHOR, "GPU memory"
+    )
+    assert "pinned host memory" in describe("vllm pinned-host", "")
+    for mode in ("ats", "registered", "cpu", "device"):
+        line = describe(f"ple-um {mode}", "")
+        assert line.startswith(f"ple-um's {mode} mode: ") and len(line) > 40
+    assert "the host path switched off" in describe("ple-um registered kernel-only", "")

@@ -1,0 +1,110 @@
+"""The calls the bench times: one lookup into an output allocated once, a decode step eager and
+graph-replayed, and a GPU-mode table seen with its kernel for every batch size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import ple_um
+from ple_um.checkpoint import ShardLayout
+
+
+class KernelOnly:
+    """A GPU-mode table with the GPU kernel for every batch size: its bulk path switched off for
+    the call. Shares the table (one mapping, one registration); closing it leaves the table open."""
+
+    def __init__(self, table) -> None:
+        self.table = table
+        self.capture_safe = table.capture_safe
+
+    def lookup(self, ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        saved, self.table.bulk_rows = self.table.bulk_rows, None
+        try:
+            return self.table.lookup(ids, out=out)
+        finally:
+            self.table.bulk_rows = saved
+
+    def close(self) -> None:
+        pass
+
+
+def is_table(impl) -> bool:
+    """Whether ``impl`` is ple-um's (``lookup(ids, out=...)``) rather than a contender's
+    (``lookup(ids, out)`` into raw bytes)."""
+    return isinstance(impl, (ple_um.MappedTable, KernelOnly))
+
+
+def lookup_buffer(layout: ShardLayout, n: int, device: torch.device) -> torch.Tensor:
+    """Where an NVFP4 lookup decodes to: bf16 rows."""
+    return torch.empty((n, layout.row_dim), dtype=torch.bfloat16, device=device)
+
+
+def lookup_call(impl, ids, layout: ShardLayout, n: int, device: torch.device) -> Callable[[int], object]:
+    """fn(k): one lookup of ``ids[k]`` (n ids) by ``impl`` into an output allocated here, once."""
+    out = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
+    if is_table(impl):
+        view = lookup_buffer(layout, n, device) if layout.is_nvfp4 else out.view(layout.dtype)
+        return lambda k: impl.lookup(ids[k], out=view)
+    return lambda k: impl.lookup(ids[k], out)
+
+
+class DecodeStep:
+    """ids [T, heads] -> lookup -> dequant -> short projection, with its own buffers:
+    ``eager(ids)`` runs it, ``replay(ids)`` replays its CUDA graph. ``graph`` is None where the
+    contender is not capture-safe (its ``capture_safe``, as the table reports it) or there is no
+    CUDA; ``graph_ok``: replays of the ``check`` id sets equal the eager step."""
+
+    def __init__(
+        self, impl, layout: ShardLayout, device: torch.device, tokens: int, heads: int, check
+    ) -> None:
+        self.impl, self.layout, self.T, self.H = impl, layout, tokens, heads
+        self.proj = torch.randn(layout.row_dim, 64, dtype=torch.bfloat16, device=device) / 16
+        self.ids = torch.zeros((tokens * heads,), dtype=torch.int64, device=device)
+        self.raw = torch.empty((tokens * heads, layout.row_bytes), dtype=torch.uint8, device=device)
+        self.scale = torch.tensor(layout.scale or 1.0, dtype=torch.float32, device=device)
+        self.is_table = is_table(impl)
+        self.decoded = lookup_buffer(layout, tokens * heads, device) if layout.is_nvfp4 else None
+        self.capture_safe = bool(getattr(impl, "capture_safe", False))
+        self.graph = None
+        self.graph_ok = False
+        if device.type == "cuda" and self.capture_safe:
+            self._capture(check)
+
+    def _capture(self, check) -> None:
+        self.ids.copy_(check[0])
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.y = self.step()
+        ok = True
+        for ids in check:
+            self.replay(ids)
+            ok &= bool(torch.equal(self.y, self.step()))
+        self.graph_ok = ok
+
+    def step(self) -> torch.Tensor:
+        layout, impl = self.layout, self.impl
+        if self.decoded is not None:  # NVFP4: the lookup decodes
+            impl.lookup(self.ids, out=self.decoded)
+            rows = self.decoded
+        else:
+            if self.is_table:
+                impl.lookup(self.ids, out=self.raw.view(layout.dtype))
+            else:
+                impl.lookup(self.ids, self.raw)
+            rows = (self.raw.view(layout.dtype).float() * self.scale).to(torch.bfloat16)
+        return (rows @ self.proj).view(self.T, self.H, -1).sum(1)
+
+    def eager(self, ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        return self.step()
+
+    def replay(self, ids: torch.Tensor) -> None:
+        self.ids.copy_(ids)
+        self.graph.replay()

@@ -1,0 +1,257 @@
+"""The child process of the bench for tables larger than memory (``bench/cold.py`` starts it, inside
+its memory limit): opens the table in each mode asked for and times lookups cold (every page of
+the table dropped before each call, in a table without a row cache) and in the steady state (after
+a warm-up under the limit, in a table opened as the environment says, its row cache included).
+
+Run as ``python -m ple_um.bench.cold_child``: the request as JSON on stdin, the figures as JSON on
+stdout. Before each cold call the table's pages are dropped inside this process, the one that maps
+them: ``MADV_DONTNEED`` over its own mappings of the files (from ``/proc/self/maps``), then
+``POSIX_FADV_DONTNEED`` on each file (pages another process maps stay in the page cache).
+Before each timed call, the share of its rows already in the page cache (mincore) and, where the
+table has a row cache (``stats()["row_cache"]``), that cache's hit rate over the timed calls (its
+counters' differences around them). The cold calls' table is opened with ``PLE_UM_ROW_CACHE=0``: a
+row cache is not dropped with the pages, and it would serve a cold call the rows of earlier ones
+(and of the self-test at open).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import ple_um
+from ple_um.bench.ids import parse_ids
+from ple_um.bench.timing import Timer, summary
+from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.mapping import MappedShards
+from ple_um.operating import resident_rows
+
+MADV_DONTNEED = 4
+# The knobs of the cold calls' table: no row cache, so that none of a cold call's rows is in memory.
+COLD_KNOBS = {"PLE_UM_ROW_CACHE": "0"}
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def own_mappings(paths: set[str]) -> list[tuple[int, int]]:
+    """(start, end) of every mapping of this process of one of ``paths`` (/proc/self/maps)."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") in paths:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append((start, end))
+    return found
+
+
+def drop_table_pages(files: list[str]) -> None:
+    """Drop the table's pages: this process's mappings of ``files`` emptied (MADV_DONTNEED), then
+    the files' pages evicted from the page cache (POSIX_FADV_DONTNEED; pages another process maps
+    stay)."""
+    for start, end in own_mappings(set(files)):
+        if _libc.madvise(start, end - start, MADV_DONTNEED) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"madvise(MADV_DONTNEED) failed: {os.strerror(code)}")
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages (a table just written) cannot be dropped: written back first
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _knobs(values: dict[str, str]):
+    """The environment knobs ``values`` set while the block runs (a table reads them at open)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _row_cache(table) -> tuple[int, int] | None:
+    found = table.stats().get("row_cache")
+    if not found:
+        return None
+    return int(found["hits"]), int(found["misses"])
+
+
+class _Lookup:
+    """One batch size's lookup into a buffer allocated once: eager, or its CUDA graph replayed."""
+
+    def __init__(self, table, layout: ShardLayout, n: int, device: torch.device, graph: bool) -> None:
+        self.table, self.device = table, device
+        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
+        dtype = torch.bfloat16 if layout.is_nvfp4 else layout.dtype  # raw rows; NVFP4's decoded
+        self.out = torch.empty((n, layout.row_dim), dtype=dtype, device=device)
+        self.graph = None
+        if graph:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self.call()
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.call()
+
+    def call(self) -> None:
+        self.table.lookup(self.ids, out=self.out)
+
+    def load(self, ids: np.ndarray) -> None:
+        """The call's ids into its buffer (outside the timed call)."""
+        self.ids.copy_(torch.from_numpy(ids))
+
+    def go(self, _k: int = 0) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.call()
+
+    def run(self, ids: np.ndarray) -> None:
+        self.load(ids)
+        self.go()
+
+
+def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_files, nbytes: int) -> dict:
+    """Time one call per id set of ``draws``: its seconds, the share of its rows in the page cache
+    before it, the row cache's hit rate over all of them. ``drop_files``: drop the table's pages
+    before each call (cold)."""
+    times, resident = [], []
+    before = _row_cache(table)
+    for ids in draws:
+        if drop_files:
+            drop_table_pages(drop_files)
+        resident.append(float(resident_rows(probe, ids).mean()))
+        call.load(ids)
+        times.append(timer.once(call.go, 0))
+    row = summary(times, nbytes)
+    row["page_cache_hits"] = float(np.mean(resident))
+    row["row_cache_hits"] = _hit_rate(before, _row_cache(table))
+    return row
+
+
+def _hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """hits / (hits + misses) between two readings of the row cache's counters (None: no cache, or
+    no row asked of it)."""
+    if before is None or after is None:
+        return None
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    return hits / (hits + misses) if hits + misses else None
+
+
+def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> dict:
+    """Lookups of ``call``'s batch size, fresh ids each, for at least ``seconds`` (and 10 calls):
+    the table's hot rows come into memory as far as the limit lets them. The share of a call's
+    rows already in the page cache, first and last, and the row cache's hit rate over the warm-up
+    say whether it settled."""
+    t0, calls, shares = time.perf_counter(), 0, []
+    before = _row_cache(call.table)
+    n = call.ids.numel()
+    while calls < 10 or time.perf_counter() - t0 < seconds:
+        ids = dist.draw(rng, layout.num_rows, n)
+        if calls < 10 or calls % 10 == 0:
+            shares.append(float(resident_rows(probe, ids).mean()))
+        call.run(ids)
+        calls += 1
+    timer.sync()
+    return {
+        "calls": calls,
+        "rows": calls * n,
+        "seconds": time.perf_counter() - t0,
+        "first_hits": shares[0],
+        "last_hits": shares[-1],
+        "row_cache_hits": _hit_rate(before, _row_cache(call.table)),
+    }
+
+
+def _cold(table, layout: ShardLayout, request: dict, device, graph: bool, probe, files) -> dict:
+    """Every batch size of every id distribution, cold: per distribution, batch size -> figures."""
+    timer, rng = Timer(device), np.random.default_rng(request["seed"])
+    runs: dict = {}
+    calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
+    for dist in parse_ids(request["ids"]):
+        for n, call in calls.items():
+            draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
+            row = _timed(call, draws, table, probe, timer, files, n * layout.row_bytes)
+            runs.setdefault(dist.name, {})[str(n)] = {"cold": row}
+    return runs
+
+
+def _open(layout: ShardLayout, mode: str, device: torch.device, knobs: dict[str, str]):
+    with _knobs(knobs):  # read at open
+        return ple_um.open_table(layout.directory, layer=layout.layer, mode=mode, device=device)
+
+
+def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
+    """Every batch size cold, in a table without a row cache; then, in a table opened as the
+    environment says, per id distribution: the pages dropped, a warm-up at the largest batch size,
+    and every batch size in that steady state."""
+    files = list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
+    with MappedShards(layout) as probe:
+        drop_table_pages(files)
+        with _open(layout, mode, device, COLD_KNOBS) as table:
+            graph = device.type == "cuda" and table.capture_safe
+            entry: dict = {"capture_safe": table.capture_safe, "timing": "graph replay" if graph else "eager"}
+            entry["cold_row_reads"] = table.row_reads
+            entry.update(_cold(table, layout, request, device, graph, probe, files))
+        drop_table_pages(files)
+        # Draws of their own: the steady calls do not repeat the cold calls' ids.
+        timer, rng = Timer(device), np.random.default_rng(request["seed"] + 1)
+        with _open(layout, mode, device, {}) as table:
+            if graph and not table.capture_safe:
+                graph, entry["timing"] = False, "graph replay cold, eager steady"
+            entry["row_reads"] = table.row_reads
+            calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
+            for dist in parse_ids(request["ids"]):
+                drop_table_pages(files)  # the steady state grows from nothing, under the limit
+                entry.setdefault("warmup", {})[dist.name] = _warm_up(
+                    calls[max(calls)], dist, rng, layout, probe, timer, request["warmup_s"]
+                )
+                for n, call in calls.items():
+                    draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
+                    row = entry[dist.name][str(n)]
+                    row["steady"] = _timed(call, draws, table, probe, timer, None, n * layout.row_bytes)
+                    print(
+                        f"{mode} {dist.name} {n} rows: cold {row['cold']['median_us']:.1f} us, "
+                        f"steady {row['steady']['median_us']:.1f} us",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    return entry
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    device = torch.device(request["device"])
+    layout = read_layout(request["directory"], request["layer"])
+    out: dict = {"pid": os.getpid(), "modes": {}}
+    for mode in request["modes"]:
+        try:
+            out["modes"][mode] = _mode(mode, layout, request, device)
+        except Exception as exc:  # noqa: BLE001 - a mode this child cannot run is reported, not fatal
+            out["modes"][mode] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    with open("/proc/self/status") as f:
+        out["status"] = {
+            k: v.strip() for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "RssAnon")
+        }
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

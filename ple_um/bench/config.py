@@ -1,0 +1,200 @@
+"""What a bench run is asked to do (``Config``), the synthetic table it writes once into the cache
+folder (``default_table``), and whether that table and the run fit this machine before anything is
+written or timed (``check_fits``)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+from dataclasses import dataclass
+
+from ple_um import envs
+from ple_um.bench.ids import IdDistribution, parse_ids
+from ple_um.checkpoint import ShardLayout
+from ple_um.errors import PleUmError
+from ple_um.synthetic import write_checkpoint
+from ple_um.units import format_bytes
+
+DEFAULT_ROWS = (16, 1024, 16384, 131072)
+# Host memory a run holds besides the table and its copies: the interpreter, torch, the id sets
+# drawn ahead and the outputs of the largest batch.
+RUN_OVERHEAD_BYTES = 1 << 30
+# The synthetic table's files are written into at most this many files (``write_checkpoint``'s
+# default split).
+TABLE_FILES = 4
+# Free disk kept beside a written table, so that the bench never fills the filesystem.
+DISK_MARGIN_BYTES = 256 << 20
+
+
+class BenchRefused(PleUmError, RuntimeError):
+    """The bench would not fit this machine (disk, file-size limit, memory); nothing was written."""
+
+
+@dataclass
+class Config:
+    directory: str | None = None
+    layer: int | None = None
+    size: int = 2 << 30
+    row_bytes: int = 160
+    shards: int = 128
+    rows: tuple[int, ...] = DEFAULT_ROWS
+    modes: tuple[str, ...] | None = None
+    ids: tuple[IdDistribution, ...] = parse_ids("uniform")
+    ids_text: str | None = None  # ``ids`` as given (the cold bench's child parses it again)
+    repeats: int = 20
+    warmup: int = 3
+    rounds: int = 4
+    decode_tokens: int = 64
+    heads: int = 16
+    device: str | None = None
+    processes: int = 0
+    seed: int = 0
+    host_calls: int = 300
+    command: str | None = None  # the command line that asked for the run, for the report's header
+
+
+def table_path(cfg: Config) -> str:
+    """Where the synthetic table of ``cfg`` lives in the cache folder."""
+    num_rows = cfg.size // cfg.row_bytes
+    return os.path.join(envs.PLE_UM_CACHE_DIR, f"bench-fp8-{num_rows}x{cfg.row_bytes}-{cfg.shards}")
+
+
+def _table_written(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+
+
+def default_table(cfg: Config, progress: bool = True) -> str:
+    """The synthetic FP8 table shaped like Qwen3.8-Flash-Next's, written once into the cache folder.
+
+    It is written into ``<path>.partial`` and renamed into place when complete; a failure (a full
+    disk, an interrupt) removes the partial folder, so no half-written table is ever left or used."""
+    path = table_path(cfg)
+    if _table_written(path):
+        return path
+    tmp = path + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)  # a run killed while writing (nothing else removes it)
+    try:
+        write_checkpoint(
+            tmp,
+            num_rows=cfg.size // cfg.row_bytes,
+            row_dim=cfg.row_bytes,
+            dtype="F8_E4M3",
+            shards=cfg.shards,
+            progress=progress,
+            # Written back to disk now, not while the first timings run (writeback takes CPU and
+            # memory bandwidth from the lookups measured): the table's files, not the whole machine's.
+            write_back=True,
+        )
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _existing_parent(path: str) -> str:
+    """``path`` or its nearest ancestor that exists (where a folder would be created)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def largest_file_bytes(cfg: Config) -> int:
+    """The largest file of the synthetic table: the shards are split into TABLE_FILES contiguous
+    runs, as ``write_checkpoint`` splits them (the header and the scale add a few KiB)."""
+    num_rows = cfg.size // cfg.row_bytes
+    per_shard = -(-num_rows // cfg.shards)
+    most_shards = -(-cfg.shards // min(cfg.shards, TABLE_FILES))
+    return most_shards * per_shard * cfg.row_bytes + (64 << 10)
+
+
+def check_disk(cfg: Config) -> None:
+    """Refuse (BenchRefused) a synthetic table that the cache folder's filesystem, or the process's
+    file-size limit (``ulimit -f``), cannot hold; nothing to check when it is already written."""
+    path = table_path(cfg)
+    if _table_written(path):
+        return
+    table_bytes = (cfg.size // cfg.row_bytes) * cfg.row_bytes
+    where = _existing_parent(path)
+    free = shutil.disk_usage(where).free
+    if table_bytes + DISK_MARGIN_BYTES > free:
+        raise BenchRefused(
+            f"the synthetic table ({format_bytes(table_bytes)}, --size) does not fit the free disk of "
+            f"{where} ({format_bytes(free)} free, {format_bytes(DISK_MARGIN_BYTES)} kept free): give a "
+            "smaller --size, or PLE_UM_CACHE_DIR on a larger filesystem"
+        )
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    largest = largest_file_bytes(cfg)
+    if limit != resource.RLIM_INFINITY and largest > limit:
+        raise BenchRefused(
+            f"the synthetic table's largest file ({format_bytes(largest)}) is over this process's "
+            f"file-size limit ({format_bytes(limit)}, ulimit -f): give a smaller --size, or raise the limit"
+        )
+
+
+def memory_needed(
+    table_bytes: int, cuda: bool, modes: tuple[str, ...], nvfp4: bool = False, processes: int = 0
+) -> dict:
+    """Bytes the run holds at its peak, by kind of memory, and what holds them.
+
+    Every contender is open at once. Host memory: the table in the page cache (its lookups are
+    timed warm), the torch anchor's copy on a machine without CUDA or vLLM's pinned copy with it
+    (neither for an NVFP4 table; with ``processes`` N >= 2 on CUDA, N pinned copies are open at
+    the end of the processes' figure), and RUN_OVERHEAD_BYTES. GPU memory: the anchor's copy and
+    the ``device`` mode's."""
+    host = {"the table in the page cache": table_bytes, "the run itself": RUN_OVERHEAD_BYTES}
+    gpu: dict[str, int] = {}
+    if not nvfp4:
+        if cuda:
+            copies = max(1, processes)
+            what = (
+                "vllm pinned-host's copy"
+                if copies == 1
+                else f"vllm pinned-host's copies in {copies} processes"
+            )
+            host[what] = copies * table_bytes
+            gpu["the torch anchor's copy"] = table_bytes
+        else:
+            host["the torch anchor's copy"] = table_bytes
+    if cuda and "device" in modes:
+        gpu["the device mode's copy"] = table_bytes
+    return {"host": host, "gpu": gpu}
+
+
+def check_memory(needed: dict, host_available: int, gpu_free: int | None) -> None:
+    """Refuse (BenchRefused) a run whose peak, from ``memory_needed``, is over the memory free."""
+    for kind, available, what in (
+        ("host", host_available, "MemAvailable"),
+        ("gpu", gpu_free, "the GPU's free memory"),
+    ):
+        parts = needed[kind]
+        total = sum(parts.values())
+        if available is None or total <= available:
+            continue
+        held = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items())
+        raise BenchRefused(
+            f"the run would hold {format_bytes(total)} of {kind} memory ({held}), more than "
+            f"{what} ({format_bytes(available)}): give a smaller --size (or fewer --modes)"
+        )
+
+
+def read_cache(layout: ShardLayout) -> None:
+    """Read every file of the table once, so that its pages are in the page cache."""
+    for path in layout.files:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+
+
+def drop_cache(layout: ShardLayout) -> None:
+    """Ask the kernel to drop the table's files from the page cache (pages no process maps)."""
+    for path in layout.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -1,0 +1,95 @@
+"""The bench's start-up and memory figures: how long an open takes with the page cache cold and
+warm, what it adds to the process, and the host memory several processes take for one table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import torch
+
+import ple_um
+from ple_um.access.probe import mem_available
+from ple_um.bench.config import drop_cache, read_cache
+from ple_um.bench.contenders import VllmPinnedHost
+from ple_um.checkpoint import ShardLayout, read_layout
+
+
+def rss_anon() -> int:
+    """This process's anonymous resident bytes (RssAnon), 0 when unreadable."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def startup(layout: ShardLayout, device: torch.device) -> dict:
+    """An open of the table with its pages dropped, then with them all in the page cache: the
+    mode, the seconds, and the GPU, anonymous and pinned bytes it adds."""
+    out = {}
+    for label, prep in (("cold", drop_cache), ("warm", read_cache)):
+        prep(layout)
+        gpu0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        anon0 = rss_anon()
+        t0 = time.perf_counter()
+        with ple_um.open_table(layout.directory, layer=layout.layer, device=device) as table:
+            seconds = time.perf_counter() - t0
+            stats = table.stats()
+            out[label] = {
+                "mode": table.mode,
+                "open_s": seconds,
+                "gpu_bytes": (torch.cuda.memory_allocated(device) - gpu0) if device.type == "cuda" else 0,
+                "anon_rss_added_bytes": rss_anon() - anon0,
+                "pinned_bytes": stats["pinned_bytes"],
+            }
+    return out
+
+
+def serve(directory: str, layer: str, kind: str, device: str) -> None:
+    """Child process (see ``processes``): open the table one way, print the mode it is served in,
+    wait for stdin to close, close the table."""
+    dev, at = torch.device(device), int(layer)
+    if kind == "ple-um":
+        impl = ple_um.open_table(directory, layer=at, device=dev)
+        mode = impl.mode
+    else:
+        impl = VllmPinnedHost(read_layout(directory, at), dev)
+        mode = "pinned copy"
+    print(mode, flush=True)
+    sys.stdin.read()
+    impl.close()
+
+
+def processes(layout: ShardLayout, kind: str, count: int, device: torch.device) -> dict:
+    """Host memory as ``count`` processes open the same table one after the other (one TP1
+    replica per GPU): MemAvailable before and after each is ready. The children are fresh
+    interpreters (not multiprocessing's spawn, which re-runs the parent's main script where that
+    lacks a ``__main__`` guard); one that dies before it is ready is reported, not waited for."""
+    read_cache(layout)
+    steps = [mem_available()]
+    children: list[subprocess.Popen] = []
+    mode = None
+    child = "import sys; from ple_um.bench.footprint import serve; serve(*sys.argv[1:])"
+    argv = [sys.executable, "-c", child, layout.directory, str(layout.layer), kind, str(device)]
+    try:
+        for _ in range(count):
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            children.append(proc)
+            mode = proc.stdout.readline().strip()
+            if not mode:  # its stdout closed: it died before it was ready
+                proc.wait()
+                why = f"a {kind} process exited with {proc.returncode} before it was ready (its stderr above)"
+                return {"skipped": why}
+            steps.append(mem_available())
+    finally:
+        for proc in children:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    drops = [steps[0] - s for s in steps[1:]]
+    return {"mode": mode, "mem_available_drop_bytes": drops}

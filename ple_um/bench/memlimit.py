@@ -1,0 +1,174 @@
+"""A memory limit for the bench's child process: a memory cgroup made for it, where the machine
+lets this process make one, page cache included and no swap.
+
+cgroup v2: a group below this process's own (``memory.max``, ``memory.swap.max`` 0), the memory
+controller enabled in the parent's ``cgroup.subtree_control`` where it is not yet. cgroup v1: a
+group below this process's own in the memory hierarchy (``memory.limit_in_bytes``, and
+``memory.memsw.limit_in_bytes`` equal to it where swap is accounted). The child is moved into the
+group by the pid it writes, between fork and exec (``preexec``), so everything it maps and reads is
+charged to the group from its first instruction. Page cache a process reads is charged to the
+group of the process that first reads it: the child must drop the table's pages before it starts.
+
+Where no group can be made (no memory controller, no permission, a v2 parent that holds
+processes), ``MemoryLimit.open`` returns a limit that is not enforced and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+PROC_MOUNTINFO = "/proc/self/mountinfo"
+PROC_CGROUP = "/proc/self/cgroup"
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """Where this process's memory cgroup lives: ``version`` 1 or 2, the directory of its group."""
+
+    version: int
+    group: str
+
+
+def _below(point: str, root: str, path: str) -> str:
+    """The directory of cgroup ``path`` in a hierarchy mounted at ``point`` showing ``root``."""
+    rel = os.path.relpath(path, root)
+    return os.path.normpath(point if rel == "." else os.path.join(point, rel))
+
+
+def _mounts(mountinfo: str) -> list[tuple[str, str, str, str]]:
+    """(mount point, root within the hierarchy, fs type, super options) of each mount."""
+    found = []
+    with open(mountinfo) as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if len(fields) >= 5 and len(tail) >= 3:
+                found.append((fields[4], fields[3], tail[0], tail[2]))
+    return found
+
+
+def find_hierarchy(
+    mountinfo: str = PROC_MOUNTINFO, cgroup: str = PROC_CGROUP
+) -> tuple[Hierarchy | None, str]:
+    """This process's memory cgroup (v2 preferred), or None and why there is none."""
+    with open(cgroup) as f:
+        memberships = [line.rstrip("\n").split(":", 2) for line in f if line.strip()]
+    mounts = _mounts(mountinfo)
+    v2_path = next((path for hid, ctrl, path in memberships if hid == "0" and ctrl == ""), None)
+    v2 = next((m for m in mounts if m[2] == "cgroup2"), None)
+    if v2 is not None and v2_path is not None:
+        controllers = _read(os.path.join(v2[0], "cgroup.controllers"))
+        if "memory" in (controllers or "").split():
+            return Hierarchy(2, _below(v2[0], v2[1], v2_path)), ""
+    v1_path = next((path for _, ctrl, path in memberships if "memory" in ctrl.split(",")), None)
+    v1 = next((m for m in mounts if m[2] == "cgroup" and "memory" in m[3].split(",")), None)
+    if v1 is not None and v1_path is not None:
+        return Hierarchy(1, _below(v1[0], v1[1], v1_path)), ""
+    return None, "no memory cgroup controller is mounted for this process (neither cgroup v2 nor v1)"
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+@dataclass
+class MemoryLimit:
+    """``limit`` bytes for one child process: ``enforced`` by the group at ``group`` (its
+    mechanism in ``how``), or not (``why``). Owns the group: ``close()`` removes it (idempotent)."""
+
+    limit: int
+    enforced: bool
+    how: str = ""
+    why: str = ""
+    group: str | None = None
+    _procs_fd: int | None = field(default=None, repr=False)
+
+    @classmethod
+    def open(
+        cls, limit: int, name: str, hierarchy: tuple[Hierarchy | None, str] | None = None
+    ) -> MemoryLimit:
+        """A group called ``name`` below this process's own, limited to ``limit`` bytes; a limit
+        that is not enforced where the machine does not allow one."""
+        found, why = find_hierarchy() if hierarchy is None else hierarchy
+        if found is None:
+            return cls(limit, enforced=False, why=why)
+        group = os.path.join(found.group, name)
+        try:
+            os.mkdir(group)
+        except OSError as exc:
+            return cls(limit, enforced=False, why=f"cannot make a cgroup in {found.group}: {exc.strerror}")
+        made = cls(limit, enforced=True, group=group)
+        try:
+            made.how = made._limit_v2(found.group) if found.version == 2 else made._limit_v1()
+            # The kernel makes the file with the group; O_CREAT only spares a test's plain folder.
+            made._procs_fd = os.open(os.path.join(group, "cgroup.procs"), os.O_WRONLY | os.O_CREAT, 0o644)
+        except OSError as exc:
+            made.close()
+            return cls(limit, enforced=False, why=f"cannot limit the cgroup {group}: {exc.strerror or exc}")
+        return made
+
+    def _limit_v2(self, parent: str) -> str:
+        if not os.path.exists(os.path.join(self.group, "memory.max")):
+            # The parent must hand the memory controller to its children; a parent that holds
+            # processes itself may not (cgroup v2's no-internal-process rule): EBUSY.
+            _write(os.path.join(parent, "cgroup.subtree_control"), "+memory")
+        _write(os.path.join(self.group, "memory.max"), str(self.limit))
+        swap = os.path.join(self.group, "memory.swap.max")
+        if os.path.exists(swap):
+            _write(swap, "0")
+        return f"cgroup v2 {self.group}: memory.max {self.limit}, memory.swap.max 0"
+
+    def _limit_v1(self) -> str:
+        _write(os.path.join(self.group, "memory.limit_in_bytes"), str(self.limit))
+        how = f"cgroup v1 {self.group}: memory.limit_in_bytes {self.limit}"
+        memsw = os.path.join(self.group, "memory.memsw.limit_in_bytes")
+        if os.path.exists(memsw):
+            _write(memsw, str(self.limit))  # memory and swap together: no swap beyond the limit
+            how += f", memory.memsw.limit_in_bytes {self.limit}"
+        return how
+
+    def preexec(self) -> None:
+        """Run in the child between fork and exec: move it into the group. Only a write to a file
+        descriptor opened before the fork (no allocation, no lock a parent thread may hold)."""
+        if self._procs_fd is not None:
+            os.write(self._procs_fd, b"0")  # "0": the writing process itself
+
+    def peak(self) -> int | None:
+        """The most bytes the group held (v2 memory.peak, v1 memory.max_usage_in_bytes), or None."""
+        if self.group is None:
+            return None
+        for name in ("memory.peak", "memory.max_usage_in_bytes"):
+            text = _read(os.path.join(self.group, name))
+            if text is not None and text.isdigit():
+                return int(text)
+        return None
+
+    def describe(self) -> str:
+        return self.how if self.enforced else f"not enforced: {self.why}"
+
+    def close(self) -> None:
+        """Remove the group (after its processes have exited); idempotent."""
+        if self._procs_fd is not None:
+            os.close(self._procs_fd)
+            self._procs_fd = None
+        if self.group is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(self.group)
+            self.group = None
+
+    def __enter__(self) -> MemoryLimit:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

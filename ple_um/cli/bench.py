@@ -1,0 +1,259 @@
+"""`ple-um bench`: its options, everything checked before it starts (it takes minutes, its table
+gigabytes), and the run with its report, JSON and plot."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from ple_um.cli import arguments as a
+from ple_um.cli.output import (
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    CliError,
+    emit,
+    emit_json,
+    to_stderr,
+)
+
+DESCRIPTION = """\
+Compare every lookup path this machine can run, side by side, on one table: ple-um's modes, the
+seeds' CPU gather (vllm_ple_mmap, the CPU-gather vLLM patch that came before ple-um), vLLM's
+pinned-host copy on a GPU, each against plain torch.index_select over the table resident in GPU
+memory (host memory without a GPU). Without DIR it writes a synthetic FP8 table shaped like
+Qwen3.8-Flash-Next's once into PLE_UM_CACHE_DIR; a table that does not fit the free disk, or a run
+that does not fit the memory, is refused before anything is written (exit 3)."""
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench", help="compare every lookup path on this machine, side by side", description=DESCRIPTION
+    )
+    b.add_argument(
+        "dir", nargs="?", default=None, help="checkpoint dir (default: a cached synthetic FP8 table)"
+    )
+    a.add_layer(b)
+    b.add_argument("--size", type=a.nonzero_size, default="2GiB", help="synthetic table size")
+    b.add_argument("--row-bytes", type=a.positive, default=160, help="synthetic table row width in bytes")
+    b.add_argument("--shards", type=a.positive, default=128, help="synthetic table shard count")
+    b.add_argument(
+        "--rows",
+        type=a.rows,
+        default=None,
+        help="batch sizes, comma-separated (default: 16,1024,16384,131072; with --memory-limit "
+        "16,1024,16384)",
+    )
+    b.add_argument(
+        "--modes",
+        type=a.modes,
+        default=None,
+        help=f"ple-um modes to run, comma-separated: some of {', '.join(a.MODES)} (default: every mode on a "
+        "GPU, cpu without one)",
+    )
+    b.add_argument(
+        "--ids",
+        type=a.ids,
+        default="uniform",
+        help="id distributions, comma-separated: uniform, zipf:S (n-grams drawn Zipf(S), 1.01 <= S <= 10, "
+        "hashed onto rows), trace[:FILE] (real traffic: the shipped sample or FILE, replayed as decode "
+        "steps and prefill chunks; docs/TRAFFIC.md), e.g. uniform,zipf:1.1,trace",
+    )
+    b.add_argument("--repeats", type=a.positive, default=20, help="timed calls per measurement")
+    b.add_argument(
+        "--rounds",
+        type=a.positive,
+        default=4,
+        help="rounds the timed calls are split into; each times every path in turn",
+    )
+    b.add_argument(
+        "--device", type=a.device, default=None, help="cpu, cuda or cuda:N (default: the current GPU)"
+    )
+    b.add_argument(
+        "--processes",
+        type=a.count,
+        default=0,
+        help="N >= 1: also open the table in N processes, one after the other, and report the host memory "
+        "each takes (0: off)",
+    )
+    a.add_common(b, "print the results as one JSON object on stdout (progress and the report go to stderr)")
+    b.add_argument("--json-file", default=None, metavar="PATH", help="write the results as JSON to PATH")
+    b.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="write a plot of the lookup times to FILE, its format from the extension: .png, .pdf, .svg, ... "
+        "(pip install 'ple-um[plot]')",
+    )
+    b.add_argument(
+        "--memory-limit",
+        type=a.sizes,
+        default=None,
+        metavar="SIZE[,SIZE...]",
+        help="the bench for tables larger than memory: for each limit, ple-um's cpu and ats lookups in a "
+        "child process held to that many bytes by a memory cgroup (page cache included), cold and in the "
+        "steady state, beside the storage's ceiling measured in the same run; --plot draws time against "
+        "the limit",
+    )
+    b.add_argument("--quiet", action="store_true", help="progress lines to stderr")
+    b.set_defaults(func=run, knobs=None)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    if args.plot:
+        a.output_file("--plot", args.plot)
+        try:
+            from ple_um.bench.plot import check_writable_format
+
+            check_writable_format(args.plot)
+        except ImportError:
+            raise CliError(
+                "--plot needs matplotlib, which is not installed: pip install 'ple-um[plot]'", EXIT_USAGE
+            ) from None
+        except ValueError as exc:
+            raise CliError(f"--plot {exc}", EXIT_USAGE) from None
+    if args.json_file:
+        a.output_file("--json-file", args.json_file)
+        if args.plot and os.path.abspath(args.plot) == os.path.abspath(args.json_file):
+            raise CliError("--plot and --json-file name the same file", EXIT_USAGE)
+
+
+def _check_table(args: argparse.Namespace):
+    """The synthetic table's arguments, or the directory's table; its layout when it exists."""
+    from ple_um.checkpoint import read_layout
+    from ple_um.errors import CheckpointError
+
+    if args.memory_limit and args.modes and not set(args.modes) & {"cpu", "ats"}:
+        raise CliError(
+            f"--memory-limit runs only the modes that read the table where it lies (cpu, ats): --modes "
+            f"{','.join(args.modes)} holds it in memory",
+            EXIT_USAGE,
+        )
+    if args.dir is not None:
+        a.checkpoint_dir(args.dir)
+        a.one_layer(args.dir, args.layer)
+        try:
+            return read_layout(args.dir, args.layer)
+        except CheckpointError as exc:
+            raise CliError(str(exc), EXIT_INVALID) from None
+    if args.layer is not None:
+        raise CliError("--layer needs DIR: the synthetic table has one layer", EXIT_USAGE)
+    num_rows = args.size // args.row_bytes
+    if num_rows < 1:
+        raise CliError(
+            f"--size {args.size} B holds no row of {args.row_bytes} B (--row-bytes): give at least that",
+            EXIT_USAGE,
+        )
+    if args.shards > num_rows:
+        raise CliError(
+            f"--shards {args.shards} is more than the {num_rows} rows of --size {args.size} B", EXIT_USAGE
+        )
+    return None
+
+
+def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
+    """The device, a mode forced by PLE_UM_MODE, the disk for a table to write, the memory."""
+    import torch
+
+    import ple_um
+    from ple_um.access.capabilities import resolve_device
+    from ple_um.access.probe import mem_available
+    from ple_um.bench import config
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise CliError(f"--device: {exc}", EXIT_USAGE) from None
+    table_bytes = layout.nbytes if layout is not None else (cfg.size // cfg.row_bytes) * cfg.row_bytes
+    ple_um.probe(device, table_bytes=table_bytes)  # ModeUnavailableError: a mode forced where it cannot work
+    cuda = device.type == "cuda"
+    modes = cfg.modes or (a.MODES if cuda else ("cpu",))
+    nvfp4 = layout is not None and layout.is_nvfp4
+    needed = config.memory_needed(table_bytes, cuda, modes, nvfp4=nvfp4, processes=cfg.processes)
+    gpu_free = torch.cuda.mem_get_info(device)[0] if cuda else None
+    try:
+        if layout is None:
+            config.check_disk(cfg)
+        if not args.memory_limit:  # the bench under a limit holds no copy of the table
+            config.check_memory(needed, mem_available(), gpu_free)
+    except config.BenchRefused as exc:
+        raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
+
+
+def _config(args: argparse.Namespace, argv: list[str] | None):
+    from ple_um.bench.cold import COLD_ROWS
+    from ple_um.bench.config import DEFAULT_ROWS, Config
+
+    rows = args.rows or (COLD_ROWS if args.memory_limit else DEFAULT_ROWS)
+    return Config(
+        directory=args.dir,
+        layer=args.layer,
+        size=args.size,
+        row_bytes=args.row_bytes,
+        shards=args.shards,
+        rows=rows,
+        modes=args.modes,
+        ids=args.ids,
+        ids_text=getattr(args.ids, "text", None),
+        repeats=args.repeats,
+        rounds=args.rounds,
+        device=args.device,
+        processes=args.processes,
+        command=shlex.join(["ple-um", *(sys.argv[1:] if argv is None else argv)]),
+    )
+
+
+def _write(args: argparse.Namespace, result: dict, plot, say) -> None:
+    """The JSON and the plot, each written whole or not at all; then where they went."""
+    from ple_um.bench import report
+
+    written = []
+    try:
+        if args.json_file:
+            report.write_json(result, args.json_file)
+            written.append(f"results (JSON): {os.path.abspath(args.json_file)}")
+        if args.plot:
+            plot(result, args.plot)
+            written.append(f"plot: {os.path.abspath(args.plot)}")
+    except (OSError, ValueError) as exc:
+        # The results go with the error (under --json in its object), so that no run is lost.
+        for line in written:
+            say(line)
+        raise CliError(f"the results could not be written: {exc}", EXIT_INVALID, results=result) from None
+    if args.json:
+        emit_json(result)
+    for line in written or [
+        "results: not written to a file (--json-file PATH writes them, --plot FILE plots them)"
+    ]:
+        say(line)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ple_um.errors import CheckpointError
+
+    _check_outputs(args)
+    layout = _check_table(args)
+    cfg = _config(args, getattr(args, "argv", None))
+    _check_machine(args, cfg, layout)
+    # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
+    say = to_stderr if args.json else emit
+    log = to_stderr if args.quiet or args.json else emit
+    try:
+        if args.memory_limit:
+            from ple_um.bench import cold, cold_report, plot
+
+            result = cold.run(cfg, args.memory_limit, log=log)
+            say(cold_report.format_cold(result))
+            _write(args, result, plot.plot_limits, say)
+        else:
+            from ple_um.bench import plot, report, runner
+
+            result = runner.run(cfg, log=log)
+            say(report.format_table(result, cfg.rows))
+            _write(args, result, lambda r, path: plot.plot(r, cfg.rows, path), say)
+    except CheckpointError as exc:  # the directory's table (the synthetic one is written valid)
+        raise CliError(str(exc), EXIT_INVALID) from None
+    return EXIT_OK

@@ -1,0 +1,103 @@
+"""The verbs about this machine and its settings: `ple-um probe` (the device's capabilities and the
+mode an open would choose) and `ple-um knobs` (every environment knob, with any invalid value
+marked and why)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ple_um.cli import arguments as a
+from ple_um.cli.output import EXIT_INVALID, EXIT_OK, EXIT_USAGE, CliError, emit, emit_json, to_stderr
+from ple_um.units import format_bytes
+
+PROBE = """\
+Read the device's capabilities and say which access mode an open would choose here, and why not
+each other mode. With DIR, also make the chosen mode's first read of that table as an open makes
+it (from the cached verdict, or in a child process)."""
+
+KNOBS = """\
+List every environment knob ple-um reads: its default, its aliases (the seeds' VLLM_PLE_MMAP_*
+names) and its current setting. A value the knob does not take is marked INVALID with the reason,
+and the command exits 2."""
+
+
+def add_parsers(sub) -> None:
+    pr = sub.add_parser(
+        "probe", help="the device's capabilities and the mode auto would choose", description=PROBE
+    )
+    pr.add_argument(
+        "dir",
+        nargs="?",
+        default=None,
+        help="checkpoint dir: make the chosen mode's first read of its table as an open does (from the "
+        "cached verdict, or in a child process)",
+    )
+    a.add_layer(pr)
+    pr.add_argument("--recheck", action="store_true", help="with DIR: run the first-read child again")
+    pr.add_argument(
+        "--device", type=a.device, default=None, help="cpu, cuda or cuda:N (default: the current GPU)"
+    )
+    a.add_common(pr)
+    pr.set_defaults(func=probe, knobs=None)
+
+    kn = sub.add_parser(
+        "knobs", help="every environment knob: default, alias, current setting", description=KNOBS
+    )
+    a.add_common(kn)
+    kn.set_defaults(func=knobs, knobs=())
+
+
+def probe(args: argparse.Namespace) -> int:
+    import ple_um
+    from ple_um.errors import CheckpointError, ModeUnavailableError
+
+    if args.recheck and args.dir is None:
+        raise CliError("--recheck needs DIR: the check reads the table's own files", EXIT_USAGE)
+    if args.dir is not None:
+        a.checkpoint_dir(args.dir)
+        a.one_layer(args.dir, args.layer)
+    elif args.layer is not None:
+        raise CliError("--layer needs DIR: it picks a layer of that checkpoint", EXIT_USAGE)
+    try:
+        report = ple_um.probe(args.device, path=args.dir, layer=args.layer, recheck=args.recheck)
+    except CheckpointError as exc:
+        raise CliError(str(exc), EXIT_INVALID) from None
+    except ModeUnavailableError as exc:
+        if not exc.reason.startswith("FirstReadRejected"):
+            raise  # a mode forced where the machine cannot run it: bad input, exit 2 (main)
+        raise CliError(str(exc), EXIT_INVALID) from None  # the forced mode's first read failed here
+    if args.json:
+        emit_json(report.as_dict())
+        return EXIT_OK
+    emit(report.describe())
+    emit("capabilities:")
+    for key, value in report.capabilities.items():
+        emit(f"  {key}: {value}")
+    if report.pin_budget is not None:
+        emit(f"pin budget: {format_bytes(report.pin_budget)}")
+    return EXIT_OK
+
+
+def knobs(args: argparse.Namespace) -> int:
+    from ple_um import envs
+
+    rows = envs.describe()
+    bad = [r["name"] for r in rows if r["invalid"]]
+    summary = None
+    if bad:
+        summary = (
+            f"{len(bad)} knob{'s are' if len(bad) > 1 else ' is'} set to a value it does not take: "
+            f"{', '.join(bad)}"
+        )
+    if args.json:
+        emit_json({"knobs": rows, **({"error": summary} if summary else {})})
+        return EXIT_USAGE if bad else EXIT_OK
+    for r in rows:
+        aliases = f" (alias {', '.join(r['aliases'])})" if r["aliases"] else ""
+        now = f"; set: {r['set']}" if r["set"] else ""
+        mark = f"\n    INVALID: {r['invalid']}" if r["invalid"] else ""
+        emit(f"{r['name']}{aliases} = {r['default']!r}{now}{mark}\n    {r['doc']}")
+    if summary:
+        to_stderr(f"ple-um knobs: error: {summary} (marked INVALID above)")
+        return EXIT_USAGE
+    return EXIT_OK

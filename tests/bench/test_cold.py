@@ -1,0 +1,191 @@
+"""The bench for tables larger than memory, on the CPU: the child's page drop (its own mappings,
+then the page cache), the rows found resident by mincore, the modes that can be cold, and whole
+runs through the real child process, under a real memory cgroup where this machine allows one and
+with none (the fallback, injected as the hierarchy's answer): every figure's bookkeeping, the
+ratios to the storage's ceiling, the row cache column (the steady table's row cache, none in the cold
+calls' table), the report and the plot."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers.cli import fs_type
+
+from ple_um import envs
+from ple_um.bench import cold, cold_report, storage
+from ple_um.bench.cold_child import COLD_KNOBS, drop_table_pages, own_mappings
+from ple_um.bench.config import Config
+from ple_um.bench.ids import parse_ids
+from ple_um.bench.memlimit import MemoryLimit
+from ple_um.mapping import MappedShards
+from ple_um.operating import resident_rows
+from ple_um.units import format_bytes
+
+
+def _skip_on_tmpfs(path):
+    if fs_type(str(path)) == "tmpfs":
+        pytest.skip("tmpfs files are their page cache: nothing can drop them")
+
+
+def test_drop_table_pages_empties_this_process_and_the_page_cache(make_checkpoint):
+    layout = make_checkpoint(num_rows=20000, row_dim=160, shards=5, files=3)
+    _skip_on_tmpfs(layout.directory)
+    with MappedShards(layout) as mapping:
+        assert sorted({s for s, _ in own_mappings(set(layout.files))}) == sorted(
+            r.addr for r in mapping.regions
+        )
+        for region in mapping.regions:
+            region.array().sum()  # every page read, through this mapping
+        ids = np.arange(layout.num_rows)
+        assert resident_rows(mapping, ids).all()
+        drop_table_pages(list(layout.files))
+        assert not resident_rows(mapping, ids).any()
+        rss = [line for line in open("/proc/self/smaps") if line.startswith("Rss:")]
+        assert rss  # the mapping is still there, only emptied
+
+
+def test_resident_rows_follows_the_pages_of_each_row(make_checkpoint):
+    """Rows of 160 B straddle pages: a row reads as resident only when all its pages are; rows at
+    shard edges and in every file; ids the mapping does not own read as absent."""
+    layout = make_checkpoint(num_rows=20000, row_dim=160, shards=5, files=3)
+    _skip_on_tmpfs(layout.directory)
+    S = layout.rows_per_shard
+    with MappedShards(layout, rows=(0, 3 * S)) as mapping:
+        drop_table_pages(list(layout.files))
+        picked = np.array([0, S - 1, S, 2 * S + 7, 3 * S - 1])
+        for row in picked:  # bring in the pages of these rows, readahead off
+            shard, local = divmod(int(row), S)
+            spec = layout.shards[shard]
+            fd = os.open(spec.path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.pread(fd, layout.row_bytes, spec.offset + local * layout.row_bytes)
+            os.close(fd)
+        everything = np.arange(layout.num_rows)
+        found = resident_rows(mapping, everything)
+        assert found[picked].all()
+        assert not found[3 * S :].any()  # not owned
+        # Readahead may bring in neighbours, never more than a small share of the rest.
+        assert found.sum() < 0.5 * 3 * S
+
+
+def test_only_the_modes_that_read_the_table_where_it_lies_can_be_cold():
+    modes, left_out = cold.cold_modes(("cpu", "registered", "device"), torch.device("cpu"))
+    assert modes == ("cpu",)
+    assert set(left_out) == {"registered", "device"}
+    assert "cannot be cold" in left_out["registered"]
+    modes, left_out = cold.cold_modes(None, torch.device("cpu"))
+    assert "cpu" in modes and left_out == {}
+
+
+def test_the_knobs_the_bench_sets_are_ple_ums():
+    assert cold.ROW_CACHE_KNOB in envs.KNOBS and set(COLD_KNOBS) <= set(envs.KNOBS)
+    for name, text in COLD_KNOBS.items():
+        assert envs.KNOBS[name].parse(text) == 0  # no row cache
+
+
+def _run(make_checkpoint, hierarchy, limits, dtype="fp8"):
+    layout = make_checkpoint(num_rows=30000, row_dim=160, dtype=dtype, shards=8, files=4)
+    cfg = Config(directory=layout.directory, rows=(16, 256), ids=parse_ids("uniform,zipf:1.1"), repeats=3)
+    cfg.modes, cfg.device = ("cpu",), "cpu"
+    lines: list[str] = []
+    result = cold.run(cfg, limits, log=lines.append, warmup_s=0.2, hierarchy=hierarchy)
+    return layout, result, lines
+
+
+def _check_figures(result, layout, enforced: bool, row_cache: bool) -> None:
+    """Every figure's bookkeeping; ``row_cache``: the steady table has one (the cold one never)."""
+    assert list(result["ids"]) == ["uniform", "zipf:1.1"]
+    rate = result["storage"]["sizes"]["4096"]["64"]["reads_per_s"]
+    for key, entry in result["limits"].items():
+        assert entry["bytes"] == int(key) and entry["enforced"] is enforced, entry
+        runs = entry["modes"]["cpu"]
+        assert runs["timing"] == "eager"
+        assert "no row cache" in runs["cold_row_reads"], runs["cold_row_reads"]
+        assert ("a row cache of" in runs["row_reads"]) is row_cache, runs["row_reads"]
+        for dist in ("uniform", "zipf:1.1"):
+            assert (
+                runs["warmup"][dist]["calls"] >= 10
+                and runs["warmup"][dist]["rows"] == 256 * runs["warmup"][dist]["calls"]
+            )
+            for n in ("16", "256"):
+                c, s = runs[dist][n]["cold"], runs[dist][n]["steady"]
+                assert c["calls"] == s["calls"] == 3
+                assert c["p10_us"] <= c["median_us"] <= c["p90_us"]
+                assert c["ceiling_us"] == pytest.approx(int(n) / rate * 1e6)
+                assert c["vs_ceiling"] == pytest.approx(c["median_us"] / c["ceiling_us"])
+                assert 0 <= s["page_cache_hits"] <= 1
+                if fs_type(layout.directory) != "tmpfs":
+                    assert c["page_cache_hits"] == 0  # dropped before each cold call
+                assert c["row_cache_hits"] is None  # the cold calls' table has no row cache
+                if row_cache:
+                    assert 0 <= s["row_cache_hits"] <= 1
+                    if dist == "zipf:1.1":
+                        assert s["row_cache_hits"] > 0  # hot rows come again
+                else:
+                    assert s["row_cache_hits"] is None
+            warm = runs["warmup"][dist]["row_cache_hits"]
+            assert (warm is not None and 0 <= warm <= 1) if row_cache else warm is None
+
+
+def test_a_run_under_a_real_memory_cgroup(make_checkpoint):
+    probe = MemoryLimit.open(512 << 20, f"ple-um-probe-{os.getpid()}")
+    probe.close()
+    if not probe.enforced:
+        pytest.skip(f"no memory cgroup here: {probe.why}")
+    layout, result, lines = _run(make_checkpoint, None, (768 << 20,))
+    # PLE_UM_ROW_CACHE=auto: a row cache when the table is not in the page cache at open.
+    row_cache = fs_type(layout.directory) != "tmpfs"
+    _check_figures(result, layout, enforced=True, row_cache=row_cache)
+    (entry,) = result["limits"].values()
+    assert entry["how"].startswith("cgroup v") and 0 < entry["peak_bytes"] <= 768 << 20
+    assert entry["status"]["RssAnon"].endswith("kB")
+    assert any(line.startswith("memory limit 768.00 MiB: cgroup v") for line in lines)
+    text = cold_report.format_cold(result)
+    steady = entry["modes"]["cpu"]["zipf:1.1"]["16"]["steady"]
+    share = f"{100 * steady['row_cache_hits']:.1f}%" if row_cache else "-"
+    assert (
+        "| ple-um cpu (eager) | 16 |" in text
+        and f"{100 * steady['page_cache_hits']:.1f}% | {share} |" in text
+    )
+    assert f"ple-um cpu, steady state: {entry['modes']['cpu']['row_reads']}" in text
+    assert f"memory limit 768.00 MiB: {entry['how']}, peak " in text
+    group = entry["how"].split()[2].rstrip(":")
+    assert not os.path.exists(group)  # the group is gone
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])  # rows of 1 and of 2 bytes a value
+def test_a_run_where_no_cgroup_can_be_made_says_so(make_checkpoint, tmp_path, dtype):
+    no_group = (None, "injected: no memory controller")
+    layout, result, _ = _run(make_checkpoint, no_group, (1 << 30, 2 << 30), dtype=dtype)
+    # The row cache is held to the limit instead: PLE_UM_ROW_CACHE=<limit> in the child.
+    _check_figures(result, layout, enforced=False, row_cache=True)
+    for entry in result["limits"].values():
+        assert entry["how"] == "not enforced: injected: no memory controller"
+        assert entry["peak_bytes"] is None
+        assert entry["row_cache_knob"] == f"PLE_UM_ROW_CACHE={entry['bytes']}"
+        assert f"a row cache of {format_bytes(entry['bytes'])}" in entry["modes"]["cpu"]["row_reads"]
+    text = cold_report.format_cold(result)
+    assert "memory limit 1.00 GiB: not enforced: injected: no memory controller" in text
+    assert "the page cache is the machine's here: only ple-um's row cache is held to the limit" in text
+    assert text.count("| ple-um cpu (eager) | 256 |") == 4  # 2 limits x 2 id distributions
+    from ple_um.bench.plot import plot_limits
+
+    plot_limits(result, str(tmp_path / "limits.png"))
+    assert (tmp_path / "limits.png").read_bytes().startswith(b"\x89PNG")
+    assert storage.ceiling_us(result["storage"], 1024) > 0
+
+
+def test_a_child_killed_by_its_limit_is_said_so(make_checkpoint):
+    """A limit too small for the interpreter itself: the OOM killer ends the child, the figures
+    say why instead of a traceback."""
+    probe = MemoryLimit.open(512 << 20, f"ple-um-probe-{os.getpid()}")
+    probe.close()
+    if not probe.enforced:
+        pytest.skip(f"no memory cgroup here: {probe.why}")
+    _, result, _ = _run(make_checkpoint, None, (32 << 20,))
+    (entry,) = result["limits"].values()
+    assert "OOM killer" in entry["failed"] and "modes" not in entry
+    assert "no figures: the child was killed (SIGKILL)" in cold_report.format_cold(result)

@@ -1,0 +1,146 @@
+"""The memory limit of the bench's child: the cgroup hierarchies found from /proc's own files (as
+given here), the files a limit writes in a v2 and a v1 group (plain folders standing for the
+cgroup filesystem), the child moved into its group between fork and exec; and, where this machine
+lets a group be made, a real limit holding a child's page cache and killing a child that
+allocates past it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers.cli import fs_type
+
+from ple_um.bench.memlimit import Hierarchy, MemoryLimit, find_hierarchy
+from ple_um.operating import resident_bytes
+
+MiB = 1 << 20
+
+
+def _proc_files(tmp_path, mountinfo: str, cgroup: str) -> tuple[str, str]:
+    (tmp_path / "mountinfo").write_text(mountinfo)
+    (tmp_path / "cgroup").write_text(cgroup)
+    return str(tmp_path / "mountinfo"), str(tmp_path / "cgroup")
+
+
+def test_find_hierarchy_v2_with_the_memory_controller(tmp_path):
+    root = tmp_path / "cg2"
+    (root / "user.slice" / "me").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    files = _proc_files(
+        tmp_path,
+        f"30 24 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+        "31 24 0:27 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
+        "4:memory:/user.slice/me\n0::/user.slice/me\n",
+    )
+    assert find_hierarchy(*files) == (Hierarchy(2, str(root / "user.slice" / "me")), "")
+
+
+def test_find_hierarchy_v1_where_v2_has_no_memory_controller(tmp_path):
+    (tmp_path / "unified").mkdir()
+    (tmp_path / "unified" / "cgroup.controllers").write_text("\n")
+    files = _proc_files(
+        tmp_path,
+        f"30 24 0:26 / {tmp_path / 'unified'} rw - cgroup2 cgroup2 rw\n"
+        "31 24 0:27 /outer /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n",
+        "4:memory:/outer/job/1\n0::/\n",
+    )
+    assert find_hierarchy(*files) == (Hierarchy(1, "/sys/fs/cgroup/memory/job/1"), "")
+
+
+def test_find_hierarchy_without_a_memory_controller(tmp_path):
+    files = _proc_files(tmp_path, "22 1 0:20 / /proc rw - proc proc rw\n", "0::/\n")
+    found, why = find_hierarchy(*files)
+    assert found is None and "no memory cgroup controller" in why
+
+
+def test_a_v2_limit_writes_its_files_and_moves_the_child(tmp_path):
+    parent = tmp_path / "me"
+    parent.mkdir()
+    (parent / "cgroup.subtree_control").write_text("")
+    with MemoryLimit.open(64 * MiB, "bench-1", (Hierarchy(2, str(parent)), "")) as limit:
+        group = parent / "bench-1"
+        assert limit.enforced and limit.group == str(group)
+        assert (parent / "cgroup.subtree_control").read_text() == "+memory"
+        assert (group / "memory.max").read_text() == str(64 * MiB)
+        assert not (group / "memory.swap.max").exists()  # written only where the kernel made it
+        assert limit.describe() == f"cgroup v2 {group}: memory.max {64 * MiB}, memory.swap.max 0"
+        done = subprocess.run([sys.executable, "-c", "pass"], preexec_fn=limit.preexec, timeout=60)
+        assert done.returncode == 0
+        assert (group / "cgroup.procs").read_text() == "0"  # "0": the writing process, the child
+        for name in os.listdir(group):  # a plain folder: the control files must go first
+            os.unlink(group / name)
+    assert not group.exists() and limit.group is None
+    limit.close()  # idempotent
+
+
+def test_a_v1_limit_forbids_swap_where_it_is_accounted(tmp_path):
+    parent = tmp_path / "memory" / "job"
+    parent.mkdir(parents=True)
+    limit = MemoryLimit.open(32 * MiB, "bench-2", (Hierarchy(1, str(parent)), ""))
+    group = parent / "bench-2"
+    assert (group / "memory.limit_in_bytes").read_text() == str(32 * MiB)
+    assert "memory.memsw.limit_in_bytes" not in limit.describe()
+    for name in os.listdir(group):
+        os.unlink(group / name)
+    limit.close()
+    assert not group.exists()
+
+
+def test_no_group_no_limit_and_why(tmp_path):
+    limit = MemoryLimit.open(1 << 30, "x", (None, "no memory cgroup controller is mounted"))
+    assert not limit.enforced and limit.describe() == "not enforced: no memory cgroup controller is mounted"
+    limit.preexec()  # nothing to do
+    assert limit.peak() is None
+    limit.close()
+    missing = MemoryLimit.open(1 << 30, "x", (Hierarchy(2, str(tmp_path / "gone")), ""))
+    assert not missing.enforced and missing.why.startswith(f"cannot make a cgroup in {tmp_path / 'gone'}: ")
+
+
+def _real_limit(limit: int) -> MemoryLimit:
+    held = MemoryLimit.open(limit, f"ple-um-test-{os.getpid()}")
+    if not held.enforced:
+        pytest.skip(f"no memory cgroup here: {held.why}")
+    return held
+
+
+def test_a_real_limit_holds_the_childs_page_cache(tmp_path):
+    """A child in a 64 MiB group reads a 160 MiB file: at most the limit of it stays in the page
+    cache (the rest is reclaimed as it reads), and the group's peak is within the limit."""
+    if fs_type(str(tmp_path)) == "tmpfs":
+        pytest.skip("tmpfs files are their page cache, charged to the writer")
+    path = tmp_path / "big"
+    with open(path, "wb") as f:
+        f.write(np.random.default_rng(0).integers(0, 256, 160 * MiB, dtype=np.uint8).tobytes())
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    reader = f"f = open({str(path)!r}, 'rb', buffering=0)\nwhile f.read(1 << 20): pass\n"
+    with _real_limit(64 * MiB) as limit:
+        if os.path.exists(os.path.join(limit.group, "memory.memsw.limit_in_bytes")):  # v1, swap accounted
+            assert f"memory.memsw.limit_in_bytes {64 * MiB}" in limit.describe()
+        done = subprocess.run([sys.executable, "-c", reader], preexec_fn=limit.preexec, timeout=120)
+        assert done.returncode == 0
+        peak = limit.peak()
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        view = np.frombuffer(m, dtype=np.uint8)
+        resident = resident_bytes(view.ctypes.data, view.size)
+        del view
+        m.close()
+    assert resident <= 64 * MiB, resident
+    assert peak is None or peak <= 64 * MiB
+
+
+def test_a_real_limit_kills_a_child_that_allocates_past_it():
+    allocate = "import numpy as np\nx = np.ones(256 << 20, dtype=np.uint8)\nprint(int(x.sum()))\n"
+    with _real_limit(64 * MiB) as limit:
+        done = subprocess.run(
+            [sys.executable, "-c", allocate], preexec_fn=limit.preexec, capture_output=True, timeout=120
+        )
+    assert done.returncode == -9, done

@@ -1,0 +1,129 @@
+"""The knobs' parsers and the checks built on them: every refusal names the variable, its value and
+what the knob takes, in words of its own (never Python's "invalid literal for int()"); an alias is
+named as one; ``check``, ``problems`` and ``describe`` report what is set and wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from ple_um import envs
+from ple_um.errors import KnobError
+
+GARBAGE = ("abc", "", " ", "-1", "0", "1e400", "nan", "inf", "99999999999999999999999", "1.5", "auto,")
+
+
+@pytest.mark.parametrize("name", sorted(envs.KNOBS))
+def test_every_refusal_names_the_knob_its_value_and_what_it_takes(monkeypatch, name):
+    knob = envs.KNOBS[name]
+    for text in GARBAGE:
+        monkeypatch.setenv(name, text)
+        why = knob.problem()
+        if why is None:
+            continue  # a value this knob takes
+        assert why.startswith(f"environment variable {name}={text!r}: expected "), why
+        assert f"got {text!r}" in why or "got an empty value" in why, why
+        for python_words in ("invalid literal", "could not convert", "base 10", "Traceback", "float()"):
+            assert python_words not in why, why
+        with pytest.raises(KnobError, match="environment variable"):
+            knob.value()
+
+
+def test_an_alias_is_named_with_the_knob_it_stands_for(monkeypatch):
+    monkeypatch.setenv("VLLM_PLE_MMAP_WORKERS", "0")
+    assert envs.KNOBS["PLE_UM_CPU_THREADS"].problem() == (
+        "environment variable VLLM_PLE_MMAP_WORKERS='0' (an alias of PLE_UM_CPU_THREADS): expected a whole "
+        "number from 1 to 1024, got '0'"
+    )
+
+
+@pytest.mark.parametrize(
+    "name,text,value",
+    [
+        ("PLE_UM_BULK_ROWS", "auto", "auto"),
+        ("PLE_UM_BULK_ROWS", " AUTO ", "auto"),
+        ("PLE_UM_BULK_ROWS", "0", 0),
+        ("PLE_UM_BULK_ROWS", "4096", 4096),
+        ("PLE_UM_FIRST_READ_TIMEOUT", "0.5", 0.5),
+        ("PLE_UM_FIRST_READ_TIMEOUT", "86400", 86400.0),
+        ("PLE_UM_PREWARM", "Yes", True),
+        ("PLE_UM_PREWARM", "off", False),
+        ("PLE_UM_ROW_CACHE", " Auto ", "auto"),
+        ("PLE_UM_ROW_CACHE", "0", 0),
+        ("PLE_UM_ROW_CACHE", "4096", 4096),
+        ("PLE_UM_ROW_CACHE", "512MiB", 512 << 20),
+        ("PLE_UM_ROW_CACHE", "4GiB", 4 << 30),
+        ("PLE_UM_ROW_CACHE_FRACTION", "0", 0.0),
+        ("PLE_UM_ROW_CACHE_FRACTION", "0.25", 0.25),
+        ("PLE_UM_ROW_CACHE_FRACTION", "1", 1.0),
+        ("PLE_UM_ROW_CACHE_POLICY", "LRU", "lru"),
+        ("PLE_UM_ROW_CACHE_POLICY", "clock", "clock"),
+        ("PLE_UM_FILE_READS", "uring", "uring"),
+        ("PLE_UM_FILE_READS", " Threads", "threads"),
+        ("PLE_UM_FILE_READS", "mmap", "mmap"),
+        ("PLE_UM_DIRECT_READS", "On", "on"),
+        ("PLE_UM_DIRECT_READS", "off", "off"),
+        ("PLE_UM_READ_DEPTH", "1", 1),
+        ("PLE_UM_READ_DEPTH", "256", 256),
+    ],
+)
+def test_values_taken(monkeypatch, name, text, value):
+    monkeypatch.setenv(name, text)
+    assert envs.KNOBS[name].value() == value and envs.KNOBS[name].problem() is None
+
+
+@pytest.mark.parametrize(
+    "name,text,expected",
+    [
+        ("PLE_UM_BULK_ROWS", "abc", "auto or a whole number of rows from 0 (never) to 2147483648"),
+        ("PLE_UM_BULK_ROWS", "-1", "auto or a whole number of rows from 0 (never) to 2147483648"),
+        ("PLE_UM_BULK_ROWS", str(1 << 40), "auto or a whole number of rows from 0 (never) to 2147483648"),
+        ("PLE_UM_FIRST_READ_TIMEOUT", "abc", "a number of seconds above 0, at most 86400"),
+        ("PLE_UM_FIRST_READ_TIMEOUT", "0", "a number of seconds above 0, at most 86400"),
+        ("PLE_UM_FIRST_READ_TIMEOUT", "inf", "a number of seconds above 0, at most 86400"),
+        ("PLE_UM_PREWARM", "maybe", "a boolean (1/0, true/false, yes/no, on/off)"),
+        ("PLE_UM_ROW_CACHE", "abc", "auto or a byte count (0, 512MiB, 4GiB)"),
+        ("PLE_UM_ROW_CACHE", "-1", "auto or a byte count (0, 512MiB, 4GiB)"),
+        ("PLE_UM_ROW_CACHE", "-1GiB", "auto or a byte count (0, 512MiB, 4GiB)"),
+        ("PLE_UM_ROW_CACHE", "4GB,", "auto or a byte count (0, 512MiB, 4GiB)"),
+        ("PLE_UM_ROW_CACHE", "inf", "auto or a byte count (0, 512MiB, 4GiB)"),
+        ("PLE_UM_ROW_CACHE", "", "auto or a byte count (0, 512MiB, 4GiB)"),
+        ("PLE_UM_ROW_CACHE_FRACTION", "1.5", "a fraction from 0 to 1"),
+        ("PLE_UM_ROW_CACHE_FRACTION", "nan", "a fraction from 0 to 1"),
+        ("PLE_UM_ROW_CACHE_FRACTION", "half", "a fraction from 0 to 1"),
+        ("PLE_UM_ROW_CACHE_POLICY", "lfu", "one of tinylfu, lru, clock"),
+        ("PLE_UM_FILE_READS", "io_uring", "one of auto, uring, threads, mmap"),
+        ("PLE_UM_DIRECT_READS", "yes", "one of auto, on, off"),
+        ("PLE_UM_READ_DEPTH", "0", "a whole number from 1 to 256"),
+        ("PLE_UM_READ_DEPTH", "257", "a whole number from 1 to 256"),
+        ("PLE_UM_READ_DEPTH", "8.5", "a whole number from 1 to 256"),
+        ("PLE_UM_READ_DEPTH", "deep", "a whole number from 1 to 256"),
+    ],
+)
+def test_values_refused(monkeypatch, name, text, expected):
+    monkeypatch.setenv(name, text)
+    assert (
+        envs.KNOBS[name].problem()
+        == f"environment variable {name}={text!r}: expected {expected}, got {text!r}"
+    )
+
+
+def test_check_problems_and_describe(monkeypatch):
+    envs.check()
+    assert envs.problems() == []
+    monkeypatch.setenv("PLE_UM_MODE", "bogus")
+    monkeypatch.setenv("PLE_UM_STATS_SEC", "soon")
+    with pytest.raises(KnobError, match="PLE_UM_MODE='bogus'"):
+        envs.check()
+    envs.check(skip=("PLE_UM_MODE", "PLE_UM_STATS_SEC"))
+    envs.check(only=("PLE_UM_CPU_THREADS",))
+    with pytest.raises(KnobError, match="PLE_UM_STATS_SEC='soon'"):
+        envs.check(only=("PLE_UM_STATS_SEC",))
+    assert [p.split("=")[0] for p in envs.problems()] == [
+        "environment variable PLE_UM_MODE",
+        "environment variable PLE_UM_STATS_SEC",
+    ]
+    assert envs.problems(only=("PLE_UM_PREWARM",)) == []
+    rows = {r["name"]: r for r in envs.describe()}
+    assert rows["PLE_UM_MODE"]["set"] == "PLE_UM_MODE=bogus"
+    assert rows["PLE_UM_MODE"]["invalid"] == envs.KNOBS["PLE_UM_MODE"].problem()
+    assert rows["PLE_UM_PREWARM"]["set"] is None and rows["PLE_UM_PREWARM"]["invalid"] is None
