@@ -12,93 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ple_um import knob_values as v
 from ple_um.errors import KnobError
 from ple_um.units import parse_size
 
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
-
-
-def _checked_modes(text: str) -> tuple[str, ...]:
-    """Comma-separated access modes whose first read runs in a child (ats, registered); off/none = none."""
-    value = text.strip().lower()
-    if value in ("", "0", "off", "none", "false", "no"):
-        return ()
-    modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
-    if any(m not in FIRST_READ_MODES for m in modes):
-        raise ValueError(
-            f"expected off or a comma-separated list of {', '.join(FIRST_READ_MODES)}, got {text!r}"
-        )
-    return modes
-
-
-def _ranged(
-    convert: Callable[[str], Any], low: float, high: float, expected: str, *, above_low: bool = False
-) -> Callable[[str], Any]:
-    """A number that ``convert`` (int, float) reads, in [low, high] (``above_low``: in (low, high]):
-    NaN and the infinities are out of range, and an int knob never wraps a C int. ``expected``
-    says what is taken."""
-
-    def parse(text: str):
-        try:
-            value = convert(text.strip())
-        except (ValueError, OverflowError):
-            value = None
-        if value is None or not low <= value <= high or (above_low and value == low):
-            raise ValueError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _count(low: int, high: int) -> Callable[[str], int]:
-    return _ranged(int, low, high, f"a whole number from {low} to {high}")
-
-
-_seconds_or_off = _ranged(float, 0, 86400, "a number of seconds from 0 (off) to 86400")
-_positive_seconds = _ranged(float, 0, 86400, "a number of seconds above 0, at most 86400", above_low=True)
-_fraction = _ranged(float, 0, 1, "a fraction from 0 to 1")
-
-
-def _auto_or(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
-    """``auto``, or a value ``parse`` takes; a refusal says both (``expected``: what ``parse`` takes)."""
-
-    def parse_auto(text: str):
-        if text.strip().lower() == "auto":
-            return "auto"
-        try:
-            return parse(text)
-        except ValueError:
-            raise ValueError(f"expected auto or {expected}, got {text!r}") from None
-
-    return parse_auto
-
-
 # Rows at most a lookup's id count can reach (int32 indexing of a batch).
 _MAX_BULK_ROWS = 1 << 31
-_bulk_rows = _auto_or(_count(0, _MAX_BULK_ROWS), f"a whole number of rows from 0 (never) to {_MAX_BULK_ROWS}")
-
-
-def _directory(text: str) -> str:
-    if not text.strip():
-        raise ValueError("expected a directory, got an empty value")
-    return text
-
-
-def _choice(*allowed: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in allowed:
-            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
-        return value
-
-    return parse
+_bulk_rows = v.auto_or(
+    v.count(0, _MAX_BULK_ROWS), f"a whole number of rows from 0 (never) to {_MAX_BULK_ROWS}"
+)
 
 
 @dataclass(frozen=True)
@@ -154,10 +76,12 @@ FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in (
-        Knob("PLE_UM", _bool, False, "enable the vLLM and SGLang plugins' ple-um path", ("VLLM_PLE_MMAP",)),
+        Knob(
+            "PLE_UM", v.boolean, False, "enable the vLLM and SGLang plugins' ple-um path", ("VLLM_PLE_MMAP",)
+        ),
         Knob(
             "PLE_UM_MODE",
-            _choice(*MODES),
+            v.choice(*MODES),
             "auto",
             "force an access mode (a forced mode that cannot work is an error)",
         ),
@@ -170,7 +94,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_CPU_THREADS",
-            _count(1, 1024),
+            v.count(1, 1024),
             _default_threads,
             "threads that read a big host-path lookup's rows (the calling one included; default the "
             "cores less one, at most 16)",
@@ -178,35 +102,35 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_CPU_CHUNK",
-            _count(1, 1 << 30),
+            v.count(1, 1 << 30),
             2048,
             "rows per gather task of the cpu mode's synchronous gather (no C row copy)",
             ("VLLM_PLE_MMAP_CHUNK",),
         ),
         Knob(
             "PLE_UM_MADVISE",
-            _choice("auto", "random", "normal", "none"),
+            v.choice("auto", "random", "normal", "none"),
             "auto",
             "madvise on the shard mappings; auto = random for cpu/ats, normal otherwise",
             ("VLLM_PLE_MMAP_MADVISE",),
         ),
         Knob(
             "PLE_UM_PREWARM",
-            _bool,
+            v.boolean,
             False,
             "read the whole table once at open to fill the page cache",
             ("VLLM_PLE_MMAP_PREWARM",),
         ),
         Knob(
             "PLE_UM_PROMETHEUS",
-            _bool,
+            v.boolean,
             True,
             "export Prometheus counters when prometheus_client is installed",
             ("VLLM_PLE_MMAP_PROMETHEUS",),
         ),
         Knob(
             "PLE_UM_STATS_SEC",
-            _seconds_or_off,
+            v.seconds_or_off,
             0.0,
             "seconds between stats log lines (0 = off)",
             ("VLLM_PLE_MMAP_STATS_SEC",),
@@ -217,10 +141,10 @@ KNOBS: dict[str, Knob] = {
             None,
             "most bytes the registered mode may pin (default: PLE_UM_PIN_FRACTION of MemAvailable)",
         ),
-        Knob("PLE_UM_PIN_FRACTION", _fraction, 0.5, "fraction of MemAvailable the registered mode may pin"),
+        Knob("PLE_UM_PIN_FRACTION", v.fraction, 0.5, "fraction of MemAvailable the registered mode may pin"),
         Knob(
             "PLE_UM_ATS_PREFETCH",
-            _choice("auto", "on", "off"),
+            v.choice("auto", "on", "off"),
             "auto",
             "ats mode: a host node queued before the kernel touches the pages of the lookup's rows "
             "(auto = when the table was not fully resident at open; on = always, in the ats and registered "
@@ -228,40 +152,40 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_MAP_RESIDENT",
-            _bool,
+            v.boolean,
             True,
             "ats and cpu modes: at open, map the table pages already in the page cache into this process "
             "(MADV_POPULATE_READ over resident ranges only), so that lookups take no minor faults",
         ),
         Knob(
             "PLE_UM_DIRECT_LAUNCH",
-            _bool,
+            v.boolean,
             True,
             "GPU modes: launch the gather kernel through its compiled handle after the first call "
             "(skips Triton's per-call argument binding)",
         ),
         Knob(
             "PLE_UM_OVERLAP",
-            _bool,
+            v.boolean,
             True,
             "vLLM and SGLang plugins: queue each PLE lookup on a side stream one decoder layer ahead "
             "(the engine's start_prefetch hook), so the host gather overlaps the GPU's work",
         ),
         Knob(
             "PLE_UM_ATS_POPULATE",
-            _bool,
+            v.boolean,
             False,
             "ats mode: populate the mapping through cudaHostRegister at open",
         ),
         Knob(
             "PLE_UM_SELF_TEST_ROWS",
-            _count(0, 1 << 20),
+            v.count(0, 1 << 20),
             64,
             "rows the self-test compares with the file at open (0 = off)",
         ),
         Knob(
             "PLE_UM_STAGING_SLOTS",
-            _count(1, 64),
+            v.count(1, 64),
             3,
             "cpu mode without the C row copy: pinned staging buffers used in turn",
         ),
@@ -274,50 +198,50 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_ROWCOPY",
-            _bool,
+            v.boolean,
             True,
             "host paths read rows with the C row copy run as a CUDA host node (compiled once into "
             "PLE_UM_CACHE_DIR); off, or where it does not build, the cpu mode's synchronous gather",
         ),
         Knob(
             "PLE_UM_DISPATCHER",
-            _bool,
+            v.boolean,
             True,
             "host paths, eager lookups: the C row copy run by ple-um's dispatcher thread, the stream "
             "signalled through CUDA stream memory operations (off: a CUDA host node per lookup and "
             "per chunk, as captured lookups always are)",
         ),
-        Knob("PLE_UM_STRICT", _bool, False, "raise IndexError for ids outside the table (synchronizes)"),
+        Knob("PLE_UM_STRICT", v.boolean, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(
             "PLE_UM_CACHE_DIR",
-            _directory,
+            v.directory,
             lambda: os.path.join(os.path.expanduser("~"), ".cache", "ple-um"),
             "where `ple-um bench` keeps its synthetic table, the compiled C row copy, and the "
             "first-read verdicts (first-read/)",
         ),
         Knob(
             "PLE_UM_FIRST_READ_CHECK",
-            _checked_modes,
+            v.modes_list(*FIRST_READ_MODES),
             ("ats",),
             "access modes whose first read of the mapping runs in a child process before this "
             "process uses them, verdict cached per machine (ats, registered; off = none)",
         ),
         Knob(
             "PLE_UM_FIRST_READ_TIMEOUT",
-            _positive_seconds,
+            v.positive_seconds,
             120.0,
             "seconds the first-read child may take before it is killed and its mode rejected",
         ),
         Knob(
             "PLE_UM_FIRST_READ_FAULT",
-            _choice(*FIRST_READ_FAULTS),
+            v.choice(*FIRST_READ_FAULTS),
             None,
             "tests only: the first-read child crashes (segv, abort), hangs, exits at once (exit), "
             "fails with a CUDA-like error (error) or corrupts the rows it compares (corrupt)",
         ),
         Knob(
             "PLE_UM_ROW_CACHE",
-            _auto_or(parse_size, "a byte count (0, 512MiB, 4GiB)"),
+            v.auto_or(parse_size, "a byte count (0, 512MiB, 4GiB)"),
             "auto",
             "host path: bytes of hot rows kept at row granularity in memory the table owns; auto = "
             "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table is not in the page cache at "
@@ -325,40 +249,40 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_ROW_CACHE_FRACTION",
-            _fraction,
+            v.fraction,
             0.5,
             "the fraction of the memory this process can still take (MemAvailable, its memory cgroup's "
             "room) that PLE_UM_ROW_CACHE=auto gives the row cache",
         ),
         Knob(
             "PLE_UM_ROW_CACHE_POLICY",
-            _choice("tinylfu", "lru", "clock"),
+            v.choice("tinylfu", "lru", "clock"),
             "tinylfu",
             "what the row cache keeps: tinylfu admits a row only when it is wanted more often than the "
             "one it would evict; lru and clock admit every row",
         ),
         Knob(
             "PLE_UM_FILE_READS",
-            _choice("auto", "uring", "threads", "mmap"),
+            v.choice("auto", "uring", "threads", "mmap"),
             "auto",
             "host path: how the rows a lookup misses are read, many at a time; auto = io_uring where a "
             "ring can be made, else reader threads; mmap = one page fault at a time",
         ),
         Knob(
             "PLE_UM_DIRECT_READS",
-            _choice("auto", "on", "off"),
+            v.choice("auto", "on", "off"),
             "auto",
             "host path: read misses with O_DIRECT (past the page cache); auto = when there is a row cache",
         ),
         Knob(
             "PLE_UM_READ_DEPTH",
-            _count(1, 256),
+            v.count(1, 256),
             64,
             "host path: reads of missing rows in flight per reading thread",
         ),
         Knob(
             "PLE_UM_METRICS_SEC",
-            _seconds_or_off,
+            v.seconds_or_off,
             15.0,
             "seconds between reads of the GPU modes' device counters and the page-cache residency for "
             "Prometheus when the stats line is off (0 = never; with PLE_UM_STATS_SEC > 0 that period)",

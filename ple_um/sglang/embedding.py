@@ -33,6 +33,11 @@ from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.errors import CheckpointError, PleUmError
 from ple_um.sglang.source import table_directory
 
+NOT_APPLIED = (
+    "ple-um: PLE_UM is set but SGLang's Qwen4ExpPinnedHostEmbedding is not replaced (see the HookRegistry "
+    "error logged at start-up); unset PLE_UM to run stock SGLang"
+)
+
 logger = logging.getLogger("ple_um.sglang")
 
 # Rows compared per lookup when a load delivers a shard in memory.
@@ -303,3 +308,10 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
         start, end = self.owned_rows
         return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"
+
+
+def applied() -> bool:
+    """Whether SGLang's model module builds ple-um tables now (the hooks' class REPLACE took effect)."""
+    from sglang.srt.models import qwen4_exp
+
+    return qwen4_exp.Qwen4ExpPinnedHostEmbedding is PleUmHostEmbedding

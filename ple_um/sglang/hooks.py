@@ -26,11 +26,6 @@ MODEL = "sglang.srt.models.qwen4_exp"
 LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-NOT_APPLIED = (
-    "ple-um: PLE_UM is set but SGLang's Qwen4ExpPinnedHostEmbedding is not replaced (see the HookRegistry "
-    "error logged at start-up); unset PLE_UM to run stock SGLang"
-)
-
 _registered = False
 
 
@@ -57,20 +52,13 @@ def register() -> list[str]:
     return list(hooks)
 
 
-def applied() -> bool:
-    """Whether SGLang's model module builds ple-um tables now (the class REPLACE took effect)."""
-    from sglang.srt.models import qwen4_exp
-
-    from ple_um.sglang.embedding import PleUmHostEmbedding
-
-    return qwen4_exp.Qwen4ExpPinnedHostEmbedding is PleUmHostEmbedding
-
-
 def ngram_init(original, self, *args, **kwargs) -> None:
     """Build the n-gram embedding with the offload on, so that SGLang wraps the table in ple-um's class."""
     if not envs.PLE_UM:
         original(self, *args, **kwargs)
         return
+    from ple_um.sglang.embedding import NOT_APPLIED, applied
+
     if not applied():
         raise RuntimeError(NOT_APPLIED)
     bound = inspect.signature(original).bind(self, *args, **kwargs)

@@ -29,8 +29,7 @@ from sglang.srt.models.qwen4_exp import Qwen4ExpNGramEmbedding
 
 from ple_um import envs
 from ple_um.checkpoint import find_layers, read_layout
-from ple_um.sglang import hooks
-from ple_um.sglang.embedding import PleUmHostEmbedding
+from ple_um.sglang.embedding import NOT_APPLIED, PleUmHostEmbedding, applied
 from ple_um.sglang.source import note_model_folder, table_directory, table_tensor
 
 MODEL_CLASS = "Qwen4ExpForConditionalGeneration"
@@ -47,8 +46,8 @@ def weights_iterator(original, loader, source, *, resolved_source=None, **kwargs
     """The AROUND hook of ``DefaultModelLoader._get_weights_iterator`` (see the module's docstring)."""
     if not _serves(source):
         return original(loader, source, resolved_source=resolved_source, **kwargs)
-    if not hooks.applied():  # stock tables would get no rows
-        raise RuntimeError(hooks.NOT_APPLIED)
+    if not applied():  # stock tables would get no rows
+        raise RuntimeError(NOT_APPLIED)
     if resolved_source is None:
         folder, files, use_safetensors = loader._prepare_weights(
             source.model_or_path, source.revision, source.fall_back_to_pt, source.allow_patterns_overrides

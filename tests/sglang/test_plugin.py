@@ -64,9 +64,9 @@ def test_hooks_applied_in_this_process(sglang_world):
     from sglang.srt.models import qwen4_exp
 
     from ple_um.sglang import hooks
-    from ple_um.sglang.embedding import PleUmHostEmbedding
+    from ple_um.sglang.embedding import PleUmHostEmbedding, applied
 
-    assert hooks.applied()
+    assert applied()
     assert qwen4_exp.Qwen4ExpPinnedHostEmbedding is PleUmHostEmbedding
     assert issubclass(PleUmHostEmbedding, PleUmHostEmbedding.__mro__[1])
     assert PleUmHostEmbedding.__mro__[1].__name__ == "Qwen4ExpPinnedHostEmbedding"

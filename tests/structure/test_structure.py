@@ -3,7 +3,7 @@ layer or the layers below it (no import circle), and no file, class or function 
 newcomer can read (docs/DESIGN.md, "Map").
 
 Imports are read from the source (``ast``), module-level and inside functions alike: a lazy import
-upwards is still a dependency upwards.
+upwards is still a dependency upwards. Imports under ``if TYPE_CHECKING:`` (annotations only) are not.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Layers, lowest first: checkpoint -> mapping -> access mode -> kernels -> lookup path -> op and
 # table -> open path -> what users run (the package's front, the CLI, the bench, the engines).
 LAYERS = (
-    ("ple_um.errors", "ple_um.units", "ple_um.version"),
+    ("ple_um.errors", "ple_um.units", "ple_um.version", "ple_um.knob_values"),
     ("ple_um.envs",),
     ("ple_um.checkpoint",),
     ("ple_um.synthetic", "ple_um.mapping"),
@@ -65,7 +65,16 @@ def _imports(name: str, path: pathlib.Path) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
     found = set()
+    typing_only = {  # imports under ``if TYPE_CHECKING:`` are for annotations, never run
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -10,7 +10,8 @@
 - ``PLE_UM_DIRECT_READS``: ``auto`` reads misses with O_DIRECT when there is a row cache (the rows
   then live in the cache, not also in the page cache), through the page cache otherwise.
 A table fully resident at open with the defaults gets neither: its lookups copy from the mapping
-as fast as ever, and the pages it loses later are faulted back in.
+as fast as ever, and the pages it loses later are faulted back in. ``RowSources`` builds what the
+plan says for a table's rows (and an NVFP4 table's block scales) and owns it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 
 from ple_um import envs
 from ple_um.access import memory
-from ple_um.lookup.host.file_reads import choose_strategy
-from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, slots_for
+from ple_um.lookup import rowcopy
+from ple_um.lookup.host.file_reads import FileReader, choose_strategy
+from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, RowCache, slots_for
 from ple_um.mapping import MappedShards
 from ple_um.units import format_bytes
 
@@ -83,3 +85,68 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None) -> Cold
         resident_check=cache == 0,
         why=why,
     )
+
+
+class RowSources:
+    """The C code's view of a table's rows and of an NVFP4 table's block scales (``rowcopy.Rows``),
+    each with the row cache and reader ``plan`` gives it (an NVFP4 table's cache split between
+    them as their row bytes; the block scales' counted apart: a lookup asks both for each id).
+    Owns the caches and readers; ``close()`` once no row copy can use them."""
+
+    def __init__(self, mapping: MappedShards, scale_mapping: MappedShards | None, plan, counts) -> None:
+        self.plan, self.counts = plan, counts
+        self._owned: list[RowCache | FileReader] = []
+        try:
+            share = 1.0
+            if scale_mapping is not None:
+                rows, scales = mapping.layout.row_bytes, scale_mapping.layout.row_bytes
+                share = rows / (rows + scales)
+            self.rows = self._sources(mapping, share, counts)
+            self.block_scales = (
+                self._sources(scale_mapping, 1.0 - share, rowcopy.Counts())
+                if scale_mapping is not None
+                else None
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _sources(self, mapping: MappedShards, share: float, counts) -> rowcopy.Rows:
+        plan = self.plan
+        if plan is None:
+            return rowcopy.Rows(mapping)
+        cache = reader = None
+        slots = slots_for(int(plan.cache_bytes * share), mapping.layout.row_bytes)
+        if slots:
+            cache = RowCache(slots, mapping.layout.row_bytes, counts, policy=plan.policy)
+            self._owned.append(cache)
+        if plan.reads:
+            reader = FileReader(
+                mapping,
+                strategy=plan.strategy,
+                direct=plan.direct,
+                depth=plan.depth,
+                resident_check=plan.resident_check,
+            )
+            self._owned.append(reader)
+        return rowcopy.Rows(mapping, cache=cache, reader=reader)
+
+    def stats(self) -> dict | None:
+        """The row cache's hits, misses, evictions and rows (of the rows' cache: the block scales'
+        are for the same ids), bytes and resident_bytes (both caches), and the rows read from the
+        files and the seconds spent on them; None where there is no row cache."""
+        if self.rows.cache is None:
+            return None
+        total = self.rows.cache.stats()
+        if self.block_scales is not None and self.block_scales.cache is not None:
+            total["bytes"] += self.block_scales.cache.nbytes
+            total["resident_bytes"] += self.block_scales.cache.resident_bytes()
+        c = self.counts.read()
+        total["file_reads"], total["read_seconds"] = c["file_reads"], c["read_ns"] * 1e-9
+        return total
+
+    def close(self) -> None:
+        """Release the caches and readers, last made first. Idempotent."""
+        for resource in reversed(self._owned):
+            resource.close()
+        self._owned = []

@@ -38,10 +38,8 @@ from ple_um import envs
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.host.buffers import INLINE_ROWS, PinnedBuffers, StreamState, chunks
-from ple_um.lookup.host.cold import ColdPlan
+from ple_um.lookup.host.cold import ColdPlan, RowSources
 from ple_um.lookup.host.driver import CudaDriver
-from ple_um.lookup.host.file_reads import FileReader
-from ple_um.lookup.host.row_cache import RowCache, slots_for
 from ple_um.lookup.host.signals import DONE_AT, SIGNAL_BYTES, arm, signals_work
 from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize, e2m1_values
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
@@ -75,19 +73,9 @@ class HostGather:
         self.scale = scale
         self.counts = rowcopy.Counts()
         self.cold = cold
-        self._owned: list[RowCache | FileReader] = []  # released in close(), after the row copies
-        try:
-            share = 1.0 if scale_mapping is None else _share(mapping, scale_mapping)
-            self.rows = self._rows(mapping, cold, share, self.counts)
-            # The block scales' cache counts apart: a lookup asks both caches for each id.
-            self.block_scales = (
-                self._rows(scale_mapping, cold, 1.0 - share, rowcopy.Counts())
-                if scale_mapping is not None
-                else None
-            )
-        except BaseException:
-            self._release_owned()
-            raise
+        # The C code's view of the rows (and block scales), with their row cache and reader.
+        self.sources = RowSources(mapping, scale_mapping, cold, self.counts)
+        self.rows, self.block_scales = self.sources.rows, self.sources.block_scales
         self.row_bytes = tuple(r.row_bytes for r in (self.rows, self.block_scales) if r is not None)
         self.pool = rowcopy.Pool(lib, threads)
         self.threads = self.pool.threads
@@ -116,45 +104,9 @@ class HostGather:
             eager = "by the dispatcher thread" if self.dispatcher else f"as host nodes ({why})"
             self.row_reads += f"; eager lookups {eager}"
 
-    def _rows(self, mapping: MappedShards, cold: ColdPlan | None, share: float, counts) -> rowcopy.Rows:
-        """The C code's view of ``mapping``'s rows, with ``share`` of the plan's row cache, whose
-        hits and misses are added to ``counts``."""
-        if cold is None:
-            return rowcopy.Rows(mapping)
-        cache = reader = None
-        slots = slots_for(int(cold.cache_bytes * share), mapping.layout.row_bytes)
-        if slots:
-            cache = RowCache(slots, mapping.layout.row_bytes, counts, policy=cold.policy)
-            self._owned.append(cache)
-        if cold.reads:
-            reader = FileReader(
-                mapping,
-                strategy=cold.strategy,
-                direct=cold.direct,
-                depth=cold.depth,
-                resident_check=cold.resident_check,
-            )
-            self._owned.append(reader)
-        return rowcopy.Rows(mapping, cache=cache, reader=reader)
-
     def row_cache_stats(self) -> dict | None:
-        """The row cache's hits, misses, evictions and rows (of the rows' cache: an NVFP4 table's
-        block scales are cached beside them, for the same ids) and bytes (both caches), the rows
-        read from the files and the seconds spent on them; None where there is no row cache."""
-        if self.rows.cache is None:
-            return None
-        total = self.rows.cache.stats()
-        if self.block_scales is not None and self.block_scales.cache is not None:
-            total["bytes"] += self.block_scales.cache.nbytes
-            total["resident_bytes"] += self.block_scales.cache.resident_bytes()
-        c = self.counts.read()
-        total["file_reads"], total["read_seconds"] = c["file_reads"], c["read_ns"] * 1e-9
-        return total
-
-    def _release_owned(self) -> None:
-        for resource in reversed(self._owned):
-            resource.close()
-        self._owned = []
+        """The row cache's figures (``cold.RowSources.stats``), or None where there is none."""
+        return self.sources.stats()
 
     # -- what a lookup asks ------------------------------------------------------------------
     def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -388,10 +340,4 @@ class HostGather:
             state.close(self._driver)
         self._streams = {}
         self._captured = []
-        self._release_owned()
-
-
-def _share(mapping: MappedShards, scale_mapping: MappedShards) -> float:
-    """The rows' share of an NVFP4 table's row cache: as their bytes to the block scales'."""
-    rows, scales = mapping.layout.row_bytes, scale_mapping.layout.row_bytes
-    return rows / (rows + scales)
+        self.sources.close()

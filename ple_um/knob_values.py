@@ -1,0 +1,90 @@
+"""The kinds of value a knob takes (``ple_um.envs`` declares the knobs): each a parser that reads the
+text of an environment variable and returns its value, or raises ValueError saying what it takes,
+in words a user reads (``envs`` adds the variable's name)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def modes_list(*allowed: str) -> Callable[[str], tuple[str, ...]]:
+    """Comma-separated names out of ``allowed`` (each once, in order); off/none = none."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        value = text.strip().lower()
+        if value in ("", "0", "off", "none", "false", "no"):
+            return ()
+        modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
+        if any(m not in allowed for m in modes):
+            raise ValueError(f"expected off or a comma-separated list of {', '.join(allowed)}, got {text!r}")
+        return modes
+
+    return parse
+
+
+def ranged(
+    convert: Callable[[str], Any], low: float, high: float, expected: str, *, above_low: bool = False
+) -> Callable[[str], Any]:
+    """A number that ``convert`` (int, float) reads, in [low, high] (``above_low``: in (low, high]):
+    NaN and the infinities are out of range, and an int knob never wraps a C int. ``expected``
+    says what is taken."""
+
+    def parse(text: str):
+        try:
+            value = convert(text.strip())
+        except (ValueError, OverflowError):
+            value = None
+        if value is None or not low <= value <= high or (above_low and value == low):
+            raise ValueError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def count(low: int, high: int) -> Callable[[str], int]:
+    return ranged(int, low, high, f"a whole number from {low} to {high}")
+
+
+seconds_or_off = ranged(float, 0, 86400, "a number of seconds from 0 (off) to 86400")
+positive_seconds = ranged(float, 0, 86400, "a number of seconds above 0, at most 86400", above_low=True)
+fraction = ranged(float, 0, 1, "a fraction from 0 to 1")
+
+
+def auto_or(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
+    """``auto``, or a value ``parse`` takes; a refusal says both (``expected``: what ``parse`` takes)."""
+
+    def parse_auto(text: str):
+        if text.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse(text)
+        except ValueError:
+            raise ValueError(f"expected auto or {expected}, got {text!r}") from None
+
+    return parse_auto
+
+
+def directory(text: str) -> str:
+    if not text.strip():
+        raise ValueError("expected a directory, got an empty value")
+    return text
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
+        return value
+
+    return parse
