@@ -25,10 +25,12 @@ PROC_CGROUP = "/proc/self/cgroup"
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """Where this process's memory cgroup lives: ``version`` 1 or 2, the directory of its group."""
+    """Where this process's memory cgroup lives: ``version`` 1 or 2, the directory of its group, and
+    the hierarchy's top (its mount point)."""
 
     version: int
     group: str
+    root: str = ""
 
 
 def _below(point: str, root: str, path: str) -> str:
@@ -61,11 +63,11 @@ def find_hierarchy(
     if v2 is not None and v2_path is not None:
         controllers = _read(os.path.join(v2[0], "cgroup.controllers"))
         if "memory" in (controllers or "").split():
-            return Hierarchy(2, _below(v2[0], v2[1], v2_path)), ""
+            return Hierarchy(2, _below(v2[0], v2[1], v2_path), v2[0]), ""
     v1_path = next((path for _, ctrl, path in memberships if "memory" in ctrl.split(",")), None)
     v1 = next((m for m in mounts if m[2] == "cgroup" and "memory" in m[3].split(",")), None)
     if v1 is not None and v1_path is not None:
-        return Hierarchy(1, _below(v1[0], v1[1], v1_path)), ""
+        return Hierarchy(1, _below(v1[0], v1[1], v1_path), v1[0]), ""
     return None, "no memory cgroup controller is mounted for this process (neither cgroup v2 nor v1)"
 
 
@@ -98,19 +100,31 @@ class MemoryLimit:
     def open(
         cls, limit: int, name: str, hierarchy: tuple[Hierarchy | None, str] | None = None
     ) -> MemoryLimit:
-        """A group called ``name`` below this process's own, limited to ``limit`` bytes; a limit
-        that is not enforced where the machine does not allow one."""
+        """A group called ``name`` below this process's own, limited to ``limit`` bytes; where that
+        group cannot be limited (cgroup v2 lets a group that holds processes hand no controller to
+        its children: EBUSY), one at the top of the hierarchy; a limit that is not enforced where
+        the machine allows neither."""
         found, why = find_hierarchy() if hierarchy is None else hierarchy
         if found is None:
             return cls(limit, enforced=False, why=why)
-        group = os.path.join(found.group, name)
+        made = cls._made_in(limit, found.group, name, found.version)
+        if not made.enforced and found.root and os.path.normpath(found.root) != os.path.normpath(found.group):
+            top = cls._made_in(limit, found.root, name, found.version)
+            if top.enforced:
+                top.how += f" (at the hierarchy's top: below {found.group}, {made.why})"
+                return top
+        return made
+
+    @classmethod
+    def _made_in(cls, limit: int, parent: str, name: str, version: int) -> MemoryLimit:
+        group = os.path.join(parent, name)
         try:
             os.mkdir(group)
         except OSError as exc:
-            return cls(limit, enforced=False, why=f"cannot make a cgroup in {found.group}: {exc.strerror}")
+            return cls(limit, enforced=False, why=f"cannot make a cgroup in {parent}: {exc.strerror}")
         made = cls(limit, enforced=True, group=group)
         try:
-            made.how = made._limit_v2(found.group) if found.version == 2 else made._limit_v1()
+            made.how = made._limit_v2(parent) if version == 2 else made._limit_v1()
             # The kernel makes the file with the group; O_CREAT only spares a test's plain folder.
             made._procs_fd = os.open(os.path.join(group, "cgroup.procs"), os.O_WRONLY | os.O_CREAT, 0o644)
         except OSError as exc:

@@ -37,7 +37,7 @@ def test_find_hierarchy_v2_with_the_memory_controller(tmp_path):
         "31 24 0:27 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
         "4:memory:/user.slice/me\n0::/user.slice/me\n",
     )
-    assert find_hierarchy(*files) == (Hierarchy(2, str(root / "user.slice" / "me")), "")
+    assert find_hierarchy(*files) == (Hierarchy(2, str(root / "user.slice" / "me"), str(root)), "")
 
 
 def test_find_hierarchy_v1_where_v2_has_no_memory_controller(tmp_path):
@@ -49,7 +49,10 @@ def test_find_hierarchy_v1_where_v2_has_no_memory_controller(tmp_path):
         "31 24 0:27 /outer /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n",
         "4:memory:/outer/job/1\n0::/\n",
     )
-    assert find_hierarchy(*files) == (Hierarchy(1, "/sys/fs/cgroup/memory/job/1"), "")
+    assert find_hierarchy(*files) == (
+        Hierarchy(1, "/sys/fs/cgroup/memory/job/1", "/sys/fs/cgroup/memory"),
+        "",
+    )
 
 
 def test_find_hierarchy_without_a_memory_controller(tmp_path):
@@ -76,6 +79,23 @@ def test_a_v2_limit_writes_its_files_and_moves_the_child(tmp_path):
             os.unlink(group / name)
     assert not group.exists() and limit.group is None
     limit.close()  # idempotent
+
+
+def test_a_v2_group_that_cannot_delegate_takes_the_hierarchys_top(tmp_path):
+    """cgroup v2: a group that holds processes hands no controller to its children (EBUSY, here a
+    subtree_control that cannot be written); the limit's group is then made at the top."""
+    top = tmp_path / "cg2"
+    own = top / "process_api" / "me"
+    own.mkdir(parents=True)
+    (own / "cgroup.subtree_control").mkdir()  # writing it fails, as the kernel's EBUSY would
+    (top / "cgroup.subtree_control").write_text("")
+    with MemoryLimit.open(64 * MiB, "bench-3", (Hierarchy(2, str(own), str(top)), "")) as limit:
+        assert limit.enforced and limit.group == str(top / "bench-3")
+        assert (top / "bench-3" / "memory.max").read_text() == str(64 * MiB)
+        assert f"at the hierarchy's top: below {own}" in limit.describe()
+        for name in os.listdir(top / "bench-3"):
+            os.unlink(top / "bench-3" / name)
+    assert not (own / "bench-3").exists() and not (top / "bench-3").exists()
 
 
 def test_a_v1_limit_forbids_swap_where_it_is_accounted(tmp_path):

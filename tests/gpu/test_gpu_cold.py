@@ -113,7 +113,11 @@ def test_graphs_replay_cold_with_new_ids(tables, reads, cache, cold_table, ids_f
                 torch.cuda.synchronize()
                 assert same(out, want(layout, ids_np, torch.bfloat16)), (n, k)
         cached = table.stats()["row_cache"]
-        assert cached["hits"] > 0 and (cached["evictions"] > 0) == (cache == "256KiB")
+        assert cached["hits"] > 0
+        if cache == "256KiB":
+            assert cached["evictions"] > 0
+        else:  # room for every row: only a set that happens to fill evicts (a few)
+            assert cached["evictions"] < cached["rows"] // 100
 
 
 def test_two_streams_share_one_cache(tables, cold_table, ids_for, rng, device):

@@ -312,7 +312,7 @@ def test_the_page_touch_runs_before_the_kernel(tables, open_mode, ids_for, rng, 
     (host-node time rose) and counted no rows (the kernel counts the lookup)."""
     layout = tables["fp8"]
     with open_mode(layout, "registered", "1", PLE_UM_ATS_PREFETCH="on", PLE_UM_BULK_ROWS="0") as table:
-        assert table.touch_pages and isinstance(table.paths.host, HostGather)
+        assert table.paths.touch_pages and isinstance(table.paths.host, HostGather)
         ns0 = table.paths.host.read_counts()["ns"]
         for n in (16, 5000):
             ids_np = ids_for(layout, n, rng)
