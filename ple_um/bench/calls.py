@@ -20,11 +20,12 @@ class KernelOnly:
         self.capture_safe = table.capture_safe
 
     def lookup(self, ids: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-        saved, self.table.bulk_rows = self.table.bulk_rows, None
+        paths = self.table.paths
+        saved, paths.bulk_rows = paths.bulk_rows, None
         try:
             return self.table.lookup(ids, out=out)
         finally:
-            self.table.bulk_rows = saved
+            paths.bulk_rows = saved
 
     def close(self) -> None:
         pass

@@ -313,13 +313,13 @@ def test_the_page_touch_runs_before_the_kernel(tables, open_mode, ids_for, rng, 
     layout = tables["fp8"]
     with open_mode(layout, "registered", "1", PLE_UM_ATS_PREFETCH="on", PLE_UM_BULK_ROWS="0") as table:
         assert table.paths.touch_pages and isinstance(table.paths.host, HostGather)
-        ns0 = table.paths.host.read_counts()["ns"]
+        ns0 = table.paths.host.counts.read()["ns"]
         for n in (16, 5000):
             ids_np = ids_for(layout, n, rng)
             out = poisoned((n, layout.row_dim), torch.float16, device)
             table.lookup(torch.from_numpy(ids_np).to(device), out=out)
             assert same(out, expected(layout, ids_np, torch.float16))
-        counts = table.paths.host.read_counts()
+        counts = table.paths.host.counts.read()
         assert counts["ns"] > ns0 and counts["rows"] == 0 and counts["lookups"] == 0
         assert table.stats()["rows"] == 5016
 
