@@ -210,8 +210,8 @@ class MappedTable:
         self._lookups += 1  # eager calls; rows are counted by the paths (graph replays too)
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        # Eager calls skip the op's dispatch (tens of microseconds of Python); torch.compile traces
-        # the op, which it sees as one opaque call with a known output.
+        # Eager calls skip the op's dispatch (its Python costs more than the lookup itself);
+        # torch.compile traces the op, which it sees as one opaque call with a known output.
         if torch.compiler.is_compiling():
             flat = ids.view(-1)
             if out is not None:
