@@ -29,7 +29,7 @@ STORAGE_CODES = {
 }
 _WORD_DTYPES = {64: torch.int64, 32: torch.int32, 16: torch.int16, 8: torch.uint8}
 
-# Defaults measured on the H200 (docs/PERF_NOTES.md); callers may pass others.
+# The program shape that measured fastest (docs/lab/PERF_NOTES.md); callers may pass others.
 ROWS_PER_PROGRAM = 16
 NUM_WARPS = 4
 
@@ -94,7 +94,7 @@ def _locate(ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_sha
 @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["ids_ptr", "out_ptr"])
 def _gather_kernel(
     bases_ptr,  # int64 [parts]: address of each shard's local row 0
-    ids_ptr,  # int32/int64 [n]: global row ids
+    ids_ptr,  # [n] global row ids, of any integer dtype a table takes (int8 to int64)
     out_ptr,  # raw: words [n, row_words]; dequantized: elements [n, row_dim]
     counters_ptr,  # int64 [2]: rows looked up, ids outside [0, num_rows); accumulated on the device
     n,

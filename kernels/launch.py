@@ -1,14 +1,14 @@
 """DirectLaunch: a Triton kernel launched through its compiled handle once it has been compiled.
 
 A Triton launch binds and specializes every argument on every call, then looks the compiled kernel
-up by the resulting key: for the 19-argument gather kernel that costs about 27 us of host time more
-than a trivial kernel's launch on the H200 (docs/FACTS.md section 9). A table fixes all but three of
-those arguments (the ids, the output, the batch size), and the kernels mark those three as never
+up by the resulting key: for the 19-argument gather kernel that costs several times the host time
+of a trivial kernel's launch (docs/lab/PERF_NOTES.md). A table fixes all but three of those
+arguments (the ids, the output, the batch size), and the kernels mark those three as never
 specialized (``do_not_specialize``, ``do_not_specialize_on_alignment``), so one compiled kernel
 serves every call of a kind (device, dtypes, word size, constexprs, 32- or 64-bit batch size). The
 first call of a kind goes through Triton's own launch, which compiles and returns the kernel; the
 next ones hand the same arguments straight to its launcher (``CompiledKernel.run``, the call
-``CompiledKernel.__getitem__``'s runner makes, read from Triton 3.6's and 3.8's sources).
+``CompiledKernel.__getitem__``'s runner makes, as Triton 3.6 to 3.8 define it: ``_VERSIONS``).
 
 Used only where it is known to work: a real (not interpreted) kernel, a Triton version whose
 launcher takes that call, no launch hooks set (a profiler's), and ``PLE_UM_DIRECT_LAUNCH`` on;
@@ -30,8 +30,8 @@ _VERSIONS = ((3, 6), (3, 7), (3, 8))
 
 def _hook_active(hook) -> bool:
     """A launch hook is set: Triton 3.6+ keeps them in a HookChain, which is never None but empty
-    until a profiler adds one (measured on the H200: taking a never-None chain for a set hook kept
-    every call off the direct launch); older Triton used None."""
+    until a profiler adds one (so a chain counts as set only when it holds a call: read as set, it
+    would keep every call off the direct launch); older Triton used None."""
     if hook is None:
         return False
     calls = getattr(hook, "calls", None)

@@ -1,8 +1,9 @@
 """Every knob ple-um reads, declared once: name, type, default, aliases and a one-line doc.
 
 Read a knob as an attribute (``envs.PLE_UM_MODE``); the environment is read at each access, so a
-test or a launcher can change it before the table opens. The seeds' ``VLLM_PLE_MMAP*`` names are
-aliases: when the ple-um name is unset and an alias is set, the alias is used.
+test or a launcher can change it before the table opens. The ``VLLM_PLE_MMAP*`` names of the
+earlier CPU-gather patches (README) are aliases: when the ple-um name is unset and an alias is set,
+the alias is used.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Knob:
 def _default_threads() -> int:
     """The cores less one, at most 16 (all of them on two cores or fewer): the thread that queues
     the lookups keeps a core, or a big lookup's readers crowd it out and one of them loses its core
-    for a scheduler tick (a 131 072-row lookup at 2-3 ms instead of 1 ms: docs/PERF_NOTES.md row 19)."""
+    for a scheduler tick, which holds the whole lookup up (docs/lab/PERF_NOTES.md)."""
     cores = os.cpu_count() or 1
     return max(1, min(16, cores - 1 if cores > 2 else cores))
 

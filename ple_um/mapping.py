@@ -223,9 +223,9 @@ class MappedShards:
     def map_resident(self, most_runs: int = 1 << 16) -> int:
         """Map into this process the pages of the mappings that are already in the page cache
         (``MADV_POPULATE_READ`` over resident runs only: nothing is read from disk, only page-table
-        entries are made), so that a host gather takes no minor fault on them (docs/FACTS.md
-        section 7: 16 rows from an 8 GiB mapping 71 us before, 33 us after). At most ``most_runs``
-        runs per mapping, longest first. Returns the bytes mapped; 0 where the kernel lacks
+        entries are made), so that a host gather takes no minor fault on them: a fault per page
+        first touched costs a small lookup more than its copies (docs/lab/PERF_NOTES.md). At most
+        ``most_runs`` runs per mapping, longest first. Returns the bytes mapped; 0 where the kernel lacks
         MADV_POPULATE_READ (Linux < 5.14)."""
         self._check_open()
         total = 0

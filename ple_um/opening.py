@@ -135,7 +135,7 @@ def open_table(
     device=None,
     strict: bool | None = None,
 ) -> MappedTable:
-    """Open one PLE layer's table from the checkpoint directory ``path`` (see DESIGN.md)."""
+    """Open one PLE layer's table from the checkpoint directory ``path`` (see docs/DESIGN.md)."""
     t0 = time.perf_counter()
     # A knob set to a value it does not take is an error here, not a rejected mode (PLE_UM_MODE:
     # read by requested_mode, and only when no mode is given).

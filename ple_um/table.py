@@ -210,8 +210,8 @@ class MappedTable:
         self._lookups += 1  # eager calls; rows are counted by the paths (graph replays too)
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        # Eager calls skip the op's dispatch (tens of microseconds of Python); torch.compile traces
-        # the op, which it sees as one opaque call with a known output.
+        # Eager calls skip the op's dispatch (its Python costs more than the lookup itself);
+        # torch.compile traces the op, which it sees as one opaque call with a known output.
         if torch.compiler.is_compiling():
             flat = ids.view(-1)
             if out is not None:
@@ -272,9 +272,9 @@ class MappedTable:
     def stats(self, *, sync: bool = True) -> dict:
         """Counters: lookups (eager calls), rows and ids outside the table (counted by the paths:
         graph replays too), bytes, phase seconds of the host path, memory, and the row cache
-        (``row_cache``: hits, misses, evictions, rows, bytes, file_reads, read_seconds; None where
-        there is none). ``sync`` waits for the device first, so that every lookup queued before is
-        in the figures (the stats reporter reads without it, on a stream of its own)."""
+        (``row_cache``: ``lookup.host.cold.RowSources.stats``; None where there is none). ``sync``
+        waits for the device first, so that every lookup queued before is in the figures (the
+        stats reporter reads without it, on a stream of its own)."""
         with self._in_use():
             if sync and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one way to run ple-um's GPU tests, benchmarks and profile on a CUDA host (the lent H200: the
-# device tool runs commands from the repository root; no package index there). Installs ple-um from
-# the working tree, then runs the parts named (default: tests profile bench), each under its own
+# The one way to run ple-um's GPU tests, benchmarks and profile on a CUDA host, from the repository
+# root. Installs ple-um from the working tree with no package index (its dependencies must be
+# installed already), then runs the parts named (default: tests profile bench), each under its own
 # time limit (NAME_LIMIT seconds), logs and JSON under $OUT (default ./.out), and prints a short
 # summary last. The parts:
 #

@@ -1,4 +1,4 @@
-"""Tensor parallelism on two GPUs (issue 16): each rank maps its vocab range of one FP8 table, every
+"""Tensor parallelism on two GPUs: each rank maps its vocab range of one FP8 table, every
 rank looks up the same ids, an all-reduce sums the partial rows, and the sum must equal the rows
 read from the files. Prints check lines as it goes, a memory table and a timing table last, and
 writes JSON.
@@ -33,9 +33,10 @@ What it does, for each way of opening the table (both ranks `registered`, both `
    copy on rank 0 alone, no all-reduce).
 
 The ranks run with NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
-NVSHMEM_DISABLE_NVLS=1 (no NVLink multicast on the lent hosts). A watchdog ends a rank that runs
-past --timeout, and NCCL teardown gets its own --teardown-timeout (spawned ranks were seen to hang
-in it: FACTS.md section 10). Exit code: 0 all checks passed, 1 a check failed, 2 an error,
+NVSHMEM_DISABLE_NVLS=1: no NVLink multicast, which the check does not need and which on a shared
+host can take its GPUs out of service. A watchdog ends a rank that runs past --timeout, and NCCL
+teardown gets its own --teardown-timeout (the teardown of spawned ranks can hang after their work
+is done). Exit code: 0 all checks passed, 1 a check failed, 2 an error,
 124 the watchdog.
 """
 
@@ -64,7 +65,8 @@ from tqdm import tqdm
 
 from ple_um import envs, units
 
-# The lent GPU hosts must never use NVLink multicast (NVLS); set in every rank before NCCL starts.
+# No NVLink multicast (NVLS: on a shared host it can take the GPUs out of service, and the check needs
+# none); set in every rank before NCCL starts.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE; Qwen4Exp's divisor is a multiple of the TP size
 LAYER = 1
@@ -432,9 +434,9 @@ class Rank:
             f"{[s // S for s in splits]}",
         )
         os.environ["PLE_UM_PREWARM"] = "1"  # every rank reads its rows into the page cache at open
-        # Each mode is forced here. The lent hosts' memory grows as it is used (MemAvailable reads
-        # small at start: KINDS.md), so the default budget (a fraction of MemAvailable) could refuse
-        # registered mode for no reason this check is about; an explicit budget is kept.
+        # Each mode is forced here. On a host whose memory grows as it is used, MemAvailable reads
+        # small at start, so the default budget (a fraction of MemAvailable) could refuse registered
+        # mode for no reason this check is about; an explicit budget is kept.
         os.environ.setdefault("PLE_UM_PIN_BUDGET", str(self.files.nbytes))
         self.pin_budget = os.environ["PLE_UM_PIN_BUDGET"]
         everyone = lambda mode: [mode] * self.world  # noqa: E731
@@ -785,7 +787,7 @@ def start_watchdog(seconds: float, who: str) -> None:
 
 def leave(rc: int, timeout: float, who: str) -> None:
     """End this rank with ``rc``: the process group's teardown in a thread with its own time limit
-    (spawned NCCL ranks were seen to hang in it after their work was done), then os._exit."""
+    (the teardown of spawned NCCL ranks can hang after their work is done), then os._exit."""
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_initialized():

@@ -1,4 +1,4 @@
-"""ple_um.table: open_table and MappedTable, the public contract of DESIGN.md, on the CPU.
+"""ple_um.table: open_table and MappedTable, the public contract of docs/DESIGN.md, on the CPU.
 
 The ats and device modes run the real kernel and self-test under the Triton interpreter (the host is
 the device); the cpu mode runs the CPU gather. Every lookup is compared element by element with

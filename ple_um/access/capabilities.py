@@ -41,7 +41,7 @@ class DeviceCapabilities:
     can_use_host_pointer_for_registered_mem: bool = False
     integrated: bool = False
     # The device is the host itself: the Triton interpreter runs kernels on the CPU, where a
-    # kernel dereferences the mmap's host address directly (used to test GPU paths in CI).
+    # kernel dereferences the mmap's host address directly (how CI runs the GPU paths).
     host_is_device: bool = False
     uuid: str = ""  # "GPU-8f3c...", "" where there is no CUDA device
     driver_version: str = ""  # "580.159.04" (the kernel module's), else the CUDA driver API's

@@ -1,6 +1,6 @@
 """RegisteredMapping: cudaHostRegister(Mapped | ReadOnly | Portable) over every mapped region.
 
-On a discrete GPU without ATS (the H200 host) registration pins the range and gives the GPU a
+On a discrete GPU without ATS (an H200 in an x86 host, say) registration pins the range and gives the GPU a
 device pointer to it: the kernel reads rows over PCIe, no copy, no GPU memory. A ``PROT_READ``
 mapping needs the ReadOnly flag (with the default flags the driver refuses a read-only range with
 cudaErrorInvalidValue). On ATS systems the same call only populates the pages (it does not pin),

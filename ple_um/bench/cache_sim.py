@@ -1,9 +1,9 @@
 """Reference simulations of a row cache in front of the PLE table: which share of a sequence of row
 lookups a cache of a given byte budget serves, for several eviction and admission policies.
 
-Pure Python and numpy, written to be read and checked, not to be fast (a few seconds per million
-lookups and policy). Every policy sees the same sequence, one lookup at a time, and counts a hit
-when the looked-up row is in the cache at that moment. A cache of ``budget`` bytes holds
+Pure Python and numpy, written to be read and checked, not to be fast. Every policy sees the same
+sequence, one lookup at a time, and counts a hit when the looked-up row is in the cache at that
+moment. A cache of ``budget`` bytes holds
 ``budget // row_bytes`` rows; the page cache holds ``budget // page_bytes`` pages of
 ``page_bytes // row_bytes`` rows each, rows laid out in row order (row r in page r // rows per page).
 The cache starts empty, so a short sequence's misses include every row's first lookup.

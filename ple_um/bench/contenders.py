@@ -7,10 +7,11 @@ for each contender of the bench saying what it is (``describe``):
   are already where the GPU reads fastest, through one stock torch op.
 - ``VllmPinnedHost``: the vLLM 0.33 pinned-host way: the whole table copied into torch pinned host
   memory and read by a Triton kernel through its device pointer, one program per row copying bytes.
-- ``SeedsCpuPath``: the seeds' gather. The seeds are ``vllm_ple_mmap``, the vLLM patch that came
-  before ple-um, which keeps the table on disk behind mmap and gathers rows on the CPU: ids to
-  the host, np.unique, a thread pool (32 workers, chunks of 2048 rows) indexing np.memmap views of
-  the shards, a pinned staging buffer, an async H2D copy and the expansion on the GPU.
+- ``SeedsCpuPath`` (the bench's ``seeds cpu``): the gather of the earlier CPU-gather patches
+  (``vllm_ple_mmap``, the vLLM patch module the README calls the seeds), which keep the table on
+  disk behind mmap and gather rows on the CPU: ids to the host, np.unique, a thread pool (32
+  workers, chunks of 2048 rows) indexing np.memmap views of the shards, a pinned staging buffer,
+  an async H2D copy and the expansion on the GPU.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ class VllmPinnedHost:
 
 
 class SeedsCpuPath:
-    """The seeds' CPU gather (vllm_ple_mmap), as they run it (32 workers, chunks of 2048 rows). It
-    synchronizes with the GPU to read the ids: never capture-safe."""
+    """The CPU gather of the earlier CPU-gather patches (vllm_ple_mmap), as they run it (32 workers,
+    chunks of 2048 rows). It synchronizes with the GPU to read the ids: never capture-safe."""
 
     capture_safe = False
 
@@ -133,7 +134,7 @@ class SeedsCpuPath:
         ]
         for m in self.mm:
             if m is not None:
-                m._mmap.madvise(1)  # MADV_RANDOM, as the seeds do
+                m._mmap.madvise(1)  # MADV_RANDOM, as vllm_ple_mmap does
         self.pool = ThreadPoolExecutor(max_workers=workers)
         self.pinned: torch.Tensor | None = None
 

@@ -102,7 +102,8 @@ def _contenders(cfg: Config, layout: ShardLayout, device: torch.device, result: 
     modes = cfg.modes or (("ats", "registered", "cpu", "device") if cuda else ("cpu",))
     makers: dict[str, Callable[[], object]] = {}
     if layout.is_nvfp4:
-        # The anchor, the seeds and the pinned-host kernel read raw rows; an NVFP4 table is decoded.
+        # The anchor, vllm_ple_mmap's CPU gather and the pinned-host kernel read raw rows, and
+        # ple-um decodes an NVFP4 table's: they are left out for one.
         result["anchor"]["left_out"] = "NVFP4 table: ple-um decodes rows, the anchor would only copy bytes"
     else:
         makers[ANCHOR] = lambda: known.TorchResident(layout, device)

@@ -35,8 +35,9 @@ NATIVE = Path(__file__).with_name("native")
 SOURCES = tuple(NATIVE / name for name in ("rowcopy.c", "pool.c", "dispatcher.c", "rowcache.c", "reader.c"))
 HEADERS = (NATIVE / "rowcopy.h",)
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
-# How long idle workers spin after a lookup before they sleep (H200 host, PERF_NOTES row 12: 500 us
-# gained 0.1-0.2 ms a lookup back to back for 15 threads busy half a millisecond after each one).
+# How long idle workers spin after a lookup before they sleep: long enough to catch a lookup that
+# follows at once, short enough that a pool's threads do not burn their cores after every lookup
+# (a longer spin gains little back to back: docs/lab/PERF_NOTES.md).
 SPIN_US = 50
 # rowcopy.h's counters, in the order of its enum.
 COUNTS = (

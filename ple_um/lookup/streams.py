@@ -2,8 +2,8 @@
 or allocates, while another thread (or its own stream) may be capturing a CUDA graph.
 
 torch hands out its streams from a small pool in turn, so a pool stream can be the very stream
-another thread captures on (seen on an H200: the stats reporter's copy on such a stream broke that
-capture). And in CUDA's default (global) capture interaction mode an allocation or a synchronizing
+another thread captures on, and a copy queued there (the stats reporter's, say) breaks that
+capture. And in CUDA's default (global) capture interaction mode an allocation or a synchronizing
 call in any thread while a capture runs is refused and invalidates the capture; the relaxed mode is
 per thread and applies to this thread's calls only.
 """

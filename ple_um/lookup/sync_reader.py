@@ -24,11 +24,11 @@ from ple_um.mapping import MappedShards
 
 # Below this many unique rows, a thread pool's dispatch costs more than the reads.
 INLINE_ROWS = 4096
-# Up to this many ids a lookup is deduplicated; above it rows are only grouped by shard.
+# Up to this many ids a lookup is deduplicated; above it rows are only grouped by file (row space).
 DEDUP_ROWS = 16384
-# Rows per host-to-device copy when a big gather is pipelined (H200, docs/PERF_NOTES.md: 8 192
-# to 131 072 measured; from 32 768 the per-call overhead no longer shows). The last chunk is cut
-# to TAIL_ROWS: its copy is the one nothing overlaps.
+# Rows per host-to-device copy when a big gather is pipelined: the smallest chunk whose per-copy
+# overhead does not show (docs/lab/PERF_NOTES.md). The last chunk is cut to TAIL_ROWS: its copy is
+# the one nothing overlaps.
 PIPELINE_ROWS = 32768
 TAIL_ROWS = 4096
 
@@ -146,7 +146,7 @@ class RowReader:
 
         Small batches are deduplicated (np.unique: repeated n-grams are common and each saved row
         is a saved page fault); big ones are not. Grouping is a stable radix sort of the 16-bit
-        space numbers: a millisecond where a sort of the ids costs tens."""
+        space numbers, far cheaper than a sort of the ids."""
         if ids.size <= DEDUP_ROWS:
             keys, inverse = np.unique(np.where(owned, ids, -1), return_inverse=True)
             inverse = inverse.reshape(-1)

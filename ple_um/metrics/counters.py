@@ -1,8 +1,8 @@
 """The process's Prometheus counters and gauges, labelled by access mode, and one table's feed into them.
 
 Every figure is declared once in ``METRICS``: its key, its ``vllm:ple_um_*`` name and, where the
-meaning is the same, its seed alias (the ``vllm:ple_mmap_*`` name of the earlier CPU-gather
-patches, exported too so that their dashboards keep working). The metrics are created on first
+meaning is the same, its alias (the ``vllm:ple_mmap_*`` name of the earlier CPU-gather patches,
+exported too so that their dashboards keep working). The metrics are created on first
 use (``PROMETHEUS_MULTIPROC_DIR`` must be set before the first one exists), not at all when
 ``PLE_UM_PROMETHEUS=0`` or when ``prometheus_client`` is not installed.
 
@@ -39,7 +39,7 @@ class MetricSpec:
 
     key: str
     name: str  # vllm:ple_um_*
-    alias: str | None  # the seed alias, vllm:ple_mmap_*, where the meaning is the same
+    alias: str | None  # the earlier CPU-gather patches' vllm:ple_mmap_* name, where the meaning is the same
     doc: str
     kind: str = "counter"  # "counter" | "gauge"
 
@@ -230,11 +230,11 @@ def _create() -> dict[str, list] | None:
 class LookupMetrics:
     """One table's feed into the process's Prometheus metrics, labelled with its access mode.
 
-    The table calls ``observe`` after each lookup that runs on the host (every cpu-mode lookup, a
-    GPU mode's bulk lookups). In the cpu mode that counts everything; in the GPU modes, whose rows
-    are counted on the device (graph replays too), it counts only the phase and lookup seconds, and
-    ``absorb`` (called by the reporter thread with the table's ``stats()``) brings lookups, rows,
-    bytes and out-of-range ids up to the device's totals. So nothing is counted twice. Nothing here
+    The cpu mode's synchronous host path (no C row copy) calls ``observe`` after each lookup and
+    counts everything there. Every other path counts where it runs (the kernel on the device, the C
+    row copy in its host counters; graph replays too), and ``absorb`` (called by the reporter
+    thread with the table's ``stats()``) brings lookups, rows, bytes, out-of-range ids, phase
+    seconds and the row cache's counts up to those totals. So nothing is counted twice. Nothing here
     raises: a failure is logged once and the lookup goes on."""
 
     def __init__(self, mode: str, host_counted: bool | None = None) -> None:
@@ -273,7 +273,7 @@ class LookupMetrics:
         seconds: float | None = None,
     ) -> None:
         """Count one host-side lookup: ``rows`` ids, ``nbytes`` bytes of rows, ``out_of_range`` ids
-        outside the table (these three only in the cpu mode: see the class), its phase seconds
+        outside the table (these three only where the table is ``host_counted``), its phase seconds
         (dedup, gather, stage, wait) and its wall ``seconds`` (default: the phases' sum)."""
         try:
             children = self._metrics()

@@ -1,7 +1,7 @@
 """The reporter thread: one per process, it reads every watched table's ``stats()`` each period,
-logs the stats line of the window since the last one, and absorbs the GPU modes' device counters
-into Prometheus. The device counters are read there, on the reporter's own CUDA stream, never in
-a lookup.
+logs the stats line of the window since the last one, and absorbs the counters the lookup paths
+keep where they run (the device's, the C row copy's) into Prometheus. The device counters are read
+there, on the reporter's own CUDA stream, never in a lookup.
 """
 
 from __future__ import annotations
@@ -68,10 +68,10 @@ class StatsReporter:
     process watches and absorbs their device counters into Prometheus.
 
     The line has the figures of the window since the previous line: lookups, rows, rows/s, MB/s,
-    out-of-range ids, the cpu mode's phase milliseconds, and how much of the mapped table is in the
-    page cache. A window without lookups or rows logs nothing; ``log=False`` logs no line at all
-    (the reporter then only feeds Prometheus). ``tick()`` does one pass (tests call it directly);
-    ``hold()`` pauses ticks."""
+    out-of-range ids, the host path's phase milliseconds, the row cache's hits and file reads, and
+    how much of the mapped table is in the page cache. A window without lookups or rows logs
+    nothing; ``log=False`` logs no line at all (the reporter then only feeds Prometheus). ``tick()``
+    does one pass (tests call it directly); ``hold()`` pauses ticks."""
 
     def __init__(
         self,
@@ -283,8 +283,8 @@ _reporter: StatsReporter | None = None
 
 def reporter() -> StatsReporter | None:
     """The process's reporter, started on first use: every PLE_UM_STATS_SEC seconds with the stats
-    line; with the line off (0) and Prometheus on, every PLE_UM_METRICS_SEC seconds without it (the
-    GPU modes' rows reach the counters only through it); else None."""
+    line; with the line off (0) and Prometheus on, every PLE_UM_METRICS_SEC seconds without it (rows
+    counted where the paths run reach the counters only through it); else None."""
     global _reporter
     if _reporter is not None and _reporter.pid == os.getpid():
         return _reporter

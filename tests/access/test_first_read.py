@@ -5,8 +5,8 @@ a few rows of the real checkpoint files in the mode and gathers them through the
 Triton interpreter runs here on the mapping's host addresses (the parent's TRITON_INTERPRET=1 is in
 the child's environment). What is injected: the machine the parent sees (``DeviceCapabilities``),
 and the child's failure, through the hook it honours (PLE_UM_FIRST_READ_FAULT: a SIGSEGV, an abort,
-a hang, an exit, a CUDA-like error, rows corrupted before the comparison). A child costs about two
-seconds here, most of it importing torch."""
+a hang, an exit, a CUDA-like error, rows corrupted before the comparison). A child costs a fresh
+interpreter's start, most of it importing torch."""
 
 from __future__ import annotations
 

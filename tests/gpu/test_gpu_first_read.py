@@ -2,14 +2,14 @@
 with the real CUDA context, registration and compiled kernel (tests/access/test_first_read.py runs
 the same guard on the Triton interpreter, every cache case included).
 
-A device without ATS and HMM (the H200) never tries the direct read (``ats``), so these tests guard
-``registered`` too (``PLE_UM_FIRST_READ_CHECK=ats,registered``); the guarded mode is the one the
-open picks here. The first open runs the child once and caches its verdict; later opens read the
-verdict and start no child; ``recheck`` runs the child again and replaces the file. A child that
-crashes (SIGSEGV), fails with an error, exits, corrupts its rows or hangs (``PLE_UM_FIRST_READ_FAULT``,
-the child's test hook) rejects the guarded mode with that reason, and the open goes on to ``cpu``,
-whose rows equal the files', in a process whose CUDA context still works. Open times are printed
-(``-s``), never asserted.
+A device without ATS and HMM (an H200 in an x86 host, say) never tries the direct read (``ats``), so
+these tests guard ``registered`` too (``PLE_UM_FIRST_READ_CHECK=ats,registered``); the guarded mode
+is the one the open picks here. The first open runs the child once and caches its verdict; later
+opens read the verdict and start no child; ``recheck`` runs the child again and replaces the file. A
+child that crashes (SIGSEGV), fails with an error, exits, corrupts its rows or hangs
+(``PLE_UM_FIRST_READ_FAULT``, the child's test hook) rejects the guarded mode with that reason, and
+the open goes on to ``cpu``, whose rows equal the files', in a process whose CUDA context still
+works. Open times are printed (``-s``), never asserted.
 """
 
 from __future__ import annotations

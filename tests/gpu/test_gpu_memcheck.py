@@ -1,5 +1,5 @@
 """Bad ids on the GPU paths under ``compute-sanitizer --tool memcheck``: a child process runs every
-bad-id case of docs/RELIABILITY.md (row 3) in the registered mode over the whole table and over an
+bad-id case of docs/RELIABILITY.md in the registered mode over the whole table and over an
 owned sub-range, and in the device mode over a sub-range, with int64 and int32 ids, raw and bf16
 outputs, poisoned and allocated: ids below 0 and far below, at and past the end of the table,
 ``2**62``, one below and at the end of the owned range, shard boundaries; empty ids; strided ids;

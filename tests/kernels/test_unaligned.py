@@ -1,4 +1,4 @@
-"""Tables whose tensor data start at any byte (issue 18): served exactly in every mode.
+"""Tables whose tensor data start at any byte: served exactly in every mode.
 
 The safetensors format does not require a tensor to start at a multiple of its element size; the
 ``safetensors`` package reads such files (``safe_open``), so a checkpoint laid out that way must be
@@ -11,8 +11,8 @@ poisoned output, is compared with what the ``safetensors`` package reads from th
 The cpu mode runs the host gather; ats and device run the kernel under the Triton interpreter,
 registered through the injected registration of tests/helpers/machines.py. The interpreter does not
 fault on a misaligned load as a GPU does, so the kernel's loads are read from the launch
-(``watch_loads``): none may be misaligned. ``scripts/check_unaligned.py``
-runs the same kind of tables on a GPU.
+(``watch_loads``): none may be misaligned. tests/gpu/test_gpu_unaligned.py runs the same kind
+of tables on a GPU.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def lib(tmp_path_factory):
 
 
 class Signals:
-    """Ready and done words of a few jobs, 64 bytes apart, as host_node lays them out."""
+    """Ready and done words of a few jobs, 64 bytes apart, as ``host.signals`` lays them out."""
 
     def __init__(self, jobs: int) -> None:
         self.words = np.zeros(jobs * 32, dtype=np.uint32)

@@ -1,6 +1,6 @@
 """The cpu access mode end to end through open_table on device cpu, both host paths: the C row copy
-(``host_node.HostGather``, called directly where there is no CUDA) and the synchronous fallback
-(``cpu_gather.SyncGather``, PLE_UM_ROWCOPY=0). The same bytes as the reference reader for
+(``host.gather.HostGather``, called directly where there is no CUDA) and the synchronous fallback
+(``sync_gather.SyncGather``, PLE_UM_ROWCOPY=0). The same bytes as the reference reader for
 duplicated, masked and out-of-table ids, dequantized or raw, on the inline path and on the thread
 pool's.
 """

@@ -1,4 +1,4 @@
-"""The C row copy (ple_um/lookup/rowcopy.c), compiled on this machine and called through ctypes with a
+"""The C row copy (ple_um/lookup/native/), compiled on this machine and called through ctypes with a
 job struct, as the CUDA driver calls it from a host node: every row against the reference reader,
 poisoned staging, shard boundaries, ids outside the owned range and the table, every id dtype, the
 block scales of an NVFP4 table beside its rows, a broken shard map, the page touch, lookups from

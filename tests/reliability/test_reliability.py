@@ -1,4 +1,4 @@
-"""Reliability (issue 6): faults at open and while serving, close() racing lookups, the pin budget.
+"""Reliability: faults at open and while serving, close() racing lookups, the pin budget.
 
 Real files and real mmaps throughout. What is injected: the machine (``DeviceCapabilities`` of an
 H200, read by ``open_table``) and cudaHostRegister, through ``InjectedRegistration``: it maps each

@@ -1,6 +1,7 @@
-"""Reliability (issue 6): bad ids give their documented result in every mode that runs here.
+"""Reliability: bad ids give their documented result in every mode that runs here.
 
-The modes: cpu (the host gather, both its deduplicating path and its bulk path), ats and device
+The modes: cpu (the host gather: the C row copy where it builds, called directly on the CPU
+device; lookups of a few ids and of 20 000, above the synchronous path's DEDUP_ROWS), ats and device
 (the kernel under the Triton interpreter) and registered (the kernel reading through injected
 "device pointers": see tests/reliability/test_reliability.py). The documented results (README, DESIGN.md):
 
@@ -14,8 +15,8 @@ The modes: cpu (the host gather, both its deduplicating path and its bulk path),
 
 tests/test_table.py and tests/lookup/test_host_paths.py already cover ids a little outside the table,
 every id dtype, float/bool/uint16 ids and strict lookups; tests/kernels/test_gather.py the kernel
-with int32/int64 extremes;
-docs/GPU_RESULTS.md records the same cases under compute-sanitizer memcheck on the H200.
+with int32/int64 extremes; tests/gpu/test_gpu_memcheck.py runs the same cases on a GPU under
+compute-sanitizer memcheck.
 """
 
 from __future__ import annotations

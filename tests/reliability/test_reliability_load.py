@@ -1,8 +1,9 @@
-"""Reliability (issue 6): threads, page-cache eviction, and the files after long runs.
+"""Reliability: threads, page-cache eviction, and the files after long runs.
 
 - 8 threads look up at once for a few seconds; every row of every result is compared with the
-  reference (the whole table read once with plain reads): the cpu mode's deduplicating path
-  (<= 16384 ids) and its bulk path (> 16384), and the ats mode's kernel under the interpreter.
+  reference (the whole table read once with plain reads): the cpu mode's host gather (the C row
+  copy where it builds) with lookups of up to DEDUP_ROWS ids and of more (the synchronous path's
+  deduplicating and bulk sizes), and the ats mode's kernel under the interpreter.
 - The table's pages are dropped from the page cache between lookups (our page-table entries with
   MADV_DONTNEED, then the file's cached pages with fsync + POSIX_FADV_DONTNEED): every lookup
   still returns the file's rows.

@@ -1,4 +1,4 @@
-"""One rank of the two-rank test (run by test_vllm_two_ranks.py, not collected by pytest).
+"""One rank of the two-rank test (run by test_vllm_backend_two_ranks.py, not collected by pytest).
 
 usage: two_rank_worker.py RANK WORLD_SIZE TMP_DIR CHECKPOINT_DIR OUT_DIR
 

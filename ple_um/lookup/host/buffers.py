@@ -23,7 +23,7 @@ from ple_um.lookup.host.signals import SIGNAL_BYTES, signalled
 from ple_um.lookup.streams import relaxed_capture_mode
 
 # At most this many ids a lookup's rows are read by the thread that runs its row copy alone: below
-# it the pool's hand-off costs more than it saves (docs/PERF_NOTES.md).
+# it the pool's hand-off costs more than it saves (docs/lab/PERF_NOTES.md).
 INLINE_ROWS = 2048
 # Lookups above this many ids are cut into chunks of it (bigger ones where MAX_CHUNKS would not
 # hold them), the last one at most TAIL_ROWS: its copy to the device is the one nothing overlaps.

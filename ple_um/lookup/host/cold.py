@@ -9,8 +9,8 @@
   ring can be made, else reader threads; ``mmap`` faults them in through the mapping.
 - ``PLE_UM_DIRECT_READS``: ``auto`` reads misses with O_DIRECT when there is a row cache (the rows
   then live in the cache, not also in the page cache), through the page cache otherwise.
-A table fully resident at open with the defaults gets neither: its lookups copy from the mapping
-as fast as ever, and the pages it loses later are faulted back in. ``RowSources`` builds what the
+A table fully resident at open with the defaults gets neither: its lookups copy straight from the
+mapping, and the pages it loses later are faulted back in. ``RowSources`` builds what the
 plan says for a table's rows (and an NVFP4 table's block scales) and owns it.
 """
 

@@ -1,8 +1,9 @@
 """The few CUDA driver calls of the host path, bound through ctypes on libcuda.
 
 Each call is a stream operation (captured like any other) or a query; none takes the GIL back while
-it runs, and every return code is checked: a failure raises ``HostNodeError`` naming the call and
-the driver's error. One ``CudaDriver`` per process (``CudaDriver.get()``).
+it runs. A copy, launch, wait, event creation or context call that fails raises ``HostNodeError``
+naming the call and the driver's error; ``query`` and ``done`` hand the stream's or event's state
+back. One ``CudaDriver`` per process (``CudaDriver.get()``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Who runs the row copy (three strategies, one per case):
   waiting only for its own rows (``_chunked``).
 - Eager lookups: the dispatcher, one C thread per process (``_dispatched``; ``signals.py`` says how
   the stream and the dispatcher signal each other). It saves the driver's round trip to its
-  callback thread and back that a host node costs (docs/PERF_NOTES.md). Where stream memory
+  callback thread and back that a host node costs (docs/lab/PERF_NOTES.md). Where stream memory
   operations do not work (checked once per device) or ``PLE_UM_DISPATCHER=0``, eager lookups are
   host nodes too.
 - No CUDA device: the row copy called directly (``_lookup_here``; ctypes releases the GIL).

@@ -2,9 +2,10 @@
 
 The page cache keeps a row as the 4 KiB page it lies in; with hashed n-gram ids the other rows of
 that page are rarely hot, so a page cache of C bytes holds about C / 4 KiB hot rows. A row cache of
-the same bytes holds C / (row bytes + 16) of them. The C row copy looks every owned row up here
-first and offers the rows it had to read (``native/rowcache.c``: set-associative, lock-free reads,
-a row's bytes in place before anything can find it; the policy decides what is kept).
+the same bytes holds about C / (row bytes + ``SLOT_OVERHEAD``) of them. The C row copy looks every
+owned row up here first and offers the rows it had to read (``native/rowcache.c``: set-associative,
+lock-free reads, a row's bytes in place before anything can find it; the policy decides what is
+kept).
 
 The memory is anonymous (``mmap``, transparent huge pages where the kernel gives them), faulted in
 when the cache is made (so that no lookup pays for a first touch), owned by this object and

@@ -21,7 +21,8 @@
  * minimum). Counts fade: every AGE_EVERY accesses one counter of each row is halved and one word of
  * the doorkeeper cleared, in turn, so the whole sketch and doorkeeper age once in AGE_EVERY x width
  * accesses. POLICY_LRU evicts the set's least recently used slot and admits every row; POLICY_CLOCK
- * gives each slot a second chance. docs/BENCHMARKS.md compares them.
+ * gives each slot a second chance. docs/TRAFFIC.md compares the policies on a serving trace, and
+ * scripts/profile_cold.py --parts policies measures this cache's.
  */
 #include "rowcopy.h"
 
@@ -30,7 +31,7 @@
 enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
 #define SKETCH_ROWS 4
 #define SATURATE 15
-#define AGE_EVERY 10 /* accesses per counter halved: counts fade over about 10 x the cache's slots */
+#define AGE_EVERY 10 /* accesses per counter halved: counts fade over 10-20 x the cache's slots */
 
 struct ple_cache {
     int64_t sets;
