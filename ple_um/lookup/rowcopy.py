@@ -245,6 +245,11 @@ class Counts:
     def read(self) -> dict[str, int]:
         return dict(zip(COUNTS, (int(v) for v in self.array.tolist()), strict=True))
 
+    def held_rows(self) -> int:
+        """The rows a row cache counting here holds now: its inserts less its evictions."""
+        c = self.read()
+        return c["cache_inserts"] - c["cache_evictions"]
+
 
 class Pool:
     """pool.c's worker threads (one pool per process, grown to the most workers any table asked

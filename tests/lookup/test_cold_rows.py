@@ -319,6 +319,28 @@ def test_cached_rows_are_served_with_no_page_of_the_files_read(make_checkpoint, 
         assert (stats["hits"] - first["hits"], stats["misses"] - first["misses"]) == (3000, 0)
 
 
+def test_the_rows_held_survive_a_reset_of_the_counters(make_checkpoint, rng, monkeypatch):
+    """The open zeroes the counters after its checks; the rows the cache holds stay counted, and the
+    next lookup of them is all hits."""
+    layout = make_checkpoint(
+        num_rows=5000, row_dim=64, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
+    )
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "4MiB")
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        ids = torch.from_numpy(rng.integers(0, layout.num_rows, 800))
+        opened = table.stats()["row_cache"]["rows"]  # the rows the open's checks read
+        table.lookup(ids)
+        held = table.stats()["row_cache"]["rows"]
+        assert len(np.unique(ids.numpy())) <= held <= opened + len(np.unique(ids.numpy()))
+        table.paths.reset_counts()
+        after = table.stats()["row_cache"]
+        assert (after["rows"], after["hits"], after["misses"], after["evictions"]) == (held, 0, 0, 0)
+        got = table.lookup(ids).view(torch.uint8).numpy()
+        assert np.array_equal(got, reference_rows(layout, ids.numpy()))
+        stats = table.stats()["row_cache"]
+        assert (stats["rows"], stats["hits"], stats["misses"]) == (held, 800, 0)
+
+
 def _read_bytes() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
@@ -333,6 +355,7 @@ def test_the_table_caches_only_its_own_rows_and_never_ids_outside_it(
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "1MiB")
     owned = (700, 2100)  # a tensor-parallel rank's rows
     with ple_um.open_table(layout.directory, rows=owned, mode="cpu", device="cpu") as table:
+        opened = table.stats()["row_cache"]["rows"]  # the rows the open's checks read
         ids = torch.from_numpy(np.concatenate([rng.integers(-50, 3050, 4000), [-1, 3000, 1 << 40]]))
         for _ in range(2):
             check_rows(table.lookup(ids), layout, ids, rows=owned)
@@ -340,7 +363,7 @@ def test_the_table_caches_only_its_own_rows_and_never_ids_outside_it(
         inside = (ids >= owned[0]) & (ids < owned[1])
         cache = stats["row_cache"]
         assert cache["hits"] + cache["misses"] == 2 * int(inside.sum())  # only owned ids are looked up
-        assert cache["rows"] <= len(np.unique(ids[inside].numpy()))
+        assert cache["rows"] <= opened + len(np.unique(ids[inside].numpy()))
         assert stats["out_of_range"] == 2 * int(((ids < 0) | (ids >= 3000)).sum())
 
 

@@ -330,7 +330,11 @@ class HostGather:
         )
 
     def reset_counts(self) -> None:
+        """Zero the counters, keeping the rows a row cache holds (its ``rows``: inserts less
+        evictions, so the inserts start again from the rows held)."""
+        held = self.counts.held_rows()
         self.counts.array[:] = 0
+        self.counts.array[rowcopy.COUNTS.index("cache_inserts")] = held
         self.enqueue_seconds = 0.0
 
     def close(self) -> None:

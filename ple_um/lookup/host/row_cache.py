@@ -122,7 +122,7 @@ class RowCache:
             "hits": c["cache_hits"],
             "misses": c["cache_misses"],
             "evictions": c["cache_evictions"],
-            "rows": c["cache_inserts"] - c["cache_evictions"],
+            "rows": self._counts.held_rows(),
             "bytes": self.nbytes,
             "resident_bytes": self.resident_bytes(),
             "slots": self.slots,
