@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
+from ple_um.errors import PleUmError
+
 _PTR, _I32, _U32, _U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint64
 _SIGNATURES = {
     "cuMemcpyDtoHAsync_v2": [_PTR, _U64, ctypes.c_size_t, _PTR],
@@ -37,7 +39,7 @@ _MEM_OPS = {
 CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
 
 
-class HostNodeError(RuntimeError):
+class HostNodeError(PleUmError, RuntimeError):
     """The CUDA driver refused a call of the host path (the message names the call and the error)."""
 
 
