@@ -11,7 +11,7 @@ from helpers.reference import reference_rows
 
 import ple_um
 from ple_um.bench import runner
-from ple_um.bench.calls import DecodeStep
+from ple_um.bench.calls import DecodeStep, KernelOnly
 from ple_um.bench.contenders import TorchResident, describe
 from ple_um.bench.ids import HASH_MULTIPLIER, NGRAM_SPACE, hash_onto_rows, parse_ids, zipf_ngrams
 
@@ -32,6 +32,23 @@ def test_torch_anchor_gathers_the_rows_of_the_files(make_checkpoint):
     assert anchor.capture_safe is True  # one stock kernel
     anchor.close()
     assert anchor.rows is None
+
+
+def test_kernel_only_lends_the_table_without_its_bulk_path(make_checkpoint):
+    """The kernel-only contender switches the lookup paths' bulk crossover off for its call and puts
+    it back after, the rows exact in a poisoned output; closing it leaves the table open."""
+    layout = make_checkpoint(num_rows=103, row_dim=40, shards=7, files=3)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        table.paths.bulk_rows = 64
+        kernel_only = KernelOnly(table)
+        ids = torch.from_numpy(np.random.default_rng(3).integers(0, layout.num_rows, (2, 90)))
+        for k in range(2):
+            out = torch.full((90, layout.row_bytes), 0xAB, dtype=torch.uint8)
+            assert kernel_only.lookup(ids[k], out=out.view(layout.dtype)) is not None
+            np.testing.assert_array_equal(out.numpy(), reference_rows(layout, ids[k]))
+            assert table.paths.bulk_rows == 64
+        kernel_only.close()
+        assert table.lookup(ids[0]).shape == (90, layout.row_dim)
 
 
 # -- ids -------------------------------------------------------------------------------------------
