@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -26,7 +24,7 @@ from ple_um.access.probe import reason_if_unsatisfied
 from ple_um.bench import storage
 from ple_um.bench.config import Config, default_table
 from ple_um.bench.memlimit import Hierarchy, MemoryLimit
-from ple_um.bench.runner import versions
+from ple_um.bench.runner import run_header
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.units import format_bytes
 
@@ -93,20 +91,7 @@ def _run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None]) ->
 def _describe(cfg: Config, layout: ShardLayout, device: torch.device, warmup_s: float) -> dict:
     cuda = device.type == "cuda"
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "command": cfg.command,
-        "host": platform.node(),
-        "device": torch.cuda.get_device_name(device) if cuda else f"CPU ({os.cpu_count()} cores)",
-        "versions": versions(),
-        "table": {
-            "directory": layout.directory,
-            "layer": layout.layer,
-            "num_rows": layout.num_rows,
-            "row_bytes": layout.row_bytes,
-            "shards": layout.parts,
-            "bytes": layout.nbytes,
-            "dtype": layout.dtype_name,
-        },
+        **run_header(cfg, layout, device),
         "ids": {dist.name: dist.describe() for dist in cfg.ids},
         "method": {
             "cold": "every page of the table dropped before each call (MADV_DONTNEED on the child's own "

@@ -56,7 +56,8 @@ def versions() -> dict:
     return found
 
 
-def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device) -> dict:
+def run_header(cfg: Config, layout: ShardLayout, device: torch.device) -> dict:
+    """What every bench result opens with: when, the command, the machine, the versions, the table."""
     cuda = device.type == "cuda"
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -64,7 +65,6 @@ def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device
         "host": platform.node(),
         "device": torch.cuda.get_device_name(device) if cuda else f"CPU ({os.cpu_count()} cores)",
         "versions": versions(),
-        "torch": torch.__version__,
         "table": {
             "directory": layout.directory,
             "layer": layout.layer,
@@ -74,6 +74,14 @@ def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device
             "bytes": layout.nbytes,
             "dtype": layout.dtype_name,
         },
+    }
+
+
+def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    return {
+        **run_header(cfg, layout, device),
+        "torch": torch.__version__,
         "probe": report.as_dict(),
         "ids": {dist.name: dist.describe() for dist in cfg.ids},
         "anchor": {"name": ANCHOR, "memory": "GPU memory" if cuda else "host memory (no CUDA device)"},
