@@ -13,8 +13,9 @@ from ple_um.checkpoint.problems import Problems
 from ple_um.checkpoint.scan import scan
 from ple_um.checkpoint.shard_layout import ShardLayout, ShardSpec
 from ple_um.checkpoint.validation import analyze
+from ple_um.errors import CheckpointError
 
-__all__ = ["ShardLayout", "ShardSpec", "find_layers", "read_layout", "validate"]
+__all__ = ["ShardLayout", "ShardSpec", "check_shape", "find_layers", "read_layout", "validate"]
 
 
 def find_layers(directory: str, *, strict: bool = True) -> list[int] | None:
@@ -51,3 +52,28 @@ def validate(directory: str, layer: int | None = None) -> list[str]:
     problems = Problems(strict=False)
     analyze(directory, layer, problems)
     return [str(e) for e in problems.found]
+
+
+def check_shape(layout: ShardLayout, prefix: str, *, row_dim: int, num_rows: int, parts: int) -> None:
+    """Raise CheckpointError (naming the layer ``prefix``, the first shard's file and tensor) unless the
+    table has the row width, the rows and the shard count its serving layer was built for."""
+    first = layout.shards[0]
+    where = {"path": first.path, "tensor": first.tensor}
+    if layout.row_dim != row_dim:
+        raise CheckpointError(
+            f"{prefix}: the table's rows have {layout.row_dim} elements, but the layer's row width "
+            f"is {row_dim} (the n-gram head_dim: ple_embed_dim / n-gram heads)",
+            **where,
+        )
+    if layout.num_rows != num_rows:
+        raise CheckpointError(
+            f"{prefix}: the table has {layout.num_rows} rows, but the config gives {num_rows} "
+            "(the n-gram vocabulary padded to make_ngram_vocab_size_divisible_by)",
+            **where,
+        )
+    if layout.parts != parts:
+        raise CheckpointError(
+            f"{prefix}: the table is split into {layout.parts} shards, but the config has "
+            f"split_ngram_parts={parts}",
+            **where,
+        )

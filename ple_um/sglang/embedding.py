@@ -29,7 +29,7 @@ from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
 from torch import nn
 
 from ple_um import MappedTable, envs, open_table
-from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.checkpoint import ShardLayout, check_shape, read_layout
 from ple_um.errors import CheckpointError, PleUmError
 from ple_um.sglang.source import table_directory
 
@@ -138,26 +138,13 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
     def _check_layout(self, layout: ShardLayout) -> None:
         """The checkpoint's table must be the one this layer was built for (stock SGLang places shard
         ``i`` at ``i * ceil(rows / split_ngram_parts)``, which ple-um's layout must agree with)."""
-        first = layout.shards[0]
-        where = {"path": first.path, "tensor": first.tensor}
-        if layout.row_dim != self.embedding_dim:
-            raise CheckpointError(
-                f"{self.prefix}: the table's rows have {layout.row_dim} elements, but the layer's row width "
-                f"is {self.embedding_dim} (the n-gram head_dim: ple_embed_dim / n-gram heads)",
-                **where,
-            )
-        if layout.num_rows != self.org_vocab_size:
-            raise CheckpointError(
-                f"{self.prefix}: the table has {layout.num_rows} rows, but the config gives "
-                f"{self.org_vocab_size} (the n-gram vocabulary padded to make_ngram_vocab_size_divisible_by)",
-                **where,
-            )
-        if layout.parts != self.split_ngram_parts:
-            raise CheckpointError(
-                f"{self.prefix}: the table is split into {layout.parts} shards, but the config has "
-                f"split_ngram_parts={self.split_ngram_parts}",
-                **where,
-            )
+        check_shape(
+            layout,
+            self.prefix,
+            row_dim=self.embedding_dim,
+            num_rows=self.org_vocab_size,
+            parts=self.split_ngram_parts,
+        )
         if self.weight.dtype == torch.float8_e4m3fn and layout.dtype_name not in ("F8_E4M3", "NVFP4"):
             logger.warning(
                 "ple-um: %s: the config stores the table as FP8 E4M3 but the checkpoint's is %s; stock "

@@ -29,7 +29,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 )
 
 from ple_um import MappedTable
-from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout
+from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, check_shape
 from ple_um.errors import CheckpointError, PleUmError
 
 NVFP4_HINT = (
@@ -199,27 +199,10 @@ def compare_shard(
 
 def check_layout(expected: ExpectedTable, layout: ShardLayout) -> None:
     """The checkpoint's table must be the one this layer was built for."""
+    prefix = expected.prefix
+    check_shape(layout, prefix, row_dim=expected.row_dim, num_rows=expected.num_rows, parts=expected.parts)
     first = layout.shards[0]
     where = {"path": first.path, "tensor": first.tensor}
-    prefix = expected.prefix
-    if layout.row_dim != expected.row_dim:
-        raise CheckpointError(
-            f"{prefix}: the table's rows have {layout.row_dim} elements, but the layer's row width "
-            f"(n-gram head_dim = ple_embed_dim / n-gram heads) is {expected.row_dim}",
-            **where,
-        )
-    if layout.num_rows != expected.num_rows:
-        raise CheckpointError(
-            f"{prefix}: the table has {layout.num_rows} rows, but the config gives "
-            f"{expected.num_rows} (the n-gram vocabulary padded to make_ngram_vocab_size_divisible_by)",
-            **where,
-        )
-    if layout.parts != expected.parts:
-        raise CheckpointError(
-            f"{prefix}: the table is split into {layout.parts} shards, but the config has "
-            f"split_ngram_parts={expected.parts}",
-            **where,
-        )
     _check_layout_dtype(expected, layout, where)
     if isinstance(expected.method, Qwen4ExpPLEFp8EmbeddingMethod) and layout.scale is None:
         raise CheckpointError(f"{prefix}: the FP8 table has no ngram_embedding.weight_scale", **where)
