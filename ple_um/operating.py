@@ -180,22 +180,51 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray) -> np.ndarray:
 
 
 def residency(directory: str, layer: int | None = None) -> dict:
-    """How much of the table is in the page cache right now: per shard, per file and in total.
+    """How much of the table is in the page cache right now: per shard, per file and in total; and
+    the row cache a table opened now would take (``row_cache``).
 
     Maps the table read-only, asks mincore, unmaps; reads no data (so it does not change what it
     measures)."""
     layout = read_layout(directory, layer)
-    with MappedShards(layout) as mapping:
+    with contextlib.ExitStack() as stack:
+        mapping = stack.enter_context(MappedShards(layout))
         result = _residency(mapping)
-    if layout.is_nvfp4:  # the block scales are a table of their own, mapped beside the rows
-        with MappedShards(layout.scale_layout()) as mapping:
-            scales = _residency(mapping)
-        result["block_scales"] = {k: scales[k] for k in ("shards", "files", "total")}
-        for key in ("bytes", "resident_bytes"):
-            result["total"][key] += scales["total"][key]
-        total = result["total"]
-        total["fraction"] = total["resident_bytes"] / total["bytes"] if total["bytes"] else 1.0
+        scale_mapping = None
+        if layout.is_nvfp4:  # the block scales are a table of their own, mapped beside the rows
+            scale_mapping = stack.enter_context(MappedShards(layout.scale_layout()))
+            scales = _residency(scale_mapping)
+            result["block_scales"] = {k: scales[k] for k in ("shards", "files", "total")}
+            for key in ("bytes", "resident_bytes"):
+                result["total"][key] += scales["total"][key]
+            total = result["total"]
+            total["fraction"] = total["resident_bytes"] / total["bytes"] if total["bytes"] else 1.0
+        result["row_cache"] = row_cache_plan(mapping, scale_mapping)
     return result
+
+
+def row_cache_plan(mapping: MappedShards, scale_mapping: MappedShards | None) -> dict:
+    """The row cache and the reader of misses the host path of a table opened now, under these
+    knobs, would take (``lookup.host.cold.plan``). A serving process's own cache lives in that
+    process: its ``stats()["row_cache"]``, stats line and ``vllm:ple_um_row_cache_*`` metrics."""
+    from ple_um import envs
+    from ple_um.lookup import rowcopy
+    from ple_um.lookup.host import cold
+
+    lib, why = rowcopy.load(envs.PLE_UM_CACHE_DIR) if envs.PLE_UM_ROWCOPY else (None, "PLE_UM_ROWCOPY=0")
+    if lib is None:
+        return {"bytes": 0, "why": f"no row cache: the C row copy is not built here ({why})"}
+    plan = cold.plan(lib, mapping, scale_mapping)
+    if plan is None:
+        why = "no row cache (the table is in the page cache); rows copied from the mapping"
+        return {"bytes": 0, "why": why}
+    return {
+        "bytes": plan.cache_bytes,
+        "policy": plan.policy if plan.cache_bytes else None,
+        "reads": plan.strategy,
+        "direct": plan.direct,
+        "depth": plan.depth,
+        "why": plan.why,
+    }
 
 
 def _residency(mapping: MappedShards) -> dict:

@@ -17,7 +17,19 @@ checkpoint is not sound."""
 
 RESIDENCY = """\
 How much of the table is in the page cache now, per shard and in total (mincore over a read-only
-mapping; no data is read)."""
+mapping; no data is read), and the row cache a table opened now would take under the knobs set (a
+serving process's own row cache is in its stats line and metrics)."""
+# The knobs that decide the row cache and the reader of misses (residency reports them).
+ROW_CACHE_KNOBS = (
+    "PLE_UM_ROW_CACHE",
+    "PLE_UM_ROW_CACHE_FRACTION",
+    "PLE_UM_ROW_CACHE_POLICY",
+    "PLE_UM_FILE_READS",
+    "PLE_UM_DIRECT_READS",
+    "PLE_UM_READ_DEPTH",
+    "PLE_UM_ROWCOPY",
+    "PLE_UM_CACHE_DIR",
+)
 
 PREWARM = """\
 Read the table into the page cache (the first --fraction of each file). Refused (exit 3, nothing
@@ -41,7 +53,7 @@ def add_parsers(sub) -> None:
     res.add_argument("dir", help="checkpoint directory")
     a.add_layer(res)
     a.add_common(res)
-    res.set_defaults(func=residency, knobs=())
+    res.set_defaults(func=residency, knobs=ROW_CACHE_KNOBS)
 
     pw = sub.add_parser("prewarm", help="read the table into the page cache", description=PREWARM)
     pw.add_argument("dir", help="checkpoint directory")
@@ -123,6 +135,7 @@ def _residency_lines(r: dict) -> list[str]:
         f"total: {format_bytes(t['resident_bytes'])} of {format_bytes(t['bytes'])} resident "
         f"({100 * t['fraction']:.1f}%), layer {r['layer']}, {r['directory']}"
     )
+    lines.append(f"row cache of a table opened now: {r['row_cache']['why']}")
     return lines
 
 

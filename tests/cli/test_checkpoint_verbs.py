@@ -133,7 +133,41 @@ def test_residency_json_shape(capsys, table_dir):
     code, out, _ = run(capsys, "residency", path)
     assert code == 0
     assert out.splitlines()[0] == "| shard | file | bytes | resident | % |"
-    assert out.splitlines()[-1].startswith("total: ")
+    assert out.splitlines()[-2].startswith("total: ")
+    assert out.splitlines()[-1].startswith("row cache of a table opened now: ")
+
+
+def test_residency_says_which_row_cache_a_table_opened_now_takes(capsys, table_dir, monkeypatch):
+    """The row cache beside the page cache: none for a table in the page cache (auto), the size
+    asked for (PLE_UM_ROW_CACHE), the size auto takes for a table out of it; the knobs it reads
+    are checked before any work."""
+    path, layout = table_dir
+    code, data = run_json(capsys, "prewarm", path)
+    assert code == 0
+    code, data = run_json(capsys, "residency", path)
+    assert code == 0 and data["total"]["fraction"] > 0.99
+    assert data["row_cache"]["bytes"] == 0 and "no row cache" in data["row_cache"]["why"]
+
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "1MiB")
+    code, data = run_json(capsys, "residency", path)
+    cache = data["row_cache"]
+    assert (cache["bytes"], cache["policy"]) == (1 << 20, "tinylfu")
+    assert cache["reads"] in ("uring", "threads") and cache["direct"] is True
+    code, out, _ = run(capsys, "residency", path)
+    assert out.splitlines()[-1] == f"row cache of a table opened now: {cache['why']}"
+    assert "a row cache of 1.00 MiB" in cache["why"]
+
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "lots")
+    code, out, err = run(capsys, "residency", path)
+    assert code == 2 and out == "" and "PLE_UM_ROW_CACHE" in err and "'lots'" in err
+
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "auto")
+    if fs_type(path) == "tmpfs":
+        pytest.skip("tmpfs files are their page cache: DONTNEED cannot drop them")
+    drop_page_cache(layout)
+    code, data = run_json(capsys, "residency", path)
+    assert data["total"]["fraction"] < 0.05
+    assert data["row_cache"]["bytes"] > 0 and "not in the page cache" in data["row_cache"]["why"]
 
 
 def test_residency_follows_prewarm_and_dontneed(capsys, table_dir):
