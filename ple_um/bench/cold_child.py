@@ -199,9 +199,9 @@ def _open(layout: ShardLayout, mode: str, device: torch.device, knobs: dict[str,
 
 
 def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
-    """Every batch size cold, in a table without a row cache; then, in a table opened as the
-    environment says, per id distribution: the pages dropped, a warm-up at the largest batch size,
-    and every batch size in that steady state."""
+    """Every batch size cold, in a table without a row cache; then the steady state (``_steady``) in
+    a table opened as the environment says and, where that table has a row cache, again in one
+    without (the page cache alone under the same limit)."""
     files = list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
     with MappedShards(layout) as probe:
         drop_table_pages(files)
@@ -210,29 +210,44 @@ def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -
             entry: dict = {"capture_safe": table.capture_safe, "timing": "graph replay" if graph else "eager"}
             entry["cold_row_reads"] = table.row_reads
             entry.update(_cold(table, layout, request, device, graph, probe, files))
-        drop_table_pages(files)
+        drop_table_pages(files)  # opened out of the page cache, as a table larger than memory is
         # Draws of their own: the steady calls do not repeat the cold calls' ids.
-        timer, rng = Timer(device), np.random.default_rng(request["seed"] + 1)
+        rng = np.random.default_rng(request["seed"] + 1)
         with _open(layout, mode, device, {}) as table:
             if graph and not table.capture_safe:
                 graph, entry["timing"] = False, "graph replay cold, eager steady"
             entry["row_reads"] = table.row_reads
-            calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
-            for dist in parse_ids(request["ids"]):
-                drop_table_pages(files)  # the steady state grows from nothing, under the limit
-                entry.setdefault("warmup", {})[dist.name] = _warm_up(
-                    calls[max(calls)], dist, rng, layout, probe, timer, request["warmup_s"]
-                )
-                for n, call in calls.items():
-                    draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
-                    row = entry[dist.name][str(n)]
-                    row["steady"] = _timed(call, draws, table, probe, timer, None, n * layout.row_bytes)
-                    print(
-                        f"{mode} {dist.name} {n} rows: cold {row['cold']['median_us']:.1f} us, "
-                        f"steady {row['steady']['median_us']:.1f} us",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+            with_cache = table.stats().get("row_cache") is not None
+            _steady(table, layout, request, device, graph, probe, files, rng, entry, "steady")
+        if with_cache:  # the same limit's memory left to the page cache alone, for comparison
+            drop_table_pages(files)
+            with _open(layout, mode, device, COLD_KNOBS) as table:
+                _steady(table, layout, request, device, graph, probe, files, rng, entry, "steady_page_cache")
+    return entry
+
+
+def _steady(table, layout, request, device, graph: bool, probe, files, rng, entry: dict, key: str) -> None:
+    """Per id distribution: the pages dropped, a warm-up at the largest batch size, then every batch
+    size timed in that steady state, as ``entry[dist][n][key]`` (the warm-up as
+    ``entry["warmup"]``, or ``entry["warmup_page_cache"]``, ``[dist]``)."""
+    timer = Timer(device)
+    calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
+    warmups = "warmup" if key == "steady" else "warmup_page_cache"
+    for dist in parse_ids(request["ids"]):
+        drop_table_pages(files)  # the steady state grows from nothing, under the limit
+        entry.setdefault(warmups, {})[dist.name] = _warm_up(
+            calls[max(calls)], dist, rng, layout, probe, timer, request["warmup_s"]
+        )
+        for n, call in calls.items():
+            draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
+            row = entry[dist.name][str(n)]
+            row[key] = _timed(call, draws, table, probe, timer, None, n * layout.row_bytes)
+            print(
+                f"{table.mode} {dist.name} {n} rows: cold {row['cold']['median_us']:.1f} us, "
+                f"{key.replace('_', ' ')} {row[key]['median_us']:.1f} us",
+                file=sys.stderr,
+                flush=True,
+            )
     return entry
 
 

@@ -1,8 +1,9 @@
 """The printed report of the bench for tables larger than memory: the header, the storage's
 ceiling, then per memory limit and id distribution one row per path and batch size: cold and
 steady medians with their spread, the cold figure's ratio to the ceiling, and the share of rows
-found in the page cache and in the row cache (``-`` where the table has none). The cold calls' table
-has no row cache (``bench/cold_child.py``)."""
+found in the page cache and in the row cache (``-`` where the table has none), and where it has one
+the steady state again without it, the page cache alone under the same limit. The cold calls'
+table has no row cache (``bench/cold_child.py``)."""
 
 from __future__ import annotations
 
@@ -61,14 +62,21 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
                     f"{_share(warm['last_hits'])}"
                     + ("" if cached is None else f", row cache hits {_share(cached)} over them")
                 )
+            warm = runs.get("warmup_page_cache", {}).get(dist)
+            if warm:
+                lines.append(
+                    f"  steady state of ple-um {mode} without its row cache: {warm['calls']} calls in "
+                    f"{warm['seconds']:.1f} s, rows in the page cache {_share(warm['first_hits'])} -> "
+                    f"{_share(warm['last_hits'])}"
+                )
         lines += [
             "| path | rows | cold us [p10-p90] | x storage | steady us [p10-p90] | page cache hits "
-            "| row cache hits |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| row cache hits | page cache only: steady us [p10-p90] | its page cache hits |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for mode, runs in entry["modes"].items():
             if "skipped" in runs:
-                lines.append(f"| ple-um {mode} | skipped: {runs['skipped']} | - | - | - | - | - |")
+                lines.append(f"| ple-um {mode} | skipped: {runs['skipped']} | - | - | - | - | - | - | - |")
                 continue
             for n, row in runs.get(dist, {}).items():
                 cold, steady = row["cold"], row["steady"]
@@ -76,9 +84,18 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
                 lines.append(
                     f"| ple-um {mode} ({runs['timing']}) | {n} | {cell(cold, rate=False)} | {ratio} | "
                     f"{cell(steady, rate=False)} | {_share(steady['page_cache_hits'])} | "
-                    f"{_share(steady.get('row_cache_hits'))} |"
+                    f"{_share(steady.get('row_cache_hits'))} | {_page_cache_only(row)} |"
                 )
     return lines
+
+
+def _page_cache_only(row: dict) -> str:
+    """The steady state without the row cache: its median and the page cache's share (``-`` where
+    the steady table had no row cache, so that run is the page cache's already)."""
+    alone = row.get("steady_page_cache")
+    if alone is None:
+        return "- | -"
+    return f"{cell(alone, rate=False)} | {_share(alone['page_cache_hits'])}"
 
 
 def format_cold(result: dict) -> str:

@@ -98,7 +98,8 @@ def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
 
 def plot_limits(result: dict, path: str) -> None:
     """The bench for tables larger than memory: median lookup time against the memory limit, one
-    line per path, id distribution and batch size, steady state solid and cold dashed."""
+    line per path, id distribution and batch size, steady state solid, cold dashed, and the steady
+    state without the row cache (the page cache alone) dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,10 +112,12 @@ def plot_limits(result: dict, path: str) -> None:
         for mode, runs in entry["modes"].items():
             for dist in result["ids"]:
                 for n, row in runs.get(dist, {}).items():
-                    line = lines.setdefault((mode, dist, n), {"x": [], "cold": [], "steady": []})
+                    line = lines.setdefault((mode, dist, n), {"x": [], "cold": [], "steady": [], "alone": []})
                     line["x"].append(entry["bytes"] / (1 << 30))
                     line["cold"].append(row["cold"]["median_us"])
                     line["steady"].append(row["steady"]["median_us"])
+                    alone = row.get("steady_page_cache")
+                    line["alone"].append(alone["median_us"] if alone else float("nan"))
     for (mode, dist, n), line in lines.items():
         (drawn,) = ax.plot(
             line["x"], line["steady"], marker="o", label=f"ple-um {mode}, {dist}, {n} rows, steady"
@@ -127,6 +130,15 @@ def plot_limits(result: dict, path: str) -> None:
             color=drawn.get_color(),
             label=f"ple-um {mode}, {dist}, {n} rows, cold",
         )
+        if any(v == v for v in line["alone"]):  # not all NaN: some limit ran it without its row cache
+            ax.plot(
+                line["x"],
+                line["alone"],
+                marker="s",
+                linestyle=":",
+                color=drawn.get_color(),
+                label=f"ple-um {mode}, {dist}, {n} rows, steady, page cache only",
+            )
     ax.set_yscale("log")
     ax.set_xlabel("memory limit (GiB)")
     ax.set_ylabel("median lookup time (us)")

@@ -20,6 +20,7 @@ from ple_um.bench.cold_child import COLD_KNOBS, drop_table_pages, own_mappings
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import MemoryLimit
+from ple_um.bench.report import cell
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
 from ple_um.units import format_bytes
@@ -120,14 +121,22 @@ def _check_figures(result, layout, enforced: bool, row_cache: bool) -> None:
                 if fs_type(layout.directory) != "tmpfs":
                     assert c["page_cache_hits"] == 0  # dropped before each cold call
                 assert c["row_cache_hits"] is None  # the cold calls' table has no row cache
+                alone = runs[dist][n].get("steady_page_cache")
                 if row_cache:
                     assert 0 <= s["row_cache_hits"] <= 1
                     if dist == "zipf:1.1":
                         assert s["row_cache_hits"] > 0  # hot rows come again
+                    # The same limit without the row cache: the page cache alone, timed as steady.
+                    assert alone["calls"] == 3 and alone["row_cache_hits"] is None
+                    assert alone["p10_us"] <= alone["median_us"] <= alone["p90_us"]
+                    assert 0 <= alone["page_cache_hits"] <= 1
                 else:
                     assert s["row_cache_hits"] is None
+                    assert alone is None  # the steady table is the page cache's already
             warm = runs["warmup"][dist]["row_cache_hits"]
             assert (warm is not None and 0 <= warm <= 1) if row_cache else warm is None
+            alone = runs.get("warmup_page_cache", {}).get(dist)
+            assert (alone["calls"] >= 10 and alone["row_cache_hits"] is None) if row_cache else alone is None
 
 
 def test_a_run_under_a_real_memory_cgroup(make_checkpoint):
@@ -171,6 +180,9 @@ def test_a_run_where_no_cgroup_can_be_made_says_so(make_checkpoint, tmp_path, dt
     assert "memory limit 1.00 GiB: not enforced: injected: no memory controller" in text
     assert "the page cache is the machine's here: only ple-um's row cache is held to the limit" in text
     assert text.count("| ple-um cpu (eager) | 256 |") == 4  # 2 limits x 2 id distributions
+    alone = next(iter(result["limits"].values()))["modes"]["cpu"]["uniform"]["256"]["steady_page_cache"]
+    assert f"| {cell(alone, rate=False)} | {100 * alone['page_cache_hits']:.1f}% |" in text
+    assert "page cache only: steady us [p10-p90] | its page cache hits |" in text
     from ple_um.bench.plot import plot_limits
 
     plot_limits(result, str(tmp_path / "limits.png"))
