@@ -105,7 +105,7 @@ def plot_limits(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     limits = [e for e in result["limits"].values() if "modes" in e]
     lines: dict[tuple[str, str, str], dict[str, list]] = {}
     for entry in limits:
@@ -145,7 +145,7 @@ def plot_limits(result: dict, path: str) -> None:
     t = result["table"]
     ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table under a memory limit")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="x-small")
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines
     fig.tight_layout()
     fmt = plot_format(path)
     try:
