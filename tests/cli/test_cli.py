@@ -14,6 +14,7 @@ import pytest
 from helpers.cli import REPO, run, run_cli, run_json, two_layer_checkpoint
 
 from ple_um import cli, envs
+from ple_um.cli.checkpoint import ROW_CACHE_KNOBS
 
 VERBS = ("bench", "probe", "inspect", "residency", "prewarm", "knobs")
 DIR_VERBS = ("bench", "probe", "inspect", "residency", "prewarm")
@@ -158,18 +159,31 @@ def test_bench_refuses_a_bad_knob_before_it_writes_or_times_anything(tmp_path):
         assert not cache.exists()
 
 
-def test_the_verbs_on_files_alone_read_no_knob(capsys, monkeypatch, table_dir):
-    """inspect, residency and prewarm read no knob: every knob set to a value it does not take
-    changes nothing for them."""
+def test_the_verbs_on_files_alone_read_only_their_knobs(capsys, monkeypatch, table_dir):
+    """inspect and prewarm read no knob, residency only the row cache's and the reader's: every
+    other knob set to a value it does not take changes nothing for them; one of residency's own set
+    so is refused before any work, naming it."""
     path, _ = table_dir
     for knob in envs.KNOBS.values():
-        if knob.name != "PLE_UM_CACHE_DIR":
+        if knob.name not in ROW_CACHE_KNOBS:
             monkeypatch.setenv(knob.name, "not a value any knob takes")
     takes_any_text = {name for name, knob in envs.KNOBS.items() if knob.parse is str}
-    assert len(envs.problems()) == len(envs.KNOBS) - 1 - len(takes_any_text)
+    assert len(envs.problems()) == len(envs.KNOBS) - len(ROW_CACHE_KNOBS) - len(
+        takes_any_text - set(ROW_CACHE_KNOBS)
+    )
     for verb in ("inspect", "residency", "prewarm"):
         code, _, err = run(capsys, verb, path)
         assert code == 0, err
+    for name in ROW_CACHE_KNOBS:
+        if name == "PLE_UM_CACHE_DIR":  # any text names a folder: it would be made
+            continue
+        monkeypatch.setenv(name, "not a value any knob takes")
+        for verb in ("inspect", "prewarm"):
+            code, _, err = run(capsys, verb, path)
+            assert code == 0, err
+        code, out, err = run(capsys, "residency", path)
+        assert code == 2 and out == "" and f"environment variable {name}=" in err, err
+        monkeypatch.delenv(name)
 
 
 # -- stdout that cannot be written ----------------------------------------------------------------
