@@ -300,6 +300,9 @@ def test_a_row_is_in_place_before_anything_can_find_it(lib, make_checkpoint, rng
 
 
 def test_cached_rows_are_served_with_no_page_of_the_files_read(make_checkpoint, rng, monkeypatch):
+    """A row copy whose set is locked by another thread's insert drops its row (the cache is only
+    a cache), so the lookup after the first may still miss a few of its rows; once one is all hits,
+    serving the same ids reads nothing from the files."""
     layout = make_checkpoint(
         num_rows=20000, row_dim=160, dtype="fp8", shards=8, files=2, seed=int(rng.integers(1 << 30))
     )
@@ -307,25 +310,32 @@ def test_cached_rows_are_served_with_no_page_of_the_files_read(make_checkpoint, 
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
         ids = torch.from_numpy(rng.integers(0, layout.num_rows, 3000))
         expect = reference_rows(layout, ids.numpy())  # read now: the reference's reads would count
-        assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), expect)  # misses read, cached
+        missed = []
+        while not missed or missed[-1]:
+            first = table.stats()["row_cache"]
+            assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), expect)
+            missed.append(table.stats()["row_cache"]["misses"] - first["misses"])
+            assert len(missed) <= 4, f"misses per lookup of the same ids: {missed}"
+        assert len(missed) >= 2 and all(m <= 30 for m in missed[1:]), missed  # dropped: 1 % at most
         evict(table.mapping, layout)
-        before_pages, before_io = resident_pages(table.mapping), _read_bytes()
-        first = table.stats()["row_cache"]
+        first, before_io = table.stats()["row_cache"], _read_bytes()
         got = table.lookup(ids).view(torch.uint8).numpy()
-        stats = table.stats()["row_cache"]
-        assert resident_pages(table.mapping) == before_pages == 0  # no page of the files came in
-        assert _read_bytes() == before_io  # nothing read from the storage
+        stats, after_io = table.stats()["row_cache"], _read_bytes()
+        assert resident_pages(table.mapping) == 0  # no page of the files came in
+        assert after_io == before_io  # nothing read from the storage
         assert np.array_equal(got, expect)
         assert (stats["hits"] - first["hits"], stats["misses"] - first["misses"]) == (3000, 0)
 
 
 def test_the_rows_held_survive_a_reset_of_the_counters(make_checkpoint, rng, monkeypatch):
     """The open zeroes the counters after its checks; the rows the cache holds stay counted, and the
-    next lookup of them is all hits."""
+    next lookup of them is all hits. One thread reads the rows: with several, a row whose set
+    another thread's insert holds is dropped, and the rows held would not be known."""
     layout = make_checkpoint(
         num_rows=5000, row_dim=64, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
     )
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "4MiB")
+    monkeypatch.setenv("PLE_UM_CPU_THREADS", "1")
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
         ids = torch.from_numpy(rng.integers(0, layout.num_rows, 800))
         opened = table.stats()["row_cache"]["rows"]  # the rows the open's checks read
