@@ -10,18 +10,22 @@ _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(text: str) -> int:
-    """Bytes, with an optional binary suffix: 4096, 512MiB, 16GiB, 1T (= TiB); never negative.
-    ValueError saying what is accepted."""
+    """Bytes, with an optional binary suffix: 4096, 512MiB, 1.5GiB, 1T (= TiB); never negative.
+    A size with a suffix may have a fraction (rounded down to whole bytes); one without is a whole
+    number of bytes. ValueError saying what is accepted."""
     low = text.strip().lower().removesuffix("ib").removesuffix("b")
     scale = _UNITS.get(low[-1:], 1)
     try:
-        value = int(float(low[:-1] if scale > 1 else low) * scale)
+        number = float(low[:-1] if scale > 1 else low)
+        value = int(number * scale)
     except (ValueError, OverflowError):
         raise ValueError(
             f"expected a byte count with an optional binary suffix (4096, 512MiB, 48GiB, 1T), got {text!r}"
         ) from None
-    if value < 0:
+    if value < 0 or number < 0:
         raise ValueError(f"expected a byte count >= 0, got {text!r}")
+    if scale == 1 and not number.is_integer():
+        raise ValueError(f"expected a whole number of bytes or a suffix (1536, 1.5KiB), got {text!r}")
     return value
 
 
