@@ -59,26 +59,24 @@ class GpuGather:
         self._bound: dict[tuple, object] = {}
         self._index = device.index
 
-    def gather(self, ids: torch.Tensor, out: torch.Tensor, **shape) -> torch.Tensor:
+    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Flat ids (on the device, contiguous) into ``out`` [n, row_dim] (contiguous): raw when out
         has the storage dtype, else dequantized (NVFP4: decoded; raw is the packed bytes, [n,
-        row_bytes]). After the first call of a kind the kernel is launched by address (``bind``).
-        ``shape``: the kernel's program shape (``rows_per_program``, ``num_warps``), for
-        measurements (a shape other than the default is launched through Triton's own launch)."""
+        row_bytes]). After the first call of a kind the kernel is launched by address (``bind``)."""
         n = ids.numel()
         out_ptr = out.data_ptr()
         key = (ids.dtype, out.dtype, out_ptr & 7, n >= _BIG)
         launch = self._bound.get(key)
-        if launch is not None and not shape and torch._C._cuda_getDevice() == self._index and not hooks_set():
+        if launch is not None and torch._C._cuda_getDevice() == self._index and not hooks_set():
             if n:
                 launch(ids.data_ptr(), out_ptr, n)
             return out
-        return self._gather(ids, out, key, shape)
+        return self._gather(ids, out, key)
 
-    def _gather(self, ids: torch.Tensor, out: torch.Tensor, key: tuple, shape: dict) -> torch.Tensor:
-        """Triton's launch (the first call of a kind, another program shape, another device)."""
+    def _gather(self, ids: torch.Tensor, out: torch.Tensor, key: tuple) -> torch.Tensor:
+        """Triton's launch (the first call of a kind, another device)."""
         layout = self.layout
-        keep = not shape and (self.device.type != "cuda" or torch.cuda.current_device() == self._index)
+        keep = self.device.type != "cuda" or torch.cuda.current_device() == self._index
 
         def on_compiled(compiled, args, ids_at=1, n_at=4):
             if keep:
@@ -99,9 +97,8 @@ class GpuGather:
                 num_rows=layout.num_rows,
                 rows_per_shard=layout.rows_per_shard,
                 row_dim=layout.row_dim,
-                launch=None if shape else self._nvfp4,
+                launch=self._nvfp4,
                 on_compiled=lambda compiled, args: on_compiled(compiled, args, 2, 6),
-                **shape,
             )
         return gather_rows(
             self.bases,
@@ -116,9 +113,8 @@ class GpuGather:
             row_bytes=layout.row_bytes,
             base_align=self.base_align,
             scale=self.scale if out.dtype != layout.dtype else None,
-            launch=None if shape else self._rows,
+            launch=self._rows,
             on_compiled=on_compiled,
-            **shape,
         )
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
