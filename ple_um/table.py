@@ -271,8 +271,9 @@ class MappedTable:
 
     def stats(self, *, sync: bool = True) -> dict:
         """Counters: lookups (eager calls), rows and ids outside the table (counted by the paths:
-        graph replays too), bytes, phase seconds of the host path, memory, and the row cache
-        (``row_cache``: ``lookup.host.cold.RowSources.stats``; None where there is none). ``sync``
+        graph replays too), bytes, the rows the host path read from the files and the seconds it
+        waited for them, phase seconds of the host path, memory, and the row cache (``row_cache``:
+        ``lookup.host.cold.RowSources.stats``; None where there is none). ``sync``
         waits for the device first, so that every lookup queued before is in the figures (the
         stats reporter reads without it, on a stream of its own)."""
         with self._in_use():
@@ -287,6 +288,8 @@ class MappedTable:
                 "out_of_range": counts["out_of_range"],
                 "host_lookups": counts["lookups"],
                 "broken_rows": counts["broken"],
+                "file_reads": counts["file_reads"],
+                "file_read_seconds": counts["file_read_seconds"],
                 "phase_seconds": counts["phase_seconds"],
                 "mapped_bytes": sum(m.mapped_bytes for m in (self.mapping, self.scale_mapping) if m),
                 "pinned_bytes": self.access.pinned_bytes,

@@ -67,7 +67,7 @@ class LookupPaths:
             if path is None:
                 continue
             counts = path.read_counts()
-            for key in ("rows", "out_of_range", "broken", "lookups"):
+            for key in ("rows", "out_of_range", "broken", "lookups", "file_reads", "file_read_seconds"):
                 total[key] += counts[key]
             for key, seconds in counts["phase_seconds"].items():
                 total["phase_seconds"][key] += seconds

@@ -24,12 +24,11 @@ from ple_um.metrics.failures import logger, warn_once
 PHASES = ("dedup", "gather", "stage", "wait")
 # The counters absorb brings up to a table's stats(): its own keys, and the row cache's (metric key
 # -> the key in stats()["row_cache"]).
-ABSORBED = ("lookups", "rows", "bytes", "out_of_range")
+ABSORBED = ("lookups", "rows", "bytes", "out_of_range", "file_reads")
 ROW_CACHE_COUNTS = {
     "row_cache_hits": "hits",
     "row_cache_misses": "misses",
     "row_cache_evictions": "evictions",
-    "file_reads": "file_reads",
 }
 
 
@@ -315,7 +314,7 @@ class LookupMetrics:
             seconds = {key: float(phases.get(key, 0.0)) for key in PHASES}
             seconds["lookup_seconds"] = sum(seconds.values())
             cache = stats.get("row_cache") or {}
-            seconds["file_read_seconds"] = float(cache.get("read_seconds", 0.0))
+            seconds["file_read_seconds"] = float(stats.get("file_read_seconds", 0.0))
             counts = {key: int(stats.get(key, 0)) for key in ABSORBED}
             counts.update({key: int(cache.get(field, 0)) for key, field in ROW_CACHE_COUNTS.items()})
             with self._absorb_lock:

@@ -15,14 +15,9 @@ import os
 from ple_um.metrics.counters import PHASES
 from ple_um.units import format_bytes
 
-FIGURES = ("lookups", "rows", "bytes", "out_of_range")
+FIGURES = ("lookups", "rows", "bytes", "out_of_range", "file_reads", "file_read_seconds")
 # From stats()["row_cache"]: counted (the window shows what they rose by) and held (what they are).
-CACHE_COUNTED = {
-    "cache_hits": "hits",
-    "cache_misses": "misses",
-    "file_reads": "file_reads",
-    "read_seconds": "read_seconds",
-}
+CACHE_COUNTED = {"cache_hits": "hits", "cache_misses": "misses"}
 CACHE_HELD = {"cache_rows": "rows", "cache_resident": "resident_bytes"}
 
 
@@ -63,10 +58,11 @@ def format_line(
         if asked or f.get("cache_rows"):
             rate = f"{100.0 * f['cache_hits'] / asked:.1f}% hits" if asked else "no lookups"
             text += (
-                f"; row cache: {rate}, {f.get('file_reads', 0):.0f} file reads "
-                f"({f.get('read_seconds', 0) * 1e3:.1f} ms), {f['cache_rows'] / 1e6:.2f} M rows in "
+                f"; row cache: {rate}, {f['cache_rows'] / 1e6:.2f} M rows in "
                 f"{format_bytes(f.get('cache_resident', 0))}"
             )
+        if f.get("file_reads"):
+            text += f"; {f['file_reads']:.0f} file reads ({f.get('file_read_seconds', 0) * 1e3:.1f} ms)"
         parts.append(text)
     if not parts:
         return None

@@ -488,3 +488,27 @@ def test_the_cgroup_room_is_the_tightest_of_the_groups_above(tmp_path):
     assert memory.cgroup_headroom(str(proc), root=str(groups)) == 5 << 30
     (groups / "outer" / "memory.max").write_text("max")
     assert memory.cgroup_headroom(str(proc), root=str(groups)) is None
+
+
+def test_file_reads_are_counted_without_a_row_cache(make_checkpoint, rng, monkeypatch):
+    """PLE_UM_ROW_CACHE=0 on a table not in the page cache at open: the misses are still read many
+    at a time and counted in stats(); a second lookup of the same ids finds their pages resident
+    and reads nothing."""
+    layout = make_checkpoint(
+        num_rows=20000, row_dim=160, dtype="fp8", shards=8, files=2, seed=int(rng.integers(1 << 30))
+    )
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
+    drop_page_cache(layout)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        ids = torch.from_numpy(rng.integers(0, layout.num_rows, 2000))
+        expect = reference_rows(layout, ids.numpy())
+        evict(table.mapping, layout)
+        before = table.stats()
+        assert before["row_cache"] is None
+        assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), expect)
+        first = table.stats()
+        read = first["file_reads"] - before["file_reads"]
+        assert 0 < read <= len(np.unique(ids.numpy()))
+        assert first["file_read_seconds"] > before["file_read_seconds"]
+        assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), expect)
+        assert table.stats()["file_reads"] == first["file_reads"]  # resident now: nothing read

@@ -12,7 +12,7 @@ def window(**figures: float) -> dict[str, float]:
     base = dict.fromkeys(
         ("lookups", "rows", "bytes", "out_of_range", "dedup", "gather", "stage", "wait"), 0.0
     )
-    base |= dict.fromkeys(("cache_hits", "cache_misses", "file_reads", "read_seconds"), 0.0)
+    base |= dict.fromkeys(("file_reads", "file_read_seconds", "cache_hits", "cache_misses"), 0.0)
     base |= dict.fromkeys(("cache_rows", "cache_resident"), 0.0)
     return base | figures
 
@@ -56,16 +56,17 @@ def test_figures_of_a_stats_dict():
         "rows": 7,
         "bytes": 70,
         "out_of_range": 1,
+        "file_reads": 8,
+        "file_read_seconds": 0.25,
         "phase_seconds": {"gather": 0.5},
         "mode": "cpu",
     }
-    assert figures(stats) == window(lookups=3, rows=7, bytes=70, out_of_range=1, gather=0.5)
+    read = dict(file_reads=8, file_read_seconds=0.25)
+    assert figures(stats) == window(lookups=3, rows=7, bytes=70, out_of_range=1, gather=0.5, **read)
     assert figures({}) == window()
     cache = {
         "hits": 90,
         "misses": 10,
-        "file_reads": 8,
-        "read_seconds": 0.25,
         "rows": 40,
         "resident_bytes": 4096,
     }
@@ -75,10 +76,9 @@ def test_figures_of_a_stats_dict():
         bytes=70,
         out_of_range=1,
         gather=0.5,
+        **read,
         cache_hits=90,
         cache_misses=10,
-        file_reads=8,
-        read_seconds=0.25,
         cache_rows=40,
         cache_resident=4096,
     )
@@ -94,10 +94,17 @@ def test_the_row_cache_in_the_line():
         cache_hits=15400,
         cache_misses=600,
         file_reads=580,
-        read_seconds=0.0021,
+        file_read_seconds=0.0021,
         cache_rows=6_100_000,
         cache_resident=int(1.02 * (1 << 30)),
     )
     line = format_line({"cpu": cpu}, 10.0, 0, 0)
-    assert "; row cache: 96.2% hits, 580 file reads (2.1 ms), 6.10 M rows in 1.02 GiB" in line
+    assert "; row cache: 96.2% hits, 6.10 M rows in 1.02 GiB; 580 file reads (2.1 ms)" in line
     assert "row cache" not in format_line({"cpu": window(lookups=1, rows=2, bytes=20)}, 1.0, 0, 0)
+
+
+def test_file_reads_in_the_line_without_a_row_cache():
+    cpu = window(lookups=4, rows=64, bytes=10240, gather=0.01, file_reads=60, file_read_seconds=0.0045)
+    line = format_line({"cpu": cpu}, 1.0, 0, 0)
+    assert "row cache" not in line and line.endswith("; 60 file reads (4.5 ms)")
+    assert "file reads" not in format_line({"cpu": window(lookups=1, rows=2, bytes=20)}, 1.0, 0, 0)

@@ -133,16 +133,14 @@ class RowSources:
 
     def stats(self) -> dict | None:
         """The row cache's hits, misses, evictions and rows (of the rows' cache: the block scales'
-        are for the same ids), bytes and resident_bytes (both caches), and the rows read from the
-        files and the seconds spent on them; None where there is no row cache."""
+        are for the same ids), bytes and resident_bytes (both caches); None where there is no row
+        cache. The reads of misses are the path's counts (``file_reads``), cache or not."""
         if self.rows.cache is None:
             return None
         total = self.rows.cache.stats()
         if self.block_scales is not None and self.block_scales.cache is not None:
             total["bytes"] += self.block_scales.cache.nbytes
             total["resident_bytes"] += self.block_scales.cache.resident_bytes()
-        c = self.counts.read()
-        total["file_reads"], total["read_seconds"] = c["file_reads"], c["read_ns"] * 1e-9
         return total
 
     def close(self) -> None:

@@ -316,7 +316,8 @@ class HostGather:
 
     def read_counts(self) -> dict:
         """The host counters as ``path_counts``: rows, ids outside the table, broken rows, lookups
-        (row copies run, graph replays included); phases: gather = the row copies' seconds, stage =
+        (row copies run, graph replays included), rows read from the files and the seconds the
+        reads took; phases: gather = the row copies' seconds, stage =
         the callers' seconds queuing eager lookups. Lookups queued but not yet run are not in it
         (``counts.read()`` has the C counters themselves)."""
         c = self.counts.read()
@@ -325,6 +326,8 @@ class HostGather:
             c["out_of_range"],
             c["broken"],
             c["lookups"],
+            file_reads=c["file_reads"],
+            file_read_seconds=c["read_ns"] * 1e-9,
             gather=c["ns"] * 1e-9,
             stage=self.enqueue_seconds,
         )
