@@ -246,7 +246,8 @@ KNOBS: dict[str, Knob] = {
             "auto",
             "host path: bytes of hot rows kept at row granularity in memory the table owns; auto = "
             "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table is not in the page cache at "
-            "open (else none); 0 = none",
+            "open (else none); a size is capped at what the owned rows need and refused past the "
+            "memory left; 0 = none",
         ),
         Knob(
             "PLE_UM_ROW_CACHE_FRACTION",

@@ -14,6 +14,7 @@ from helpers.cli import fs_type, run, run_cli, run_json, two_layer_checkpoint
 from helpers.reference import drop_page_cache
 
 from ple_um import cli, operating, units
+from ple_um.access import memory
 from ple_um.synthetic import write_checkpoint
 
 
@@ -156,6 +157,12 @@ def test_residency_says_which_row_cache_a_table_opened_now_takes(capsys, table_d
     code, out, _ = run(capsys, "residency", path)
     assert out.splitlines()[-1] == f"row cache of a table opened now: {cache['why']}"
     assert "a row cache of 1.00 MiB" in cache["why"]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(memory, "available", lambda: 1 << 19)  # a size past the memory left
+        code, data = run_json(capsys, "residency", path)
+    assert code == 0 and data["row_cache"]["bytes"] == 0
+    assert data["row_cache"]["why"].startswith("an open now would be refused: environment variable")
 
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "lots")
     code, out, err = run(capsys, "residency", path)

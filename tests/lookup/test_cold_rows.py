@@ -22,6 +22,7 @@ from helpers.rowcopy_jobs import boundary_ids, make_job
 
 import ple_um
 from ple_um.access import memory
+from ple_um.errors import KnobError
 from ple_um.lookup import rowcopy
 from ple_um.lookup.host.cold import plan
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
@@ -512,3 +513,24 @@ def test_file_reads_are_counted_without_a_row_cache(make_checkpoint, rng, monkey
         assert first["file_read_seconds"] > before["file_read_seconds"]
         assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), expect)
         assert table.stats()["file_reads"] == first["file_reads"]  # resident now: nothing read
+
+
+def test_an_explicit_row_cache_is_capped_at_the_table_and_refused_past_memory(
+    lib, make_checkpoint, monkeypatch
+):
+    """A size larger than the owned rows need takes what they need; one that does not fit the
+    memory left is a KnobError naming the variable, at open, before anything is faulted in."""
+    layout = make_checkpoint(num_rows=10000, row_dim=160, dtype="fp8", shards=4)
+    need = 10000 * (160 + SLOT_OVERHEAD)
+    with MappedShards(layout) as mapping:
+        monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")
+        assert plan(lib, mapping, None).cache_bytes == need
+        monkeypatch.setattr(memory, "available", lambda: need - 1)
+        with pytest.raises(KnobError, match=r"PLE_UM_ROW_CACHE='1GiB'.* does not fit"):
+            plan(lib, mapping, None)
+        monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
+        cold = plan(lib, mapping, None)  # none asked: nothing to fit
+        assert cold is None or cold.cache_bytes == 0
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")  # memory.available still says need - 1
+    with pytest.raises(ple_um.PleUmError, match="PLE_UM_ROW_CACHE='1GiB'"):
+        ple_um.open_table(layout.directory, mode="cpu", device="cpu")

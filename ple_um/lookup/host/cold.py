@@ -4,7 +4,8 @@
 - ``PLE_UM_ROW_CACHE``: ``auto`` (the default) keeps a row cache when the table is not fully in the
   page cache at open, of ``PLE_UM_ROW_CACHE_FRACTION`` of the memory this process can still take
   (``access.memory.available``: MemAvailable, and the memory cgroup's room), at most what the
-  table's owned rows need; a size (``4GiB``) sets it; ``0`` keeps none.
+  table's owned rows need; a size (``4GiB``) sets it (at most what the owned rows need; refused
+  when it does not fit the memory this process can still take); ``0`` keeps none.
 - ``PLE_UM_FILE_READS``: how misses are read (``host/file_reads.py``): ``auto`` is io_uring where a
   ring can be made, else reader threads; ``mmap`` faults them in through the mapping.
 - ``PLE_UM_DIRECT_READS``: ``auto`` reads misses with O_DIRECT when there is a row cache (the rows
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from ple_um import envs
 from ple_um.access import memory
+from ple_um.errors import KnobError
 from ple_um.lookup import rowcopy
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, RowCache, slots_for
@@ -51,6 +53,22 @@ def _owned_bytes(mappings: list[MappedShards]) -> int:
     return sum(m.owned_bytes // m.layout.row_bytes * (m.layout.row_bytes + SLOT_OVERHEAD) for m in mappings)
 
 
+def _sized(asked: int, owned: int) -> int:
+    """An explicit ``PLE_UM_ROW_CACHE``: at most what the owned rows need (more would hold nothing
+    more). KnobError when that does not fit the memory this process can still take: the cache is
+    faulted in at open, so a size past it would end the process, not the open."""
+    cache = min(asked, owned)
+    room = memory.available()
+    if cache > room:
+        var, text = envs.KNOBS["PLE_UM_ROW_CACHE"].raw() or ("PLE_UM_ROW_CACHE", str(asked))
+        raise KnobError(
+            f"environment variable {var}={text!r}: a row cache of "
+            f"{format_bytes(cache)} does not fit the {format_bytes(room)} this process can still take "
+            "(MemAvailable and its memory cgroup's room); set a smaller size, auto, or 0"
+        )
+    return cache
+
+
 def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None) -> ColdPlan | None:
     """The plan for this table's host path, or None: rows copied from the mapping as they are."""
     mappings = [m for m in (mapping, scale_mapping) if m is not None]
@@ -66,7 +84,7 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None) -> Cold
             cache = min(room, _owned_bytes(mappings))
             said = f"a row cache of {format_bytes(cache)} (the table was not in the page cache at open)"
     else:
-        cache = int(knob)
+        cache = _sized(int(knob), _owned_bytes(mappings))
         said = f"a row cache of {format_bytes(cache)}" if cache else "no row cache (PLE_UM_ROW_CACHE=0)"
     if cache and slots_for(cache, mapping.layout.row_bytes) == 0:
         cache, said = 0, f"no row cache ({format_bytes(cache)} holds not one set of rows)"
