@@ -28,7 +28,7 @@ from ple_um.access.build import ModeAccess
 from ple_um.access.capabilities import DeviceCapabilities, resolve_device
 from ple_um.access.probe import ProbeReport, decide, pin_budget, requested_mode
 from ple_um.checkpoint import ShardLayout, read_layout
-from ple_um.errors import ModeUnavailableError
+from ple_um.errors import KnobError, ModeUnavailableError
 from ple_um.lookup.host.signals import StreamBlockedError
 from ple_um.lookup.paths import build_paths
 from ple_um.mapping import MappedShards
@@ -54,7 +54,8 @@ def _select_mode(
     attempt's work, outside the rejection's handling (a release that fails raises). A mode that
     fails is rejected with its reason and the next one is tried; a forced one raises
     ModeUnavailableError. ``StreamBlockedError`` passes through at once: nothing may synchronize
-    the device after it."""
+    the device after it; so does ``KnobError``: a knob no mode can take is the caller's to fix,
+    not a reason to serve the table another way."""
     budget = pin_budget()
     rejected: dict[str, str] = {}
     while True:
@@ -64,7 +65,7 @@ def _select_mode(
             first_read.check(report, caps, layout, rows, device, recheck=recheck)
             tried = True
             built, why = attempt(report)
-        except StreamBlockedError:
+        except (StreamBlockedError, KnobError):
             raise
         except Exception as exc:  # noqa: BLE001 - a mode that fails is rejected with its reason
             built, why = None, f"{type(exc).__name__}: {exc}"
@@ -219,7 +220,7 @@ class _Builds:
         try:
             _build(table, self.caps.cuda)
             return table, _check(table)
-        except StreamBlockedError:
+        except (StreamBlockedError, KnobError):
             raise
         except Exception as exc:  # noqa: BLE001 - a mode that fails to build is rejected with its reason
             return table, f"{type(exc).__name__}: {exc}"
