@@ -270,12 +270,10 @@ class MappedTable:
             return prefetcher.submit(ids)
 
     def stats(self, *, sync: bool = True) -> dict:
-        """Counters: lookups (eager calls), rows and ids outside the table (counted by the paths:
-        graph replays too), bytes, the rows the host path read from the files and the seconds it
-        waited for them, phase seconds of the host path, memory, and the row cache (``row_cache``:
-        ``lookup.host.cold.RowSources.stats``; None where there is none). ``sync``
-        waits for the device first, so that every lookup queued before is in the figures (the
-        stats reporter reads without it, on a stream of its own)."""
+        """Counters: lookups (eager calls), the paths' counts (``lookup.counts.path_counts``: graph
+        replays too), bytes, memory, and the row cache (``lookup.host.cold.RowSources.stats``, or
+        None). ``sync`` waits for the device first, so that every lookup queued before is in the
+        figures (the stats reporter reads without it, on a stream of its own)."""
         with self._in_use():
             if sync and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -288,9 +286,7 @@ class MappedTable:
                 "out_of_range": counts["out_of_range"],
                 "host_lookups": counts["lookups"],
                 "broken_rows": counts["broken"],
-                "file_reads": counts["file_reads"],
-                "file_read_seconds": counts["file_read_seconds"],
-                "phase_seconds": counts["phase_seconds"],
+                **{key: counts[key] for key in ("file_reads", "file_read_seconds", "phase_seconds")},
                 "mapped_bytes": sum(m.mapped_bytes for m in (self.mapping, self.scale_mapping) if m),
                 "pinned_bytes": self.access.pinned_bytes,
                 "device_bytes": self.access.device_bytes,

@@ -315,11 +315,9 @@ class HostGather:
             self._captured.append(items)
 
     def read_counts(self) -> dict:
-        """The host counters as ``path_counts``: rows, ids outside the table, broken rows, lookups
-        (row copies run, graph replays included), rows read from the files and the seconds the
-        reads took; phases: gather = the row copies' seconds, stage =
-        the callers' seconds queuing eager lookups. Lookups queued but not yet run are not in it
-        (``counts.read()`` has the C counters themselves)."""
+        """The host counters as ``path_counts`` (row copies run, graph replays included; gather =
+        the row copies' seconds, stage = the callers' queuing eager lookups). Lookups queued but
+        not yet run are not in it (``counts.read()`` has the C counters themselves)."""
         c = self.counts.read()
         return path_counts(
             c["rows"],
