@@ -4,14 +4,15 @@ the table dropped before each call, in a table without a row cache) and in the s
 a warm-up under the limit, in a table opened as the environment says, its row cache included).
 
 Run as ``python -m ple_um.bench.cold_child``: the request as JSON on stdin, the figures as JSON on
-stdout. Before each cold call the table's pages are dropped inside this process, the one that maps
-them: ``MADV_DONTNEED`` over its own mappings of the files (from ``/proc/self/maps``), then
-``POSIX_FADV_DONTNEED`` on each file (pages another process maps stay in the page cache).
-Before each timed call, the share of its rows already in the page cache (mincore) and, where the
-table has a row cache (``stats()["row_cache"]``), that cache's hit rate over the timed calls (its
-counters' differences around them). The cold calls' table is opened with ``PLE_UM_ROW_CACHE=0``: a
-row cache is not dropped with the pages, and it would serve a cold call the rows of earlier ones
-(and of the self-test at open).
+stdout. A request with ``"shared": true`` is one of several processes sharing the table: the steady
+state only, and no page dropped (``_shared``). Before each cold call the table's pages are
+dropped inside this process, the one that maps them: ``MADV_DONTNEED`` over its own mappings of
+the files (from ``/proc/self/maps``), then ``POSIX_FADV_DONTNEED`` on each file (pages another
+process maps stay in the page cache). Before each timed call, the share of its rows already in the
+page cache (mincore) and, where the table has a row cache (``stats()["row_cache"]``), that cache's
+hit rate over the timed calls (its counters' differences around them). The cold calls' table is
+opened with ``PLE_UM_ROW_CACHE=0``: a row cache is not dropped with the pages, and it would serve a
+cold call the rows of earlier ones (and of the self-test at open).
 """
 
 from __future__ import annotations
@@ -234,20 +235,40 @@ def _steady(table, layout, request, device, graph: bool, probe, files, rng, entr
     calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
     warmups = "warmup" if key == "steady" else "warmup_page_cache"
     for dist in parse_ids(request["ids"]):
-        drop_table_pages(files)  # the steady state grows from nothing, under the limit
+        if files:
+            drop_table_pages(files)  # the steady state grows from nothing, under the limit
         entry.setdefault(warmups, {})[dist.name] = _warm_up(
             calls[max(calls)], dist, rng, layout, probe, timer, request["warmup_s"]
         )
         for n, call in calls.items():
             draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
-            row = entry[dist.name][str(n)]
+            row = entry.setdefault(dist.name, {}).setdefault(str(n), {})
             row[key] = _timed(call, draws, table, probe, timer, None, n * layout.row_bytes)
+            cold = f"cold {row['cold']['median_us']:.1f} us, " if "cold" in row else ""
+            steady = f"{key.replace('_', ' ')} {row[key]['median_us']:.1f} us"
             print(
-                f"{table.mode} {dist.name} {n} rows: cold {row['cold']['median_us']:.1f} us, "
-                f"{key.replace('_', ' ')} {row[key]['median_us']:.1f} us",
+                f"{table.mode} {dist.name} {n} rows: {cold}{steady}",
                 file=sys.stderr,
                 flush=True,
             )
+    return entry
+
+
+def _shared(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
+    """One of several processes that look up the same table at once under one limit
+    (``scripts/profile_shared_table.py``): the steady state only, in a table opened as the
+    environment says. No page is dropped here (the other processes' would go too): the parent
+    dropped them before it started the processes. ``window``: when the timed part ran (epoch
+    seconds), to check that the processes overlapped."""
+    rng = np.random.default_rng(request["seed"])
+    with MappedShards(layout) as probe, _open(layout, mode, device, {}) as table:
+        graph = device.type == "cuda" and table.capture_safe
+        entry: dict = {"timing": "graph replay" if graph else "eager", "row_reads": table.row_reads}
+        started = time.time()
+        _steady(table, layout, request, device, graph, probe, None, rng, entry, "steady")
+        entry["window"] = [started, time.time()]
+        cache = table.stats()["row_cache"]
+        entry["row_cache_bytes"] = cache["bytes"] if cache else 0
     return entry
 
 
@@ -258,7 +279,8 @@ def main() -> None:
     out: dict = {"pid": os.getpid(), "modes": {}}
     for mode in request["modes"]:
         try:
-            out["modes"][mode] = _mode(mode, layout, request, device)
+            run = _shared if request.get("shared") else _mode
+            out["modes"][mode] = run(mode, layout, request, device)
         except Exception as exc:  # noqa: BLE001 - a mode this child cannot run is reported, not fatal
             out["modes"][mode] = {"skipped": f"{type(exc).__name__}: {exc}"}
     with open("/proc/self/status") as f:

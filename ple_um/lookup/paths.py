@@ -103,17 +103,18 @@ def build_paths(
         lib, why = None, "the host node's self-test failed"
 
     def host_gather() -> HostGather:
-        return HostGather(
-            lib,
-            mapping,
-            device,
-            storage=layout.dtype,
-            scale=scale,
-            threads=envs.PLE_UM_CPU_THREADS,
-            scale_mapping=scale_mapping,
-            built=why,
-            cold=cold.plan(lib, mapping, scale_mapping),
-        )
+        with cold.one_sizing_at_a_time():  # sized from the memory left and faulted in, then let go
+            return HostGather(
+                lib,
+                mapping,
+                device,
+                storage=layout.dtype,
+                scale=scale,
+                threads=envs.PLE_UM_CPU_THREADS,
+                scale_mapping=scale_mapping,
+                built=why,
+                cold=cold.plan(lib, mapping, scale_mapping),
+            )
 
     if mode == "cpu":
         if lib is not None:

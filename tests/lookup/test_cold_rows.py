@@ -10,6 +10,7 @@ files read.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import threading
 import time
@@ -21,9 +22,11 @@ from helpers.reference import drop_page_cache, reference_rows
 from helpers.rowcopy_jobs import boundary_ids, make_job
 
 import ple_um
+from ple_um import envs
 from ple_um.access import memory
 from ple_um.errors import KnobError
 from ple_um.lookup import rowcopy
+from ple_um.lookup.host import cold
 from ple_um.lookup.host.cold import plan
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, WAYS, RowCache, slots_for
@@ -534,3 +537,53 @@ def test_an_explicit_row_cache_is_capped_at_the_table_and_refused_past_memory(
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")  # memory.available still says need - 1
     with pytest.raises(KnobError, match="PLE_UM_ROW_CACHE='1GiB'"):  # as it is, not a rejected mode
         ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+
+
+def _hold_sizing_lock() -> int:
+    fd = os.open(os.path.join(envs.PLE_UM_CACHE_DIR, "row-cache.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_row_caches_are_sized_one_open_at_a_time(make_checkpoint, monkeypatch):
+    """An open sizes and faults in its row cache only while no other process (or thread) does:
+    one held here keeps it waiting until it is let go."""
+    layout = make_checkpoint(num_rows=5000, row_dim=64, dtype="fp8", shards=4)
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "1MiB")
+    opened: list[float] = []
+
+    def open_one():
+        with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+            opened.append(time.monotonic())
+            assert table.stats()["row_cache"]["bytes"] > 0
+
+    fd = _hold_sizing_lock()
+    try:
+        worker = threading.Thread(target=open_one)
+        worker.start()
+        time.sleep(2.0)
+        released = time.monotonic()
+    finally:
+        os.close(fd)
+    worker.join(60)
+    assert not worker.is_alive() and len(opened) == 1
+    assert opened[0] > released  # it waited for the lock
+
+
+def test_sizing_goes_on_without_the_lock_where_it_cannot_be_had(tmp_path, monkeypatch, caplog):
+    """Past the wait, or where the lock file cannot be made, the cache is sized without it, and a
+    warning says so."""
+    fd = _hold_sizing_lock()
+    try:
+        t0 = time.monotonic()
+        with cold.one_sizing_at_a_time(wait_s=0.2):
+            assert 0.2 <= time.monotonic() - t0 < 10
+    finally:
+        os.close(fd)
+    assert "another process held it" in caplog.text
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(blocker / "below"))
+    with cold.one_sizing_at_a_time():
+        pass
+    assert "row cache sized without" in caplog.text and "below" in caplog.text

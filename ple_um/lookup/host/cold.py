@@ -17,6 +17,11 @@ plan says for a table's rows (and an NVFP4 table's block scales) and owns it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
+import os
+import time
 from dataclasses import dataclass
 
 from ple_um import envs
@@ -27,6 +32,11 @@ from ple_um.lookup.host.file_reads import FileReader, choose_strategy
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, RowCache, slots_for
 from ple_um.mapping import MappedShards
 from ple_um.units import format_bytes
+
+log = logging.getLogger(__name__)
+# How long an open waits for another process's row cache to be sized and faulted in before it sizes
+# its own without waiting (a cache of tens of GiB faults in within seconds).
+SIZING_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,40 @@ class ColdPlan:
     @property
     def reads(self) -> bool:
         return self.strategy != "mmap"
+
+
+@contextlib.contextmanager
+def one_sizing_at_a_time(wait_s: float = SIZING_WAIT_S):
+    """Held while a row cache is sized from the memory left and faulted in. Processes that open
+    tables at once (data-parallel replicas, tensor-parallel ranks, several servers under one
+    memory limit) then size theirs one after another, each from the memory the ones before it left,
+    instead of all from the same room, which together they would take several times over (the
+    limit's OOM killer ends one of them). An ``flock`` on ``PLE_UM_CACHE_DIR/row-cache.lock``: the
+    processes of one user's deployment share it, and the kernel releases it when its holder ends,
+    however it ends. Where the lock file cannot be opened, or another process holds it past
+    ``wait_s``, the cache is sized without it (a warning says so)."""
+    path = os.path.join(envs.PLE_UM_CACHE_DIR, "row-cache.lock")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.warning("row cache sized without %s (%s): processes opening at once may oversize", path, exc)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("row cache sized without %s: another process held it %.0f s", path, wait_s)
+                    break
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _owned_bytes(mappings: list[MappedShards]) -> int:
