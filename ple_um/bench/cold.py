@@ -102,6 +102,7 @@ def _describe(cfg: Config, layout: ShardLayout, device: torch.device, warmup_s: 
             "timing": "CUDA graph replays" if cuda else "eager calls, perf_counter",
             "ceiling": "rows / the storage's 4 KiB random reads per second at depth 64",
             "timed_calls": cfg.repeats,
+            "warmup_s": warmup_s,
         },
     }
 

@@ -106,6 +106,17 @@ def fraction(text: str) -> float:
     return value
 
 
+def seconds(text: str) -> float:
+    """A duration in seconds, at least 0 and at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 86400:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 86400, got {text!r}")
+    return value
+
+
 def modes(text: str) -> tuple[str, ...]:
     """Access modes, any case (as PLE_UM_MODE takes them)."""
     found = tuple(m.lower() for m in items(text))

@@ -98,6 +98,14 @@ def add_parser(sub) -> None:
         "steady state, beside the storage's ceiling measured in the same run; --plot draws time against "
         "the limit",
     )
+    b.add_argument(
+        "--warmup",
+        type=a.seconds,
+        default=None,
+        metavar="SECONDS",
+        help="with --memory-limit: seconds of lookups before the steady state is timed, so that the row "
+        "cache and the page cache fill as a server's would (default 5; at least 10 calls)",
+    )
     b.add_argument("--quiet", action="store_true", help="progress lines to stderr")
     b.set_defaults(func=run, knobs=None)
 
@@ -126,6 +134,8 @@ def _check_table(args: argparse.Namespace):
     from ple_um.checkpoint import read_layout
     from ple_um.errors import CheckpointError
 
+    if args.warmup is not None and not args.memory_limit:
+        raise CliError("--warmup times the steady state of --memory-limit: give it too", EXIT_USAGE)
     if args.memory_limit and args.modes and not set(args.modes) & {"cpu", "ats"}:
         raise CliError(
             f"--memory-limit runs only the modes that read the table where it lies (cpu, ats): --modes "
@@ -245,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
         if args.memory_limit:
             from ple_um.bench import cold, cold_report, plot
 
-            result = cold.run(cfg, args.memory_limit, log=log)
+            warmup = cold.WARMUP_S if args.warmup is None else args.warmup
+            result = cold.run(cfg, args.memory_limit, log=log, warmup_s=warmup)
             say(cold_report.format_cold(result))
             _write(args, result, plot.plot_limits, say)
         else:

@@ -66,6 +66,13 @@ BENCH_REFUSALS = [
         ["--memory-limit", "lots"],
         "argument --memory-limit: expected a byte count with an optional binary suffix",
     ),
+    (["--warmup", "5"], "--warmup times the steady state of --memory-limit: give it too"),
+    (
+        ["--memory-limit", "1GiB", "--warmup", "-1"],
+        "argument --warmup: expected seconds from 0 to 86400, got '-1'",
+    ),
+    (["--memory-limit", "1GiB", "--warmup", "nan"], "argument --warmup: expected seconds from 0 to 86400"),
+    (["--memory-limit", "1GiB", "--warmup", "1e9"], "argument --warmup: expected seconds from 0 to 86400"),
 ]
 
 
@@ -325,6 +332,7 @@ def test_bench_under_a_memory_limit_end_to_end(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
     out, png = tmp_path / "cold.json", tmp_path / "cold.png"
     argv = ["--size", "4MiB", "--shards", "8", "--memory-limit", "768MiB", "--rows", "16", "--repeats", "2"]
+    argv += ["--warmup", "0.5"]
     code, stdout, stderr = run(
         capsys, "bench", *argv, "--device", "cpu", "--json", "--json-file", str(out), "--plot", str(png)
     )
@@ -336,6 +344,9 @@ def test_bench_under_a_memory_limit_end_to_end(capsys, tmp_path, monkeypatch):
     assert entry["bytes"] == 768 << 20
     row = entry["modes"]["cpu"]["uniform"]["16"]
     assert row["cold"]["calls"] == row["steady"]["calls"] == 2 and row["cold"]["vs_ceiling"] > 0
+    warmup = entry["modes"]["cpu"]["warmup"]["uniform"]
+    assert result["method"]["warmup_s"] == 0.5 and warmup["calls"] >= 10 and warmup["seconds"] >= 0.5
+    assert "then at least 0.5 s of lookups" in result["method"]["steady"]
     assert "storage: random reads from the table's 4 files" in stderr
     assert "| ple-um cpu (eager) | 16 |" in stderr
     assert stderr.splitlines()[-2:] == [f"results (JSON): {out}", f"plot: {png}"]
