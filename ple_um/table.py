@@ -115,6 +115,8 @@ class MappedTable:
         try:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # every queued kernel and host node has run
+            if self.access is not None:
+                self.access.stop_prefetcher()  # a prefetch may be reading into the row cache
             for res in (self.paths, self.access):
                 if res is not None:
                     res.close()
@@ -259,15 +261,14 @@ class MappedTable:
         )
 
     def prefetch(self, ids) -> Future:
-        """Start bringing the pages of ``ids``' rows into memory from CPU threads (a hint; modes
-        whose pages are resident need none). Returns a Future of the number of rows touched."""
+        """Start bringing ``ids``' rows into memory from CPU threads, a hint (``LookupPaths.
+        prefetch_touch``: their pages, or their rows into a row cache). A Future of the rows."""
         with self._in_use():
             prefetcher = self.access.prefetcher
-            if prefetcher is None:
-                done: Future = Future()
-                done.set_result(0)
+            if prefetcher is None:  # modes whose pages are resident need none
+                (done := Future()).set_result(0)
                 return done
-            return prefetcher.submit(ids)
+            return prefetcher.submit(ids, self.paths.prefetch_touch())
 
     def stats(self, *, sync: bool = True) -> dict:
         """Counters: lookups (eager calls), the paths' counts (``lookup.counts.path_counts``: graph

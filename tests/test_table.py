@@ -434,9 +434,11 @@ def test_prewarm_populates(make_checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["ats", "cpu"])
 def test_prefetch_makes_pages_resident(make_checkpoint, mode, monkeypatch, rng):
-    # 2048 rows of 512 bytes in one file: 8 rows a page. The self-test reads one row (row 0).
+    # 2048 rows of 512 bytes in one file: 8 rows a page. The self-test reads one row (row 0). No
+    # row cache: with one, the cpu mode's prefetch reads the rows into it instead (test_cold_rows).
     layout = make_checkpoint(num_rows=2048, row_dim=512, dtype="fp8", shards=4, files=1)
     monkeypatch.setenv("PLE_UM_SELF_TEST_ROWS", "1")
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
     drop_page_cache(layout)
     with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
         drop_page_cache(layout)

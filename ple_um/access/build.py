@@ -145,12 +145,17 @@ class ModeAccess:
     def registration_seconds(self) -> float:
         return sum(r.seconds for r in self.registrations)
 
-    def close(self) -> None:
-        """Stop the prefetcher, unregister (each registration waits for the device first) and drop
-        the device copies, in reverse order of building. Idempotent."""
+    def stop_prefetcher(self) -> None:
+        """Wait for the prefetches in flight and stop their threads (they may read through the
+        lookup paths' row cache: stopped before those are released). Idempotent."""
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
+
+    def close(self) -> None:
+        """Stop the prefetcher, unregister (each registration waits for the device first) and drop
+        the device copies, in reverse order of building. Idempotent."""
+        self.stop_prefetcher()
         while self.registrations:
             self.registrations[-1].close()
             self.registrations.pop()

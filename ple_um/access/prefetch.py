@@ -24,14 +24,15 @@ class PagePrefetcher:
         self.threads = max(1, threads)
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="ple-um-prefetch")
 
-    def submit(self, ids) -> Future:
+    def submit(self, ids, touch=None) -> Future:
         """Start touching the rows of ``ids`` (CPU tensor or array of global ids); returns a Future
-        of the number of rows touched."""
+        of the number of rows touched. ``touch(ids) -> rows``: what a thread does with its part of
+        them (default: fault in their pages, ``MappedShards.touch_rows``)."""
         if isinstance(ids, torch.Tensor):
             ids = ids.detach().to("cpu").numpy()
         flat = np.asarray(ids, dtype=np.int64).reshape(-1)
         parts = np.array_split(flat, min(self.threads, max(1, flat.size // 256)))
-        futures = [self.pool.submit(self.mapping.touch_rows, p) for p in parts]
+        futures = [self.pool.submit(touch or self.mapping.touch_rows, p) for p in parts]
         done: Future = Future()
         remaining = [len(futures)]
         lock = threading.Lock()

@@ -15,6 +15,8 @@ them up without asking which path it holds.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ple_um import envs
@@ -24,7 +26,7 @@ from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host import cold
-from ple_um.lookup.host.gather import HostGather
+from ple_um.lookup.host.gather import HostGather, warm_row_cache
 from ple_um.lookup.sync_gather import SyncGather
 
 
@@ -53,6 +55,16 @@ class LookupPaths:
     def row_copy(self) -> HostGather | None:
         """The C row copy's host path, or None."""
         return self.host if isinstance(self.host, HostGather) else None
+
+    def prefetch_touch(self):
+        """What a prefetch's threads do with its ids: None, fault in their pages (the kernel reads
+        them through the mapping, or the host path copies resident rows from it); with no kernel
+        and a row cache, read the rows the cache lacks into it (``warm_row_cache``: the page touch
+        would fill the page cache, which the reads of the cache's misses pass by)."""
+        host = self.row_copy
+        if self.gpu is None and host is not None and host.rows.cache is not None:
+            return functools.partial(warm_row_cache, host)
+        return None
 
     def row_cache_stats(self) -> dict | None:
         """The host path's row cache (``HostGather.row_cache_stats``), or None."""

@@ -587,3 +587,45 @@ def test_sizing_goes_on_without_the_lock_where_it_cannot_be_had(tmp_path, monkey
     with cold.one_sizing_at_a_time():
         pass
     assert "row cache sized without" in caplog.text and "below" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_a_prefetch_reads_the_rows_into_the_row_cache(make_checkpoint, rng, monkeypatch, dtype):
+    """The cpu mode's prefetch with a row cache: the rows the cache lacks read into it (an NVFP4
+    table's block scales into theirs), no page of the files faulted in, no lookup counted; the
+    lookup after it is served from the cache (but the few rows a locked set dropped) and exact."""
+    layout = make_checkpoint(
+        num_rows=20000,
+        row_dim=160 if dtype == "fp8" else 64,
+        dtype=dtype,
+        shards=8,
+        files=2,
+        seed=int(rng.integers(1 << 30)),
+    )
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "8MiB")
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        mappings = [m for m in (table.mapping, table.scale_mapping) if m is not None]
+        for m in mappings:
+            evict(m, m.layout)
+        ids = torch.from_numpy(rng.integers(0, layout.num_rows, 3000))
+        asked = torch.cat([ids, torch.tensor([-1, layout.num_rows, 5])])
+        before = table.stats()
+        assert table.prefetch(asked).result(timeout=60) == 3001  # the owned ids
+        warmed = table.stats()
+        assert sum(resident_pages(m) for m in mappings) == 0  # read past the page cache
+        assert (warmed["rows"], warmed["host_lookups"]) == (before["rows"], before["host_lookups"])
+        unique, tables = len(np.unique(ids.numpy())), len(mappings)
+        # Each thread of the prefetch reads its part's misses: an id in two parts is read twice.
+        assert unique * tables <= warmed["file_reads"] - before["file_reads"] <= 3001 * tables
+        if dtype == "fp8":
+            got = table.lookup(ids).view(torch.uint8).numpy()
+        else:
+            packed, scales = table.lookup_packed(ids)
+            assert np.array_equal(
+                scales.view(torch.uint8).numpy(), reference_rows(layout.scale_layout(), ids.numpy())
+            )
+            got = packed.numpy()
+        assert np.array_equal(got, reference_rows(layout, ids.numpy()))
+        after = table.stats()
+        hits = after["row_cache"]["hits"] - warmed["row_cache"]["hits"]
+        assert hits >= 0.99 * 3000 and after["file_reads"] - warmed["file_reads"] <= 0.02 * unique

@@ -588,12 +588,15 @@ def test_close_during_concurrent_lookups_never_crashes(tmp_path):
     assert set(result["errors"]) <= {"TableClosedError"}, result
 
 
-def test_prefetch_futures_outlive_close_safely(make_checkpoint):
+def test_prefetch_futures_outlive_close_safely(make_checkpoint, monkeypatch):
     # close() waits for the prefetch threads: a prefetch submitted just before close has finished
-    # (or failed with TableClosedError), never read unmapped memory.
+    # (or failed with TableClosedError), never read unmapped memory or a released row cache (the
+    # cpu mode's prefetch with a row cache reads the rows into it).
     layout = make_checkpoint(num_rows=20000, row_dim=64, dtype="fp8", shards=4, files=2)
-    for mode in ("cpu", "ats"):
+    for mode, row_cache in (("cpu", "0"), ("cpu", "1MiB"), ("ats", "0")):
+        monkeypatch.setenv("PLE_UM_ROW_CACHE", row_cache)
         table = ple_um.open_table(layout.directory, mode=mode, device="cpu")
+        assert (table.stats()["row_cache"] is not None) is (row_cache != "0")
         futures = [table.prefetch(torch.arange(k, 20000, 3)) for k in range(8)]
         table.close()
         for future in futures:
