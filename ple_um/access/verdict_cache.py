@@ -11,7 +11,6 @@ is ignored with a warning, never trusted. Writes go to a temporary file renamed 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -21,10 +20,9 @@ import os
 import platform
 import socket
 import tempfile
-import time
 from collections.abc import Iterator
 
-from ple_um import envs
+from ple_um import envs, file_lock
 from ple_um.access.capabilities import DeviceCapabilities
 from ple_um.access.probe import direct_read
 from ple_um.version import __version__
@@ -171,33 +169,13 @@ def write_verdict(path: str, record: dict) -> bool:
 
 @contextlib.contextmanager
 def exclusive(path: str, wait: float) -> Iterator[bool]:
-    """Hold the lock of ``path``'s verdict (flock on ``path.lock``) for at most ``wait`` seconds of
-    waiting: ranks that start at once run one child. Yields whether the lock is held; on a folder
-    that cannot be written, or after the wait, the caller goes on without it."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield False
-        return
-    held = False
-    try:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    logger.warning("ple-um: %s.lock still held after %.0f s; going on without it", path, wait)
-                    break
-                time.sleep(0.05)
-        yield held
-    finally:
-        if held:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    """Hold the lock of ``path``'s verdict (``path.lock``, ``file_lock.held``) for at most ``wait``
+    seconds of waiting: ranks that start at once run one child. Yields whether the lock is held;
+    where it cannot be had the caller goes on without it."""
+    with file_lock.held(path + ".lock", wait) as why:
+        if why is not None:
+            logger.warning("ple-um: the first-read verdict's lock is not held (%s); going on without it", why)
+        yield why is None
 
 
 def machine_key(key: dict) -> dict:

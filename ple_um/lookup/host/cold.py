@@ -18,13 +18,12 @@ plan says for a table's rows (and an NVFP4 table's block scales) and owns it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ple_um import envs
+from ple_um import envs, file_lock
 from ple_um.access import memory
 from ple_um.errors import KnobError
 from ple_um.lookup import rowcopy
@@ -59,37 +58,20 @@ class ColdPlan:
 
 
 @contextlib.contextmanager
-def one_sizing_at_a_time(wait_s: float = SIZING_WAIT_S):
+def one_sizing_at_a_time(wait_s: float = SIZING_WAIT_S) -> Iterator[None]:
     """Held while a row cache is sized from the memory left and faulted in. Processes that open
     tables at once (data-parallel replicas, tensor-parallel ranks, several servers under one
     memory limit) then size theirs one after another, each from the memory the ones before it left,
     instead of all from the same room, which together they would take several times over (the
-    limit's OOM killer ends one of them). An ``flock`` on ``PLE_UM_CACHE_DIR/row-cache.lock``: the
-    processes of one user's deployment share it, and the kernel releases it when its holder ends,
-    however it ends. Where the lock file cannot be opened, or another process holds it past
-    ``wait_s``, the cache is sized without it (a warning says so)."""
+    limit's OOM killer ends one of them). The lock is ``PLE_UM_CACHE_DIR/row-cache.lock``
+    (``file_lock.held``): the processes of one user's deployment share it. Where it cannot be had
+    (no such file can be made, or another process holds it past ``wait_s``), the cache is sized
+    without it, and a warning says so."""
     path = os.path.join(envs.PLE_UM_CACHE_DIR, "row-cache.lock")
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError as exc:
-        log.warning("row cache sized without %s (%s): processes opening at once may oversize", path, exc)
+    with file_lock.held(path, wait_s) as why:
+        if why is not None:
+            log.warning("row cache sized without its lock (%s): processes opening at once may oversize", why)
         yield
-        return
-    try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    log.warning("row cache sized without %s: another process held it %.0f s", path, wait_s)
-                    break
-                time.sleep(0.02)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _owned_bytes(mappings: list[MappedShards]) -> int:
