@@ -629,3 +629,47 @@ def test_a_prefetch_reads_the_rows_into_the_row_cache(make_checkpoint, rng, monk
         after = table.stats()
         hits = after["row_cache"]["hits"] - warmed["row_cache"]["hits"]
         assert hits >= 0.99 * 3000 and after["file_reads"] - warmed["file_reads"] <= 0.02 * unique
+
+
+def _rings() -> int:
+    """The io_uring instances this process holds open (its fds that are rings)."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found += "io_uring" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return found
+
+
+def test_a_thread_lets_go_of_its_ring_when_it_ends(make_checkpoint, rng, monkeypatch):
+    """Each thread that reads misses through io_uring makes a ring of its own; when the thread ends
+    the ring goes with it, so threads that come and go (a prefetch's pool, a caller's workers)
+    leave no fd behind."""
+    if choose_strategy(rowcopy.load(envs.PLE_UM_CACHE_DIR)[0], "uring")[0] != "uring":
+        pytest.skip("no io_uring ring can be made here")
+    layout = make_checkpoint(num_rows=20000, row_dim=160, dtype="fp8", shards=4, files=2)
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
+    monkeypatch.setenv("PLE_UM_FILE_READS", "uring")
+    monkeypatch.setenv("PLE_UM_CPU_THREADS", "1")  # the calling thread reads its own misses
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        before, seen = _rings(), []
+
+        def look():
+            evict(table.mapping, layout)
+            ids = torch.from_numpy(rng.integers(0, layout.num_rows, 500))
+            assert np.array_equal(
+                table.lookup(ids).view(torch.uint8).numpy(), reference_rows(layout, ids.numpy())
+            )
+            seen.append(_rings())
+
+        for k in range(5):
+            worker = threading.Thread(target=look)
+            worker.start()
+            worker.join(60)
+            deadline = time.monotonic() + 10  # join returns before the thread's C destructors run
+            while _rings() != before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _rings() == before, f"thread {k} left its ring"
+        assert seen == [before + 1] * 5  # a ring while the thread lived
+        assert table.stats()["file_reads"] > 0

@@ -202,6 +202,11 @@ typedef struct {
 
 static __thread ring_t t_ring;
 static __thread int t_ring_state; /* 0 not made, 1 made, -1 failed */
+/* A thread's ring is let go when the thread ends (its key's destructor): threads that come and go
+ * (a prefetch's pool, a caller's worker threads) would otherwise leave a ring each, an fd and its
+ * mapped queues, for the life of the process. */
+static pthread_key_t ring_key;
+static pthread_once_t ring_key_once = PTHREAD_ONCE_INIT;
 
 static void ring_unmake(ring_t *r, int fd) {
     for (int k = 0; k < 2; k++)
@@ -237,9 +242,24 @@ static int ring_make(ring_t *r, unsigned entries) {
     return 0;
 }
 
+static void ring_release(void *arg) {
+    ring_t *r = arg;
+    if (t_ring_state == 1) {
+        ring_unmake(r, r->fd);
+        free(r->buffers);
+    }
+    t_ring_state = 0;
+}
+
+static void ring_key_make(void) { (void)pthread_key_create(&ring_key, ring_release); }
+
 static ring_t *ring_for(int64_t each) {
     ring_t *r = &t_ring;
-    if (t_ring_state == 0) t_ring_state = ring_make(r, MAX_DEPTH) == 0 ? 1 : -1;
+    if (t_ring_state == 0) {
+        t_ring_state = ring_make(r, MAX_DEPTH) == 0 ? 1 : -1;
+        pthread_once(&ring_key_once, ring_key_make);
+        if (t_ring_state == 1) (void)pthread_setspecific(ring_key, r);
+    }
     if (t_ring_state < 0) return NULL;
     if (each > r->each) {
         free(r->buffers);
