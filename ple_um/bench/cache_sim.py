@@ -104,7 +104,7 @@ def next_uses(keys: np.ndarray) -> np.ndarray:
     return nxt
 
 
-def belady(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
+def belady(keys: np.ndarray, capacity: int, warmup: int = 0) -> tuple[int, int]:
     if capacity <= 0:
         return 0, 0
     nxt = next_uses(keys).tolist()
@@ -140,7 +140,7 @@ def belady(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
     return hits, hits - base
 
 
-def static(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
+def static(keys: np.ndarray, capacity: int, warmup: int = 0) -> tuple[int, int]:
     if capacity <= 0:
         return 0, 0
     _, counts = np.unique(keys[warmup:], return_counts=True)
@@ -148,7 +148,7 @@ def static(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
     return hits, hits
 
 
-def lru(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
+def lru(keys: np.ndarray, capacity: int, warmup: int = 0) -> tuple[int, int]:
     if capacity <= 0:
         return 0, 0
     cache: OrderedDict[int, None] = OrderedDict()
@@ -167,7 +167,7 @@ def lru(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
     return hits, hits - base
 
 
-def clock(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
+def clock(keys: np.ndarray, capacity: int, warmup: int = 0) -> tuple[int, int]:
     if capacity <= 0:
         return 0, 0
     slot_of: dict[int, int] = {}
@@ -197,7 +197,7 @@ def clock(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
     return hits, hits - base
 
 
-def s3_fifo(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
+def s3_fifo(keys: np.ndarray, capacity: int, warmup: int = 0) -> tuple[int, int]:
     if capacity <= 0:
         return 0, 0
     small_cap = max(1, capacity // 10)
@@ -261,7 +261,7 @@ def s3_fifo(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
     return hits, hits - base
 
 
-def tinylfu(keys: np.ndarray, capacity: int, warmup: int = 0) -> int:
+def tinylfu(keys: np.ndarray, capacity: int, warmup: int = 0) -> tuple[int, int]:
     if capacity <= 0:
         return 0, 0
     window_cap = max(1, capacity // 100)
