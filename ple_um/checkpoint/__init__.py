@@ -6,7 +6,24 @@ through ``safetensors``, ``header_json`` and ``files``), ``naming`` knows the te
 data model and the storage formats (``NVFP4_BLOCK``: the values per NVFP4 block scale).
 """
 
-from ple_um.checkpoint.layout import ShardLayout, ShardSpec, check_shape, find_layers, read_layout, validate
+from ple_um.checkpoint.layout import (
+    ShardLayout,
+    ShardSpec,
+    check_shape,
+    directory_from_knob,
+    find_layers,
+    read_layout,
+    validate,
+)
 from ple_um.checkpoint.shard_layout import NVFP4_BLOCK
 
-__all__ = ["NVFP4_BLOCK", "ShardLayout", "ShardSpec", "check_shape", "find_layers", "read_layout", "validate"]
+__all__ = [
+    "NVFP4_BLOCK",
+    "ShardLayout",
+    "ShardSpec",
+    "check_shape",
+    "directory_from_knob",
+    "find_layers",
+    "read_layout",
+    "validate",
+]

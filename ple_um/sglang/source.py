@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from ple_um import envs
+from ple_um.checkpoint import directory_from_knob
 from ple_um.errors import CheckpointError
 
 # A PLE table's tensors as the checkpoint names them (model.language_model.layers.<L>...) and as
@@ -48,16 +48,9 @@ def note_model_folder(folder: str) -> None:
 
 def table_directory() -> str:
     """The local directory that holds the PLE table, or CheckpointError saying what was tried."""
-    override = envs.PLE_UM_DIR
-    if override:
-        found = envs.KNOBS["PLE_UM_DIR"].raw()
-        var = found[0] if found else "PLE_UM_DIR"
-        if os.path.isdir(override):
-            return os.path.realpath(override)
-        raise CheckpointError(
-            f"{var}={override!r} is not a directory: point it at the directory holding the checkpoint's "
-            "*.safetensors files with the PLE shard tensors"
-        )
+    override = directory_from_knob()
+    if override is not None:
+        return os.path.realpath(override)
     if _model_folder is not None:
         return _model_folder
     raise CheckpointError(

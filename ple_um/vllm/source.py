@@ -22,6 +22,7 @@ import os
 import torch
 
 from ple_um import envs
+from ple_um.checkpoint import directory_from_knob
 from ple_um.errors import CheckpointError
 
 
@@ -33,16 +34,9 @@ def resolve_table_dir(model: str | None, revision: str | None = None, download_d
     vLLM downloads into; None is the default cache).
     """
     tried: list[str] = []
-    override = envs.PLE_UM_DIR
-    if override:
-        found = envs.KNOBS["PLE_UM_DIR"].raw()
-        var = found[0] if found else "PLE_UM_DIR"
-        if os.path.isdir(override):
-            return os.path.abspath(override)
-        raise CheckpointError(
-            f"{var}={override!r} is not a directory: point it at the directory holding the "
-            "checkpoint's *.safetensors files with the PLE shard tensors"
-        )
+    override = directory_from_knob()
+    if override is not None:
+        return os.path.abspath(override)
     tried.append("PLE_UM_DIR (alias VLLM_PLE_MMAP_DIR): unset")
     if not model:
         tried.append("the model path: vLLM has no model config")
