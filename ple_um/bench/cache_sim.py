@@ -9,7 +9,8 @@ moment. A cache of ``budget`` bytes holds
 The cache starts empty, so a short sequence's misses include every row's first lookup.
 
 Each simulator ``policy(keys, capacity, warmup)`` returns its hits over all the lookups and over
-those from position ``warmup`` on.
+those from position ``warmup`` on. ``seen_before`` is the bound of them all for a stream too long
+for them: an unbounded cache that starts empty, which misses only a row's first lookup.
 
 Policies (``POLICIES``):
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -92,6 +94,19 @@ def cold_and_warm(
         out["cold"][policy] = total / rows.size
         out["warm"][policy] = after / (rows.size - warmup)
     return out
+
+
+def seen_before(lookups: Iterable[np.ndarray], num_rows: int) -> Iterator[int]:
+    """For each lookup of ``lookups`` (arrays of row ids in ``[0, num_rows)``, in order), the rows an
+    unbounded cache that starts empty serves: every row looked up before, in an earlier lookup or
+    earlier in the same one. No cache that fills on demand serves more (each of them misses a row's
+    first lookup), so a measured row cache's hits are read against it. One bit per row."""
+    seen = np.zeros(num_rows, dtype=bool)
+    for ids in lookups:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        first = np.unique(ids[~seen[ids]]).size
+        seen[ids] = True
+        yield ids.size - first
 
 
 def next_uses(keys: np.ndarray) -> np.ndarray:

@@ -176,3 +176,24 @@ def test_hit_rates_refuses_bad_arguments():
         hit_rates(rows, 1000, row_bytes=160, page_bytes=100)
     with pytest.raises(ValueError, match="warmup 10 leaves none of the 10 lookups"):
         hit_rates(rows, 1000, warmup=10)
+
+
+def test_seen_before_is_every_repeat_and_the_bound_of_every_policy(rng):
+    """The unbounded cache serves exactly the repeats (a Python set, lookup by lookup), and no
+    policy of any size serves more of the same sequence."""
+    num_rows = 500
+    lookups = [rng.zipf(1.3, int(rng.integers(1, 40))) % num_rows for _ in range(60)]
+    seen: set[int] = set()
+    want = []
+    for ids in lookups:
+        hits = 0
+        for row in ids.tolist():
+            hits += row in seen
+            seen.add(row)
+        want.append(hits)
+    assert list(cache_sim.seen_before(lookups, num_rows)) == want
+    keys = np.concatenate(lookups)
+    for policy in ("belady", "lru", "clock", "s3-fifo", "tinylfu"):
+        for capacity in (1, 16, 10_000):
+            assert cache_sim.SIMULATORS[policy](keys, capacity)[0] <= sum(want), (policy, capacity)
+    assert cache_sim.SIMULATORS["belady"](keys, 10_000)[0] == sum(want)  # room for every row
