@@ -66,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-file", help="write the results here")
     args = parser.parse_args(argv)
-    at = [int(x) for x in args.at.split(",")]
+    try:
+        at = [int(x) for x in args.at.split(",")]
+        dists = parse_ids(args.ids)
+    except ValueError as exc:
+        parser.error(f"--at {args.at!r} / --ids {args.ids!r}: {exc}")
+    if len(dists) != 1:
+        parser.error(f"--ids {args.ids!r}: one distribution at a time")
     if args.table_rows < 1 or args.batch < 1 or args.window < 1 or min(at) < 0:
         parser.error("--table-rows, --batch and --window must be at least 1, --at at least 0")
     result = measure(args.table_rows, args.ids, args.batch, at, args.window, args.seed)

@@ -58,6 +58,16 @@ def test_hit_rates_equal_a_set_count(script, ids, tmp_path, capsys):
     assert "| 20,032 |" in capsys.readouterr().out
 
 
-def test_refuses_bad_arguments(script):
-    with pytest.raises(SystemExit):
-        script.main(["--batch", "0"])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--batch", "0"], "must be at least 1"),
+        (["--ids", "zipf:1.1,uniform"], "one distribution at a time"),
+        (["--ids", "zipf:0.5"], "expected uniform or zipf:S"),
+        (["--at", "1e6"], "--at '1e6'"),
+    ],
+)
+def test_refuses_bad_arguments(script, args, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        script.main(args)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
