@@ -23,18 +23,18 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ple_um.bench.cache_sim import seen_before  # noqa: E402
-from ple_um.bench.ids import parse_ids  # noqa: E402
+from ple_um.bench.config import Config  # noqa: E402
+from ple_um.bench.ids import IdDistribution, parse_ids  # noqa: E402
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD  # noqa: E402
 from ple_um.units import format_bytes  # noqa: E402
 
-# The table of `ple-um bench --memory-limit 3GiB --size 12GiB`: 12 GiB of 160-byte rows.
-DEFAULT_TABLE_ROWS = (12 << 30) // 160
+# The table of `ple-um bench --memory-limit 3GiB --size 12GiB`: 12 GiB of the bench's rows.
+DEFAULT_TABLE_ROWS = (12 << 30) // Config.row_bytes
 
 
-def measure(table_rows: int, ids: str, batch: int, at: list[int], window: int, seed: int) -> dict:
+def measure(table_rows: int, dist: IdDistribution, batch: int, at: list[int], window: int, seed: int) -> dict:
     """The unbounded cache's hit rate over the ``window`` rows after each point of ``at`` (rows
     looked up before), and the distinct rows looked up by then."""
-    (dist,) = parse_ids(ids)
     rng = np.random.default_rng(seed)
     points = sorted(at)
     calls = -(-(points[-1] + window) // batch)
@@ -53,7 +53,14 @@ def measure(table_rows: int, ids: str, batch: int, at: list[int], window: int, s
                 served = counted = 0
         distinct += batch - hits
         looked += batch
-    return {"table_rows": table_rows, "ids": ids, "batch": batch, "window": window, "seed": seed, "at": found}
+    return {
+        "table_rows": table_rows,
+        "ids": dist.name,
+        "batch": batch,
+        "window": window,
+        "seed": seed,
+        "at": found,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ids {args.ids!r}: one distribution at a time")
     if args.table_rows < 1 or args.batch < 1 or args.window < 1 or min(at) < 0:
         parser.error("--table-rows, --batch and --window must be at least 1, --at at least 0")
-    result = measure(args.table_rows, args.ids, args.batch, at, args.window, args.seed)
-    slot = 160 + SLOT_OVERHEAD
+    result = measure(args.table_rows, dists[0], args.batch, at, args.window, args.seed)
+    slot = Config.row_bytes + SLOT_OVERHEAD
     print(f"{args.ids} over {args.table_rows} rows, {args.batch} a lookup; a cache of no bound:")
     print(
         "| rows looked up before | hits over the next rows | distinct rows by then | their row-cache bytes |"
