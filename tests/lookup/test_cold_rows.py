@@ -306,9 +306,12 @@ def test_a_row_is_in_place_before_anything_can_find_it(lib, make_checkpoint, rng
 def test_cached_rows_are_served_with_no_page_of_the_files_read(make_checkpoint, rng, monkeypatch):
     """A row copy whose set is locked by another thread's insert drops its row (the cache is only
     a cache), so the lookup after the first may still miss a few of its rows; once one is all hits,
-    serving the same ids reads nothing from the files."""
+    serving the same ids reads nothing from the files. The table is large enough that the 8 MiB
+    cache is not capped at it: capped, it has about seven times as many slots as the lookup has rows,
+    and a set that more of them hash to than it has ways keeps one missing for good (equally hot
+    rows do not evict each other)."""
     layout = make_checkpoint(
-        num_rows=20000, row_dim=160, dtype="fp8", shards=8, files=2, seed=int(rng.integers(1 << 30))
+        num_rows=200_000, row_dim=160, dtype="fp8", shards=8, files=2, seed=int(rng.integers(1 << 30))
     )
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "8MiB")
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
