@@ -337,9 +337,10 @@ def test_cached_rows_are_served_with_no_page_of_the_files_read(make_checkpoint, 
 def test_the_rows_held_survive_a_reset_of_the_counters(make_checkpoint, rng, monkeypatch):
     """The open zeroes the counters after its checks; the rows the cache holds stay counted, and the
     next lookup of them is all hits. One thread reads the rows: with several, a row whose set
-    another thread's insert holds is dropped, and the rows held would not be known."""
+    another thread's insert holds is dropped, and the rows held would not be known. The table is
+    large enough that the cache is not capped at it (a capped cache's sets can fill: above)."""
     layout = make_checkpoint(
-        num_rows=5000, row_dim=64, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
+        num_rows=50_000, row_dim=64, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
     )
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "4MiB")
     monkeypatch.setenv("PLE_UM_CPU_THREADS", "1")
