@@ -96,7 +96,8 @@ def _describe(cfg: Config, layout: ShardLayout, device: torch.device, warmup_s: 
         "method": {
             "cold": "every page of the table dropped before each call (MADV_DONTNEED on the child's own "
             f"mappings, then POSIX_FADV_DONTNEED), in a table opened with {ROW_CACHE_KNOB}=0 (no row cache "
-            "to hold the rows of earlier calls)",
+            "to hold the rows of earlier calls), its misses read as the steady table's (O_DIRECT beside a "
+            "row cache)",
             "steady": f"the pages dropped, then at least {warmup_s:g} s of lookups of the largest batch "
             "under the limit, then every batch size",
             "timing": "CUDA graph replays" if cuda else "eager calls, perf_counter",

@@ -11,8 +11,10 @@ the files (from ``/proc/self/maps``), then ``POSIX_FADV_DONTNEED`` on each file 
 process maps stay in the page cache). Before each timed call, the share of its rows already in the
 page cache (mincore) and, where the table has a row cache (``stats()["row_cache"]``), that cache's
 hit rate over the timed calls (its counters' differences around them). The cold calls' table is
-opened with ``PLE_UM_ROW_CACHE=0``: a row cache is not dropped with the pages, and it would serve a
-cold call the rows of earlier ones (and of the self-test at open).
+opened with ``PLE_UM_ROW_CACHE=0`` (``cold_knobs``): a row cache is not dropped with the pages, and
+it would serve a cold call the rows of earlier ones (and of the self-test at open). Its misses are
+read as the steady table's are (O_DIRECT beside a row cache), so the cold figures are those of the
+reads a table opened with the defaults makes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 import ple_um
+from ple_um import envs
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.timing import Timer, summary
 from ple_um.checkpoint import ShardLayout, read_layout
@@ -35,8 +38,8 @@ from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
 
 MADV_DONTNEED = 4
-# The knobs of the cold calls' table: no row cache, so that none of a cold call's rows is in memory.
-COLD_KNOBS = {"PLE_UM_ROW_CACHE": "0"}
+# The knobs of the steady state without a row cache: the page cache alone holds the rows read.
+PAGE_CACHE_KNOBS = {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "off"}
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -68,6 +71,16 @@ def drop_table_pages(files: list[str]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def cold_knobs() -> dict[str, str]:
+    """The knobs of the cold calls' table: no row cache, so that none of a cold call's rows is in
+    memory, and misses read as the steady table reads its own (``PLE_UM_DIRECT_READS``: auto is
+    O_DIRECT beside a row cache, so here too unless the environment turns the row cache off)."""
+    direct = envs.PLE_UM_DIRECT_READS
+    if direct == "auto":
+        direct = "off" if envs.PLE_UM_ROW_CACHE == 0 else "on"
+    return {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": direct}
 
 
 @contextlib.contextmanager
@@ -206,7 +219,7 @@ def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -
     files = list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
     with MappedShards(layout) as probe:
         drop_table_pages(files)
-        with _open(layout, mode, device, COLD_KNOBS) as table:
+        with _open(layout, mode, device, cold_knobs()) as table:
             graph = device.type == "cuda" and table.capture_safe
             entry: dict = {"capture_safe": table.capture_safe, "timing": "graph replay" if graph else "eager"}
             entry["cold_row_reads"] = table.row_reads
@@ -222,7 +235,7 @@ def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -
             _steady(table, layout, request, device, graph, probe, files, rng, entry, "steady")
         if with_cache:  # the same limit's memory left to the page cache alone, for comparison
             drop_table_pages(files)
-            with _open(layout, mode, device, COLD_KNOBS) as table:
+            with _open(layout, mode, device, PAGE_CACHE_KNOBS) as table:
                 _steady(table, layout, request, device, graph, probe, files, rng, entry, "steady_page_cache")
     return entry
 

@@ -16,7 +16,7 @@ from helpers.cli import fs_type
 
 from ple_um import envs
 from ple_um.bench import cold, cold_report, storage
-from ple_um.bench.cold_child import COLD_KNOBS, drop_table_pages, own_mappings
+from ple_um.bench.cold_child import PAGE_CACHE_KNOBS, cold_knobs, drop_table_pages, own_mappings
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import MemoryLimit
@@ -82,10 +82,25 @@ def test_only_the_modes_that_read_the_table_where_it_lies_can_be_cold():
     assert "cpu" in modes and left_out == {}
 
 
-def test_the_knobs_the_bench_sets_are_ple_ums():
-    assert cold.ROW_CACHE_KNOB in envs.KNOBS and set(COLD_KNOBS) <= set(envs.KNOBS)
-    for name, text in COLD_KNOBS.items():
-        assert envs.KNOBS[name].parse(text) == 0  # no row cache
+def test_the_knobs_the_bench_sets_are_ple_ums(monkeypatch):
+    assert cold.ROW_CACHE_KNOB in envs.KNOBS
+    monkeypatch.delenv("PLE_UM_ROW_CACHE", raising=False)
+    monkeypatch.delenv("PLE_UM_DIRECT_READS", raising=False)
+    for knobs in (cold_knobs(), PAGE_CACHE_KNOBS):
+        assert set(knobs) <= set(envs.KNOBS)
+        for name, text in knobs.items():
+            envs.KNOBS[name].parse(text)  # raises on a value the knob refuses
+        assert envs.KNOBS["PLE_UM_ROW_CACHE"].parse(knobs["PLE_UM_ROW_CACHE"]) == 0  # no row cache
+    assert PAGE_CACHE_KNOBS["PLE_UM_DIRECT_READS"] == "off"  # the page cache holds the rows read
+    # The cold table reads its misses as the steady table does: O_DIRECT beside a row cache.
+    assert cold_knobs()["PLE_UM_DIRECT_READS"] == "on"
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
+    assert cold_knobs()["PLE_UM_DIRECT_READS"] == "off"
+    monkeypatch.setenv("PLE_UM_DIRECT_READS", "on")
+    assert cold_knobs()["PLE_UM_DIRECT_READS"] == "on"
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")
+    monkeypatch.setenv("PLE_UM_DIRECT_READS", "off")
+    assert cold_knobs()["PLE_UM_DIRECT_READS"] == "off"
 
 
 def _run(make_checkpoint, hierarchy, limits, dtype="fp8"):
@@ -106,6 +121,8 @@ def _check_figures(result, layout, enforced: bool, row_cache: bool) -> None:
         runs = entry["modes"]["cpu"]
         assert runs["timing"] == "eager"
         assert "no row cache" in runs["cold_row_reads"], runs["cold_row_reads"]
+        # The cold table's misses are read as the steady table's: O_DIRECT beside a row cache.
+        assert ("O_DIRECT" in runs["cold_row_reads"]) is ("O_DIRECT" in runs["row_reads"]), runs
         assert ("a row cache of" in runs["row_reads"]) is row_cache, runs["row_reads"]
         for dist in ("uniform", "zipf:1.1"):
             assert (
