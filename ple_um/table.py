@@ -262,7 +262,7 @@ class MappedTable:
 
     def prefetch(self, ids) -> Future:
         """Start bringing ``ids``' rows into memory from CPU threads, a hint (``LookupPaths.
-        prefetch_touch``: their pages, or their rows into a row cache). A Future of the rows."""
+        prefetch_touch``: their pages, or their rows into a row cache). A Future of the distinct rows."""
         with self._in_use():
             prefetcher = self.access.prefetcher
             if prefetcher is None:  # modes whose pages are resident need none

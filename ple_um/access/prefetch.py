@@ -26,11 +26,12 @@ class PagePrefetcher:
 
     def submit(self, ids, touch=None) -> Future:
         """Start touching the rows of ``ids`` (CPU tensor or array of global ids); returns a Future
-        of the number of rows touched. ``touch(ids) -> rows``: what a thread does with its part of
-        them (default: fault in their pages, ``MappedShards.touch_rows``)."""
+        of the number of distinct rows touched. Each id goes to one thread once (an id asked for
+        twice would otherwise be read twice, by two threads at once). ``touch(ids) -> rows``: what a
+        thread does with its part of them (default: fault in their pages, ``MappedShards.touch_rows``)."""
         if isinstance(ids, torch.Tensor):
             ids = ids.detach().to("cpu").numpy()
-        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        flat = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
         parts = np.array_split(flat, min(self.threads, max(1, flat.size // 256)))
         futures = [self.pool.submit(touch or self.mapping.touch_rows, p) for p in parts]
         done: Future = Future()
