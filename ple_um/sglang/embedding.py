@@ -31,6 +31,7 @@ from torch import nn
 from ple_um import MappedTable, envs, open_table
 from ple_um.checkpoint import ShardLayout, check_shape, read_layout
 from ple_um.errors import CheckpointError, PleUmError
+from ple_um.served import ServedTable
 from ple_um.sglang.source import table_directory
 
 NOT_APPLIED = (
@@ -44,8 +45,6 @@ logger = logging.getLogger("ple_um.sglang")
 _COMPARE_ROWS = 1 << 16
 # Tables whose bf16 rows a lookup writes straight into the output: BF16 (raw) and NVFP4 (decoded).
 _INTO_OUT = ("BF16", "NVFP4")
-
-_reported = False
 
 
 class ReloadMismatchError(PleUmError, ValueError):
@@ -85,8 +84,7 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         self.prefix = "ngram_embedding"
         self.layer: int | None = None
         self.split_ngram_parts: int | None = None
-        self._table: MappedTable | None = None
-        self._table_dir: str | None = None
+        self.served = ServedTable(logger)
         self._captured = False
         self.shards_compared = 0
 
@@ -102,38 +100,32 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
     @property
     def table(self) -> MappedTable | None:
         """The open table, or None before the model's weights were loaded."""
-        return self._table
+        return self.served.table
 
     # -- the table ------------------------------------------------------------------------------
     def ensure_table(self) -> MappedTable:
         """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""
         directory = table_directory()
-        if self._table is not None and self._table_dir == directory:
-            return self._table
-        if self._table is not None and self._captured:
+        if (table := self.served.open_at(directory)) is not None:
+            return table
+        if self.served.table is not None and self._captured:
             raise RuntimeError(
-                f"{self.prefix}: the PLE table moved from {self._table_dir} to {directory} after CUDA graphs "
-                "captured its lookup; the captured graphs read the old mapping. Restart SGLang on the new "
-                "checkpoint"
+                f"{self.prefix}: the PLE table moved from {self.served.directory} to {directory} after CUDA "
+                "graphs captured its lookup; the captured graphs read the old mapping. Restart SGLang on "
+                "the new checkpoint"
             )
         if self.layer is None or self.split_ngram_parts is None:
             raise RuntimeError(f"{self.prefix}: built outside Qwen4ExpNGramEmbedding (bind() was not called)")
         # Headers first: a table that does not fit the layer is refused before anything is mapped.
         self._check_layout(read_layout(directory, self.layer))
-        table = open_table(
-            directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self.device
+        return self.served.replace(
+            self.prefix,
+            directory,
+            lambda: open_table(
+                directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self.device
+            ),
+            self._check_capture,
         )
-        try:
-            self._check_capture(table)
-        except BaseException:
-            table.close()
-            raise
-        old, self._table, self._table_dir = self._table, table, directory
-        if old is not None:
-            logger.info("ple-um: %s remapped from %s to %s", self.prefix, old.layout.directory, directory)
-            old.close()
-        self._report(table)
-        return table
 
     def _check_layout(self, layout: ShardLayout) -> None:
         """The checkpoint's table must be the one this layer was built for (stock SGLang places shard
@@ -233,23 +225,9 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
             "write the new table to a checkpoint directory and load from that path, or unset PLE_UM"
         )
 
-    def _report(self, table: MappedTable) -> None:
-        global _reported
-        start, end = table.rows
-        line = "ple-um: %s served from %s in the %s mode: rows [%d, %d) of %d, %s, capture-safe=%s"
-        args = (self.prefix, table.layout.directory, table.mode, start, end, table.num_rows)
-        args += (table.layout.dtype_name, table.capture_safe)
-        if _reported:
-            logger.debug(line, *args)
-            return
-        _reported = True
-        logger.info(line + "\n%s", *args, table.report.describe())
-
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""
-        table, self._table, self._table_dir = self._table, None, None
-        if table is not None:
-            table.close()
+        self.served.close()
 
     def prefetch_stream(self, stream):
         """The side stream SGLang's PLE layer queues ``start_prefetch`` on: with PLE_UM_OVERLAP (the
@@ -260,7 +238,7 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
 
     # -- lookup ---------------------------------------------------------------------------------
     def require_table(self) -> MappedTable:
-        table = self._table
+        table = self.served.table
         if table is None:
             raise RuntimeError(
                 f"{self.prefix}: the PLE table is not open: the model's load_weights has not run (ple-um "
@@ -291,7 +269,7 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         return out
 
     def extra_repr(self) -> str:
-        table = self._table
+        table = self.served.table
         state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
         start, end = self.owned_rows
         return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"

@@ -45,6 +45,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 from ple_um import MappedTable, envs, open_table
 from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError
+from ple_um.served import ServedTable
 from ple_um.vllm import capture, loading
 from ple_um.vllm.loading import ExpectedTable, ReloadMismatchError
 from ple_um.vllm.prefetch import PrefetchLookups
@@ -58,8 +59,6 @@ logger = init_logger("vllm.ple_um.backend")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # NVFP4 tables split their block scales into shards like the rows (vLLM's load_weights).
 _NVFP4_SHARDED = ("weight", "weight_scale")
-
-_reported = False
 
 
 class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
@@ -100,8 +99,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self._device = torch.empty(0).device
         load_config = getattr(vllm_config, "load_config", None)
         self._dummy = getattr(load_config, "load_format", None) == "dummy"
-        self._table: MappedTable | None = None
-        self._table_dir: str | None = None
+        self.served = ServedTable(logger)
         self.source = TableSource(vllm_config)
         self.graphs = capture.CapturedLookups(prefix)
         # vLLM's prefetch hook (read by Qwen4ExpNGramEmbedding right after construction): the
@@ -128,7 +126,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
     @property
     def table(self) -> MappedTable | None:
         """The open table, or None before weights were loaded."""
-        return self._table
+        return self.served.table
 
     @property
     def owned_rows(self) -> tuple[int, int]:
@@ -188,7 +186,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             directory = self.source.directory()
         except CheckpointError:
             return
-        if self._table is None or self._table_dir != directory:
+        if self.served.open_at(directory) is None:
             read_layout(directory, self.layer)
 
     def finish_load(self) -> None:
@@ -196,61 +194,39 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         with the layer and with the loaded global scale (FP8 weight_scale, NVFP4 weight_scale_2)."""
         self.ensure_table()
         name = "weight_scale_2" if self.is_nvfp4 else "weight_scale"
-        loading.check_scale(self.prefix, self._table, name, getattr(self, name, None))
+        loading.check_scale(self.prefix, self.served.table, name, getattr(self, name, None))
 
     def ensure_table(self) -> MappedTable:
         """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""
         directory = self.source.directory()
-        if self._table is not None and self._table_dir == directory:
-            return self._table
-        self.graphs.check_open(directory, self._table_dir if self._table is not None else None)
+        if (table := self.served.open_at(directory)) is not None:
+            return table
+        self.graphs.check_open(directory, self.served.directory)
         # Headers first: a table that does not fit the layer is rejected before anything is mapped
         # or pinned.
         loading.check_layout(self.expected_table(), read_layout(directory, self.layer))
-        table = open_table(
-            directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self._device
-        )
-        try:
+
+        def check(table: MappedTable) -> None:
             if table.device != self._device:
                 raise RuntimeError(f"{self.prefix}: the table opened on {table.device}, not {self._device}")
             capture.check_cudagraph_mode(self.prefix, table, self._vllm_config)
-        except BaseException:
-            table.close()
-            raise
-        old, self._table, self._table_dir = self._table, table, directory
-        if old is not None:
-            logger.info("ple-um: %s remapped from %s to %s", self.prefix, old.layout.directory, directory)
-            old.close()
-        self._report(table)
-        return table
 
-    def _report(self, table: MappedTable) -> None:
-        """The open's log line: INFO with the probe's report for the first layer of the process,
-        DEBUG for the others."""
-        global _reported
-        start, end = table.rows
-        layout = table.layout
-        row = f"{layout.row_bytes} B per row"
-        if layout.is_nvfp4:
-            row = f"{layout.row_bytes} B + {layout.row_dim // layout.block_size} B of block scales per row"
-        line = "ple-um: %s served from %s in the %s mode: rows [%d, %d) of %d, %s, %s, capture-safe=%s"
-        args = (self.prefix, layout.directory, table.mode, start, end, table.num_rows)
-        args += (layout.dtype_name, row, table.capture_safe)
-        if _reported:
-            logger.debug(line, *args)
-            return
-        _reported = True
-        logger.info(line + "\n%s", *args, table.report.describe())
+        return self.served.replace(
+            self.prefix,
+            directory,
+            lambda: open_table(
+                directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self._device
+            ),
+            check,
+        )
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""
-        table, self._table, self._table_dir = self._table, None, None
-        if table is not None:
-            table.close()
+        self.served.close()
 
     # -- lookup -------------------------------------------------------------------------------
     def require_table(self) -> MappedTable:
-        table = self._table
+        table = self.served.table
         if table is None:
             raise RuntimeError(
                 f"{self.prefix}: the PLE table is not open: the model's load_weights never ran for this layer"
@@ -267,7 +243,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         stream-ordered work, no host sync, capturable in FULL graphs. The cpu mode without its C row
         copy: host work, run in vLLM's eager break during piecewise graph capture.
         """
-        if self._table is None and self._dummy:
+        if self.served.table is None and self._dummy:
             return self._zero_rows(ids, out)
         table = self.require_table()
         if table.capture_safe:
@@ -310,7 +286,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         ids = self._gather_dp_ids(ngram_ids, slot_size)
         out = self.prefetches.out(ids.shape[0], ids, self.lookup_dtype, fixed=self.graphs.lookup)
         side = False
-        if self._table is None and self._dummy:
+        if self.served.table is None and self._dummy:
             self._zero_rows(ids, out)
         elif capture.prefetch_may_fork(ids, self.require_table()):
             with self.prefetches.on_side_stream(ids.device):
@@ -336,7 +312,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         return out
 
     def extra_repr(self) -> str:
-        table = self._table
+        table = self.served.table
         state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
         start, end = self.owned_rows
         return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"

@@ -110,9 +110,10 @@ def test_reload_from_another_directory_remaps(world, patched, table_dir, tmp_pat
 def test_mode_logged_once_per_process(world, patched, table_dir, tmp_path, monkeypatch, caplog):
     import logging
 
+    from ple_um import served
     from ple_um.vllm import backend as backend_module
 
-    monkeypatch.setattr(backend_module, "_reported", False)
+    monkeypatch.setattr(served, "_reported", set())
     monkeypatch.setattr(backend_module.logger, "propagate", True)  # vLLM may route it elsewhere
     config = h.text_config(fp8=False)
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=False)

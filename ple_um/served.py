@@ -1,0 +1,78 @@
+"""ServedTable: the table a serving framework's layer reads (the vLLM backend, the SGLang embedding).
+
+Both plugins hold one table per layer: this rank's rows of the checkpoint's table, opened when the
+weights are loaded and opened again when a later load names another checkpoint directory. What
+they share is here: the new table checked before it replaces the old one (closed when a check
+refuses it), the old one closed once nothing refers to it, and the open's log line, at INFO with
+the probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
+What each framework checks before and after the open stays with its plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ple_um.table import MappedTable
+
+# The loggers (by name) that have written the INFO line of an open in this process.
+_reported: set[str] = set()
+
+
+class ServedTable:
+    """A layer's open table (``table``, or None) and the checkpoint directory it was opened from;
+    ``logger`` is the plugin's."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.table: MappedTable | None = None
+        self.directory: str | None = None
+
+    def open_at(self, directory: str) -> MappedTable | None:
+        """The open table when it was opened from ``directory``, else None (none open, or another
+        directory: the caller opens one)."""
+        return self.table if self.table is not None and self.directory == directory else None
+
+    def replace(
+        self,
+        prefix: str,
+        directory: str,
+        open_new: Callable[[], MappedTable],
+        check: Callable[[MappedTable], None],
+    ) -> MappedTable:
+        """Open the table of ``directory`` (``open_new``), ``check`` it (a raise closes it and leaves
+        the old one serving), then serve it in place of the old one, which is closed. ``prefix``
+        names the layer in the log lines."""
+        table = open_new()
+        try:
+            check(table)
+        except BaseException:
+            table.close()
+            raise
+        old, self.table, self.directory = self.table, table, directory
+        if old is not None:
+            self.logger.info("ple-um: %s remapped from %s to %s", prefix, old.layout.directory, directory)
+            old.close()
+        self._report(prefix, table)
+        return table
+
+    def _report(self, prefix: str, table: MappedTable) -> None:
+        start, end = table.rows
+        layout = table.layout
+        row = f"{layout.row_bytes} B per row"
+        if layout.is_nvfp4:
+            row = f"{layout.row_bytes} B + {layout.row_dim // layout.block_size} B of block scales per row"
+        line = "ple-um: %s served from %s in the %s mode: rows [%d, %d) of %d, %s, %s, capture-safe=%s"
+        args = (prefix, layout.directory, table.mode, start, end, table.num_rows)
+        args += (layout.dtype_name, row, table.capture_safe)
+        if self.logger.name in _reported:
+            self.logger.debug(line, *args)
+            return
+        _reported.add(self.logger.name)
+        self.logger.info(line + "\n%s", *args, table.report.describe())
+
+    def close(self) -> None:
+        """Close the table; idempotent."""
+        table, self.table, self.directory = self.table, None, None
+        if table is not None:
+            table.close()
