@@ -35,6 +35,7 @@ import torch
 
 import ple_um
 from ple_um import units
+from ple_um.bench.calls import capture
 from ple_um.bench.ids import parse_ids
 from ple_um.checkpoint import read_layout
 
@@ -98,16 +99,7 @@ class Lookup:
         self.table = table
         self.ids = torch.zeros(n, dtype=torch.int64, device=table.device)
         self.out = torch.empty((n, table.row_dim), dtype=torch.bfloat16, device=table.device)
-        self.graph = None
-        if graph:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                table.lookup(self.ids, out=self.out)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                table.lookup(self.ids, out=self.out)
+        self.graph = capture(lambda: table.lookup(self.ids, out=self.out))[0] if graph else None
 
     def time(self, ids: np.ndarray) -> float:
         self.ids.copy_(torch.from_numpy(ids))

@@ -31,6 +31,20 @@ class KernelOnly:
         pass
 
 
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` run once on a side stream (its first-call work: compiles, allocations, buffers), then
+    captured into a CUDA graph on the current device: (the graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 def is_table(impl) -> bool:
     """Whether ``impl`` is ple-um's (``lookup(ids, out=...)``) rather than a contender's
     (``lookup(ids, out)`` into raw bytes)."""
@@ -75,14 +89,7 @@ class DecodeStep:
 
     def _capture(self, check) -> None:
         self.ids.copy_(check[0])
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.y = self.step()
+        self.graph, self.y = capture(self.step)
         ok = True
         for ids in check:
             self.replay(ids)

@@ -31,6 +31,7 @@ import torch
 
 import ple_um
 from ple_um import envs
+from ple_um.bench.calls import capture
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.timing import Timer, summary
 from ple_um.checkpoint import ShardLayout, read_layout
@@ -113,16 +114,7 @@ class _Lookup:
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)
         dtype = torch.bfloat16 if layout.is_nvfp4 else layout.dtype  # raw rows; NVFP4's decoded
         self.out = torch.empty((n, layout.row_dim), dtype=dtype, device=device)
-        self.graph = None
-        if graph:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self.call()
-            torch.cuda.current_stream().wait_stream(s)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.call()
+        self.graph = capture(self.call)[0] if graph else None
 
     def call(self) -> None:
         self.table.lookup(self.ids, out=self.out)
