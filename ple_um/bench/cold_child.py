@@ -134,12 +134,19 @@ class _Lookup:
         self.go()
 
 
+def _reads(table) -> tuple[int, float]:
+    """The table's reads of rows from its files so far, and the seconds its lookups waited for them."""
+    stats = table.stats()
+    return int(stats["file_reads"]), float(stats["file_read_seconds"])
+
+
 def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_files, nbytes: int) -> dict:
     """Time one call per id set of ``draws``: its seconds, the share of its rows in the page cache
-    before it, the row cache's hit rate over all of them. ``drop_files``: drop the table's pages
-    before each call (cold)."""
+    before it, the row cache's hit rate over all of them, and per call the rows read from the files
+    and the time the lookup waited for those reads (means over the calls: the counters' differences
+    around them). ``drop_files``: drop the table's pages before each call (cold)."""
     times, resident = [], []
-    before = _row_cache(table)
+    before, reads_before = _row_cache(table), _reads(table)
     for ids in draws:
         if drop_files:
             drop_table_pages(drop_files)
@@ -149,6 +156,9 @@ def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_
     row = summary(times, nbytes)
     row["page_cache_hits"] = float(np.mean(resident))
     row["row_cache_hits"] = _hit_rate(before, _row_cache(table))
+    reads, waited = (b - a for a, b in zip(reads_before, _reads(table), strict=True))
+    row["file_reads_per_call"] = reads / len(draws)
+    row["read_wait_us"] = waited / len(draws) * 1e6
     return row
 
 

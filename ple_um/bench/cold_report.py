@@ -2,8 +2,9 @@
 ceiling, then per memory limit and id distribution one row per path and batch size: cold and
 steady medians with their spread, the cold figure's ratio to the ceiling, and the share of rows
 found in the page cache and in the row cache (``-`` where the table has none), and where it has one
-the steady state again without it, the page cache alone under the same limit. The cold calls'
-table has no row cache (``bench/cold_child.py``)."""
+the steady state again without it, the page cache alone under the same limit; beside the cold
+figure, the rows a cold call read from the files and how long it waited for them (the reads' share
+of its time). The cold calls' table has no row cache (``bench/cold_child.py``)."""
 
 from __future__ import annotations
 
@@ -70,23 +71,32 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
                     f"{_share(warm['last_hits'])}"
                 )
         lines += [
-            "| path | rows | cold us [p10-p90] | x storage | steady us [p10-p90] | page cache hits "
-            "| row cache hits | page cache only: steady us [p10-p90] | its page cache hits |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| path | rows | cold us [p10-p90] | x storage | cold: reads, wait us | steady us [p10-p90] | "
+            "page cache hits | row cache hits | page cache only: steady us [p10-p90] | its page cache hits |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for mode, runs in entry["modes"].items():
             if "skipped" in runs:
-                lines.append(f"| ple-um {mode} | skipped: {runs['skipped']} | - | - | - | - | - | - | - |")
+                lines.append(f"| ple-um {mode} | skipped: {runs['skipped']} |" + " - |" * 8)
                 continue
             for n, row in runs.get(dist, {}).items():
                 cold, steady = row["cold"], row["steady"]
                 ratio = f"{cold['vs_ceiling']:.2f}x" if "vs_ceiling" in cold else "-"
                 lines.append(
                     f"| ple-um {mode} ({runs['timing']}) | {n} | {cell(cold, rate=False)} | {ratio} | "
-                    f"{cell(steady, rate=False)} | {_share(steady['page_cache_hits'])} | "
-                    f"{_share(steady.get('row_cache_hits'))} | {_page_cache_only(row)} |"
+                    f"{_reads_cell(cold)} | {cell(steady, rate=False)} | "
+                    f"{_share(steady['page_cache_hits'])} | {_share(steady.get('row_cache_hits'))} | "
+                    f"{_page_cache_only(row)} |"
                 )
     return lines
+
+
+def _reads_cell(cold: dict) -> str:
+    """A cold call's rows read from the files and the time it waited for them (means per call;
+    ``-`` in results that lack them)."""
+    if "read_wait_us" not in cold:
+        return "-"
+    return f"{cold['file_reads_per_call']:.0f}, {cold['read_wait_us']:.1f}"
 
 
 def _page_cache_only(row: dict) -> str:
@@ -109,8 +119,10 @@ def format_cold(result: dict) -> str:
         f"layer {t['layer']}, {t['directory']})",
         f"cold: {result['method']['cold']}; steady: {result['method']['steady']}; "
         f"{result['method']['timing']}",
-        f"x storage: the cold median over {result['method']['ceiling']}; page cache hits: the share of a "
-        "steady call's rows in the page cache before it (mincore); row cache hits: hits / (hits + misses)",
+        f"x storage: the cold median over {result['method']['ceiling']}; cold: reads, wait us: a cold "
+        "call's rows read from the files and the time it waited for those reads (means per call); page "
+        "cache hits: the share of a steady call's rows in the page cache before it (mincore); row cache "
+        "hits: hits / (hits + misses)",
     ]
     lines += [f"left out: ple-um {mode}: {why}" for mode, why in result.get("left_out", {}).items()]
     lines += _storage_lines(result["storage"])
