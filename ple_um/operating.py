@@ -155,13 +155,22 @@ def shard_residency(mapping: MappedShards) -> list[ShardResidency]:
     return out
 
 
-def resident_rows(mapping: MappedShards, ids: np.ndarray) -> np.ndarray:
+# resident_rows asks mincore about each row's own pages while the rows are fewer than the mapping's
+# pages over this, and about whole files otherwise.
+ROW_BY_ROW = 64
+
+
+def resident_rows(mapping: MappedShards, ids: np.ndarray, *, whole_files: bool | None = None) -> np.ndarray:
     """For each id (owned by ``mapping``), whether all of its row's bytes are in the page cache
-    now: one mincore per mapped file, no data read. Ids the mapping does not own read as False."""
+    now: mincore, no data read. Ids the mapping does not own read as False. ``whole_files``: one
+    mincore per mapped file (True), or one over each row's pages (False); None picks the lighter
+    (a whole file's mincore walks every page of it, which a few rows need not wait for)."""
     layout = mapping.layout
     rb, per_shard = layout.row_bytes, layout.rows_per_shard
-    pages = [region.resident_pages() for region in mapping.regions]
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if whole_files is None:
+        whole_files = ids.size * ROW_BY_ROW >= sum(r.length for r in mapping.regions) // PAGE
+    pages = [region.resident_pages() for region in mapping.regions] if whole_files else None
     out = np.zeros(ids.shape, dtype=bool)
     shard = ids // per_shard
     for index, owned in mapping.owned.items():
@@ -172,11 +181,28 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray) -> np.ndarray:
         inside = (local >= owned.lo) & (local < owned.hi)
         region = mapping.regions[owned.region]
         start = owned.addr - region.addr + (local - owned.lo) * rb
+        if pages is None:
+            out[pick] = inside & _rows_resident(region.addr, np.where(inside, start, 0), rb)
+            continue
         first, last = start // PAGE, (start + rb - 1) // PAGE
         vec = pages[owned.region]
         first, last = np.clip(first, 0, vec.size - 1), np.clip(last, 0, vec.size - 1)
         out[pick] = inside & (vec[first] == 1) & (vec[last] == 1)
     return out
+
+
+def _rows_resident(base: int, starts: np.ndarray, rb: int) -> np.ndarray:
+    """Whether every page of each row (``rb`` bytes at ``base + start``) is in the page cache: one
+    mincore over each row's own pages."""
+    vec = np.zeros((rb + 2 * PAGE - 1) // PAGE, dtype=np.uint8)
+    found = np.zeros(starts.shape, dtype=bool)
+    for k, start in enumerate(starts.tolist()):
+        first = (base + start) // PAGE * PAGE
+        length = base + start + rb - first
+        if _libc.mincore(first, length, vec.ctypes.data) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore failed: {os.strerror(ctypes.get_errno())}")
+        found[k] = bool((vec[: (length + PAGE - 1) // PAGE] & 1).all())
+    return found
 
 
 def residency(directory: str, layer: int | None = None) -> dict:

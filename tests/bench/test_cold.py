@@ -49,7 +49,7 @@ def test_drop_table_pages_empties_this_process_and_the_page_cache(make_checkpoin
         assert rss  # the mapping is still there, only emptied
 
 
-def test_resident_rows_follows_the_pages_of_each_row(make_checkpoint):
+def test_resident_rows_follows_the_pages_of_each_row(make_checkpoint, rng):
     """Rows of 160 B straddle pages: a row reads as resident only when all its pages are; rows at
     shard edges and in every file; ids the mapping does not own read as absent."""
     layout = make_checkpoint(num_rows=20000, row_dim=160, shards=5, files=3)
@@ -68,6 +68,11 @@ def test_resident_rows_follows_the_pages_of_each_row(make_checkpoint):
         everything = np.arange(layout.num_rows)
         found = resident_rows(mapping, everything)
         assert found[picked].all()
+        # A row's own pages give the same answer as whole files', for any ids, owned or not.
+        for ids in (everything, np.concatenate([picked, rng.integers(0, layout.num_rows, 300), [-1]])):
+            by_row = resident_rows(mapping, ids, whole_files=False)
+            assert np.array_equal(by_row, resident_rows(mapping, ids, whole_files=True))
+            assert np.array_equal(by_row, resident_rows(mapping, ids))
         assert not found[3 * S :].any()  # not owned
         # Readahead may bring in neighbours, never more than a small share of the rest.
         assert found.sum() < 0.5 * 3 * S
