@@ -170,7 +170,11 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray, *, whole_files: bool |
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     if whole_files is None:
         whole_files = ids.size * ROW_BY_ROW >= sum(r.length for r in mapping.regions) // PAGE
-    pages = [region.resident_pages() for region in mapping.regions] if whole_files else None
+    # Per mapped file, the running count of its resident pages: a row is resident when every page
+    # from its first to its last is.
+    seen = None
+    if whole_files:
+        seen = [np.concatenate([[0], np.cumsum(r.resident_pages(), dtype=np.int64)]) for r in mapping.regions]
     out = np.zeros(ids.shape, dtype=bool)
     shard = ids // per_shard
     for index, owned in mapping.owned.items():
@@ -181,13 +185,13 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray, *, whole_files: bool |
         inside = (local >= owned.lo) & (local < owned.hi)
         region = mapping.regions[owned.region]
         start = owned.addr - region.addr + (local - owned.lo) * rb
-        if pages is None:
-            out[pick] = inside & _rows_resident(region.addr, np.where(inside, start, 0), rb)
+        pick, start = pick[inside], start[inside]
+        if seen is None:
+            out[pick] = _rows_resident(region.addr, start, rb)
             continue
         first, last = start // PAGE, (start + rb - 1) // PAGE
-        vec = pages[owned.region]
-        first, last = np.clip(first, 0, vec.size - 1), np.clip(last, 0, vec.size - 1)
-        out[pick] = inside & (vec[first] == 1) & (vec[last] == 1)
+        count = seen[owned.region]
+        out[pick] = count[last + 1] - count[first] == last - first + 1
     return out
 
 

@@ -3,7 +3,8 @@
 Both plugins hold one table per layer: this rank's rows of the checkpoint's table, opened when the
 weights are loaded and opened again when a later load names another checkpoint directory. What
 they share is here: the new table checked before it replaces the old one (closed when a check
-refuses it), the old one closed once nothing refers to it, and the open's log line, at INFO with
+refuses it), the old one closed as soon as the new one serves (``MappedTable.close`` waits for
+the lookups already under way), and the open's log line, at INFO with
 the probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
 What each framework checks before and after the open stays with its plugin.
 """

@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 import ple_um
-from ple_um import envs
 from ple_um.bench.calls import capture
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.timing import Timer, summary
 from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.lookup.host.buffers import INLINE_ROWS
 from ple_um.mapping import MappedShards
-from ple_um.operating import resident_rows
+from ple_um.operating import resident_rows, row_cache_plan
 
 MADV_DONTNEED = 4
 # The knobs of the steady state without a row cache: the page cache alone holds the rows read.
@@ -74,14 +74,13 @@ def drop_table_pages(files: list[str]) -> None:
             os.close(fd)
 
 
-def cold_knobs() -> dict[str, str]:
+def cold_knobs(probe: MappedShards) -> dict[str, str]:
     """The knobs of the cold calls' table: no row cache, so that none of a cold call's rows is in
-    memory, and misses read as the steady table reads its own (``PLE_UM_DIRECT_READS``: auto is
-    O_DIRECT beside a row cache, so here too unless the environment turns the row cache off)."""
-    direct = envs.PLE_UM_DIRECT_READS
-    if direct == "auto":
-        direct = "off" if envs.PLE_UM_ROW_CACHE == 0 else "on"
-    return {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": direct}
+    memory, and misses read as the steady table, opened now under the environment's knobs, would
+    read its own (``operating.row_cache_plan`` over ``probe``, a mapping of the table's rows: O_DIRECT
+    beside a row cache, as ``PLE_UM_DIRECT_READS=auto`` does)."""
+    direct = row_cache_plan(probe, None).get("direct", False)
+    return {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "on" if direct else "off"}
 
 
 @contextlib.contextmanager
@@ -134,17 +133,26 @@ class _Lookup:
         self.go()
 
 
-def _reads(table) -> tuple[int, float]:
-    """The table's reads of rows from its files so far, and the seconds its lookups waited for them."""
+def _reads(table) -> tuple[int, float] | None:
+    """The table's reads from its files so far, and the seconds its reading threads waited for them
+    (added up over the threads); None where its lookups read no row through the reader of misses
+    (not the cpu mode's C row copy, or misses faulted in through the mapping), which counts them."""
+    host = table.paths.row_copy if table.mode == "cpu" else None
+    reader = host.rows.reader if host is not None else None
+    if reader is None or reader.strategy == "mmap":
+        return None
     stats = table.stats()
     return int(stats["file_reads"]), float(stats["file_read_seconds"])
 
 
 def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_files, nbytes: int) -> dict:
     """Time one call per id set of ``draws``: its seconds, the share of its rows in the page cache
-    before it, the row cache's hit rate over all of them, and per call the rows read from the files
-    and the time the lookup waited for those reads (means over the calls: the counters' differences
-    around them). ``drop_files``: drop the table's pages before each call (cold)."""
+    before it, the row cache's hit rate over all of them, and per call (means, from the counters'
+    differences around the calls) the reads from the files (an NVFP4 table's block scales are reads
+    of their own) and, for a call one thread reads (at most ``INLINE_ROWS`` ids), the time it
+    waited for them; a bigger call's reads are spread over the pool, whose waits add up past the
+    call's own time (``read_thread_us``). ``drop_files``: drop the table's pages before each call
+    (cold)."""
     times, resident = [], []
     before, reads_before = _row_cache(table), _reads(table)
     for ids in draws:
@@ -156,9 +164,11 @@ def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_
     row = summary(times, nbytes)
     row["page_cache_hits"] = float(np.mean(resident))
     row["row_cache_hits"] = _hit_rate(before, _row_cache(table))
-    reads, waited = (b - a for a, b in zip(reads_before, _reads(table), strict=True))
-    row["file_reads_per_call"] = reads / len(draws)
-    row["read_wait_us"] = waited / len(draws) * 1e6
+    if reads_before is not None:
+        reads, waited = (b - a for a, b in zip(reads_before, _reads(table), strict=True))
+        row["file_reads_per_call"] = reads / len(draws)
+        key = "read_wait_us" if call.ids.numel() <= INLINE_ROWS else "read_thread_us"
+        row[key] = waited / len(draws) * 1e6
     return row
 
 
@@ -221,7 +231,7 @@ def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -
     files = list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
     with MappedShards(layout) as probe:
         drop_table_pages(files)
-        with _open(layout, mode, device, cold_knobs()) as table:
+        with _open(layout, mode, device, cold_knobs(probe)) as table:
             graph = device.type == "cuda" and table.capture_safe
             entry: dict = {"capture_safe": table.capture_safe, "timing": "graph replay" if graph else "eager"}
             entry["cold_row_reads"] = table.row_reads

@@ -3,12 +3,13 @@ ceiling, then per memory limit and id distribution one row per path and batch si
 steady medians with their spread, the cold figure's ratio to the ceiling, and the share of rows
 found in the page cache and in the row cache (``-`` where the table has none), and where it has one
 the steady state again without it, the page cache alone under the same limit; beside the cold
-figure, the rows a cold call read from the files and how long it waited for them (the reads' share
-of its time). The cold calls' table has no row cache (``bench/cold_child.py``)."""
+figure, the reads a cold call made from the files and, where one thread made them, how long it
+waited for them. The cold calls' table has no row cache (``bench/cold_child.py``)."""
 
 from __future__ import annotations
 
 from ple_um.bench.report import cell
+from ple_um.lookup.host.buffers import INLINE_ROWS
 from ple_um.units import format_bytes
 
 
@@ -92,11 +93,12 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
 
 
 def _reads_cell(cold: dict) -> str:
-    """A cold call's rows read from the files and the time it waited for them (means per call;
-    ``-`` in results that lack them)."""
-    if "read_wait_us" not in cold:
+    """A cold call's reads from the files and, where one thread read them, the time it waited for
+    them (means per call); ``-`` where they were not counted."""
+    if "file_reads_per_call" not in cold:
         return "-"
-    return f"{cold['file_reads_per_call']:.0f}, {cold['read_wait_us']:.1f}"
+    wait = cold.get("read_wait_us")
+    return f"{cold['file_reads_per_call']:.0f}, " + ("-" if wait is None else f"{wait:.1f}")
 
 
 def _page_cache_only(row: dict) -> str:
@@ -120,9 +122,9 @@ def format_cold(result: dict) -> str:
         f"cold: {result['method']['cold']}; steady: {result['method']['steady']}; "
         f"{result['method']['timing']}",
         f"x storage: the cold median over {result['method']['ceiling']}; cold: reads, wait us: a cold "
-        "call's rows read from the files and the time it waited for those reads (means per call); page "
-        "cache hits: the share of a steady call's rows in the page cache before it (mincore); row cache "
-        "hits: hits / (hits + misses)",
+        "call's reads from the files and the time it waited for them, means per call (the wait where one "
+        f"thread reads: up to {INLINE_ROWS} ids); page cache hits: the share of a steady call's rows in "
+        "the page cache before it (mincore); row cache hits: hits / (hits + misses)",
     ]
     lines += [f"left out: ple-um {mode}: {why}" for mode, why in result.get("left_out", {}).items()]
     lines += _storage_lines(result["storage"])
