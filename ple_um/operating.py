@@ -187,7 +187,7 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray, *, whole_files: bool |
         start = owned.addr - region.addr + (local - owned.lo) * rb
         pick, start = pick[inside], start[inside]
         if seen is None:
-            out[pick] = _rows_resident(region.addr, start, rb)
+            out[pick] = _rows_resident(region, start, rb)
             continue
         first, last = start // PAGE, (start + rb - 1) // PAGE
         count = seen[owned.region]
@@ -195,16 +195,17 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray, *, whole_files: bool |
     return out
 
 
-def _rows_resident(base: int, starts: np.ndarray, rb: int) -> np.ndarray:
-    """Whether every page of each row (``rb`` bytes at ``base + start``) is in the page cache: one
-    mincore over each row's own pages."""
+def _rows_resident(region, starts: np.ndarray, rb: int) -> np.ndarray:
+    """Whether every page of each row (``rb`` bytes at ``start`` in the mapped ``region``) is in the
+    page cache: one mincore over each row's own pages; OSError naming the file where it fails."""
     vec = np.zeros((rb + 2 * PAGE - 1) // PAGE, dtype=np.uint8)
     found = np.zeros(starts.shape, dtype=bool)
     for k, start in enumerate(starts.tolist()):
-        first = (base + start) // PAGE * PAGE
-        length = base + start + rb - first
+        first = (region.addr + start) // PAGE * PAGE
+        length = region.addr + start + rb - first
         if _libc.mincore(first, length, vec.ctypes.data) != 0:
-            raise OSError(ctypes.get_errno(), f"mincore failed: {os.strerror(ctypes.get_errno())}")
+            code = ctypes.get_errno()
+            raise OSError(code, f"mincore failed on {region.path}: {os.strerror(code)}")
         found[k] = bool((vec[: (length + PAGE - 1) // PAGE] & 1).all())
     return found
 

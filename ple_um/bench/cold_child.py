@@ -98,8 +98,9 @@ def _knobs(values: dict[str, str]):
                 os.environ[name] = value
 
 
-def _row_cache(table) -> tuple[int, int] | None:
-    found = table.stats().get("row_cache")
+def _row_cache(stats: dict) -> tuple[int, int] | None:
+    """The row cache's hits and misses in a table's ``stats()``, or None where it has none."""
+    found = stats.get("row_cache")
     if not found:
         return None
     return int(found["hits"]), int(found["misses"])
@@ -133,15 +134,15 @@ class _Lookup:
         self.go()
 
 
-def _reads(table) -> tuple[int, float] | None:
+def _reads(table, stats: dict) -> tuple[int, float] | None:
     """The table's reads from its files so far, and the seconds its reading threads waited for them
-    (added up over the threads); None where its lookups read no row through the reader of misses
-    (not the cpu mode's C row copy, or misses faulted in through the mapping), which counts them."""
+    (added up over the threads), from its ``stats()``; None where its lookups read no row through the
+    reader of misses (not the cpu mode's C row copy, or misses faulted in through the mapping),
+    which counts them."""
     host = table.paths.row_copy if table.mode == "cpu" else None
     reader = host.rows.reader if host is not None else None
     if reader is None or reader.strategy == "mmap":
         return None
-    stats = table.stats()
     return int(stats["file_reads"]), float(stats["file_read_seconds"])
 
 
@@ -154,7 +155,7 @@ def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_
     call's own time (``read_thread_us``). ``drop_files``: drop the table's pages before each call
     (cold)."""
     times, resident = [], []
-    before, reads_before = _row_cache(table), _reads(table)
+    before = table.stats()
     for ids in draws:
         if drop_files:
             drop_table_pages(drop_files)
@@ -163,9 +164,11 @@ def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_
         times.append(timer.once(call.go, 0))
     row = summary(times, nbytes)
     row["page_cache_hits"] = float(np.mean(resident))
-    row["row_cache_hits"] = _hit_rate(before, _row_cache(table))
+    after = table.stats()
+    row["row_cache_hits"] = _hit_rate(_row_cache(before), _row_cache(after))
+    reads_before = _reads(table, before)
     if reads_before is not None:
-        reads, waited = (b - a for a, b in zip(reads_before, _reads(table), strict=True))
+        reads, waited = (b - a for a, b in zip(reads_before, _reads(table, after), strict=True))
         row["file_reads_per_call"] = reads / len(draws)
         key = "read_wait_us" if call.ids.numel() <= INLINE_ROWS else "read_thread_us"
         row[key] = waited / len(draws) * 1e6
@@ -187,7 +190,7 @@ def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> 
     rows already in the page cache, first and last, and the row cache's hit rate over the warm-up
     say whether it settled."""
     t0, calls, shares = time.perf_counter(), 0, []
-    before = _row_cache(call.table)
+    before = _row_cache(call.table.stats())
     n = call.ids.numel()
     while calls < 10 or time.perf_counter() - t0 < seconds:
         ids = dist.draw(rng, layout.num_rows, n)
@@ -202,7 +205,7 @@ def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> 
         "seconds": time.perf_counter() - t0,
         "first_hits": shares[0],
         "last_hits": shares[-1],
-        "row_cache_hits": _hit_rate(before, _row_cache(call.table)),
+        "row_cache_hits": _hit_rate(before, _row_cache(call.table.stats())),
     }
 
 
