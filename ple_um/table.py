@@ -272,9 +272,10 @@ class MappedTable:
 
     def stats(self, *, sync: bool = True) -> dict:
         """Counters: lookups (eager calls), the paths' counts (``lookup.counts.path_counts``: graph
-        replays too), bytes, memory, and the row cache (``lookup.host.cold.RowSources.stats``, or
-        None). ``sync`` waits for the device first, so that every lookup queued before is in the
-        figures (the stats reporter reads without it, on a stream of its own)."""
+        replays too), how misses are read (``file_reader``), bytes, memory, and the row cache
+        (``lookup.host.cold.RowSources.stats``, or None). ``sync`` waits for the device first, so
+        that every lookup queued before is in the figures (the stats reporter reads without it, on
+        a stream of its own)."""
         with self._in_use():
             if sync and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -288,6 +289,7 @@ class MappedTable:
                 "host_lookups": counts["lookups"],
                 "broken_rows": counts["broken"],
                 **{key: counts[key] for key in ("file_reads", "file_read_seconds", "phase_seconds")},
+                "file_reader": self.paths.file_reader(),
                 "mapped_bytes": sum(m.mapped_bytes for m in (self.mapping, self.scale_mapping) if m),
                 "pinned_bytes": self.access.pinned_bytes,
                 "device_bytes": self.access.device_bytes,

@@ -137,11 +137,9 @@ class _Lookup:
 def _reads(table, stats: dict) -> tuple[int, float] | None:
     """The table's reads from its files so far, and the seconds its reading threads waited for them
     (added up over the threads), from its ``stats()``; None where its lookups read no row through the
-    reader of misses (not the cpu mode's C row copy, or misses faulted in through the mapping),
-    which counts them."""
-    host = table.paths.row_copy if table.mode == "cpu" else None
-    reader = host.rows.reader if host is not None else None
-    if reader is None or reader.strategy == "mmap":
+    reader of misses, which counts them: a GPU mode (its kernel faults rows in; its host path serves
+    only big lookups), or misses faulted in through the mapping."""
+    if table.mode != "cpu" or stats["file_reader"] is None:
         return None
     return int(stats["file_reads"]), float(stats["file_read_seconds"])
 

@@ -71,6 +71,11 @@ class LookupPaths:
         host = self.row_copy
         return host.row_cache_stats() if host is not None else None
 
+    def file_reader(self) -> str | None:
+        """How the host path reads misses from the files (``RowSources.file_reader``), or None."""
+        host = self.row_copy
+        return host.sources.file_reader() if host is not None else None
+
     def read_counts(self) -> dict:
         """The paths' counts added up (``counts.path_counts``' keys). Device counters are read on
         the current stream."""

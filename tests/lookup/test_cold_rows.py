@@ -520,6 +520,28 @@ def test_file_reads_are_counted_without_a_row_cache(make_checkpoint, rng, monkey
         assert first["file_read_seconds"] > before["file_read_seconds"]
         assert np.array_equal(table.lookup(ids).view(torch.uint8).numpy(), expect)
         assert table.stats()["file_reads"] == first["file_reads"]  # resident now: nothing read
+        assert first["file_reader"] in ("uring", "threads")
+
+
+@pytest.mark.parametrize("strategy", ["threads", "mmap"])
+def test_stats_say_how_misses_are_read(make_checkpoint, rng, monkeypatch, strategy):
+    """stats()["file_reader"]: the reader's strategy, or None where misses are faulted in through
+    the mapping (then no read of the files is counted)."""
+    layout = make_checkpoint(
+        num_rows=5000, row_dim=160, dtype="fp8", shards=3, seed=int(rng.integers(1 << 30))
+    )
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
+    monkeypatch.setenv("PLE_UM_FILE_READS", strategy)
+    drop_page_cache(layout)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        ids = torch.from_numpy(rng.integers(0, layout.num_rows, 500))
+        evict(table.mapping, layout)
+        assert np.array_equal(
+            table.lookup(ids).view(torch.uint8).numpy(), reference_rows(layout, ids.numpy())
+        )
+        stats = table.stats()
+        assert stats["file_reader"] == (None if strategy == "mmap" else strategy)
+        assert (stats["file_reads"] > 0) == (strategy != "mmap")
 
 
 def test_an_explicit_row_cache_is_capped_at_the_table_and_refused_past_memory(

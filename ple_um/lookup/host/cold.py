@@ -175,6 +175,12 @@ class RowSources:
             self._owned.append(reader)
         return rowcopy.Rows(mapping, cache=cache, reader=reader)
 
+    def file_reader(self) -> str | None:
+        """How misses are read from the files (``FileReader.strategy``: uring or threads), or None
+        where they are faulted in through the mapping."""
+        reader = self.rows.reader
+        return reader.strategy if reader is not None and reader.strategy != "mmap" else None
+
     def stats(self) -> dict | None:
         """The row cache's hits, misses, evictions and rows (of the rows' cache: the block scales'
         are for the same ids), bytes and resident_bytes (both caches); None where there is no row
