@@ -6,7 +6,8 @@ each n-gram onto a row, so the hot rows are scattered over the whole table, not 
 start. ``zipf:S`` draws n-gram ranks from Zipf(S) over a large n-gram space (rank 1 the most
 frequent) and sends each through a fixed multiplicative hash onto ``[0, num_rows)``; every call
 draws afresh from the same distribution, so the same rows stay hot from call to call, as in a
-server.
+server. ``zipf:S:NGRAMS`` draws from a space of NGRAMS n-grams instead: the smaller the space, the
+less of the traffic falls in its long tail, and the more of it a cache of a given size can serve.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ple_um.units import parse_size
+
 # N-grams the ranks are drawn from: far more than any table has rows, as with real n-gram hashing
 # (many n-grams share a row).
 NGRAM_SPACE = 1 << 40
@@ -24,6 +27,9 @@ HASH_MULTIPLIER = 0x9E3779B97F4A7C15
 # numpy's Zipf sampler needs S > 1, and draws past NGRAM_SPACE are drawn again: near S = 1 that is
 # most of them (over a third at 1.01), so S stays in this range.
 ZIPF_RANGE = (1.01, 10.0)
+# The n-gram spaces ``zipf:S:NGRAMS`` accepts: at least two n-grams, at most NGRAM_SPACE (past it
+# ``hash_onto_rows``'s uint64 product no longer spreads consecutive ranks as documented).
+SPACE_RANGE = (2, NGRAM_SPACE)
 
 
 def hash_onto_rows(ngrams: np.ndarray, num_rows: int) -> np.ndarray:
@@ -50,12 +56,13 @@ class IdDistribution:
 
     name: str
     s: float | None = None  # the Zipf exponent; None for uniform
+    space: int = NGRAM_SPACE  # the n-grams a Zipf draw comes from
 
     def draw(self, rng: np.random.Generator, num_rows: int, n: int) -> np.ndarray:
         """``n`` fresh ids in ``[0, num_rows)`` (int64)."""
         if self.s is None:
             return rng.integers(0, num_rows, size=n)
-        return hash_onto_rows(zipf_ngrams(rng, self.s, n), num_rows)
+        return hash_onto_rows(zipf_ngrams(rng, self.s, n, self.space), num_rows)
 
     def describe(self) -> dict:
         if self.s is None:
@@ -63,7 +70,7 @@ class IdDistribution:
         return {
             "kind": "zipf",
             "s": self.s,
-            "ngram_space": NGRAM_SPACE,
+            "ngram_space": self.space,
             "hash": f"h = ngram * {HASH_MULTIPLIER:#x} mod 2^64; row = (h xor (h >> 32)) mod num_rows",
         }
 
@@ -74,7 +81,8 @@ def parse_ids(text: str) -> tuple:
     trace file FILE; ``trace-decode[:FILE]`` and ``trace-prefill[:FILE]`` replay every lookup as a
     decode step or as a prefill chunk (``trace`` chooses by the lookup's size)."""
     accepted = (
-        f"expected uniform or zipf:S with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} (e.g. uniform,zipf:1.1), "
+        f"expected uniform or zipf:S[:NGRAMS] with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} and "
+        f"{SPACE_RANGE[0]} <= NGRAMS <= 2^{SPACE_RANGE[1].bit_length() - 1} (e.g. uniform,zipf:1.1,zipf:1.1:64M), "
         "or trace[:FILE], trace-decode[:FILE], trace-prefill[:FILE]"
     )
     found: list = []
@@ -85,19 +93,28 @@ def parse_ids(text: str) -> tuple:
         elif item == "uniform":
             dist = IdDistribution("uniform")
         elif kind == "zipf":
-            try:
-                s = float(arg)
-            except ValueError:
-                raise ValueError(f"{item!r} is not an id distribution: {accepted}") from None
-            if not ZIPF_RANGE[0] <= s <= ZIPF_RANGE[1]:
-                raise ValueError(f"{item!r}: the Zipf exponent {arg} is out of range: {accepted}")
-            dist = IdDistribution(f"zipf:{s:g}", s)
+            dist = _zipf(arg, item, accepted)
         else:
             raise ValueError(f"{item!r} is not an id distribution: {accepted}")
         if dist.name in [d.name for d in found]:
             raise ValueError(f"{item!r} is named twice in {text!r}")
         found.append(dist)
     return tuple(found)
+
+
+def _zipf(arg: str, item: str, accepted: str) -> IdDistribution:
+    """``zipf:S`` or ``zipf:S:NGRAMS`` (NGRAMS a count with an optional binary suffix: 64M is 2^26)."""
+    exponent, colon, ngrams = arg.partition(":")
+    try:
+        s = float(exponent)
+        space = parse_size(ngrams) if colon else NGRAM_SPACE
+    except ValueError:
+        raise ValueError(f"{item!r} is not an id distribution: {accepted}") from None
+    if not ZIPF_RANGE[0] <= s <= ZIPF_RANGE[1]:
+        raise ValueError(f"{item!r}: the Zipf exponent {exponent} is out of range: {accepted}")
+    if not SPACE_RANGE[0] <= space <= SPACE_RANGE[1]:
+        raise ValueError(f"{item!r}: the n-gram space {ngrams} is out of range: {accepted}")
+    return IdDistribution(f"zipf:{s:g}:{ngrams.strip()}" if colon else f"zipf:{s:g}", s, space)
 
 
 TRACE_KINDS = {"trace": "auto", "trace-decode": "decode", "trace-prefill": "prefill"}
