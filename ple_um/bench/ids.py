@@ -82,8 +82,8 @@ def parse_ids(text: str) -> tuple:
     decode step or as a prefill chunk (``trace`` chooses by the lookup's size)."""
     accepted = (
         f"expected uniform or zipf:S[:NGRAMS] with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} and "
-        f"{SPACE_RANGE[0]} <= NGRAMS <= 2^{SPACE_RANGE[1].bit_length() - 1} (e.g. uniform,zipf:1.1,zipf:1.1:64M), "
-        "or trace[:FILE], trace-decode[:FILE], trace-prefill[:FILE]"
+        f"{SPACE_RANGE[0]} <= NGRAMS <= 2^{SPACE_RANGE[1].bit_length() - 1} "
+        "(e.g. uniform,zipf:1.1,zipf:1.1:64M), or trace[:FILE], trace-decode[:FILE], trace-prefill[:FILE]"
     )
     found: list = []
     for item in (part.strip() for part in text.split(",")):
