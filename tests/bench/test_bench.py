@@ -4,6 +4,8 @@ here are made up or only checked for their bookkeeping."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -70,7 +72,11 @@ def test_parse_ids_accepts_uniform_and_zipf_lists():
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("bogus", "'bogus' is not an id distribution: expected uniform or zipf:S with 1.01 <= S <= 10"),
+        (
+            "bogus",
+            "'bogus' is not an id distribution: expected uniform or zipf:S[:NGRAMS] with 1.01 <= S <= 10 "
+            "and 2 <= NGRAMS <= 2^40",
+        ),
         ("zipf", "'zipf' is not an id distribution"),
         ("zipf:x", "'zipf:x' is not an id distribution"),
         ("zipf:1", "'zipf:1': the Zipf exponent 1 is out of range"),
@@ -78,11 +84,42 @@ def test_parse_ids_accepts_uniform_and_zipf_lists():
         ("zipf:11", "out of range"),
         ("uniform,", "'' is not an id distribution"),
         ("zipf:1.1,zipf:1.10", "'zipf:1.10' is named twice"),
+        ("zipf:1.1:", "'zipf:1.1:' is not an id distribution"),
+        ("zipf:1.1:x", "'zipf:1.1:x' is not an id distribution"),
+        ("zipf:1.1:64M:3", "'zipf:1.1:64M:3' is not an id distribution"),
+        ("zipf:1.1:1", "'zipf:1.1:1': the n-gram space 1 is out of range"),
+        ("zipf:1.1:2T", "'zipf:1.1:2T': the n-gram space 2T is out of range"),
+        ("zipf:0.5:64M", "'zipf:0.5:64M': the Zipf exponent 0.5 is out of range"),
     ],
 )
 def test_parse_ids_refuses_bad_values(text, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         parse_ids(text)
+
+
+def test_parse_ids_accepts_an_ngram_space():
+    """``zipf:S:NGRAMS``: a count with an optional binary suffix, from 2 to the default space."""
+    (z,) = parse_ids("zipf:1.1:64M")
+    assert (z.name, z.s, z.space) == ("zipf:1.1:64M", 1.1, 1 << 26)
+    assert z.describe()["ngram_space"] == 1 << 26
+    a, b, c = parse_ids("zipf:1.5:1000,zipf:1.5:2,zipf:1.5:1T")
+    assert [d.space for d in (a, b, c)] == [1000, 2, NGRAM_SPACE]
+    assert [d.name for d in (a, b, c)] == ["zipf:1.5:1000", "zipf:1.5:2", "zipf:1.5:1T"]
+    (default,) = parse_ids("zipf:1.1")
+    assert default.space == NGRAM_SPACE
+
+
+def test_zipf_draws_come_only_from_the_ngram_space():
+    """Every draw of ``zipf:1.1:1000`` is one of the 1000 n-grams' rows, and each of them is hit."""
+    num_rows = 1_000_000
+    (z,) = parse_ids("zipf:1.1:1000")
+    ids = z.draw(np.random.default_rng(4), num_rows, 200_000)
+    space_rows = set(hash_onto_rows(np.arange(1, 1001), num_rows).tolist())
+    assert set(ids.tolist()) <= space_rows
+    # Rank 1000 has probability 1000^-1.1 / sum_{r<=1000} r^-1.1 = 9e-5: 18 draws of 200 000 expected.
+    assert set(ids.tolist()) == space_rows
+    ranks = zipf_ngrams(np.random.default_rng(5), 1.01, 50_000, space=7)
+    assert ranks.min() == 1 and ranks.max() == 7
 
 
 def test_hash_is_the_documented_formula():
