@@ -15,8 +15,8 @@ the bound no amount of traffic passes.
 
 The row probabilities hash the first ``--exact-ranks`` n-gram ranks one by one and spread the rest
 evenly over the rows (``IdDistribution.row_probabilities``); the share of the draws spread so is
-printed: it is the most any hit rate here can be off by. The defaults take about a minute and
-2.5 GiB.
+printed: it is the most any hit rate here can be off by. The defaults take about 35 s and 3 GiB
+(numpy: two float64 arrays of the table's rows and a sorted copy).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class IdDistribution:
         size: it moves at most that share of the mass between rows, so a sum over a set of rows (a
         cache's hit rate) is off by at most the tail share, and so is the best such sum.
 
-        Memory: two float64 arrays of ``num_rows``; time: about 40 s for 2^30 exact ranks.
+        Memory: two float64 arrays of ``num_rows``; time: about 30 s for 2^30 exact ranks.
         """
         s = self._zipf_exponent()
         if num_rows < 1 or exact_ranks < 1 or chunk < 1:
