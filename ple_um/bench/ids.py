@@ -6,7 +6,8 @@ each n-gram onto a row, so the hot rows are scattered over the whole table, not 
 start. ``zipf:S`` draws n-gram ranks from Zipf(S) over a large n-gram space (rank 1 the most
 frequent) and sends each through a fixed multiplicative hash onto ``[0, num_rows)``; every call
 draws afresh from the same distribution, so the same rows stay hot from call to call, as in a
-server.
+server. ``zipf:S:NGRAMS`` draws from a space of NGRAMS n-grams instead: the smaller the space, the
+less of the traffic falls in its long tail, and the more of it a cache of a given size can serve.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ple_um.units import parse_size
+
 # N-grams the ranks are drawn from: far more than any table has rows, as with real n-gram hashing
 # (many n-grams share a row).
 NGRAM_SPACE = 1 << 40
@@ -24,6 +27,9 @@ HASH_MULTIPLIER = 0x9E3779B97F4A7C15
 # numpy's Zipf sampler needs S > 1, and draws past NGRAM_SPACE are drawn again: near S = 1 that is
 # most of them (over a third at 1.01), so S stays in this range.
 ZIPF_RANGE = (1.01, 10.0)
+# The n-gram spaces ``zipf:S:NGRAMS`` accepts: at least two n-grams, at most NGRAM_SPACE (past it
+# ``hash_onto_rows``'s uint64 product no longer spreads consecutive ranks as documented).
+SPACE_RANGE = (2, NGRAM_SPACE)
 
 
 def hash_onto_rows(ngrams: np.ndarray, num_rows: int) -> np.ndarray:
@@ -44,18 +50,81 @@ def zipf_ngrams(rng: np.random.Generator, s: float, n: int, space: int = NGRAM_S
         out[beyond] = rng.zipf(s, size=beyond.size)
 
 
+def zipf_mass(s: float, a: int, b: int) -> float:
+    """``sum_{r=a}^{b} r^-s`` (s > 1, 1 <= a <= b) by the midpoint integral
+    ``int_{a-1/2}^{b+1/2} x^-s dx``: too many terms to add one by one. x^-s is convex, so the
+    integral is a little more than the sum, by about ``s / 24 * a^(-s-1)`` (the midpoint rule's
+    f''/24 a term): 2.3e-8 from a = 1000 on at s = 1.1, where the sum to 2^40 is 4.4.
+    """
+    return ((a - 0.5) ** (1 - s) - (b + 0.5) ** (1 - s)) / (s - 1)
+
+
 @dataclass(frozen=True)
 class IdDistribution:
     """One way to draw a lookup's ids: ``uniform`` or ``zipf:S``."""
 
     name: str
     s: float | None = None  # the Zipf exponent; None for uniform
+    space: int = NGRAM_SPACE  # the n-grams a Zipf draw comes from
 
     def draw(self, rng: np.random.Generator, num_rows: int, n: int) -> np.ndarray:
         """``n`` fresh ids in ``[0, num_rows)`` (int64)."""
         if self.s is None:
             return rng.integers(0, num_rows, size=n)
-        return hash_onto_rows(zipf_ngrams(rng, self.s, n), num_rows)
+        return hash_onto_rows(zipf_ngrams(rng, self.s, n, self.space), num_rows)
+
+    def row_probabilities(
+        self, num_rows: int, exact_ranks: int = 1 << 30, chunk: int = 1 << 24
+    ) -> np.ndarray:
+        """The probability that a draw of ``draw(rng, num_rows, n)`` is each row (float64, sums to 1):
+        rank r of ``[1, space]`` has probability ``r^-s / sum_{q<=space} q^-s`` (``zipf_ngrams``
+        draws again past the space), and a row the sum over the ranks it hashes onto. A zipf
+        distribution only (ValueError for the others).
+
+        Ranks 1 to ``exact_ranks`` are hashed one by one, ``chunk`` at a time. The ranks past them
+        (up to the space: 2^40 by default, too many to hash) carry the tail mass
+        ``zipf_mass(s, exact_ranks + 1, space)``, spread evenly over all rows: their hashes scatter
+        them over the table, each row getting the mass of many such ranks. That is the
+        approximation (beside ``zipf_mass``'s own, near 1e-8), and ``tail_share(exact_ranks)`` its
+        size: it moves at most that share of the mass between rows, so a sum over a set of rows (a
+        cache's hit rate) is off by at most the tail share, and so is the best such sum.
+
+        Memory: two float64 arrays of ``num_rows``; time: about 30 s for 2^30 exact ranks.
+        """
+        s = self._zipf_exponent()
+        if num_rows < 1 or exact_ranks < 1 or chunk < 1:
+            raise ValueError(
+                f"need num_rows, exact_ranks and chunk >= 1, got {num_rows}, {exact_ranks}, {chunk}"
+            )
+        head_ranks = min(exact_ranks, self.space)
+        mass = np.zeros(num_rows)
+        head = 0.0
+        for lo in range(1, head_ranks + 1, chunk):
+            ranks = np.arange(lo, min(lo + chunk, head_ranks + 1), dtype=np.int64)
+            weights = ranks.astype(np.float64) ** -s
+            head += float(weights.sum())
+            mass += np.bincount(hash_onto_rows(ranks, num_rows), weights=weights, minlength=num_rows)
+        tail = zipf_mass(s, head_ranks + 1, self.space) if self.space > head_ranks else 0.0
+        mass /= head + tail
+        mass += tail / (head + tail) / num_rows
+        return mass
+
+    def tail_share(self, exact_ranks: int = 1 << 30) -> float:
+        """The share of the draws that ``row_probabilities(n, exact_ranks)`` spreads evenly over the
+        rows: the ranks past ``exact_ranks`` (0 when the space holds no more)."""
+        s = self._zipf_exponent()
+        if exact_ranks >= self.space:
+            return 0.0
+        first = min(1000, exact_ranks)  # added term by term, the rest by the midpoint integral
+        total = float((np.arange(1, first + 1, dtype=np.float64) ** -s).sum()) + zipf_mass(
+            s, first + 1, self.space
+        )
+        return zipf_mass(s, exact_ranks + 1, self.space) / total
+
+    def _zipf_exponent(self) -> float:
+        if self.s is None:
+            raise ValueError(f"{self.name!r} has no n-gram ranks: row probabilities are for zipf:S ids")
+        return self.s
 
     def describe(self) -> dict:
         if self.s is None:
@@ -63,7 +132,7 @@ class IdDistribution:
         return {
             "kind": "zipf",
             "s": self.s,
-            "ngram_space": NGRAM_SPACE,
+            "ngram_space": self.space,
             "hash": f"h = ngram * {HASH_MULTIPLIER:#x} mod 2^64; row = (h xor (h >> 32)) mod num_rows",
         }
 
@@ -74,8 +143,9 @@ def parse_ids(text: str) -> tuple:
     trace file FILE; ``trace-decode[:FILE]`` and ``trace-prefill[:FILE]`` replay every lookup as a
     decode step or as a prefill chunk (``trace`` chooses by the lookup's size)."""
     accepted = (
-        f"expected uniform or zipf:S with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} (e.g. uniform,zipf:1.1), "
-        "or trace[:FILE], trace-decode[:FILE], trace-prefill[:FILE]"
+        f"expected uniform or zipf:S[:NGRAMS] with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} and "
+        f"{SPACE_RANGE[0]} <= NGRAMS <= 2^{SPACE_RANGE[1].bit_length() - 1} "
+        "(e.g. uniform,zipf:1.1,zipf:1.1:64M), or trace[:FILE], trace-decode[:FILE], trace-prefill[:FILE]"
     )
     found: list = []
     for item in (part.strip() for part in text.split(",")):
@@ -85,19 +155,28 @@ def parse_ids(text: str) -> tuple:
         elif item == "uniform":
             dist = IdDistribution("uniform")
         elif kind == "zipf":
-            try:
-                s = float(arg)
-            except ValueError:
-                raise ValueError(f"{item!r} is not an id distribution: {accepted}") from None
-            if not ZIPF_RANGE[0] <= s <= ZIPF_RANGE[1]:
-                raise ValueError(f"{item!r}: the Zipf exponent {arg} is out of range: {accepted}")
-            dist = IdDistribution(f"zipf:{s:g}", s)
+            dist = _zipf(arg, item, accepted)
         else:
             raise ValueError(f"{item!r} is not an id distribution: {accepted}")
         if dist.name in [d.name for d in found]:
             raise ValueError(f"{item!r} is named twice in {text!r}")
         found.append(dist)
     return tuple(found)
+
+
+def _zipf(arg: str, item: str, accepted: str) -> IdDistribution:
+    """``zipf:S`` or ``zipf:S:NGRAMS`` (NGRAMS a count with an optional binary suffix: 64M is 2^26)."""
+    exponent, colon, ngrams = arg.partition(":")
+    try:
+        s = float(exponent)
+        space = parse_size(ngrams) if colon else NGRAM_SPACE
+    except ValueError:
+        raise ValueError(f"{item!r} is not an id distribution: {accepted}") from None
+    if not ZIPF_RANGE[0] <= s <= ZIPF_RANGE[1]:
+        raise ValueError(f"{item!r}: the Zipf exponent {exponent} is out of range: {accepted}")
+    if not SPACE_RANGE[0] <= space <= SPACE_RANGE[1]:
+        raise ValueError(f"{item!r}: the n-gram space {ngrams} is out of range: {accepted}")
+    return IdDistribution(f"zipf:{s:g}:{ngrams.strip()}" if colon else f"zipf:{s:g}", s, space)
 
 
 TRACE_KINDS = {"trace": "auto", "trace-decode": "decode", "trace-prefill": "prefill"}
