@@ -271,11 +271,9 @@ class MappedTable:
             return prefetcher.submit(ids, self.paths.prefetch_touch())
 
     def stats(self, *, sync: bool = True) -> dict:
-        """Counters: lookups (eager calls), the paths' counts (``lookup.counts.path_counts``: graph
-        replays too), how misses are read (``file_reader``), bytes, memory, and the row cache
-        (``lookup.host.cold.RowSources.stats``, or None). ``sync`` waits for the device first, so
-        that every lookup queued before is in the figures (the stats reporter reads without it, on
-        a stream of its own)."""
+        """Counters: lookups, the paths' counts (``lookup.counts.path_counts``: graph replays too),
+        the reader of misses, bytes, memory, the row cache (``RowSources.stats``, or None). ``sync``
+        waits for the device first, so that every lookup queued before is in the figures."""
         with self._in_use():
             if sync and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
