@@ -3,26 +3,20 @@ probabilities and cache_sim's bounds computed here, and its JSON and table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
+from helpers.scripts import load_script
 
 from ple_um.bench.cache_sim import best_distinct_misses, best_hits, page_probabilities
 from ple_um.bench.ids import parse_ids
 from ple_um.lookup.host.row_cache import slots_for
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "best_cache.py"
-
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("best_cache", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("best_cache")
 
 
 def test_best_caches_of_each_size(script, tmp_path, capsys):

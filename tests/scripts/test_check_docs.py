@@ -3,19 +3,12 @@ a metric that does not exist gets one problem line for each, naming the page and
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import subprocess
 import sys
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "check_docs.py"
+from helpers.scripts import SCRIPTS, load_script
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("check_docs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = SCRIPTS / "check_docs.py"
 
 
 def test_the_docs_name_only_what_exists():
@@ -25,7 +18,7 @@ def test_the_docs_name_only_what_exists():
 
 
 def test_each_kind_of_bad_name_is_reported(tmp_path):
-    check = load_script()
+    check = load_script("check_docs")
     page = tmp_path / "PAGE.md"
     page.write_text(
         "fine: `ple_um/envs.py`, PLE_UM_ROW_CACHE, vllm:ple_um_row_cache_hits_total\n"

@@ -3,24 +3,18 @@ against the same stream counted with a Python set, and its JSON and table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
+from helpers.scripts import load_script
 
 from ple_um.bench.ids import parse_ids
-
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "first_lookups.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("first_lookups", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("first_lookups")
 
 
 def by_set(table_rows, ids, batch, at, window, seed):

@@ -5,10 +5,8 @@ against vLLM's, and the pinned span it expects against the regions ple_um maps."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -16,20 +14,14 @@ import numpy as np
 import pytest
 import torch
 from helpers.reference import reference_rows
+from helpers.scripts import SCRIPTS, load_script
 
 from ple_um.checkpoint import read_layout
 from ple_um.mapping import MappedShards
 from ple_um.synthetic import write_checkpoint
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "tp_check.py"
+SCRIPT = SCRIPTS / "tp_check.py"
 IDS = (1024, 4096)
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("tp_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +100,7 @@ def test_dry_run_reports_split_memory_and_times(dry_run):
 @pytest.mark.parametrize("rows", [64 * 1000, 64 * 1001, 64 * 4097])
 def test_vocab_split_is_vllms(rows):
     vocab = pytest.importorskip("vllm.model_executor.layers.vocab_parallel_embedding")
-    tp = load_script()
+    tp = load_script("tp_check")
     for world in (1, 2, 4):
         got = tp.vocab_ranges(rows, world)
         for rank in range(world):
@@ -118,7 +110,7 @@ def test_vocab_split_is_vllms(rows):
 
 
 def test_table_shape_moves_the_split_off_shard_boundaries():
-    tp = load_script()
+    tp = load_script("tp_check")
     for size, shards in [(128 * 64 * 160, 128), (16 << 30, 128), (32 << 20, 128), (8 << 30, 127)]:
         rows = tp.table_shape(size, 160, shards, 2)
         assert rows % 64 == 0 and 0 <= size // 160 - rows < 64 * 3
@@ -128,7 +120,7 @@ def test_table_shape_moves_the_split_off_shard_boundaries():
 
 
 def test_file_table_and_pinned_span_agree_with_ple_um(tmp_path, rng):
-    tp = load_script()
+    tp = load_script("tp_check")
     layout = write_checkpoint(tmp_path, num_rows=6400, row_dim=160, dtype="fp8", shards=13, files=3, seed=4)
     files = tp.FileTable(str(tmp_path))
     assert (files.num_rows, files.row_bytes, files.parts, files.scale) == (6400, 160, 13, layout.scale)
