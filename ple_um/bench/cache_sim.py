@@ -13,11 +13,8 @@ those from position ``warmup`` on. Two bounds hold for streams too long to simul
 
 - ``seen_before``, the bound with limited traffic: an unbounded cache that starts empty, which
   misses only a row's first lookup.
-- ``best_hits``, the bound with unbounded traffic: under the independent reference model (each
-  lookup's row drawn i.i.d. from fixed probabilities, as the bench's ``zipf:S`` ids are), the
-  optimal demand cache of K rows holds the K most probable rows (Aho, Denning and Ullman 1971,
-  policy A0), so no cache of K rows serves more than their probability in the long run.
-  ``page_probabilities`` gives the same bound for a page cache.
+- ``cache_bound.best_hits``, the bound with unbounded traffic: the most any cache of K rows serves
+  when each lookup's row is drawn i.i.d. from fixed probabilities, as the bench's ``zipf:S`` ids are.
 
 Policies (``POLICIES``):
 
@@ -114,57 +111,6 @@ def seen_before(lookups: Iterable[np.ndarray], num_rows: int) -> Iterator[int]:
         first = np.unique(ids[~seen[ids]]).size
         seen[ids] = True
         yield ids.size - first
-
-
-def best_hits(probabilities: np.ndarray, capacities: Iterable[int]) -> list[float]:
-    """For each capacity K, the hit rate of the best cache of K rows (policy A0) when each lookup
-    is row r with probability ``probabilities[r]`` (non-negative, summing to 1): the sum of the K
-    largest probabilities; 0 for K = 0, 1 for K at least the rows."""
-    p = _probabilities(probabilities)
-    total = float(p.sum())
-    return [min(1.0, s / total) for s in _largest_sums(p, capacities, total)]
-
-
-def best_distinct_misses(probabilities: np.ndarray, capacities: Iterable[int], batch: int) -> list[float]:
-    """For each capacity K, the expected distinct rows a lookup of ``batch`` rows drawn i.i.d. from
-    ``probabilities`` finds outside the best cache of K rows: the fewest reads its misses need (a
-    row missed twice in one lookup is read once). A row r is in a lookup with probability
-    ``1 - (1 - p_r)^batch``, which grows with p_r: the best cache keeps the rows it is largest for."""
-    if batch < 1:
-        raise ValueError(f"need a batch of at least 1 row, got {batch}")
-    p = _probabilities(probabilities)
-    present = -np.expm1(batch * np.log1p(-np.minimum(p, 1.0)))
-    total = float(present.sum())
-    return [max(0.0, total - s) for s in _largest_sums(present, capacities, total)]
-
-
-def page_probabilities(row_probabilities: np.ndarray, row_bytes: int, page_bytes: int) -> np.ndarray:
-    """Each page's probability of being looked up, rows laid out in order from the start of page 0:
-    the sum over the rows in it, row r counted in page ``r * row_bytes // page_bytes``. A row that
-    crosses a page boundary is counted in its first page only, though a cache needs both pages to
-    serve it, so ``best_hits`` of these is an upper bound on the best page cache (exact when
-    ``page_bytes`` is a multiple of ``row_bytes``)."""
-    if row_bytes <= 0 or page_bytes <= 0:
-        raise ValueError(f"need row_bytes and page_bytes > 0, got {row_bytes}, {page_bytes}")
-    p = np.asarray(row_probabilities, dtype=np.float64).reshape(-1)
-    pages = np.arange(p.size, dtype=np.int64) * row_bytes // page_bytes
-    return np.bincount(pages, weights=p, minlength=int(pages[-1]) + 1 if p.size else 0)
-
-
-def _probabilities(probabilities: np.ndarray) -> np.ndarray:
-    p = np.asarray(probabilities, dtype=np.float64).reshape(-1)
-    if p.size == 0 or not np.all(np.isfinite(p)) or p.min() < 0 or abs(p.sum() - 1.0) > 1e-6:
-        raise ValueError("expected non-negative finite probabilities summing to 1")
-    return p
-
-
-def _largest_sums(values: np.ndarray, capacities: Iterable[int], total: float) -> list[float]:
-    """The sum of the K largest ``values`` for each K (``total`` once K covers them all)."""
-    capacities = [int(k) for k in capacities]
-    if any(k < 0 for k in capacities):
-        raise ValueError(f"capacities must be >= 0, got {capacities}")
-    descending = np.cumsum(np.sort(values)[::-1])
-    return [0.0 if k == 0 else total if k >= values.size else float(descending[k - 1]) for k in capacities]
 
 
 def next_uses(keys: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ from helpers.reference import reference_rows
 
 import ple_um
 from ple_um.bench import runner
-from ple_um.bench.cache_sim import best_hits
+from ple_um.bench.cache_bound import best_hits
 from ple_um.bench.calls import DecodeStep, KernelOnly
 from ple_um.bench.contenders import TorchResident, describe
 from ple_um.bench.ids import (

@@ -11,7 +11,6 @@ import pytest
 
 from ple_um.bench import cache_sim
 from ple_um.bench.cache_sim import POLICIES, cold_and_warm, hit_rates
-from ple_um.bench.ids import parse_ids
 
 
 def optimum(keys: list[int], capacity: int) -> int:
@@ -201,85 +200,3 @@ def test_seen_before_is_every_repeat_and_the_bound_of_every_policy(rng):
 
 
 # -- the bound with unbounded traffic (A0) ---------------------------------------------------------
-def test_best_hits_is_the_sum_of_the_largest_probabilities(rng):
-    """Every K against a sum of the K largest found another way (a Python sort), the edges exact."""
-    p = rng.dirichlet(np.full(300, 0.3))
-    want = sorted(p.tolist(), reverse=True)
-    ks = [0, 1, 2, 17, 150, 299, 300, 301, 10_000]
-    got = cache_sim.best_hits(p, ks)
-    for k, hits in zip(ks, got, strict=True):
-        assert hits == pytest.approx(sum(want[:k]), abs=1e-12), k
-    assert got[0] == 0.0 and got[6:] == [1.0, 1.0, 1.0]
-    every = cache_sim.best_hits(p, range(302))
-    assert np.all(np.diff(every) >= 0) and every[-1] == 1.0
-
-
-def test_best_hits_refuses_what_is_not_a_distribution():
-    for bad in ([0.5, 0.4], [1.2, -0.2], [np.nan, 1.0], []):
-        with pytest.raises(ValueError, match="non-negative finite probabilities summing to 1"):
-            cache_sim.best_hits(np.array(bad), [1])
-    with pytest.raises(ValueError, match="capacities must be >= 0"):
-        cache_sim.best_hits(np.array([0.5, 0.5]), [1, -1])
-    with pytest.raises(ValueError, match="a batch of at least 1 row"):
-        cache_sim.best_distinct_misses(np.array([0.5, 0.5]), [1], 0)
-    with pytest.raises(ValueError, match="row_bytes and page_bytes > 0"):
-        cache_sim.page_probabilities(np.array([1.0]), 0, 4096)
-
-
-def test_best_hits_bounds_every_online_policy_on_iid_draws():
-    """On a long i.i.d. draw from the probabilities, the best static set of the draw (``static``)
-    serves best_hits' share within sampling noise, and no online policy serves more: at every
-    lookup it holds some K rows chosen before the lookup is drawn. (Belady's MIN sees the future
-    and may pass it.) Noise: 6 binomial standard deviations of n lookups."""
-    (dist,) = parse_ids("zipf:1.1:5000")
-    p = dist.row_probabilities(1000)
-    n = 200_000
-    rows = dist.draw(np.random.default_rng(2), 1000, n)
-    for k in (10, 50, 200):
-        (best,) = cache_sim.best_hits(p, [k])
-        noise = 6 * np.sqrt(best * (1 - best) / n)
-        got = hit_rates(rows, k * cache_sim.ROW_BYTES, ("static", "lru", "clock", "s3-fifo", "tinylfu"))
-        assert abs(got.pop("static") - best) < noise, k
-        for policy, rate in got.items():
-            assert rate < best + noise, (policy, k)
-
-
-def test_best_distinct_misses_is_the_expected_reads_of_a_lookup(rng):
-    """The distinct rows outside the best cache: the formula by hand, one row a lookup (the misses
-    themselves), and the mean over 20 000 drawn lookups within 6 standard errors."""
-    p = rng.dirichlet(np.full(400, 0.5))
-    top = np.argsort(p)[::-1]
-    for k in (0, 5, 100, 400):
-        outside = p[top[k:]]
-        (got,) = cache_sim.best_distinct_misses(p, [k], 64)
-        assert got == pytest.approx(float((1 - (1 - outside) ** 64).sum()), abs=1e-9)
-        assert cache_sim.best_distinct_misses(p, [k], 1)[0] == pytest.approx(
-            1 - cache_sim.best_hits(p, [k])[0]
-        )
-    held = np.zeros(400, dtype=bool)
-    held[top[:100]] = True
-    lookups = rng.choice(400, size=(20_000, 64), p=p)
-    missed = np.array([np.unique(ids[~held[ids]]).size for ids in lookups])
-    (want,) = cache_sim.best_distinct_misses(p, [100], 64)
-    assert abs(missed.mean() - want) < 6 * missed.std() / np.sqrt(missed.size)
-
-
-def test_page_probabilities_sum_the_rows_starting_in_each_page(rng):
-    """Each page's mass is the rows whose first byte lies in it (a Python loop over the rows;
-    row 25 of 160 bytes crosses into page 1 and counts in page 0); the best page cache of P pages
-    serves at least the best P rows and at most the best 26 P (no page has more rows start in it),
-    and it is exact when rows tile the page."""
-    p = rng.dirichlet(np.full(1000, 0.4))
-    pages = cache_sim.page_probabilities(p, 160, 4096)
-    want = np.zeros(1000 * 160 // 4096 + 1)
-    for r in range(1000):
-        want[r * 160 // 4096] += p[r]
-    np.testing.assert_allclose(pages, want, rtol=1e-12, atol=0)
-    assert pages.sum() == pytest.approx(1.0) and pages[0] == pytest.approx(p[:26].sum())
-    for count in (1, 3, 10, 39):
-        page_best = cache_sim.best_hits(pages, [count])[0]
-        row_best = cache_sim.best_hits(p, [count, 26 * count])
-        assert row_best[0] <= page_best <= row_best[1] + 1e-12, count
-    tiled = cache_sim.page_probabilities(p, 256, 4096)  # 16 rows a page, 8 in the last
-    np.testing.assert_allclose(tiled[:62], p[:992].reshape(62, 16).sum(axis=1), rtol=1e-12)
-    assert tiled.size == 63 and tiled[62] == pytest.approx(p[992:].sum(), rel=1e-12)
