@@ -1,22 +1,25 @@
 """The most any cache of a given size can serve of the bench's ``zipf:S`` ids, however long the
-traffic runs: the hit rate of the optimal cache, which holds the most probable rows (policy A0;
-``cache_sim.best_hits``), for row caches of ``--cache`` bytes and page caches of ``--page-cache``.
+traffic runs: the probability of the most probable rows it can hold (``cache_bound.best_hits``; no
+cache that does not know the future serves more), for row caches of ``--cache`` bytes and page
+caches of ``--page-cache``.
 
     python scripts/best_cache.py --table-rows 80530636 --ids zipf:1.1 --cache 1.30GiB,2GiB \\
         --page-cache 2.5GiB --reads-per-s 76319 --batch 1024 --json-file best_cache.json
 
 A row cache of B bytes holds the shipped row cache's slots for B (``row_cache.slots_for``, its
 per-slot overhead included); a page cache ``B // --page-bytes`` pages, rows laid out in order from
-a page boundary (a row across two pages counts in its first: for a page cache the figure is an upper
-bound). Each lookup draws ``--batch`` rows; the misses a lookup leaves, the distinct rows (pages)
-among them, which are the fewest reads that serve them, and at ``--reads-per-s`` the least time
-those reads take. ``first_lookups.py`` bounds a row cache after a given amount of traffic; this is
-the bound no amount of traffic passes.
+a page boundary. For a page cache the best hit rate counts a row across two pages in its first, an
+upper bound; ``held`` counts only the rows wholly in those pages (``cache_bound.pages_held_hits``), a
+rate those pages do reach: the best page cache lies between (the shards' header offsets move the
+real page boundaries, so both are statistical). Each lookup draws ``--batch`` rows; the misses a
+lookup leaves, the distinct rows (pages) among them, which are the fewest reads that serve them,
+and at ``--reads-per-s`` the least time those reads take. ``first_lookups.py`` bounds a row cache
+after a given amount of traffic; this is the bound no amount of traffic passes.
 
 The row probabilities hash the first ``--exact-ranks`` n-gram ranks one by one and spread the rest
 evenly over the rows (``IdDistribution.row_probabilities``); the share of the draws spread so is
-printed: it is the most any hit rate here can be off by. The defaults take about 35 s and 3 GiB
-(numpy: two float64 arrays of the table's rows and a sorted copy).
+printed: it is the most any hit rate here can be off by. The defaults take about 45 s and 5 GiB
+(numpy: float64 and int64 arrays of the table's rows).
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ple_um.bench.cache_sim import (  # noqa: E402
-    PAGE_BYTES,
+from ple_um.bench.cache_bound import (  # noqa: E402
     best_distinct_misses,
     best_hits,
     page_probabilities,
+    pages_held_hits,
 )
+from ple_um.bench.cache_sim import PAGE_BYTES  # noqa: E402
 from ple_um.bench.config import Config  # noqa: E402
 from ple_um.bench.ids import IdDistribution, parse_ids  # noqa: E402
 from ple_um.lookup.host.row_cache import slots_for  # noqa: E402
@@ -69,6 +73,10 @@ def measure(
         pages = page_probabilities(rows, row_bytes, page_bytes)
         held = [c // page_bytes for c in page_caches]
         found += _best("page", pages, page_caches, held, batch, reads_per_s)
+        for entry, reached in zip(
+            found[-len(held) :], pages_held_hits(rows, held, row_bytes, page_bytes), strict=True
+        ):
+            entry["held_hit_rate"] = reached
     return {
         "table_rows": table_rows,
         "row_bytes": row_bytes,
@@ -93,6 +101,7 @@ def _best(kind, probabilities, sizes, held, batch, reads_per_s) -> list[dict]:
             "bytes": size,
             "held": n,
             "hit_rate": hit,
+            "held_hit_rate": hit,
             "missed_rows_per_lookup": batch * (1.0 - hit),
             "reads_per_lookup": read,
             "least_read_ms": None if reads_per_s is None else 1e3 * read / reads_per_s,
@@ -118,16 +127,19 @@ def report(result: dict) -> str:
         "",
     ]
     rate = result["reads_per_s"]
-    head = "| cache | size | holds | best hit rate | missed rows per lookup | distinct reads per lookup |"
+    head = (
+        "| cache | size | holds | best hit rate | held: rows wholly in it | missed rows per lookup "
+        "| distinct reads per lookup |"
+    )
     lines += [
         head + (f" least read time at {rate:,.0f} reads/s |" if rate else ""),
-        "| --- " * (7 if rate else 6) + "|",
+        "| --- " * (8 if rate else 7) + "|",
     ]
     for c in result["caches"]:
         unit = "rows" if c["cache"] == "row" else "pages"
         line = (
             f"| {c['cache']} | {format_bytes(c['bytes'])} | {c['held']:,} {unit} | {c['hit_rate']:.2%} | "
-            f"{c['missed_rows_per_lookup']:.1f} | {c['reads_per_lookup']:.1f} |"
+            f"{c['held_hit_rate']:.2%} | {c['missed_rows_per_lookup']:.1f} | {c['reads_per_lookup']:.1f} |"
         )
         lines.append(line + (f" {c['least_read_ms']:.2f} ms |" if rate else ""))
     return "\n".join(lines)
@@ -150,11 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exact-ranks", type=int, default=1 << 30, help="n-gram ranks hashed one by one")
     parser.add_argument("--json-file", help="write the results here")
     args = parser.parse_args(argv)
-    try:
-        dists = parse_ids(args.ids)
-        caches, page_caches = _sizes(args.cache), _sizes(args.page_cache)
-    except ValueError as exc:
-        parser.error(f"--ids {args.ids!r} / --cache {args.cache!r} / --page-cache {args.page_cache!r}: {exc}")
+    values = {}
+    for flag, text, parse in (
+        ("--ids", args.ids, parse_ids),
+        ("--cache", args.cache, _sizes),
+        ("--page-cache", args.page_cache, _sizes),
+    ):
+        try:
+            values[flag] = parse(text)
+        except ValueError as exc:
+            parser.error(f"{flag} {text!r}: {exc}")
+    dists, caches, page_caches = values["--ids"], values["--cache"], values["--page-cache"]
     if len(dists) != 1 or not isinstance(dists[0], IdDistribution) or dists[0].s is None:
         parser.error(f"--ids {args.ids!r}: one zipf:S[:NGRAMS] distribution (row probabilities need ranks)")
     if not caches and not page_caches:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers.scripts import load_script
 
-from ple_um.bench.cache_sim import best_distinct_misses, best_hits, page_probabilities
+from ple_um.bench.cache_bound import best_distinct_misses, best_hits, page_probabilities, pages_held_hits
 from ple_um.bench.ids import parse_ids
 from ple_um.lookup.host.row_cache import slots_for
 
@@ -42,6 +42,11 @@ def test_best_caches_of_each_size(script, tmp_path, capsys):
         assert c["reads_per_lookup"] == pytest.approx(read, rel=1e-12)
         assert c["least_read_ms"] == pytest.approx(1e3 * read / 50000, rel=1e-12)
     assert got["caches"][2]["hit_rate"] == 0.0 and got["caches"][0]["hit_rate"] < got["caches"][1]["hit_rate"]
+    # Rows: the best set holds each row wholly. Pages: the rows wholly in the best pages, below the bound.
+    for c in got["caches"][:3]:
+        assert c["held_hit_rate"] == c["hit_rate"]
+    for c, reached in zip(got["caches"][3:], pages_held_hits(rows, [16, 256], 160, 4096), strict=True):
+        assert c["held_hit_rate"] == pytest.approx(reached, rel=1e-12) and reached < c["hit_rate"]
     assert got["tail_share"] == pytest.approx(dist.tail_share(100_000)) and got["tail_share"] > 0
     assert (got["table_rows"], got["batch"], got["exact_ranks"], got["distribution"]["ngram_space"]) == (
         20000,
@@ -52,7 +57,9 @@ def test_best_caches_of_each_size(script, tmp_path, capsys):
     printed = capsys.readouterr().out
     first = got["caches"][0]
     assert f"| row | 64.00 KiB | {held[0]:,} rows | {first['hit_rate']:.2%} |" in printed
-    assert f"| page | 1.00 MiB | 256 pages | {got['caches'][4]['hit_rate']:.2%} |" in printed
+    last = got["caches"][4]
+    rates = f"{last['hit_rate']:.2%} | {last['held_hit_rate']:.2%}"
+    assert f"| page | 1.00 MiB | 256 pages | {rates} |" in printed
     assert (
         "least read time at 50,000 reads/s |" in printed and f"{first['least_read_ms']:.2f} ms |" in printed
     )
