@@ -27,8 +27,8 @@ HASH_MULTIPLIER = 0x9E3779B97F4A7C15
 # numpy's Zipf sampler needs S > 1, and draws past NGRAM_SPACE are drawn again: near S = 1 that is
 # most of them (over a third at 1.01), so S stays in this range.
 ZIPF_RANGE = (1.01, 10.0)
-# The n-gram spaces ``zipf:S:NGRAMS`` accepts: at least two n-grams, at most NGRAM_SPACE (past it
-# ``hash_onto_rows``'s uint64 product no longer spreads consecutive ranks as documented).
+# The n-gram spaces ``zipf:S:NGRAMS`` accepts: at least two n-grams, at most the default space. A
+# small space with S near 1 draws many times per id (``zipf_ngrams`` draws again past the space).
 SPACE_RANGE = (2, NGRAM_SPACE)
 
 
@@ -54,14 +54,14 @@ def zipf_mass(s: float, a: int, b: int) -> float:
     """``sum_{r=a}^{b} r^-s`` (s > 1, 1 <= a <= b) by the midpoint integral
     ``int_{a-1/2}^{b+1/2} x^-s dx``: too many terms to add one by one. x^-s is convex, so the
     integral is a little more than the sum, by about ``s / 24 * a^(-s-1)`` (the midpoint rule's
-    f''/24 a term): 2.3e-8 from a = 1000 on at s = 1.1, where the sum to 2^40 is 4.4.
+    f''/24 a term): 2.3e-8 from a = 1000 on at s = 1.1, where the sum to 2^40 is 9.96.
     """
     return ((a - 0.5) ** (1 - s) - (b + 0.5) ** (1 - s)) / (s - 1)
 
 
 @dataclass(frozen=True)
 class IdDistribution:
-    """One way to draw a lookup's ids: ``uniform`` or ``zipf:S``."""
+    """One way to draw a lookup's ids: ``uniform``, ``zipf:S`` or ``zipf:S:NGRAMS``."""
 
     name: str
     s: float | None = None  # the Zipf exponent; None for uniform
@@ -138,7 +138,7 @@ class IdDistribution:
 
 
 def parse_ids(text: str) -> tuple:
-    """``uniform``, ``zipf:S``, ``trace[:FILE]`` or a comma-separated list of them; ValueError
+    """``uniform``, ``zipf:S[:NGRAMS]``, ``trace[:FILE]`` or a comma-separated list of them; ValueError
     naming what is accepted. A trace (``trace.TraceIds``) replays the committed sample, or the
     trace file FILE; ``trace-decode[:FILE]`` and ``trace-prefill[:FILE]`` replay every lookup as a
     decode step or as a prefill chunk (``trace`` chooses by the lookup's size)."""

@@ -59,8 +59,8 @@ def add_parser(sub) -> None:
         type=a.ids,
         default="uniform",
         help="id distributions, comma-separated: uniform, zipf:S[:NGRAMS] (n-grams drawn Zipf(S), "
-        "1.01 <= S <= 10, from a space of NGRAMS n-grams, 2^40 unless given, e.g. 64M; hashed onto "
-        "rows), trace[:FILE] (real traffic: the shipped sample or FILE, replayed as decode "
+        "1.01 <= S <= 10, from a space of NGRAMS n-grams, 2 to 2^40, 2^40 unless given, e.g. 64M; "
+        "hashed onto rows), trace[:FILE] (real traffic: the shipped sample or FILE, replayed as decode "
         "steps and prefill chunks; docs/TRAFFIC.md), e.g. uniform,zipf:1.1,trace",
     )
     b.add_argument("--repeats", type=a.positive, default=20, help="timed calls per measurement")
