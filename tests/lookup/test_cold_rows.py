@@ -621,7 +621,7 @@ def test_a_prefetch_reads_the_rows_into_the_row_cache(make_checkpoint, rng, monk
     table's block scales into theirs), no page of the files faulted in, no lookup counted; the
     lookup after it is served from the cache (but the few rows a locked set dropped) and exact."""
     layout = make_checkpoint(
-        num_rows=20000,
+        num_rows=200000,
         row_dim=160 if dtype == "fp8" else 64,
         dtype=dtype,
         shards=8,
