@@ -225,6 +225,45 @@ def test_a_cache_smaller_than_one_lookup_stays_exact(lib, make_checkpoint, rng, 
             reader.close()
 
 
+def test_every_place_of_a_held_row_is_a_hit_and_reads_nothing(lib, make_checkpoint, rng, poison):
+    """Rows the cache holds, each asked for several times in one window among ids outside the owned
+    range: every place is a hit of its own (the policy sees each), none is read from the files, and
+    every row is exact; a window's new rows that come again are one miss a place and one read."""
+    layout = make_checkpoint(
+        num_rows=6000, row_dim=160, dtype="fp8", shards=6, seed=int(rng.integers(1 << 30))
+    )
+    owned = (500, 5500)
+    with MappedShards(layout, owned) as mapping:
+        counts = rowcopy.Counts()
+        cache = RowCache(slots_for(4 << 20, layout.row_bytes), layout.row_bytes, counts)
+        reader = FileReader(mapping, strategy="uring", direct=True, depth=16)
+        try:
+            rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
+            held = rng.choice(np.arange(*owned), 300, replace=False)
+            run(
+                lib,
+                [rows],
+                torch.from_numpy(held),
+                [torch.empty((300, layout.row_bytes), dtype=torch.uint8)],
+                counts,
+            )
+            assert cache.stats()["rows"] == 300  # a cache with room keeps every row it read
+            evict(mapping, layout)
+            fresh = rng.choice(np.setdiff1d(np.arange(*owned), held), 20, replace=False)
+            outside = np.array([-3, 0, owned[1], layout.num_rows + 9])
+            ids_np = rng.permutation(np.concatenate([np.repeat(held[:100], 4), np.repeat(fresh, 3), outside]))
+            before = counts.read()
+            out = poison(torch.empty((ids_np.size, layout.row_bytes), dtype=torch.uint8))
+            got = run(lib, [rows], torch.from_numpy(ids_np), [out], counts)
+            assert np.array_equal(out.numpy(), reference_rows(layout, ids_np, owned))
+            assert got["cache_hits"] - before["cache_hits"] == 400
+            assert got["cache_misses"] - before["cache_misses"] == 60
+            assert got["file_reads"] - before["file_reads"] == 20
+        finally:
+            cache.close()
+            reader.close()
+
+
 def test_concurrent_lookups_with_evictions_get_their_rows(lib, make_checkpoint, rng):
     """Eight threads, a cache of one set (every insertion evicts a row another thread may be
     copying): every row of every lookup is exact."""

@@ -18,11 +18,17 @@
  * fewest hits): one-off rows then never flush hot ones. The estimate is a doorkeeper bit (the id
  * was seen in the current period) plus a count-min sketch of the ids seen more than once (4 rows
  * of saturating counters, 1-2 a slot, raised by conservative update: only the counters at the
- * minimum). Counts fade: every AGE_EVERY accesses one counter of each row is halved and one word of
- * the doorkeeper cleared, in turn, so the whole sketch and doorkeeper age once in AGE_EVERY x width
+ * minimum). Counts fade: every AGE_EVERY accesses four counters are halved and one word of the
+ * doorkeeper cleared, in turn, so the whole sketch and doorkeeper age once in AGE_EVERY x width
  * accesses. POLICY_LRU evicts the set's least recently used slot and admits every row; POLICY_CLOCK
  * gives each slot a second chance. docs/TRAFFIC.md compares the policies on a serving trace, and
  * scripts/profile_cold.py --parts policies measures this cache's.
+ *
+ * Speed: a hit is bound by the memory it reads, not by its instructions, so an access reads few
+ * cache lines (the set's tags, versions and policy words; an id's four counters share one 64-byte
+ * block of the sketch and its two doorkeeper bits one word; the row's bytes), lookups ask for them
+ * some ids ahead (ple_cache_prefetch), and no access takes a locked instruction of its own (ticks
+ * and counts are taken a window of ids at once), which would hold back the reads after it.
  */
 #include "rowcopy.h"
 
@@ -71,62 +77,121 @@ static inline int64_t set_of(const ple_cache_t *c, uint64_t h) {
 static inline uint32_t load32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline int64_t load_tag(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 
-/* The doorkeeper: whether an id was seen this period (bit set now, and returned as it was). */
-static int door_seen(ple_cache_t *c, uint64_t h, int set) {
+/* The doorkeeper's word of the id of hash h, and its two bits there (one cache line an access). */
+static inline uint64_t *door_word(const ple_cache_t *c, uint64_t h, uint64_t *mask) {
     uint64_t g = mix(h ^ 0x5851f42d4c957f2dULL);
-    int seen = 1;
-    for (int k = 0; k < 2; k++, g >>= 32) {
-        uint64_t bit = g & (uint64_t)(c->door_words * 64 - 1);
-        uint64_t *word = &c->door[bit >> 6], mask = 1ULL << (bit & 63);
-        if (!(__atomic_load_n(word, __ATOMIC_RELAXED) & mask)) {
-            seen = 0;
-            if (set) __atomic_fetch_or(word, mask, __ATOMIC_RELAXED);
-        }
-    }
-    return seen;
+    *mask = 1ULL << (g >> 58) | 1ULL << ((g >> 52) & 63);
+    return &c->door[g & (uint64_t)(c->door_words - 1)];
 }
 
-static inline uint8_t *counter(const ple_cache_t *c, int r, uint64_t h) {
-    return c->sketch + r * (c->sketch_mask + 1) + (mix(h + (uint64_t)r * 0x9e3779b97f4a7c15ULL) & (uint64_t)c->sketch_mask);
+/* The doorkeeper: whether an id was seen this period (its bits set now, and returned as they
+ * were). The bits are set without a locked instruction: two lookups that set bits of one word at
+ * once may lose one's, which costs that id one more sighting, never a wrong row. */
+static int door_seen(ple_cache_t *c, uint64_t h, int set) {
+    uint64_t mask, *word = door_word(c, h, &mask), v = __atomic_load_n(word, __ATOMIC_RELAXED);
+    if ((v & mask) == mask) return 1;
+    if (set) __atomic_store_n(word, v | mask, __ATOMIC_RELAXED);
+    return 0;
 }
 
-static int sketch_min(const ple_cache_t *c, uint64_t h) {
+/* The sketch's block of the id of hash h: 64 bytes (one cache line), SKETCH_ROWS rows of 16
+ * counters; the id's counter of row r is *g's 4 bits r of that row's 16. */
+static inline uint8_t *sketch_block(const ple_cache_t *c, uint64_t h, uint64_t *g) {
+    uint64_t x = mix(h + 0x9e3779b97f4a7c15ULL);
+    *g = x >> 32;
+    return c->sketch + ((x & (uint64_t)((c->sketch_mask + 1) / 16 - 1)) << 6);
+}
+
+static inline uint8_t *counter(const uint8_t *block, uint64_t g, int r) {
+    return (uint8_t *)block + 16 * r + ((g >> (4 * r)) & 15);
+}
+
+static int sketch_min(const uint8_t *block, uint64_t g) {
     int best = SATURATE;
     for (int r = 0; r < SKETCH_ROWS; r++) {
-        int v = __atomic_load_n(counter(c, r, h), __ATOMIC_RELAXED);
+        int v = __atomic_load_n(counter(block, g, r), __ATOMIC_RELAXED);
         if (v < best) best = v;
     }
     return best;
 }
 
-/* One access to the id of hash h: counted for admission, and the counts aged. */
-static void sketch_add(ple_cache_t *c, uint64_t h) {
-    uint64_t tick = __atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED);
-    if (tick % AGE_EVERY == 0) {
+/* Accesses' ticks: an access's place among all of the cache's accesses (LRU's time, the sketch's
+ * aging). A lookup takes the ticks of n accesses at once, the first returned: one locked
+ * instruction a window of ids instead of one an access (each is a full fence on x86, which would
+ * keep the accesses' memory reads from overlapping). */
+uint64_t ple_cache_ticks(ple_cache_t *c, int64_t n) {
+    return __atomic_fetch_add(&c->clock[0], (uint64_t)n, __ATOMIC_RELAXED);
+}
+
+/* Hits and misses counted into the table's counters, a window's at once. */
+void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses) {
+    count(c->counts, C_CACHE_HITS, hits);
+    count(c->counts, C_CACHE_MISSES, misses);
+}
+
+/* One access (of `tick`) to the id of hash h: counted for admission, and the counts aged. */
+static void sketch_add(ple_cache_t *c, uint64_t h, uint64_t tick) {
+    if (tick % AGE_EVERY == 0) { /* SKETCH_ROWS counters halved, in turn over the whole sketch */
         uint64_t at = tick / AGE_EVERY;
-        for (int r = 0; r < SKETCH_ROWS; r++) {
-            uint8_t *old = c->sketch + r * (c->sketch_mask + 1) + (at & (uint64_t)c->sketch_mask);
-            __atomic_store_n(old, (uint8_t)(__atomic_load_n(old, __ATOMIC_RELAXED) >> 1), __ATOMIC_RELAXED);
-        }
+        uint8_t *old = c->sketch + ((at * SKETCH_ROWS) & (uint64_t)(SKETCH_ROWS * (c->sketch_mask + 1) - 1));
+        for (int r = 0; r < SKETCH_ROWS; r++)
+            __atomic_store_n(old + r, (uint8_t)(__atomic_load_n(old + r, __ATOMIC_RELAXED) >> 1), __ATOMIC_RELAXED);
         /* door_words = width: the doorkeeper swept as often as the sketch */
         __atomic_store_n(&c->door[at & (uint64_t)(c->door_words - 1)], 0, __ATOMIC_RELAXED);
     }
     if (!door_seen(c, h, 1)) return; /* a first sighting only sets the doorkeeper */
-    int low = sketch_min(c, h);
+    uint64_t g;
+    uint8_t *block = sketch_block(c, h, &g);
+    int low = sketch_min(block, g);
     if (low >= SATURATE) return;
     for (int r = 0; r < SKETCH_ROWS; r++) { /* conservative update: only the counters at the minimum */
-        uint8_t *at = counter(c, r, h);
+        uint8_t *at = counter(block, g, r);
         if (__atomic_load_n(at, __ATOMIC_RELAXED) == low) __atomic_store_n(at, (uint8_t)(low + 1), __ATOMIC_RELAXED);
     }
 }
 
-static int sketch_estimate(ple_cache_t *c, uint64_t h) { return sketch_min(c, h) + door_seen(c, h, 0); }
+static int sketch_estimate(ple_cache_t *c, uint64_t h) {
+    uint64_t g;
+    const uint8_t *block = sketch_block(c, h, &g);
+    return sketch_min(block, g) + door_seen(c, h, 0);
+}
 
-/* The row of `id` copied to dst (1), or 0 when the cache does not hold it. */
-int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst) {
+/* Ask for the memory a get of `id` will touch (its set's tags, versions and policy words; the
+ * admission counters and doorkeeper words of its hash) without waiting for it: a lookup calls this
+ * for ids ahead of the one it serves, so that the get finds them in the CPU's caches. */
+void ple_cache_prefetch(const ple_cache_t *c, int64_t id) {
+    uint64_t h = mix((uint64_t)id), mask;
+    int64_t first = set_of(c, h) * c->ways;
+    __builtin_prefetch(&c->tags[first], 0, 3);
+    __builtin_prefetch(&c->tags[first + c->ways - 1], 0, 3);
+    __builtin_prefetch(&c->versions[first], 0, 3);
+    __builtin_prefetch(&c->meta[first], 1, 3);
+    if (c->policy != POLICY_TINYLFU) return;
+    uint64_t g;
+    __builtin_prefetch(sketch_block(c, h, &g), 1, 3);
+    __builtin_prefetch(door_word(c, h, &mask), 1, 3);
+}
+
+/* Ask for the bytes of the slot that holds `id`, if one does, without waiting for them: called once
+ * the set's tags are at hand (ple_cache_prefetch some ids before). A hint only: the get checks
+ * the slot again. */
+void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id) {
+    int64_t first = set_of(c, mix((uint64_t)id)) * c->ways;
+    for (int32_t w = 0; w < c->ways; w++)
+        if (load_tag(&c->tags[first + w]) == id) {
+            const uint8_t *p = c->data + (first + w) * c->rb;
+            for (int64_t k = 0; k < c->rb; k += 64) __builtin_prefetch(p + k, 0, 3);
+            __builtin_prefetch(p + c->rb - 1, 0, 3);
+            return;
+        }
+}
+
+/* The row of `id` copied to dst (1), or 0 when the cache does not hold it; `tick`: the access's
+ * (ple_cache_ticks). The caller counts the hit or miss (ple_cache_count). */
+int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst, uint64_t tick) {
     uint64_t h = mix((uint64_t)id);
     int64_t first = set_of(c, h) * c->ways;
-    if (c->policy == POLICY_TINYLFU) sketch_add(c, h);
+    if (c->policy == POLICY_TINYLFU) sketch_add(c, h, tick);
     for (int32_t w = 0; w < c->ways; w++) {
         int64_t k = first + w;
         if (load_tag(&c->tags[k]) != id) continue;
@@ -140,19 +205,14 @@ int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst) {
             uint32_t v = __atomic_load_n(m, __ATOMIC_RELAXED);
             if (v < SATURATE) __atomic_store_n(m, v + 1, __ATOMIC_RELAXED);
         } else if (c->policy == POLICY_LRU) {
-            __atomic_store_n(m, (uint32_t)__atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+            __atomic_store_n(m, (uint32_t)tick, __ATOMIC_RELAXED);
         } else {
             __atomic_store_n(m, 1, __ATOMIC_RELAXED);
         }
-        count(c->counts, C_CACHE_HITS, 1);
         return 1;
     }
-    count(c->counts, C_CACHE_MISSES, 1);
     return 0;
 }
-
-/* `n` lookups the cache could not serve, counted without asking it (a window's repeated misses). */
-void ple_cache_missed(ple_cache_t *c, int64_t n) { count(c->counts, C_CACHE_MISSES, n); }
 
 /* The slot of set [first, first + ways) the new row would take, or -1 to keep the set as it is. */
 static int64_t choose(ple_cache_t *c, int64_t first, uint64_t h) {

@@ -17,6 +17,7 @@
 
 #define AHEAD 16
 #define WINDOW 512 /* ids a table with a cache or a reader looks at before it reads their misses */
+#define CACHE_AHEAD 16 /* ids ahead whose cache memory is asked for (their slot's bytes at half that) */
 
 static inline int64_t id_at(const ple_lookup_t *q, int64_t i) {
     switch (q->id_kind) {
@@ -69,25 +70,38 @@ static tally_t copy_mapped(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *
     return n;
 }
 
-/* A window's misses, each id once: the slot of an id in the open-addressed `seen` (2 * WINDOW
- * entries of miss index + 1; 0 = empty). */
-static inline int64_t *seen_slot(int64_t *seen, const ple_miss_t *miss, int64_t id) {
+/* A window's distinct ids: the slot of an id in the open-addressed `seen` (2 * WINDOW entries of
+ * index into `rows` + 1; 0 = empty). */
+static inline int64_t *seen_slot(int64_t *seen, const ple_miss_t *rows, int64_t id) {
     uint64_t h = (uint64_t)id * 0x9e3779b97f4a7c15ULL;
     for (uint64_t k = h >> 54;; k = (k + 1) & (2 * WINDOW - 1)) /* 2 * WINDOW = 1024 = 2^10 */
-        if (seen[k] == 0 || miss[seen[k] - 1].id == id) return &seen[k];
+        if (seen[k] == 0 || rows[seen[k] - 1].id == id) return &seen[k];
 }
 
-/* Rows [a, b) of a table with a row cache or a reader: per window, the cache's rows (or, without a
- * cache, the rows whose pages are resident) copied at once, the others read together (an id that
- * comes again in the window is read once and copied), then offered to the cache. */
+/* Whether a distinct id's row is in memory: copied from the row cache (the access of `tick`), or,
+ * without a cache, its pages resident and copied from the mapping. */
+static inline int from_memory(const ple_rows_t *t, const ple_miss_t *row, uint8_t *to, int check, uint64_t tick) {
+    if (t->cache) return ple_cache_get(t->cache, row->id, to, tick);
+    if (!check || !ple_resident(row->mapped, t->rb)) return 0;
+    memcpy(to, row->mapped, (size_t)t->rb);
+    return 1;
+}
+
+/* Rows [a, b) of a table with a row cache or a reader, a window at a time: its owned ids each once,
+ * those in memory copied (the cache's memory asked for some ids ahead), the others read together,
+ * then an id's later places in the window filled from its first, and the rows read offered to
+ * the cache. The cache is asked once for every place of an id it holds, as a lookup of each. */
 static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *dst, int64_t a, int64_t b) {
     int64_t rb = t->rb;
     tally_t n = {0, 0};
-    ple_miss_t miss[WINDOW];
-    int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (position, index of the miss it repeats) */
-    int check = t->cache == NULL && t->reader != NULL && t->reader->resident_check;
+    ple_cache_t *cache = t->cache;
+    ple_miss_t rows[WINDOW];    /* the window's distinct owned ids, then (in place) those read */
+    int16_t read_as[WINDOW];    /* per distinct id: its index among those read, or -1: from memory */
+    int64_t first_pos[WINDOW];  /* per distinct id: its first place (rows[] is compacted in place) */
+    int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (place, index of its id in rows) */
+    int check = cache == NULL && t->reader != NULL && t->reader->resident_check;
     for (int64_t w = a; w < b; w += WINDOW) {
-        int64_t e = w + WINDOW < b ? w + WINDOW : b, m = 0, r = 0;
+        int64_t e = w + WINDOW < b ? w + WINDOW : b, d = 0, m = 0, r = 0, hits = 0;
         memset(seen, 0, sizeof seen);
         for (int64_t i = w; i < e; i++) {
             int64_t id = id_at(q, i);
@@ -99,28 +113,44 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
                 n.outside += id < 0 || id >= t->num_rows;
                 continue;
             }
-            int64_t *slot = seen_slot(seen, miss, id);
+            int64_t *slot = seen_slot(seen, rows, id);
             if (*slot) {
                 again[r][0] = i, again[r][1] = *slot - 1, r++;
                 continue;
             }
-            if (t->cache ? ple_cache_get(t->cache, id, dst + i * rb) : check && ple_resident(p, rb)) {
-                if (!t->cache) memcpy(dst + i * rb, p, (size_t)rb);
-                continue;
+            rows[d] = (ple_miss_t){i, id, p};
+            *slot = ++d;
+        }
+        uint64_t tick = cache ? ple_cache_ticks(cache, d) : 0;
+        for (int64_t j = 0; j < d; j++) {
+            if (cache && j + CACHE_AHEAD < d) ple_cache_prefetch(cache, rows[j + CACHE_AHEAD].id);
+            if (cache && j + CACHE_AHEAD / 2 < d) ple_cache_prefetch_row(cache, rows[j + CACHE_AHEAD / 2].id);
+            first_pos[j] = rows[j].pos;
+            if (from_memory(t, &rows[j], dst + rows[j].pos * rb, check, tick + (uint64_t)j)) {
+                read_as[j] = -1, hits++;
+            } else {
+                read_as[j] = (int16_t)m, rows[m++] = rows[j];
             }
-            miss[m] = (ple_miss_t){i, id, p};
-            *slot = ++m;
         }
-        if (m) tally_add(&n, ple_read_misses(t, miss, m, dst, q->counts));
-        if (t->cache) ple_cache_missed(t->cache, r); /* the repeats missed too */
+        if (m) tally_add(&n, ple_read_misses(t, rows, m, dst, q->counts));
+        int64_t again_hits = 0; /* later places of ids the cache held: each a lookup of its own */
+        for (int64_t j = 0; j < r; j++) again_hits += read_as[again[j][1]] < 0;
+        tick = cache && again_hits ? ple_cache_ticks(cache, again_hits) : 0;
         for (int64_t j = 0; j < r; j++) {
-            const ple_miss_t *first = &miss[again[j][1]];
-            if (first->mapped) memcpy(dst + again[j][0] * rb, dst + first->pos * rb, (size_t)rb);
-            else memset(dst + again[j][0] * rb, 0, (size_t)rb), n.broken++;
+            int64_t at = again[j][0], k = read_as[again[j][1]];
+            if (k < 0 && cache && ple_cache_get(cache, id_at(q, at), dst + at * rb, tick++)) {
+                hits++;
+            } else if (k < 0 || rows[k].mapped) {
+                memcpy(dst + at * rb, dst + first_pos[again[j][1]] * rb, (size_t)rb);
+            } else {
+                memset(dst + at * rb, 0, (size_t)rb), n.broken++;
+            }
         }
-        if (t->cache)
+        if (cache) {
+            ple_cache_count(cache, hits, d + r - hits);
             for (int64_t j = 0; j < m; j++)
-                if (miss[j].mapped) ple_cache_put(t->cache, miss[j].id, dst + miss[j].pos * rb);
+                if (rows[j].mapped) ple_cache_put(cache, rows[j].id, dst + rows[j].pos * rb);
+        }
     }
     return n;
 }

@@ -130,10 +130,15 @@ void ple_run_lookup(ple_lookup_t *q);
 /* pool.c */
 tally_t ple_run_pooled(const ple_lookup_t *q);
 int ple_pool_running(void);
-/* rowcache.c: a hit copies the row to dst and returns 1; insert offers a row just read. */
-int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst);
+/* rowcache.c: a hit copies the row to dst and returns 1 (each access has a tick of its own, taken
+ * a window's at once); put offers a row just read; the caller counts hits and misses; prefetch and
+ * prefetch_row ask for what a get will read, some ids ahead. */
+uint64_t ple_cache_ticks(ple_cache_t *c, int64_t n);
+int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst, uint64_t tick);
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row);
-void ple_cache_missed(ple_cache_t *c, int64_t n);
+void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses);
+void ple_cache_prefetch(const ple_cache_t *c, int64_t id);
+void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id);
 /* reader.c: rows `rows[0..n)` (positions in the lookup) of ids `ids[]` read into dst rows; the
  * tally counts the rows that could not be read (zeroed). */
 typedef struct {
