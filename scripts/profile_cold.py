@@ -2,12 +2,16 @@
 policies compare, on one table, in one run. (The user-facing figures are ``ple-um bench
 --memory-limit``'s; this measures the choices behind its defaults.)
 
-Parts (``--parts``, default both):
+Parts (``--parts``, default readers and policies):
 - ``readers``: cold lookups (every page of the table dropped before each call, fresh uniform ids)
   of 16, 1 024 and 16 384 rows in the cpu mode, eager and, on a GPU, replayed from a CUDA graph,
   for each way of reading misses (``PLE_UM_FILE_READS`` mmap, uring, threads; O_DIRECT or through
   the page cache; ``PLE_UM_READ_DEPTH``); beside them the storage's ceiling measured in the same run
   (``ple_um.bench.storage``) and each figure's ratio to it (rows / reads per second at depth 64).
+- ``hits``: 1 024-id lookups of rows the row cache holds (``--hot`` rows, each looked up until it
+  keeps them, in a cache of ``--cache`` bytes), beside the same lookups of the table with no row
+  cache and every page in memory (the page cache's warm path), eager and, on a GPU, replayed from
+  a CUDA graph, the rows as stored; fresh ids of the hot rows for each of ``--calls`` calls.
 - ``policies``: the row cache's hit rate under Zipf(1.1)-hashed ids and the real-traffic trace, at
   several budgets, for each policy of the C cache (``PLE_UM_ROW_CACHE_POLICY``), measured through
   the table's own lookups, beside the reference simulations of ``ple_um.bench.cache_sim`` (Belady's
@@ -93,12 +97,13 @@ def with_knobs(knobs: dict[str, str]):
 
 
 class Lookup:
-    """One batch size's lookup into buffers allocated once, eager or replayed from a graph."""
+    """One batch size's lookup into buffers allocated once (of ``dtype``: bf16, dequantized, by
+    default), eager or replayed from a graph."""
 
-    def __init__(self, table, n: int, graph: bool) -> None:
+    def __init__(self, table, n: int, graph: bool, dtype: torch.dtype = torch.bfloat16) -> None:
         self.table = table
         self.ids = torch.zeros(n, dtype=torch.int64, device=table.device)
-        self.out = torch.empty((n, table.row_dim), dtype=torch.bfloat16, device=table.device)
+        self.out = torch.empty((n, table.row_dim), dtype=dtype, device=table.device)
         self.graph = capture(lambda: table.lookup(self.ids, out=self.out))[0] if graph else None
 
     def time(self, ids: np.ndarray) -> float:
@@ -146,6 +151,55 @@ def readers(directory: str, device: str, reps: int, rng) -> dict:
                     )
                     call_kind = "graph" if graph else "eager"
                     say(f"  {name:30s} {call_kind} {n:6d}: {np.median(times) * 1e3:8.2f} ms")
+    return found
+
+
+def read_through(files) -> None:
+    """Every page of ``files`` into the page cache."""
+    for path in files:
+        with open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> dict:
+    layout = read_layout(directory)
+    hot_ids = rng.choice(layout.num_rows, size=min(hot, layout.num_rows), replace=False)
+    found = {"hot_rows": int(hot_ids.size), "cache_bytes": cache, "runs": []}
+    sources = (
+        ("row cache", {"PLE_UM_ROW_CACHE": str(cache)}),
+        ("page cache", {"PLE_UM_ROW_CACHE": "0"}),
+    )
+    for source, knobs in sources:
+        with_knobs(knobs)
+        read_through(layout.files)
+        with ple_um.open_table(directory, mode="cpu", device=device) as table:
+            fill = torch.from_numpy(hot_ids).to(table.device)
+            for _ in range(4 if source == "row cache" else 0):  # a row is kept once asked for again
+                for k in range(0, fill.numel(), 16384):
+                    table.lookup(fill[k : k + 16384])
+            for graph in (False, True) if table.device.type == "cuda" else (False,):
+                call = Lookup(table, 1024, graph, table.dtype)  # the rows as stored: no dequantizing
+                before = table.stats().get("row_cache")
+                times = [call.time(rng.choice(hot_ids, 1024)) for _ in range(calls)]
+                after = table.stats().get("row_cache")
+                rate = None
+                if before is not None:
+                    served = after["hits"] - before["hits"]
+                    rate = served / max(1, served + after["misses"] - before["misses"])
+                found["runs"].append(
+                    {
+                        "source": source,
+                        "graph": graph,
+                        "row_reads": table.row_reads,
+                        "median_s": float(np.median(times)),
+                        "p10_s": float(np.percentile(times, 10)),
+                        "p90_s": float(np.percentile(times, 90)),
+                        "hit_rate": rate,
+                    }
+                )
+                kind = "graph" if graph else "eager"
+                say(f"  {source:10s} {kind}: {np.median(times) * 1e6:8.1f} us")
     return found
 
 
@@ -198,6 +252,8 @@ def child(args) -> dict:
     out = {"device": args.device, "memory_limit": args.memory_limit}
     if "readers" in args.parts:
         out["readers"] = readers(args.dir, args.device, args.reps, rng)
+    if "hits" in args.parts:
+        out["hits"] = hits(args.dir, args.device, args.hot, units.parse_size(args.cache), args.calls, rng)
     if "policies" in args.parts:
         out["policies"] = policies(
             args.dir, args.device, [units.parse_size(b) for b in args.budgets.split(",")], args.lookups, rng
@@ -217,6 +273,17 @@ def report(result: dict) -> None:
             spread = f"{run['p10_s'] * 1e3:.2f}-{run['p90_s'] * 1e3:.2f}"
             ratio = run["median_s"] / (run["rows"] / rate)
             print(f"| {run['reads']} | {kind} | {run['rows']} | {ms:.2f} | {spread} | {ratio:.2f} |")
+    if "hits" in result:
+        found = result["hits"]
+        cache = units.format_bytes(found["cache_bytes"])
+        print(f"\n1 024 rows of {found['hot_rows']} hot ones, a row cache of {cache}")
+        print("| rows from | call | median us | p10-p90 us | row cache hits |")
+        print("| --- | --- | --- | --- | --- |")
+        for run in found["runs"]:
+            kind, rate = "graph" if run["graph"] else "eager", run["hit_rate"]
+            spread = f"{run['p10_s'] * 1e6:.1f}-{run['p90_s'] * 1e6:.1f}"
+            shown = "-" if rate is None else f"{rate:.2%}"
+            print(f"| {run['source']} | {kind} | {run['median_s'] * 1e6:.1f} | {spread} | {shown} |")
     if "policies" in result:
         print("\n| ids | budget | policy | hit rate |\n| --- | --- | --- | --- |")
         for run in result["policies"]["runs"]:
@@ -231,7 +298,9 @@ def report(result: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", required=True, help="the table's checkpoint directory")
-    p.add_argument("--parts", default="readers,policies", help="readers, policies (default both)")
+    p.add_argument(
+        "--parts", default="readers,policies", help="readers, hits, policies (default readers,policies)"
+    )
     p.add_argument(
         "--memory-limit", default=None, help="run the measurements in a memory cgroup of this size"
     )
@@ -239,6 +308,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=7, help="cold calls per reader and size")
     p.add_argument("--budgets", default="16MiB,64MiB,256MiB", help="row-cache budgets of the policies part")
     p.add_argument("--lookups", type=int, default=400, help="1 024-id lookups per policy run")
+    p.add_argument("--hot", type=int, default=500_000, help="hot rows of the hits part")
+    p.add_argument("--cache", default="1GiB", help="the row cache of the hits part")
+    p.add_argument("--calls", type=int, default=200, help="timed calls of the hits part, per path")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_cold.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
