@@ -179,9 +179,7 @@ void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id) {
     int64_t first = set_of(c, mix((uint64_t)id)) * c->ways;
     for (int32_t w = 0; w < c->ways; w++)
         if (load_tag(&c->tags[first + w]) == id) {
-            const uint8_t *p = c->data + (first + w) * c->rb;
-            for (int64_t k = 0; k < c->rb; k += 64) __builtin_prefetch(p + k, 0, 3);
-            __builtin_prefetch(p + c->rb - 1, 0, 3);
+            prefetch_bytes(c->data + (first + w) * c->rb, c->rb);
             return;
         }
 }

@@ -29,11 +29,6 @@ static inline int64_t id_at(const ple_lookup_t *q, int64_t i) {
     }
 }
 
-static inline void prefetch_row(const uint8_t *p, int64_t rb) {
-    for (int64_t k = 0; k < rb; k += 64) __builtin_prefetch(p + k, 0, 3);
-    __builtin_prefetch(p + rb - 1, 0, 3);
-}
-
 /* Where the row of global id `id` lies: NULL when the id is not owned (a zero row), or, with
  * *broken set, when its row is outside its shard's row space. */
 static inline const uint8_t *id_row(const ple_rows_t *t, int64_t id, int *broken) {
@@ -54,10 +49,10 @@ static tally_t copy_mapped(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *
     int ignored = 0;
     const uint8_t *p;
     for (int64_t i = a; i < a + AHEAD && i < b; i++)
-        if ((p = id_row(t, id_at(q, i), &ignored))) prefetch_row(p, rb);
+        if ((p = id_row(t, id_at(q, i), &ignored))) prefetch_bytes(p, rb);
     for (int64_t i = a; i < b; i++) {
         int64_t id = id_at(q, i);
-        if (i + AHEAD < b && (p = id_row(t, id_at(q, i + AHEAD), &ignored))) prefetch_row(p, rb);
+        if (i + AHEAD < b && (p = id_row(t, id_at(q, i + AHEAD), &ignored))) prefetch_bytes(p, rb);
         int broken = 0;
         if ((p = id_row(t, id, &broken))) {
             memcpy(dst + i * rb, p, (size_t)rb);
