@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import ple_um
-from ple_um import units
+from ple_um import operating, units
 from ple_um.bench.calls import capture
 from ple_um.bench.ids import parse_ids
 from ple_um.checkpoint import read_layout
@@ -154,14 +154,6 @@ def readers(directory: str, device: str, reps: int, rng) -> dict:
     return found
 
 
-def read_through(files) -> None:
-    """Every page of ``files`` into the page cache."""
-    for path in files:
-        with open(path, "rb") as f:
-            while f.read(1 << 24):
-                pass
-
-
 def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> dict:
     layout = read_layout(directory)
     hot_ids = rng.choice(layout.num_rows, size=min(hot, layout.num_rows), replace=False)
@@ -172,7 +164,7 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
     )
     for source, knobs in sources:
         with_knobs(knobs)
-        read_through(layout.files)
+        operating.prewarm(directory)  # every page in memory, read right before each table opens
         with ple_um.open_table(directory, mode="cpu", device=device) as table:
             fill = torch.from_numpy(hot_ids).to(table.device)
             for _ in range(4 if source == "row cache" else 0):  # a row is kept once asked for again
