@@ -161,7 +161,7 @@ def build_paths(
             scale_bases=access.scale_bases,
         )
         knob = envs.PLE_UM_ATS_PREFETCH
-        touch = knob == "on" or (knob == "auto" and mode == "ats" and not mapping.fully_resident())
+        touch = knob == "on" or (knob == "auto" and mode == "ats" and not mapping.mostly_resident())
         touch = touch and mode != "device" and device.type == "cuda"
         bulk = mode in ("ats", "registered") and device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0
         paths = LookupPaths(gpu, None, "the GPU kernel only")

@@ -513,6 +513,36 @@ def test_auto_keeps_a_row_cache_only_for_a_table_not_in_memory(lib, make_checkpo
         assert cold.cache_bytes == 0 and not cold.reads
 
 
+def test_a_table_a_page_short_of_resident_gets_no_row_cache(lib, make_checkpoint, monkeypatch):
+    """One page the kernel reclaimed must not send a table that fits to a row cache whose O_DIRECT
+    misses bypass the page cache holding the rest; a table mostly out of memory still gets one."""
+    monkeypatch.delenv("PLE_UM_ROW_CACHE", raising=False)
+    monkeypatch.delenv("PLE_UM_FILE_READS", raising=False)
+    layout = make_checkpoint(num_rows=40000, row_dim=160, dtype="fp8", shards=4)
+    with MappedShards(layout) as mapping:
+        mapping.populate()
+        first = mapping.regions[0]  # then one page out of this process and the page cache
+        assert first.length > 2 * PAGE and first.file_offset % PAGE == 0
+        assert _libc.madvise(first.addr + PAGE, PAGE, MADV_DONTNEED) == 0
+        fd = os.open(first.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # DONTNEED drops clean pages only
+            os.posix_fadvise(fd, first.file_offset + PAGE, PAGE, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        resident = sum(r for _, r, _ in mapping.residency())
+        mapped = sum(m for _, _, m in mapping.residency())
+        if resident == mapped:
+            pytest.skip("the page was not dropped (a file system whose files are their page cache)")
+        assert mapped - resident <= PAGE * 2 and resident < mapped
+        assert mapping.mostly_resident()
+        assert plan(lib, mapping, None) is None  # served as resident: rows copied from the mapping
+        evict(mapping, layout)
+        assert not mapping.mostly_resident()
+        cold_plan = plan(lib, mapping, None)
+        assert cold_plan is not None and cold_plan.cache_bytes > 0
+
+
 def test_uring_asked_where_no_ring_can_be_made_takes_threads():
     class NoRing:
         def ple_uring_works(self):
