@@ -1,0 +1,130 @@
+"""The host's cost of small lookups, with whichever ple_um is importable: two builds compared by
+running this once with each on its PYTHONPATH (or from its source folder), alternately.
+
+It uses nothing but the public API (``open_table``, ``MappedTable.lookup``), so any version of the
+package runs it. Three figures, each the median of rounds with its p10 and p90:
+
+- back to back: the wall time per call of 300 eager 16-row lookups with no sync between them
+  (what an eager caller pays per call; fresh ids for every call);
+- eager 1 024 rows: one lookup's wall time, synchronised;
+- graph replay 1 024 rows (CUDA only): a lookup captured once, replayed with new ids copied into
+  its input first.
+
+    python scripts/host_cost.py --dir TABLE --mode cpu --json-file out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+import ple_um
+
+BACK_TO_BACK_ROWS, BACK_TO_BACK_CALLS = 16, 300
+BIG_ROWS = 1024
+
+
+def quantiles(seconds: list[float]) -> dict:
+    q = np.quantile(seconds, [0.1, 0.5, 0.9]) * 1e6
+    return {"median_us": float(q[1]), "p10_us": float(q[0]), "p90_us": float(q[2]), "samples": len(seconds)}
+
+
+def measure(table, device: torch.device, rounds: int, calls: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def fresh(n: int, count: int) -> list[torch.Tensor]:
+        ids = torch.randint(0, table.num_rows, (count, n), generator=gen, dtype=torch.int64)
+        return list(ids.to(device).unbind(0))
+
+    result = {}
+    per_call = []
+    for _ in range(rounds):
+        batches = fresh(BACK_TO_BACK_ROWS, BACK_TO_BACK_CALLS + 10)
+        for ids in batches[:10]:
+            table.lookup(ids)
+        sync()
+        t0 = time.perf_counter()
+        for ids in batches[10:]:
+            table.lookup(ids)
+        sync()
+        per_call.append((time.perf_counter() - t0) / BACK_TO_BACK_CALLS)
+    result["back_to_back_16"] = quantiles(per_call)
+
+    once = []
+    for ids in fresh(BIG_ROWS, calls + 5)[5:]:
+        sync()
+        t0 = time.perf_counter()
+        table.lookup(ids)
+        sync()
+        once.append(time.perf_counter() - t0)
+    result["eager_1024"] = quantiles(once)
+
+    if device.type == "cuda" and table.capture_safe:
+        batches = fresh(BIG_ROWS, calls + 1)
+        ids_in = batches[0].clone()
+        out = table.lookup(ids_in)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                table.lookup(ids_in, out=out)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            table.lookup(ids_in, out=out)
+        replays = []
+        for ids in batches[1:]:
+            ids_in.copy_(ids)
+            sync()
+            t0 = time.perf_counter()
+            graph.replay()
+            sync()
+            replays.append(time.perf_counter() - t0)
+        result["graph_1024"] = quantiles(replays)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", required=True, help="the table's checkpoint directory")
+    p.add_argument("--mode", default="cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=7, help="back-to-back rounds")
+    p.add_argument("--calls", type=int, default=200, help="timed single calls of each 1 024-row figure")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-file")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    table = ple_um.open_table(args.dir, mode=args.mode, device=device)
+    try:
+        result = {
+            "package": ple_um.__file__,
+            "mode": args.mode,
+            "device": str(device),
+            "figures": measure(table, device, args.rounds, args.calls, args.seed),
+        }
+        # Whether the open made a row cache (a table not resident at open): its lookups then take
+        # the row cache's path, not the mapping's, and the figures are not comparable.
+        result["row_cache"] = table.stats().get("row_cache")
+    finally:
+        table.close()
+    cache = result["row_cache"]
+    print(f"ple_um from {result['package']}, mode {args.mode}, device {device}, ", end="")
+    print(f"a row cache of {cache['bytes']} bytes" if cache else "no row cache")
+    print("| figure | median us [p10-p90] |")
+    print("| --- | --- |")
+    for name, q in result["figures"].items():
+        print(f"| {name} | {q['median_us']:.1f} [{q['p10_us']:.1f}-{q['p90_us']:.1f}] |")
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
