@@ -148,8 +148,8 @@ KNOBS: dict[str, Knob] = {
             v.choice("auto", "on", "off"),
             "auto",
             "ats mode: a host node queued before the kernel touches the pages of the lookup's rows "
-            "(auto = when the table was not resident at open, more than 1% of it out of the page "
-            "cache; on = always, in the ats and registered modes)",
+            "(auto = when the table was not fully resident at open; on = always, in the ats and "
+            "registered modes)",
         ),
         Knob(
             "PLE_UM_MAP_RESIDENT",

@@ -30,8 +30,8 @@ MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
 MADV_POPULATE_READ = 22  # Linux 5.14+
 _ADVICE = {"normal": MADV_NORMAL, "random": MADV_RANDOM, "willneed": MADV_WILLNEED}
 # The share of a table's bytes that may be out of the page cache for it to count as resident at
-# open (no row cache, no page touch before the kernel): one reclaimed page must not send a table
-# that fits in memory to a row cache whose misses bypass the page cache that holds the rest.
+# open (no row cache with the defaults): one reclaimed page must not send a table that fits in
+# memory to a row cache whose misses bypass the page cache that holds the rest.
 RESIDENT_SLACK = 0.01
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -251,14 +251,14 @@ class MappedShards:
                 total += length
         return total
 
-    def mostly_resident(self) -> bool:
-        """Whether the mappings are in the page cache now (mincore), all but at most
-        RESIDENT_SLACK of their bytes: the few pages the kernel has reclaimed come back at their
-        first touch, so such a table is served as a resident one."""
+    def resident(self, slack: float = RESIDENT_SLACK) -> bool:
+        """Whether the mappings are in the page cache now (mincore), all but at most ``slack`` of
+        their bytes: the few pages the kernel has reclaimed come back at their first touch, so such
+        a table is served as a resident one."""
         resident = mapped = 0
         for _, r, m in self.residency():
             resident, mapped = resident + r, mapped + m
-        return resident >= (1 - RESIDENT_SLACK) * mapped
+        return resident >= (1 - slack) * mapped
 
     def touch_rows(self, ids: np.ndarray) -> int:
         """Fault in the pages of the given owned global rows (first and last byte of each row);

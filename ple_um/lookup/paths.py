@@ -161,7 +161,8 @@ def build_paths(
             scale_bases=access.scale_bases,
         )
         knob = envs.PLE_UM_ATS_PREFETCH
-        touch = knob == "on" or (knob == "auto" and mode == "ats" and not mapping.mostly_resident())
+        # Any page out: the touch costs little beside a GPU's fault on a page not in memory.
+        touch = knob == "on" or (knob == "auto" and mode == "ats" and not mapping.resident(slack=0))
         touch = touch and mode != "device" and device.type == "cuda"
         bulk = mode in ("ats", "registered") and device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0
         paths = LookupPaths(gpu, None, "the GPU kernel only")

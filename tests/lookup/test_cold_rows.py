@@ -535,10 +535,10 @@ def test_a_table_a_page_short_of_resident_gets_no_row_cache(lib, make_checkpoint
         if resident == mapped:
             pytest.skip("the page was not dropped (a file system whose files are their page cache)")
         assert mapped - resident <= PAGE * 2 and resident < mapped
-        assert mapping.mostly_resident()
+        assert mapping.resident() and not mapping.resident(slack=0)
         assert plan(lib, mapping, None) is None  # served as resident: rows copied from the mapping
         evict(mapping, layout)
-        assert not mapping.mostly_resident()
+        assert not mapping.resident()
         cold_plan = plan(lib, mapping, None)
         assert cold_plan is not None and cold_plan.cache_bytes > 0
 

@@ -101,7 +101,7 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None) -> Cold
     if not mapping.owned:
         return None
     knob, reads_knob = envs.PLE_UM_ROW_CACHE, envs.PLE_UM_FILE_READS
-    resident = all(m.mostly_resident() for m in mappings)
+    resident = all(m.resident() for m in mappings)
     if knob == "auto":
         if resident:
             cache, said = 0, "no row cache (the table was in the page cache at open)"
