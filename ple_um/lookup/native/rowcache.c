@@ -61,13 +61,6 @@ struct ple_cache {
 
 int64_t ple_cache_struct_size(void) { return (int64_t)sizeof(struct ple_cache); }
 
-static inline uint64_t mix(uint64_t x) { /* splitmix64's finalizer */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
 
 /* The set of an id's hash: its place in [0, sets) by a multiply (any number of sets). */
 static inline int64_t set_of(const ple_cache_t *c, uint64_t h) {
@@ -156,11 +149,12 @@ static int sketch_estimate(ple_cache_t *c, uint64_t h) {
     return sketch_min(block, g) + door_seen(c, h, 0);
 }
 
-/* Ask for the memory a get of `id` will touch (its set's tags, versions and policy words; the
- * admission counters and doorkeeper words of its hash) without waiting for it: a lookup calls this
- * for ids ahead of the one it serves, so that the get finds them in the CPU's caches. */
-void ple_cache_prefetch(const ple_cache_t *c, int64_t id) {
-    uint64_t h = mix((uint64_t)id), mask;
+/* Ask for the memory a get of the id of hash h (ple_cache_hash) will touch (its set's tags,
+ * versions and policy words; its admission counters and doorkeeper word) without waiting for it: a
+ * lookup calls this for ids ahead of the one it serves, so that the get finds them in the CPU's
+ * caches. */
+void ple_cache_prefetch(const ple_cache_t *c, uint64_t h) {
+    uint64_t mask;
     int64_t first = set_of(c, h) * c->ways;
     __builtin_prefetch(&c->tags[first], 0, 3);
     __builtin_prefetch(&c->tags[first + c->ways - 1], 0, 3);
@@ -175,8 +169,8 @@ void ple_cache_prefetch(const ple_cache_t *c, int64_t id) {
 /* Ask for the bytes of the slot that holds `id`, if one does, without waiting for them: called once
  * the set's tags are at hand (ple_cache_prefetch some ids before). A hint only: the get checks
  * the slot again. */
-void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id) {
-    int64_t first = set_of(c, mix((uint64_t)id)) * c->ways;
+void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id, uint64_t h) {
+    int64_t first = set_of(c, h) * c->ways;
     for (int32_t w = 0; w < c->ways; w++)
         if (load_tag(&c->tags[first + w]) == id) {
             prefetch_bytes(c->data + (first + w) * c->rb, c->rb);
@@ -184,10 +178,10 @@ void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id) {
         }
 }
 
-/* The row of `id` copied to dst (1), or 0 when the cache does not hold it; `tick`: the access's
- * (ple_cache_ticks). The caller counts the hit or miss (ple_cache_count). */
-int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst, uint64_t tick) {
-    uint64_t h = mix((uint64_t)id);
+/* The row of `id` (of hash h: ple_cache_hash) copied to dst (1), or 0 when the cache does not
+ * hold it; `tick`: the access's (ple_cache_ticks). The caller counts the hit or miss
+ * (ple_cache_count). */
+int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint8_t *dst, uint64_t tick) {
     int64_t first = set_of(c, h) * c->ways;
     if (c->policy == POLICY_TINYLFU) sketch_add(c, h, tick);
     for (int32_t w = 0; w < c->ways; w++) {
@@ -233,7 +227,7 @@ static int64_t choose(ple_cache_t *c, int64_t first, uint64_t h) {
     }
     int low = 0; /* TINYLFU: the slot whose row is wanted least, then least hit; kept unless beaten */
     for (int32_t w = 0; w < c->ways; w++) {
-        int e = sketch_estimate(c, mix((uint64_t)c->tags[first + w]));
+        int e = sketch_estimate(c, ple_cache_hash(c->tags[first + w]));
         if (victim < 0 || e < low ||
             (e == low && c->meta[first + w] < c->meta[victim]))
             victim = first + w, low = e;
@@ -243,7 +237,7 @@ static int64_t choose(ple_cache_t *c, int64_t first, uint64_t h) {
 
 /* Offer the row of `id` just read (row: its bytes); the policy decides whether it is kept. */
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
-    uint64_t h = mix((uint64_t)id);
+    uint64_t h = ple_cache_hash(id);
     int64_t set = set_of(c, h), first = set * c->ways;
     if (__atomic_test_and_set(&c->locks[set], __ATOMIC_ACQUIRE)) return;
     for (int32_t w = 0; w < c->ways; w++)

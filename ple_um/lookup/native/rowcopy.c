@@ -75,8 +75,9 @@ static inline int64_t *seen_slot(int64_t *seen, const ple_miss_t *rows, int64_t 
 
 /* Whether a distinct id's row is in memory: copied from the row cache (the access of `tick`), or,
  * without a cache, its pages resident and copied from the mapping. */
-static inline int from_memory(const ple_rows_t *t, const ple_miss_t *row, uint8_t *to, int check, uint64_t tick) {
-    if (t->cache) return ple_cache_get(t->cache, row->id, to, tick);
+static inline int from_memory(const ple_rows_t *t, const ple_miss_t *row, uint64_t h, uint8_t *to, int check,
+                              uint64_t tick) {
+    if (t->cache) return ple_cache_get(t->cache, row->id, h, to, tick);
     if (!check || !ple_resident(row->mapped, t->rb)) return 0;
     memcpy(to, row->mapped, (size_t)t->rb);
     return 1;
@@ -93,6 +94,7 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
     ple_miss_t rows[WINDOW];    /* the window's distinct owned ids, then (in place) those read */
     int16_t read_as[WINDOW];    /* per distinct id: its index among those read, or -1: from memory */
     int64_t first_pos[WINDOW];  /* per distinct id: its first place (rows[] is compacted in place) */
+    uint64_t hash[WINDOW];      /* per distinct id: its cache hash (ple_cache_hash), with a cache */
     int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (place, index of its id in rows) */
     int check = cache == NULL && t->reader != NULL && t->reader->resident_check;
     for (int64_t w = a; w < b; w += WINDOW) {
@@ -113,15 +115,17 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
                 again[r][0] = i, again[r][1] = *slot - 1, r++;
                 continue;
             }
+            if (cache) hash[d] = ple_cache_hash(id);
             rows[d] = (ple_miss_t){i, id, p};
             *slot = ++d;
         }
         uint64_t tick = cache ? ple_cache_ticks(cache, d) : 0;
         for (int64_t j = 0; j < d; j++) {
-            if (cache && j + CACHE_AHEAD < d) ple_cache_prefetch(cache, rows[j + CACHE_AHEAD].id);
-            if (cache && j + CACHE_AHEAD / 2 < d) ple_cache_prefetch_row(cache, rows[j + CACHE_AHEAD / 2].id);
+            if (cache && j + CACHE_AHEAD < d) ple_cache_prefetch(cache, hash[j + CACHE_AHEAD]);
+            if (cache && j + CACHE_AHEAD / 2 < d)
+                ple_cache_prefetch_row(cache, rows[j + CACHE_AHEAD / 2].id, hash[j + CACHE_AHEAD / 2]);
             first_pos[j] = rows[j].pos;
-            if (from_memory(t, &rows[j], dst + rows[j].pos * rb, check, tick + (uint64_t)j)) {
+            if (from_memory(t, &rows[j], cache ? hash[j] : 0, dst + rows[j].pos * rb, check, tick + (uint64_t)j)) {
                 read_as[j] = -1, hits++;
             } else {
                 read_as[j] = (int16_t)m, rows[m++] = rows[j];
@@ -132,11 +136,11 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
         for (int64_t j = 0; j < r; j++) again_hits += read_as[again[j][1]] < 0;
         tick = cache && again_hits ? ple_cache_ticks(cache, again_hits) : 0;
         for (int64_t j = 0; j < r; j++) {
-            int64_t at = again[j][0], k = read_as[again[j][1]];
-            if (k < 0 && cache && ple_cache_get(cache, id_at(q, at), dst + at * rb, tick++)) {
+            int64_t at = again[j][0], first = again[j][1], k = read_as[first];
+            if (k < 0 && cache && ple_cache_get(cache, id_at(q, at), hash[first], dst + at * rb, tick++)) {
                 hits++;
             } else if (k < 0 || rows[k].mapped) {
-                memcpy(dst + at * rb, dst + first_pos[again[j][1]] * rb, (size_t)rb);
+                memcpy(dst + at * rb, dst + first_pos[first] * rb, (size_t)rb);
             } else {
                 memset(dst + at * rb, 0, (size_t)rb), n.broken++;
             }

@@ -114,6 +114,18 @@ static inline long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
+static inline uint64_t mix(uint64_t x) { /* splitmix64's finalizer */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+/* The row cache's hash of an id (its set, sketch block and doorkeeper word all come from it): a
+ * lookup takes it once per distinct id and hands it to each cache call about that id. */
+static inline uint64_t ple_cache_hash(int64_t id) { return mix((uint64_t)id); }
+
 /* Ask for every cache line of the n bytes at p, without waiting for them (a hint: nothing faults). */
 static inline void prefetch_bytes(const uint8_t *p, int64_t n) {
     for (int64_t k = 0; k < n; k += 64) __builtin_prefetch(p + k, 0, 3);
@@ -137,14 +149,14 @@ void ple_run_lookup(ple_lookup_t *q);
 tally_t ple_run_pooled(const ple_lookup_t *q);
 int ple_pool_running(void);
 /* rowcache.c: a hit copies the row to dst and returns 1 (each access has a tick of its own, taken
- * a window's at once); put offers a row just read; the caller counts hits and misses; prefetch and
- * prefetch_row ask for what a get will read, some ids ahead. */
+ * a window's at once; h: ple_cache_hash(id)); put offers a row just read; the caller counts hits
+ * and misses; prefetch and prefetch_row ask for what a get will read, some ids ahead. */
 uint64_t ple_cache_ticks(ple_cache_t *c, int64_t n);
-int ple_cache_get(ple_cache_t *c, int64_t id, uint8_t *dst, uint64_t tick);
+int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint8_t *dst, uint64_t tick);
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row);
 void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses);
-void ple_cache_prefetch(const ple_cache_t *c, int64_t id);
-void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id);
+void ple_cache_prefetch(const ple_cache_t *c, uint64_t h);
+void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id, uint64_t h);
 /* reader.c: rows `rows[0..n)` (positions in the lookup) of ids `ids[]` read into dst rows; the
  * tally counts the rows that could not be read (zeroed). */
 typedef struct {
