@@ -14,21 +14,24 @@
  * torn or foreign row.
  *
  * Policies (policy): POLICY_TINYLFU admits a missed row only when its estimated frequency is above
- * that of the row it would evict, the victim being the set's row of the lowest estimate (then the
- * fewest hits): one-off rows then never flush hot ones. The estimate is a doorkeeper bit (the id
- * was seen in the current period) plus a count-min sketch of the ids seen more than once (4 rows
- * of saturating counters, 1-2 a slot, raised by conservative update: only the counters at the
- * minimum). Counts fade: every AGE_EVERY accesses four counters are halved and one word of the
- * doorkeeper cleared, in turn, so the whole sketch and doorkeeper age once in AGE_EVERY x width
- * accesses. POLICY_LRU evicts the set's least recently used slot and admits every row; POLICY_CLOCK
- * gives each slot a second chance. docs/TRAFFIC.md compares the policies on a serving trace, and
+ * that of the row it would evict, the victim being the set's row of the lowest frequency: one-off
+ * rows then never flush hot ones. A held row's frequency is its slot's policy word: the estimate it
+ * was admitted with, raised by each hit (saturating). A row not held is estimated from its misses:
+ * a doorkeeper bit (the id missed in the current period) plus a count-min sketch of the ids that
+ * missed more than once (4 rows of saturating counters, 1-2 a slot, raised by conservative update:
+ * only the counters at the minimum). So a hit touches nothing but its set and its row. Counts fade:
+ * every AGE_EVERY accesses four counters and one slot's word are halved and one word of the
+ * doorkeeper cleared, in turn, so the whole sketch, the held rows' counts and the doorkeeper age
+ * once in AGE_EVERY x width accesses. POLICY_LRU evicts the set's least recently used slot and
+ * admits every row; POLICY_CLOCK gives each slot a second chance. docs/TRAFFIC.md compares the policies on a serving trace, and
  * scripts/profile_cold.py --parts policies measures this cache's.
  *
- * Speed: a hit is bound by the memory it reads, not by its instructions, so an access reads few
- * cache lines (the set's tags, versions and policy words; an id's four counters share one 64-byte
- * block of the sketch and its two doorkeeper bits one word; the row's bytes), lookups ask for them
- * some ids ahead (ple_cache_prefetch), and no access takes a locked instruction of its own (ticks
- * and counts are taken a window of ids at once), which would hold back the reads after it.
+ * Speed: a hit is bound by the memory it reads, not by its instructions, so a hit reads few cache
+ * lines (the set's tags, versions and policy words; the row's bytes; a miss also reads the id's
+ * four counters, which share one 64-byte block of the sketch, and its doorkeeper word), lookups
+ * ask for them some ids ahead (ple_cache_prefetch), and no access takes a locked instruction of its
+ * own (ticks, aging and counts are taken a window of ids at once), which would hold back the reads
+ * after it.
  */
 #include "rowcopy.h"
 
@@ -37,6 +40,7 @@
 enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
 #define SKETCH_ROWS 4
 #define SATURATE 15
+#define HELD_MOST (SATURATE + 1) /* a held row's count: at most the estimate of one not held */
 #define AGE_EVERY 10 /* accesses per counter halved: counts fade over 10-20 x the cache's slots */
 
 struct ple_cache {
@@ -108,12 +112,30 @@ static int sketch_min(const uint8_t *block, uint64_t g) {
     return best;
 }
 
-/* Accesses' ticks: an access's place among all of the cache's accesses (LRU's time, the sketch's
+/* One step of TINYLFU's aging (the step of number `at`): SKETCH_ROWS counters, one held row's
+ * count and one doorkeeper word, in turn over the whole sketch, the slots and the doorkeeper. */
+static void age_step(ple_cache_t *c, uint64_t at) {
+    uint64_t width = (uint64_t)c->sketch_mask + 1, slot = at & (width - 1);
+    uint8_t *old = c->sketch + ((at * SKETCH_ROWS) & (SKETCH_ROWS * width - 1));
+    for (int r = 0; r < SKETCH_ROWS; r++)
+        __atomic_store_n(old + r, (uint8_t)(__atomic_load_n(old + r, __ATOMIC_RELAXED) >> 1), __ATOMIC_RELAXED);
+    if (slot < (uint64_t)(c->sets * c->ways)) /* width >= slots: the slots age as often as the sketch */
+        __atomic_store_n(&c->meta[slot], __atomic_load_n(&c->meta[slot], __ATOMIC_RELAXED) >> 1, __ATOMIC_RELAXED);
+    /* door_words = width: the doorkeeper swept as often as the sketch */
+    __atomic_store_n(&c->door[at & (uint64_t)(c->door_words - 1)], 0, __ATOMIC_RELAXED);
+}
+
+/* Accesses' ticks: an access's place among all of the cache's accesses (LRU's time, TINYLFU's
  * aging). A lookup takes the ticks of n accesses at once, the first returned: one locked
  * instruction a window of ids instead of one an access (each is a full fence on x86, which would
- * keep the accesses' memory reads from overlapping). */
+ * keep the accesses' memory reads from overlapping). The aging steps those n accesses are due are
+ * taken here too: sequential memory, so they cost far less than a line an access. */
 uint64_t ple_cache_ticks(ple_cache_t *c, int64_t n) {
-    return __atomic_fetch_add(&c->clock[0], (uint64_t)n, __ATOMIC_RELAXED);
+    uint64_t first = __atomic_fetch_add(&c->clock[0], (uint64_t)n, __ATOMIC_RELAXED);
+    if (c->policy == POLICY_TINYLFU)
+        for (uint64_t at = (first + AGE_EVERY - 1) / AGE_EVERY; at * AGE_EVERY < first + (uint64_t)n; at++)
+            age_step(c, at);
+    return first;
 }
 
 /* Hits and misses counted into the table's counters, a window's at once. */
@@ -122,16 +144,8 @@ void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses) {
     count(c->counts, C_CACHE_MISSES, misses);
 }
 
-/* One access (of `tick`) to the id of hash h: counted for admission, and the counts aged. */
-static void sketch_add(ple_cache_t *c, uint64_t h, uint64_t tick) {
-    if (tick % AGE_EVERY == 0) { /* SKETCH_ROWS counters halved, in turn over the whole sketch */
-        uint64_t at = tick / AGE_EVERY;
-        uint8_t *old = c->sketch + ((at * SKETCH_ROWS) & (uint64_t)(SKETCH_ROWS * (c->sketch_mask + 1) - 1));
-        for (int r = 0; r < SKETCH_ROWS; r++)
-            __atomic_store_n(old + r, (uint8_t)(__atomic_load_n(old + r, __ATOMIC_RELAXED) >> 1), __ATOMIC_RELAXED);
-        /* door_words = width: the doorkeeper swept as often as the sketch */
-        __atomic_store_n(&c->door[at & (uint64_t)(c->door_words - 1)], 0, __ATOMIC_RELAXED);
-    }
+/* One miss of the id of hash h, counted for its admission. */
+static void sketch_add(ple_cache_t *c, uint64_t h) {
     if (!door_seen(c, h, 1)) return; /* a first sighting only sets the doorkeeper */
     uint64_t g;
     uint8_t *block = sketch_block(c, h, &g);
@@ -150,20 +164,14 @@ static int sketch_estimate(ple_cache_t *c, uint64_t h) {
 }
 
 /* Ask for the memory a get of the id of hash h (ple_cache_hash) will touch (its set's tags,
- * versions and policy words; its admission counters and doorkeeper word) without waiting for it: a
- * lookup calls this for ids ahead of the one it serves, so that the get finds them in the CPU's
- * caches. */
+ * versions and policy words) without waiting for it: a lookup calls this for ids ahead of the one
+ * it serves, so that the get finds them in the CPU's caches. */
 void ple_cache_prefetch(const ple_cache_t *c, uint64_t h) {
-    uint64_t mask;
     int64_t first = set_of(c, h) * c->ways;
     __builtin_prefetch(&c->tags[first], 0, 3);
     __builtin_prefetch(&c->tags[first + c->ways - 1], 0, 3);
     __builtin_prefetch(&c->versions[first], 0, 3);
     __builtin_prefetch(&c->meta[first], 1, 3);
-    if (c->policy != POLICY_TINYLFU) return;
-    uint64_t g;
-    __builtin_prefetch(sketch_block(c, h, &g), 1, 3);
-    __builtin_prefetch(door_word(c, h, &mask), 1, 3);
 }
 
 /* Ask for the bytes of the slot that holds `id`, if one does, without waiting for them: called once
@@ -180,10 +188,9 @@ void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id, uint64_t h) {
 
 /* The row of `id` (of hash h: ple_cache_hash) copied to dst (1), or 0 when the cache does not
  * hold it; `tick`: the access's (ple_cache_ticks). The caller counts the hit or miss
- * (ple_cache_count). */
+ * (ple_cache_count), and offers the row of a miss once read (ple_cache_put). */
 int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint8_t *dst, uint64_t tick) {
     int64_t first = set_of(c, h) * c->ways;
-    if (c->policy == POLICY_TINYLFU) sketch_add(c, h, tick);
     for (int32_t w = 0; w < c->ways; w++) {
         int64_t k = first + w;
         if (load_tag(&c->tags[k]) != id) continue;
@@ -195,7 +202,7 @@ int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint8_t *dst, uint64_t
         uint32_t *m = &c->meta[k];
         if (c->policy == POLICY_TINYLFU) {
             uint32_t v = __atomic_load_n(m, __ATOMIC_RELAXED);
-            if (v < SATURATE) __atomic_store_n(m, v + 1, __ATOMIC_RELAXED);
+            if (v < HELD_MOST) __atomic_store_n(m, v + 1, __ATOMIC_RELAXED);
         } else if (c->policy == POLICY_LRU) {
             __atomic_store_n(m, (uint32_t)tick, __ATOMIC_RELAXED);
         } else {
@@ -207,7 +214,7 @@ int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint8_t *dst, uint64_t
 }
 
 /* The slot of set [first, first + ways) the new row would take, or -1 to keep the set as it is. */
-static int64_t choose(ple_cache_t *c, int64_t first, uint64_t h) {
+static int64_t choose(ple_cache_t *c, int64_t first, int estimate) {
     int64_t victim = -1;
     for (int32_t w = 0; w < c->ways; w++)
         if (c->tags[first + w] == -1) return first + w;
@@ -225,27 +232,31 @@ static int64_t choose(ple_cache_t *c, int64_t first, uint64_t h) {
                 victim = first + w;
         return victim;
     }
-    int low = 0; /* TINYLFU: the slot whose row is wanted least, then least hit; kept unless beaten */
+    uint32_t low = 0; /* TINYLFU: the slot whose row is wanted least; kept unless beaten */
     for (int32_t w = 0; w < c->ways; w++) {
-        int e = sketch_estimate(c, ple_cache_hash(c->tags[first + w]));
-        if (victim < 0 || e < low ||
-            (e == low && c->meta[first + w] < c->meta[victim]))
-            victim = first + w, low = e;
+        uint32_t f = __atomic_load_n(&c->meta[first + w], __ATOMIC_RELAXED);
+        if (victim < 0 || f < low) victim = first + w, low = f;
     }
-    return sketch_estimate(c, h) > low ? victim : -1;
+    return (uint32_t)estimate > low ? victim : -1;
 }
 
-/* Offer the row of `id` just read (row: its bytes); the policy decides whether it is kept. */
+/* Offer the row of `id`, which the cache did not hold, just read (row: its bytes); the policy
+ * decides whether it is kept. */
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
     uint64_t h = ple_cache_hash(id);
     int64_t set = set_of(c, h), first = set * c->ways;
+    int estimate = 0;
+    if (c->policy == POLICY_TINYLFU) {
+        sketch_add(c, h);
+        estimate = sketch_estimate(c, h);
+    }
     if (__atomic_test_and_set(&c->locks[set], __ATOMIC_ACQUIRE)) return;
     for (int32_t w = 0; w < c->ways; w++)
         if (c->tags[first + w] == id) {
             __atomic_clear(&c->locks[set], __ATOMIC_RELEASE);
             return;
         }
-    int64_t k = choose(c, first, h);
+    int64_t k = choose(c, first, estimate);
     if (k >= 0) {
         int64_t evicted = c->tags[k];
         uint32_t v = c->versions[k];
@@ -261,7 +272,9 @@ void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
             memcpy(c->data + k * c->rb, row, (size_t)c->rb);
             __atomic_store_n(&c->versions[k], v + 2, __ATOMIC_RELEASE); /* even: published */
         }
-        uint32_t fresh = c->policy == POLICY_LRU ? (uint32_t)__atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED) : 1;
+        uint32_t fresh = c->policy == POLICY_LRU       ? (uint32_t)__atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED)
+                         : c->policy == POLICY_TINYLFU ? (uint32_t)estimate
+                                                       : 1;
         __atomic_store_n(&c->meta[k], fresh, __ATOMIC_RELAXED);
         count(c->counts, C_CACHE_INSERTS, 1);
         count(c->counts, C_CACHE_EVICTIONS, evicted != -1);
