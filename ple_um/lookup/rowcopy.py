@@ -93,6 +93,10 @@ class ReaderStruct(ctypes.Structure):
     ]
 
 
+# rowcache.c's sets of WAYS slots; a slot is its head (id, version, policy word), then the row.
+CACHE_WAYS, CACHE_SLOT_HEAD = 8, 16
+
+
 class CacheStruct(ctypes.Structure):
     """rowcache.c's struct ple_cache."""
 
@@ -103,9 +107,8 @@ class CacheStruct(ctypes.Structure):
         ("policy", ctypes.c_int32),
         ("publish_first", ctypes.c_int32),
         ("unused", ctypes.c_int32),
-        ("tags", ctypes.c_void_p),
-        ("versions", ctypes.c_void_p),
-        ("meta", ctypes.c_void_p),
+        ("fingerprints", ctypes.c_void_p),
+        ("stride", ctypes.c_int64),
         ("locks", ctypes.c_void_p),
         ("data", ctypes.c_void_p),
         ("sketch", ctypes.c_void_p),
@@ -174,6 +177,8 @@ def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
         ("ple_dispatch_start", [], ctypes.c_int),
         ("ple_dispatch_post", [ctypes.c_void_p], ctypes.c_int),
         ("ple_struct_sizes", [], ctypes.c_int64),
+        ("ple_cache_ways", [], ctypes.c_int64),
+        ("ple_cache_slot_head", [], ctypes.c_int64),
         ("ple_uring_works", [], ctypes.c_int),
     ):
         fn = getattr(lib, name)
@@ -182,6 +187,8 @@ def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     declared = (RowsStruct, LookupStruct, ReaderStruct, CacheStruct)
     if [(sizes >> shift) & 0xFFFF for shift in (48, 32, 16, 0)] != [ctypes.sizeof(s) for s in declared]:
         return None, f"{target}: the C structs do not match their ctypes declarations"
+    if (lib.ple_cache_ways(), lib.ple_cache_slot_head()) != (CACHE_WAYS, CACHE_SLOT_HEAD):
+        return None, f"{target}: the C row cache's slots do not match CACHE_WAYS and CACHE_SLOT_HEAD"
     return lib, f"C row copy ({target.name}, built with {cc})"
 
 

@@ -445,6 +445,56 @@ def test_nvfp4_rows_and_block_scales_through_the_cache(make_checkpoint, rng, mon
         assert table.stats()["row_cache"]["hits"] > 0
 
 
+def _fingerprint(ids: np.ndarray) -> np.ndarray:
+    """rowcache.c's fingerprint of each id: the low byte of its hash (splitmix64's finalizer), 0
+    taken as 1."""
+    x = ids.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    low = (x & np.uint64(255)).astype(np.int64)
+    return np.where(low == 0, 1, low)
+
+
+def test_ids_of_one_fingerprint_in_one_set_are_told_apart(lib, make_checkpoint, rng, poison):
+    """A set's fingerprints are only a filter: three rows whose ids share a fingerprint, held in one
+    set beside three others, are each served exactly, as hits, with nothing read from the files."""
+    layout = make_checkpoint(
+        num_rows=40000, row_dim=160, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
+    )
+    every = np.arange(layout.num_rows)
+    prints = _fingerprint(every)
+    shared = int(rng.integers(1, 256))
+    alike = rng.choice(every[prints == shared], 3, replace=False)
+    others = rng.choice(every[prints != shared], 3, replace=False)
+    held = np.concatenate([alike, others])
+    with MappedShards(layout) as mapping:
+        counts = rowcopy.Counts()
+        cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")  # one set
+        reader = FileReader(mapping, strategy="uring", direct=True, depth=16)
+        try:
+            rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
+            first = torch.from_numpy(held)
+            run(lib, [rows], first, [torch.empty((6, layout.row_bytes), dtype=torch.uint8)], counts)
+            in_cache = np.ctypeslib.as_array((ctypes.c_uint8 * WAYS).from_address(cache.struct.fingerprints))
+            assert sorted(in_cache.tolist()) == sorted(_fingerprint(held).tolist() + [0, 0])
+            assert int((in_cache == shared).sum()) == 3  # the three share one fingerprint in the set
+            evict(mapping, layout)
+            ids_np = rng.permutation(np.repeat(held, 4))
+            out = poison(torch.empty((ids_np.size, layout.row_bytes), dtype=torch.uint8))
+            before = counts.read()
+            got = run(lib, [rows], torch.from_numpy(ids_np), [out], counts)
+            assert np.array_equal(out.numpy(), reference_rows(layout, ids_np))
+            assert got["cache_hits"] - before["cache_hits"] == ids_np.size
+            assert got["file_reads"] == before["file_reads"]
+        finally:
+            cache.close()
+            reader.close()
+
+
 def test_one_off_rows_do_not_flush_hot_ones_under_tinylfu(lib, make_checkpoint, rng):
     """Rounds of the same 200 hot rows among 1 000 rows seen once each, into a cache of 512: TinyLFU
     keeps the hot rows (wanted more often than any one-off), LRU lets the one-offs flush them

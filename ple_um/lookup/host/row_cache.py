@@ -24,11 +24,12 @@ from ple_um.lookup import rowcopy
 from ple_um.mapping import _libc
 
 POLICIES = {"tinylfu": 0, "lru": 1, "clock": 2}
-WAYS = 8  # slots per set: an id is looked for in one set only
-# Bytes a slot takes beside its row's, at most: tag, version and policy word; its share of the
-# admission sketch (4 rows of 1-2 one-byte counters a slot) and of the doorkeeper (8-16 bytes a slot:
-# about 6 bits for each access of the period it remembers, 10 x the sketch's width).
-SLOT_OVERHEAD = 8 + 4 + 4 + 8 + 16
+WAYS = rowcopy.CACHE_WAYS  # slots per set: an id is looked for in one set only
+# Bytes a slot takes beside its row's, at most: its fingerprint (one byte of its set's word); its
+# head (id, version, policy word) and the padding to a multiple of 8; its share of the admission
+# sketch (4 rows of 1-2 one-byte counters a slot) and of the doorkeeper (8-16 bytes a slot: about 6
+# bits for each access of the period it remembers, 10 x the sketch's width).
+SLOT_OVERHEAD = 1 + rowcopy.CACHE_SLOT_HEAD + 7 + 8 + 16
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
 
 
@@ -42,10 +43,17 @@ def _populate(base: int, memory: mmap.mmap, nbytes: int) -> None:
     view[:: mmap.PAGESIZE] = 0
 
 
+def stride(row_bytes: int) -> int:
+    """The bytes of one slot in the cache's data: its head, then the row, to a multiple of 8 (the
+    next slot's id stays aligned)."""
+    return -(-(rowcopy.CACHE_SLOT_HEAD + row_bytes) // 8) * 8
+
+
 def slots_for(capacity: int, row_bytes: int) -> int:
     """The slots a cache of ``capacity`` bytes has: sets of WAYS slots (0 when not even one set
     fits; the sketch and doorkeeper are a power of two wide, so a cache may take a little less)."""
-    return WAYS * max(0, capacity // (WAYS * (row_bytes + SLOT_OVERHEAD)))
+    slot = 1 + stride(row_bytes) + 8 + 16  # fingerprint, slot, sketch and doorkeeper at most
+    return WAYS * max(0, capacity // (WAYS * slot))
 
 
 class RowCache:
@@ -63,15 +71,14 @@ class RowCache:
         self.slots, self.row_bytes, self.policy = slots, row_bytes, policy
         sketch_width = 1 << max(4, (slots - 1).bit_length())  # 1-2 counters a slot a row (rowcache.c)
         door_words = sketch_width  # 64 doorkeeper bits a counter (rowcache.c)
+        self.stride = stride(row_bytes)
         layout = [
-            ("tags", slots * 8),
-            ("versions", slots * 4),
-            ("meta", slots * 4),
+            ("fingerprints", sets * WAYS),
             ("locks", sets),
             ("sketch", 4 * sketch_width),
             ("door", 8 * door_words),
             ("clock", 16),
-            ("data", slots * row_bytes),
+            ("data", slots * self.stride),
         ]
         self.nbytes = sum(-(-n // 64) * 64 for _, n in layout)
         self._memory = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -83,7 +90,9 @@ class RowCache:
         for name, n in layout:
             at[name] = base + offset
             offset += -(-n // 64) * 64
-        np.ctypeslib.as_array((ctypes.c_int64 * slots).from_address(at["tags"]))[:] = -1
+        words = self.stride // 8
+        data = np.ctypeslib.as_array((ctypes.c_int64 * (slots * words)).from_address(at["data"]))
+        data.reshape(slots, words)[:, 0] = -1  # every slot's id: no row (and its fingerprint 0)
         self.struct = rowcopy.CacheStruct(
             sets,
             row_bytes,
@@ -91,9 +100,8 @@ class RowCache:
             POLICIES[policy],
             0,
             0,
-            at["tags"],
-            at["versions"],
-            at["meta"],
+            at["fingerprints"],
+            self.stride,
             at["locks"],
             at["data"],
             at["sketch"],

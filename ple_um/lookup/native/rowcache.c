@@ -2,16 +2,20 @@
  * files do and what nothing here may do).
  *
  * Set-associative: an id hashes to one set of WAYS slots, and only those are searched and replaced.
- * Each slot has a tag (the id it holds, or -1), a version and a policy word. Lookups read without a
- * lock; a slot's writer holds its set's lock (try-lock: a writer that finds it taken offers its row
- * to nobody, the cache is only a cache).
+ * A set's fingerprints (one byte a slot, 0 for an empty one, from the id's hash) are one word of a
+ * dense array; a slot is its head (the id it holds, or -1; a version; a policy word) and then the
+ * row's bytes, so a hit reads the set's word and its slot, and a fingerprint that matches by chance
+ * (1 in 255 a way) costs only a look at that slot's head. Lookups read without a lock; a slot's
+ * writer holds its set's lock (try-lock: a writer that finds it taken offers its row to nobody, the
+ * cache is only a cache).
  *
  * Publishing: a slot's version is odd while its writer changes it. The writer makes the version odd,
- * then writes the tag and the row's bytes, then makes the version even again (a release store): a
- * reader that finds the tag checks the version before and after copying the bytes, and takes the
- * copy only when both are the same even number. So a row's bytes are in place before anything can
- * find them, and a slot overwritten while a lookup copies it is a miss for that lookup, never a
- * torn or foreign row.
+ * then writes the id and the row's bytes, then makes the version even again (a release store), then
+ * sets the fingerprint: a reader checks the version before and after it reads the id and copies the
+ * bytes, and takes the copy only when both are the same even number and the id is its own. So a
+ * row's bytes are in place before anything can find them, and a slot overwritten while a lookup
+ * copies it is a miss for that lookup, never a torn or foreign row. The fingerprints are only a
+ * filter: what a reader takes is decided by the slot's id and version alone.
  *
  * Policies (policy): POLICY_TINYLFU admits a missed row only when its estimated frequency is above
  * that of the row it would evict, the victim being the set's row of the lowest frequency: one-off
@@ -27,8 +31,8 @@
  * scripts/profile_cold.py --parts policies measures this cache's.
  *
  * Speed: a hit is bound by the memory it reads, not by its instructions, so a hit reads few cache
- * lines (the set's tags, versions and policy words; the row's bytes; a miss also reads the id's
- * four counters, which share one 64-byte block of the sketch, and its doorkeeper word), lookups
+ * lines (the set's fingerprints, the slot; a miss also reads the set's slot heads, the id's four
+ * counters, which share one 64-byte block of the sketch, and its doorkeeper word), lookups
  * ask for them some ids ahead (ple_cache_prefetch), and no access takes a locked instruction of its
  * own (ticks, aging and counts are taken a window of ids at once), which would hold back the reads
  * after it.
@@ -38,6 +42,7 @@
 #include <sched.h>
 
 enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
+#define WAYS PLE_CACHE_WAYS
 #define SKETCH_ROWS 4
 #define SATURATE 15
 #define HELD_MOST (SATURATE + 1) /* a held row's count: at most the estimate of one not held */
@@ -46,15 +51,14 @@ enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
 struct ple_cache {
     int64_t sets;
     int64_t rb;    /* bytes per row */
-    int32_t ways; /* slots per set */
+    int32_t ways; /* slots per set: WAYS */
     int32_t policy;
     int32_t publish_first; /* tests only: publish the tag before the bytes (a wrong cache) */
     int32_t unused;
-    int64_t *tags;         /* [sets * ways] */
-    uint32_t *versions;    /* [sets * ways] */
-    uint32_t *meta;        /* [sets * ways] hit count (TINYLFU), last use (LRU), second chance (CLOCK) */
-    uint8_t *locks;        /* [sets] */
-    uint8_t *data;         /* [sets * ways * rb] */
+    uint64_t *fingerprints; /* [sets]: a byte a slot */
+    int64_t stride;         /* bytes per slot: its head, then the row's rb bytes (a multiple of 8) */
+    uint8_t *locks;         /* [sets] */
+    uint8_t *data;          /* [sets * WAYS * stride] */
     uint8_t *sketch;       /* [SKETCH_ROWS * (sketch_mask + 1)] */
     int64_t sketch_mask;
     uint64_t *door;  /* [door_words]: 64 bits per word */
@@ -63,7 +67,41 @@ struct ple_cache {
     int64_t *counts; /* the table's counters (rowcopy.h's enum) */
 };
 
+/* A slot's head; the row's bytes follow it. */
+struct slot_head {
+    int64_t id;       /* the id whose row the slot holds, or -1 */
+    uint32_t version; /* odd while the slot is written */
+    uint32_t meta;    /* its count (TINYLFU), last use (LRU), second chance (CLOCK) */
+};
+
 int64_t ple_cache_struct_size(void) { return (int64_t)sizeof(struct ple_cache); }
+int64_t ple_cache_ways(void) { return WAYS; }
+int64_t ple_cache_slot_head(void) { return (int64_t)sizeof(struct slot_head); }
+
+/* Slot k (of set k / WAYS): its head, its row's bytes, its fingerprint. */
+static inline struct slot_head *head_of(const ple_cache_t *c, int64_t k) {
+    return (struct slot_head *)(c->data + k * c->stride);
+}
+static inline uint8_t *row_of(const ple_cache_t *c, int64_t k) { return c->data + k * c->stride + sizeof(struct slot_head); }
+static inline uint8_t *fingerprint_at(const ple_cache_t *c, int64_t k) { return (uint8_t *)c->fingerprints + k; }
+static inline int64_t *tag_of(const ple_cache_t *c, int64_t k) { return &head_of(c, k)->id; }
+static inline uint32_t *version_of(const ple_cache_t *c, int64_t k) { return &head_of(c, k)->version; }
+static inline uint32_t *meta_of(const ple_cache_t *c, int64_t k) { return &head_of(c, k)->meta; }
+
+/* An id's fingerprint, from its hash's low byte (the set comes from its high bits); never 0. */
+static inline uint32_t fingerprint(uint64_t h) { return (h & 255) ? (uint32_t)(h & 255) : 1; }
+
+/* The set's fingerprints, a byte a way (way w in bits 8w..8w+7). */
+static inline uint64_t fingerprints_of(const ple_cache_t *c, int64_t set) {
+    return __atomic_load_n(&c->fingerprints[set], __ATOMIC_RELAXED);
+}
+
+/* The ways of a set's fingerprints `word` that hold fingerprint f: a bit per way. */
+static inline uint32_t ways_of(uint64_t word, uint32_t f) {
+    uint32_t found = 0;
+    for (int w = 0; w < WAYS; w++) found |= (uint32_t)(((word >> (8 * w)) & 255) == f) << w;
+    return found;
+}
 
 
 /* The set of an id's hash: its place in [0, sets) by a multiply (any number of sets). */
@@ -119,8 +157,10 @@ static void age_step(ple_cache_t *c, uint64_t at) {
     uint8_t *old = c->sketch + ((at * SKETCH_ROWS) & (SKETCH_ROWS * width - 1));
     for (int r = 0; r < SKETCH_ROWS; r++)
         __atomic_store_n(old + r, (uint8_t)(__atomic_load_n(old + r, __ATOMIC_RELAXED) >> 1), __ATOMIC_RELAXED);
-    if (slot < (uint64_t)(c->sets * c->ways)) /* width >= slots: the slots age as often as the sketch */
-        __atomic_store_n(&c->meta[slot], __atomic_load_n(&c->meta[slot], __ATOMIC_RELAXED) >> 1, __ATOMIC_RELAXED);
+    if (slot < (uint64_t)(c->sets * WAYS)) { /* width >= slots: the slots age as often as the sketch */
+        uint32_t *m = meta_of(c, (int64_t)slot);
+        __atomic_store_n(m, __atomic_load_n(m, __ATOMIC_RELAXED) >> 1, __ATOMIC_RELAXED);
+    }
     /* door_words = width: the doorkeeper swept as often as the sketch */
     __atomic_store_n(&c->door[at & (uint64_t)(c->door_words - 1)], 0, __ATOMIC_RELAXED);
 }
@@ -163,43 +203,41 @@ static int sketch_estimate(ple_cache_t *c, uint64_t h) {
     return sketch_min(block, g) + door_seen(c, h, 0);
 }
 
-/* Ask for the memory a get of the id of hash h (ple_cache_hash) will touch (its set's tags,
- * versions and policy words) without waiting for it: a lookup calls this for ids ahead of the one
- * it serves, so that the get finds them in the CPU's caches. */
+/* Ask for the memory a get of the id of hash h (ple_cache_hash) will look at first (its set's
+ * fingerprints) without waiting for it: a lookup calls this for ids ahead of the one it serves, so
+ * that the get finds them in the CPU's caches. */
 void ple_cache_prefetch(const ple_cache_t *c, uint64_t h) {
-    int64_t first = set_of(c, h) * c->ways;
-    __builtin_prefetch(&c->tags[first], 0, 3);
-    __builtin_prefetch(&c->tags[first + c->ways - 1], 0, 3);
-    __builtin_prefetch(&c->versions[first], 0, 3);
-    __builtin_prefetch(&c->meta[first], 1, 3);
+    __builtin_prefetch(&c->fingerprints[set_of(c, h)], 0, 3);
 }
 
-/* Ask for the bytes of the slot that holds `id`, if one does, without waiting for them: called once
- * the set's tags are at hand (ple_cache_prefetch some ids before). A hint only: the get checks
- * the slot again. */
-void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id, uint64_t h) {
-    int64_t first = set_of(c, h) * c->ways;
-    for (int32_t w = 0; w < c->ways; w++)
-        if (load_tag(&c->tags[first + w]) == id) {
-            prefetch_bytes(c->data + (first + w) * c->rb, c->rb);
-            return;
-        }
+/* Ask for the slots whose fingerprint is that of the id of hash h, without waiting for them, and
+ * return their ways (a bit a way) for its get: called once the set's fingerprints are at hand
+ * (ple_cache_prefetch some ids before). A hint only: the get checks each slot it names. */
+uint32_t ple_cache_prefetch_row(const ple_cache_t *c, uint64_t h) {
+    int64_t set = set_of(c, h);
+    uint32_t ways = ways_of(fingerprints_of(c, set), fingerprint(h));
+    for (uint32_t left = ways; left; left &= left - 1)
+        prefetch_bytes((const uint8_t *)head_of(c, set * WAYS + __builtin_ctz(left)),
+                       (int64_t)sizeof(struct slot_head) + c->rb);
+    return ways;
 }
 
 /* The row of `id` (of hash h: ple_cache_hash) copied to dst (1), or 0 when the cache does not
- * hold it; `tick`: the access's (ple_cache_ticks). The caller counts the hit or miss
- * (ple_cache_count), and offers the row of a miss once read (ple_cache_put). */
-int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint8_t *dst, uint64_t tick) {
-    int64_t first = set_of(c, h) * c->ways;
-    for (int32_t w = 0; w < c->ways; w++) {
-        int64_t k = first + w;
-        if (load_tag(&c->tags[k]) != id) continue;
-        uint32_t before = load32(&c->versions[k]);
-        if ((before & 1) || load_tag(&c->tags[k]) != id) break;
-        memcpy(dst, c->data + k * c->rb, (size_t)c->rb);
+ * hold it: looked for in the slots of `ways` (ple_cache_prefetch_row's; a slot written since is
+ * checked like any other, and a row put since in another slot is a miss); `tick`: the access's
+ * (ple_cache_ticks). The caller counts the hit or miss (ple_cache_count), and offers the row of a
+ * miss once read (ple_cache_put). */
+int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint32_t ways, uint8_t *dst, uint64_t tick) {
+    int64_t set = set_of(c, h);
+    for (; ways; ways &= ways - 1) {
+        int64_t k = set * WAYS + __builtin_ctz(ways);
+        uint32_t before = load32(version_of(c, k));
+        if (before & 1) break;
+        if (load_tag(tag_of(c, k)) != id) continue;
+        memcpy(dst, row_of(c, k), (size_t)c->rb);
         atomic_thread_fence(memory_order_acquire);
-        if (__atomic_load_n(&c->versions[k], __ATOMIC_RELAXED) != before) break;
-        uint32_t *m = &c->meta[k];
+        if (__atomic_load_n(version_of(c, k), __ATOMIC_RELAXED) != before) break;
+        uint32_t *m = meta_of(c, k);
         if (c->policy == POLICY_TINYLFU) {
             uint32_t v = __atomic_load_n(m, __ATOMIC_RELAXED);
             if (v < HELD_MOST) __atomic_store_n(m, v + 1, __ATOMIC_RELAXED);
@@ -216,25 +254,25 @@ int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint8_t *dst, uint64_t
 /* The slot of set [first, first + ways) the new row would take, or -1 to keep the set as it is. */
 static int64_t choose(ple_cache_t *c, int64_t first, int estimate) {
     int64_t victim = -1;
-    for (int32_t w = 0; w < c->ways; w++)
-        if (c->tags[first + w] == -1) return first + w;
+    for (int32_t w = 0; w < WAYS; w++)
+        if (*fingerprint_at(c, first + w) == 0) return first + w;
     if (c->policy == POLICY_CLOCK) {
-        for (int32_t turn = 0; turn < 2 * c->ways; turn++) {
-            int64_t k = first + (int64_t)(__atomic_fetch_add(&c->clock[1], 1, __ATOMIC_RELAXED) % (uint64_t)c->ways);
-            if (__atomic_exchange_n(&c->meta[k], 0, __ATOMIC_RELAXED) == 0) return k;
+        for (int32_t turn = 0; turn < 2 * WAYS; turn++) {
+            int64_t k = first + (int64_t)(__atomic_fetch_add(&c->clock[1], 1, __ATOMIC_RELAXED) % (uint64_t)WAYS);
+            if (__atomic_exchange_n(meta_of(c, k), 0, __ATOMIC_RELAXED) == 0) return k;
         }
         return first;
     }
     if (c->policy == POLICY_LRU) {
-        for (int32_t w = 0; w < c->ways; w++) /* the least recently used */
-            if (victim < 0 || __atomic_load_n(&c->meta[first + w], __ATOMIC_RELAXED) <
-                                  __atomic_load_n(&c->meta[victim], __ATOMIC_RELAXED))
+        for (int32_t w = 0; w < WAYS; w++) /* the least recently used */
+            if (victim < 0 || __atomic_load_n(meta_of(c, first + w), __ATOMIC_RELAXED) <
+                                  __atomic_load_n(meta_of(c, victim), __ATOMIC_RELAXED))
                 victim = first + w;
         return victim;
     }
     uint32_t low = 0; /* TINYLFU: the slot whose row is wanted least; kept unless beaten */
-    for (int32_t w = 0; w < c->ways; w++) {
-        uint32_t f = __atomic_load_n(&c->meta[first + w], __ATOMIC_RELAXED);
+    for (int32_t w = 0; w < WAYS; w++) {
+        uint32_t f = __atomic_load_n(meta_of(c, first + w), __ATOMIC_RELAXED);
         if (victim < 0 || f < low) victim = first + w, low = f;
     }
     return (uint32_t)estimate > low ? victim : -1;
@@ -244,38 +282,40 @@ static int64_t choose(ple_cache_t *c, int64_t first, int estimate) {
  * decides whether it is kept. */
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
     uint64_t h = ple_cache_hash(id);
-    int64_t set = set_of(c, h), first = set * c->ways;
+    int64_t set = set_of(c, h), first = set * WAYS;
     int estimate = 0;
     if (c->policy == POLICY_TINYLFU) {
         sketch_add(c, h);
         estimate = sketch_estimate(c, h);
     }
     if (__atomic_test_and_set(&c->locks[set], __ATOMIC_ACQUIRE)) return;
-    for (int32_t w = 0; w < c->ways; w++)
-        if (c->tags[first + w] == id) {
+    for (uint32_t ways = ways_of(fingerprints_of(c, set), fingerprint(h)); ways; ways &= ways - 1)
+        if (*tag_of(c, first + __builtin_ctz(ways)) == id) {
             __atomic_clear(&c->locks[set], __ATOMIC_RELEASE);
             return;
         }
     int64_t k = choose(c, first, estimate);
     if (k >= 0) {
-        int64_t evicted = c->tags[k];
-        uint32_t v = c->versions[k];
-        __atomic_store_n(&c->versions[k], v + 1, __ATOMIC_RELAXED); /* odd: being written */
+        int64_t evicted = *tag_of(c, k);
+        uint32_t v = *version_of(c, k);
+        __atomic_store_n(version_of(c, k), v + 1, __ATOMIC_RELAXED); /* odd: being written */
         atomic_thread_fence(memory_order_release);
         if (c->publish_first) {
-            __atomic_store_n(&c->tags[k], id, __ATOMIC_RELAXED);
-            __atomic_store_n(&c->versions[k], v + 2, __ATOMIC_RELEASE);
+            __atomic_store_n(tag_of(c, k), id, __ATOMIC_RELAXED);
+            __atomic_store_n(version_of(c, k), v + 2, __ATOMIC_RELEASE);
+            __atomic_store_n(fingerprint_at(c, k), (uint8_t)fingerprint(h), __ATOMIC_RELAXED);
             for (int spin = 0; spin < 200; spin++) sched_yield(); /* a reader may find it meanwhile */
-            memcpy(c->data + k * c->rb, row, (size_t)c->rb);
+            memcpy(row_of(c, k), row, (size_t)c->rb);
         } else {
-            __atomic_store_n(&c->tags[k], id, __ATOMIC_RELAXED);
-            memcpy(c->data + k * c->rb, row, (size_t)c->rb);
-            __atomic_store_n(&c->versions[k], v + 2, __ATOMIC_RELEASE); /* even: published */
+            __atomic_store_n(tag_of(c, k), id, __ATOMIC_RELAXED);
+            memcpy(row_of(c, k), row, (size_t)c->rb);
+            __atomic_store_n(version_of(c, k), v + 2, __ATOMIC_RELEASE); /* even: published */
         }
+        __atomic_store_n(fingerprint_at(c, k), (uint8_t)fingerprint(h), __ATOMIC_RELAXED);
         uint32_t fresh = c->policy == POLICY_LRU       ? (uint32_t)__atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED)
                          : c->policy == POLICY_TINYLFU ? (uint32_t)estimate
                                                        : 1;
-        __atomic_store_n(&c->meta[k], fresh, __ATOMIC_RELAXED);
+        __atomic_store_n(meta_of(c, k), fresh, __ATOMIC_RELAXED);
         count(c->counts, C_CACHE_INSERTS, 1);
         count(c->counts, C_CACHE_EVICTIONS, evicted != -1);
     }

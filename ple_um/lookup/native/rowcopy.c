@@ -73,11 +73,12 @@ static inline int64_t *seen_slot(int64_t *seen, const ple_miss_t *rows, int64_t 
         if (seen[k] == 0 || rows[seen[k] - 1].id == id) return &seen[k];
 }
 
-/* Whether a distinct id's row is in memory: copied from the row cache (the access of `tick`), or,
- * without a cache, its pages resident and copied from the mapping. */
-static inline int from_memory(const ple_rows_t *t, const ple_miss_t *row, uint64_t h, uint8_t *to, int check,
-                              uint64_t tick) {
-    if (t->cache) return ple_cache_get(t->cache, row->id, h, to, tick);
+/* Whether a distinct id's row is in memory: copied from the row cache (the access of `tick`; h and
+ * ways: the id's hash and the ways ple_cache_prefetch_row found), or, without a cache, its pages
+ * resident and copied from the mapping. */
+static inline int from_memory(const ple_rows_t *t, const ple_miss_t *row, uint64_t h, uint32_t ways, uint8_t *to,
+                              int check, uint64_t tick) {
+    if (t->cache) return ple_cache_get(t->cache, row->id, h, ways, to, tick);
     if (!check || !ple_resident(row->mapped, t->rb)) return 0;
     memcpy(to, row->mapped, (size_t)t->rb);
     return 1;
@@ -95,6 +96,7 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
     int16_t read_as[WINDOW];    /* per distinct id: its index among those read, or -1: from memory */
     int64_t first_pos[WINDOW];  /* per distinct id: its first place (rows[] is compacted in place) */
     uint64_t hash[WINDOW];      /* per distinct id: its cache hash (ple_cache_hash), with a cache */
+    uint8_t ways[WINDOW];       /* per distinct id: the cache's ways to look in (ple_cache_prefetch_row) */
     int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (place, index of its id in rows) */
     int check = cache == NULL && t->reader != NULL && t->reader->resident_check;
     for (int64_t w = a; w < b; w += WINDOW) {
@@ -120,12 +122,17 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
             *slot = ++d;
         }
         uint64_t tick = cache ? ple_cache_ticks(cache, d) : 0;
+        if (cache) { /* the first ids' cache memory asked for here, the others' CACHE_AHEAD ids ahead */
+            for (int64_t j = 0; j < d && j < CACHE_AHEAD; j++) ple_cache_prefetch(cache, hash[j]);
+            for (int64_t j = 0; j < d && j < CACHE_AHEAD / 2; j++) ways[j] = (uint8_t)ple_cache_prefetch_row(cache, hash[j]);
+        }
         for (int64_t j = 0; j < d; j++) {
             if (cache && j + CACHE_AHEAD < d) ple_cache_prefetch(cache, hash[j + CACHE_AHEAD]);
             if (cache && j + CACHE_AHEAD / 2 < d)
-                ple_cache_prefetch_row(cache, rows[j + CACHE_AHEAD / 2].id, hash[j + CACHE_AHEAD / 2]);
+                ways[j + CACHE_AHEAD / 2] = (uint8_t)ple_cache_prefetch_row(cache, hash[j + CACHE_AHEAD / 2]);
             first_pos[j] = rows[j].pos;
-            if (from_memory(t, &rows[j], cache ? hash[j] : 0, dst + rows[j].pos * rb, check, tick + (uint64_t)j)) {
+            if (from_memory(t, &rows[j], cache ? hash[j] : 0, cache ? ways[j] : 0, dst + rows[j].pos * rb, check,
+                            tick + (uint64_t)j)) {
                 read_as[j] = -1, hits++;
             } else {
                 read_as[j] = (int16_t)m, rows[m++] = rows[j];
@@ -137,7 +144,7 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
         tick = cache && again_hits ? ple_cache_ticks(cache, again_hits) : 0;
         for (int64_t j = 0; j < r; j++) {
             int64_t at = again[j][0], first = again[j][1], k = read_as[first];
-            if (k < 0 && cache && ple_cache_get(cache, id_at(q, at), hash[first], dst + at * rb, tick++)) {
+            if (k < 0 && cache && ple_cache_get(cache, id_at(q, at), hash[first], ways[first], dst + at * rb, tick++)) {
                 hits++;
             } else if (k < 0 || rows[k].mapped) {
                 memcpy(dst + at * rb, dst + first_pos[first] * rb, (size_t)rb);

@@ -45,6 +45,7 @@ enum {
 };
 
 typedef struct ple_cache ple_cache_t;
+#define PLE_CACHE_WAYS 8 /* a row cache's slots per set: a set's ways fit a byte (rowcopy.c's ways[]) */
 
 /* How the rows a lookup finds missing are read (reader.c). */
 enum { READ_FAULT, READ_URING, READ_THREADS };
@@ -149,14 +150,15 @@ void ple_run_lookup(ple_lookup_t *q);
 tally_t ple_run_pooled(const ple_lookup_t *q);
 int ple_pool_running(void);
 /* rowcache.c: a hit copies the row to dst and returns 1 (each access has a tick of its own, taken
- * a window's at once; h: ple_cache_hash(id)); put offers a row just read; the caller counts hits
- * and misses; prefetch and prefetch_row ask for what a get will read, some ids ahead. */
+ * a window's at once; h: ple_cache_hash(id); ways: what prefetch_row returned for it); put offers
+ * a row just read; the caller counts hits and misses; prefetch and prefetch_row ask for what a get
+ * will read, some ids ahead. */
 uint64_t ple_cache_ticks(ple_cache_t *c, int64_t n);
-int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint8_t *dst, uint64_t tick);
+int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint32_t ways, uint8_t *dst, uint64_t tick);
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row);
 void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses);
 void ple_cache_prefetch(const ple_cache_t *c, uint64_t h);
-void ple_cache_prefetch_row(const ple_cache_t *c, int64_t id, uint64_t h);
+uint32_t ple_cache_prefetch_row(const ple_cache_t *c, uint64_t h);
 /* reader.c: rows `rows[0..n)` (positions in the lookup) of ids `ids[]` read into dst rows; the
  * tally counts the rows that could not be read (zeroed). */
 typedef struct {
