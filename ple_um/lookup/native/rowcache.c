@@ -91,7 +91,10 @@ static inline uint32_t *meta_of(const ple_cache_t *c, int64_t k) { return &head_
 /* An id's fingerprint, from its hash's low byte (the set comes from its high bits); never 0. */
 static inline uint32_t fingerprint(uint64_t h) { return (h & 255) ? (uint32_t)(h & 255) : 1; }
 
-/* The set's fingerprints, a byte a way (way w in bits 8w..8w+7). */
+/* The set's fingerprints, a byte a way: way w's byte is bits 8w..8w+7 of the word (little-endian).
+ * Writers store single bytes and readers load the word: a word read while a byte is written can
+ * only filter wrongly, which the slot's id and version check catches. */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a set's fingerprints are read as a little-endian word");
 static inline uint64_t fingerprints_of(const ple_cache_t *c, int64_t set) {
     return __atomic_load_n(&c->fingerprints[set], __ATOMIC_RELAXED);
 }
