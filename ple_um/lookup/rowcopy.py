@@ -103,10 +103,8 @@ class CacheStruct(ctypes.Structure):
     _fields_ = [
         ("sets", ctypes.c_int64),
         ("rb", ctypes.c_int64),
-        ("ways", ctypes.c_int32),
         ("policy", ctypes.c_int32),
         ("publish_first", ctypes.c_int32),
-        ("unused", ctypes.c_int32),
         ("fingerprints", ctypes.c_void_p),
         ("stride", ctypes.c_int64),
         ("locks", ctypes.c_void_p),

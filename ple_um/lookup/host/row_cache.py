@@ -25,11 +25,13 @@ from ple_um.mapping import _libc
 
 POLICIES = {"tinylfu": 0, "lru": 1, "clock": 2}
 WAYS = rowcopy.CACHE_WAYS  # slots per set: an id is looked for in one set only
+# A slot's share of the admission sketch (4 rows of 1-2 one-byte counters a slot) and of the
+# doorkeeper (8-16 bytes a slot: about 6 bits for each access of the period it remembers, 10 x the
+# sketch's width), at most.
+SHARED_PER_SLOT = 8 + 16
 # Bytes a slot takes beside its row's, at most: its fingerprint (one byte of its set's word); its
-# head (id, version, policy word) and the padding to a multiple of 8; its share of the admission
-# sketch (4 rows of 1-2 one-byte counters a slot) and of the doorkeeper (8-16 bytes a slot: about 6
-# bits for each access of the period it remembers, 10 x the sketch's width).
-SLOT_OVERHEAD = 1 + rowcopy.CACHE_SLOT_HEAD + 7 + 8 + 16
+# head (id, version, policy word) and the padding to a multiple of 8; SHARED_PER_SLOT.
+SLOT_OVERHEAD = 1 + rowcopy.CACHE_SLOT_HEAD + 7 + SHARED_PER_SLOT
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
 
 
@@ -52,7 +54,7 @@ def stride(row_bytes: int) -> int:
 def slots_for(capacity: int, row_bytes: int) -> int:
     """The slots a cache of ``capacity`` bytes has: sets of WAYS slots (0 when not even one set
     fits; the sketch and doorkeeper are a power of two wide, so a cache may take a little less)."""
-    slot = 1 + stride(row_bytes) + 8 + 16  # fingerprint, slot, sketch and doorkeeper at most
+    slot = 1 + stride(row_bytes) + SHARED_PER_SLOT  # its fingerprint, the slot, its share
     return WAYS * max(0, capacity // (WAYS * slot))
 
 
@@ -96,9 +98,7 @@ class RowCache:
         self.struct = rowcopy.CacheStruct(
             sets,
             row_bytes,
-            WAYS,
             POLICIES[policy],
-            0,
             0,
             at["fingerprints"],
             self.stride,

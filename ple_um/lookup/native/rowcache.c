@@ -51,10 +51,8 @@ enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
 struct ple_cache {
     int64_t sets;
     int64_t rb;    /* bytes per row */
-    int32_t ways; /* slots per set: WAYS */
     int32_t policy;
     int32_t publish_first; /* tests only: publish the tag before the bytes (a wrong cache) */
-    int32_t unused;
     uint64_t *fingerprints; /* [sets]: a byte a slot */
     int64_t stride;         /* bytes per slot: its head, then the row's rb bytes (a multiple of 8) */
     uint8_t *locks;         /* [sets] */
@@ -187,23 +185,21 @@ void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses) {
     count(c->counts, C_CACHE_MISSES, misses);
 }
 
-/* One miss of the id of hash h, counted for its admission. */
-static void sketch_add(ple_cache_t *c, uint64_t h) {
-    if (!door_seen(c, h, 1)) return; /* a first sighting only sets the doorkeeper */
+/* One miss of the id of hash h, counted for its admission; returns its estimate, this miss
+ * included: the sketch's count plus its doorkeeper bit. */
+static int sketch_add(ple_cache_t *c, uint64_t h) {
+    int seen = door_seen(c, h, 1); /* a first sighting only sets the doorkeeper */
     uint64_t g;
     uint8_t *block = sketch_block(c, h, &g);
     int low = sketch_min(block, g);
-    if (low >= SATURATE) return;
-    for (int r = 0; r < SKETCH_ROWS; r++) { /* conservative update: only the counters at the minimum */
-        uint8_t *at = counter(block, g, r);
-        if (__atomic_load_n(at, __ATOMIC_RELAXED) == low) __atomic_store_n(at, (uint8_t)(low + 1), __ATOMIC_RELAXED);
+    if (seen && low < SATURATE) {
+        for (int r = 0; r < SKETCH_ROWS; r++) { /* conservative update: only the counters at the minimum */
+            uint8_t *at = counter(block, g, r);
+            if (__atomic_load_n(at, __ATOMIC_RELAXED) == low) __atomic_store_n(at, (uint8_t)(low + 1), __ATOMIC_RELAXED);
+        }
+        low++;
     }
-}
-
-static int sketch_estimate(ple_cache_t *c, uint64_t h) {
-    uint64_t g;
-    const uint8_t *block = sketch_block(c, h, &g);
-    return sketch_min(block, g) + door_seen(c, h, 0);
+    return low + 1;
 }
 
 /* Ask for the memory a get of the id of hash h (ple_cache_hash) will look at first (its set's
@@ -286,11 +282,7 @@ static int64_t choose(ple_cache_t *c, int64_t first, int estimate) {
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
     uint64_t h = ple_cache_hash(id);
     int64_t set = set_of(c, h), first = set * WAYS;
-    int estimate = 0;
-    if (c->policy == POLICY_TINYLFU) {
-        sketch_add(c, h);
-        estimate = sketch_estimate(c, h);
-    }
+    int estimate = c->policy == POLICY_TINYLFU ? sketch_add(c, h) : 0;
     if (__atomic_test_and_set(&c->locks[set], __ATOMIC_ACQUIRE)) return;
     for (uint32_t ways = ways_of(fingerprints_of(c, set), fingerprint(h)); ways; ways &= ways - 1)
         if (*tag_of(c, first + __builtin_ctz(ways)) == id) {
