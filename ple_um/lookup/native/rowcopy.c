@@ -65,43 +65,32 @@ static tally_t copy_mapped(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *
     return n;
 }
 
-/* A window's distinct ids: the slot of an id in the open-addressed `seen` (2 * WINDOW entries of
- * index into `rows` + 1; 0 = empty). */
-static inline int64_t *seen_slot(int64_t *seen, const ple_miss_t *rows, int64_t id) {
+/* The window's ids read so far: the slot of an id in the open-addressed `seen` (2 * WINDOW entries
+ * of index into `places` + 1; 0 = empty). */
+static inline int64_t *seen_slot(int64_t *seen, const ple_miss_t *places, int64_t id) {
     uint64_t h = (uint64_t)id * 0x9e3779b97f4a7c15ULL;
     for (uint64_t k = h >> 54;; k = (k + 1) & (2 * WINDOW - 1)) /* 2 * WINDOW = 1024 = 2^10 */
-        if (seen[k] == 0 || rows[seen[k] - 1].id == id) return &seen[k];
+        if (seen[k] == 0 || places[seen[k] - 1].id == id) return &seen[k];
 }
 
-/* Whether a distinct id's row is in memory: copied from the row cache (the access of `tick`; h and
- * ways: the id's hash and the ways ple_cache_prefetch_row found), or, without a cache, its pages
- * resident and copied from the mapping. */
-static inline int from_memory(const ple_rows_t *t, const ple_miss_t *row, uint64_t h, uint32_t ways, uint8_t *to,
-                              int check, uint64_t tick) {
-    if (t->cache) return ple_cache_get(t->cache, row->id, h, ways, to, tick);
-    if (!check || !ple_resident(row->mapped, t->rb)) return 0;
-    memcpy(to, row->mapped, (size_t)t->rb);
-    return 1;
-}
-
-/* Rows [a, b) of a table with a row cache or a reader, a window at a time: its owned ids each once,
- * those in memory copied (the cache's memory asked for some ids ahead), the others read together,
- * then an id's later places in the window filled from its first, and the rows read offered to
- * the cache. The cache is asked once for every place of an id it holds, as a lookup of each. */
+/* Rows [a, b) of a table with a row cache or a reader, a window at a time. Each owned place is a
+ * lookup of the cache of its own (the cache's memory asked for some places ahead); the places it
+ * does not serve are read, each id once a window: an id's first such place is read (or, without a
+ * cache, copied from the mapping where its pages are resident), its later ones filled from it.
+ * Then the rows read are offered to the cache. A hit so costs no bookkeeping of the window's ids. */
 static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *dst, int64_t a, int64_t b) {
     int64_t rb = t->rb;
     tally_t n = {0, 0};
     ple_cache_t *cache = t->cache;
-    ple_miss_t rows[WINDOW];    /* the window's distinct owned ids, then (in place) those read */
-    int16_t read_as[WINDOW];    /* per distinct id: its index among those read, or -1: from memory */
-    int64_t first_pos[WINDOW];  /* per distinct id: its first place (rows[] is compacted in place) */
-    uint64_t hash[WINDOW];      /* per distinct id: its cache hash (ple_cache_hash), with a cache */
-    uint8_t ways[WINDOW];       /* per distinct id: the cache's ways to look in (ple_cache_prefetch_row) */
-    int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (place, index of its id in rows) */
+    ple_miss_t places[WINDOW];  /* the window's owned places */
+    ple_miss_t rows[WINDOW];    /* the places read (one per id), in place marked unread on failure */
+    int16_t read_as[WINDOW];    /* per first place of an id not served: its index in rows, or -1: copied */
+    uint64_t hash[WINDOW];      /* per owned place: its id's cache hash (ple_cache_hash), with a cache */
+    uint8_t ways[WINDOW];       /* per owned place: the cache's ways to look in (ple_cache_prefetch_row) */
+    int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (place, index in places of its id's first) */
     int check = cache == NULL && t->reader != NULL && t->reader->resident_check;
     for (int64_t w = a; w < b; w += WINDOW) {
         int64_t e = w + WINDOW < b ? w + WINDOW : b, d = 0, m = 0, r = 0, hits = 0;
-        memset(seen, 0, sizeof seen);
         for (int64_t i = w; i < e; i++) {
             int64_t id = id_at(q, i);
             int broken = 0;
@@ -112,50 +101,50 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
                 n.outside += id < 0 || id >= t->num_rows;
                 continue;
             }
-            int64_t *slot = seen_slot(seen, rows, id);
-            if (*slot) {
-                again[r][0] = i, again[r][1] = *slot - 1, r++;
-                continue;
-            }
             if (cache) hash[d] = ple_cache_hash(id);
-            rows[d] = (ple_miss_t){i, id, p};
-            *slot = ++d;
+            places[d++] = (ple_miss_t){i, id, p};
         }
         uint64_t tick = cache ? ple_cache_ticks(cache, d) : 0;
-        if (cache) { /* the first ids' cache memory asked for here, the others' CACHE_AHEAD ids ahead */
+        if (cache) { /* the first places' cache memory asked for here, the others' CACHE_AHEAD ahead */
             for (int64_t j = 0; j < d && j < CACHE_AHEAD; j++) ple_cache_prefetch(cache, hash[j]);
             for (int64_t j = 0; j < d && j < CACHE_AHEAD / 2; j++) ways[j] = (uint8_t)ple_cache_prefetch_row(cache, hash[j]);
         }
+        int cleared = 0; /* seen[] is cleared once a window has a place the cache did not serve */
         for (int64_t j = 0; j < d; j++) {
-            if (cache && j + CACHE_AHEAD < d) ple_cache_prefetch(cache, hash[j + CACHE_AHEAD]);
-            if (cache && j + CACHE_AHEAD / 2 < d)
-                ways[j + CACHE_AHEAD / 2] = (uint8_t)ple_cache_prefetch_row(cache, hash[j + CACHE_AHEAD / 2]);
-            first_pos[j] = rows[j].pos;
-            if (from_memory(t, &rows[j], cache ? hash[j] : 0, cache ? ways[j] : 0, dst + rows[j].pos * rb, check,
-                            tick + (uint64_t)j)) {
-                read_as[j] = -1, hits++;
+            const ple_miss_t *at = &places[j];
+            if (cache) {
+                if (j + CACHE_AHEAD < d) ple_cache_prefetch(cache, hash[j + CACHE_AHEAD]);
+                if (j + CACHE_AHEAD / 2 < d)
+                    ways[j + CACHE_AHEAD / 2] = (uint8_t)ple_cache_prefetch_row(cache, hash[j + CACHE_AHEAD / 2]);
+                if (ple_cache_get(cache, at->id, hash[j], ways[j], dst + at->pos * rb, tick + (uint64_t)j)) {
+                    hits++;
+                    continue;
+                }
+            }
+            if (!cleared) memset(seen, 0, sizeof seen), cleared = 1;
+            int64_t *slot = seen_slot(seen, places, at->id);
+            if (*slot) {
+                again[r][0] = at->pos, again[r][1] = *slot - 1, r++;
+                continue;
+            }
+            *slot = j + 1;
+            if (check && ple_resident(at->mapped, rb)) {
+                memcpy(dst + at->pos * rb, at->mapped, (size_t)rb);
+                read_as[j] = -1;
             } else {
-                read_as[j] = (int16_t)m, rows[m++] = rows[j];
+                read_as[j] = (int16_t)m, rows[m++] = *at;
             }
         }
         if (m) tally_add(&n, ple_read_misses(t, rows, m, dst, q->counts));
-        int64_t again_hits = 0; /* later places of ids the cache held: each a lookup of its own */
-        for (int64_t j = 0; j < r; j++) again_hits += read_as[again[j][1]] < 0;
-        tick = cache && again_hits ? ple_cache_ticks(cache, again_hits) : 0;
-        for (int64_t j = 0; j < r; j++) {
-            int64_t at = again[j][0], first = again[j][1], k = read_as[first];
-            if (k < 0 && cache && ple_cache_get(cache, id_at(q, at), hash[first], ways[first], dst + at * rb, tick++)) {
-                hits++;
-            } else if (k < 0 || rows[k].mapped) {
-                memcpy(dst + at * rb, dst + first_pos[first] * rb, (size_t)rb);
-            } else {
-                memset(dst + at * rb, 0, (size_t)rb), n.broken++;
-            }
+        for (int64_t k = 0; k < r; k++) { /* an id's later places, from its first */
+            int64_t to = again[k][0], first = again[k][1], got = read_as[first];
+            if (got < 0 || rows[got].mapped) memcpy(dst + to * rb, dst + places[first].pos * rb, (size_t)rb);
+            else memset(dst + to * rb, 0, (size_t)rb), n.broken++;
         }
         if (cache) {
-            ple_cache_count(cache, hits, d + r - hits);
-            for (int64_t j = 0; j < m; j++)
-                if (rows[j].mapped) ple_cache_put(cache, rows[j].id, dst + rows[j].pos * rb);
+            ple_cache_count(cache, hits, d - hits);
+            for (int64_t k = 0; k < m; k++)
+                if (rows[k].mapped) ple_cache_put(cache, rows[k].id, dst + rows[k].pos * rb);
         }
     }
     return n;
