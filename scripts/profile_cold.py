@@ -11,7 +11,10 @@ Parts (``--parts``, default readers and policies):
 - ``hits``: 1 024-id lookups of rows the row cache holds (``--hot`` rows, each looked up until it
   keeps them, in a cache of ``--cache`` bytes), beside the same lookups of the table with no row
   cache and every page in memory (the page cache's warm path), eager and, on a GPU, replayed from
-  a CUDA graph, the rows as stored; fresh ids of the hot rows for each of ``--calls`` calls.
+  a CUDA graph, the rows as stored; fresh ids of the hot rows for each of ``--calls`` calls. Both
+  tables are open at once and their calls alternate (each pair of calls with the same ids, the order
+  swapped every pair), so that the ratio of each pair (row cache / page cache) is measured under
+  the same state of the machine.
 - ``policies``: the row cache's hit rate under Zipf(1.1)-hashed ids and the real-traffic trace, at
   several budgets, for each policy of the C cache (``PLE_UM_ROW_CACHE_POLICY``), measured through
   the table's own lookups, beside the reference simulations of ``ple_um.bench.cache_sim`` (Belady's
@@ -27,6 +30,7 @@ and writes everything as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -157,41 +161,61 @@ def readers(directory: str, device: str, reps: int, rng) -> dict:
 def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> dict:
     layout = read_layout(directory)
     hot_ids = rng.choice(layout.num_rows, size=min(hot, layout.num_rows), replace=False)
-    found = {"hot_rows": int(hot_ids.size), "cache_bytes": cache, "runs": []}
+    found = {"hot_rows": int(hot_ids.size), "cache_bytes": cache, "runs": [], "ratios": []}
     sources = (
         ("row cache", {"PLE_UM_ROW_CACHE": str(cache)}),
         ("page cache", {"PLE_UM_ROW_CACHE": "0"}),
     )
-    for source, knobs in sources:
-        with_knobs(knobs)
-        operating.prewarm(directory)  # every page in memory, read right before each table opens
-        with ple_um.open_table(directory, mode="cpu", device=device) as table:
+    with contextlib.ExitStack() as stack:
+        tables = {}
+        for source, knobs in sources:
+            with_knobs(knobs)
+            operating.prewarm(directory)  # every page in memory, read right before each table opens
+            table = stack.enter_context(ple_um.open_table(directory, mode="cpu", device=device))
+            tables[source] = table
             fill = torch.from_numpy(hot_ids).to(table.device)
             for _ in range(4 if source == "row cache" else 0):  # a row is kept once asked for again
                 for k in range(0, fill.numel(), 16384):
                     table.lookup(fill[k : k + 16384])
-            for graph in (False, True) if table.device.type == "cuda" else (False,):
-                call = Lookup(table, 1024, graph, table.dtype)  # the rows as stored: no dequantizing
-                before = table.stats().get("row_cache")
-                times = [call.time(rng.choice(hot_ids, 1024)) for _ in range(calls)]
-                after = table.stats().get("row_cache")
-                rate = None
-                if before is not None:
-                    served = after["hits"] - before["hits"]
-                    rate = served / max(1, served + after["misses"] - before["misses"])
+        cuda = tables["row cache"].device.type == "cuda"
+        for graph in (False, True) if cuda else (False,):
+            # The rows as stored (no dequantizing); the two tables' calls alternate, each pair with
+            # the same ids and the order swapped every pair, so that the machine's drift and its
+            # slow spells fall on both alike.
+            lookups = {source: Lookup(table, 1024, graph, table.dtype) for source, table in tables.items()}
+            before = {source: table.stats().get("row_cache") for source, table in tables.items()}
+            times = {source: [] for source in tables}
+            for k in range(calls):
+                ids = rng.choice(hot_ids, 1024)
+                for source in list(tables)[:: 1 if k % 2 == 0 else -1]:
+                    times[source].append(lookups[source].time(ids))
+            for source, table in tables.items():
+                after, rate = table.stats().get("row_cache"), None
+                if before[source] is not None:
+                    served = after["hits"] - before[source]["hits"]
+                    rate = served / max(1, served + after["misses"] - before[source]["misses"])
                 found["runs"].append(
                     {
                         "source": source,
                         "graph": graph,
                         "row_reads": table.row_reads,
-                        "median_s": float(np.median(times)),
-                        "p10_s": float(np.percentile(times, 10)),
-                        "p90_s": float(np.percentile(times, 90)),
+                        "median_s": float(np.median(times[source])),
+                        "p10_s": float(np.percentile(times[source], 10)),
+                        "p90_s": float(np.percentile(times[source], 90)),
                         "hit_rate": rate,
                     }
                 )
                 kind = "graph" if graph else "eager"
-                say(f"  {source:10s} {kind}: {np.median(times) * 1e6:8.1f} us")
+                say(f"  {source:10s} {kind}: {np.median(times[source]) * 1e6:8.1f} us")
+            ratios = np.array(times["row cache"]) / np.array(times["page cache"])
+            found["ratios"].append(
+                {
+                    "graph": graph,
+                    "median": float(np.median(ratios)),
+                    "p10": float(np.percentile(ratios, 10)),
+                    "p90": float(np.percentile(ratios, 90)),
+                }
+            )
     return found
 
 
@@ -276,6 +300,10 @@ def report(result: dict) -> None:
             spread = f"{run['p10_s'] * 1e6:.1f}-{run['p90_s'] * 1e6:.1f}"
             shown = "-" if rate is None else f"{rate:.2%}"
             print(f"| {run['source']} | {kind} | {run['median_s'] * 1e6:.1f} | {spread} | {shown} |")
+        print("\n| call | row cache / page cache, per pair of calls: median [p10-p90] |\n| --- | --- |")
+        for ratio in found["ratios"]:
+            kind = "graph" if ratio["graph"] else "eager"
+            print(f"| {kind} | {ratio['median']:.2f} [{ratio['p10']:.2f}-{ratio['p90']:.2f}] |")
     if "policies" in result:
         print("\n| ids | budget | policy | hit rate |\n| --- | --- | --- | --- |")
         for run in result["policies"]["runs"]:
