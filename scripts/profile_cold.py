@@ -12,9 +12,9 @@ Parts (``--parts``, default readers and policies):
   keeps them, in a cache of ``--cache`` bytes), beside the same lookups of the table with no row
   cache and every page in memory (the page cache's warm path), eager and, on a GPU, replayed from
   a CUDA graph, the rows as stored; fresh ids of the hot rows for each of ``--calls`` calls. Both
-  tables are open at once and their calls alternate (each pair of calls with the same ids, the order
-  swapped every pair), so that the ratio of each pair (row cache / page cache) is measured under
-  the same state of the machine.
+  tables are open at once and take turns in blocks of 20 calls (each after 5 untimed ones), so that
+  the ratio of each pair of blocks' medians (row cache / page cache) is measured under the same
+  state of the machine.
 - ``policies``: the row cache's hit rate under Zipf(1.1)-hashed ids and the real-traffic trace, at
   several budgets, for each policy of the C cache (``PLE_UM_ROW_CACHE_POLICY``), measured through
   the table's own lookups, beside the reference simulations of ``ple_um.bench.cache_sim`` (Belady's
@@ -62,6 +62,8 @@ READERS = (
     ("threads, O_DIRECT, depth 64", {"PLE_UM_FILE_READS": "threads", "PLE_UM_DIRECT_READS": "on"}),
 )
 SIZES = (16, 1024, 16384)
+# The hits part's blocks of timed calls per table, and the untimed calls before each.
+HIT_BLOCK, HIT_BLOCK_WARM = 20, 5
 POLICIES = ("tinylfu", "lru", "clock")
 REFERENCES = ("belady", "lru", "lru-pages")
 MADV_DONTNEED = 4
@@ -179,16 +181,24 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
                     table.lookup(fill[k : k + 16384])
         cuda = tables["row cache"].device.type == "cuda"
         for graph in (False, True) if cuda else (False,):
-            # The rows as stored (no dequantizing); the two tables' calls alternate, each pair with
-            # the same ids and the order swapped every pair, so that the machine's drift and its
-            # slow spells fall on both alike.
+            # The rows as stored (no dequantizing). The two tables take turns in blocks of calls
+            # (the order swapped every pair of blocks), each block after a few untimed calls: the
+            # machine's drift and slow spells fall on both alike, and neither's calls run with
+            # the other's rows and page-table entries in the CPU's caches.
             lookups = {source: Lookup(table, 1024, graph, table.dtype) for source, table in tables.items()}
             before = {source: table.stats().get("row_cache") for source, table in tables.items()}
             times = {source: [] for source in tables}
-            for k in range(calls):
-                ids = rng.choice(hot_ids, 1024)
+            ratios = []
+            for k in range(-(-calls // HIT_BLOCK)):
+                block = {}
                 for source in list(tables)[:: 1 if k % 2 == 0 else -1]:
-                    times[source].append(lookups[source].time(ids))
+                    for _ in range(HIT_BLOCK_WARM):
+                        lookups[source].time(rng.choice(hot_ids, 1024))
+                    block[source] = [
+                        lookups[source].time(rng.choice(hot_ids, 1024)) for _ in range(HIT_BLOCK)
+                    ]
+                    times[source] += block[source]
+                ratios.append(np.median(block["row cache"]) / np.median(block["page cache"]))
             for source, table in tables.items():
                 after, rate = table.stats().get("row_cache"), None
                 if before[source] is not None:
@@ -207,7 +217,6 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
                 )
                 kind = "graph" if graph else "eager"
                 say(f"  {source:10s} {kind}: {np.median(times[source]) * 1e6:8.1f} us")
-            ratios = np.array(times["row cache"]) / np.array(times["page cache"])
             found["ratios"].append(
                 {
                     "graph": graph,
@@ -300,7 +309,7 @@ def report(result: dict) -> None:
             spread = f"{run['p10_s'] * 1e6:.1f}-{run['p90_s'] * 1e6:.1f}"
             shown = "-" if rate is None else f"{rate:.2%}"
             print(f"| {run['source']} | {kind} | {run['median_s'] * 1e6:.1f} | {spread} | {shown} |")
-        print("\n| call | row cache / page cache, per pair of calls: median [p10-p90] |\n| --- | --- |")
+        print("\n| call | row cache / page cache, per pair of blocks: median [p10-p90] |\n| --- | --- |")
         for ratio in found["ratios"]:
             kind = "graph" if ratio["graph"] else "eager"
             print(f"| {kind} | {ratio['median']:.2f} [{ratio['p10']:.2f}-{ratio['p90']:.2f}] |")

@@ -29,9 +29,9 @@ def test_the_hits_part_times_the_row_cache_beside_the_page_cache(
     assert runs["page cache"]["row_reads"] != runs["row cache"]["row_reads"]
     for run in found["runs"]:
         assert 0 < run["p10_s"] <= run["median_s"] <= run["p90_s"]
-    # The two tables' calls alternate in pairs: one ratio per kind of call, of the pairs' times.
+    # The two tables take turns in blocks: one ratio per kind of call, of the blocks' medians.
     (ratio,) = found["ratios"]
     assert not ratio["graph"] and 0 < ratio["p10"] <= ratio["median"] <= ratio["p90"]
     table = capsys.readouterr().out
     assert "| row cache | eager |" in table and "| page cache | eager |" in table and "100.00%" in table
-    assert "| eager | " in table.split("per pair of calls")[1]
+    assert "| eager | " in table.split("per pair of blocks")[1]
