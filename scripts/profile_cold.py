@@ -12,9 +12,10 @@ Parts (``--parts``, default readers and policies):
   keeps them, in a cache of ``--cache`` bytes), beside the same lookups of the table with no row
   cache and every page in memory (the page cache's warm path), eager and, on a GPU, replayed from
   a CUDA graph, the rows as stored; fresh ids of the hot rows for each of ``--calls`` calls. Both
-  tables are open at once and take turns in blocks of 20 calls (each after 5 untimed ones), so that
+  tables are open at once and take turns in blocks of 40 calls (each after 40 untimed ones), so that
   the ratio of each pair of blocks' medians (row cache / page cache) is measured under the same
-  state of the machine.
+  state of the machine. Beside each median, the C row copy's own time per call (the host path's
+  ``gather`` seconds, a mean over each block; the median of the blocks).
 - ``policies``: the row cache's hit rate under Zipf(1.1)-hashed ids and the real-traffic trace, at
   several budgets, for each policy of the C cache (``PLE_UM_ROW_CACHE_POLICY``), measured through
   the table's own lookups, beside the reference simulations of ``ple_um.bench.cache_sim`` (Belady's
@@ -63,7 +64,7 @@ READERS = (
 )
 SIZES = (16, 1024, 16384)
 # The hits part's blocks of timed calls per table, and the untimed calls before each.
-HIT_BLOCK, HIT_BLOCK_WARM = 20, 5
+HIT_BLOCK, HIT_BLOCK_WARM = 40, 40
 POLICIES = ("tinylfu", "lru", "clock")
 REFERENCES = ("belady", "lru", "lru-pages")
 MADV_DONTNEED = 4
@@ -188,16 +189,20 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
             lookups = {source: Lookup(table, 1024, graph, table.dtype) for source, table in tables.items()}
             before = {source: table.stats().get("row_cache") for source, table in tables.items()}
             times = {source: [] for source in tables}
+            copies = {source: [] for source in tables}  # per block, the row copy's mean seconds a call
             ratios = []
             for k in range(-(-calls // HIT_BLOCK)):
                 block = {}
                 for source in list(tables)[:: 1 if k % 2 == 0 else -1]:
                     for _ in range(HIT_BLOCK_WARM):
                         lookups[source].time(rng.choice(hot_ids, 1024))
+                    copied = tables[source].stats()["phase_seconds"]["gather"]
                     block[source] = [
                         lookups[source].time(rng.choice(hot_ids, 1024)) for _ in range(HIT_BLOCK)
                     ]
+                    copied = tables[source].stats()["phase_seconds"]["gather"] - copied
                     times[source] += block[source]
+                    copies[source].append(copied / HIT_BLOCK)
                 ratios.append(np.median(block["row cache"]) / np.median(block["page cache"]))
             for source, table in tables.items():
                 after, rate = table.stats().get("row_cache"), None
@@ -212,6 +217,7 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
                         "median_s": float(np.median(times[source])),
                         "p10_s": float(np.percentile(times[source], 10)),
                         "p90_s": float(np.percentile(times[source], 90)),
+                        "row_copy_s": float(np.median(copies[source])),
                         "hit_rate": rate,
                     }
                 )
@@ -302,13 +308,14 @@ def report(result: dict) -> None:
         found = result["hits"]
         cache = units.format_bytes(found["cache_bytes"])
         print(f"\n1 024 rows of {found['hot_rows']} hot ones, a row cache of {cache}")
-        print("| rows from | call | median us | p10-p90 us | row cache hits |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| rows from | call | median us | p10-p90 us | of it the C row copy, us | row cache hits |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for run in found["runs"]:
             kind, rate = "graph" if run["graph"] else "eager", run["hit_rate"]
             spread = f"{run['p10_s'] * 1e6:.1f}-{run['p90_s'] * 1e6:.1f}"
             shown = "-" if rate is None else f"{rate:.2%}"
-            print(f"| {run['source']} | {kind} | {run['median_s'] * 1e6:.1f} | {spread} | {shown} |")
+            median, copy = run["median_s"] * 1e6, run["row_copy_s"] * 1e6
+            print(f"| {run['source']} | {kind} | {median:.1f} | {spread} | {copy:.1f} | {shown} |")
         print("\n| call | row cache / page cache, per pair of blocks: median [p10-p90] |\n| --- | --- |")
         for ratio in found["ratios"]:
             kind = "graph" if ratio["graph"] else "eager"
