@@ -15,7 +15,8 @@ Parts (``--parts``, default readers and policies):
   tables are open at once and take turns in blocks of 40 calls (each after 40 untimed ones), so that
   the ratio of each pair of blocks' medians (row cache / page cache) is measured under the same
   state of the machine. Beside each median, the C row copy's own time per call (the host path's
-  ``gather`` seconds, a mean over each block; the median of the blocks).
+  ``gather`` seconds, a mean over each block; the median of the blocks) and of it the wait for the
+  reads of the few hot rows the cache did not keep (``file_read_seconds``).
 - ``policies``: the row cache's hit rate under Zipf(1.1)-hashed ids and the real-traffic trace, at
   several budgets, for each policy of the C cache (``PLE_UM_ROW_CACHE_POLICY``), measured through
   the table's own lookups, beside the reference simulations of ``ple_um.bench.cache_sim`` (Belady's
@@ -189,20 +190,24 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
             lookups = {source: Lookup(table, 1024, graph, table.dtype) for source, table in tables.items()}
             before = {source: table.stats().get("row_cache") for source, table in tables.items()}
             times = {source: [] for source in tables}
-            copies = {source: [] for source in tables}  # per block, the row copy's mean seconds a call
+            # Per block, the row copy's mean seconds a call, and of them its wait for reads of misses.
+            copies = {source: [] for source in tables}
+            waits = {source: [] for source in tables}
             ratios = []
             for k in range(-(-calls // HIT_BLOCK)):
                 block = {}
                 for source in list(tables)[:: 1 if k % 2 == 0 else -1]:
                     for _ in range(HIT_BLOCK_WARM):
                         lookups[source].time(rng.choice(hot_ids, 1024))
-                    copied = tables[source].stats()["phase_seconds"]["gather"]
+                    at = tables[source].stats()
                     block[source] = [
                         lookups[source].time(rng.choice(hot_ids, 1024)) for _ in range(HIT_BLOCK)
                     ]
-                    copied = tables[source].stats()["phase_seconds"]["gather"] - copied
+                    now = tables[source].stats()
                     times[source] += block[source]
+                    copied = now["phase_seconds"]["gather"] - at["phase_seconds"]["gather"]
                     copies[source].append(copied / HIT_BLOCK)
+                    waits[source].append((now["file_read_seconds"] - at["file_read_seconds"]) / HIT_BLOCK)
                 ratios.append(np.median(block["row cache"]) / np.median(block["page cache"]))
             for source, table in tables.items():
                 after, rate = table.stats().get("row_cache"), None
@@ -218,6 +223,7 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
                         "p10_s": float(np.percentile(times[source], 10)),
                         "p90_s": float(np.percentile(times[source], 90)),
                         "row_copy_s": float(np.median(copies[source])),
+                        "read_wait_s": float(np.median(waits[source])),
                         "hit_rate": rate,
                     }
                 )
@@ -308,14 +314,16 @@ def report(result: dict) -> None:
         found = result["hits"]
         cache = units.format_bytes(found["cache_bytes"])
         print(f"\n1 024 rows of {found['hot_rows']} hot ones, a row cache of {cache}")
-        print("| rows from | call | median us | p10-p90 us | of it the C row copy, us | row cache hits |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| rows from | call | median us | p10-p90 us | C row copy, us | its reads' wait, us | hits |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for run in found["runs"]:
             kind, rate = "graph" if run["graph"] else "eager", run["hit_rate"]
             spread = f"{run['p10_s'] * 1e6:.1f}-{run['p90_s'] * 1e6:.1f}"
             shown = "-" if rate is None else f"{rate:.2%}"
-            median, copy = run["median_s"] * 1e6, run["row_copy_s"] * 1e6
-            print(f"| {run['source']} | {kind} | {median:.1f} | {spread} | {copy:.1f} | {shown} |")
+            median, copy, wait = (run[key] * 1e6 for key in ("median_s", "row_copy_s", "read_wait_s"))
+            print(
+                f"| {run['source']} | {kind} | {median:.1f} | {spread} | {copy:.1f} | {wait:.1f} | {shown} |"
+            )
         print("\n| call | row cache / page cache, per pair of blocks: median [p10-p90] |\n| --- | --- |")
         for ratio in found["ratios"]:
             kind = "graph" if ratio["graph"] else "eager"

@@ -30,6 +30,7 @@ def test_the_hits_part_times_the_row_cache_beside_the_page_cache(
     for run in found["runs"]:
         assert 0 < run["p10_s"] <= run["median_s"] <= run["p90_s"]
         assert 0 < run["row_copy_s"] < run["p90_s"]  # the C row copy is part of each call
+        assert 0 <= run["read_wait_s"] <= run["row_copy_s"]
     # The two tables take turns in blocks: one ratio per kind of call, of the blocks' medians.
     (ratio,) = found["ratios"]
     assert not ratio["graph"] and 0 < ratio["p10"] <= ratio["median"] <= ratio["p90"]
