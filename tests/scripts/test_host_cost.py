@@ -27,5 +27,7 @@ def test_host_cost_times_back_to_back_and_single_lookups(make_checkpoint, tmp_pa
     assert figures["back_to_back_16"]["samples"] == 2 and figures["eager_1024"]["samples"] == 4
     for q in figures.values():
         assert 0 < q["p10_us"] <= q["median_us"] <= q["p90_us"]
+    eager = figures["eager_1024"]
+    assert 0 < eager["returned_median_us"] and 0 < eager["row_copy_mean_us"] <= eager["p90_us"]
     text = capsys.readouterr().out
     assert "no row cache" in text and "| back_to_back_16 |" in text and "| eager_1024 |" in text
