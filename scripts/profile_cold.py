@@ -354,7 +354,12 @@ def main() -> int:
     p.add_argument("--lookups", type=int, default=400, help="1 024-id lookups per policy run")
     p.add_argument("--hot", type=int, default=500_000, help="hot rows of the hits part")
     p.add_argument("--cache", default="1GiB", help="the row cache of the hits part")
-    p.add_argument("--calls", type=int, default=200, help="timed calls of the hits part, per path")
+    p.add_argument(
+        "--calls",
+        type=int,
+        default=200,
+        help="timed calls of the hits part, per path (rounded up to blocks of 40)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_cold.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
