@@ -220,6 +220,7 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
                         "graph": graph,
                         "row_reads": table.row_reads,
                         "median_s": float(np.median(times[source])),
+                        "mean_s": float(np.mean(times[source])),
                         "p10_s": float(np.percentile(times[source], 10)),
                         "p90_s": float(np.percentile(times[source], 90)),
                         "row_copy_s": float(np.median(copies[source])),
@@ -314,7 +315,7 @@ def report(result: dict) -> None:
         found = result["hits"]
         cache = units.format_bytes(found["cache_bytes"])
         print(f"\n1 024 rows of {found['hot_rows']} hot ones, a row cache of {cache}")
-        print("| rows from | call | median us | p10-p90 us | C row copy, us | its reads' wait, us | hits |")
+        print("| rows from | call | median us | p10-p90 us | C row copy, mean us | its reads' wait | hits |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for run in found["runs"]:
             kind, rate = "graph" if run["graph"] else "eager", run["hit_rate"]

@@ -29,7 +29,9 @@ def test_the_hits_part_times_the_row_cache_beside_the_page_cache(
     assert runs["page cache"]["row_reads"] != runs["row cache"]["row_reads"]
     for run in found["runs"]:
         assert 0 < run["p10_s"] <= run["median_s"] <= run["p90_s"]
-        assert 0 < run["row_copy_s"] < run["p90_s"]  # the C row copy is part of each call
+        # The C row copy is part of each call, and its figure a mean: with one block of calls (5
+        # asked for) it is at most the calls' mean wall time, whatever one slow call does to it.
+        assert 0 < run["row_copy_s"] <= run["mean_s"]
         assert 0 <= run["read_wait_s"] <= run["row_copy_s"]
     # The two tables take turns in blocks: one ratio per kind of call, of the blocks' medians.
     (ratio,) = found["ratios"]
