@@ -31,7 +31,13 @@ BIG_ROWS = 1024
 
 def quantiles(seconds: list[float]) -> dict:
     q = np.quantile(seconds, [0.1, 0.5, 0.9]) * 1e6
-    return {"median_us": float(q[1]), "p10_us": float(q[0]), "p90_us": float(q[2]), "samples": len(seconds)}
+    return {
+        "median_us": float(q[1]),
+        "p10_us": float(q[0]),
+        "p90_us": float(q[2]),
+        "mean_us": float(np.mean(seconds) * 1e6),
+        "samples": len(seconds),
+    }
 
 
 def row_copy_seconds(table) -> float:

@@ -28,6 +28,7 @@ def test_host_cost_times_back_to_back_and_single_lookups(make_checkpoint, tmp_pa
     for q in figures.values():
         assert 0 < q["p10_us"] <= q["median_us"] <= q["p90_us"]
     eager = figures["eager_1024"]
-    assert 0 < eager["returned_median_us"] and 0 < eager["row_copy_mean_us"] <= eager["p90_us"]
+    # The row copy is part of each call and its figure a mean: at most the calls' mean wall time.
+    assert 0 < eager["returned_median_us"] and 0 < eager["row_copy_mean_us"] <= eager["mean_us"]
     text = capsys.readouterr().out
     assert "no row cache" in text and "| back_to_back_16 |" in text and "| eager_1024 |" in text
