@@ -162,6 +162,20 @@ def readers(directory: str, device: str, reps: int, rng) -> dict:
     return found
 
 
+def hit_block(table, call: Lookup, hot_ids: np.ndarray, rng) -> tuple[list[float], float, float]:
+    """One block of the hits part on ``table``: HIT_BLOCK_WARM untimed calls, then HIT_BLOCK timed
+    ones of fresh hot ids. Returns their times, the row copy's mean seconds a call over them, and of
+    those its mean wait for reads of misses."""
+    for _ in range(HIT_BLOCK_WARM):
+        call.time(rng.choice(hot_ids, 1024))
+    at = table.stats()
+    times = [call.time(rng.choice(hot_ids, 1024)) for _ in range(HIT_BLOCK)]
+    now = table.stats()
+    copied = now["phase_seconds"]["gather"] - at["phase_seconds"]["gather"]
+    waited = now["file_read_seconds"] - at["file_read_seconds"]
+    return times, copied / HIT_BLOCK, waited / HIT_BLOCK
+
+
 def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> dict:
     layout = read_layout(directory)
     hot_ids = rng.choice(layout.num_rows, size=min(hot, layout.num_rows), replace=False)
@@ -197,17 +211,10 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
             for k in range(-(-calls // HIT_BLOCK)):
                 block = {}
                 for source in list(tables)[:: 1 if k % 2 == 0 else -1]:
-                    for _ in range(HIT_BLOCK_WARM):
-                        lookups[source].time(rng.choice(hot_ids, 1024))
-                    at = tables[source].stats()
-                    block[source] = [
-                        lookups[source].time(rng.choice(hot_ids, 1024)) for _ in range(HIT_BLOCK)
-                    ]
-                    now = tables[source].stats()
+                    block[source], copy, wait = hit_block(tables[source], lookups[source], hot_ids, rng)
                     times[source] += block[source]
-                    copied = now["phase_seconds"]["gather"] - at["phase_seconds"]["gather"]
-                    copies[source].append(copied / HIT_BLOCK)
-                    waits[source].append((now["file_read_seconds"] - at["file_read_seconds"]) / HIT_BLOCK)
+                    copies[source].append(copy)
+                    waits[source].append(wait)
                 ratios.append(np.median(block["row cache"]) / np.median(block["page cache"]))
             for source, table in tables.items():
                 after, rate = table.stats().get("row_cache"), None
