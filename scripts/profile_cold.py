@@ -198,7 +198,7 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
         cuda = tables["row cache"].device.type == "cuda"
         for graph in (False, True) if cuda else (False,):
             # The rows as stored (no dequantizing). The two tables take turns in blocks of calls
-            # (the order swapped every pair of blocks), each block after a few untimed calls: the
+            # (the order swapped every pair of blocks), each block after untimed calls of its own: the
             # machine's drift and slow spells fall on both alike, and neither's calls run with
             # the other's rows and page-table entries in the CPU's caches.
             lookups = {source: Lookup(table, 1024, graph, table.dtype) for source, table in tables.items()}
