@@ -94,7 +94,7 @@ class ReaderStruct(ctypes.Structure):
 
 
 # rowcache.c's sets of WAYS slots; a slot is its head (id, version, policy word), then the row.
-CACHE_WAYS, CACHE_SLOT_HEAD = 8, 16
+CACHE_WAYS, CACHE_SLOT_HEAD = 16, 16
 
 
 class CacheStruct(ctypes.Structure):

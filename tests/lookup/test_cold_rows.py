@@ -204,7 +204,7 @@ def test_a_cache_smaller_than_one_lookup_stays_exact(lib, make_checkpoint, rng, 
     owned = (100, 4900)
     with MappedShards(layout, owned) as mapping:
         counts = rowcopy.Counts()
-        cache = RowCache(2 * WAYS, layout.row_bytes, counts, policy=policy)  # 16 rows
+        cache = RowCache(2 * WAYS, layout.row_bytes, counts, policy=policy)  # two sets
         reader = FileReader(mapping, strategy="uring", direct=True, depth=32)
         try:
             rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
@@ -218,7 +218,7 @@ def test_a_cache_smaller_than_one_lookup_stays_exact(lib, make_checkpoint, rng, 
                 assert np.array_equal(out.numpy(), reference_rows(layout, ids.numpy(), owned))
                 looked_up += int(((ids_np >= owned[0]) & (ids_np < owned[1])).sum())
             stats = cache.stats()
-            assert stats["hits"] > 0 and stats["evictions"] > 0 and 0 < stats["rows"] <= 16
+            assert stats["hits"] > 0 and stats["evictions"] > 0 and 0 < stats["rows"] <= 2 * WAYS
             assert stats["hits"] + stats["misses"] == looked_up  # owned ids only
         finally:
             cache.close()
@@ -282,7 +282,7 @@ def test_concurrent_lookups_with_evictions_get_their_rows(lib, make_checkpoint, 
         def work(seed):
             local = np.random.default_rng(seed)
             for _ in range(40):
-                ids_np = local.choice(np.arange(12), 300)  # 12 ids into 8 slots: constant eviction
+                ids_np = local.choice(np.arange(WAYS + WAYS // 2), 300)  # more ids than slots: evictions
                 out = torch.full((300, layout.row_bytes), 0xAB, dtype=torch.uint8)
                 job = make_job([rows], torch.from_numpy(ids_np), [out], counts)
                 lib.ple_lookup_run(ctypes.addressof(job))
@@ -315,7 +315,7 @@ def _race(lib, layout, mapping, publish_first: bool, seconds: float) -> int:
     def look(seed):
         local = np.random.default_rng(seed)
         while time.monotonic() < stop and not (publish_first and wrong[0]):
-            ids_np = local.integers(0, 16, 64)
+            ids_np = local.integers(0, 2 * WAYS, 64)
             out = torch.full((64, layout.row_bytes), 0xAB, dtype=torch.uint8)
             job = make_job([rows], torch.from_numpy(ids_np), [out], counts)  # held while it runs
             lib.ple_lookup_run(ctypes.addressof(job))
@@ -461,7 +461,8 @@ def _fingerprint(ids: np.ndarray) -> np.ndarray:
 
 def test_ids_of_one_fingerprint_in_one_set_are_told_apart(lib, make_checkpoint, rng, poison):
     """A set's fingerprints are only a filter: three rows whose ids share a fingerprint, held in one
-    set beside three others, are each served exactly, as hits, with nothing read from the files."""
+    full set beside rows of other fingerprints, are each served exactly, as hits, with nothing read
+    from the files. The three are put last, so they lie in the set's last word of fingerprints."""
     layout = make_checkpoint(
         num_rows=40000, row_dim=160, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
     )
@@ -469,8 +470,9 @@ def test_ids_of_one_fingerprint_in_one_set_are_told_apart(lib, make_checkpoint, 
     prints = _fingerprint(every)
     shared = int(rng.integers(1, 256))
     alike = rng.choice(every[prints == shared], 3, replace=False)
-    others = rng.choice(every[prints != shared], 3, replace=False)
-    held = np.concatenate([alike, others])
+    _, first_of_each = np.unique(prints[prints != shared], return_index=True)
+    others = rng.choice(every[prints != shared][first_of_each], WAYS - 3, replace=False)
+    held = np.concatenate([others, alike])  # way k takes held[k]: the empty ways fill in order
     with MappedShards(layout) as mapping:
         counts = rowcopy.Counts()
         cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")  # one set
@@ -478,10 +480,10 @@ def test_ids_of_one_fingerprint_in_one_set_are_told_apart(lib, make_checkpoint, 
         try:
             rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
             first = torch.from_numpy(held)
-            run(lib, [rows], first, [torch.empty((6, layout.row_bytes), dtype=torch.uint8)], counts)
+            run(lib, [rows], first, [torch.empty((WAYS, layout.row_bytes), dtype=torch.uint8)], counts)
             in_cache = np.ctypeslib.as_array((ctypes.c_uint8 * WAYS).from_address(cache.struct.fingerprints))
-            assert sorted(in_cache.tolist()) == sorted(_fingerprint(held).tolist() + [0, 0])
-            assert int((in_cache == shared).sum()) == 3  # the three share one fingerprint in the set
+            assert in_cache.tolist() == _fingerprint(held).tolist()
+            assert in_cache[-3:].tolist() == [shared] * 3  # the three share one fingerprint in the set
             evict(mapping, layout)
             ids_np = rng.permutation(np.repeat(held, 4))
             out = poison(torch.empty((ids_np.size, layout.row_bytes), dtype=torch.uint8))
@@ -510,7 +512,7 @@ def test_one_off_rows_do_not_flush_hot_ones_under_tinylfu(lib, make_checkpoint, 
         try:
             for policy in ("tinylfu", "lru"):
                 counts = rowcopy.Counts()
-                cache = RowCache(64 * WAYS, layout.row_bytes, counts, policy=policy)
+                cache = RowCache(512, layout.row_bytes, counts, policy=policy)
                 rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
                 for k in range(30):
                     ids = torch.from_numpy(

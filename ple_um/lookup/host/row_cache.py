@@ -29,7 +29,7 @@ WAYS = rowcopy.CACHE_WAYS  # slots per set: an id is looked for in one set only
 # doorkeeper (8-16 bytes a slot: about 6 bits for each access of the period it remembers, 10 x the
 # sketch's width), at most.
 SHARED_PER_SLOT = 8 + 16
-# Bytes a slot takes beside its row's, at most: its fingerprint (one byte of its set's word); its
+# Bytes a slot takes beside its row's, at most: its fingerprint (one byte of its set's words); its
 # head (id, version, policy word) and the padding to a multiple of 8; SHARED_PER_SLOT.
 SLOT_OVERHEAD = 1 + rowcopy.CACHE_SLOT_HEAD + 7 + SHARED_PER_SLOT
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23

@@ -86,7 +86,7 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
     ple_miss_t rows[WINDOW];    /* the places read (one per id), in place marked unread on failure */
     int16_t read_as[WINDOW];    /* per first place of an id not served: its index in rows, or -1: copied */
     uint64_t hash[WINDOW];      /* per owned place: its id's cache hash (ple_cache_hash), with a cache */
-    uint8_t ways[WINDOW];       /* per owned place: the cache's ways to look in (ple_cache_prefetch_row) */
+    uint16_t ways[WINDOW];      /* per owned place: the cache's ways to look in (ple_cache_prefetch_row) */
     int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (place, index in places of its id's first) */
     int check = cache == NULL && t->reader != NULL && t->reader->resident_check;
     for (int64_t w = a; w < b; w += WINDOW) {
@@ -107,7 +107,7 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
         uint64_t tick = cache ? ple_cache_ticks(cache, d) : 0;
         if (cache) { /* the first places' cache memory asked for here, the others' CACHE_AHEAD ahead */
             for (int64_t j = 0; j < d && j < CACHE_AHEAD; j++) ple_cache_prefetch(cache, hash[j]);
-            for (int64_t j = 0; j < d && j < CACHE_AHEAD / 2; j++) ways[j] = (uint8_t)ple_cache_prefetch_row(cache, hash[j]);
+            for (int64_t j = 0; j < d && j < CACHE_AHEAD / 2; j++) ways[j] = (uint16_t)ple_cache_prefetch_row(cache, hash[j]);
         }
         int cleared = 0; /* seen[] is cleared once a window has a place the cache did not serve */
         for (int64_t j = 0; j < d; j++) {
@@ -115,7 +115,7 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
             if (cache) {
                 if (j + CACHE_AHEAD < d) ple_cache_prefetch(cache, hash[j + CACHE_AHEAD]);
                 if (j + CACHE_AHEAD / 2 < d)
-                    ways[j + CACHE_AHEAD / 2] = (uint8_t)ple_cache_prefetch_row(cache, hash[j + CACHE_AHEAD / 2]);
+                    ways[j + CACHE_AHEAD / 2] = (uint16_t)ple_cache_prefetch_row(cache, hash[j + CACHE_AHEAD / 2]);
                 if (ple_cache_get(cache, at->id, hash[j], ways[j], dst + at->pos * rb, tick + (uint64_t)j)) {
                     hits++;
                     continue;

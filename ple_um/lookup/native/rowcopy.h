@@ -45,7 +45,7 @@ enum {
 };
 
 typedef struct ple_cache ple_cache_t;
-#define PLE_CACHE_WAYS 8 /* a row cache's slots per set: a set's ways fit a byte (rowcopy.c's ways[]) */
+#define PLE_CACHE_WAYS 16 /* a row cache's slots per set: a set's ways fit 16 bits (rowcopy.c's ways[]) */
 
 /* How the rows a lookup finds missing are read (reader.c). */
 enum { READ_FAULT, READ_URING, READ_THREADS };
