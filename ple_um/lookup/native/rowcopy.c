@@ -18,6 +18,7 @@
 #define AHEAD 16
 #define WINDOW 512 /* ids a table with a cache or a reader looks at before it reads their misses */
 #define CACHE_AHEAD 16 /* ids ahead whose cache memory is asked for (their slot's bytes at half that) */
+_Static_assert(PLE_CACHE_WAYS <= 16, "copy_cold keeps a place's cache ways in 16 bits");
 
 static inline int64_t id_at(const ple_lookup_t *q, int64_t i) {
     switch (q->id_kind) {
