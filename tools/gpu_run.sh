@@ -11,12 +11,12 @@
 #   bench    ple-um bench on the shared table of $SIZE, side by side; BENCH_ARGS adds arguments
 #   cold     ple-um bench --memory-limit: a table of $COLD_SIZE (default 12GiB) served by lookups
 #            held to $MEMORY_LIMIT (default 3GiB) of memory, uniform and zipf:1.1 ids; COLD_ARGS
-#   profile  scripts/profile_cold.py on the shared table; PROFILE_ARGS adds arguments
-#   tp       scripts/tp_check.py on two GPUs, its own table of $TP_SIZE (the two ranks' vocab split
+#   profile  tools/profile_cold.py on the shared table; PROFILE_ARGS adds arguments
+#   tp       tools/tp_check.py on two GPUs, its own table of $TP_SIZE (the two ranks' vocab split
 #            inside a shard); TP_ARGS adds arguments
 #
-#   scripts/gpu_run.sh                       # tests, profile, bench
-#   SIZE=16GiB scripts/gpu_run.sh bench cold
+#   tools/gpu_run.sh                       # tests, profile, bench
+#   SIZE=16GiB tools/gpu_run.sh bench cold
 # The parts that need the big table (profile, bench) share one: ple-um bench's synthetic table of
 # $SIZE, written once into $PLE_UM_CACHE_DIR (or $TABLE, when set).
 set -uo pipefail
@@ -62,9 +62,9 @@ for part in "${parts[@]}"; do
         bench) table; run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench --size "$SIZE" ${BENCH_ARGS:-} ;;
         cold) run cold "${COLD_LIMIT:-500}" python3 -m ple_um.cli bench --memory-limit "${MEMORY_LIMIT:-3GiB}" \
                   --size "${COLD_SIZE:-12GiB}" --ids uniform,zipf:1.1 --json-file "$OUT/cold.json" ${COLD_ARGS:-} ;;
-        profile) table; run profile "${PROFILE_LIMIT:-300}" python3 scripts/profile_cold.py --dir "$TABLE" \
+        profile) table; run profile "${PROFILE_LIMIT:-300}" python3 tools/profile_cold.py --dir "$TABLE" \
                      --out "$OUT/profile_cold.json" ${PROFILE_ARGS:-} ;;
-        tp) run tp "${TP_LIMIT:-400}" python3 scripts/tp_check.py --size "${TP_SIZE:-$SIZE}" \
+        tp) run tp "${TP_LIMIT:-400}" python3 tools/tp_check.py --size "${TP_SIZE:-$SIZE}" \
                 --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;  # its own table: the split inside a shard
         *) echo "unknown part $part (tests, bench, cold, profile, tp)"; exit 2 ;;
     esac

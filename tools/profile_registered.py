@@ -15,7 +15,7 @@ replay's output is poisoned first and compared afterwards with the same rows loo
 - ``shapes``: the kernel launched with other program shapes (rows per program x warps) on
   consecutive, 2 MiB-window, uniform and Zipf ids.
 
-    python scripts/profile_registered.py --dir TABLE --json-file registered.json
+    python tools/profile_registered.py --dir TABLE --json-file registered.json
 
 Needs a CUDA device that can register host memory, and a table that fits the pin budget.
 """

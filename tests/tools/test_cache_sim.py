@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import functools
 
+import cache_sim
 import numpy as np
 import pytest
-
-from ple_um.bench import cache_sim
-from ple_um.bench.cache_sim import POLICIES, cold_and_warm, hit_rates
+from cache_sim import POLICIES, cold_and_warm, hit_rates
 
 
 def optimum(keys: list[int], capacity: int) -> int:

@@ -3,10 +3,11 @@ the reference simulations of ``cache_sim`` and draws."""
 
 from __future__ import annotations
 
+import cache_bound
+import cache_sim
 import numpy as np
 import pytest
 
-from ple_um.bench import cache_bound, cache_sim
 from ple_um.bench.ids import parse_ids
 
 

@@ -1,13 +1,13 @@
 """What the PLE traffic trace says (docs/TRAFFIC.md): its tables printed as markdown, its JSON and
 its plot, from one trace file.
 
-    PYTHONPATH=/tmp/qt python scripts/traffic_report.py
+    PYTHONPATH=/tmp/qt python tools/traffic_report.py
 
-reads the full trace (``--trace``, made by scripts/make_trace.py, which this script runs first
+reads the full trace (``--trace``, made by tools/make_trace.py, which this script runs first
 when the file is absent: that needs vLLM, the tokenizer in PYTHONPATH and the Debian archive) and
 writes ``--json`` and ``--plot``. ``--trace ple_um/bench/data/trace_sample.npz`` runs it on the
 committed sample instead (no vLLM, no tokenizer). Takes about 10 minutes for the full trace on
-one core (the cache simulations are pure Python: ``ple_um/bench/cache_sim.py``).
+one core (the cache simulations are pure Python: ``tools/cache_sim.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import cache_sim
+import traffic  # noqa: E402
+
 from ple_um import envs  # noqa: E402
-from ple_um.bench import cache_sim, traffic  # noqa: E402
 from ple_um.bench.trace import read_trace  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

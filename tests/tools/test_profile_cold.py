@@ -1,4 +1,4 @@
-"""scripts/profile_cold.py's hits part: lookups of rows the row cache holds beside the same lookups
+"""tools/profile_cold.py's hits part: lookups of rows the row cache holds beside the same lookups
 from the page cache, on a real table, every row served from the cache, the JSON and the table."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import sys
 
-from helpers.scripts import load_script
+from helpers.tools import load_tool
 
 
 def test_the_hits_part_times_the_row_cache_beside_the_page_cache(
     make_checkpoint, tmp_path, monkeypatch, capsys
 ):
-    script = load_script("profile_cold")
+    script = load_tool("profile_cold")
     layout = make_checkpoint(num_rows=50_000, row_dim=160, dtype="fp8", shards=8, files=2, seed=5)
     out = tmp_path / "hits.json"
     argv = ["profile_cold.py", "--dir", str(layout.directory), "--parts", "hits", "--hot", "3000"]

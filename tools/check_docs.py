@@ -4,7 +4,7 @@ and that docs/OPERATING.md lists every knob of ``ple_um.envs`` with its aliases 
 ``ple_um.metrics``. The lab notebook (docs/lab/) may name scripts and files that are gone, when its
 README lists them with the commit that holds them.
 
-    python scripts/check_docs.py        # exit 1 and one line per problem, else "docs: ok"
+    python tools/check_docs.py        # exit 1 and one line per problem, else "docs: ok"
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 from ple_um.envs import KNOBS  # noqa: E402
 from ple_um.metrics.counters import METRICS  # noqa: E402
 
-PATH = re.compile(r"(?<![\w./-])((?:scripts|tests|ple_um|kernels|docs)/[\w./*-]*[\w*/])")
+PATH = re.compile(r"(?<![\w./-])((?:tools|tests|ple_um|kernels|docs)/[\w./*-]*[\w*/])")
 TEST = re.compile(r"(?<![\w/.])(?:::)?(test_\w+)\b")
 KNOB = re.compile(r"\bPLE_UM\w*")
 METRIC = re.compile(r"vllm:ple_(?:um|mmap)_\w+\*?")

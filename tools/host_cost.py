@@ -11,7 +11,7 @@ package runs it. Three figures, each the median of rounds with its p10 and p90:
 - graph replay 1 024 rows (CUDA only): a lookup captured once, replayed with new ids copied into
   its input first.
 
-    python scripts/host_cost.py --dir TABLE --mode cpu --json-file out.json
+    python tools/host_cost.py --dir TABLE --mode cpu --json-file out.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ count, the table's pages dropped before each:
 Per run: each process's median lookup time and hit rates, its row cache's bytes, the group's peak,
 and a process the limit's OOM killer ended. Prints a table and writes everything as JSON.
 
-    python scripts/profile_shared_table.py --dir TABLE --memory-limit 1GiB --processes 1,2 \\
+    python tools/profile_shared_table.py --dir TABLE --memory-limit 1GiB --processes 1,2 \\
         --ids zipf:1.1 --rows 1024 --out shared.json
 """
 

@@ -1,4 +1,4 @@
-"""scripts/host_cost.py: the host's cost of small lookups through the public API, on a real table,
+"""tools/host_cost.py: the host's cost of small lookups through the public API, on a real table,
 with the package it imported and whether the open made a row cache named in the JSON."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import sys
 
-from helpers.scripts import load_script
+from helpers.tools import load_tool
 
 import ple_um
 
 
 def test_host_cost_times_back_to_back_and_single_lookups(make_checkpoint, tmp_path, monkeypatch, capsys):
-    script = load_script("host_cost")
+    script = load_tool("host_cost")
     layout = make_checkpoint(num_rows=20_000, row_dim=160, dtype="fp8", shards=4, files=2, seed=3)
     out = tmp_path / "host.json"
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")

@@ -3,9 +3,9 @@ rank looks up the same ids, an all-reduce sums the partial rows, and the sum mus
 read from the files. Prints check lines as it goes, a memory table and a timing table last, and
 writes JSON.
 
-    python scripts/tp_check.py --size 16GiB                        # spawns 2 ranks, NCCL, GPUs 0 and 1
-    torchrun --nproc-per-node 2 scripts/tp_check.py --size 16GiB    # the same under torchrun
-    python scripts/tp_check.py --backend gloo --device cpu --size 32MiB   # dry run on the CPU
+    python tools/tp_check.py --size 16GiB                        # spawns 2 ranks, NCCL, GPUs 0 and 1
+    torchrun --nproc-per-node 2 tools/tp_check.py --size 16GiB    # the same under torchrun
+    python tools/tp_check.py --backend gloo --device cpu --size 32MiB   # dry run on the CPU
 
 What it does, for each way of opening the table (both ranks `registered`, both `cpu`, and rank 0
 `registered` with the others `cpu`, as a pin budget could decide):

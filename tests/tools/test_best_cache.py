@@ -1,4 +1,4 @@
-"""scripts/best_cache.py: the best row and page caches of the bench's zipf ids, against the row
+"""tools/best_cache.py: the best row and page caches of the bench's zipf ids, against the row
 probabilities and cache_sim's bounds computed here, and its JSON and table."""
 
 from __future__ import annotations
@@ -7,16 +7,16 @@ import json
 
 import numpy as np
 import pytest
-from helpers.scripts import load_script
+from cache_bound import best_distinct_misses, best_hits, page_probabilities, pages_held_hits
+from helpers.tools import load_tool
 
-from ple_um.bench.cache_bound import best_distinct_misses, best_hits, page_probabilities, pages_held_hits
 from ple_um.bench.ids import parse_ids
 from ple_um.lookup.host.row_cache import slots_for
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("best_cache")
+    return load_tool("best_cache")
 
 
 def test_best_caches_of_each_size(script, tmp_path, capsys):

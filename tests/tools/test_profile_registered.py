@@ -1,4 +1,4 @@
-"""scripts/profile_registered.py on the CPU machine: the ids each kind draws (in the table, in their
+"""tools/profile_registered.py on the CPU machine: the ids each kind draws (in the table, in their
 window, consecutive where asked, fresh from call to call), the report's table and ratio, and a clear
 refusal without a CUDA device. Its GPU figures come from the H200 (docs/BENCHMARKS.md)."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.scripts import load_script
+from helpers.tools import load_tool
 
 NUM_ROWS, ROW_BYTES, N = 13_421_772, 160, 1024
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("profile_registered")
+    return load_tool("profile_registered")
 
 
 @pytest.mark.parametrize("kind", ["sequential", "64KiB", "2MiB", "64MiB", "512MiB", "uniform", "zipf:1.1"])

@@ -3,7 +3,7 @@ traffic runs: the probability of the most probable rows it can hold (``cache_bou
 cache that does not know the future serves more), for row caches of ``--cache`` bytes and page
 caches of ``--page-cache``.
 
-    python scripts/best_cache.py --table-rows 80530636 --ids zipf:1.1 --cache 1.30GiB,2GiB \\
+    python tools/best_cache.py --table-rows 80530636 --ids zipf:1.1 --cache 1.30GiB,2GiB \\
         --page-cache 2.5GiB --reads-per-s 76319 --batch 1024 --json-file best_cache.json
 
 A row cache of B bytes holds the shipped row cache's slots for B (``row_cache.slots_for``, its
@@ -32,13 +32,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ple_um.bench.cache_bound import (  # noqa: E402
+from cache_bound import (  # noqa: E402
     best_distinct_misses,
     best_hits,
     page_probabilities,
     pages_held_hits,
 )
-from ple_um.bench.cache_sim import PAGE_BYTES  # noqa: E402
+from cache_sim import PAGE_BYTES  # noqa: E402
+
 from ple_um.bench.config import Config  # noqa: E402
 from ple_um.bench.ids import IdDistribution, parse_ids  # noqa: E402
 from ple_um.lookup.host.row_cache import slots_for  # noqa: E402

@@ -1,4 +1,4 @@
-"""scripts/first_lookups.py: the unbounded cache's hit rates at points of the bench's id stream,
+"""tools/first_lookups.py: the unbounded cache's hit rates at points of the bench's id stream,
 against the same stream counted with a Python set, and its JSON and table."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import json
 
 import numpy as np
 import pytest
-from helpers.scripts import load_script
+from helpers.tools import load_tool
 
 from ple_um.bench.ids import parse_ids
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("first_lookups")
+    return load_tool("first_lookups")
 
 
 def by_set(table_rows, ids, batch, at, window, seed):

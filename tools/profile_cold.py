@@ -19,14 +19,14 @@ Parts (``--parts``, default readers and policies):
   reads of the few hot rows the cache did not keep (``file_read_seconds``).
 - ``policies``: the row cache's hit rate under Zipf(1.1)-hashed ids and the real-traffic trace, at
   several budgets, for each policy of the C cache (``PLE_UM_ROW_CACHE_POLICY``), measured through
-  the table's own lookups, beside the reference simulations of ``ple_um.bench.cache_sim`` (Belady's
+  the table's own lookups, beside the reference simulations of ``cache_sim`` (Belady's
   optimum, LRU rows, LRU 4 KiB pages: the page cache at the same bytes) on the same ids.
 
 With ``--memory-limit`` the measurements run in a child process held to that many bytes by a memory
 cgroup (``ple_um.bench.memlimit``), as a table larger than memory is served. Prints a table per part
 and writes everything as JSON.
 
-    python scripts/profile_cold.py --dir TABLE --memory-limit 3GiB --out $OUT/profile_cold.json
+    python tools/profile_cold.py --dir TABLE --memory-limit 3GiB --out $OUT/profile_cold.json
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def hits(directory: str, device: str, hot: int, cache: int, calls: int, rng) -> 
 
 
 def policies(directory: str, device: str, budgets: list[int], lookups: int, rng) -> dict:
-    from ple_um.bench import cache_sim
+    import cache_sim
 
     layout = read_layout(directory)
     found = {"runs": [], "references": []}

@@ -3,10 +3,11 @@ committed sample with a few budgets."""
 
 from __future__ import annotations
 
+import cache_sim
 import numpy as np
 import pytest
+import traffic
 
-from ple_um.bench import cache_sim, traffic
 from ple_um.bench.ids import hash_onto_rows, zipf_ngrams
 from ple_um.bench.trace import read_trace, sample_path
 

@@ -1,4 +1,4 @@
-"""scripts/profile_shared_table.py on the CPU: two processes looking up one table at once in one
+"""tools/profile_shared_table.py on the CPU: two processes looking up one table at once in one
 real memory cgroup, once with their row caches and once with the page cache alone. Skipped where
 no memory cgroup can be made or the files are tmpfs (their pages cannot be dropped)."""
 
@@ -16,7 +16,7 @@ from helpers.cli import fs_type
 from ple_um.bench.memlimit import MemoryLimit
 from ple_um.synthetic import write_checkpoint
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "profile_shared_table.py"
+SCRIPT = pathlib.Path(__file__).parents[2] / "tools" / "profile_shared_table.py"
 
 
 def test_two_processes_under_one_limit(tmp_path):
