@@ -288,6 +288,7 @@ class MappedTable:
                 "broken_rows": counts["broken"],
                 **{key: counts[key] for key in ("file_reads", "file_read_seconds", "phase_seconds")},
                 "file_reader": self.paths.file_reader(),
+                "file_reader_fallback": self.paths.file_reader_fallback(),
                 "mapped_bytes": sum(m.mapped_bytes for m in (self.mapping, self.scale_mapping) if m),
                 "pinned_bytes": self.access.pinned_bytes,
                 "device_bytes": self.access.device_bytes,

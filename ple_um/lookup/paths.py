@@ -76,6 +76,12 @@ class LookupPaths:
         host = self.row_copy
         return host.sources.file_reader() if host is not None else None
 
+    def file_reader_fallback(self) -> str | None:
+        """Why the host path reads misses by reader threads though io_uring was planned
+        (``RowSources.fallback``), or None."""
+        host = self.row_copy
+        return host.sources.fallback() if host is not None else None
+
     def read_counts(self) -> dict:
         """The paths' counts added up (``counts.path_counts``' keys). Device counters are read on
         the current stream."""

@@ -74,7 +74,7 @@ class HostGather:
         self.counts, self.prefetch_counts = rowcopy.Counts(), rowcopy.Counts()  # warm_row_cache's
         self.cold = cold
         # The C code's view of the rows (and block scales), with their row cache and reader.
-        self.sources = RowSources(mapping, scale_mapping, cold, self.counts)
+        self.sources = RowSources(mapping, scale_mapping, cold, self.counts, lib)
         self.rows, self.block_scales = self.sources.rows, self.sources.block_scales
         self.row_bytes = tuple(r.row_bytes for r in (self.rows, self.block_scales) if r is not None)
         self.pool = rowcopy.Pool(lib, threads)
@@ -147,6 +147,7 @@ class HostGather:
         the page touch), queued on the current stream."""
         n = ids.numel()
         out = outs[0] if outs else None
+        self.sources.note_fallback()  # an earlier lookup's ring failure, logged once
         if raw is None:
             raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
         if n == 0:
@@ -298,6 +299,7 @@ class HostGather:
         job = rowcopy.LookupStruct()
         self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], n, [s.data_ptr() for s in staging])
         self.lib.ple_lookup_run(ctypes.addressof(job))
+        self.sources.note_fallback()
         if not raw:
             self._decode(staging, outs[0])
         return outs[0] if outs else None
