@@ -145,8 +145,7 @@ class HostGather:
     def _lookup(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool | None = None) -> torch.Tensor:
         """The rows of ``ids`` into ``outs`` (the rows, and an NVFP4 table's block scales; none for
         the page touch), queued on the current stream."""
-        n = ids.numel()
-        out = outs[0] if outs else None
+        n, out = ids.numel(), outs[0] if outs else None
         self.sources.note_fallback()  # an earlier lookup's ring failure, logged once
         if raw is None:
             raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
@@ -299,7 +298,6 @@ class HostGather:
         job = rowcopy.LookupStruct()
         self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], n, [s.data_ptr() for s in staging])
         self.lib.ple_lookup_run(ctypes.addressof(job))
-        self.sources.note_fallback()
         if not raw:
             self._decode(staging, outs[0])
         return outs[0] if outs else None
