@@ -135,7 +135,6 @@ static int read_claimed(read_job_t *j) {
 
 static void *reader_thread(void *arg) {
     (void)arg;
-    pthread_setname_np(pthread_self(), "ple-um-reader"); /* in top -H, and counted by the tests */
     for (;;) {
         pthread_mutex_lock(&r_mu);
         while (r_jobs == NULL && !r_stop) pthread_cond_wait(&r_cv, &r_mu);
@@ -171,8 +170,10 @@ tally_t ple_read_threads(const ple_rows_t *t, ple_miss_t *misses, int64_t n, uin
     read_job_t j = {.t = t, .misses = misses, .dst = dst, .n = n};
     int want = t->reader->depth < MAX_DEPTH ? t->reader->depth : MAX_DEPTH;
     pthread_mutex_lock(&r_mu);
-    for (; r_threads < want - 1 && !r_stop; r_threads++)
+    for (; r_threads < want - 1 && !r_stop; r_threads++) {
         if (pthread_create(&r_ids[r_threads], NULL, reader_thread, NULL) != 0) break;
+        pthread_setname_np(r_ids[r_threads], "ple-um-reader"); /* named by now: top -H, the tests */
+    }
     j.link = r_jobs, r_jobs = &j;
     pthread_cond_broadcast(&r_cv);
     pthread_mutex_unlock(&r_mu);
