@@ -287,7 +287,7 @@ class MappedTable:
                 "host_lookups": counts["lookups"],
                 "broken_rows": counts["broken"],
                 **{key: counts[key] for key in ("file_reads", "file_read_seconds", "phase_seconds")},
-                "file_reader": self.paths.file_reader(),
+                **self.paths.file_reader_stats(),
                 "mapped_bytes": sum(m.mapped_bytes for m in (self.mapping, self.scale_mapping) if m),
                 "pinned_bytes": self.access.pinned_bytes,
                 "device_bytes": self.access.device_bytes,

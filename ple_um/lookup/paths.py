@@ -71,10 +71,16 @@ class LookupPaths:
         host = self.row_copy
         return host.row_cache_stats() if host is not None else None
 
-    def file_reader(self) -> str | None:
-        """How the host path reads misses from the files (``RowSources.file_reader``), or None."""
+    def file_reader_stats(self) -> dict:
+        """``file_reader``: how the host path reads misses from the files (``RowSources.file_reader``),
+        or None; ``file_reader_fallback``: why by reader threads though io_uring was planned (a ring
+        failed: ``RowSources.fallback``), or None."""
         host = self.row_copy
-        return host.sources.file_reader() if host is not None else None
+        sources = host.sources if host is not None else None
+        return {
+            "file_reader": sources.file_reader() if sources is not None else None,
+            "file_reader_fallback": sources.fallback() if sources is not None else None,
+        }
 
     def read_counts(self) -> dict:
         """The paths' counts added up (``counts.path_counts``' keys). Device counters are read on

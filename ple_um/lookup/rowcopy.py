@@ -32,8 +32,10 @@ import torch
 from ple_um.mapping import MappedShards
 
 NATIVE = Path(__file__).with_name("native")
-SOURCES = tuple(NATIVE / name for name in ("rowcopy.c", "pool.c", "dispatcher.c", "rowcache.c", "reader.c"))
-HEADERS = (NATIVE / "rowcopy.h",)
+SOURCES = tuple(
+    NATIVE / name for name in ("rowcopy.c", "pool.c", "dispatcher.c", "rowcache.c", "reader.c", "uring.c")
+)
+HEADERS = (NATIVE / "rowcopy.h", NATIVE / "reader.h")
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 # How long idle workers spin after a lookup before they sleep: long enough to catch a lookup that
 # follows at once, short enough that a pool's threads do not burn their cores after every lookup
@@ -90,6 +92,7 @@ class ReaderStruct(ctypes.Structure):
         ("strategy", ctypes.c_int32),
         ("depth", ctypes.c_int32),
         ("resident_check", ctypes.c_int32),
+        ("failed", ctypes.c_void_p),
     ]
 
 
@@ -178,6 +181,8 @@ def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
         ("ple_cache_ways", [], ctypes.c_int64),
         ("ple_cache_slot_head", [], ctypes.c_int64),
         ("ple_uring_works", [], ctypes.c_int),
+        ("ple_reader_hold", [], None),
+        ("ple_reader_release", [], None),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype

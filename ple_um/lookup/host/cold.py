@@ -135,11 +135,15 @@ class RowSources:
     """The C code's view of a table's rows and of an NVFP4 table's block scales (``rowcopy.Rows``),
     each with the row cache and reader ``plan`` gives it (an NVFP4 table's cache split between
     them as their row bytes; the block scales' counted apart: a lookup asks both for each id).
-    Owns the caches and readers; ``close()`` once no row copy can use them."""
+    Owns the caches and readers (which hold ``lib``'s reader threads); ``close()`` once no row copy
+    can use them."""
 
-    def __init__(self, mapping: MappedShards, scale_mapping: MappedShards | None, plan, counts) -> None:
-        self.plan, self.counts = plan, counts
+    def __init__(
+        self, mapping: MappedShards, scale_mapping: MappedShards | None, plan, counts, lib=None
+    ) -> None:
+        self.plan, self.counts, self.lib = plan, counts, lib
         self._owned: list[RowCache | FileReader] = []
+        self.readers: list[FileReader] = []
         try:
             share = 1.0
             if scale_mapping is not None:
@@ -171,15 +175,32 @@ class RowSources:
                 direct=plan.direct,
                 depth=plan.depth,
                 resident_check=plan.resident_check,
+                lib=self.lib,
             )
             self._owned.append(reader)
+            self.readers.append(reader)
         return rowcopy.Rows(mapping, cache=cache, reader=reader)
 
     def file_reader(self) -> str | None:
-        """How misses are read from the files (``FileReader.strategy``: uring or threads), or None
-        where they are faulted in through the mapping."""
+        """How misses are read from the files (``FileReader.reading``: uring, or threads, also once
+        a ring failed), or None where they are faulted in through the mapping."""
         reader = self.rows.reader
-        return reader.strategy if reader is not None and reader.strategy != "mmap" else None
+        return reader.reading if reader is not None and reader.strategy != "mmap" else None
+
+    def fallback(self) -> str | None:
+        """Why misses are read by the reader threads though io_uring was planned (a ring failed:
+        ``FileReader.fallback``, logged once), or None."""
+        for reader in self.readers:
+            if (why := reader.fallback()) is not None:
+                return why
+        return None
+
+    def note_fallback(self) -> None:
+        """Log a ring's failure (once) if one happened since: called at each lookup, so that the
+        log says it though nobody reads ``stats()``."""
+        for reader in self.readers:
+            if reader.failed[0] and not reader.said:
+                reader.fallback()
 
     def stats(self) -> dict | None:
         """The row cache's hits, misses, evictions and rows (of the rows' cache: the block scales'
@@ -197,4 +218,4 @@ class RowSources:
         """Release the caches and readers, last made first. Idempotent."""
         for resource in reversed(self._owned):
             resource.close()
-        self._owned = []
+        self._owned, self.readers = [], []

@@ -8,23 +8,36 @@ faults. With ``direct`` the reads are O_DIRECT (whole aligned blocks, the row co
 rows read into the row cache do not also hold a page each in the page cache; a filesystem that
 refuses O_DIRECT (tmpfs, some FUSE mounts) gets plain reads.
 
+A ring that fails (``io_uring_setup`` or ``io_uring_enter`` refused: ENOMEM, EAGAIN or EBUSY that
+does not pass, ...) hands what is left of its lookup to the reader threads, which read the table's
+misses from then on; ``fallback()`` says why, and logs it once.
+
 The reader owns descriptors of its own, opened on the mapping's own files (``/proc/self/fd``: the
-same inode as the mapping, even after the path was replaced), and closes them in ``close()``.
+same inode as the mapping, even after the path was replaced), and closes them in ``close()``; given
+the library, it holds the reader threads while it is open (the last reader closed stops them).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import mmap
 import os
+import threading
 
 import numpy as np
 
 from ple_um.lookup import rowcopy
 from ple_um.mapping import MappedShards
 
+log = logging.getLogger(__name__)
+
 STRATEGIES = ("auto", "uring", "threads", "mmap")
 _ALIGNMENTS = (512, 4096)
+# rowcopy.h's RING_*: the call a table's ring failed in.
+RING_CALLS = {1: "io_uring_setup", 2: "io_uring_enter", 3: "its read buffers"}
+_said = threading.Lock()
 
 
 def _direct_alignment(fd: int, size: int) -> int | None:
@@ -60,16 +73,28 @@ class FileReader:
     """The reads of ``mapping``'s owned rows (a table's rows, or an NVFP4 table's block scales):
     ``strategy`` (uring, threads, mmap), ``direct`` (O_DIRECT where the files allow it), ``depth``
     reads in flight per reading thread, ``resident_check``: without a row cache, rows whose pages
-    are resident are copied from the mapping and only the others read."""
+    are resident are copied from the mapping and only the others read. ``lib``: the row copy whose
+    reader threads this reader holds while it is open (None: it holds none)."""
 
     def __init__(
-        self, mapping: MappedShards, *, strategy: str, direct: bool, depth: int, resident_check: bool = False
+        self,
+        mapping: MappedShards,
+        *,
+        strategy: str,
+        direct: bool,
+        depth: int,
+        resident_check: bool = False,
+        lib: ctypes.CDLL | None = None,
     ) -> None:
         layout = mapping.layout
         self.strategy, self.depth = strategy, depth
+        self.where = layout.directory
         self.fds = np.full(layout.parts, -1, dtype=np.int32)
         self.offsets = np.zeros(layout.parts, dtype=np.int64)
+        self.failed = np.zeros(1, dtype=np.int32)  # reader.c: where the ring failed (call << 16 | errno)
+        self.said = False  # the failure logged
         self._open: list[int] = []
+        self._lib = None
         self.align = 0
         try:
             by_region: dict[int, int] = {}
@@ -98,8 +123,12 @@ class FileReader:
             rowcopy.READ_STRATEGIES[strategy],
             depth,
             int(resident_check),
+            self.failed.ctypes.data,
         )
         self.address = ctypes.addressof(self.struct)
+        if lib is not None:
+            lib.ple_reader_hold()
+            self._lib = lib
 
     def _reopen(self, fd: int, size: int, direct: bool) -> tuple[int, int | None]:
         """A descriptor of our own on the file behind ``fd`` (O_DIRECT if asked and it reads), and
@@ -129,12 +158,36 @@ class FileReader:
         for index, owned in mapping.owned.items():
             self.fds[index] = plain[owned.region]
 
+    @property
+    def reading(self) -> str:
+        """How misses are read now: ``strategy``, or ``threads`` once the ring failed."""
+        return "threads" if self.failed[0] else self.strategy
+
+    def fallback(self) -> str | None:
+        """Why the misses are read by the reader threads rather than io_uring (the call the ring
+        failed in, and its error), or None where it did not fail. Logged once, when first seen."""
+        code = int(self.failed[0])
+        if code == 0:
+            return None
+        call, err = RING_CALLS.get(code >> 16, f"call {code >> 16}"), code & 0xFFFF
+        what = f"{errno.errorcode.get(err, err)}, {os.strerror(err)}" if err else "nothing done"
+        why = f"io_uring failed ({call}: {what}); misses read by reader threads from then on"
+        with _said:
+            said, self.said = self.said, True
+        if not said:
+            log.warning("ple-um: reading %s: %s", self.where, why)
+        return why
+
     def describe(self) -> str:
         kind = f"O_DIRECT, {self.align}-byte blocks" if self.direct else "through the page cache"
-        return f"{self.strategy} ({kind}), {self.depth} in flight"
+        return f"{self.reading} ({kind}), {self.depth} in flight"
 
     def close(self) -> None:
-        """Close the descriptors (the caller has made sure no row copy reads through them)."""
+        """Close the descriptors and let go of the reader threads (the caller has made sure no row
+        copy reads through them). Idempotent."""
         for fd in self._open:
             os.close(fd)
         self._open = []
+        if self._lib is not None:
+            self._lib, lib = None, self._lib
+            lib.ple_reader_release()

@@ -74,7 +74,7 @@ class HostGather:
         self.counts, self.prefetch_counts = rowcopy.Counts(), rowcopy.Counts()  # warm_row_cache's
         self.cold = cold
         # The C code's view of the rows (and block scales), with their row cache and reader.
-        self.sources = RowSources(mapping, scale_mapping, cold, self.counts)
+        self.sources = RowSources(mapping, scale_mapping, cold, self.counts, lib)
         self.rows, self.block_scales = self.sources.rows, self.sources.block_scales
         self.row_bytes = tuple(r.row_bytes for r in (self.rows, self.block_scales) if r is not None)
         self.pool = rowcopy.Pool(lib, threads)
@@ -145,8 +145,8 @@ class HostGather:
     def _lookup(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool | None = None) -> torch.Tensor:
         """The rows of ``ids`` into ``outs`` (the rows, and an NVFP4 table's block scales; none for
         the page touch), queued on the current stream."""
-        n = ids.numel()
-        out = outs[0] if outs else None
+        n, out = ids.numel(), outs[0] if outs else None
+        self.sources.note_fallback()  # an earlier lookup's ring failure, logged once
         if raw is None:
             raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
         if n == 0:

@@ -76,20 +76,20 @@ static inline int64_t *seen_slot(int64_t *seen, const ple_miss_t *places, int64_
 
 /* Rows [a, b) of a table with a row cache or a reader, a window at a time. Each owned place is a
  * lookup of the cache of its own (the cache's memory asked for some places ahead); the places it
- * does not serve are read, each id once a window: an id's first such place is read (or, without a
- * cache, copied from the mapping where its pages are resident), its later ones filled from it.
- * Then the rows read are offered to the cache. A hit so costs no bookkeeping of the window's ids. */
+ * does not serve are read, each id once a window: an id's first such place is read (reader.c;
+ * without a cache, copied from the mapping where its pages are resident), its later ones filled
+ * from it. Then the rows read are offered to the cache. A hit so costs no bookkeeping of the
+ * window's ids. */
 static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *dst, int64_t a, int64_t b) {
     int64_t rb = t->rb;
     tally_t n = {0, 0};
     ple_cache_t *cache = t->cache;
     ple_miss_t places[WINDOW];  /* the window's owned places */
     ple_miss_t rows[WINDOW];    /* the places read (one per id), in place marked unread on failure */
-    int16_t read_as[WINDOW];    /* per first place of an id not served: its index in rows, or -1: copied */
+    int16_t read_as[WINDOW];    /* per first place of an id not served: its index in rows */
     uint64_t hash[WINDOW];      /* per owned place: its id's cache hash (ple_cache_hash), with a cache */
     uint16_t ways[WINDOW];      /* per owned place: the cache's ways to look in (ple_cache_prefetch_row) */
     int64_t seen[2 * WINDOW], again[WINDOW][2]; /* again: (place, index in places of its id's first) */
-    int check = cache == NULL && t->reader != NULL && t->reader->resident_check;
     for (int64_t w = a; w < b; w += WINDOW) {
         int64_t e = w + WINDOW < b ? w + WINDOW : b, d = 0, m = 0, r = 0, hits = 0;
         for (int64_t i = w; i < e; i++) {
@@ -129,17 +129,12 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
                 continue;
             }
             *slot = j + 1;
-            if (check && ple_resident(at->mapped, rb)) {
-                memcpy(dst + at->pos * rb, at->mapped, (size_t)rb);
-                read_as[j] = -1;
-            } else {
-                read_as[j] = (int16_t)m, rows[m++] = *at;
-            }
+            read_as[j] = (int16_t)m, rows[m++] = *at;
         }
         if (m) tally_add(&n, ple_read_misses(t, rows, m, dst, q->counts));
         for (int64_t k = 0; k < r; k++) { /* an id's later places, from its first */
-            int64_t to = again[k][0], first = again[k][1], got = read_as[first];
-            if (got < 0 || rows[got].mapped) memcpy(dst + to * rb, dst + places[first].pos * rb, (size_t)rb);
+            int64_t to = again[k][0], first = again[k][1];
+            if (rows[read_as[first]].mapped) memcpy(dst + to * rb, dst + places[first].pos * rb, (size_t)rb);
             else memset(dst + to * rb, 0, (size_t)rb), n.broken++;
         }
         if (cache) {

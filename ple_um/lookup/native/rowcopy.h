@@ -6,7 +6,7 @@
  *   pool.c        the worker threads that split a big lookup
  *   dispatcher.c  the thread that runs eager lookups, signalled through pinned memory
  *   rowcache.c    hot rows kept at row granularity in memory the table owns
- *   reader.c      rows not in memory read from the files many at a time
+ *   reader.c      rows not in memory read from the files many at a time (uring.c: through io_uring)
  *
  * Everything here runs where Python cannot: in a CUDA host node on a driver thread, on the
  * dispatcher's thread, on pool workers. So nothing calls CUDA, nothing needs the GIL and nothing
@@ -49,6 +49,8 @@ typedef struct ple_cache ple_cache_t;
 
 /* How the rows a lookup finds missing are read (reader.c). */
 enum { READ_FAULT, READ_URING, READ_THREADS };
+/* Where a table's ring failed (ple_reader_t.failed: call << 16 | errno). */
+enum { RING_SETUP = 1, RING_ENTER = 2, RING_MEMORY = 3 };
 
 typedef struct {
     const int32_t *fds;     /* per shard: the descriptor its rows are read through (-1: none) */
@@ -57,6 +59,8 @@ typedef struct {
     int32_t strategy;       /* READ_URING, READ_THREADS, or READ_FAULT (through the mapping) */
     int32_t depth;          /* reads in flight per reading thread */
     int32_t resident_check; /* rows without a cache: those whose pages are resident are copied */
+    int32_t *failed;        /* READ_URING: 0, or where the ring failed (call << 16 | errno), set once by
+                               reader.c; from then on the misses are read by the reader threads */
 } ple_reader_t;
 
 /* One table's rows as a lookup reads them: the rows of a MappedTable, or an NVFP4 table's block
@@ -133,9 +137,14 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t n) {
     __builtin_prefetch(p + n - 1, 0, 3);
 }
 
+/* A pause in a spin loop: the core lets its sibling thread run and waits a little before the next
+ * load. On aarch64 `isb` rather than `yield`: yield is a no-op on most Arm cores (Neoverse among
+ * them), isb waits for the pipeline to drain (Rust's spin_loop and MySQL chose it for that). */
 static inline void relax(void) {
 #if defined(__x86_64__)
     _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("isb" ::: "memory");
 #endif
 }
 
@@ -159,14 +168,18 @@ void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row);
 void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses);
 void ple_cache_prefetch(const ple_cache_t *c, uint64_t h);
 uint32_t ple_cache_prefetch_row(const ple_cache_t *c, uint64_t h);
-/* reader.c: rows `rows[0..n)` (positions in the lookup) of ids `ids[]` read into dst rows; the
- * tally counts the rows that could not be read (zeroed). */
+/* reader.c: the rows of misses[0..n) (each an id and its position in the lookup) read into dst rows
+ * (a table without a cache and with resident_check: those whose pages are resident copied from the
+ * mapping); the tally counts the rows that could not be had (zeroed, their miss's mapped = NULL). */
 typedef struct {
     int64_t pos; /* position in the lookup: where in dst the row goes */
     int64_t id;
     const uint8_t *mapped; /* the row's address in the mapping */
 } ple_miss_t;
 tally_t ple_read_misses(const ple_rows_t *t, ple_miss_t *misses, int64_t n, uint8_t *dst, int64_t *counts);
+/* A table's reader holds the reader threads while it is open; the last one let go stops them. */
+void ple_reader_hold(void);
+void ple_reader_release(void);
 void ple_touch_pages(const ple_rows_t *t, const ple_miss_t *rows, int64_t n);
 int ple_resident(const uint8_t *row, int64_t rb);
 
