@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ple_um.checkpoint import ShardLayout
+from ple_um.checkpoint import FileIdentity, ShardLayout, check_identity
 from ple_um.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -122,20 +122,26 @@ class MappedShards:
     def _map(self) -> None:
         rb = self.layout.row_bytes
         by_file: dict[str, list[tuple[int, int, int, int]]] = {}
+        identity: dict[str, FileIdentity] = {}
         for spec in self.layout.shards:
             lo, hi = self._owned_local(spec.index, spec.rows)
             if hi > lo:
                 by_file.setdefault(spec.path, []).append((spec.index, spec.offset, lo, hi))
+                identity.setdefault(spec.path, spec.identity)  # one header read per file
         for path, shards in by_file.items():
             begin = min(off + lo * rb for _, off, lo, _ in shards)
             end = max(off + hi * rb for _, off, _, hi in shards)
-            region = self._map_file(path, begin, end)
+            region = self._map_file(path, begin, end, identity[path])
             self.regions.append(region)
             for index, off, lo, hi in shards:
                 addr = region.addr + (off + lo * rb - region.file_offset)
                 self.owned[index] = OwnedShard(index, lo, hi, addr, len(self.regions) - 1)
 
-    def _map_file(self, path: str, begin: int, end: int) -> MappedRegion:
+    def _map_file(self, path: str, begin: int, end: int, identity: FileIdentity) -> MappedRegion:
+        """Map bytes ``[begin, end)`` of ``path``, the file ``identity`` describes: the descriptor
+        mapped is checked to be the file whose header was read (another file renamed into its
+        place, or the file rewritten, in between is a CheckpointError, never a mapping of other
+        bytes under the old header's offsets)."""
         try:
             fd = os.open(
                 path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
@@ -146,6 +152,7 @@ class MappedShards:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError("shard file is not a regular file", path=path)
+            check_identity(st, identity, path)
             if st.st_size < end:
                 raise CheckpointError(
                     f"file is {st.st_size} bytes but the table needs bytes up to {end} "

@@ -247,9 +247,14 @@ def test_a_file_shorter_than_its_header_says_is_a_checkpoint_error(make_checkpoi
     with pytest.raises(CheckpointError, match="truncated") as info:
         MappedShards(layout)
     assert info.value.path == path
-    # A range that needs none of the missing bytes still maps.
-    with MappedShards(layout, (0, 3)) as m:
-        assert list(m.owned) == [0]
+    # Even a range that needs none of the missing bytes: the file is not the one whose header was read.
+    with pytest.raises(CheckpointError, match=r"changed after its header was read \(size") as info:
+        MappedShards(layout, (0, 3))
+    assert info.value.path == path
+    assert not maps_of(layout.files)
+    # The other file, untouched, maps.
+    with MappedShards(layout, (layout.rows_per_shard, layout.num_rows)) as m:
+        assert list(m.owned) == [1]
 
 
 def test_a_missing_file_is_a_checkpoint_error(make_checkpoint):
