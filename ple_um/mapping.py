@@ -4,7 +4,8 @@ One mapping per file (the union of its owned shard ranges, widened to whole page
 ``PROT_READ`` + ``MAP_SHARED``: the pages are the page cache's, shared by every process that maps
 the same file, and nobody can write them through us. The object owns the file descriptors and the
 address ranges and releases both in ``close()`` (the llama.cpp ``llama_mmap`` idea). Prefetch,
-advice and residency are explicit methods. Failures carry the errno text and the file name.
+advice and residency (``ple_um.residency``: mincore and cachestat in bounded windows) are explicit
+methods. Failures carry the errno text and the file name.
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from ple_um.checkpoint import ShardLayout
+from ple_um import residency
+from ple_um.checkpoint import FileIdentity, ShardLayout, check_identity
 from ple_um.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE
+PAGE = residency.PAGE
 MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
 MADV_POPULATE_READ = 22  # Linux 5.14+
 _ADVICE = {"normal": MADV_NORMAL, "random": MADV_RANDOM, "willneed": MADV_WILLNEED}
@@ -46,7 +49,6 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -72,13 +74,19 @@ class MappedRegion:
         """A uint8 view of the whole mapping (read-only memory: a write through it faults)."""
         return np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.addr))
 
-    def resident_pages(self) -> np.ndarray:
-        """uint8, one per page of the mapping: 1 where the page is in the page cache (mincore);
-        OSError naming the file where mincore fails."""
-        vec = np.zeros((self.length + PAGE - 1) // PAGE, dtype=np.uint8)
-        if _libc.mincore(self.addr, self.length, vec.ctypes.data) != 0:
-            raise OSError(ctypes.get_errno(), f"mincore failed on {self.path}: {_errno_text()}")
-        return vec & 1
+    def resident_pages(self, first: int = 0, count: int | None = None) -> np.ndarray:
+        """uint8, one per page of pages ``[first, first + count)`` of the mapping (default: to its
+        end): 1 where the page is in the page cache (mincore); OSError naming the file where mincore
+        fails. Whole-mapping readings go a window at a time: ``resident_count``, ``resident_runs``."""
+        return residency.resident_pages(self, first, count)
+
+    def resident_count(self) -> int:
+        """Pages of the mapping in the page cache (``residency.resident_count``: bounded memory)."""
+        return residency.resident_count(self)
+
+    def resident_runs(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The runs of resident pages, a window at a time (``residency.resident_runs``)."""
+        return residency.resident_runs(self)
 
 
 @dataclass(frozen=True)
@@ -122,20 +130,26 @@ class MappedShards:
     def _map(self) -> None:
         rb = self.layout.row_bytes
         by_file: dict[str, list[tuple[int, int, int, int]]] = {}
+        identity: dict[str, FileIdentity] = {}
         for spec in self.layout.shards:
             lo, hi = self._owned_local(spec.index, spec.rows)
             if hi > lo:
                 by_file.setdefault(spec.path, []).append((spec.index, spec.offset, lo, hi))
+                identity.setdefault(spec.path, spec.identity)  # one header read per file
         for path, shards in by_file.items():
             begin = min(off + lo * rb for _, off, lo, _ in shards)
             end = max(off + hi * rb for _, off, _, hi in shards)
-            region = self._map_file(path, begin, end)
+            region = self._map_file(path, begin, end, identity[path])
             self.regions.append(region)
             for index, off, lo, hi in shards:
                 addr = region.addr + (off + lo * rb - region.file_offset)
                 self.owned[index] = OwnedShard(index, lo, hi, addr, len(self.regions) - 1)
 
-    def _map_file(self, path: str, begin: int, end: int) -> MappedRegion:
+    def _map_file(self, path: str, begin: int, end: int, identity: FileIdentity) -> MappedRegion:
+        """Map bytes ``[begin, end)`` of ``path``, the file ``identity`` describes: the descriptor
+        mapped is checked to be the file whose header was read (another file renamed into its
+        place, or the file rewritten, in between is a CheckpointError, never a mapping of other
+        bytes under the old header's offsets)."""
         try:
             fd = os.open(
                 path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
@@ -146,6 +160,7 @@ class MappedShards:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError("shard file is not a regular file", path=path)
+            check_identity(st, identity, path)
             if st.st_size < end:
                 raise CheckpointError(
                     f"file is {st.st_size} bytes but the table needs bytes up to {end} "
@@ -235,15 +250,11 @@ class MappedShards:
         total = 0
         for r in self.regions:
             try:
-                pages = r.resident_pages()
+                starts, ends = residency.longest_runs(r, most_runs)
             except OSError as exc:
                 logger.debug("%s", exc)
                 continue
-            resident = np.concatenate(([0], pages, [0])).astype(np.int8)
-            edges = np.flatnonzero(np.diff(resident))
-            starts, ends = edges[0::2], edges[1::2]
-            longest = np.argsort(starts - ends, kind="stable")[:most_runs]
-            for a, b in zip(starts[longest].tolist(), ends[longest].tolist(), strict=True):
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
                 length = min(b * PAGE, r.length) - a * PAGE
                 if _libc.madvise(r.addr + a * PAGE, length, MADV_POPULATE_READ) != 0:
                     logger.debug("MADV_POPULATE_READ failed on %s: %s", r.path, _errno_text())
@@ -288,7 +299,7 @@ class MappedShards:
         self._check_open()
         out = []
         for r in self.regions:
-            resident = int(r.resident_pages().sum())
+            resident = r.resident_count()
             out.append((r.path, min(resident * PAGE, r.length), r.length))
         return out
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 from helpers.reference import drop_page_cache, maps_of, reference_rows
 
+from ple_um import residency
 from ple_um.errors import CheckpointError, TableClosedError
 from ple_um.mapping import PAGE, MappedShards
 
@@ -247,9 +250,14 @@ def test_a_file_shorter_than_its_header_says_is_a_checkpoint_error(make_checkpoi
     with pytest.raises(CheckpointError, match="truncated") as info:
         MappedShards(layout)
     assert info.value.path == path
-    # A range that needs none of the missing bytes still maps.
-    with MappedShards(layout, (0, 3)) as m:
-        assert list(m.owned) == [0]
+    # Even a range that needs none of the missing bytes: the file is not the one whose header was read.
+    with pytest.raises(CheckpointError, match=r"changed after its header was read \(size") as info:
+        MappedShards(layout, (0, 3))
+    assert info.value.path == path
+    assert not maps_of(layout.files)
+    # The other file, untouched, maps.
+    with MappedShards(layout, (layout.rows_per_shard, layout.num_rows)) as m:
+        assert list(m.owned) == [1]
 
 
 def test_a_missing_file_is_a_checkpoint_error(make_checkpoint):
@@ -258,3 +266,97 @@ def test_a_missing_file_is_a_checkpoint_error(make_checkpoint):
     with pytest.raises(CheckpointError) as info:
         MappedShards(layout)
     assert info.value.path == layout.shards[1].path
+
+
+# -- residency in windows ------------------------------------------------------------------------
+def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
+    """The reference: runs of resident pages of a whole-mapping mincore vector."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], pages, [0])).astype(np.int8)))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def test_residency_read_in_windows_matches_one_mincore(evictable, monkeypatch):
+    """Counts and runs of resident pages read window by window (windows of 3 pages here: runs cross
+    their edges) are those of one mincore over the whole mapping; map_resident takes the longest."""
+    layout = evictable
+    drop_page_cache(layout)
+    monkeypatch.setattr(residency, "RESIDENCY_WINDOW", 3)
+    fd = os.open(layout.files[0], os.O_RDONLY)
+    with MappedShards(layout) as m:
+        (region,) = m.regions
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # only the pages read come in
+            page = region.file_offset // PAGE
+            for length in (1, 7, 2, 5, 3, 4, 6):  # runs of these lengths, a gap of 2 after each
+                for k in range(length):
+                    os.pread(fd, 1, (page + k) * PAGE)
+                page += length + 2
+        finally:
+            os.close(fd)
+        whole = region.resident_pages()
+        if whole.sum() < 28:
+            pytest.skip("pages read did not stay in the page cache")
+        windowed = [run for starts, ends in region.resident_runs() for run in zip(starts, ends, strict=True)]
+        assert sorted(windowed) == _runs(whole) and len(_runs(whole)) >= 7
+        assert region.resident_count() == int(whole.sum())
+        ((_, resident_bytes, _),) = m.residency()
+        assert resident_bytes == min(int(whole.sum()) * PAGE, region.length)
+        runs = _runs(whole)
+        longest = sorted(runs, key=lambda run: (run[0] - run[1], run[0]))[:3]
+        want = sum(min(b * PAGE, region.length) - a * PAGE for a, b in longest)
+        populated = m.map_resident(most_runs=3)
+        if populated:  # 0 where the kernel lacks MADV_POPULATE_READ
+            assert populated == want
+
+
+# A child that measures its peak memory around the mapping of a huge sparse table and every
+# residency reading of it; one mincore vector for the whole of it took about 10 B a page (2 TiB:
+# 5.1 GiB, 61 s).
+_SPARSE_CHILD = textwrap.dedent(
+    """
+    import resource, sys, time
+    from ple_um.checkpoint import read_layout
+    from ple_um.mapping import MappedShards
+    layout = read_layout(sys.argv[1])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with MappedShards(layout) as m:
+        residency = m.residency()
+        resident = m.resident()
+        populated = m.map_resident()
+        mapped = m.mapped_bytes
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(mapped, sum(r for _, r, _ in residency), resident, populated, grown * 1024, time.monotonic() - t0)
+    """
+)
+
+
+def test_a_huge_sparse_table_costs_bounded_memory_and_time(tmp_path):
+    """A table of 1 TiB declared in a sparse file: mapped, its residency counted, its resident runs
+    mapped, in a bounded amount of memory (the windows of mincore) and time."""
+    rows, dim = 1 << 29, 1 << 10  # 2 shards of 2**29 rows of 1 KiB (FP8): 1 TiB
+    prefix = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding."
+    header = {f"{prefix}shard_{i}.weight": {"dtype": "F8_E4M3", "shape": [rows, dim]} for i in range(2)}
+    for i, meta in enumerate(header.values()):
+        meta["data_offsets"] = [i * rows * dim, (i + 1) * rows * dim]
+    end = 2 * rows * dim
+    header[f"{prefix}weight_scale"] = {"dtype": "F32", "shape": [], "data_offsets": [end, end + 4]}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.seek(8 + len(raw) + end)
+        f.write(struct.pack("<f", 0.5))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _SPARSE_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=300
+        )
+    finally:
+        os.unlink(path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mapped, resident_bytes, resident, populated, grown, seconds = done.stdout.split()
+    assert int(mapped) >= 2 * rows * dim and int(resident_bytes) < 1 << 20 and resident == "False"
+    assert int(populated) < 1 << 20
+    assert int(grown) < 200 << 20, f"peak memory grew by {int(grown) >> 20} MiB"
+    assert float(seconds) < 120, f"{float(seconds):.1f} s"

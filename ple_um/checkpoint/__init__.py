@@ -6,6 +6,7 @@ through ``safetensors``, ``header_json`` and ``files``), ``naming`` knows the te
 data model and the storage formats (``NVFP4_BLOCK``: the values per NVFP4 block scale).
 """
 
+from ple_um.checkpoint.files import FileIdentity, check_identity
 from ple_um.checkpoint.layout import (
     ShardLayout,
     ShardSpec,
@@ -19,8 +20,10 @@ from ple_um.checkpoint.shard_layout import NVFP4_BLOCK
 
 __all__ = [
     "NVFP4_BLOCK",
+    "FileIdentity",
     "ShardLayout",
     "ShardSpec",
+    "check_identity",
     "check_shape",
     "directory_from_knob",
     "find_layers",

@@ -1,14 +1,59 @@
 """Reading a checkpoint's files without trusting them: regular files only, opened so that a FIFO
 cannot block, read with exact preads whose short reads are errors, JSON side files size-checked
-before they are read. Every failure is a CheckpointError naming the file."""
+before they are read. Every failure is a CheckpointError naming the file. A file's identity
+(``FileIdentity``) is taken from the descriptor its header is read through, so that what is read
+later (a scale's bytes, the mapping) can be checked to come from that same file."""
 
 from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass
 
 from ple_um.checkpoint.header_json import decode_json
 from ple_um.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file, in which state: device, inode, size and modification time, as ``fstat`` gave them
+    for a descriptor. Another file renamed into the path, or the file rewritten or truncated, has
+    another identity (a rewrite within one tick of the clock that keeps the size excepted)."""
+
+    st_dev: int
+    st_ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def differs(self, now: FileIdentity) -> str | None:
+        """What differs in ``now`` from this identity, in words, or None."""
+        changes = [
+            f"{what} {a} -> {b}"
+            for what, a, b in (
+                ("device", self.st_dev, now.st_dev),
+                ("inode", self.st_ino, now.st_ino),
+                ("size", self.size, now.size),
+                ("mtime_ns", self.mtime_ns, now.mtime_ns),
+            )
+            if a != b
+        ]
+        return ", ".join(changes) or None
+
+
+def check_identity(st: os.stat_result, identity: FileIdentity, path: str) -> None:
+    """CheckpointError naming ``path`` unless ``st`` (the ``fstat`` of a descriptor of ``path``)
+    shows the file ``identity`` describes: the one its header was read from, not rewritten since."""
+    changed = identity.differs(FileIdentity.of(st))
+    if changed is not None:
+        raise CheckpointError(
+            f"the file changed after its header was read ({changed}): replaced, rewritten or truncated "
+            "while the checkpoint was being opened; open it again",
+            path=path,
+        )
 
 
 def open_regular(path: str) -> int:
@@ -46,10 +91,16 @@ def pread_exact(fd: int, length: int, offset: int, path: str) -> bytes:
     return b"".join(chunks)
 
 
-def read_bytes(path: str, offset: int, length: int) -> bytes:
-    """``length`` bytes at absolute ``offset`` of ``path`` (for the few bytes of a scale)."""
+def read_bytes(path: str, offset: int, length: int, identity: FileIdentity) -> bytes:
+    """``length`` bytes at absolute ``offset`` of ``path`` (for the few bytes of a scale), from the
+    file ``identity`` describes (CheckpointError where another file is there now)."""
     fd = open_regular(path)
     try:
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            raise CheckpointError(f"cannot stat: {e.strerror or e}", path=path) from e
+        check_identity(st, identity, path)
         return pread_exact(fd, length, offset, path)
     finally:
         os.close(fd)

@@ -55,7 +55,7 @@ def read_scale(
         )
         return None
     try:
-        raw = read_bytes(first.path, first.start, first.nbytes)
+        raw = read_bytes(first.path, first.start, first.nbytes, first.identity)
     except CheckpointError as e:
         problems.report(f"cannot read the {noun}: {e}", tensor=first.name)
         return None

@@ -11,7 +11,6 @@ not depend on how deep the Python stack already is where the parser runs.
 from __future__ import annotations
 
 import json
-import re
 import reprlib
 import sys
 from collections.abc import Iterable
@@ -24,9 +23,10 @@ from ple_um.errors import CheckpointError
 # MAX_JSON_DEPTH is a problem of its entry, found after parsing); Python's parser recurses once a
 # level, within the recursion limit left to it by its callers.
 MAX_JSON_NESTING = 512
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
-_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
+# The nesting scan reads the text in windows of this many bytes: its memory is a few times this
+# (int64 arrays of one window), whatever the text's length.
+_SCAN_WINDOW = 1 << 20
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
 # serde_json, the JSON parser of safetensors, refuses arrays and objects nested deeper than this
 # (the header object itself is level 1).
 MAX_JSON_DEPTH = 127
@@ -152,16 +152,111 @@ def short(value: object) -> str:
     return _REPR.repr(value)
 
 
-def _nesting(raw: bytes) -> int:
+def _nesting(raw: bytes, window: int = _SCAN_WINDOW) -> int:
     """The deepest nesting of arrays and objects in ``raw`` (brackets inside strings not counted).
     Checked before parsing, so that how deep is too deep does not depend on how deep the Python
-    stack already is where the parser runs (its recursion limit counts those frames too)."""
-    bare = _JSON_STRING.sub(b"", raw)
-    if not bare:
-        return 0
-    step = np.frombuffer(bare, dtype=np.uint8)
-    depth = np.cumsum(np.isin(step, _OPENERS).astype(np.int64) - np.isin(step, _CLOSERS).astype(np.int64))
-    return int(depth.max(initial=0))
+    stack already is where the parser runs (its recursion limit counts those frames too).
+
+    One pass over windows of ``window`` bytes: time linear in the length, memory bounded by
+    the window, however long a string or a run of brackets is. A string is what JSON makes one: it
+    opens at a quote and closes at the next quote not escaped by an odd run of backslashes. Text that
+    is not JSON gets the verdict it had when strings were cut out by a regular expression (that
+    regular expression's memory grew with a string's length): a quote outside a string opens one
+    even after a backslash, and a string that never closes is not one (its brackets count)."""
+    scan = _NestingScan()
+    for start in range(0, len(raw), window):
+        scan.window(np.frombuffer(raw, dtype=np.uint8, count=min(window, len(raw) - start), offset=start))
+    if scan.inside:  # a string that never closes: from its quote on, every bracket counts
+        depth = scan.open_depth
+        for start in range(scan.open_at + 1, len(raw), window):
+            part = np.frombuffer(raw, dtype=np.uint8, count=min(window, len(raw) - start), offset=start)
+            steps = _steps(part)
+            if steps.any():
+                walk = np.cumsum(steps, dtype=np.int64) + depth
+                scan.deepest = max(scan.deepest, int(walk.max()))
+                depth = int(walk[-1])
+    return scan.deepest
+
+
+class _NestingScan:
+    """The state ``_nesting`` carries from one window to the next."""
+
+    def __init__(self) -> None:
+        self.base = 0  # offset of the current window in the text
+        self.depth = 0  # nesting after the bytes scanned (brackets outside strings only)
+        self.deepest = 0
+        self.inside = False  # within a string after the bytes scanned
+        self.odd_run = False  # the bytes scanned end with an odd run of backslashes
+        self.open_at = -1  # offset of the quote that opened the string we are in
+        self.open_depth = 0  # the nesting there
+
+    def window(self, b: np.ndarray) -> None:
+        quotes = np.flatnonzero(b == _QUOTE)
+        steps = _steps(b)
+        if quotes.size:
+            self._quoted(b, quotes, steps)
+        elif not self.inside and steps.any():  # no quote: outside a string for the whole window
+            self._walk(np.cumsum(steps, dtype=np.int64))
+        self.odd_run = self._ends_odd(b)
+        self.base += b.size
+
+    def _quoted(self, b: np.ndarray, quotes: np.ndarray, steps: np.ndarray) -> None:
+        # A quote not escaped flips in/out of a string; an escaped one leaves us inside a string (it
+        # opens one where we are outside, as the regular expression had it, and is text where inside).
+        inside_after = self._inside_after(self._escaped(b, quotes))
+        states = np.concatenate(([self.inside], inside_after))  # after the window's first k quotes
+        at = np.flatnonzero(steps)
+        walk = np.cumsum(np.where(states[np.searchsorted(quotes, at)], 0, steps[at]), dtype=np.int64)
+        openers = np.flatnonzero(~states[:-1] & inside_after)
+        if openers.size:
+            last = int(quotes[openers[-1]])
+            self.open_at = self.base + last
+            below = int(np.searchsorted(at, last)) - 1  # the last bracket before that quote
+            self.open_depth = self.depth + (int(walk[below]) if below >= 0 else 0)
+        self.inside = bool(inside_after[-1])
+        if walk.size:
+            self._walk(walk)
+
+    def _walk(self, walk: np.ndarray) -> None:
+        """Take in the nesting after each counted bracket of a window (relative to its start)."""
+        self.deepest = max(self.deepest, self.depth + int(walk.max()))
+        self.depth += int(walk[-1])
+
+    def _escaped(self, b: np.ndarray, quotes: np.ndarray) -> np.ndarray:
+        """Per quote of the window: whether an odd run of backslashes ends just before it."""
+        slash = b == _BACKSLASH
+        if not slash.any():
+            return (quotes == 0) & self.odd_run
+        index = np.arange(b.size, dtype=np.int64)
+        # The last byte that is not a backslash, at or before each byte (a run carried over from the
+        # previous window counts as if it started one byte before this one when odd).
+        rest = np.maximum.accumulate(np.where(slash, -1 - int(self.odd_run), index))
+        odd = slash & ((index - rest) % 2 == 1)  # the byte ends an odd run of backslashes
+        before = quotes - 1
+        return np.where(before >= 0, odd[np.maximum(before, 0)], self.odd_run)
+
+    def _ends_odd(self, b: np.ndarray) -> bool:
+        """Whether the text scanned, up to the end of window ``b``, ends with an odd run of backslashes."""
+        other = b[::-1] != _BACKSLASH
+        if other.any():
+            return bool(int(np.argmax(other)) % 2)
+        return bool((b.size + self.odd_run) % 2)
+
+    def _inside_after(self, escaped: np.ndarray) -> np.ndarray:
+        """Per quote of the window: whether we are inside a string after it."""
+        flips = np.cumsum(~escaped)
+        if not escaped.any():
+            return (flips + int(self.inside)) % 2 == 1
+        order = np.arange(escaped.size)
+        last_set = np.maximum.accumulate(np.where(escaped, order, -1))  # the last escaped quote
+        since = flips - np.where(last_set >= 0, flips[np.maximum(last_set, 0)], 0)
+        return np.where(last_set >= 0, since % 2 == 0, (flips + int(self.inside)) % 2 == 1)
+
+
+def _steps(b: np.ndarray) -> np.ndarray:
+    """int8 per byte: +1 for ``[`` or ``{``, -1 for ``]`` or ``}``, else 0 (``[`` | 32 is ``{``)."""
+    folded = b | 32
+    return (folded == ord("{")).view(np.int8) - (folded == ord("}")).view(np.int8)
 
 
 def decode_json(raw: bytes, path: str, *, what: str, header: bool = False) -> object:

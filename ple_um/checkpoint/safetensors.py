@@ -21,7 +21,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ple_um.checkpoint.files import open_regular, pread_exact
+from ple_um.checkpoint.files import FileIdentity, open_regular, pread_exact
 from ple_um.checkpoint.header_json import (
     U64_MAX,
     decode_json,
@@ -76,6 +76,7 @@ class TensorEntry:
     start: int
     end: int
     path: str
+    identity: FileIdentity  # of the file the header was read from
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +96,7 @@ class SafetensorsHeader:
     header_length: int  # N, the JSON's length in bytes
     tensors: dict[str, TensorEntry]  # the entries that passed every check, by name
     problems: tuple[CheckpointError, ...]  # one per unsound entry (left out of ``tensors``)
+    identity: FileIdentity  # of the descriptor the header was read through
 
     @property
     def data_start(self) -> int:
@@ -133,7 +135,9 @@ def _span(meta: object) -> tuple[int, int] | None:
     return None
 
 
-def _check_entry(name: str, meta: object, path: str, data_start: int, data_size: int) -> TensorEntry | str:
+def _check_entry(
+    name: str, meta: object, path: str, data_start: int, data_size: int, identity: FileIdentity
+) -> TensorEntry | str:
     """The entry ``meta`` describes, or what is wrong with it."""
     wrong = _entry_format(meta)
     if wrong is not None:
@@ -162,7 +166,13 @@ def _check_entry(name: str, meta: object, path: str, data_start: int, data_size:
         need = str(need_bits // 8) if need_bits % 8 == 0 else str(need_bits / 8)
         return f"data_offsets hold {end - start} bytes but shape {short(shape)} of {dtype} needs {need}"
     return TensorEntry(
-        name=name, dtype=dtype, shape=tuple(shape), start=data_start + start, end=data_start + end, path=path
+        name=name,
+        dtype=dtype,
+        shape=tuple(shape),
+        start=data_start + start,
+        end=data_start + end,
+        path=path,
+        identity=identity,
     )
 
 
@@ -177,7 +187,8 @@ def read_header(path: str, *, strict: bool = True) -> SafetensorsHeader:
     the problems are returned in ``problems``, and the entries that are unsound themselves (or
     overlap another) are left out of ``tensors``.
     """
-    file_size, length, raw = _read_raw(path)
+    identity, length, raw = _read_raw(path)
+    file_size = identity.size
     header = decode_json(raw, path, what="header", header=True)
     if not isinstance(header, dict):
         raise CheckpointError(f"header is a JSON {json_kind(header)}, expected an object", path=path)
@@ -194,7 +205,7 @@ def read_header(path: str, *, strict: bool = True) -> SafetensorsHeader:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        entry = _check_entry(name, meta, path, data_start, data_size)
+        entry = _check_entry(name, meta, path, data_start, data_size, identity)
         if isinstance(entry, str):
             problems.report(entry, path=path, tensor=name)
             span = _span(meta)
@@ -207,16 +218,22 @@ def read_header(path: str, *, strict: bool = True) -> SafetensorsHeader:
         tensors.pop(name, None)
 
     return SafetensorsHeader(
-        path=path, file_size=file_size, header_length=length, tensors=tensors, problems=tuple(problems.found)
+        path=path,
+        file_size=file_size,
+        header_length=length,
+        tensors=tensors,
+        problems=tuple(problems.found),
+        identity=identity,
     )
 
 
-def _read_raw(path: str) -> tuple[int, int, bytes]:
-    """The file's size, its header length ``N`` and the ``N`` bytes of the header, both limits on
-    ``N`` checked before anything of that length is read or allocated."""
+def _read_raw(path: str) -> tuple[FileIdentity, int, bytes]:
+    """The file's identity (its size among them), its header length ``N`` and the ``N`` bytes of
+    the header, both limits on ``N`` checked before anything of that length is read or allocated."""
     fd = open_regular(path)
     try:
-        file_size = os.fstat(fd).st_size
+        identity = FileIdentity.of(os.fstat(fd))
+        file_size = identity.size
         if file_size < 8:
             raise CheckpointError(f"file is {file_size} bytes, too short for a safetensors header", path=path)
         (length,) = struct.unpack("<Q", pread_exact(fd, 8, 0, path))
@@ -230,7 +247,7 @@ def _read_raw(path: str) -> tuple[int, int, bytes]:
                 "or not safetensors",
                 path=path,
             )
-        return file_size, length, pread_exact(fd, length, 8, path)
+        return identity, length, pread_exact(fd, length, 8, path)
     finally:
         os.close(fd)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ple_um.checkpoint.files import FileIdentity
+
 # Storage dtypes a table may have: safetensors name -> torch dtype.
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
@@ -40,6 +42,7 @@ class ShardSpec:
     tensor: str  # full tensor name in that file
     offset: int  # absolute byte offset of the shard's row 0 in the file
     rows: int  # rows in this shard (0 for a legal trailing empty shard)
+    identity: FileIdentity  # of the file whose header gave this shard: what the mapping must map
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def _build(found: Scan, layer: int, problems: Problems) -> ShardLayout | None:
 
 def _specs(entries: dict[int, TensorEntry]) -> tuple[ShardSpec, ...]:
     return tuple(
-        ShardSpec(index=i, path=e.path, tensor=e.name, offset=e.start, rows=e.shape[0])
+        ShardSpec(index=i, path=e.path, tensor=e.name, offset=e.start, rows=e.shape[0], identity=e.identity)
         for i, e in sorted(entries.items())
     )
 

@@ -291,6 +291,65 @@ def _flip(data: bytearray, layout, path: str) -> bytearray:
     return data
 
 
+def _swap(layout, path: str, *, rewrite: bool = False) -> None:
+    """Put another file in ``path``: the same header, other rows; renamed into place (a new inode),
+    or with ``rewrite`` written over the same inode (a new modification time)."""
+    with open(path, "rb") as f:
+        data = _flip(bytearray(f.read()), layout, path)
+    if rewrite:
+        time.sleep(0.01)  # a modification time the clock can tell from the first
+        with open(path, "r+b") as f:
+            f.write(data)
+        return
+    with open(path + ".new", "wb") as f:
+        f.write(data)
+    os.replace(path + ".new", path)
+
+
+@pytest.mark.parametrize("rewrite", [False, True], ids=["renamed", "rewritten"])
+@pytest.mark.parametrize("mode", ["cpu", "ats", "device"])
+def test_a_file_swapped_between_header_and_mapping_is_refused(layout, mode, rewrite, monkeypatch):
+    """The mapping maps the file whose header was read: another file put in its place between the
+    two (the same header, other rows) is a CheckpointError naming it, not a table serving other
+    rows under the old header's offsets."""
+    path = layout.files[1]
+    read = ple_um.opening.read_layout
+
+    def read_then_swap(directory, layer=None):
+        found = read(directory, layer)
+        _swap(found, path, rewrite=rewrite)
+        return found
+
+    monkeypatch.setattr(ple_um.opening, "read_layout", read_then_swap)
+    before = len(ops._TABLES)
+    with pytest.raises(
+        CheckpointError, match=r"changed after its header was read \((inode|mtime_ns)"
+    ) as info:
+        ple_um.open_table(layout.directory, mode=mode, device="cpu")
+    assert info.value.path == path
+    assert not maps_of(layout.files) and not fds_of(layout.files) and len(ops._TABLES) == before
+
+
+def test_a_file_swapped_before_its_scale_is_read_is_refused(layout, monkeypatch):
+    """The global scale's bytes come from the file whose header named them, too."""
+    from ple_um.checkpoint import global_scale
+
+    read_bytes = global_scale.read_bytes
+
+    def swap_then_read(path, offset, length, *identity):
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        data[offset : offset + length] = bytes(length)  # a scale of 0.0, where it is read
+        with open(path + ".new", "wb") as f:
+            f.write(data)
+        os.replace(path + ".new", path)
+        return read_bytes(path, offset, length, *identity)
+
+    monkeypatch.setattr(global_scale, "read_bytes", swap_then_read)
+    with pytest.raises(CheckpointError, match=r"cannot read the scale: .*changed after its header was read"):
+        read_layout(layout.directory)
+
+
 @pytest.mark.parametrize("mode", ["cpu", "ats", "device", "registered"])
 def test_a_file_replaced_after_open_keeps_serving_the_bytes_mapped(layout, mode, machine, expected_rows):
     # A re-download or a sync that replaces the file by rename gives it a new inode: the mapping

@@ -1,0 +1,121 @@
+"""Which pages of a mapped file range are in the page cache, read in bounded windows.
+
+``mincore`` over a whole mapping takes one byte a page at once, and arithmetic on that vector ten
+times more (a 2 TiB table: 5 GiB); here it is asked a window of ``RESIDENCY_WINDOW`` pages at a
+time, and a window whose file range has no cached page at all (``cachestat``, Linux 6.5+, walks
+only the cached pages) is not asked: a huge sparse table costs bounded memory and little time.
+A region is anything with ``addr``, ``length``, ``fd``, ``file_offset`` and ``path`` (the
+``MappedRegion`` of ``ple_um.mapping``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+# Pages per window (1 GiB of a mapping, a 256 KiB vector).
+RESIDENCY_WINDOW = 1 << 18
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.syscall.restype = ctypes.c_long
+_SYS_CACHESTAT = 451  # the same number on x86_64 and in the generic table (aarch64)
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+def _pages(region) -> int:
+    return (region.length + PAGE - 1) // PAGE
+
+
+def cached_pages(fd: int, offset: int, length: int) -> int | None:
+    """Pages of the file's bytes ``[offset, offset + length)`` in the page cache, by cachestat,
+    which walks only the cached pages (mincore looks up each page). None where the call fails (a
+    kernel before 6.5, a seccomp filter): the caller asks mincore."""
+    if length <= 0:
+        return 0
+    stat_range, out = _CachestatRange(offset, length), _Cachestat()
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(stat_range), ctypes.byref(out), 0) != 0:
+        return None
+    return int(out.nr_cache)
+
+
+def resident_pages(region, first: int = 0, count: int | None = None) -> np.ndarray:
+    """uint8, one per page of pages ``[first, first + count)`` of the mapping (default: to its end):
+    1 where the page is in the page cache (mincore); OSError naming the file where mincore fails."""
+    count = _pages(region) - first if count is None else min(count, _pages(region) - first)
+    vec = np.zeros(max(count, 0), dtype=np.uint8)
+    length = min(count * PAGE, region.length - first * PAGE)
+    if count > 0 and _libc.mincore(region.addr + first * PAGE, length, vec.ctypes.data) != 0:
+        code = ctypes.get_errno()
+        text = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+        raise OSError(code, f"mincore failed on {region.path}: {text}")
+    return vec & 1
+
+
+def _cached(region, first: int) -> int | None:
+    length = min(RESIDENCY_WINDOW * PAGE, region.length - first * PAGE)
+    return cached_pages(region.fd, region.file_offset + first * PAGE, length)
+
+
+def _windows(region) -> Iterator[tuple[int, np.ndarray]]:
+    for first in range(0, _pages(region), RESIDENCY_WINDOW):
+        if _cached(region, first) == 0:  # nothing there: no page to look up
+            yield first, np.zeros(min(RESIDENCY_WINDOW, _pages(region) - first), dtype=np.uint8)
+        else:
+            yield first, resident_pages(region, first, RESIDENCY_WINDOW)
+
+
+def resident_count(region) -> int:
+    """Pages of the mapping in the page cache, a window at a time (cachestat, else mincore)."""
+    total = 0
+    for first in range(0, _pages(region), RESIDENCY_WINDOW):
+        cached = _cached(region, first)
+        if cached is None:
+            cached = int(np.count_nonzero(resident_pages(region, first, RESIDENCY_WINDOW)))
+        total += cached
+    return total
+
+
+def resident_runs(region) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The runs of resident pages, a window at a time: int64 arrays of their first pages and of the
+    pages after their last (a run that crosses a window's edge comes out once, whole)."""
+    open_at = None  # the first page of a run still going at the last window's end
+    for first, pages in _windows(region):
+        steps = np.diff(pages.view(np.int8), prepend=np.int8(open_at is not None))
+        starts = np.flatnonzero(steps == 1) + first
+        ends = np.flatnonzero(steps == -1) + first
+        if open_at is not None:
+            starts = np.concatenate(([open_at], starts))
+        open_at = int(starts[-1]) if pages[-1] else None
+        yield (starts[:-1], ends) if open_at is not None else (starts, ends)
+    if open_at is not None:
+        yield np.array([open_at]), np.array([_pages(region)])
+
+
+def longest_runs(region, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``most`` longest runs of resident pages (first pages, pages after the last), longest
+    first, then in page order; no more than ``most`` runs kept from one window to the next."""
+    starts = ends = np.zeros(0, dtype=np.int64)
+    for s, e in resident_runs(region):
+        starts, ends = np.concatenate((starts, s)), np.concatenate((ends, e))
+        if starts.size > most:
+            keep = np.lexsort((starts, starts - ends))[:most]
+            starts, ends = starts[keep], ends[keep]
+    order = np.lexsort((starts, starts - ends))[:most]
+    return starts[order], ends[order]
