@@ -302,6 +302,57 @@ def test_concurrent_lookups_with_evictions_get_their_rows(lib, make_checkpoint, 
             reader.close()
 
 
+def test_block_scales_follow_their_rows_under_evictions(lib, make_checkpoint, rng):
+    """An NVFP4 table's block scales in a follower cache of one set (the rows' tags and policy):
+    eight threads whose ids outnumber the slots (every insertion evicts a row, and with it the
+    scales written for it) each get every packed row and every block scale exact, and the scales
+    are served from the cache (the test fails when a follower's slot is taken before its scales
+    are written for the id the rows' slot holds)."""
+    layout = make_checkpoint(
+        num_rows=3000, row_dim=64, dtype="nvfp4", shards=4, seed=int(rng.integers(1 << 30))
+    )
+    scale_layout = layout.scale_layout()
+    with MappedShards(layout) as mapping, MappedShards(scale_layout) as scale_mapping:
+        counts, scale_counts = rowcopy.Counts(), rowcopy.Counts()
+        cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")
+        scale_cache = RowCache(WAYS, scale_layout.row_bytes, scale_counts, policy="lru", follows=cache)
+        readers = [FileReader(m, strategy="threads", direct=False, depth=8) for m in (mapping, scale_mapping)]
+        tables = [
+            rowcopy.Rows(mapping, cache=cache, reader=readers[0]),
+            rowcopy.Rows(scale_mapping, cache=scale_cache, reader=readers[1]),
+        ]
+        expect = reference_rows(layout, np.arange(layout.num_rows))
+        expect_scales = reference_rows(scale_layout, np.arange(layout.num_rows))
+        bad: list[str] = []
+
+        def work(seed):
+            local = np.random.default_rng(seed)
+            for _ in range(40):
+                ids_np = local.choice(np.arange(WAYS + WAYS // 2), 300)  # more ids than slots: evictions
+                out = torch.full((300, layout.row_bytes), 0xAB, dtype=torch.uint8)
+                scales = torch.full((300, scale_layout.row_bytes), 0xAB, dtype=torch.uint8)
+                job = make_job(tables, torch.from_numpy(ids_np), [out, scales], counts)
+                lib.ple_lookup_run(ctypes.addressof(job))
+                if not np.array_equal(out.numpy(), expect[ids_np]):
+                    bad.append(f"rows, seed {seed}")
+                if not np.array_equal(scales.numpy(), expect_scales[ids_np]):
+                    bad.append(f"block scales, seed {seed}")
+
+        try:
+            threads = [threading.Thread(target=work, args=(int(s),)) for s in rng.integers(1 << 30, size=8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert bad == [] and cache.stats()["evictions"] > 0
+            assert scale_counts.read()["cache_hits"] > 0
+        finally:
+            scale_cache.close()
+            cache.close()
+            for reader in readers:
+                reader.close()
+
+
 def _race(lib, layout, mapping, publish_first: bool, seconds: float) -> int:
     """Readers and one writer on a cache of one set: how many rows came back wrong."""
     counts = rowcopy.Counts()
