@@ -791,6 +791,12 @@ def test_an_explicit_row_cache_is_capped_at_the_table_and_refused_past_memory(
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")  # memory.available still says need - 1
     with pytest.raises(KnobError, match="PLE_UM_ROW_CACHE='1GiB'"):  # as it is, not a rejected mode
         ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    monkeypatch.undo()
+    nvfp4 = make_checkpoint(num_rows=10000, row_dim=160, dtype="nvfp4", shards=4)
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")
+    with MappedShards(nvfp4) as mapping, MappedShards(nvfp4.scale_layout()) as scales:
+        # the block scales follow the rows' slots: their bytes alone beside the rows' slots
+        assert plan(lib, mapping, scales).cache_bytes == 10000 * (80 + 10 + SLOT_OVERHEAD)
 
 
 def _hold_sizing_lock() -> int:

@@ -75,8 +75,10 @@ def one_sizing_at_a_time(wait_s: float = SIZING_WAIT_S) -> Iterator[None]:
 
 
 def _owned_bytes(mappings: list[MappedShards]) -> int:
-    """What a cache holding every owned row takes (the rows and the slots' words)."""
-    return sum(m.owned_bytes // m.layout.row_bytes * (m.layout.row_bytes + SLOT_OVERHEAD) for m in mappings)
+    """What a cache holding every owned row takes (the rows and the slots' words; an NVFP4 table's
+    block scales, in a cache that follows the rows', their bytes alone)."""
+    rows = mappings[0].owned_bytes // mappings[0].layout.row_bytes
+    return rows * SLOT_OVERHEAD + sum(m.owned_bytes for m in mappings)
 
 
 def _sized(asked: int, owned: int) -> int:
