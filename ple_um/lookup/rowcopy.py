@@ -96,8 +96,9 @@ class ReaderStruct(ctypes.Structure):
     ]
 
 
-# rowcache.c's sets of WAYS slots; a slot is its head (id, version, policy word), then the row.
-CACHE_WAYS, CACHE_SLOT_HEAD = 16, 16
+# rowcache.c's sets of WAYS slots; a set has a head of CACHE_SET_HEAD bytes (its version, CLOCK's
+# hand, its policy word) in an array of its own.
+CACHE_WAYS, CACHE_SET_HEAD = 16, 16
 
 
 class CacheStruct(ctypes.Structure):
@@ -108,12 +109,13 @@ class CacheStruct(ctypes.Structure):
         ("rb", ctypes.c_int64),
         ("policy", ctypes.c_int32),
         ("publish_first", ctypes.c_int32),
-        ("fingerprints", ctypes.c_void_p),
-        ("stride", ctypes.c_int64),
-        ("locks", ctypes.c_void_p),
+        ("follower", ctypes.c_int32),
+        ("unused", ctypes.c_int32),
+        ("tags", ctypes.c_void_p),
+        ("heads", ctypes.c_void_p),
         ("data", ctypes.c_void_p),
         ("sketch", ctypes.c_void_p),
-        ("sketch_mask", ctypes.c_int64),
+        ("sketch_blocks", ctypes.c_int64),
         ("door", ctypes.c_void_p),
         ("door_words", ctypes.c_int64),
         ("clock", ctypes.c_void_p),
@@ -179,7 +181,7 @@ def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
         ("ple_dispatch_post", [ctypes.c_void_p], ctypes.c_int),
         ("ple_struct_sizes", [], ctypes.c_int64),
         ("ple_cache_ways", [], ctypes.c_int64),
-        ("ple_cache_slot_head", [], ctypes.c_int64),
+        ("ple_cache_set_head", [], ctypes.c_int64),
         ("ple_uring_works", [], ctypes.c_int),
         ("ple_reader_hold", [], None),
         ("ple_reader_release", [], None),
@@ -190,8 +192,8 @@ def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     declared = (RowsStruct, LookupStruct, ReaderStruct, CacheStruct)
     if [(sizes >> shift) & 0xFFFF for shift in (48, 32, 16, 0)] != [ctypes.sizeof(s) for s in declared]:
         return None, f"{target}: the C structs do not match their ctypes declarations"
-    if (lib.ple_cache_ways(), lib.ple_cache_slot_head()) != (CACHE_WAYS, CACHE_SLOT_HEAD):
-        return None, f"{target}: the C row cache's slots do not match CACHE_WAYS and CACHE_SLOT_HEAD"
+    if (lib.ple_cache_ways(), lib.ple_cache_set_head()) != (CACHE_WAYS, CACHE_SET_HEAD):
+        return None, f"{target}: the C row cache's sets do not match CACHE_WAYS and CACHE_SET_HEAD"
     return lib, f"C row copy ({target.name}, built with {cc})"
 
 

@@ -3,12 +3,13 @@ cache (``native/rowcache.c``, ``host/row_cache.py``), driven through ctypes as a
 and through open_table, on real files: every row against the reference reader on fresh random data,
 poisoned outputs, shard edges, ids outside the owned range and the table, NVFP4, concurrent lookups
 with evictions, a cache smaller than one lookup, a file truncated under the reader, a filesystem
-without O_DIRECT, the publishing order of a cache slot, and cached rows served with no page of the
-files read.
+without O_DIRECT, the publishing order of a cache slot, a slot's tag, the bytes a cache takes per
+row, and cached rows served with no page of the files read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
@@ -301,6 +302,57 @@ def test_concurrent_lookups_with_evictions_get_their_rows(lib, make_checkpoint, 
             reader.close()
 
 
+def test_block_scales_follow_their_rows_under_evictions(lib, make_checkpoint, rng):
+    """An NVFP4 table's block scales in a follower cache of one set (the rows' tags and policy):
+    eight threads whose ids outnumber the slots (every insertion evicts a row, and with it the
+    scales written for it) each get every packed row and every block scale exact, and the scales
+    are served from the cache (the test fails when a follower's slot is taken before its scales
+    are written for the id the rows' slot holds)."""
+    layout = make_checkpoint(
+        num_rows=3000, row_dim=64, dtype="nvfp4", shards=4, seed=int(rng.integers(1 << 30))
+    )
+    scale_layout = layout.scale_layout()
+    with MappedShards(layout) as mapping, MappedShards(scale_layout) as scale_mapping:
+        counts, scale_counts = rowcopy.Counts(), rowcopy.Counts()
+        cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")
+        scale_cache = RowCache(WAYS, scale_layout.row_bytes, scale_counts, policy="lru", follows=cache)
+        readers = [FileReader(m, strategy="threads", direct=False, depth=8) for m in (mapping, scale_mapping)]
+        tables = [
+            rowcopy.Rows(mapping, cache=cache, reader=readers[0]),
+            rowcopy.Rows(scale_mapping, cache=scale_cache, reader=readers[1]),
+        ]
+        expect = reference_rows(layout, np.arange(layout.num_rows))
+        expect_scales = reference_rows(scale_layout, np.arange(layout.num_rows))
+        bad: list[str] = []
+
+        def work(seed):
+            local = np.random.default_rng(seed)
+            for _ in range(40):
+                ids_np = local.choice(np.arange(WAYS + WAYS // 2), 300)  # more ids than slots: evictions
+                out = torch.full((300, layout.row_bytes), 0xAB, dtype=torch.uint8)
+                scales = torch.full((300, scale_layout.row_bytes), 0xAB, dtype=torch.uint8)
+                job = make_job(tables, torch.from_numpy(ids_np), [out, scales], counts)
+                lib.ple_lookup_run(ctypes.addressof(job))
+                if not np.array_equal(out.numpy(), expect[ids_np]):
+                    bad.append(f"rows, seed {seed}")
+                if not np.array_equal(scales.numpy(), expect_scales[ids_np]):
+                    bad.append(f"block scales, seed {seed}")
+
+        try:
+            threads = [threading.Thread(target=work, args=(int(s),)) for s in rng.integers(1 << 30, size=8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert bad == [] and cache.stats()["evictions"] > 0
+            assert scale_counts.read()["cache_hits"] > 0
+        finally:
+            scale_cache.close()
+            cache.close()
+            for reader in readers:
+                reader.close()
+
+
 def _race(lib, layout, mapping, publish_first: bool, seconds: float) -> int:
     """Readers and one writer on a cache of one set: how many rows came back wrong."""
     counts = rowcopy.Counts()
@@ -445,45 +497,53 @@ def test_nvfp4_rows_and_block_scales_through_the_cache(make_checkpoint, rng, mon
         assert table.stats()["row_cache"]["hits"] > 0
 
 
-def _fingerprint(ids: np.ndarray) -> np.ndarray:
-    """rowcache.c's fingerprint of each id: the low byte of its hash (splitmix64's finalizer), 0
-    taken as 1."""
-    x = ids.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-    low = (x & np.uint64(255)).astype(np.int64)
-    return np.where(low == 0, 1, low)
+def _cache_calls(lib):
+    lib.ple_cache_get.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_uint64,
+        ctypes.c_uint32,
+        ctypes.c_void_p,
+    ]
+    lib.ple_cache_get.restype = ctypes.c_int
+    lib.ple_cache_put.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.ple_cache_put.restype = None
+    return lib.ple_cache_get, lib.ple_cache_put
 
 
-def test_ids_of_one_fingerprint_in_one_set_are_told_apart(lib, make_checkpoint, rng, poison):
-    """A set's fingerprints are only a filter: three rows whose ids share a fingerprint, held in one
-    full set beside rows of other fingerprints, are each served exactly, as hits, with nothing read
-    from the files. The three are put last, so they lie in the set's last word of fingerprints."""
+def _cache_hash(id_: int) -> int:
+    """rowcopy.h's ple_cache_hash: splitmix64's finalizer."""
+    m = (1 << 64) - 1
+    x = id_ & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def test_a_slot_s_tag_is_its_whole_id(lib, make_checkpoint, rng, poison):
+    """A set's tags are 32 bits: a full set of 16 rows is served exactly, as hits, with nothing read
+    from the files; an id that agrees with a held one in its low 32 bits (as a tag cut to 32 bits
+    would) is not served that row, and ids no tag can hold (negative, 2^32 - 1 and past) are never
+    put (their rows are read each time)."""
     layout = make_checkpoint(
         num_rows=40000, row_dim=160, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
     )
-    every = np.arange(layout.num_rows)
-    prints = _fingerprint(every)
-    shared = int(rng.integers(1, 256))
-    alike = rng.choice(every[prints == shared], 3, replace=False)
-    _, first_of_each = np.unique(prints[prints != shared], return_index=True)
-    others = rng.choice(every[prints != shared][first_of_each], WAYS - 3, replace=False)
-    held = np.concatenate([others, alike])  # way k takes held[k]: the empty ways fill in order
+    held = rng.choice(layout.num_rows, WAYS, replace=False)
     with MappedShards(layout) as mapping:
         counts = rowcopy.Counts()
-        cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")  # one set
+        cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")  # one set: every id maps to it
         reader = FileReader(mapping, strategy="uring", direct=True, depth=16)
         try:
             rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
-            first = torch.from_numpy(held)
-            run(lib, [rows], first, [torch.empty((WAYS, layout.row_bytes), dtype=torch.uint8)], counts)
-            in_cache = np.ctypeslib.as_array((ctypes.c_uint8 * WAYS).from_address(cache.struct.fingerprints))
-            assert in_cache.tolist() == _fingerprint(held).tolist()
-            assert in_cache[-3:].tolist() == [shared] * 3  # the three share one fingerprint in the set
+            run(
+                lib,
+                [rows],
+                torch.from_numpy(held),
+                [torch.empty((WAYS, layout.row_bytes), dtype=torch.uint8)],
+                counts,
+            )
+            tags = np.ctypeslib.as_array((ctypes.c_uint32 * WAYS).from_address(cache.struct.tags))
+            assert tags.tolist() == (held + 1).tolist()  # way k took held[k]: the empty ways fill in order
             evict(mapping, layout)
             ids_np = rng.permutation(np.repeat(held, 4))
             out = poison(torch.empty((ids_np.size, layout.row_bytes), dtype=torch.uint8))
@@ -492,9 +552,56 @@ def test_ids_of_one_fingerprint_in_one_set_are_told_apart(lib, make_checkpoint, 
             assert np.array_equal(out.numpy(), reference_rows(layout, ids_np))
             assert got["cache_hits"] - before["cache_hits"] == ids_np.size
             assert got["file_reads"] == before["file_reads"]
+            get, put = _cache_calls(lib)
+            dst = poison(torch.empty(layout.row_bytes, dtype=torch.uint8))
+            for id_ in held.tolist():
+                assert get(cache.address, id_, _cache_hash(id_), (1 << WAYS) - 1, dst.data_ptr()) == 1
+                alias = id_ + (1 << 32)
+                assert get(cache.address, alias, _cache_hash(alias), (1 << WAYS) - 1, dst.data_ptr()) == 0
+            inserts = counts.read()["cache_inserts"]
+            row = torch.zeros(layout.row_bytes, dtype=torch.uint8)
+            for id_ in (-1, -(1 << 40), (1 << 32) - 1, (1 << 32) + 7, (1 << 62)):
+                put(cache.address, id_, row.data_ptr())
+            assert counts.read()["cache_inserts"] == inserts and tags.tolist() == (held + 1).tolist()
         finally:
             cache.close()
             reader.close()
+
+
+@pytest.mark.parametrize("capacity", [1 << 20, 64 << 20])
+def test_a_cache_takes_at_most_eight_bytes_beside_each_row(make_checkpoint, capacity):
+    """Issue 43's bound, from the memory the caches really map (not from SLOT_OVERHEAD): the bytes
+    a cache takes for each row it can hold are at most 1.05 x the row's bytes + 8, for 160-byte FP8
+    rows and for the NVFP4 table of the same 160 values (80 bytes of rows and 10 of block scales in
+    two caches of as many slots, the scales' following the rows' admission); the budget is kept."""
+    fp8 = make_checkpoint(num_rows=5000, row_dim=160, dtype="fp8", shards=4)  # the plan sizes the cache
+    nvfp4 = make_checkpoint(num_rows=5000, row_dim=160, dtype="nvfp4", shards=4)
+    plan = cold.ColdPlan(
+        cache_bytes=capacity,
+        policy="tinylfu",
+        strategy="mmap",
+        direct=False,
+        depth=1,
+        resident_check=False,
+        why="a test's",
+    )
+    for layout in (fp8, nvfp4):
+        scales = layout.scale_layout() if layout.is_nvfp4 else None
+        with (
+            MappedShards(layout) as mapping,
+            MappedShards(scales) if scales else contextlib.nullcontext() as scale_mapping,
+        ):
+            sources = cold.RowSources(mapping, scale_mapping, plan, rowcopy.Counts())
+            try:
+                caches = [sources.rows.cache] + ([sources.block_scales.cache] if scales else [])
+                mapped = sum(len(c._memory) for c in caches)  # the anonymous mappings themselves
+                held = min(c.slots for c in caches)
+                row_bytes = layout.row_bytes + (scales.row_bytes if scales else 0)
+                assert {c.slots for c in caches} == {held} and held > 0.9 * capacity / (row_bytes + 16)
+                assert mapped <= capacity and sources.stats()["bytes"] == mapped
+                assert mapped / held <= 1.05 * row_bytes + 8, (layout.dtype_name, mapped / held)
+            finally:
+                sources.close()
 
 
 def test_one_off_rows_do_not_flush_hot_ones_under_tinylfu(lib, make_checkpoint, rng):
@@ -684,6 +791,12 @@ def test_an_explicit_row_cache_is_capped_at_the_table_and_refused_past_memory(
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")  # memory.available still says need - 1
     with pytest.raises(KnobError, match="PLE_UM_ROW_CACHE='1GiB'"):  # as it is, not a rejected mode
         ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    monkeypatch.undo()
+    nvfp4 = make_checkpoint(num_rows=10000, row_dim=160, dtype="nvfp4", shards=4)
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")
+    with MappedShards(nvfp4) as mapping, MappedShards(nvfp4.scale_layout()) as scales:
+        # the block scales follow the rows' slots: their bytes alone beside the rows' slots
+        assert plan(lib, mapping, scales).cache_bytes == 10000 * (80 + 10 + SLOT_OVERHEAD)
 
 
 def _hold_sizing_lock() -> int:

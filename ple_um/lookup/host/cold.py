@@ -75,8 +75,10 @@ def one_sizing_at_a_time(wait_s: float = SIZING_WAIT_S) -> Iterator[None]:
 
 
 def _owned_bytes(mappings: list[MappedShards]) -> int:
-    """What a cache holding every owned row takes (the rows and the slots' words)."""
-    return sum(m.owned_bytes // m.layout.row_bytes * (m.layout.row_bytes + SLOT_OVERHEAD) for m in mappings)
+    """What a cache holding every owned row takes (the rows and the slots' words; an NVFP4 table's
+    block scales, in a cache that follows the rows', their bytes alone)."""
+    rows = mappings[0].owned_bytes // mappings[0].layout.row_bytes
+    return rows * SLOT_OVERHEAD + sum(m.owned_bytes for m in mappings)
 
 
 def _sized(asked: int, owned: int) -> int:
@@ -133,10 +135,10 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None) -> Cold
 
 class RowSources:
     """The C code's view of a table's rows and of an NVFP4 table's block scales (``rowcopy.Rows``),
-    each with the row cache and reader ``plan`` gives it (an NVFP4 table's cache split between
-    them as their row bytes; the block scales' counted apart: a lookup asks both for each id).
-    Owns the caches and readers (which hold ``lib``'s reader threads); ``close()`` once no row copy
-    can use them."""
+    each with the row cache and reader ``plan`` gives it (an NVFP4 table's cache split into two of
+    as many slots, the block scales' following the rows' admission and counted apart: a lookup
+    asks both for each id). Owns the caches and readers (which hold ``lib``'s reader threads);
+    ``close()`` once no row copy can use them."""
 
     def __init__(
         self, mapping: MappedShards, scale_mapping: MappedShards | None, plan, counts, lib=None
@@ -145,13 +147,13 @@ class RowSources:
         self._owned: list[RowCache | FileReader] = []
         self.readers: list[FileReader] = []
         try:
-            share = 1.0
-            if scale_mapping is not None:
-                rows, scales = mapping.layout.row_bytes, scale_mapping.layout.row_bytes
-                share = rows / (rows + scales)
-            self.rows = self._sources(mapping, share, counts)
+            slots = 0
+            if plan is not None:  # an NVFP4 table's block scales: a cache of as many slots follows the rows'
+                scales = scale_mapping.layout.row_bytes if scale_mapping is not None else 0
+                slots = slots_for(plan.cache_bytes, mapping.layout.row_bytes, block_scales=scales)
+            self.rows = self._sources(mapping, slots, counts)
             self.block_scales = (
-                self._sources(scale_mapping, 1.0 - share, rowcopy.Counts())
+                self._sources(scale_mapping, slots, rowcopy.Counts(), follows=self.rows.cache)
                 if scale_mapping is not None
                 else None
             )
@@ -159,14 +161,13 @@ class RowSources:
             self.close()
             raise
 
-    def _sources(self, mapping: MappedShards, share: float, counts) -> rowcopy.Rows:
+    def _sources(self, mapping: MappedShards, slots: int, counts, follows=None) -> rowcopy.Rows:
         plan = self.plan
         if plan is None:
             return rowcopy.Rows(mapping)
         cache = reader = None
-        slots = slots_for(int(plan.cache_bytes * share), mapping.layout.row_bytes)
         if slots:
-            cache = RowCache(slots, mapping.layout.row_bytes, counts, policy=plan.policy)
+            cache = RowCache(slots, mapping.layout.row_bytes, counts, policy=plan.policy, follows=follows)
             self._owned.append(cache)
         if plan.reads:
             reader = FileReader(

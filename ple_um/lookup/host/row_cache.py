@@ -2,10 +2,10 @@
 
 The page cache keeps a row as the 4 KiB page it lies in; with hashed n-gram ids the other rows of
 that page are rarely hot, so a page cache of C bytes holds about C / 4 KiB hot rows. A row cache of
-the same bytes holds about C / (row bytes + ``SLOT_OVERHEAD``) of them. The C row copy looks every
-owned row up here first and offers the rows it had to read (``native/rowcache.c``: set-associative,
-lock-free reads, a row's bytes in place before anything can find it; the policy decides what is
-kept).
+the same bytes holds about C / (row bytes + ``SLOT_OVERHEAD``) of them (8 bytes beside a row:
+``native/rowcopy.h``). The C row copy looks every owned row up here first and offers the rows it
+had to read (``native/rowcache.c``: set-associative, lock-free reads, a row's bytes in place before
+anything can find it; the policy decides what is kept).
 
 The memory is anonymous (``mmap``, transparent huge pages where the kernel gives them), faulted in
 when the cache is made (so that no lookup pays for a first touch), owned by this object and
@@ -25,13 +25,15 @@ from ple_um.mapping import _libc
 
 POLICIES = {"tinylfu": 0, "lru": 1, "clock": 2}
 WAYS = rowcopy.CACHE_WAYS  # slots per set: an id is looked for in one set only
-# A slot's share of the admission sketch (4 rows of 1-2 one-byte counters a slot) and of the
-# doorkeeper (8-16 bytes a slot: about 6 bits for each access of the period it remembers, 10 x the
-# sketch's width), at most.
-SHARED_PER_SLOT = 8 + 16
-# Bytes a slot takes beside its row's, at most: its fingerprint (one byte of its set's words); its
-# head (id, version, policy word) and the padding to a multiple of 8; SHARED_PER_SLOT.
-SLOT_OVERHEAD = 1 + rowcopy.CACHE_SLOT_HEAD + 7 + SHARED_PER_SLOT
+# The admission sketch's 4-bit counters and the doorkeeper's bits, a slot's share of each (TinyLFU:
+# rowcache.c).
+SKETCH_COUNTERS_PER_SLOT = 2
+DOOR_BITS_PER_SLOT = 16
+# Bytes a slot takes beside its row's: its tag (4), its share of its set's head, of the sketch and
+# of the doorkeeper (each array is also rounded up to 64 bytes: nbytes_for is the exact figure).
+# A follower's slot (an NVFP4 table's block scales) is its bytes alone: the rest is its rows' cache's.
+SLOT_OVERHEAD = 4 + rowcopy.CACHE_SET_HEAD // WAYS + SKETCH_COUNTERS_PER_SLOT // 2 + DOOR_BITS_PER_SLOT // 8
+LRU_FRESH = 0xFEDCBA9876543210  # a set's LRU word before any use: way w of rank w (rowcache.c)
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
 
 
@@ -45,44 +47,78 @@ def _populate(base: int, memory: mmap.mmap, nbytes: int) -> None:
     view[:: mmap.PAGESIZE] = 0
 
 
-def stride(row_bytes: int) -> int:
-    """The bytes of one slot in the cache's data: its head, then the row, to a multiple of 8 (the
-    next slot's id stays aligned)."""
-    return -(-(rowcopy.CACHE_SLOT_HEAD + row_bytes) // 8) * 8
+def _layout(slots: int, row_bytes: int, follower: bool) -> list[tuple[str, int]]:
+    """The arrays of a cache of ``slots`` slots, in bytes (rowcache.c's struct ple_cache); a
+    follower's are its rows alone."""
+    if follower:
+        return [("data", slots * row_bytes)]
+    return [
+        ("tags", 4 * slots),
+        ("heads", rowcopy.CACHE_SET_HEAD * (slots // WAYS)),
+        ("clock", 16),
+        ("data", slots * row_bytes),
+        ("sketch", 64 * _sketch_blocks(slots)),
+        ("door", 8 * _door_words(slots)),
+    ]
 
 
-def slots_for(capacity: int, row_bytes: int) -> int:
+def _sketch_blocks(slots: int) -> int:
+    return -(-slots * SKETCH_COUNTERS_PER_SLOT // 128)  # 64-byte blocks of 128 counters
+
+
+def _door_words(slots: int) -> int:
+    return -(-slots * DOOR_BITS_PER_SLOT // 64)
+
+
+def nbytes_for(slots: int, row_bytes: int, *, follower: bool = False) -> int:
+    """The bytes a cache of ``slots`` slots for rows of ``row_bytes`` allocates (each array rounded
+    up to 64 bytes): what ``RowCache.nbytes`` is."""
+    return sum(-(-n // 64) * 64 for _, n in _layout(slots, row_bytes, follower))
+
+
+def slots_for(capacity: int, row_bytes: int, *, block_scales: int = 0) -> int:
     """The slots a cache of ``capacity`` bytes has: sets of WAYS slots (0 when not even one set
-    fits; the sketch and doorkeeper are a power of two wide, so a cache may take a little less)."""
-    slot = 1 + stride(row_bytes) + SHARED_PER_SLOT  # its fingerprint, the slot, its share
-    return WAYS * max(0, capacity // (WAYS * slot))
+    fits). With ``block_scales`` (an NVFP4 table's scale bytes a row), the slots of each of two
+    caches of as many slots that fit together: the rows' and a follower for the block scales."""
+
+    def size(slots: int) -> int:
+        scales = nbytes_for(slots, block_scales, follower=True) if block_scales else 0
+        return nbytes_for(slots, row_bytes) + scales
+
+    per_row = row_bytes + SLOT_OVERHEAD + block_scales
+    slots = WAYS * max(0, capacity // (WAYS * per_row))
+    while slots and size(slots) > capacity:  # the arrays' rounding
+        slots -= WAYS
+    return slots
 
 
 class RowCache:
     """A row cache of ``slots`` slots (a multiple of WAYS) for rows of ``row_bytes``; hits, misses,
-    insertions and evictions are added to ``counts`` (the host gather's ``rowcopy.Counts``)."""
+    insertions and evictions are added to ``counts`` (the host gather's ``rowcopy.Counts``). With
+    ``follows`` (an NVFP4 table's rows' cache, of as many slots, asked for the same ids just before
+    this one), this cache holds another part of the rows that cache holds (its block scales): the
+    tags, set heads and policy are that cache's, which must outlive this one; only hits and misses
+    are counted here."""
 
     def __init__(
-        self, slots: int, row_bytes: int, counts: rowcopy.Counts, *, policy: str = "tinylfu"
+        self,
+        slots: int,
+        row_bytes: int,
+        counts: rowcopy.Counts,
+        *,
+        policy: str = "tinylfu",
+        follows: RowCache | None = None,
     ) -> None:
         sets = slots // WAYS
         if slots <= 0 or slots % WAYS:
             raise ValueError(f"a row cache has sets of {WAYS} slots, not {slots} slots")
         if policy not in POLICIES:
             raise ValueError(f"row cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        if follows is not None and (follows.slots, follows.policy) != (slots, policy):
+            raise ValueError("a row cache follows a cache of as many slots and the same policy")
         self.slots, self.row_bytes, self.policy = slots, row_bytes, policy
-        sketch_width = 1 << max(4, (slots - 1).bit_length())  # 1-2 counters a slot a row (rowcache.c)
-        door_words = sketch_width  # 64 doorkeeper bits a counter (rowcache.c)
-        self.stride = stride(row_bytes)
-        layout = [
-            ("fingerprints", sets * WAYS),
-            ("locks", sets),
-            ("sketch", 4 * sketch_width),
-            ("door", 8 * door_words),
-            ("clock", 16),
-            ("data", slots * self.stride),
-        ]
-        self.nbytes = sum(-(-n // 64) * 64 for _, n in layout)
+        layout = _layout(slots, row_bytes, follows is not None)
+        self.nbytes = nbytes_for(slots, row_bytes, follower=follows is not None)
         self._memory = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
         _libc.madvise(base, self.nbytes, MADV_HUGEPAGE)  # a hint: fewer TLB misses where it is taken
@@ -92,27 +128,31 @@ class RowCache:
         for name, n in layout:
             at[name] = base + offset
             offset += -(-n // 64) * 64
-        words = self.stride // 8
-        data = np.ctypeslib.as_array((ctypes.c_int64 * (slots * words)).from_address(at["data"]))
-        data.reshape(slots, words)[:, 0] = -1  # every slot's id: no row (and its fingerprint 0)
+        if policy == "lru" and follows is None:  # every other starting state is zero (empty tags...)
+            heads = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * sets)).from_address(at["heads"]))
+            heads.reshape(sets, 2)[:, 1] = LRU_FRESH
+        if follows is not None:
+            lead = follows.struct
+            at.update(tags=lead.tags, heads=lead.heads, sketch=lead.sketch, door=lead.door, clock=lead.clock)
         self.struct = rowcopy.CacheStruct(
             sets,
             row_bytes,
             POLICIES[policy],
             0,
-            at["fingerprints"],
-            self.stride,
-            at["locks"],
+            follows is not None,
+            0,
+            at["tags"],
+            at["heads"],
             at["data"],
             at["sketch"],
-            sketch_width - 1,
+            _sketch_blocks(slots),
             at["door"],
-            door_words,
+            _door_words(slots),
             at["clock"],
             counts.address,
         )
         self.address = ctypes.addressof(self.struct)
-        self._counts = counts
+        self._counts, self._follows = counts, follows
 
     def resident_bytes(self) -> int:
         """Bytes of the cache's memory that are in RAM now (mincore: pages it has written)."""

@@ -3,41 +3,55 @@
  *
  * Set-associative: an id hashes to one set of WAYS slots, and only those are searched and replaced.
  * Rows that hash to a set beyond its ways stay out even when the cache has room: with sets of 16,
- * hot rows filling 40% of the slots leave about 1 in 12 000 of them out (sets of 8: 1 in 400). A
- * set's fingerprints (one byte a slot, 0 for an empty one, from the id's hash) are two words of a
- * dense array, in one cache line; a slot is its head (the id it holds, or -1; a version; a policy
- * word) and then the row's bytes, so a hit reads the set's fingerprints and its slot, and a
- * fingerprint that matches by chance (1 in 255 a way) costs only a look at that slot's head.
- * Lookups read without a lock; a slot's writer holds its set's lock (try-lock: a writer that finds
- * it taken offers its row to nobody, the cache is only a cache).
+ * hot rows filling 40% of the slots leave about 1 in 12 000 of them out (sets of 8: 1 in 400).
  *
- * Publishing: a slot's version is odd while its writer changes it. The writer makes the version odd,
- * then writes the id and the row's bytes, then makes the version even again (a release store), then
- * sets the fingerprint: a reader checks the version before and after it reads the id and copies the
- * bytes, and takes the copy only when both are the same even number and the id is its own. So a
- * row's bytes are in place before anything can find them, and a slot overwritten while a lookup
- * copies it is a miss for that lookup, never a torn or foreign row. The fingerprints are only a
- * filter: what a reader takes is decided by the slot's id and version alone.
+ * Memory (rowcopy.h's comment states the bytes a slot takes): a set's tags are one 64-byte line of
+ * WAYS 32-bit words (a slot's tag is its id + 1, 0 for an empty slot: exact, no filter to check
+ * behind it); a set's head (16 bytes: its version, CLOCK's hand, its policy word of a 4-bit field
+ * per way) lies in a dense array of its own; the rows lie one after the other with nothing between
+ * them. So a hit reads the set's tags, its head and the row. Ids that a tag cannot hold (negative,
+ * or past TAG_MOST - 1) are never held: their rows are read each time, and no table of fewer than
+ * 2^32 - 1 rows has one.
+ *
+ * Publishing: a set's version is odd while one of its slots is written, and taking it odd (a compare
+ * and swap from even) is the writer's lock (a writer that finds it odd or loses the swap offers its
+ * row to nobody: the cache is only a cache). The writer makes the version odd, then writes the tag
+ * and the row's bytes, then makes the version even again (a release store). A reader reads the
+ * version, then the tag, copies the bytes, and takes the copy only when the version is the same even
+ * number after it. So a row's bytes are in place before anything can find them, and a set written
+ * while a lookup copies one of its rows is a miss for that lookup, never a torn or foreign row.
  *
  * Policies (policy): POLICY_TINYLFU admits a missed row only when its estimated frequency is above
  * that of the row it would evict, the victim being the set's row of the lowest frequency: one-off
- * rows then never flush hot ones. A held row's frequency is its slot's policy word: the estimate it
- * was admitted with, raised by each hit (saturating). A row not held is estimated from its misses:
- * a doorkeeper bit (the id missed in the current period) plus a count-min sketch of the ids that
- * missed more than once (4 rows of saturating counters, 1-2 a slot, raised by conservative update:
- * only the counters at the minimum). So a hit touches nothing but its set and its row. Counts fade:
- * every AGE_EVERY accesses four counters and one slot's word are halved and one word of the
- * doorkeeper cleared, in turn, so the whole sketch, the held rows' counts and the doorkeeper age
- * once in AGE_EVERY x width accesses. POLICY_LRU evicts the set's least recently used slot and
- * admits every row; POLICY_CLOCK gives each slot a second chance. docs/TRAFFIC.md compares the policies on a serving trace, and
- * scripts/profile_cold.py --parts policies measures this cache's.
+ * rows then never flush hot ones. A held row's frequency is its 4-bit field of the set's policy
+ * word: the estimate it was admitted with, raised by each hit (saturating at 15). A row not held is
+ * estimated from its misses: a doorkeeper bit (the id missed in the current period) plus a
+ * count-min sketch of 4-bit counters of the ids that missed more than once (4 rows of counters in a
+ * 64-byte block, raised by conservative update: only the counters at the minimum). So a hit touches
+ * nothing but its set and its row. Counts fade: every AGE_EVERY accesses one set's policy word and
+ * the sketch's share of one set are halved, in turn, so all of them age once in AGE_EVERY x sets
+ * accesses (15 x the cache's slots), and the doorkeeper's shares of DOOR_SWEEPS sets are cleared:
+ * it forgets four times as fast. Its 16 bits a slot (two an id) kept as long as the counts would
+ * fill up and let one-off rows into the sketch (docs/lab/PERF_NOTES.md measures it). POLICY_LRU
+ * evicts the set's least recently used slot (the policy word holds each way's rank, a permutation
+ * of 0..15; host/row_cache.py starts way w at rank w) and admits every row; POLICY_CLOCK gives each
+ * slot a second chance (a bit a way). docs/TRAFFIC.md compares the policies on a serving trace, and
+ * scripts/profile_cold.py --parts policies measures this cache's. Readers update a set's policy
+ * word without a lock: a word written by two at once keeps one's, which only makes the policy less
+ * exact (every word stored is a whole valid word).
+ *
+ * A follower (an NVFP4 table's block scales, looked up for the same ids right after its rows) has
+ * slots for its rows' bytes and nothing else: the tags, heads, sketch and doorkeeper are those of
+ * the cache it follows, whose slot k's id its slot k holds the part of once written (a bit a way in
+ * the set's head, set by the follower's put, cleared when the followed cache writes the slot; both
+ * write under the set's one version). So the two hold the same ids, and the policy sees each
+ * access once.
  *
  * Speed: a hit is bound by the memory it reads, not by its instructions, so a hit reads few cache
- * lines (the set's fingerprints, the slot; a miss also reads the set's slot heads, the id's four
- * counters, which share one 64-byte block of the sketch, and its doorkeeper word), lookups
- * ask for them some ids ahead (ple_cache_prefetch), and no access takes a locked instruction of its
- * own (ticks, aging and counts are taken a window of ids at once), which would hold back the reads
- * after it.
+ * lines (the set's tags and head, the row; a miss also reads the id's four counters, which share one
+ * 64-byte block of the sketch, and its doorkeeper word), lookups ask for them some ids ahead
+ * (ple_cache_prefetch), and no access takes a locked instruction of its own (the access count, aging
+ * and counters are taken a window of ids at once), which would hold back the reads after it.
  */
 #include "rowcopy.h"
 
@@ -46,66 +60,59 @@
 enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
 #define WAYS PLE_CACHE_WAYS
 #define SKETCH_ROWS 4
-#define SATURATE 15
-#define HELD_MOST (SATURATE + 1) /* a held row's count: at most the estimate of one not held */
-#define AGE_EVERY 10 /* accesses per counter halved: counts fade over 10-20 x the cache's slots */
+#define SATURATE 15     /* a 4-bit counter's and a held row's count at most */
+#define AGE_EVERY 240   /* accesses per set aged: counts fade over 15 x the cache's slots */
+#define DOOR_SWEEPS 4   /* the doorkeeper is cleared this many times as often as the counts fade */
+#define TAG_MOST 0xffffffffULL
+#define NIBBLES 0x1111111111111111ULL
 
 struct ple_cache {
     int64_t sets;
-    int64_t rb;    /* bytes per row */
+    int64_t rb; /* bytes per row: slot k's row lies at data + k * rb */
     int32_t policy;
     int32_t publish_first; /* tests only: publish the tag before the bytes (a wrong cache) */
-    uint64_t *fingerprints; /* [sets * WAYS / 8]: a byte a slot */
-    int64_t stride;         /* bytes per slot: its head, then the row's rb bytes (a multiple of 8) */
-    uint8_t *locks;         /* [sets] */
-    uint8_t *data;          /* [sets * WAYS * stride] */
-    uint8_t *sketch;       /* [SKETCH_ROWS * (sketch_mask + 1)] */
-    int64_t sketch_mask;
+    int32_t follower;      /* 1: the tags, heads, sketch and doorkeeper are the cache's it follows */
+    int32_t unused;
+    uint32_t *tags;  /* [sets * WAYS]: id + 1, or 0 */
+    uint8_t *heads;  /* [sets]: struct set_head */
+    uint8_t *data;   /* [sets * WAYS * rb] */
+    uint8_t *sketch; /* [sketch_blocks * 64] */
+    int64_t sketch_blocks;
     uint64_t *door;  /* [door_words]: 64 bits per word */
-    int64_t door_words; /* a power of two */
-    uint64_t *clock; /* [2]: accesses (LRU's time and the sketch's aging cursor), CLOCK's hand */
+    int64_t door_words;
+    uint64_t *clock; /* [2]: accesses (the aging cursor), unused */
     int64_t *counts; /* the table's counters (rowcopy.h's enum) */
 };
 
-/* A slot's head; the row's bytes follow it. */
-struct slot_head {
-    int64_t id;       /* the id whose row the slot holds, or -1 */
-    uint32_t version; /* odd while the slot is written */
-    uint32_t meta;    /* its count (TINYLFU), last use (LRU), second chance (CLOCK) */
+/* A set's head. */
+struct set_head {
+    uint32_t version; /* odd while a slot of the set (of the cache or its follower) is written */
+    uint16_t hand;    /* CLOCK's next way */
+    uint16_t follows; /* a bit a way: the follower's slot holds the part of the row the tag names */
+    uint64_t policy;  /* 4 bits a way: its count (TINYLFU), rank (LRU), second chance (CLOCK) */
 };
 
 int64_t ple_cache_struct_size(void) { return (int64_t)sizeof(struct ple_cache); }
 int64_t ple_cache_ways(void) { return WAYS; }
-int64_t ple_cache_slot_head(void) { return (int64_t)sizeof(struct slot_head); }
+int64_t ple_cache_set_head(void) { return (int64_t)sizeof(struct set_head); }
 
-/* Slot k (of set k / WAYS): its head, its row's bytes, its fingerprint. */
-static inline struct slot_head *head_of(const ple_cache_t *c, int64_t k) {
-    return (struct slot_head *)(c->data + k * c->stride);
+_Static_assert(WAYS == 16, "a set's tags are one 64-byte line and its policy word 16 fields of 4 bits");
+
+static inline struct set_head *head_of(const ple_cache_t *c, int64_t set) {
+    return (struct set_head *)(c->heads + set * (int64_t)sizeof(struct set_head));
 }
-static inline uint8_t *row_of(const ple_cache_t *c, int64_t k) { return c->data + k * c->stride + sizeof(struct slot_head); }
-static inline uint8_t *fingerprint_at(const ple_cache_t *c, int64_t k) { return (uint8_t *)c->fingerprints + k; }
-static inline int64_t *tag_of(const ple_cache_t *c, int64_t k) { return &head_of(c, k)->id; }
-static inline uint32_t *version_of(const ple_cache_t *c, int64_t k) { return &head_of(c, k)->version; }
-static inline uint32_t *meta_of(const ple_cache_t *c, int64_t k) { return &head_of(c, k)->meta; }
+static inline uint8_t *row_of(const ple_cache_t *c, int64_t k) { return c->data + k * c->rb; }
 
-/* An id's fingerprint, from its hash's low byte (the set comes from its high bits); never 0. */
-static inline uint32_t fingerprint(uint64_t h) { return (h & 255) ? (uint32_t)(h & 255) : 1; }
+/* The tag of an id: id + 1, or 0 for an id no tag holds (the cache never holds its row). */
+static inline uint32_t tag_for(int64_t id) { return id >= 0 && (uint64_t)id < TAG_MOST - 1 ? (uint32_t)(id + 1) : 0; }
 
-/* The ways of `set` that hold fingerprint f: a bit per way. A set's fingerprints are its WAYS
- * bytes (way w's is byte w), read as little-endian words of eight: in each word, the bytes equal to
- * f become zero bytes, found exactly (no carry crosses a byte), and their top bits are gathered into
- * eight bits by a multiply. Writers store single bytes and readers load words: a word read while a
- * byte is written can only filter wrongly, which the slot's id and version check catches. */
-_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a set's fingerprints are read as little-endian words");
-_Static_assert(WAYS % 8 == 0 && WAYS <= 32, "a set's fingerprints are whole words, its ways a 32-bit mask");
-static inline uint32_t ways_of(const ple_cache_t *c, int64_t set, uint32_t f) {
-    const uint64_t low7 = 0x7f7f7f7f7f7f7f7fULL;
-    uint32_t found = 0;
-    for (int q = 0; q < WAYS / 8; q++) {
-        uint64_t x = __atomic_load_n(&c->fingerprints[set * (WAYS / 8) + q], __ATOMIC_RELAXED) ^ (0x0101010101010101ULL * f);
-        uint64_t zero = ~(((x & low7) + low7) | x | low7); /* 0x80 in each byte that held f */
-        found |= (uint32_t)(((zero >> 7) * 0x0102040810204080ULL) >> 56) << (8 * q);
-    }
+/* The ways of `set` whose tag is `tag`: a bit per way. The line is copied first so that the
+ * compare runs on registers (the compiler makes it a few vector compares); a tag written meanwhile
+ * can only make the answer wrong, which the set's version check catches. */
+static inline uint32_t ways_of(const ple_cache_t *c, int64_t set, uint32_t tag) {
+    uint32_t line[WAYS], found = 0;
+    memcpy(line, c->tags + set * WAYS, sizeof line);
+    for (int w = 0; w < WAYS; w++) found |= (uint32_t)(line[w] == tag) << w;
     return found;
 }
 
@@ -114,19 +121,36 @@ static inline int64_t set_of(const ple_cache_t *c, uint64_t h) {
     return (int64_t)(((unsigned __int128)h * (uint64_t)c->sets) >> 64);
 }
 
-static inline uint32_t load32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-static inline int64_t load_tag(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+/* A place in [0, n) for a 64-bit hash, by a multiply. */
+static inline uint64_t place(uint64_t x, int64_t n) { return (uint64_t)(((unsigned __int128)x * (uint64_t)n) >> 64); }
+
+static inline uint64_t load_policy(const struct set_head *s) { return __atomic_load_n(&s->policy, __ATOMIC_RELAXED); }
+static inline void store_policy(struct set_head *s, uint64_t v) { __atomic_store_n(&s->policy, v, __ATOMIC_RELAXED); }
+static inline uint32_t field(uint64_t word, int w) { return (uint32_t)(word >> (4 * w)) & 15; }
+static inline uint64_t with_field(uint64_t word, int w, uint32_t v) {
+    return (word & ~(15ULL << (4 * w))) | (uint64_t)v << (4 * w);
+}
+
+/* LRU: way w used now. Its rank becomes 0 and every rank below its old one moves up by one: the
+ * word stays a permutation of 0..15. The fields are compared eight at a time in bytes. */
+static inline uint64_t lru_touch(uint64_t word, int w) {
+    uint64_t r = field(word, w) * 0x0101010101010101ULL, low = 0x0f0f0f0f0f0f0f0fULL, top = 0x8080808080808080ULL;
+    uint64_t even = word & low, odd = (word >> 4) & low;
+    even += (~((even | top) - r) & top) >> 7; /* +1 where the rank is below r */
+    odd += (~((odd | top) - r) & top) >> 7;
+    return with_field(even | odd << 4, w, 0);
+}
 
 /* The doorkeeper's word of the id of hash h, and its two bits there (one cache line an access). */
 static inline uint64_t *door_word(const ple_cache_t *c, uint64_t h, uint64_t *mask) {
     uint64_t g = mix(h ^ 0x5851f42d4c957f2dULL);
     *mask = 1ULL << (g >> 58) | 1ULL << ((g >> 52) & 63);
-    return &c->door[g & (uint64_t)(c->door_words - 1)];
+    return &c->door[place(g << 12, c->door_words)];
 }
 
-/* The doorkeeper: whether an id was seen this period (its bits set now, and returned as they
- * were). The bits are set without a locked instruction: two lookups that set bits of one word at
- * once may lose one's, which costs that id one more sighting, never a wrong row. */
+/* The doorkeeper: whether an id was seen this period (its bits set now when `set`, and returned as
+ * they were). The bits are set without a locked instruction: two lookups that set bits
+ * of one word at once may lose one's, which costs that id one more sighting, never a wrong row. */
 static int door_seen(ple_cache_t *c, uint64_t h, int set) {
     uint64_t mask, *word = door_word(c, h, &mask), v = __atomic_load_n(word, __ATOMIC_RELAXED);
     if ((v & mask) == mask) return 1;
@@ -134,53 +158,63 @@ static int door_seen(ple_cache_t *c, uint64_t h, int set) {
     return 0;
 }
 
-/* The sketch's block of the id of hash h: 64 bytes (one cache line), SKETCH_ROWS rows of 16
- * counters; the id's counter of row r is *g's 4 bits r of that row's 16. */
+/* The sketch's block of the id of hash h: 64 bytes (one cache line), SKETCH_ROWS rows of 32 4-bit
+ * counters; the id's counter of row r is the one of number (*g >> 5r) & 31 in that row's 16 bytes. */
 static inline uint8_t *sketch_block(const ple_cache_t *c, uint64_t h, uint64_t *g) {
     uint64_t x = mix(h + 0x9e3779b97f4a7c15ULL);
-    *g = x >> 32;
-    return c->sketch + ((x & (uint64_t)((c->sketch_mask + 1) / 16 - 1)) << 6);
+    *g = x;
+    return c->sketch + (place(x << 20, c->sketch_blocks) << 6);
 }
 
-static inline uint8_t *counter(const uint8_t *block, uint64_t g, int r) {
-    return (uint8_t *)block + 16 * r + ((g >> (4 * r)) & 15);
+static inline int counter_get(const uint8_t *block, uint64_t g, int r, uint8_t **at, int *shift) {
+    uint32_t i = (uint32_t)(g >> (5 * r)) & 31;
+    *at = (uint8_t *)block + 16 * r + (i >> 1);
+    *shift = 4 * (int)(i & 1);
+    return (__atomic_load_n(*at, __ATOMIC_RELAXED) >> *shift) & 15;
 }
 
 static int sketch_min(const uint8_t *block, uint64_t g) {
-    int best = SATURATE;
+    int best = SATURATE, shift;
+    uint8_t *at;
     for (int r = 0; r < SKETCH_ROWS; r++) {
-        int v = __atomic_load_n(counter(block, g, r), __ATOMIC_RELAXED);
+        int v = counter_get(block, g, r, &at, &shift);
         if (v < best) best = v;
     }
     return best;
 }
 
-/* One step of TINYLFU's aging (the step of number `at`): SKETCH_ROWS counters, one held row's
- * count and one doorkeeper word, in turn over the whole sketch, the slots and the doorkeeper. */
-static void age_step(ple_cache_t *c, uint64_t at) {
-    uint64_t width = (uint64_t)c->sketch_mask + 1, slot = at & (width - 1);
-    uint8_t *old = c->sketch + ((at * SKETCH_ROWS) & (SKETCH_ROWS * width - 1));
-    for (int r = 0; r < SKETCH_ROWS; r++)
-        __atomic_store_n(old + r, (uint8_t)(__atomic_load_n(old + r, __ATOMIC_RELAXED) >> 1), __ATOMIC_RELAXED);
-    if (slot < (uint64_t)(c->sets * WAYS)) { /* width >= slots: the slots age as often as the sketch */
-        uint32_t *m = meta_of(c, (int64_t)slot);
-        __atomic_store_n(m, __atomic_load_n(m, __ATOMIC_RELAXED) >> 1, __ATOMIC_RELAXED);
-    }
-    /* door_words = width: the doorkeeper swept as often as the sketch */
-    __atomic_store_n(&c->door[at & (uint64_t)(c->door_words - 1)], 0, __ATOMIC_RELAXED);
+/* The part [n * j / parts, n * (j + 1) / parts) of n things. */
+static inline void share(int64_t n, int64_t parts, int64_t j, int64_t *from, int64_t *to) {
+    *from = (int64_t)((unsigned __int128)n * (uint64_t)j / (uint64_t)parts);
+    *to = (int64_t)((unsigned __int128)n * (uint64_t)(j + 1) / (uint64_t)parts);
 }
 
-/* Accesses' ticks: an access's place among all of the cache's accesses (LRU's time, TINYLFU's
- * aging). A lookup takes the ticks of n accesses at once, the first returned: one locked
- * instruction a window of ids instead of one an access (each is a full fence on x86, which would
- * keep the accesses' memory reads from overlapping). The aging steps those n accesses are due are
- * taken here too: sequential memory, so they cost far less than a line an access. */
-uint64_t ple_cache_ticks(ple_cache_t *c, int64_t n) {
+/* One step of TINYLFU's aging (the step of number `at`): one set's counts halved, and that set's
+ * share of the sketch (its counters halved) and DOOR_SWEEPS sets' shares of the doorkeeper
+ * (cleared), in turn. */
+static void age_step(ple_cache_t *c, uint64_t at) {
+    int64_t j = (int64_t)(at % (uint64_t)c->sets), from, to;
+    struct set_head *s = head_of(c, j);
+    store_policy(s, (load_policy(s) >> 1) & (0x7 * NIBBLES));
+    share(c->sketch_blocks * 64, c->sets, j, &from, &to);
+    for (int64_t b = from; b < to; b++)
+        __atomic_store_n(c->sketch + b, (uint8_t)((__atomic_load_n(c->sketch + b, __ATOMIC_RELAXED) >> 1) & 0x77),
+                         __ATOMIC_RELAXED);
+    for (uint64_t q = 0; q < DOOR_SWEEPS; q++) {
+        share(c->door_words, c->sets, (int64_t)((at * DOOR_SWEEPS + q) % (uint64_t)c->sets), &from, &to);
+        for (int64_t w = from; w < to; w++) __atomic_store_n(&c->door[w], 0, __ATOMIC_RELAXED);
+    }
+}
+
+/* n accesses of the cache counted (TINYLFU's aging), a window of ids at once: one locked
+ * instruction a window instead of one an access (each is a full fence on x86, which would keep the
+ * accesses' memory reads from overlapping). The aging steps those n accesses are due are taken here. */
+void ple_cache_accesses(ple_cache_t *c, int64_t n) {
+    if (c->follower) return; /* its sets age with the cache it follows */
     uint64_t first = __atomic_fetch_add(&c->clock[0], (uint64_t)n, __ATOMIC_RELAXED);
     if (c->policy == POLICY_TINYLFU)
         for (uint64_t at = (first + AGE_EVERY - 1) / AGE_EVERY; at * AGE_EVERY < first + (uint64_t)n; at++)
             age_step(c, at);
-    return first;
 }
 
 /* Hits and misses counted into the table's counters, a window's at once. */
@@ -190,7 +224,7 @@ void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses) {
 }
 
 /* One miss of the id of hash h, counted for its admission; returns its estimate, this miss
- * included: the sketch's count plus its doorkeeper bit. */
+ * included: the sketch's count plus its doorkeeper bit, at most SATURATE. */
 static int sketch_add(ple_cache_t *c, uint64_t h) {
     int seen = door_seen(c, h, 1); /* a first sighting only sets the doorkeeper */
     uint64_t g;
@@ -198,125 +232,166 @@ static int sketch_add(ple_cache_t *c, uint64_t h) {
     int low = sketch_min(block, g);
     if (seen && low < SATURATE) {
         for (int r = 0; r < SKETCH_ROWS; r++) { /* conservative update: only the counters at the minimum */
-            uint8_t *at = counter(block, g, r);
-            if (__atomic_load_n(at, __ATOMIC_RELAXED) == low) __atomic_store_n(at, (uint8_t)(low + 1), __ATOMIC_RELAXED);
+            uint8_t *at;
+            int shift;
+            if (counter_get(block, g, r, &at, &shift) == low) {
+                uint8_t b = __atomic_load_n(at, __ATOMIC_RELAXED);
+                __atomic_store_n(at, (uint8_t)((b & ~(15 << shift)) | (low + 1) << shift), __ATOMIC_RELAXED);
+            }
         }
         low++;
     }
-    return low + 1;
+    return low + 1 < SATURATE ? low + 1 : SATURATE; /* the doorkeeper's bit is set now */
 }
 
-/* Ask for the memory a get of the id of hash h (ple_cache_hash) will look at first (its set's
- * fingerprints) without waiting for it: a lookup calls this for ids ahead of the one it serves, so
- * that the get finds them in the CPU's caches. */
+/* Ask for the memory a get of the id of hash h (ple_cache_hash) will look at first (its set's tags
+ * and head) without waiting for it: a lookup calls this for ids ahead of the one it serves, so that
+ * the get finds them in the CPU's caches. */
 void ple_cache_prefetch(const ple_cache_t *c, uint64_t h) {
-    __builtin_prefetch(&c->fingerprints[set_of(c, h) * (WAYS / 8)], 0, 3);
+    int64_t set = set_of(c, h);
+    __builtin_prefetch(c->tags + set * WAYS, 0, 3);
+    __builtin_prefetch(head_of(c, set), 0, 3);
 }
 
-/* Ask for the slots whose fingerprint is that of the id of hash h, without waiting for them, and
- * return their ways (a bit a way) for its get: called once the set's fingerprints are at hand
+/* Ask for the rows of the slots whose tag is that of `id` (of hash h), without waiting for them,
+ * and return their ways (a bit a way) for its get: called once the set's tags are at hand
  * (ple_cache_prefetch some ids before). A hint only: the get checks each slot it names. */
-uint32_t ple_cache_prefetch_row(const ple_cache_t *c, uint64_t h) {
+uint32_t ple_cache_prefetch_row(const ple_cache_t *c, int64_t id, uint64_t h) {
+    uint32_t tag = tag_for(id);
+    if (tag == 0) return 0;
     int64_t set = set_of(c, h);
-    uint32_t ways = ways_of(c, set, fingerprint(h));
+    uint32_t ways = ways_of(c, set, tag);
     for (uint32_t left = ways; left; left &= left - 1)
-        prefetch_bytes((const uint8_t *)head_of(c, set * WAYS + __builtin_ctz(left)),
-                       (int64_t)sizeof(struct slot_head) + c->rb);
+        prefetch_bytes(row_of(c, set * WAYS + __builtin_ctz(left)), c->rb);
     return ways;
 }
 
 /* The row of `id` (of hash h: ple_cache_hash) copied to dst (1), or 0 when the cache does not
  * hold it: looked for in the slots of `ways` (ple_cache_prefetch_row's; a slot written since is
- * checked like any other, and a row put since in another slot is a miss); `tick`: the access's
- * (ple_cache_ticks). The caller counts the hit or miss (ple_cache_count), and offers the row of a
- * miss once read (ple_cache_put). */
-int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint32_t ways, uint8_t *dst, uint64_t tick) {
+ * checked like any other, and a row put since in another slot is a miss). The caller counts the hit
+ * or miss (ple_cache_count), and offers the row of a miss once read (ple_cache_put).
+ */
+int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint32_t ways, uint8_t *dst) {
+    uint32_t tag = tag_for(id);
+    if (!ways || tag == 0) return 0;
     int64_t set = set_of(c, h);
+    struct set_head *s = head_of(c, set);
+    uint32_t before = __atomic_load_n(&s->version, __ATOMIC_ACQUIRE);
+    if (before & 1) return 0;
     for (; ways; ways &= ways - 1) {
-        int64_t k = set * WAYS + __builtin_ctz(ways);
-        uint32_t before = load32(version_of(c, k));
-        if (before & 1) break;
-        if (load_tag(tag_of(c, k)) != id) continue;
+        int w = __builtin_ctz(ways);
+        int64_t k = set * WAYS + w;
+        if (__atomic_load_n(c->tags + k, __ATOMIC_RELAXED) != tag) continue;
+        if (c->follower && !(__atomic_load_n(&s->follows, __ATOMIC_RELAXED) >> w & 1)) return 0;
         memcpy(dst, row_of(c, k), (size_t)c->rb);
         atomic_thread_fence(memory_order_acquire);
-        if (__atomic_load_n(version_of(c, k), __ATOMIC_RELAXED) != before) break;
-        uint32_t *m = meta_of(c, k);
+        if (__atomic_load_n(&s->version, __ATOMIC_RELAXED) != before) return 0;
+        if (c->follower) return 1; /* the policy sees the access in the cache it follows */
+        uint64_t word = load_policy(s);
         if (c->policy == POLICY_TINYLFU) {
-            uint32_t v = __atomic_load_n(m, __ATOMIC_RELAXED);
-            if (v < HELD_MOST) __atomic_store_n(m, v + 1, __ATOMIC_RELAXED);
+            if (field(word, w) < SATURATE) store_policy(s, word + (1ULL << (4 * w)));
         } else if (c->policy == POLICY_LRU) {
-            __atomic_store_n(m, (uint32_t)tick, __ATOMIC_RELAXED);
-        } else {
-            __atomic_store_n(m, 1, __ATOMIC_RELAXED);
+            if (field(word, w) != 0) store_policy(s, lru_touch(word, w));
+        } else if (field(word, w) == 0) {
+            store_policy(s, with_field(word, w, 1));
         }
         return 1;
     }
     return 0;
 }
 
-/* The slot of set [first, first + ways) the new row would take, or -1 to keep the set as it is. */
-static int64_t choose(ple_cache_t *c, int64_t first, int estimate) {
-    int64_t victim = -1;
-    for (int32_t w = 0; w < WAYS; w++)
-        if (*fingerprint_at(c, first + w) == 0) return first + w;
+/* The way of a full set the new row would take, or -1 to keep the set as it is (the caller holds
+ * the set's version odd). */
+static int choose(ple_cache_t *c, struct set_head *s, int estimate) {
+    uint64_t word = load_policy(s);
     if (c->policy == POLICY_CLOCK) {
-        for (int32_t turn = 0; turn < 2 * WAYS; turn++) {
-            int64_t k = first + (int64_t)(__atomic_fetch_add(&c->clock[1], 1, __ATOMIC_RELAXED) % (uint64_t)WAYS);
-            if (__atomic_exchange_n(meta_of(c, k), 0, __ATOMIC_RELAXED) == 0) return k;
+        for (int turn = 0; turn < 2 * WAYS; turn++) {
+            int w = (int)(s->hand++ % WAYS);
+            if (field(word, w) == 0) {
+                store_policy(s, word);
+                return w;
+            }
+            word = with_field(word, w, 0);
         }
-        return first;
+        store_policy(s, word);
+        return (int)(s->hand++ % WAYS);
     }
-    if (c->policy == POLICY_LRU) {
-        for (int32_t w = 0; w < WAYS; w++) /* the least recently used */
-            if (victim < 0 || __atomic_load_n(meta_of(c, first + w), __ATOMIC_RELAXED) <
-                                  __atomic_load_n(meta_of(c, victim), __ATOMIC_RELAXED))
-                victim = first + w;
-        return victim;
+    int victim = 0;
+    uint32_t low = field(word, 0);
+    for (int w = 1; w < WAYS; w++) { /* LRU: the highest rank; TINYLFU: the lowest count */
+        uint32_t f = field(word, w);
+        if (c->policy == POLICY_LRU ? f > low : f < low) victim = w, low = f;
     }
-    uint32_t low = 0; /* TINYLFU: the slot whose row is wanted least; kept unless beaten */
-    for (int32_t w = 0; w < WAYS; w++) {
-        uint32_t f = __atomic_load_n(meta_of(c, first + w), __ATOMIC_RELAXED);
-        if (victim < 0 || f < low) victim = first + w, low = f;
+    if (c->policy == POLICY_LRU) return victim;
+    return (uint32_t)estimate > low ? victim : -1; /* TINYLFU: kept unless beaten */
+}
+
+/* The set's version taken odd (its writer's lock): 1, with the even version it had in *v, or 0 when
+ * another writer holds it. */
+static int lock_set(struct set_head *s, uint32_t *v) {
+    *v = __atomic_load_n(&s->version, __ATOMIC_RELAXED);
+    if ((*v & 1) || !__atomic_compare_exchange_n(&s->version, v, *v + 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+        return 0;
+    atomic_thread_fence(memory_order_release); /* the odd version before anything written after it */
+    return 1;
+}
+
+/* A follower's put: the part of the row of `id` written into the slot whose tag is id's in the
+ * cache it follows, when that cache holds the id and the slot lacks it; else nothing. */
+static void follower_put(ple_cache_t *c, int64_t set, struct set_head *s, uint32_t tag, const uint8_t *row) {
+    uint32_t v;
+    if (!lock_set(s, &v)) return;
+    uint32_t ways = ways_of(c, set, tag);
+    int w = ways ? __builtin_ctz(ways) : 0;
+    if (!ways || (s->follows >> w & 1)) { /* not held, or already whole: nothing written */
+        __atomic_store_n(&s->version, v, __ATOMIC_RELEASE);
+        return;
     }
-    return (uint32_t)estimate > low ? victim : -1;
+    memcpy(row_of(c, set * WAYS + w), row, (size_t)c->rb);
+    __atomic_store_n(&s->follows, (uint16_t)(s->follows | 1u << w), __ATOMIC_RELAXED);
+    __atomic_store_n(&s->version, v + 2, __ATOMIC_RELEASE);
 }
 
 /* Offer the row of `id`, which the cache did not hold, just read (row: its bytes); the policy
- * decides whether it is kept. */
+ * decides whether it is kept (a follower's: whether the cache it follows holds the id). */
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
+    uint32_t tag = tag_for(id), v;
+    if (tag == 0) return;
     uint64_t h = ple_cache_hash(id);
-    int64_t set = set_of(c, h), first = set * WAYS;
-    int estimate = c->policy == POLICY_TINYLFU ? sketch_add(c, h) : 0;
-    if (__atomic_test_and_set(&c->locks[set], __ATOMIC_ACQUIRE)) return;
-    for (uint32_t ways = ways_of(c, set, fingerprint(h)); ways; ways &= ways - 1)
-        if (*tag_of(c, first + __builtin_ctz(ways)) == id) {
-            __atomic_clear(&c->locks[set], __ATOMIC_RELEASE);
-            return;
-        }
-    int64_t k = choose(c, first, estimate);
-    if (k >= 0) {
-        int64_t evicted = *tag_of(c, k);
-        uint32_t v = *version_of(c, k);
-        __atomic_store_n(version_of(c, k), v + 1, __ATOMIC_RELAXED); /* odd: being written */
-        atomic_thread_fence(memory_order_release);
-        if (c->publish_first) {
-            __atomic_store_n(tag_of(c, k), id, __ATOMIC_RELAXED);
-            __atomic_store_n(version_of(c, k), v + 2, __ATOMIC_RELEASE);
-            __atomic_store_n(fingerprint_at(c, k), (uint8_t)fingerprint(h), __ATOMIC_RELAXED);
-            for (int spin = 0; spin < 200; spin++) sched_yield(); /* a reader may find it meanwhile */
-            memcpy(row_of(c, k), row, (size_t)c->rb);
-        } else {
-            __atomic_store_n(tag_of(c, k), id, __ATOMIC_RELAXED);
-            memcpy(row_of(c, k), row, (size_t)c->rb);
-            __atomic_store_n(version_of(c, k), v + 2, __ATOMIC_RELEASE); /* even: published */
-        }
-        __atomic_store_n(fingerprint_at(c, k), (uint8_t)fingerprint(h), __ATOMIC_RELAXED);
-        uint32_t fresh = c->policy == POLICY_LRU       ? (uint32_t)__atomic_fetch_add(&c->clock[0], 1, __ATOMIC_RELAXED)
-                         : c->policy == POLICY_TINYLFU ? (uint32_t)estimate
-                                                       : 1;
-        __atomic_store_n(meta_of(c, k), fresh, __ATOMIC_RELAXED);
-        count(c->counts, C_CACHE_INSERTS, 1);
-        count(c->counts, C_CACHE_EVICTIONS, evicted != -1);
+    int64_t set = set_of(c, h);
+    struct set_head *s = head_of(c, set);
+    if (c->follower) {
+        follower_put(c, set, s, tag, row);
+        return;
     }
-    __atomic_clear(&c->locks[set], __ATOMIC_RELEASE);
+    int estimate = c->policy == POLICY_TINYLFU ? sketch_add(c, h) : 0;
+    if (!lock_set(s, &v)) return;
+    if (ways_of(c, set, tag)) { /* put meanwhile by another lookup: nothing written */
+        __atomic_store_n(&s->version, v, __ATOMIC_RELEASE);
+        return;
+    }
+    uint32_t empty = ways_of(c, set, 0);
+    int w = empty ? __builtin_ctz(empty) : choose(c, s, estimate);
+    if (w < 0) {
+        __atomic_store_n(&s->version, v, __ATOMIC_RELEASE);
+        return;
+    }
+    int64_t k = set * WAYS + w;
+    uint64_t word = load_policy(s);
+    store_policy(s, c->policy == POLICY_LRU       ? lru_touch(word, w)
+                    : c->policy == POLICY_TINYLFU ? with_field(word, w, (uint32_t)estimate)
+                                                  : with_field(word, w, 1));
+    /* the follower's part of the slot is stale from here on */
+    __atomic_store_n(&s->follows, (uint16_t)(s->follows & ~(1u << w)), __ATOMIC_RELAXED);
+    __atomic_store_n(c->tags + k, tag, __ATOMIC_RELAXED);
+    if (c->publish_first) { /* the version even before the bytes are in place */
+        __atomic_store_n(&s->version, v + 2, __ATOMIC_RELEASE);
+        for (int spin = 0; spin < 200; spin++) sched_yield(); /* a reader may find it meanwhile */
+        memcpy(row_of(c, k), row, (size_t)c->rb);
+    } else {
+        memcpy(row_of(c, k), row, (size_t)c->rb);
+        __atomic_store_n(&s->version, v + 2, __ATOMIC_RELEASE); /* even: published */
+    }
+    count(c->counts, C_CACHE_INSERTS, 1);
+    count(c->counts, C_CACHE_EVICTIONS, !empty);
 }

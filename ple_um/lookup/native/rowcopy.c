@@ -105,19 +105,22 @@ static tally_t copy_cold(const ple_lookup_t *q, const ple_rows_t *t, uint8_t *ds
             if (cache) hash[d] = ple_cache_hash(id);
             places[d++] = (ple_miss_t){i, id, p};
         }
-        uint64_t tick = cache ? ple_cache_ticks(cache, d) : 0;
         if (cache) { /* the first places' cache memory asked for here, the others' CACHE_AHEAD ahead */
+            ple_cache_accesses(cache, d);
             for (int64_t j = 0; j < d && j < CACHE_AHEAD; j++) ple_cache_prefetch(cache, hash[j]);
-            for (int64_t j = 0; j < d && j < CACHE_AHEAD / 2; j++) ways[j] = (uint16_t)ple_cache_prefetch_row(cache, hash[j]);
+            for (int64_t j = 0; j < d && j < CACHE_AHEAD / 2; j++)
+                ways[j] = (uint16_t)ple_cache_prefetch_row(cache, places[j].id, hash[j]);
         }
         int cleared = 0; /* seen[] is cleared once a window has a place the cache did not serve */
         for (int64_t j = 0; j < d; j++) {
             const ple_miss_t *at = &places[j];
             if (cache) {
                 if (j + CACHE_AHEAD < d) ple_cache_prefetch(cache, hash[j + CACHE_AHEAD]);
-                if (j + CACHE_AHEAD / 2 < d)
-                    ways[j + CACHE_AHEAD / 2] = (uint16_t)ple_cache_prefetch_row(cache, hash[j + CACHE_AHEAD / 2]);
-                if (ple_cache_get(cache, at->id, hash[j], ways[j], dst + at->pos * rb, tick + (uint64_t)j)) {
+                if (j + CACHE_AHEAD / 2 < d) {
+                    const ple_miss_t *ahead = &places[j + CACHE_AHEAD / 2];
+                    ways[j + CACHE_AHEAD / 2] = (uint16_t)ple_cache_prefetch_row(cache, ahead->id, hash[j + CACHE_AHEAD / 2]);
+                }
+                if (ple_cache_get(cache, at->id, hash[j], ways[j], dst + at->pos * rb)) {
                     hits++;
                     continue;
                 }

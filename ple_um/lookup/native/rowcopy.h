@@ -44,6 +44,11 @@ enum {
     C_COUNT
 };
 
+/* A row cache (rowcache.c). A slot takes its row's bytes and 8 bytes beside them at most: its
+ * tag (4: the id + 1), its share of its set's head (16 bytes a set: 1), of the admission sketch
+ * (1: two 4-bit counters) and of the doorkeeper (2: 16 bits), each array rounded up to 64 bytes
+ * (host/row_cache.py sizes them: SLOT_OVERHEAD, nbytes_for). A follower cache (an NVFP4 table's
+ * block scales, in slots matching its rows' cache's) takes its rows' bytes and nothing beside. */
 typedef struct ple_cache ple_cache_t;
 #define PLE_CACHE_WAYS 16 /* a row cache's slots per set: a set's ways fit 16 bits (rowcopy.c's ways[]) */
 
@@ -158,16 +163,16 @@ void ple_run_lookup(ple_lookup_t *q);
 /* pool.c */
 tally_t ple_run_pooled(const ple_lookup_t *q);
 int ple_pool_running(void);
-/* rowcache.c: a hit copies the row to dst and returns 1 (each access has a tick of its own, taken
- * a window's at once; h: ple_cache_hash(id); ways: what prefetch_row returned for it); put offers
- * a row just read; the caller counts hits and misses; prefetch and prefetch_row ask for what a get
- * will read, some ids ahead. */
-uint64_t ple_cache_ticks(ple_cache_t *c, int64_t n);
-int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint32_t ways, uint8_t *dst, uint64_t tick);
+/* rowcache.c: a hit copies the row to dst and returns 1 (h: ple_cache_hash(id); ways: what
+ * prefetch_row returned for it); put offers a row just read; accesses counts a window's accesses
+ * (the policy's aging); the caller counts hits and misses; prefetch and prefetch_row ask for what a
+ * get will read, some ids ahead. */
+void ple_cache_accesses(ple_cache_t *c, int64_t n);
+int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint32_t ways, uint8_t *dst);
 void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row);
 void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses);
 void ple_cache_prefetch(const ple_cache_t *c, uint64_t h);
-uint32_t ple_cache_prefetch_row(const ple_cache_t *c, uint64_t h);
+uint32_t ple_cache_prefetch_row(const ple_cache_t *c, int64_t id, uint64_t h);
 /* reader.c: the rows of misses[0..n) (each an id and its position in the lookup) read into dst rows
  * (a table without a cache and with resident_check: those whose pages are resident copied from the
  * mapping); the tally counts the rows that could not be had (zeroed, their miss's mapped = NULL). */
