@@ -95,9 +95,10 @@ class LookupPaths:
 
     def prefetch_touch(self):
         """What a prefetch's threads do with its ids: None, fault in their pages (the kernel reads
-        them through the mapping, or the host path copies resident rows from it); with no kernel
-        and a row cache, read the rows the cache lacks into it (``warm_row_cache``: the page touch
-        would fill the page cache, which the reads of the cache's misses pass by)."""
+        them through the mapping, or the host path copies resident rows from it); while every
+        lookup takes the host path and it has a row cache, read the rows the cache lacks into it
+        (``warm_row_cache``: the page touch would fill the page cache, which the reads of the
+        cache's misses pass by)."""
         host = self.row_copy
         if self.decode_on_host and host is not None and host.rows.cache is not None:
             return functools.partial(warm_row_cache, host)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -195,12 +196,17 @@ def test_a_table_over_its_memory_serves_decode_lookups_on_the_host_path(
             assert resident(table) <= before
 
 
-def test_a_table_that_fits_gets_the_kernel_and_no_row_cache(table_files, machine, memory_left, rng, poison):
+def test_a_table_that_fits_gets_the_kernel_and_no_row_cache(
+    table_files, machine, memory_left, rng, poison, caplog
+):
     layout = table_files
     drop_page_cache(layout)  # not in the page cache at open, but it fits
     machine(GH200)
+    caplog.set_level(logging.INFO, logger="ple_um.opening")
     with ple_um.open_table(layout.directory, rows=OWNED) as table:
         assert table.mode == "ats"
+        (line,) = [r.getMessage() for r in caplog.records if "opened in" in r.getMessage()]
+        assert f"decode lookups: {table.stats()['serving']['why']}" in line and ": the kernel" in line
         stats = table.stats()
         assert stats["serving"]["path"] == "kernel" and " fit:" in stats["serving"]["why"], stats["serving"]
         assert stats["row_cache"] is None and table.paths.host is None, table.row_reads
