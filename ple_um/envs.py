@@ -148,8 +148,25 @@ KNOBS: dict[str, Knob] = {
             v.choice("auto", "on", "off"),
             "auto",
             "ats mode: a host node queued before the kernel touches the pages of the lookup's rows "
-            "(auto = when the table was not fully resident at open; on = always, in the ats and "
-            "registered modes)",
+            "(auto = while the table fits but is not fully resident, decided at open and at each fit "
+            "check; on = always, in the ats and registered modes)",
+        ),
+        Knob(
+            "PLE_UM_FIT",
+            v.choice("auto", "fits", "spills"),
+            "auto",
+            "whether a table's owned rows fit the memory this process may use (MemAvailable, its memory "
+            "cgroups' room, its own pages in memory): a table that does not gets a row cache, and in the "
+            "ats and registered modes its decode-sized lookups take the host path; auto = measured at "
+            "open and at each check (PLE_UM_FIT_CHECK_SEC); fits, spills = that decision, never switched",
+        ),
+        Knob(
+            "PLE_UM_FIT_CHECK_SEC",
+            v.seconds_or_off,
+            1.0,
+            "seconds between the checks (a sample of the table's pages by mincore, the memory left) "
+            "that switch a table's decode-sized lookups between the kernel and the host path as its "
+            "fit changes (0 = decided at open only)",
         ),
         Knob(
             "PLE_UM_MAP_RESIDENT",

@@ -169,13 +169,14 @@ def open_table(
     _start_serving(table, dev, mapping, scale_mapping)
     table.open_seconds = time.perf_counter() - t0
     logger.info(
-        "ple-um: %s opened in %s mode (%.2f s), capture-safe=%s\n%s\n  row reads: %s",
+        "ple-um: %s opened in %s mode (%.2f s), capture-safe=%s\n%s\n  row reads: %s\n  decode lookups: %s",
         layout.directory,
         table.mode,
         table.open_seconds,
         table.capture_safe,
         table.report.describe(),
         table.row_reads,
+        table.paths.serving.why,
     )
     return table
 
@@ -260,8 +261,14 @@ def _check(table: MappedTable) -> str | None:
     that fails its self-test (or fails) gives way to the synchronous host path, which is not
     capture-safe, and the log says why; that is not a rejection."""
     count = envs.PLE_UM_SELF_TEST_ROWS
-    if table.paths.gpu is not None:
-        return table.self_test(count)
+    paths = table.paths
+    if paths.gpu is not None:
+        on_host, paths.decode_on_host = paths.decode_on_host, False  # the kernel: a fit check may pick it
+        try:
+            why = table.self_test(count)
+        finally:
+            paths.decode_on_host = on_host
+        return why or (table.self_test(count) if on_host else None)
     if table.paths.row_copy is None:
         return None
     try:
@@ -290,7 +297,10 @@ def _start_serving(
     """After the mode is chosen: the bulk crossover, the prewarm, counters zeroed, the metrics."""
     knob = envs.PLE_UM_BULK_ROWS
     paths = table.paths
-    if paths.gpu is not None and paths.row_copy is not None and knob != 0 and mapping.owned:
+    # The crossover is a GPU's: on the CPU (the interpreter) a GPU mode's host path serves only a
+    # table that does not fit.
+    bulk = paths.gpu is not None and paths.row_copy is not None and dev.type == "cuda"
+    if bulk and knob != 0 and mapping.owned:
         if table.mode in ("ats", "registered"):
             if knob == "auto":
                 table.bulk_calibration = verify.calibrate_bulk(table)
@@ -302,6 +312,8 @@ def _start_serving(
                 if each is not None:
                     each.populate(progress=advance)
     paths.reset_counts()  # the self-test's and the calibration's rows were not lookups
+    if paths.fit is not None:
+        paths.fit.start()  # the fit decided again while the table serves (lookup.fit)
     table.metrics = metrics.LookupMetrics(table.mode, host_counted=paths.counts_on_host)
     if paths.counts_on_host:
         paths.host.metrics = table.metrics

@@ -239,18 +239,19 @@ def row_cache_plan(mapping: MappedShards, scale_mapping: MappedShards | None) ->
     process: its ``stats()["row_cache"]``, stats line and ``vllm:ple_um_row_cache_*`` metrics."""
     from ple_um import envs
     from ple_um.errors import KnobError
-    from ple_um.lookup import rowcopy
+    from ple_um.lookup import fit, rowcopy
     from ple_um.lookup.host import cold
 
     lib, why = rowcopy.load(envs.PLE_UM_CACHE_DIR) if envs.PLE_UM_ROWCOPY else (None, "PLE_UM_ROWCOPY=0")
     if lib is None:
         return {"bytes": 0, "why": f"no row cache: the C row copy is not built here ({why})"}
     try:
-        plan = cold.plan(lib, mapping, scale_mapping)
+        verdict = fit.measure([m for m in (mapping, scale_mapping) if m is not None])
+        plan = cold.plan(lib, mapping, scale_mapping, spills=not verdict.fits)
     except KnobError as exc:  # a size past the memory left: the open would refuse it
         return {"bytes": 0, "why": f"an open now would be refused: {exc}"}
     if plan is None:
-        why = "no row cache (the table is in the page cache); rows copied from the mapping"
+        why = "no row cache (the table fits in memory and is in the page cache); rows copied from the mapping"
         return {"bytes": 0, "why": why}
     return {
         "bytes": plan.cache_bytes,

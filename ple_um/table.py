@@ -153,15 +153,14 @@ class MappedTable:
             self._leave()
 
     def route(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The one routing of a lookup: contiguous ``ids`` on the table's device into contiguous
-        ``out`` (``ids.shape + (width,)``). The kernel reads both by address, whatever their shape;
-        the host path takes them flat. GPU-mode lookups of at least ``bulk_rows`` ids take the host
-        path, and with ``touch_pages`` a page touch is queued before the kernel."""
+        """The one routing of a lookup: contiguous ``ids`` on the table's device into contiguous ``out``
+        (the kernel reads both by address, the host path flat): the host path while ``decode_on_host``
+        (``lookup.fit``) or for ``bulk_rows`` ids or more; with ``touch_pages`` a page touch first."""
         paths = self.paths
         n = ids.numel()
-        if paths.gpu is not None and (paths.bulk_rows is None or n < paths.bulk_rows):
+        if not paths.decode_on_host and (paths.bulk_rows is None or n < paths.bulk_rows):
             if paths.touch_pages:
-                paths.host.touch(ids.view(-1))
+                paths.touch(ids.view(-1))
             return paths.gpu.gather(ids, out)
         paths.host.gather(ids.view(-1), out.view(n, out.shape[-1]))
         return out
@@ -171,7 +170,7 @@ class MappedTable:
         n = ids.numel()
         packed = torch.empty((n, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
         scales = torch.empty((n, self.row_dim // NVFP4_BLOCK), dtype=torch.uint8, device=self.device)
-        (self.paths.gpu or self.paths.host).gather_packed(ids, packed, scales)
+        (self.paths.host if self.paths.decode_on_host else self.paths.gpu).gather_packed(ids, packed, scales)
         return packed, scales
 
     def _out(self, shape: torch.Size, out_dtype: torch.dtype | None) -> torch.Tensor:
@@ -271,9 +270,9 @@ class MappedTable:
             return prefetcher.submit(ids, self.paths.prefetch_touch())
 
     def stats(self, *, sync: bool = True) -> dict:
-        """Counters: lookups, the paths' counts (``lookup.counts.path_counts``: graph replays too),
-        the reader of misses, bytes, memory, the row cache (``RowSources.stats``, or None). ``sync``
-        waits for the device first, so that every lookup queued before is in the figures."""
+        """Counters: lookups, the paths' counts (``lookup.counts.path_counts``: graph replays too), the
+        reader of misses, bytes, memory, the row cache, what serves decode-sized lookups; ``sync`` first
+        waits for the device, so that every lookup queued before is in the figures."""
         with self._in_use():
             if sync and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -293,6 +292,7 @@ class MappedTable:
                 "device_bytes": self.access.device_bytes,
                 "open_seconds": self.open_seconds,
                 "row_cache": self.paths.row_cache_stats(),
+                "serving": self.paths.serving_stats(),
             }
 
     # -- life -------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ Each process of a run looks up the same table at once (the bench's steady state,
 ``ple_um.bench.cold_child`` with ``"shared": true``: a warm-up, then the timed calls, fresh ids of its
 own), all of them in one memory cgroup (``ple_um.bench.memlimit``). Two runs per limit and process
 count, the table's pages dropped before each:
-- ``row cache``: the tables opened as the environment says (``PLE_UM_ROW_CACHE`` auto by default:
-  each process takes ``PLE_UM_ROW_CACHE_FRACTION`` of the room it sees at open, for itself);
+- ``row cache``: the tables opened as not fitting in memory (``PLE_UM_FIT=spills``, whatever their
+  size; ``PLE_UM_ROW_CACHE`` auto by default: each process takes ``PLE_UM_ROW_CACHE_FRACTION`` of the
+  room it sees at open, for itself);
 - ``page cache``: ``PLE_UM_ROW_CACHE=0``, the rows kept only in the page cache the processes share.
 Per run: each process's median lookup time and hit rates, its row cache's bytes, the group's peak,
 and a process the limit's OOM killer ended. Prints a table and writes everything as JSON.
@@ -32,7 +33,7 @@ from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import MemoryLimit, find_hierarchy
 from ple_um.checkpoint import read_layout
 
-RUNS = {"row cache": {}, "page cache": {"PLE_UM_ROW_CACHE": "0"}}
+RUNS = {"row cache": {"PLE_UM_FIT": "spills"}, "page cache": {"PLE_UM_ROW_CACHE": "0"}}
 
 
 def _run(request: dict, limit: MemoryLimit, processes: int, knobs: dict[str, str]) -> list[dict]:

@@ -1,4 +1,5 @@
-"""How much memory this process can still take: what sizes the row cache (``PLE_UM_ROW_CACHE=auto``).
+"""How much memory this process can still take: what sizes the row cache (``PLE_UM_ROW_CACHE=auto``)
+and decides whether a table's owned rows fit (``fits``: the path of decode-sized lookups).
 
 Two limits can bind: the machine's (``MemAvailable`` in ``/proc/meminfo``: free memory plus what
 the kernel can reclaim) and the memory cgroup the process runs in (cgroup v2's ``memory.max`` less
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 
 from ple_um.access.probe import mem_available
+from ple_um.units import format_bytes
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 
@@ -73,3 +75,30 @@ def available() -> int:
     if group is None:
         return machine
     return min(group, machine) if machine else group
+
+
+def fits(owned: int, resident: int, pinned: int = 0) -> tuple[bool, str]:
+    """Whether a table of ``owned`` bytes, ``resident`` of them in memory now and ``pinned`` of
+    those pinned (the registered mode), fits the memory this process may use, and why, in words.
+
+    Two terms, both must hold. The machine: the whole table within MemAvailable plus its pinned
+    bytes (MemAvailable already counts the table's evictable page cache as memory the kernel can
+    take back, but not pinned pages). Each memory cgroup with a limit: the bytes not yet in memory
+    within its room (its usage already counts the table's pages charged to it)."""
+    machine, group = mem_available(), cgroup_headroom()
+    missing = max(0, owned - resident)
+    terms = []
+    ok = True
+    if machine:
+        ok = owned <= machine + pinned
+        extra = f" + {format_bytes(pinned)} pinned" if pinned else ""
+        terms.append(f"MemAvailable {format_bytes(machine)}{extra}")
+    if group is not None:
+        ok = ok and missing <= group
+        terms.append(f"{format_bytes(missing)} not in memory against the cgroup's room {format_bytes(group)}")
+    verdict = "fit" if ok else "do not fit"
+    against = "; ".join(terms) or "no limit known"
+    return (
+        ok,
+        f"the owned rows ({format_bytes(owned)}, {format_bytes(resident)} in memory) {verdict}: {against}",
+    )

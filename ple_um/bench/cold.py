@@ -56,6 +56,9 @@ def cold_modes(asked: tuple[str, ...] | None, device: torch.device) -> tuple[tup
 
 def _child_env(limit: MemoryLimit) -> dict[str, str]:
     env = dict(os.environ)
+    # The steady state measures the row cache under the limit, whatever the table's size (one that
+    # fits the limit would get none under PLE_UM_FIT=auto); the caller's setting wins.
+    env.setdefault("PLE_UM_FIT", "spills")
     if not limit.enforced:
         env[ROW_CACHE_KNOB] = str(limit.limit)
     return env

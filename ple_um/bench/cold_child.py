@@ -39,8 +39,9 @@ from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows, row_cache_plan
 
 MADV_DONTNEED = 4
-# The knobs of the steady state without a row cache: the page cache alone holds the rows read.
-PAGE_CACHE_KNOBS = {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "off"}
+# The knobs of the steady state without a row cache: the page cache alone holds the rows read (and
+# a GPU mode's kernel reads them there: the table taken to fit, ``lookup.fit``).
+PAGE_CACHE_KNOBS = {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "off", "PLE_UM_FIT": "fits"}
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -80,7 +81,7 @@ def cold_knobs(probe: MappedShards) -> dict[str, str]:
     read its own (``operating.row_cache_plan`` over ``probe``, a mapping of the table's rows: O_DIRECT
     beside a row cache, as ``PLE_UM_DIRECT_READS=auto`` does)."""
     direct = row_cache_plan(probe, None).get("direct", False)
-    return {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "on" if direct else "off"}
+    return {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "on" if direct else "off", "PLE_UM_FIT": "fits"}
 
 
 @contextlib.contextmanager

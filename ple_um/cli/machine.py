@@ -13,7 +13,8 @@ from ple_um.units import format_bytes
 PROBE = """\
 Read the device's capabilities and say which access mode an open would choose here, and why not
 each other mode. With DIR, also make the chosen mode's first read of that table as an open makes
-it (from the cached verdict, or in a child process)."""
+it (from the cached verdict, or in a child process), and say which path would serve its
+decode-sized lookups now (the kernel or the host path: whether its rows fit in memory)."""
 
 KNOBS = """\
 List every environment knob ple-um reads: its default, its aliases (the seeds' VLLM_PLE_MMAP_*
@@ -66,10 +67,20 @@ def probe(args: argparse.Namespace) -> int:
         if not exc.reason.startswith("FirstReadRejected"):
             raise  # a mode forced where the machine cannot run it: bad input, exit 2 (main)
         raise CliError(str(exc), EXIT_INVALID) from None  # the forced mode's first read failed here
+    serving = None
+    if args.dir is not None:  # what an open would serve decode-sized lookups with, and why
+        from ple_um.checkpoint import read_layout
+        from ple_um.lookup import fit
+
+        layout = read_layout(args.dir, args.layer)
+        serving = fit.at_open(layout, report.mode, cuda=bool(report.capabilities.get("cuda")))
     if args.json:
-        emit_json(report.as_dict())
+        emit_json({**report.as_dict(), **({"serving": serving.as_dict(0)} if serving else {})})
         return EXIT_OK
     emit(report.describe())
+    if serving is not None:
+        touch = ", a page touch before each kernel" if serving.touch else ""
+        emit(f"decode lookups: {serving.path}{touch} ({serving.why})")
     emit("capabilities:")
     for key, value in report.capabilities.items():
         emit(f"  {key}: {value}")

@@ -7,22 +7,25 @@ Two paths, each owning its buffers, its dequantization and its counting:
   copy cannot be built the ``cpu`` mode's synchronous gather (``SyncGather``: not capture-safe).
 
 The ``cpu`` mode has only the host path. A GPU mode has the kernel, plus the host path for its big
-lookups (at least ``bulk_rows`` ids: the crossover the open measures, ``PLE_UM_BULK_ROWS``) and, in
-the ``ats`` mode while the table is not resident, for a page touch queued before each kernel
-(``PLE_UM_ATS_PREFETCH``). Every path reports the same counts (``read_counts``), so the table adds
-them up without asking which path it holds.
+lookups (at least ``bulk_rows`` ids: the crossover the open measures, ``PLE_UM_BULK_ROWS``), for
+every lookup while the table's owned rows do not fit the memory this process may use
+(``decode_on_host``), and, in the ``ats`` mode while a table that fits is not all in memory, for a
+page touch queued before each kernel (``PLE_UM_ATS_PREFETCH``). ``lookup.fit`` decides which at
+open and again while the table serves (``serving``). Every path reports the same counts
+(``read_counts``), so the table adds them up without asking which path it holds.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 from ple_um import envs
 from ple_um.access.build import ModeAccess
 from ple_um.checkpoint import ShardLayout
-from ple_um.lookup import rowcopy
+from ple_um.lookup import fit, rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host import cold
@@ -33,9 +36,12 @@ from ple_um.lookup.sync_gather import SyncGather
 class LookupPaths:
     """The paths of one built mode. ``gpu``: the kernel, or None (cpu mode); ``host``: the host
     path, or None; ``bulk_rows``: GPU-mode lookups of at least this many ids take the host path
-    (None: never); ``touch_pages``: a page touch on the host path is queued before each kernel;
+    (None: never); ``decode_on_host``: every lookup takes the host path; ``touch_pages``: a page
+    touch on the host path is queued before each kernel; ``serving``: which of them and why
+    (``fit.Serving``), kept by ``fit`` (``FitWatch``, or None where nothing is decided again);
     ``capture_safe``: every lookup is stream-ordered work; ``row_reads``: how rows are read, in
-    words, for the open's log line."""
+    words, for the open's log line. A host path replaced (``adopt``) stays until ``close``: graphs
+    captured through it still run it."""
 
     def __init__(self, gpu: GpuGather | None, host: HostGather | SyncGather | None, row_reads: str) -> None:
         self.gpu = gpu
@@ -43,7 +49,38 @@ class LookupPaths:
         self.row_reads = row_reads
         self.bulk_rows: int | None = None
         self.touch_pages = False
+        self.decode_on_host = gpu is None
+        self.serving = fit.Serving("host" if gpu is None else "kernel", False, "")
+        self.touches = 0  # page touches queued (eager and captured calls; not graph replays)
+        self.fit: fit.FitWatch | None = None
         self.capture_safe = not isinstance(host, SyncGather)
+        self._retired: list[HostGather] = []
+        self._lock = threading.Lock()
+
+    def set_serving(self, serving: fit.Serving) -> None:
+        """Make ``serving`` what the next lookup takes: one flag each, read once per lookup (a
+        lookup already queued keeps its path; the host path is in place before its flag)."""
+        assert serving.path == "kernel" or self.host is not None, "the host path serves only where it exists"
+        self.serving = serving
+        self.touch_pages = serving.touch and self.host is not None
+        self.decode_on_host = serving.path == "host"
+
+    def touch(self, ids: torch.Tensor) -> None:
+        """Queue the page touch of flat ``ids``' rows on the host path (before the kernel's lookup)."""
+        self.touches += 1
+        self.host.touch(ids)
+
+    def adopt(self, host: HostGather) -> None:
+        """Serve the next lookups on the host path through ``host`` (one with a row cache the old
+        one lacked); the old one stays until ``close``."""
+        with self._lock:
+            if self.host is not None:
+                self._retired.append(self.host)
+            self.host = host
+            self.row_reads = f"{self.row_reads}; since: {host.row_reads}"
+
+    def _hosts(self) -> list:
+        return [h for h in (*self._retired, self.host) if h is not None]
 
     @property
     def counts_on_host(self) -> bool:
@@ -58,11 +95,12 @@ class LookupPaths:
 
     def prefetch_touch(self):
         """What a prefetch's threads do with its ids: None, fault in their pages (the kernel reads
-        them through the mapping, or the host path copies resident rows from it); with no kernel
-        and a row cache, read the rows the cache lacks into it (``warm_row_cache``: the page touch
-        would fill the page cache, which the reads of the cache's misses pass by)."""
+        them through the mapping, or the host path copies resident rows from it); while every
+        lookup takes the host path and it has a row cache, read the rows the cache lacks into it
+        (``warm_row_cache``: the page touch would fill the page cache, which the reads of the
+        cache's misses pass by)."""
         host = self.row_copy
-        if self.gpu is None and host is not None and host.rows.cache is not None:
+        if self.decode_on_host and host is not None and host.rows.cache is not None:
             return functools.partial(warm_row_cache, host)
         return None
 
@@ -86,7 +124,7 @@ class LookupPaths:
         """The paths' counts added up (``counts.path_counts``' keys). Device counters are read on
         the current stream."""
         total = path_counts()
-        for path in (self.gpu, self.host):
+        for path in (self.gpu, *self._hosts()):
             if path is None:
                 continue
             counts = path.read_counts()
@@ -97,15 +135,26 @@ class LookupPaths:
         return total
 
     def reset_counts(self) -> None:
-        for path in (self.gpu, self.host):
+        for path in (self.gpu, *self._hosts()):
             if path is not None:
                 path.reset_counts()
+        self.touches = 0
+
+    def serving_stats(self) -> dict:
+        """What serves the decode-sized lookups (``fit.Serving.as_dict``), and the fit checks made."""
+        return {
+            **self.serving.as_dict(self.touches),
+            "checks": self.fit.checks if self.fit is not None else 0,
+        }
 
     def close(self) -> None:
-        """Release the host path (its threads' work done, its buffers). The kernel holds nothing
-        that needs releasing but device tensors."""
-        if self.host is not None:
-            self.host.close()
+        """Stop the fit checks, then release the host paths (their threads' work done, their
+        buffers). The kernel holds nothing that needs releasing but device tensors."""
+        if self.fit is not None:
+            self.fit.close()
+        for host in reversed(self._hosts()):
+            host.close()
+        self._retired = []
         self.host = self.gpu = None
 
 
@@ -117,31 +166,27 @@ def build_paths(
     scale: torch.Tensor | None,
     row_copy: bool = True,
 ) -> LookupPaths:
-    """The lookup paths of ``access``'s mode. ``row_copy`` False: the cpu mode's synchronous host
-    path even where the C row copy builds (its self-test failed)."""
+    """The lookup paths of ``access``'s mode, serving as the fit of the table's owned rows decides
+    (``lookup.fit``). ``row_copy`` False: the cpu mode's synchronous host path even where the C row
+    copy builds (its self-test failed)."""
     mode, device = access.mode, access.device
     mapping, scale_mapping = access.mapping, access.scale_mapping
     lib, why = rowcopy.load(envs.PLE_UM_CACHE_DIR) if envs.PLE_UM_ROWCOPY else (None, "PLE_UM_ROWCOPY=0")
     if not row_copy and lib is not None:
         lib, why = None, "the host node's self-test failed"
-
-    def host_gather() -> HostGather:
-        with cold.one_sizing_at_a_time():  # sized from the memory left and faulted in, then let go
-            return HostGather(
-                lib,
-                mapping,
-                device,
-                storage=layout.dtype,
-                scale=scale,
-                threads=envs.PLE_UM_CPU_THREADS,
-                scale_mapping=scale_mapping,
-                built=why,
-                cold=cold.plan(lib, mapping, scale_mapping),
-            )
-
+    if mode == "device":
+        paths = LookupPaths(_kernel(access, layout, rows, scale), None, "the GPU kernel only")
+        paths.serving = fit.Serving("kernel", False, "the device mode: the rows are in GPU memory")
+        return paths
+    mappings = [m for m in (mapping, scale_mapping) if m is not None]
+    verdict = fit.measure(mappings, pinned=access.pinned_bytes)
+    host_for = _host_builder(access, layout, scale, lib, why)
+    # The touch serves a GPU; on the CPU (the interpreter) the kernel reads the mapping itself.
+    touch_knob = envs.PLE_UM_ATS_PREFETCH if device.type == "cuda" else "off"
+    touch_here = mode == "ats" and device.type == "cuda"
     if mode == "cpu":
         if lib is not None:
-            host = host_gather()
+            host = host_for(not verdict.fits)
         else:
             host = SyncGather(
                 mapping,
@@ -155,29 +200,69 @@ def build_paths(
                 scale_mapping=scale_mapping,
             )
         paths = LookupPaths(None, host, host.row_reads)
+        paths.set_serving(fit.Serving("host", False, f"{verdict.why}: the cpu mode's host path"))
     else:
-        gpu = GpuGather(
-            layout,
-            access.bases,
-            device=device,
-            row_start=rows[0],
-            row_end=rows[1],
-            base_align=access.base_align,
-            scale=scale,
-            scale_bases=access.scale_bases,
+        paths = LookupPaths(_kernel(access, layout, rows, scale), None, "the GPU kernel only")
+        serving = fit.choose(None, verdict, touch_knob=touch_knob, touch_here=touch_here)
+        # The host path serves big lookups on a GPU, the page touch, or every lookup (spilled).
+        needed = (
+            device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0 or serving.touch or serving.path == "host"
         )
-        knob = envs.PLE_UM_ATS_PREFETCH
-        # Any page out: the touch costs little beside a GPU's fault on a page not in memory.
-        touch = knob == "on" or (knob == "auto" and mode == "ats" and not mapping.resident(slack=0))
-        touch = touch and mode != "device" and device.type == "cuda"
-        bulk = mode in ("ats", "registered") and device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0
-        paths = LookupPaths(gpu, None, "the GPU kernel only")
-        if lib is not None and (bulk or touch):
-            paths.host = host_gather()
-            paths.touch_pages = touch
+        if lib is not None and needed:
+            paths.host = host_for(serving.path == "host")
+        if serving.path == "host" and paths.host is None:
+            serving = fit.Serving("kernel", False, f"{verdict.why}, but there is no host path here: {why}")
+        paths.set_serving(serving)
+        if paths.decode_on_host:
+            paths.row_reads = f"{paths.host.row_reads}, every lookup (the kernel while the rows fit)"
+        elif paths.host is not None:
             paths.row_reads = f"the GPU kernel; big lookups: {paths.host.row_reads}"
-        elif bulk or touch:
+        elif needed:
             paths.row_reads = f"the GPU kernel only (no host path: {why})"
     if paths.row_copy is not None and mode in ("ats", "cpu") and envs.PLE_UM_MAP_RESIDENT:
         access.map_resident()
+    if lib is not None and mode in ("cpu", *fit.SWITCHING_MODES) and envs.PLE_UM_FIT == "auto":
+        paths.fit = fit.FitWatch(
+            paths,
+            mappings,
+            interval=envs.PLE_UM_FIT_CHECK_SEC,
+            pinned=access.pinned_bytes,
+            touch_knob=touch_knob,
+            touch_here=touch_here,
+            host_for=host_for,
+        )
     return paths
+
+
+def _kernel(access: ModeAccess, layout: ShardLayout, rows: tuple[int, int], scale) -> GpuGather:
+    return GpuGather(
+        layout,
+        access.bases,
+        device=access.device,
+        row_start=rows[0],
+        row_end=rows[1],
+        base_align=access.base_align,
+        scale=scale,
+        scale_bases=access.scale_bases,
+    )
+
+
+def _host_builder(access: ModeAccess, layout: ShardLayout, scale, lib, why: str):
+    """``host_for(spills)``: a new host path through the C row copy ``lib`` for ``access``'s table,
+    with the row cache and reader of misses ``cold.plan`` gives it (a row cache when ``spills``)."""
+
+    def host_for(spills: bool) -> HostGather:
+        with cold.one_sizing_at_a_time():  # sized from the memory left and faulted in, then let go
+            return HostGather(
+                lib,
+                access.mapping,
+                access.device,
+                storage=layout.dtype,
+                scale=scale,
+                threads=envs.PLE_UM_CPU_THREADS,
+                scale_mapping=access.scale_mapping,
+                built=why,
+                cold=cold.plan(lib, access.mapping, access.scale_mapping, spills=spills),
+            )
+
+    return host_for

@@ -17,6 +17,8 @@ from ple_um import cli, operating, units
 from ple_um.access import memory
 from ple_um.synthetic import write_checkpoint
 
+MiB = 1 << 20
+
 
 # -- inspect -------------------------------------------------------------------------------------
 def test_inspect_sound_checkpoint(capsys, table_dir):
@@ -139,9 +141,9 @@ def test_residency_json_shape(capsys, table_dir):
 
 
 def test_residency_says_which_row_cache_a_table_opened_now_takes(capsys, table_dir, monkeypatch):
-    """The row cache beside the page cache: none for a table in the page cache (auto), the size
-    asked for (PLE_UM_ROW_CACHE), the size auto takes for a table out of it; the knobs it reads
-    are checked before any work."""
+    """The row cache beside the page cache: none for a table that fits in memory (auto), in the page
+    cache or not, the size asked for (PLE_UM_ROW_CACHE), the size auto takes for a table that does
+    not fit; the knobs it reads are checked before any work."""
     path, layout = table_dir
     code, data = run_json(capsys, "prewarm", path)
     assert code == 0
@@ -174,7 +176,11 @@ def test_residency_says_which_row_cache_a_table_opened_now_takes(capsys, table_d
     drop_page_cache(layout)
     code, data = run_json(capsys, "residency", path)
     assert data["total"]["fraction"] < 0.05
-    assert data["row_cache"]["bytes"] > 0 and "not in the page cache" in data["row_cache"]["why"]
+    assert data["row_cache"]["bytes"] == 0 and "fit in memory" in data["row_cache"]["why"]
+    monkeypatch.setattr(memory, "mem_available", lambda: 2 * MiB)  # the 4 MiB table does not fit
+    monkeypatch.setattr(memory, "cgroup_headroom", lambda *a, **k: None)
+    code, data = run_json(capsys, "residency", path)
+    assert data["row_cache"]["bytes"] > 0 and "do not fit" in data["row_cache"]["why"]
 
 
 def test_residency_follows_prewarm_and_dontneed(capsys, table_dir):

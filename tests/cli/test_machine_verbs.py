@@ -158,3 +158,21 @@ def test_knobs_as_typed_exit_2_on_an_invalid_value():
         "(marked INVALID above)"
     ]
     assert run_cli("knobs").returncode == 0
+
+
+def test_probe_of_a_table_says_which_path_serves_its_decode_lookups(capsys, make_checkpoint, monkeypatch):
+    """With DIR, the path a table opened now would serve its decode-sized lookups with, and why:
+    on a Grace machine (ATS), the kernel while the rows fit, the host path once they do not."""
+    from helpers.machines import GH200, injected_machine
+
+    from ple_um.access import memory
+
+    layout = make_checkpoint(num_rows=4000, row_dim=160, dtype="fp8", shards=2)
+    with injected_machine(GH200):
+        code, data = run_json(capsys, "probe", layout.directory)
+        assert code == 0 and data["mode"] == "ats"
+        assert data["serving"]["path"] == "kernel" and " fit:" in data["serving"]["why"], data["serving"]
+        monkeypatch.setattr(memory, "mem_available", lambda: 64 << 10)  # 64 KiB left: 625 KiB do not fit
+        monkeypatch.setattr(memory, "cgroup_headroom", lambda *a, **k: None)
+        code, out, _ = run(capsys, "probe", layout.directory)
+        assert code == 0 and "decode lookups: host (the owned rows (" in out and "do not fit" in out, out

@@ -651,30 +651,36 @@ def test_the_page_touch_asks_for_the_missing_pages_at_once(lib, make_checkpoint,
             reader.close()
 
 
-def test_auto_keeps_a_row_cache_only_for_a_table_not_in_memory(lib, make_checkpoint, monkeypatch):
+def test_auto_keeps_a_row_cache_only_for_a_table_that_does_not_fit(lib, make_checkpoint, monkeypatch):
+    """The fit decides the cache (``lookup.fit``), the residency only whether misses are read: a
+    table that fits gets no cache, in the page cache or not; one that does not gets one."""
     layout = make_checkpoint(num_rows=10000, row_dim=160, dtype="fp8", shards=4)
     with MappedShards(layout) as mapping:
         mapping.populate()
-        assert plan(lib, mapping, None) is None  # resident, defaults: rows copied as they are
+        assert plan(lib, mapping, None, spills=False) is None  # resident, fits: rows copied as they are
         evict(mapping, layout)
-        cold = plan(lib, mapping, None)
+        fits = plan(lib, mapping, None, spills=False)  # not resident, fits: no cache, misses read
+        assert fits.cache_bytes == 0 and fits.resident_check and not fits.direct, fits
+        assert "fit" in fits.why and fits.strategy in ("uring", "threads")
+        cold = plan(lib, mapping, None, spills=True)
         assert cold is not None and cold.direct and cold.strategy in ("uring", "threads")
+        assert "do not fit" in cold.why
         assert (
             0
             < cold.cache_bytes
             <= mapping.owned_bytes // layout.row_bytes * (layout.row_bytes + SLOT_OVERHEAD)
         )
         monkeypatch.setenv("PLE_UM_ROW_CACHE_FRACTION", "0.000000001")
-        assert plan(lib, mapping, None).cache_bytes == 0  # nothing fits: no cache, but misses read
+        assert plan(lib, mapping, None, spills=True).cache_bytes == 0  # no room: no cache, misses read
         monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
         monkeypatch.setenv("PLE_UM_FILE_READS", "mmap")
-        cold = plan(lib, mapping, None)
+        cold = plan(lib, mapping, None, spills=True)
         assert cold.cache_bytes == 0 and not cold.reads
 
 
-def test_a_table_a_page_short_of_resident_gets_no_row_cache(lib, make_checkpoint, monkeypatch):
-    """One page the kernel reclaimed must not send a table that fits to a row cache whose O_DIRECT
-    misses bypass the page cache holding the rest; a table mostly out of memory still gets one."""
+def test_a_table_a_page_short_of_resident_is_copied_from_the_mapping(lib, make_checkpoint, monkeypatch):
+    """One page the kernel reclaimed must not send a table that fits to the reader of misses (its
+    rows are copied from the mapping, the page faulted back in); one mostly out of memory is read."""
     monkeypatch.delenv("PLE_UM_ROW_CACHE", raising=False)
     monkeypatch.delenv("PLE_UM_FILE_READS", raising=False)
     layout = make_checkpoint(num_rows=40000, row_dim=160, dtype="fp8", shards=4)
@@ -695,11 +701,11 @@ def test_a_table_a_page_short_of_resident_gets_no_row_cache(lib, make_checkpoint
             pytest.skip("the page was not dropped (a file system whose files are their page cache)")
         assert mapped - resident <= PAGE * 2 and resident < mapped
         assert mapping.resident() and not mapping.resident(slack=0)
-        assert plan(lib, mapping, None) is None  # served as resident: rows copied from the mapping
+        assert plan(lib, mapping, None, spills=False) is None  # served as resident: from the mapping
         evict(mapping, layout)
         assert not mapping.resident()
-        cold_plan = plan(lib, mapping, None)
-        assert cold_plan is not None and cold_plan.cache_bytes > 0
+        cold_plan = plan(lib, mapping, None, spills=False)
+        assert cold_plan is not None and cold_plan.reads and cold_plan.cache_bytes == 0
 
 
 def test_uring_asked_where_no_ring_can_be_made_takes_threads():
@@ -781,12 +787,12 @@ def test_an_explicit_row_cache_is_capped_at_the_table_and_refused_past_memory(
     need = 10000 * (160 + SLOT_OVERHEAD)
     with MappedShards(layout) as mapping:
         monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")
-        assert plan(lib, mapping, None).cache_bytes == need
+        assert plan(lib, mapping, None, spills=False).cache_bytes == need
         monkeypatch.setattr(memory, "available", lambda: need - 1)
         with pytest.raises(KnobError, match=r"PLE_UM_ROW_CACHE='1GiB'.* does not fit"):
-            plan(lib, mapping, None)
+            plan(lib, mapping, None, spills=False)
         monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")
-        cold = plan(lib, mapping, None)  # none asked: nothing to fit
+        cold = plan(lib, mapping, None, spills=True)  # none asked: nothing to fit
         assert cold is None or cold.cache_bytes == 0
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "1GiB")  # memory.available still says need - 1
     with pytest.raises(KnobError, match="PLE_UM_ROW_CACHE='1GiB'"):  # as it is, not a rejected mode

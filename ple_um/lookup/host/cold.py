@@ -1,17 +1,20 @@
 """What the host path does about rows that are not in memory: the row cache and the reads of misses.
 
 ``plan`` reads the knobs and the table's state at open:
-- ``PLE_UM_ROW_CACHE``: ``auto`` (the default) keeps a row cache when the table is not fully in the
-  page cache at open, of ``PLE_UM_ROW_CACHE_FRACTION`` of the memory this process can still take
+- ``PLE_UM_ROW_CACHE``: ``auto`` (the default) keeps a row cache when the table's owned rows do not
+  fit the memory this process may use (the caller's decision, ``lookup.fit``), of
+  ``PLE_UM_ROW_CACHE_FRACTION`` of the memory this process can still take
   (``access.memory.available``: MemAvailable, and the memory cgroup's room), at most what the
-  table's owned rows need; a size (``4GiB``) sets it (at most what the owned rows need; refused
-  when it does not fit the memory this process can still take); ``0`` keeps none.
+  table's owned rows need; a table that fits gets none, in the page cache or not; a size
+  (``4GiB``) sets it (at most what the owned rows need; refused when it does not fit the memory
+  this process can still take); ``0`` keeps none.
 - ``PLE_UM_FILE_READS``: how misses are read (``host/file_reads.py``): ``auto`` is io_uring where a
   ring can be made, else reader threads; ``mmap`` faults them in through the mapping.
 - ``PLE_UM_DIRECT_READS``: ``auto`` reads misses with O_DIRECT when there is a row cache (the rows
   then live in the cache, not also in the page cache), through the page cache otherwise.
-A table fully resident at open with the defaults gets neither: its lookups copy straight from the
-mapping, and the pages it loses later are faulted back in. ``RowSources`` builds what the
+A table that fits and is fully resident at open gets neither: its lookups copy straight from the
+mapping, and the pages it loses later are faulted back in (a table that fits but is not resident:
+no cache, its misses read through the page cache, which keeps them). ``RowSources`` builds what the
 plan says for a table's rows (and an NVFP4 table's block scales) and owns it.
 """
 
@@ -97,20 +100,21 @@ def _sized(asked: int, owned: int) -> int:
     return cache
 
 
-def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None) -> ColdPlan | None:
-    """The plan for this table's host path, or None: rows copied from the mapping as they are."""
+def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool) -> ColdPlan | None:
+    """The plan for this table's host path, or None: rows copied from the mapping as they are.
+    ``spills``: the owned rows do not fit the memory this process may use (``lookup.fit``)."""
     mappings = [m for m in (mapping, scale_mapping) if m is not None]
     if not mapping.owned:
         return None
     knob, reads_knob = envs.PLE_UM_ROW_CACHE, envs.PLE_UM_FILE_READS
     resident = all(m.resident() for m in mappings)
     if knob == "auto":
-        if resident:
-            cache, said = 0, "no row cache (the table was in the page cache at open)"
+        if not spills:
+            cache, said = 0, "no row cache (the owned rows fit in memory)"
         else:
             room = int(memory.available() * envs.PLE_UM_ROW_CACHE_FRACTION)
             cache = min(room, _owned_bytes(mappings))
-            said = f"a row cache of {format_bytes(cache)} (the table was not in the page cache at open)"
+            said = f"a row cache of {format_bytes(cache)} (the owned rows do not fit in memory)"
     else:
         cache = _sized(int(knob), _owned_bytes(mappings))
         said = f"a row cache of {format_bytes(cache)}" if cache else "no row cache (PLE_UM_ROW_CACHE=0)"

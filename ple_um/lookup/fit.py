@@ -1,0 +1,245 @@
+"""Which path serves a table's decode-sized lookups, decided by whether its owned rows fit the
+memory this process may use, and decided again while it serves.
+
+The rule (docs/OPERATING.md, "Memory"):
+- **Fit** (``access.memory.fits``): the whole table within MemAvailable (plus its pinned bytes),
+  and its bytes not yet in memory within each memory cgroup's room. ``PLE_UM_FIT`` forces it.
+- **A table that does not fit** is served on the host path: the C row copy with a row cache (hot
+  rows held at row granularity) and the reader of misses (many reads in flight), every lookup, as
+  the ``cpu`` mode does; in the ``ats`` and ``registered`` modes the kernel no longer serves
+  decode-sized lookups, and no page is touched for them.
+- **A table that fits** is served as before: the kernel, with no row cache; in the ``ats`` mode a
+  page touch is queued before each kernel while the table is not all in memory
+  (``PLE_UM_ATS_PREFETCH=auto``), so that the GPU never takes its faults one at a time.
+- **Decided again** every ``PLE_UM_FIT_CHECK_SEC`` seconds by ``FitWatch`` (one thread a table):
+  the residency of a sample of the table's pages (``SAMPLE_PAGES``, mincore; every page of a small
+  table) and the memory left. With hysteresis: the kernel gives way to the host path as soon as
+  the table does not fit; the host path gives it back only once the table fits with
+  ``1 - FIT_MARGIN`` of its size to spare; the touch starts when more than ``TOUCH_FROM`` of the
+  sampled pages are out and stops when none is. A switch is a flag the next lookup reads: work
+  already queued on a stream stays ordered before it, and a graph captured before keeps what it
+  captured (every path a table ever had stays alive until it closes).
+Where the host path that serves a table that stopped fitting has no row cache (the table fit at
+open), ``FitWatch`` builds one on its own thread (a new host path, sized from the memory left
+then) and switches once it is ready; the old path stays for the graphs that captured it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ple_um import envs
+from ple_um.access import memory
+from ple_um.checkpoint import ShardLayout
+from ple_um.mapping import PAGE, MappedShards, _libc
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_PAGES = 256  # pages sampled per check (a table of at most FULL_SCAN_PAGES: all of them)
+FULL_SCAN_PAGES = 1 << 15
+FIT_MARGIN = 0.9  # back from the host path only when the table fits in this share of the room
+TOUCH_FROM = 1 / 64  # the touch starts when more than this share of the sampled pages are out
+SWITCHING_MODES = ("ats", "registered")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One measure: ``owned`` bytes, ``resident`` of them in memory (estimated from a sample
+    unless ``exact``), whether they ``fits`` (and ``fits_with_margin``), ``why`` in words."""
+
+    owned: int
+    resident: int
+    fits: bool
+    fits_with_margin: bool
+    why: str
+    exact: bool
+
+    @property
+    def share(self) -> float:
+        return self.resident / self.owned if self.owned else 1.0
+
+
+@dataclass
+class Serving:
+    """What serves the decode-sized lookups now: ``path`` (kernel or host), ``touch`` (a page touch
+    before each kernel), ``why`` in words, ``switches`` since open."""
+
+    path: str
+    touch: bool
+    why: str
+    switches: int = 0
+
+    def as_dict(self, touches: int) -> dict:
+        return {
+            "path": self.path,
+            "page_touch": self.touch,
+            "page_touches": touches,
+            "why": self.why,
+            "switches": self.switches,
+        }
+
+
+def resident_bytes(mappings: list[MappedShards], rng: np.random.Generator | None = None) -> tuple[int, bool]:
+    """Bytes of the mappings in memory now, and whether the figure is exact: every page's
+    residency for at most ``FULL_SCAN_PAGES`` pages (or without ``rng``), else ``SAMPLE_PAGES``
+    pages drawn at random (one mincore call each), scaled up."""
+    regions = [r for m in mappings for r in m.regions]
+    pages = np.array([-(-r.length // PAGE) for r in regions], dtype=np.int64)
+    total = int(pages.sum())
+    if rng is None or total <= FULL_SCAN_PAGES:
+        return sum(resident for m in mappings for _, resident, _ in m.residency()), True
+    ends = np.cumsum(pages)
+    picks = np.sort(rng.integers(0, total, SAMPLE_PAGES))
+    which = np.searchsorted(ends, picks, side="right")
+    vec = np.zeros(1, dtype=np.uint8)
+    found = 0
+    for k, page in zip(which.tolist(), picks.tolist(), strict=True):
+        region = regions[k]
+        local = page - (int(ends[k]) - int(pages[k]))
+        if _libc.mincore(region.addr + local * PAGE, 1, vec.ctypes.data) == 0:
+            found += int(vec[0] & 1)
+    mapped = sum(r.length for r in regions)
+    return int(mapped * found / SAMPLE_PAGES), False
+
+
+def measure(
+    mappings: list[MappedShards], *, pinned: int = 0, rng: np.random.Generator | None = None
+) -> Verdict:
+    """Whether the mappings' owned bytes fit the memory this process may use (``memory.fits``), with
+    the residency (exact without ``rng``, else sampled) and the knob ``PLE_UM_FIT``."""
+    owned = sum(r.length for m in mappings for r in m.regions)
+    resident, exact = resident_bytes(mappings, rng)
+    knob = envs.PLE_UM_FIT
+    if knob != "auto":
+        fits = knob == "fits"
+        return Verdict(owned, resident, fits, fits, f"PLE_UM_FIT={knob}", exact)
+    fits, why = memory.fits(owned, resident, pinned)
+    margin = fits and memory.fits(int(owned / FIT_MARGIN), resident, pinned)[0]
+    return Verdict(owned, resident, fits, margin, why, exact)
+
+
+def choose(now: Serving | None, verdict: Verdict, *, touch_knob: str, touch_here: bool) -> Serving:
+    """What serves next (``now``: what serves now; None at open). ``touch_knob``:
+    ``PLE_UM_ATS_PREFETCH``; ``touch_here``: its ``auto`` touches in this mode on this device."""
+    switches = now.switches if now is not None else 0
+    on_host = now is not None and now.path == "host"
+    if on_host and verdict.fits_with_margin or not on_host and verdict.fits:
+        if touch_knob != "auto" or not touch_here:
+            touch = touch_knob == "on"
+        elif verdict.exact or now is None:
+            touch = verdict.resident < verdict.owned
+        else:
+            touch = now.touch and verdict.resident < verdict.owned or 1 - verdict.share > TOUCH_FROM
+        why = f"{verdict.why}: the kernel" + (", a page touch before it (not all in memory)" if touch else "")
+        return Serving("kernel", touch, why, switches + int(on_host))
+    if on_host:
+        return Serving("host", False, now.why, switches)
+    why = f"{verdict.why}: the host path (row cache, reads of misses)"
+    return Serving("host", False, why, switches + int(now is not None))
+
+
+class FitWatch:
+    """Decides again, every ``interval`` seconds on a thread of its own, what serves ``paths``'
+    decode-sized lookups (``LookupPaths``: ``serving``, ``decode_on_host``, ``touch_pages``,
+    ``adopt``). ``host_for(spills)`` builds a host path (a row cache when ``spills``), or None
+    where none can be built. ``close()`` stops the thread and waits for it; idempotent."""
+
+    def __init__(
+        self,
+        paths,
+        mappings: list[MappedShards],
+        *,
+        interval: float,
+        pinned: int,
+        touch_knob: str,
+        touch_here: bool,
+        host_for: Callable[[bool], object | None],
+        seed: int = 0,
+    ) -> None:
+        self.paths, self.mappings, self.interval, self.pinned = paths, mappings, interval, pinned
+        self.touch_knob, self.touch_here, self.host_for = touch_knob, touch_here, host_for
+        self.rng = np.random.default_rng(seed)
+        self.checks = 0
+        self._lock = threading.Lock()  # one check at a time (the thread's, a caller's)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> FitWatch:
+        if self._thread is None and self.interval > 0:
+            self._thread = threading.Thread(target=self._run, name="ple-um-fit", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception as exc:  # noqa: BLE001 - a failed check keeps what serves
+                logger.warning(
+                    "ple-um: the fit check failed (%s: %s); the path stays", type(exc).__name__, exc
+                )
+
+    def check(self) -> bool:
+        """One check now: measure, choose, switch. Where the host path is to serve a table that does
+        not fit and it has no row cache (or there is no host path), one is built first, and the
+        switch waits for it. Whether what serves changed."""
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            self.checks += 1
+            paths = self.paths
+            now = paths.serving
+            verdict = measure(self.mappings, pinned=self.pinned, rng=self.rng)
+            cpu = paths.gpu is None  # the cpu mode: always the host path; it can only gain a row cache
+            nxt = now if cpu else choose(now, verdict, touch_knob=self.touch_knob, touch_here=self.touch_here)
+            host = paths.row_copy
+            cache_wanted = not verdict.fits and envs.PLE_UM_ROW_CACHE == "auto"
+            if nxt.path == "host" and (host is None or cache_wanted and host.rows.cache is None):
+                built = self.host_for(True)
+                if built is not None:
+                    paths.adopt(built)
+                    if cpu:
+                        nxt = Serving(
+                            "host", False, f"{verdict.why}: the host path, with a row cache", now.switches + 1
+                        )
+            if nxt.path == "host" and paths.row_copy is None:
+                nxt = Serving(
+                    now.path, now.touch, f"{verdict.why}, but no host path can be built here", now.switches
+                )
+            if (nxt.path, nxt.touch, nxt.switches) == (now.path, now.touch, now.switches):
+                return False
+            paths.set_serving(nxt)
+            logger.info("ple-um: decode-sized lookups of %s: %s", self.mappings[0].layout.directory, nxt.why)
+            return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+        with self._lock:  # a check another thread runs has finished
+            pass
+
+
+def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
+    """What an open of ``layout``'s table in ``mode`` would serve its decode-sized lookups with now
+    (``ple-um probe DIR``): its files mapped, not read, to measure the fit."""
+    with contextlib.ExitStack() as stack:
+        mappings = [stack.enter_context(MappedShards(layout))]
+        if layout.is_nvfp4:
+            mappings.append(stack.enter_context(MappedShards(layout.scale_layout())))
+        owned = sum(m.mapped_bytes for m in mappings)
+        verdict = measure(mappings, pinned=owned if mode == "registered" else 0)
+    if mode == "cpu":
+        cache = "with a row cache" if not verdict.fits else "no row cache"
+        return Serving("host", False, f"{verdict.why}: the cpu mode's host path, {cache}")
+    if mode == "device":
+        return Serving("kernel", False, "the device mode: the rows are in GPU memory")
+    knob = envs.PLE_UM_ATS_PREFETCH if cuda else "off"
+    return choose(None, verdict, touch_knob=knob, touch_here=mode == "ats" and cuda)

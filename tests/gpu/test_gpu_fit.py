@@ -1,0 +1,87 @@
+"""Decide by fit, and keep deciding, on a real GPU (``ple_um/lookup/fit.py``): in the registered and
+cpu modes, a table that fits at open, a CUDA graph captured, then a forced "does not fit" verdict
+(``access.memory.fits`` replaced, the check run here): the switch takes effect between lookups; a
+graph captured before keeps its path, one captured after takes the host path with a row cache, and
+both replay exactly with new ids, as do eager lookups. Every output poisoned first and compared
+with the rows read from the files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers.reference import bits_differ, reference_rows
+
+import ple_um
+from ple_um.access import memory
+
+
+def want(layout, ids_np: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    raw = torch.from_numpy(reference_rows(layout, ids_np)).view(layout.dtype)
+    if dtype == layout.dtype:
+        return raw
+    return (raw.float() * (layout.scale if layout.scale is not None else 1.0)).to(dtype)
+
+
+def same(got: torch.Tensor, expect: torch.Tensor) -> bool:
+    return bits_differ(got.cpu(), expect, raw=got.element_size() == 1) is None
+
+
+def capture(table, ids: torch.Tensor, out: torch.Tensor) -> torch.cuda.CUDAGraph:
+    table.lookup(ids, out=out)  # warm: buffers and launchers made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        table.lookup(ids, out=out)
+    return graph
+
+
+@pytest.mark.parametrize("mode", ["registered", "cpu"])
+@pytest.mark.parametrize("n", [16, 1024])
+@pytest.mark.parametrize("dtype", ["raw", "bf16"])
+def test_graphs_captured_before_and_after_a_switch_both_replay_exactly(
+    tables, mode, n, dtype, ids_for, rng, device, monkeypatch
+):
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # no thread: the check is run here
+    monkeypatch.setenv("PLE_UM_BULK_ROWS", "100000")  # every lookup here is decode-sized
+    layout = tables["fp8"]
+    out_dtype = layout.dtype if dtype == "raw" else torch.bfloat16
+    with ple_um.open_table(layout.directory, mode=mode, device=device) as table:
+        serving = table.stats()["serving"]
+        assert serving["path"] == ("kernel" if mode == "registered" else "host"), serving
+        assert table.stats()["row_cache"] is None, table.row_reads  # it fits: no row cache
+        ids = torch.zeros(n, dtype=torch.int64, device=device)
+        before, after = (torch.empty((n, layout.row_dim), dtype=out_dtype, device=device) for _ in range(2))
+        graph_before = capture(table, ids, before)
+
+        monkeypatch.setattr(memory, "fits", lambda *a, **k: (False, "the owned rows do not fit (forced)"))
+        assert table.paths.fit.check()
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and serving["switches"] == 1, serving
+        assert table.stats()["row_cache"] is not None, table.row_reads
+        graph_after = capture(table, ids, after)
+
+        kernel_rows = table.paths.gpu.read_counts()["rows"] if table.paths.gpu is not None else 0
+        cache_before = table.stats()["row_cache"]
+        hot = rng.integers(0, layout.num_rows, 64)
+        for k in range(6):
+            ids_np = ids_for(layout, n, rng) if k % 2 else rng.choice(hot, n)
+            ids.copy_(torch.from_numpy(ids_np))
+            for out in (before, after):
+                out.view(torch.uint8).fill_(0xAB)
+            graph_before.replay()
+            graph_after.replay()
+            torch.cuda.synchronize()
+            expect = want(layout, ids_np, out_dtype)
+            assert same(before, expect), f"the graph captured before the switch, replay {k}"
+            assert same(after, expect), f"the graph captured after the switch, replay {k}"
+            eager = torch.full((n, layout.row_dim), 0xAB, dtype=torch.uint8, device=device).view(out_dtype)
+            table.lookup(torch.from_numpy(ids_np).to(device), out=eager)
+            assert same(eager, expect), f"an eager lookup after the switch, {k}"
+        stats = table.stats()
+        cache = stats["row_cache"]
+        assert cache["hits"] + cache["misses"] > cache_before["hits"] + cache_before["misses"]
+        if mode == "registered":  # the graph captured before still ran the kernel, and only it
+            assert table.paths.gpu.read_counts()["rows"] == kernel_rows + 6 * n
+            assert stats["serving"]["page_touches"] == 0

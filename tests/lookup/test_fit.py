@@ -1,0 +1,365 @@
+"""Decide by fit, and keep deciding (``ple_um/lookup/fit.py``, ``access.memory.fits``): on the
+injected Grace (ATS) and HMM machines and the injected H200 (registered), the kernels under the
+Triton interpreter, real files, real mmap. The memory this process may use is injected
+(``memory_left``: MemAvailable and the cgroup's room as ``access.memory`` reads them), and once in a
+child process under a real memory cgroup. Every row is compared with the reference reader, outputs
+poisoned, shard edges, ids outside the owned range and the table included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers.machines import GH200, H200, HMM
+from helpers.reference import drop_page_cache, reference_rows
+from helpers.rowcopy_jobs import boundary_ids
+
+import ple_um
+from ple_um.access import memory
+from ple_um.lookup import fit
+from ple_um.lookup.fit import Verdict, choose
+from ple_um.mapping import MADV_DONTNEED, _libc
+
+MiB = 1 << 20
+HMM_CPU = dataclasses.replace(HMM, device="cpu", name="NVIDIA RTX PRO 6000 (HMM, injected)")
+OWNED = (1500, 18500)  # of 20 000 rows in 4 shards of 5 000: two shard edges inside, two outside
+
+
+class MemoryLeft:
+    """What ``access.memory`` reads as MemAvailable and the cgroups' room, set by the test;
+    ``forced``: the fit's verdict itself (a registered table's pages are pinned: it always fits)."""
+
+    def __init__(self, machine: int, group: int | None = None) -> None:
+        self.machine, self.group = machine, group
+        self.forced: tuple[bool, str] | None = None
+
+
+@pytest.fixture
+def memory_left(monkeypatch):
+    left = MemoryLeft(64 << 30)
+    fits = memory.fits
+    monkeypatch.setattr(memory, "mem_available", lambda: left.machine)
+    monkeypatch.setattr(memory, "cgroup_headroom", lambda *a, **k: left.group)
+    monkeypatch.setattr(memory, "fits", lambda *a, **k: left.forced or fits(*a, **k))
+    return left
+
+
+@pytest.fixture
+def table_files(make_checkpoint, rng):
+    """FP8 rows of 160 bytes (a GX10 table's), 20 000 of them in 4 shards over 2 files: 3 MiB."""
+    return make_checkpoint(
+        num_rows=20000, row_dim=160, dtype="fp8", shards=4, files=2, seed=int(rng.integers(1 << 30))
+    )
+
+
+def evict(table) -> None:
+    """The table's pages out of this process and out of the page cache."""
+    for m in (table.mapping, table.scale_mapping):
+        for region in m.regions if m is not None else ():
+            assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
+    drop_page_cache(table.layout)
+
+
+def resident(table) -> int:
+    return sum(r for _, r, _ in table.mapping.residency())
+
+
+def planned_lookups(layout, rng, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``count`` lookups of 16 ids (hot ids drawn again and again, plus the edges) and their rows
+    from the reference reader (which reads through the page cache: read before any residency is)."""
+    hot = rng.integers(OWNED[0], OWNED[1], 24)
+    edges = boundary_ids(layout, rng, 0, OWNED)
+    planned = []
+    for _ in range(count):
+        ids = np.concatenate([rng.choice(hot, 12), rng.choice(edges, 4)]).astype(np.int64)
+        planned.append((ids, reference_rows(layout, ids, OWNED)))
+    return planned
+
+
+def run_lookups(table, layout, planned, poison) -> None:
+    """Each planned lookup into a poisoned output, compared with its reference rows."""
+    for k, (ids, expect) in enumerate(planned):
+        out = poison(torch.empty((ids.size, layout.row_dim), dtype=layout.dtype))
+        table.lookup(torch.from_numpy(ids), out=out)
+        assert np.array_equal(out.view(torch.uint8).numpy(), expect), f"lookup {k} differs from the files"
+
+
+def decode_lookups(table, layout, rng, poison, count: int) -> None:
+    run_lookups(table, layout, planned_lookups(layout, rng, count), poison)
+
+
+def wait_for(table, path: str, timeout: float = 60.0) -> dict:
+    """The table's serving figures once its fit checks have switched it to ``path``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        serving = table.stats()["serving"]
+        if serving["path"] == path:
+            return serving
+        time.sleep(0.02)
+    raise AssertionError(f"still {table.stats()['serving']} after {timeout} s")
+
+
+# -- the rule ----------------------------------------------------------------------------------------
+def test_fit_counts_machine_memory_the_cgroups_room_and_the_tables_own_pages(memory_left):
+    memory_left.machine, memory_left.group = 100 * MiB, None
+    assert memory.fits(100 * MiB, 0)[0] and not memory.fits(101 * MiB, 0)[0]
+    assert memory.fits(120 * MiB, 0, pinned=20 * MiB)[0]  # pinned pages are not in MemAvailable
+    memory_left.group = 10 * MiB  # the group's usage already counts the pages in memory
+    assert memory.fits(50 * MiB, 40 * MiB)[0] and not memory.fits(50 * MiB, 39 * MiB)[0]
+    ok, why = memory.fits(50 * MiB, 0)
+    assert not ok and "do not fit" in why and "10.00 MiB" in why and "MemAvailable 100.00 MiB" in why
+
+
+def _verdict(fits: bool, margin: bool, share: float, exact: bool = False) -> Verdict:
+    return Verdict(1000, int(1000 * share), fits, margin, "test", exact)
+
+
+def test_the_rule_switches_with_hysteresis():
+    kernel = choose(None, _verdict(True, True, 1.0, exact=True), touch_knob="auto", touch_here=True)
+    assert (kernel.path, kernel.touch, kernel.switches) == ("kernel", False, 0)
+    opened_out = choose(None, _verdict(True, True, 0.5, exact=True), touch_knob="auto", touch_here=True)
+    assert (opened_out.path, opened_out.touch) == ("kernel", True)
+    assert choose(None, _verdict(True, True, 0.5), touch_knob="auto", touch_here=False).touch is False
+    assert choose(None, _verdict(True, True, 1.0), touch_knob="on", touch_here=False).touch is True
+    # The kernel gives way as soon as the table does not fit.
+    host = choose(kernel, _verdict(False, False, 1.0), touch_knob="auto", touch_here=True)
+    assert (host.path, host.switches) == ("host", 1)
+    # Back only with the margin to spare.
+    assert choose(host, _verdict(True, False, 1.0), touch_knob="auto", touch_here=True).path == "host"
+    back = choose(host, _verdict(True, True, 0.2), touch_knob="auto", touch_here=True)
+    assert (back.path, back.touch, back.switches) == ("kernel", True, 2)
+    # The sampled touch starts past TOUCH_FROM of the pages out, and stops only when none is.
+    few_out = 1 - fit.TOUCH_FROM / 2
+    assert choose(kernel, _verdict(True, True, few_out), touch_knob="auto", touch_here=True).touch is False
+    assert choose(back, _verdict(True, True, few_out), touch_knob="auto", touch_here=True).touch is True
+    assert choose(back, _verdict(True, True, 1.0), touch_knob="auto", touch_here=True).touch is False
+
+
+def test_a_sample_of_pages_estimates_the_residency(make_checkpoint, rng, monkeypatch):
+    monkeypatch.setattr(fit, "FULL_SCAN_PAGES", 64)  # sampled from 64 pages on
+    layout = make_checkpoint(num_rows=40_000, row_dim=512, dtype="fp8", shards=3)  # 20 MiB
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        evict(table)
+        half = table.mapping.regions[0]
+        view = np.frombuffer((ctypes_buffer := memoryview_of(half)), dtype=np.uint8)
+        int(view[::4096].sum())  # the first file's pages in
+        exact, is_exact = fit.resident_bytes([table.mapping])
+        assert is_exact and exact >= half.length - 4096
+        sampled, is_exact = fit.resident_bytes(
+            [table.mapping], np.random.default_rng(int(rng.integers(1 << 30)))
+        )
+        assert not is_exact
+        share, mapped = exact / table.mapping.mapped_bytes, table.mapping.mapped_bytes
+        assert abs(sampled / mapped - share) < 0.2, (sampled, exact, mapped)
+        del view, ctypes_buffer
+
+
+def memoryview_of(region):
+    import ctypes
+
+    return (ctypes.c_ubyte * region.length).from_address(region.addr)
+
+
+# -- a table larger than its memory --------------------------------------------------------------------
+@pytest.mark.parametrize("caps", [GH200, HMM_CPU], ids=["ats", "hmm"])
+def test_a_table_over_its_memory_serves_decode_lookups_on_the_host_path(
+    table_files, caps, machine, memory_left, rng, poison
+):
+    layout = table_files
+    memory_left.machine = 1 * MiB  # the owned rows (2.6 MiB) do not fit
+    drop_page_cache(layout)
+    machine(caps)
+    with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and "do not fit" in serving["why"], serving
+        assert table.stats()["row_cache"] is not None, table.row_reads
+        planned = planned_lookups(layout, rng, 64)
+        evict(table)
+        before = resident(table)
+        run_lookups(table, layout, planned, poison)
+        stats = table.stats()
+        cache = stats["row_cache"]
+        assert cache["hits"] > 0 and cache["misses"] > 0 and stats["file_reads"] > 0, stats
+        assert stats["host_lookups"] == 64 and stats["serving"]["page_touches"] == 0
+        assert table.paths.gpu.read_counts()["rows"] == 0  # the kernel served none of them
+        if table.paths.host.rows.reader.direct:  # misses read around the page cache: no page came in
+            assert resident(table) <= before
+
+
+def test_a_table_that_fits_gets_the_kernel_and_no_row_cache(
+    table_files, machine, memory_left, rng, poison, caplog
+):
+    layout = table_files
+    drop_page_cache(layout)  # not in the page cache at open, but it fits
+    machine(GH200)
+    caplog.set_level(logging.INFO, logger="ple_um.opening")
+    with ple_um.open_table(layout.directory, rows=OWNED) as table:
+        assert table.mode == "ats"
+        (line,) = [r.getMessage() for r in caplog.records if "opened in" in r.getMessage()]
+        assert f"decode lookups: {table.stats()['serving']['why']}" in line and ": the kernel" in line
+        stats = table.stats()
+        assert stats["serving"]["path"] == "kernel" and " fit:" in stats["serving"]["why"], stats["serving"]
+        assert stats["row_cache"] is None and table.paths.host is None, table.row_reads
+        decode_lookups(table, layout, rng, poison, 8)
+        assert table.paths.gpu.read_counts()["rows"] == 8 * 16
+
+
+@pytest.mark.parametrize("caps", [GH200, HMM_CPU, H200], ids=["ats", "hmm", "registered"])
+def test_an_eviction_after_open_switches_to_the_host_path_and_back(
+    table_files, caps, machine, memory_left, monkeypatch, rng, poison
+):
+    """Open resident and fitting: the kernel. Memory runs short and the table is evicted: the fit
+    check (its own thread) switches later lookups to a host path with a row cache built then; the
+    memory back, the kernel again. Every lookup exact; each switch counted once."""
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0.02")
+    layout = table_files
+    machine(caps)
+    mode = "registered" if caps is H200 else "ats"
+    with ple_um.open_table(layout.directory, mode=mode, rows=OWNED) as table:
+        table.mapping.populate()
+        assert table.stats()["serving"]["path"] == "kernel"
+        decode_lookups(table, layout, rng, poison, 4)
+        kernel_rows = table.paths.gpu.read_counts()["rows"]
+        assert kernel_rows == 4 * 16
+        memory_left.machine, memory_left.group = 1 * MiB, 512 * 1024
+        if mode == "registered":  # pinned: never evicted, so only a forced verdict spills it
+            memory_left.forced = (False, "the owned rows do not fit (injected)")
+        evict(table)
+        serving = wait_for(table, "host")
+        assert serving["switches"] == 1 and serving["page_touches"] == 0 and "do not fit" in serving["why"]
+        host_before = table.stats()["host_lookups"]
+        decode_lookups(table, layout, rng, poison, 32)
+        stats = table.stats()
+        assert (
+            stats["host_lookups"] - host_before == 32 and table.paths.gpu.read_counts()["rows"] == kernel_rows
+        )
+        assert stats["row_cache"]["hits"] > 0 and stats["file_reads"] > 0, stats
+        memory_left.machine, memory_left.group, memory_left.forced = 64 << 30, None, None
+        serving = wait_for(table, "kernel")
+        assert serving["switches"] == 2
+        decode_lookups(table, layout, rng, poison, 4)
+        assert table.paths.gpu.read_counts()["rows"] == kernel_rows + 4 * 16
+
+
+def test_the_cpu_mode_gains_a_row_cache_when_the_table_stops_fitting(
+    table_files, memory_left, monkeypatch, rng, poison
+):
+    layout = table_files
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu", rows=OWNED) as table:
+        assert table.stats()["row_cache"] is None and table.paths.fit is not None
+        decode_lookups(table, layout, rng, poison, 4)
+        memory_left.machine = 1 * MiB
+        evict(table)
+        assert table.paths.fit.check()  # the check the thread would make, here and now
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and serving["switches"] == 1 and "row cache" in serving["why"]
+        decode_lookups(table, layout, rng, poison, 32)
+        stats = table.stats()
+        assert stats["row_cache"]["hits"] > 0 and stats["file_reads"] > 0
+        assert not table.paths.fit.check()  # nothing changes while it still does not fit
+
+
+@pytest.mark.parametrize(("knob", "path"), [("spills", "host"), ("fits", "kernel")])
+def test_the_decision_can_be_forced(table_files, machine, memory_left, monkeypatch, rng, poison, knob, path):
+    monkeypatch.setenv("PLE_UM_FIT", knob)
+    memory_left.machine = 1 * MiB if knob == "fits" else 64 << 30  # the other way round from auto
+    machine(H200)
+    layout = table_files
+    with ple_um.open_table(layout.directory, mode="registered", rows=OWNED) as table:
+        serving = table.stats()["serving"]
+        assert serving["path"] == path and "PLE_UM_FIT" in serving["why"] and table.paths.fit is None
+        decode_lookups(table, layout, rng, poison, 8)
+        kernel = table.paths.gpu.read_counts()["rows"]
+        assert kernel == (8 * 16 if path == "kernel" else 0)
+
+
+# -- a real memory cgroup ------------------------------------------------------------------------------
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, {tests!r})
+    group = {group!r}
+    def read(name):
+        with open(os.path.join(group, name)) as f:
+            return int(f.read())
+    import numpy as np, torch
+    import ple_um, ple_um.kernels
+    from helpers.machines import GH200, injected_machine
+    from helpers.reference import reference_rows
+    with injected_machine(GH200):  # the ats mode's first read (a child process) made before the limit
+        assert ple_um.probe(path={directory!r}).mode == "ats"
+    # The limit: what this process holds now and 24 MiB more, under the table's 61 MiB.
+    usage = read("memory.current") if {v2} else read("memory.usage_in_bytes")
+    with open(os.path.join(group, "memory.max" if {v2} else "memory.limit_in_bytes"), "w") as f:
+        f.write(str(usage + (24 << 20)))
+    rng = np.random.default_rng({seed})
+    with injected_machine(GH200), ple_um.open_table({directory!r}, mode="ats") as table:
+        serving = table.stats()["serving"]
+        hot = rng.integers(0, {rows}, 40)
+        bad = 0
+        for k in range(64):
+            ids = np.concatenate([rng.choice(hot, 12), rng.integers(-2, {rows} + 2, 4)]).astype(np.int64)
+            out = torch.full((16, {dim}), 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            table.lookup(torch.from_numpy(ids), out=out)
+            bad += not np.array_equal(out.view(torch.uint8).numpy(), reference_rows(table.layout, ids))
+        stats = table.stats()
+        print(json.dumps(dict(serving=serving, bad=bad, stats=dict(
+            host_lookups=stats["host_lookups"], file_reads=stats["file_reads"],
+            row_cache=stats["row_cache"], kernel_rows=table.paths.gpu.read_counts()["rows"]))))
+    """
+)
+
+
+def test_a_table_over_a_real_cgroups_limit_is_served_on_the_host_path(make_checkpoint, tmp_path, rng):
+    from ple_um.bench.memlimit import MemoryLimit
+
+    rows, dim = 400_000, 160  # 61 MiB
+    layout = make_checkpoint(
+        num_rows=rows, row_dim=dim, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
+    )
+    drop_page_cache(layout)
+    with MemoryLimit.open(4 << 30, f"ple-um-fit-{os.getpid()}") as limit:
+        if not limit.enforced:
+            pytest.skip(f"no memory cgroup can be made here: {limit.why}")
+        v2 = os.path.exists(os.path.join(limit.group, "memory.max"))
+        code = CHILD.format(
+            tests=os.path.dirname(os.path.dirname(__file__)),
+            group=limit.group,
+            v2=v2,
+            seed=int(rng.integers(1 << 30)),
+            directory=layout.directory,
+            rows=rows,
+            dim=dim,
+        )
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            preexec_fn=limit.preexec,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        procs = os.path.join(limit.group, "cgroup.procs")
+        deadline = time.monotonic() + 30  # an exited child leaves the group a moment later
+        while time.monotonic() < deadline and open(procs).read().strip():
+            time.sleep(0.05)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    serving, stats = result["serving"], result["stats"]
+    assert serving["path"] == "host" and "cgroup" in serving["why"] and "do not fit" in serving["why"], (
+        serving
+    )
+    assert result["bad"] == 0
+    assert stats["host_lookups"] == 64 and stats["kernel_rows"] == 0
+    assert stats["row_cache"]["hits"] > 0 and stats["file_reads"] > 0, stats
