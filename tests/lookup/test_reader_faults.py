@@ -77,10 +77,16 @@ typedef struct { int fd; struct io_cqring_offsets off; unsigned char *base; unsi
 static ring_t rings[64];
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
+/* The next definitions, found when first needed: another preloaded library (a sanitizer's runtime)
+ * may call them before this one's constructors run. */
+static void resolve(void) {
+    if (!real_syscall) real_syscall = (long (*)(long, ...))dlsym(RTLD_NEXT, "syscall");
+    if (!real_pread) real_pread = (ssize_t (*)(int, void *, size_t, off_t))dlsym(RTLD_NEXT, "pread");
+    if (!real_mmap) real_mmap = (void *(*)(void *, size_t, int, int, int, off_t))dlsym(RTLD_NEXT, "mmap");
+}
+
 __attribute__((constructor)) static void init(void) {
-    real_syscall = (long (*)(long, ...))dlsym(RTLD_NEXT, "syscall");
-    real_pread = (ssize_t (*)(int, void *, size_t, off_t))dlsym(RTLD_NEXT, "pread");
-    real_mmap = (void *(*)(void *, size_t, int, int, int, off_t))dlsym(RTLD_NEXT, "mmap");
+    resolve();
     for (int k = 0; k < 64; k++) rings[k].fd = -1;
 }
 
@@ -133,6 +139,7 @@ static void mangle(int fd) {
 
 long syscall(long n, ...) {
     va_list ap;
+    resolve();
     long a[6];
     va_start(ap, n);
     for (int k = 0; k < 6; k++) a[k] = va_arg(ap, long);
@@ -164,6 +171,7 @@ long syscall(long n, ...) {
 }
 
 void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
+    resolve();
     void *p = real_mmap(addr, len, prot, flags, fd, off);
     if (p != MAP_FAILED && fd >= 0 && off == IORING_OFF_SQ_RING) {
         pthread_mutex_lock(&mu);
@@ -175,6 +183,7 @@ void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
 }
 
 static ssize_t shim_pread(int fd, void *buf, size_t count, off_t off) {
+    resolve();
     if (fire(F_PREAD)) {
         if (faults[F_PREAD].err) { errno = faults[F_PREAD].err; return -1; }
         if (count > 1) count /= 2;
@@ -400,7 +409,8 @@ def lab(tmp_path_factory):
     assert done.returncode == 0, done.stderr
     tests = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PLE_UM_") or k == "PLE_UM_CACHE_DIR"}
-    env.update(LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
+    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(shim)]))  # a sanitizer's runtime first
+    env.update(LD_PRELOAD=preload, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
     with open(folder / "lab.log", "w") as log:
         proc = subprocess.Popen(
             [sys.executable, __file__, "--lab", str(shim), str(folder)],
