@@ -11,8 +11,10 @@ pins the table and ``device`` copies it into GPU memory, so neither is run here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -64,21 +66,32 @@ def _child_env(limit: MemoryLimit) -> dict[str, str]:
     return env
 
 
-def _run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None]) -> dict:
-    """One child under ``limit``: its figures, or why it gave none (killed by the limit's OOM
-    killer, an error)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ple_um.bench.cold_child"],
-        input=json.dumps(request),
-        capture_output=True,
+def run_child(
+    request: dict, limit: MemoryLimit, log: Callable[[str], None], module: str = "ple_um.bench.cold_child"
+) -> dict:
+    """One child (``python -m module``, the request on its stdin) under ``limit``: its figures (the
+    JSON on its stdout), or why it gave none (killed by the limit's OOM killer, an error). The child
+    leads a session of its own: an interrupt (Ctrl-C) reaches this process alone, which then kills
+    the child and everything in its group (``stop_child``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=_child_env(limit),
         preexec_fn=limit.preexec if limit.enforced else None,
+        start_new_session=True,
     )
-    for line in proc.stderr.splitlines():
+    try:
+        stdout, stderr = proc.communicate(json.dumps(request))
+    except BaseException:
+        stop_child(proc, limit)
+        raise
+    for line in stderr.splitlines():
         log(f"  {line}")
     if proc.returncode == 0:
-        return json.loads(proc.stdout)
+        return json.loads(stdout)
     if proc.returncode == -9 and limit.enforced:
         why = (
             "the child was killed (SIGKILL), by the limit's OOM killer most likely: "
@@ -86,9 +99,49 @@ def _run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None]) ->
             "context) besides the page cache"
         )
     else:
-        tail = proc.stderr.strip().splitlines()[-1:] or [""]
+        tail = stderr.strip().splitlines()[-1:] or [""]
         why = f"the child exited with {proc.returncode}: {tail[0]}"
     return {"failed": why}
+
+
+def run_limited(
+    limit: int,
+    name: str,
+    hierarchy: tuple[Hierarchy | None, str] | None,
+    request: dict,
+    log: Callable[[str], None],
+    module: str = "ple_um.bench.cold_child",
+) -> dict:
+    """``run_child`` in a memory group called ``name`` held to ``limit`` bytes: the limit (bytes,
+    whether enforced and how, the group's peak) and the child's figures. The group is removed
+    whatever happens; on an interrupt a group that cannot be is named in a warning, and the
+    interrupt is what is raised."""
+    held = MemoryLimit.open(limit, name, hierarchy)
+    try:
+        log(f"memory limit {format_bytes(limit)}: {held.describe()}")
+        found = run_child(request, held, log, module)
+        entry = {"bytes": limit, "enforced": held.enforced, "how": held.describe(), "peak_bytes": held.peak()}
+    except BaseException:
+        try:
+            held.close()
+        except OSError as exc:
+            log(f"warning: {exc.strerror}")
+        raise
+    held.close()
+    if not held.enforced:
+        entry["row_cache_knob"] = f"{ROW_CACHE_KNOB}={limit}"
+    entry.update(found)
+    return entry
+
+
+def stop_child(proc: subprocess.Popen, limit: MemoryLimit) -> None:
+    """Kill an unfinished child (its session: it and what it started) and every process in its
+    memory group, and reap it, so that the group can be removed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    limit.kill()
+    proc.kill()
+    proc.wait()
 
 
 def _describe(cfg: Config, layout: ShardLayout, device: torch.device, warmup_s: float) -> dict:
@@ -144,19 +197,8 @@ def run(
     }
     result["limits"] = {}
     for k, limit in enumerate(limits):
-        with MemoryLimit.open(limit, f"ple-um-bench-{os.getpid()}-{k}", hierarchy) as held:
-            log(f"memory limit {format_bytes(limit)}: {held.describe()}")
-            found = _run_child(request, held, log)
-            entry = {
-                "bytes": limit,
-                "enforced": held.enforced,
-                "how": held.describe(),
-                "peak_bytes": held.peak(),
-            }
-        if not held.enforced:
-            entry["row_cache_knob"] = f"{ROW_CACHE_KNOB}={limit}"
-        entry.update(found)
-        result["limits"][str(limit)] = entry
+        name = f"ple-um-bench-{os.getpid()}-{k}"
+        result["limits"][str(limit)] = run_limited(limit, name, hierarchy, request, log)
     vs_ceiling(result)
     return result
 

@@ -46,6 +46,7 @@ class Config:
     warmup: int = 3
     rounds: int = 4
     decode_tokens: int = 64
+    prefill_tokens: int = 2048  # the serving loop's prefill chunk (0: none)
     heads: int = 16
     device: str | None = None
     processes: int = 0
@@ -165,6 +166,91 @@ def memory_needed(
     return {"host": host, "gpu": gpu}
 
 
+def add_batches(
+    needed: dict, rows: tuple[int, ...], row_bytes: int, calls: int, paths: int, cuda: bool
+) -> dict:
+    """``needed`` (from ``memory_needed``) with what the largest batch size's calls hold besides
+    the table: each of ``paths`` paths gets ``calls`` sets of ids drawn ahead (8 B an id) and one
+    output on the device (host memory without CUDA), and a call's rows gathered on the host (the
+    host path's pinned staging, the seeds' gather buffer) with the draw's temporaries. Batch sizes
+    run one after the other, so the largest is the peak."""
+    n = max(rows)
+    device = needed["gpu"] if cuda else needed["host"]
+    device[f"--rows {n}: the ids drawn ahead ({paths} paths x {calls} calls)"] = paths * calls * n * 8
+    device[f"--rows {n}: the outputs ({paths} paths)"] = paths * n * row_bytes
+    needed["host"][f"--rows {n}: a call's rows gathered on the host"] = n * (row_bytes + 8) + 4 * n * 8
+    return needed
+
+
+def path_count(modes: tuple[str, ...], cuda: bool, nvfp4: bool) -> int:
+    """How many paths the bench times side by side (``runner._contenders``, ``runner._open``): the
+    anchor, vLLM's pinned-host copy on a GPU and the seeds' gather (none for an NVFP4 table), each
+    mode, and a GPU mode's kernel-only view."""
+    kernel_only = sum(1 for m in modes if m in ("ats", "registered")) if cuda else 0
+    return len(modes) + kernel_only + (0 if nvfp4 else 2 + cuda)
+
+
+# What the bench's child process under --memory-limit holds before it reads a row (keyed by CUDA or
+# not): the interpreter, numpy, torch and ple-um imported (about 0.3 GiB of anonymous memory with
+# torch 2.14 on x86-64; their libraries' pages are in the page cache already, charged to whoever read
+# them first), and a CUDA context's host memory where it runs on a GPU.
+CHILD_BASE_BYTES = {False: 320 << 20, True: 512 << 20}
+
+
+def child_memory(rows: tuple[int, ...], row_bytes: int, repeats: int, cuda: bool) -> dict:
+    """Bytes the bench under a memory limit holds besides the table, by kind of memory: the parent
+    (RUN_OVERHEAD_BYTES) and its child, whose lookups of every batch size are open at once (ids and
+    an output each, on the device), one batch size's ids drawn ahead (``repeats`` sets, on the host)
+    and a call's rows gathered on the host."""
+    n = max(rows)
+    host = {
+        "the run itself": RUN_OVERHEAD_BYTES,
+        "the child process itself": CHILD_BASE_BYTES[cuda],
+        f"--rows {n}: the ids drawn ahead ({repeats} calls)": repeats * n * 8,
+        f"--rows {n}: a call's rows gathered on the host": n * (row_bytes + 8) + 4 * n * 8,
+    }
+    device = {f"--rows {','.join(map(str, rows))}: the ids and outputs": sum(rows) * (8 + row_bytes)}
+    if cuda:
+        return {"host": host, "gpu": device}
+    host.update(device)
+    return {"host": host, "gpu": {}}
+
+
+def serving_memory(table_bytes: int, sizes: tuple[int, ...], row_bytes: int, limited: bool) -> dict:
+    """Bytes the serving loop holds, by kind of memory: on the GPU the resident table's copy, the id
+    pools (``serving.POOL_STEPS`` batches of every lookup), the lookups' outputs and the GPU work's
+    matrices; on the host the run itself, and its child process under --memory-limit."""
+    from ple_um.bench import serving
+
+    host = {"the run itself": RUN_OVERHEAD_BYTES}
+    if limited:
+        host["the child process under --memory-limit"] = CHILD_BASE_BYTES[True]
+    gpu = {
+        "the resident table's copy (device mode)": table_bytes,
+        "the id pools and the lookups' outputs": sum(sizes) * (serving.POOL_STEPS * 8 + 8 + 2 * row_bytes),
+        "the GPU work's matrices": 3 * serving.MATMUL_SIZE**2 * 2,
+    }
+    return {"host": host, "gpu": gpu}
+
+
+def check_limits(
+    limits: tuple[int, ...], rows: tuple[int, ...], row_bytes: int, repeats: int, cuda: bool
+) -> None:
+    """Refuse (BenchRefused) a memory limit that cannot hold the child process itself before it
+    holds a row of the table: its run would be killed, or measure nothing of the table."""
+    needed = child_memory(rows, row_bytes, repeats, cuda)["host"]
+    needed.pop("the run itself")
+    floor = sum(needed.values())
+    small = [x for x in limits if x < floor]
+    if small:
+        held = ", ".join(f"{name} {format_bytes(n)}" for name, n in needed.items())
+        raise BenchRefused(
+            f"--memory-limit {','.join(format_bytes(x) for x in small)}: less than the child process "
+            f"holds before it holds a row of the table ({format_bytes(floor)}: {held}): give at least "
+            f"{format_bytes(floor)} (and room for the table's rows), or smaller --rows"
+        )
+
+
 def check_memory(needed: dict, host_available: int, gpu_free: int | None) -> None:
     """Refuse (BenchRefused) a run whose peak, from ``memory_needed``, is over the memory free."""
     for kind, available, what in (
@@ -178,7 +264,7 @@ def check_memory(needed: dict, host_available: int, gpu_free: int | None) -> Non
         held = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items())
         raise BenchRefused(
             f"the run would hold {format_bytes(total)} of {kind} memory ({held}), more than "
-            f"{what} ({format_bytes(available)}): give a smaller --size (or fewer --modes)"
+            f"{what} ({format_bytes(available)}): give a smaller --size or --rows (or fewer --modes)"
         )
 
 

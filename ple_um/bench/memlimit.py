@@ -16,11 +16,16 @@ processes), ``MemoryLimit.open`` returns a limit that is not enforced and says w
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import signal
+import time
 from dataclasses import dataclass, field
 
 PROC_MOUNTINFO = "/proc/self/mountinfo"
 PROC_CGROUP = "/proc/self/cgroup"
+# How long ``close`` waits for the processes of a group to leave it (a killed child's exit).
+RMDIR_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -171,15 +176,43 @@ class MemoryLimit:
     def describe(self) -> str:
         return self.how if self.enforced else f"not enforced: {self.why}"
 
-    def close(self) -> None:
-        """Remove the group (after its processes have exited); idempotent."""
+    def pids(self) -> list[int]:
+        """The processes in the group now (its ``cgroup.procs``; none where there is no group)."""
+        text = _read(os.path.join(self.group, "cgroup.procs")) if self.group is not None else None
+        return [int(x) for x in (text or "").split() if x.isdigit()]
+
+    def kill(self) -> None:
+        """SIGKILL every process in the group: the child and whatever it started (an interrupted
+        run's; every process in the group is the bench's own)."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def close(self, wait_s: float = RMDIR_WAIT_S) -> None:
+        """Remove the group once its processes have exited (the kernel refuses, EBUSY, while a
+        process killed a moment ago is still leaving it: tried again for up to ``wait_s``);
+        idempotent. OSError naming the group where it still cannot be removed."""
         if self._procs_fd is not None:
             os.close(self._procs_fd)
             self._procs_fd = None
-        if self.group is not None:
-            with contextlib.suppress(FileNotFoundError):
+        if self.group is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
                 os.rmdir(self.group)
-            self.group = None
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+                    raise OSError(
+                        exc.errno,
+                        f"cannot remove the cgroup {self.group} ({exc.strerror}): rmdir it "
+                        "once its processes have exited",
+                    ) from None
+                time.sleep(0.05)
+        self.group = None
 
     def __enter__(self) -> MemoryLimit:
         return self

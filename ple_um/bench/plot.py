@@ -152,3 +152,49 @@ def plot_limits(result: dict, path: str) -> None:
         write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
     finally:
         plt.close(fig)
+
+
+def plot_serving(result: dict, path: str) -> None:
+    """The serving loop: grouped bars, a group per GPU work and id distribution, a bar per
+    configuration (median step time, the p10-p90 spread as its whisker), each bar labelled with
+    its ratio to the resident table's step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ple_um.bench.serving_report import columns
+
+    names = columns(result)
+    groups = [(ms, dist, rows) for ms, by_dist in result["steps"].items() for dist, rows in by_dist.items()]
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * max(1, len(names)) ** 0.5 + 3), 5))
+    fixed = {"no PLE": "0.6", "resident": "black"}
+    for j, name in enumerate(names):
+        xs, ys, low, high = [], [], [], []
+        for i, (_, _, rows) in enumerate(groups):
+            row = rows.get(name)
+            if row is None:
+                continue
+            xs.append(i + (j - (len(names) - 1) / 2) * width)
+            ys.append(row["median_us"] / 1e3)
+            low.append((row["median_us"] - row["p10_us"]) / 1e3)
+            high.append((row["p90_us"] - row["median_us"]) / 1e3)
+        bars = ax.bar(xs, ys, width, yerr=[low, high], capsize=2, label=name, color=fixed.get(name))
+        ratios = [rows[name].get("vs_resident") for _, _, rows in groups if name in rows]
+        labels = [f"{r:.2f}x" if r is not None and name != "resident" else "" for r in ratios]
+        ax.bar_label(bars, labels=labels, fontsize="x-small", padding=2)
+    ax.set_xticks(range(len(groups)), [f"{ms} ms GPU work\n{dist}" for ms, dist, _ in groups])
+    ax.set_ylabel("step time, median (ms)")
+    t = result["table"]
+    ax.set_title(
+        f"{result['device']}: serving loop, {format_bytes(t['bytes'])} table (labels: x the resident step)"
+    )
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left")
+    fig.tight_layout()
+    fmt = plot_format(path)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
+    finally:
+        plt.close(fig)

@@ -4,9 +4,10 @@ and -v, and checks its arguments and the environment knobs it reads before it st
 Exit codes: 0 done; 1 the checkpoint is invalid or cannot be read, or an output cannot be written;
 2 bad arguments (the command line, an environment knob, a mode forced where it cannot work);
 3 refused, nothing done (prewarm: larger than the memory it may fill; bench: a table larger than
-the free disk or the file-size limit, a run larger than the memory); 130 interrupted; 141 stdout
-was closed early (``| head``), quietly. Errors are one line ``ple-um VERB: error: ...`` on stderr,
-or ``{"error": ...}`` on stdout under --json.
+the free disk or the file-size limit, a run larger than the memory, a memory limit smaller than its
+child process); 4 the run could not measure what was asked (its figures are written, the error says
+what is missing); 130 interrupted; 141 stdout was closed early (``| head``), quietly. Errors are one
+line ``ple-um VERB: error: ...`` on stderr, or ``{"error": ...}`` on stdout under --json.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ple_um.cli import bench, checkpoint, machine
 from ple_um.cli.arguments import Parser, sub_parser_class
 from ple_um.cli.output import (
     EXIT_BROKEN_PIPE,
+    EXIT_INCOMPLETE,
     EXIT_INTERRUPTED,
     EXIT_INVALID,
     EXIT_OK,
@@ -29,9 +31,11 @@ from ple_um.cli.output import (
     OutputError,
     report,
 )
+from ple_um.version import __version__
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
+    "EXIT_INCOMPLETE",
     "EXIT_INTERRUPTED",
     "EXIT_INVALID",
     "EXIT_OK",
@@ -45,6 +49,7 @@ __all__ = [
 def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     p = Parser(prog="ple-um", description=__doc__, json_errors=json_errors)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (also after the verb)")
+    p.add_argument("--version", action="version", version=f"ple-um {__version__}")
     sub = p.add_subparsers(dest="verb", required=True, parser_class=sub_parser_class(json_errors))
     bench.add_parser(sub)
     machine.add_parsers(sub)

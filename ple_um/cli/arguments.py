@@ -42,6 +42,18 @@ class Parser(argparse.ArgumentParser):
         hint = "" if self.json_errors else f" (see {self.prog} --help)"
         raise SystemExit(report(verb, self.json_errors, message + hint, EXIT_USAGE))
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but arguments no parser took are refused naming the verb they followed
+        (argparse reports them from the top parser, which knows no verb)."""
+        found, extras = self.parse_known_args(args, namespace)
+        if extras:
+            verb = getattr(found, "verb", None)
+            prog = f"{self.prog} {verb}" if verb else self.prog
+            hint = "" if self.json_errors else f" (see {prog} --help)"
+            message = f"unrecognized arguments: {' '.join(extras)}{hint}"
+            raise SystemExit(report(verb, self.json_errors, message, EXIT_USAGE))
+        return found
+
 
 def sub_parser_class(json_errors: bool):
     return partial(Parser, json_errors=json_errors)
@@ -117,6 +129,22 @@ def seconds(text: str) -> float:
     return value
 
 
+def milliseconds(text: str) -> tuple[float, ...]:
+    """Durations in milliseconds, comma-separated, each above 0 and at most 10 s."""
+    found = []
+    for item in items(text):
+        try:
+            value = float(item)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= 10000:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"expected milliseconds above 0 and at most 10000, got {item!r}")
+        found.append(value)
+    if not found:
+        raise argparse.ArgumentTypeError("no durations given")
+    return tuple(found)
+
+
 def modes(text: str) -> tuple[str, ...]:
     """Access modes, any case (as PLE_UM_MODE takes them)."""
     found = tuple(m.lower() for m in items(text))
@@ -181,16 +209,23 @@ def checkpoint_dir(path: str) -> str:
 
 def one_layer(path: str, layer: int | None) -> None:
     """For the verbs that serve one layer: where --layer is missing and the checkpoint has several,
-    CliError (exit 2) naming them and the flag (the library's message names its ``layer=``)."""
+    or --layer names one it does not have, CliError (exit 2) naming the layers it has and the flag
+    (the library's message names its ``layer=``)."""
     from ple_um.checkpoint import find_layers
     from ple_um.errors import CheckpointError
 
-    if layer is not None:
-        return
     try:
         layers = find_layers(os.path.abspath(path))
     except CheckpointError:
         return  # the verb reports why the checkpoint cannot be read
+    if layer is not None:
+        if layers and layer not in layers:
+            found = ", ".join(map(str, layers))
+            raise CliError(
+                f"--layer {layer}: no PLE shards of layer {layer} in {path}; layers with shards: {found}",
+                EXIT_USAGE,
+            )
+        return
     if len(layers) >= 2:
         found = ", ".join(map(str, layers))
         raise CliError(

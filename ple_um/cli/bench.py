@@ -10,6 +10,7 @@ import sys
 
 from ple_um.cli import arguments as a
 from ple_um.cli.output import (
+    EXIT_INCOMPLETE,
     EXIT_INVALID,
     EXIT_OK,
     EXIT_REFUSED,
@@ -63,7 +64,12 @@ def add_parser(sub) -> None:
         "hashed onto rows), trace[:FILE] (real traffic: the shipped sample or FILE, replayed as decode "
         "steps and prefill chunks; docs/TRAFFIC.md), e.g. uniform,zipf:1.1,trace",
     )
-    b.add_argument("--repeats", type=a.positive, default=20, help="timed calls per measurement")
+    b.add_argument(
+        "--repeats",
+        type=a.positive,
+        default=None,
+        help="timed calls per measurement (default 20; with --serving: timed steps per figure, default 50)",
+    )
     b.add_argument(
         "--rounds",
         type=a.positive,
@@ -89,6 +95,13 @@ def add_parser(sub) -> None:
         help="write a plot of the lookup times to FILE, its format from the extension: .png, .pdf, .svg, ... "
         "(pip install 'ple-um[plot]')",
     )
+    _add_steady_options(b)
+    b.add_argument("--quiet", action="store_true", help="progress lines to stderr")
+    b.set_defaults(func=run, knobs=None)
+
+
+def _add_steady_options(b) -> None:
+    """The options of the bench's steady states: under memory limits, and the serving loop."""
     b.add_argument(
         "--memory-limit",
         type=a.sizes,
@@ -104,11 +117,27 @@ def add_parser(sub) -> None:
         type=a.seconds,
         default=None,
         metavar="SECONDS",
-        help="with --memory-limit: seconds of lookups before the steady state is timed, so that the row "
-        "cache and the page cache fill as a server's would (default 5; at least 10 calls)",
+        help="with --memory-limit or --serving: seconds of lookups (of steps) before the steady state is "
+        "timed, so that the row cache and the page cache fill as a server's would (default 5; at least 10 "
+        "calls)",
     )
-    b.add_argument("--quiet", action="store_true", help="progress lines to stderr")
-    b.set_defaults(func=run, knobs=None)
+    b.add_argument(
+        "--serving",
+        action="store_true",
+        help="the serving loop (needs a CUDA device): a decode step of fixed GPU work (--step-ms) whose "
+        "lookups (64 tokens x 16 rows, and a prefill chunk of 2048 tokens x 16 rows, fresh ids every step) "
+        "are forked onto a side stream at its start and joined at its end, the whole step one CUDA graph; "
+        "each step time against the same loop with the table resident in GPU memory and with no lookup, "
+        "with the row cache's hit rates; with --memory-limit also under each limit. --modes picks the "
+        "modes served (default cpu); --plot draws grouped bars",
+    )
+    b.add_argument(
+        "--step-ms",
+        type=a.milliseconds,
+        default=None,
+        metavar="MS[,MS...]",
+        help="with --serving: the GPU work of a step in milliseconds, a figure each (default 5,20,50)",
+    )
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -135,12 +164,14 @@ def _check_table(args: argparse.Namespace):
     from ple_um.checkpoint import read_layout
     from ple_um.errors import CheckpointError
 
-    if args.warmup is not None and not args.memory_limit:
-        raise CliError("--warmup times the steady state of --memory-limit: give it too", EXIT_USAGE)
-    if args.memory_limit and args.modes and not set(args.modes) & {"cpu", "ats"}:
+    if args.warmup is not None and not (args.memory_limit or args.serving):
+        raise CliError("--warmup times the steady state of --memory-limit or --serving: give one", EXIT_USAGE)
+    _check_serving(args)
+    held = [m for m in args.modes or () if m not in ("cpu", "ats")]
+    if args.memory_limit and held:
         raise CliError(
             f"--memory-limit runs only the modes that read the table where it lies (cpu, ats): --modes "
-            f"{','.join(args.modes)} holds it in memory",
+            f"{','.join(held)} holds it in memory",
             EXIT_USAGE,
         )
     if args.dir is not None:
@@ -165,14 +196,50 @@ def _check_table(args: argparse.Namespace):
     return None
 
 
+def _check_serving(args: argparse.Namespace) -> None:
+    """The options that belong to --serving alone, and those it does not take."""
+    if not args.serving:
+        if args.step_ms is not None:
+            raise CliError("--step-ms sets the GPU work of --serving's steps: give --serving too", EXIT_USAGE)
+        return
+    for flag, given in (("--rows", args.rows), ("--processes", args.processes)):
+        if given:
+            raise CliError(
+                f"{flag} is not a --serving option: the serving loop's lookups are a decode step's and a "
+                "prefill chunk's, in one process (and a child per --memory-limit)",
+                EXIT_USAGE,
+            )
+
+
+def _check_modes(args: argparse.Namespace, device, table_bytes: int) -> None:
+    """Every mode --modes names must run here: one that cannot would measure nothing (exit 2,
+    naming it, why, and the modes this machine can run)."""
+    from ple_um.access.capabilities import read_capabilities
+    from ple_um.access.probe import ALL_MODES, pin_budget, reason_if_unsatisfied
+
+    if not args.modes:
+        return
+    caps = read_capabilities(device)
+    # Under --memory-limit the table is never pinned: the pin budget does not apply.
+    size, budget = (None, None) if args.memory_limit else (table_bytes, pin_budget())
+    why = {m: reason_if_unsatisfied(m, caps, size, budget) for m in ALL_MODES}
+    refused = [f"{m} ({why[m]})" for m in args.modes if why[m] is not None]
+    if refused:
+        usable = ", ".join(m for m in ALL_MODES if why[m] is None)
+        raise CliError(
+            f"--modes: this machine cannot run {'; '.join(refused)}; it can run: {usable}", EXIT_USAGE
+        )
+
+
 def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
-    """The device, a mode forced by PLE_UM_MODE, the disk for a table to write, the memory."""
+    """The device, a mode forced by PLE_UM_MODE, the modes asked for, the disk for a table to
+    write, the memory (the table's copies and the largest batch's buffers)."""
     import torch
 
     import ple_um
     from ple_um.access.capabilities import resolve_device
     from ple_um.access.probe import mem_available
-    from ple_um.bench import config
+    from ple_um.bench import config, serving
 
     try:
         device = resolve_device(args.device)
@@ -180,16 +247,34 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
         raise CliError(f"--device: {exc}", EXIT_USAGE) from None
     table_bytes = layout.nbytes if layout is not None else (cfg.size // cfg.row_bytes) * cfg.row_bytes
     ple_um.probe(device, table_bytes=table_bytes)  # ModeUnavailableError: a mode forced where it cannot work
+    _check_modes(args, device, table_bytes)
     cuda = device.type == "cuda"
-    modes = cfg.modes or (a.MODES if cuda else ("cpu",))
+    if args.serving and not cuda:
+        raise CliError(
+            f"--serving times a decode loop captured in CUDA graphs: {device} is not a CUDA device"
+            + ("" if torch.cuda.is_available() else " (torch.cuda.is_available() is False)"),
+            EXIT_USAGE,
+        )
+    row_bytes = layout.row_bytes if layout is not None else cfg.row_bytes
     nvfp4 = layout is not None and layout.is_nvfp4
-    needed = config.memory_needed(table_bytes, cuda, modes, nvfp4=nvfp4, processes=cfg.processes)
     gpu_free = torch.cuda.mem_get_info(device)[0] if cuda else None
     try:
         if layout is None:
             config.check_disk(cfg)
-        if not args.memory_limit:  # the bench under a limit holds no copy of the table
-            config.check_memory(needed, mem_available(), gpu_free)
+        if args.serving:
+            sizes = (cfg.decode_tokens * cfg.heads, cfg.prefill_tokens * cfg.heads)
+            if args.memory_limit:
+                config.check_limits(args.memory_limit, sizes, row_bytes, serving.POOL_STEPS, cuda)
+            needed = config.serving_memory(table_bytes, sizes, row_bytes, bool(args.memory_limit))
+        elif args.memory_limit:  # the bench under a limit holds no copy of the table: its child's batches
+            config.check_limits(args.memory_limit, cfg.rows, row_bytes, cfg.repeats, cuda)
+            needed = config.child_memory(cfg.rows, row_bytes, cfg.repeats, cuda)
+        else:
+            modes = cfg.modes or (a.MODES if cuda else ("cpu",))
+            needed = config.memory_needed(table_bytes, cuda, modes, nvfp4=nvfp4, processes=cfg.processes)
+            paths = config.path_count(modes, cuda, nvfp4)
+            config.add_batches(needed, cfg.rows, row_bytes, cfg.repeats + cfg.warmup, paths, cuda)
+        config.check_memory(needed, mem_available(), gpu_free)
     except config.BenchRefused as exc:
         raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
 
@@ -197,6 +282,7 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
 def _config(args: argparse.Namespace, argv: list[str] | None):
     from ple_um.bench.cold import COLD_ROWS
     from ple_um.bench.config import DEFAULT_ROWS, Config
+    from ple_um.bench.serving_run import STEPS
 
     rows = args.rows or (COLD_ROWS if args.memory_limit else DEFAULT_ROWS)
     return Config(
@@ -209,7 +295,7 @@ def _config(args: argparse.Namespace, argv: list[str] | None):
         modes=args.modes,
         ids=args.ids,
         ids_text=getattr(args.ids, "text", None),
-        repeats=args.repeats,
+        repeats=args.repeats or (STEPS if args.serving else 20),
         rounds=args.rounds,
         device=args.device,
         processes=args.processes,
@@ -234,7 +320,7 @@ def _write(args: argparse.Namespace, result: dict, plot, say) -> None:
         for line in written:
             say(line)
         raise CliError(f"the results could not be written: {exc}", EXIT_INVALID, results=result) from None
-    if args.json:
+    if args.json and not unmeasured(result, args.modes):  # else the error's object carries them
         emit_json(result)
     for line in written or [
         "results: not written to a file (--json-file PATH writes them, --plot FILE plots them)"
@@ -253,7 +339,15 @@ def run(args: argparse.Namespace) -> int:
     say = to_stderr if args.json else emit
     log = to_stderr if args.quiet or args.json else emit
     try:
-        if args.memory_limit:
+        if args.serving:
+            from ple_um.bench import plot, serving_report, serving_run
+
+            warmup = serving_run.WARMUP_S if args.warmup is None else args.warmup
+            step_ms = args.step_ms or serving_run.STEP_MS
+            result = serving_run.run(cfg, step_ms, args.memory_limit or (), log=log, warmup_s=warmup)
+            say(serving_report.format_serving(result))
+            _write(args, result, plot.plot_serving, say)
+        elif args.memory_limit:
             from ple_um.bench import cold, cold_report, plot
 
             warmup = cold.WARMUP_S if args.warmup is None else args.warmup
@@ -268,4 +362,31 @@ def run(args: argparse.Namespace) -> int:
             _write(args, result, lambda r, path: plot.plot(r, cfg.rows, path), say)
     except CheckpointError as exc:  # the directory's table (the synthetic one is written valid)
         raise CliError(str(exc), EXIT_INVALID) from None
+    missing = unmeasured(result, args.modes)
+    if missing:
+        raise CliError(
+            "the run could not measure what was asked: " + "; ".join(missing), EXIT_INCOMPLETE, results=result
+        )
     return EXIT_OK
+
+
+def unmeasured(result: dict, modes: tuple[str, ...] | None) -> list[str]:
+    """What a finished run was asked for and has no figures of, each with why: a mode named by
+    --modes that was skipped, a memory limit whose child gave no figures, a mode its child skipped."""
+    missing = []
+    for name, entry in result.get("lookup", {}).items():
+        if modes and name.removeprefix("ple-um ") in modes and "skipped" in entry:
+            missing.append(f"{name}: {entry['skipped']}")
+    for name, entry in result.get("configs", {}).items():  # the serving loop's
+        if "skipped" in entry:
+            missing.append(f"{name}: {entry['skipped']}")
+    for mode, why in result.get("left_out", {}).items():
+        missing.append(f"ple-um {mode}: {why}")
+    for entry in result.get("limits", {}).values():
+        where = f"under {entry['how']}"
+        if "failed" in entry:
+            missing.append(f"{where}: {entry['failed']}")
+        for mode, runs in entry.get("modes", {}).items():
+            if "skipped" in runs:
+                missing.append(f"ple-um {mode} {where}: {runs['skipped']}")
+    return missing

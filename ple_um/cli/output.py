@@ -18,6 +18,9 @@ EXIT_USAGE = 2
 # Refused: the work would not fit (prewarm: more than the memory it may fill; bench: a table larger
 # than the free disk or the file-size limit, a run larger than the memory).
 EXIT_REFUSED = 3
+# The run could not measure what was asked (a mode asked for that failed to open, a memory limit
+# whose child gave no figures): the figures it did take are written, and the error says what is missing.
+EXIT_INCOMPLETE = 4
 # An interrupt (Ctrl-C), as a shell reports a command killed by SIGINT.
 EXIT_INTERRUPTED = 130
 # What a shell reports for a command killed by SIGPIPE (Python ignores the signal and raises instead).

@@ -66,7 +66,7 @@ BENCH_REFUSALS = [
         ["--memory-limit", "lots"],
         "argument --memory-limit: expected a byte count with an optional binary suffix",
     ),
-    (["--warmup", "5"], "--warmup times the steady state of --memory-limit: give it too"),
+    (["--warmup", "5"], "--warmup times the steady state of --memory-limit or --serving: give one"),
     (
         ["--memory-limit", "1GiB", "--warmup", "-1"],
         "argument --warmup: expected seconds from 0 to 86400, got '-1'",

@@ -1,0 +1,265 @@
+"""The serving loop's run (``ple-um bench --serving``): every configuration at every step time and
+id distribution, and the same loop under each ``--memory-limit`` in a child process held to it.
+
+Configurations, each timed on the same steps (``bench/serving.py``):
+- ``no PLE``: the GPU work alone, what the step costs without any lookup;
+- ``resident``: the lookups from the table copied into GPU memory (the ``device`` mode);
+- each mode asked for (``cpu`` unless ``--modes`` says), the table served where it lies;
+- ``<mode> under <limit>``: that mode in a child process in a memory cgroup of that size
+  (``bench/memlimit.py``; its pages dropped before it opens the table), its GPU work the same
+  number of matmuls as the parent's calibration chose;
+- ``lookups alone, <mode>``: the step's lookups with no GPU work, once per id distribution.
+
+Run as ``python -m ple_um.bench.serving_run``: a request as JSON on stdin, the figures as JSON on
+stdout (the child under a limit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+import ple_um
+from ple_um.access.capabilities import resolve_device
+from ple_um.bench import serving
+from ple_um.bench.config import Config, default_table
+from ple_um.bench.ids import parse_ids
+from ple_um.bench.runner import run_header
+from ple_um.checkpoint import read_layout
+from ple_um.mapping import MappedShards
+from ple_um.operating import resident_rows
+from ple_um.units import format_bytes
+
+STEP_MS = (5.0, 20.0, 50.0)
+PREFILL_TOKENS = 2048
+WARMUP_S = 5.0
+# Timed steps of each figure when --repeats is not given.
+STEPS = 50
+NO_PLE, RESIDENT = "no PLE", "resident"
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def lookup_sizes(request: dict) -> dict[str, int]:
+    """The step's lookups: ids of a decode step and of a prefill chunk (none when 0 tokens)."""
+    heads = request["heads"]
+    sizes = {"decode": request["decode_tokens"] * heads, "prefill": request["prefill_tokens"] * heads}
+    return {name: n for name, n in sizes.items() if n > 0}
+
+
+def calibrate(work: serving.GpuWork, step_ms, device, log) -> dict:
+    """Matmuls per step for each target: from the time of one matmul (eager, after a warm-up), then
+    corrected once by the captured step's own median (``serving.refine``)."""
+    cuda = device.type == "cuda"
+    for _ in range(3):
+        work.run(10)
+    pool = serving.IdPool(None, 1, {}, serving.POOL_STEPS, device, None)
+    timed = serving.time_steps(serving.ServingStep(None, {}, 1, torch.uint8, work, 10, device), pool, 10)
+    per = float(np.median(timed)) / 10
+    counts = {}
+    for ms in step_ms:
+        count = serving.matmuls_for(ms / 1e3, per)
+        step = serving.ServingStep(None, {}, 1, torch.uint8, work, count, device)
+        measured = float(np.median(serving.time_steps(step, pool, 5 if cuda else 3)))
+        counts[f"{ms:g}"] = serving.refine(count, ms / 1e3, measured)
+        log(f"GPU work of {ms:g} ms: {counts[f'{ms:g}']} matmuls of {work.size}x{work.size} bf16")
+    return {"matmul_size": work.size, "matmul_us": per * 1e6, "matmuls": counts}
+
+
+def _configs(request: dict) -> list[tuple[str, str | None, bool]]:
+    """(name, the mode its table opens in or None, whether its steps run the GPU work)."""
+    found: list[tuple[str, str | None, bool]] = []
+    if request.get("baselines"):
+        found += [(NO_PLE, None, True), (RESIDENT, "device", True)]
+    suffix = f" under {request['limit_name']}" if request.get("limit_name") else ""
+    for mode in request["modes"]:
+        found.append((f"{mode}{suffix}", mode, True))
+        if request.get("baselines"):
+            found.append((f"lookups alone, {mode}", mode, False))
+    return found
+
+
+def _open(layout, mode: str | None, device):
+    if mode is None:
+        return None
+    return ple_um.open_table(layout.directory, layer=layout.layer, mode=mode, device=device)
+
+
+def _config(name, mode, with_work, layout, request, work, counts, probe, device, result, log) -> None:
+    """One configuration at every step time (one figure without GPU work) and id distribution."""
+    rng = np.random.default_rng(request["seed"])
+    try:
+        table = _open(layout, mode, device)
+    except Exception as exc:  # noqa: BLE001 - a configuration this machine cannot run is reported
+        result["configs"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+        log(f"{name}: skipped ({exc})")
+        return
+    try:
+        entry = result["configs"][name] = {"mode": mode}
+        if table is not None:
+            entry.update(
+                capture_safe=table.capture_safe, row_cache=table.stats().get("row_cache") is not None
+            )
+        sizes = lookup_sizes(request) if table is not None else {}
+        dtype = torch.bfloat16 if layout.is_nvfp4 else layout.dtype
+        resident = (lambda ids: resident_rows(probe, ids)) if table is not None and mode != "device" else None
+        for ms in request["step_ms"] if with_work else ["0"]:
+            matmuls = counts[f"{float(ms):g}"] if with_work else 0
+            for dist in parse_ids(request["ids"]):
+                pool = serving.IdPool(dist, layout.num_rows, sizes, serving.POOL_STEPS, device, rng)
+                step = serving.ServingStep(table, sizes, layout.row_dim, dtype, work, matmuls, device)
+                row = serving.measure(step, pool, request["steps"], request["warmup_s"], resident)
+                where = (
+                    result["lookups_alone"]
+                    if not with_work
+                    else result["steps"].setdefault(f"{float(ms):g}", {})
+                )
+                where.setdefault(dist.name, {})[name] = row
+                log(
+                    f"{name}, {f'{float(ms):g} ms' if with_work else 'no GPU work'}, {dist.name}: "
+                    f"{row['median_us'] / 1e3:.2f} ms"
+                )
+                del step, pool
+    finally:
+        if table is not None:
+            table.close()
+
+
+def serve(request: dict, log: Callable[[str], None] = _say) -> dict:
+    """Every configuration of ``request`` in this process: {"calibration", "configs", "steps":
+    {ms: {dist: {config: figure}}}, "lookups_alone": {dist: {config: figure}}}."""
+    device = torch.device(request["device"])
+    layout = read_layout(request["directory"], request["layer"])
+    size = serving.MATMUL_SIZE if device.type == "cuda" else serving.CPU_MATMUL_SIZE
+    work = serving.GpuWork(request.get("matmul_size") or size, device, request["seed"])
+    out: dict = {"configs": {}, "steps": {}, "lookups_alone": {}}
+    if request.get("matmuls"):
+        out["calibration"] = {"matmul_size": work.size, "matmuls": request["matmuls"]}
+    else:
+        out["calibration"] = calibrate(work, request["step_ms"], device, log)
+    counts = out["calibration"]["matmuls"]
+    if request.get("drop_pages"):  # a run under a limit grows its steady state from nothing
+        from ple_um.bench.cold_child import drop_table_pages
+
+        drop_table_pages(list(layout.files))
+    with MappedShards(layout) as probe:
+        for name, mode, with_work in _configs(request):
+            _config(name, mode, with_work, layout, request, work, counts, probe, device, out, log)
+    del work
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def request_for(cfg: Config, layout, device: torch.device, step_ms, warmup_s: float, modes) -> dict:
+    return {
+        "directory": layout.directory,
+        "layer": layout.layer,
+        "device": str(device),
+        "modes": list(modes),
+        "step_ms": [float(ms) for ms in step_ms],
+        "ids": cfg.ids_text or ",".join(dist.name for dist in cfg.ids),
+        "decode_tokens": cfg.decode_tokens,
+        "prefill_tokens": cfg.prefill_tokens,
+        "heads": cfg.heads,
+        "steps": cfg.repeats,
+        "warmup_s": warmup_s,
+        "seed": cfg.seed,
+        "baselines": True,
+    }
+
+
+def run(
+    cfg: Config,
+    step_ms=STEP_MS,
+    limits: tuple[int, ...] = (),
+    log: Callable[[str], None] = print,
+    *,
+    warmup_s: float = WARMUP_S,
+    hierarchy=None,
+) -> dict:
+    """The serving loop's figures: this process's configurations, then each limit's in a child."""
+    from ple_um.bench.cold import run_limited
+
+    device = resolve_device(cfg.device)
+    layout = read_layout(cfg.directory or default_table(cfg), cfg.layer)
+    modes = cfg.modes or ("cpu",)
+    request = request_for(cfg, layout, device, step_ms, warmup_s, modes)
+    result = {**run_header(cfg, layout, device), "kind": "serving", "ids": {}}
+    result["ids"] = {dist.name: dist.describe() for dist in cfg.ids}
+    result["method"] = method(request, device)
+    log(f"table: {format_bytes(layout.nbytes)} in {layout.parts} shards ({layout.directory})")
+    result.update(serve(request, log))
+    result["limits"] = {}
+    for k, limit in enumerate(limits):
+        child = {**request, "baselines": False, "drop_pages": True, "limit_name": format_bytes(limit)}
+        child["matmuls"], child["matmul_size"] = (
+            result["calibration"]["matmuls"],
+            result["calibration"]["matmul_size"],
+        )
+        name = f"ple-um-bench-{os.getpid()}-serving-{k}"
+        entry = run_limited(limit, name, hierarchy, child, log, "ple_um.bench.serving_run")
+        merge(result, entry)
+        result["limits"][str(limit)] = entry
+    ratios(result)
+    return result
+
+
+def merge(result: dict, child: dict) -> None:
+    """A child's configurations and figures moved into ``result`` (the child's entry keeps the
+    limit's own fields: bytes, how, peak, or why it failed)."""
+    result["configs"].update(child.pop("configs", {}))
+    for ms, by_dist in child.pop("steps", {}).items():
+        for dist, rows in by_dist.items():
+            result["steps"].setdefault(ms, {}).setdefault(dist, {}).update(rows)
+    for dist, rows in child.pop("lookups_alone", {}).items():
+        result["lookups_alone"].setdefault(dist, {}).update(rows)
+    child.pop("calibration", None)
+
+
+def method(request: dict, device: torch.device) -> dict:
+    sizes = lookup_sizes(request)
+    cuda = device.type == "cuda"
+    return {
+        "step": "a chain of bf16 matmuls (the GPU work) on the step's stream; the step's lookups "
+        "forked onto a side stream at its start and joined at its end",
+        "lookups": {
+            name: {"ids": n, "tokens": n // request["heads"], "rows_per_token": request["heads"]}
+            for name, n in sizes.items()
+        },
+        "timing": "the whole step captured in one CUDA graph, replays queued back to back, CUDA "
+        "events around each"
+        if cuda
+        else "eager steps, perf_counter (no CUDA: plumbing only)",
+        "ids": "fresh every step: a pool of id batches drawn ahead, each step's copied into the "
+        "graph's static inputs before its replay",
+        "timed_steps": request["steps"],
+        "warmup_s": request["warmup_s"],
+        "step_ms": request["step_ms"],
+    }
+
+
+def ratios(result: dict) -> None:
+    """Each figure's median over the same step's ``resident`` and ``no PLE`` medians, where those ran."""
+    for by_dist in result["steps"].values():
+        for rows in by_dist.values():
+            for name, row in rows.items():
+                for base, key in ((RESIDENT, "vs_resident"), (NO_PLE, "vs_no_ple")):
+                    if base in rows and name != base:
+                        row[key] = row["median_us"] / rows[base]["median_us"]
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    json.dump(serve(request), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""`ple-um bench`'s sharp edges: a run whose batches would not fit the memory refused up front, a
+memory limit too small for its child refused, a mode this machine cannot run refused, a run that
+could not measure what was asked exits 4 with its figures, Ctrl-C under --memory-limit leaves
+nothing behind (cgroup, child processes, partial files) and exits 130; and the CLI's own: the verb
+named in every argument error, --version, a --layer the checkpoint lacks exits 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers.cli import REPO, run, run_json, two_layer_checkpoint
+
+import ple_um
+from ple_um import cli
+from ple_um.bench import config
+from ple_um.bench.memlimit import find_hierarchy
+from ple_um.cli.bench import unmeasured
+from ple_um.version import __version__
+
+SMALL = ["--size", "1MiB", "--shards", "4", "--device", "cpu"]
+
+
+def test_a_batch_larger_than_the_memory_is_refused_naming_rows(capsys, tmp_path, monkeypatch):
+    """`--rows 100000000` on a small table: the ids drawn ahead and the outputs of that batch would
+    take tens of GiB; refused (exit 3) before anything is written, naming --rows and the bytes."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    code, data = run_json(capsys, "bench", *SMALL, "--rows", "100000000")
+    assert code == cli.EXIT_REFUSED and data["refused"] is True
+    assert "--rows 100000000: the ids drawn ahead (3 paths x 23 calls)" in data["error"]
+    assert "more than MemAvailable" in data["error"] and "give a smaller --size or --rows" in data["error"]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_batches_counted_are_the_largest_batchs():
+    needed = config.add_batches(config.memory_needed(1 << 20, False, ("cpu",)), (16, 1000), 160, 23, 3, False)
+    host = needed["host"]
+    assert host["--rows 1000: the ids drawn ahead (3 paths x 23 calls)"] == 3 * 23 * 1000 * 8
+    assert host["--rows 1000: the outputs (3 paths)"] == 3 * 1000 * 160
+    assert host["--rows 1000: a call's rows gathered on the host"] == 1000 * 168 + 32 * 1000
+    on_gpu = config.add_batches(config.memory_needed(1 << 20, True, ("cpu",)), (1000,), 160, 23, 4, True)
+    assert on_gpu["gpu"]["--rows 1000: the outputs (4 paths)"] == 4 * 1000 * 160
+    assert config.path_count(("cpu",), False, False) == 3  # the anchor, ple-um cpu, the seeds
+    assert config.path_count(("ats", "registered", "cpu", "device"), True, False) == 9
+    assert config.path_count(("cpu",), True, True) == 1  # NVFP4: ple-um alone
+
+
+def test_a_memory_limit_smaller_than_its_child_is_refused(capsys, tmp_path, monkeypatch):
+    """`--memory-limit 1`: no child process fits one byte; refused (exit 3) naming the limit and
+    what the child holds, instead of a run that measures nothing and exits 0."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, err = run(capsys, "bench", *SMALL, "--memory-limit", "1,1GiB")
+    assert code == cli.EXIT_REFUSED and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith("ple-um bench: error: --memory-limit 1 B: less than the child process holds")
+    assert "the child process itself 320.00 MiB" in line
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+@pytest.mark.parametrize("extra", [[], ["--memory-limit", "1GiB"]])
+def test_a_mode_this_machine_cannot_run_is_refused(capsys, tmp_path, monkeypatch, extra):
+    """A CPU-only host (without the Triton interpreter, which makes the host a device): a mode it
+    cannot run is refused (exit 2) instead of skipped in a run that exits 0."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    modes = "cpu,ats" if extra else "device"
+    code, out, err = run(capsys, "bench", *SMALL, "--modes", modes, *extra)
+    assert code == cli.EXIT_USAGE and out == ""
+    missing = "ats" if extra else "device"
+    assert err.splitlines() == [
+        f"ple-um bench: error: --modes: this machine cannot run {missing} (no CUDA device); it can run: cpu"
+    ]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_mode_that_fails_to_open_exits_4_with_the_figures(capsys, tmp_path, monkeypatch):
+    """A mode asked for by --modes that cannot open (a failure injected at its open): the run goes
+    on, writes what it measured, and exits 4 naming what is missing; under --json the error's
+    object carries the results (stdout holds one JSON object)."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    real = ple_um.open_table
+
+    def failing(*args, **kwargs):
+        if kwargs.get("mode") == "cpu":
+            raise RuntimeError("injected open failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ple_um, "open_table", failing)
+    out = tmp_path / "b.json"
+    argv = [
+        *SMALL,
+        "--modes",
+        "cpu",
+        "--rows",
+        "16",
+        "--repeats",
+        "2",
+        "--rounds",
+        "1",
+        "--json-file",
+        str(out),
+    ]
+    code, data = run_json(capsys, "bench", *argv)
+    assert code == cli.EXIT_INCOMPLETE
+    assert data["error"] == (
+        "the run could not measure what was asked: ple-um cpu: RuntimeError: injected open failure"
+    )
+    assert data["results"]["lookup"]["ple-um cpu"] == {"skipped": "RuntimeError: injected open failure"}
+    assert json.loads(out.read_text()) == data["results"]
+    assert "16" in data["results"]["lookup"]["torch index_select"]["uniform"]
+
+
+def test_unmeasured_names_every_failure_of_a_limited_run():
+    result = {
+        "limits": {
+            "1": {"how": "cgroup v2 /g1", "failed": "the child was killed (SIGKILL)"},
+            "2": {"how": "cgroup v2 /g2", "modes": {"cpu": {"uniform": {}}, "ats": {"skipped": "E: no"}}},
+        }
+    }
+    assert unmeasured(result, None) == [
+        "under cgroup v2 /g1: the child was killed (SIGKILL)",
+        "ple-um ats under cgroup v2 /g2: E: no",
+    ]
+    skipped = {"lookup": {"ple-um device": {"skipped": "E: x"}, "seeds cpu": {"skipped": "E: y"}}}
+    assert unmeasured(skipped, ("device",)) == ["ple-um device: E: x"]
+    assert unmeasured(skipped, None) == []  # not asked for: a path this machine lacks, reported
+
+
+# -- Ctrl-C under --memory-limit -------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs):
+    """Start `ple-um bench --memory-limit` (after ``prelude``), wait for its child to run (and the
+    ``group_dirs(pid)`` to exist), send the bench SIGINT: (the finished bench, the child processes
+    it had, its pid)."""
+    cache = tmp_path / "cache"
+    code = prelude + "import sys; from ple_um import cli; sys.exit(cli.main(sys.argv[1:]))"
+    argv = ["bench", *SMALL, "--memory-limit", "768MiB", "--rows", "16", "--repeats", "2", "--warmup", "60"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PLE_UM_CACHE_DIR": str(cache), "PYTHONPATH": REPO},
+    )
+    deadline = time.monotonic() + 300
+    children: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        children = _children(proc.pid)
+        if children and all(os.path.exists(d) for d in group_dirs(proc.pid)):
+            break
+        time.sleep(0.1)
+    assert children, "the bench's child never started"
+    time.sleep(3)  # the child is importing or looking up
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), children, proc.pid
+
+
+def _check_nothing_left(done, children, tmp_path) -> None:
+    assert done.returncode == cli.EXIT_INTERRUPTED, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == "ple-um bench: error: interrupted"
+    assert "Traceback" not in done.stderr
+    assert not [pid for pid in children if _alive(pid)]
+    cache = tmp_path / "cache"
+    assert not [n for n in os.listdir(cache) if n.endswith(".partial") or n.startswith(".")]
+
+
+def test_an_interrupt_under_a_memory_limit_removes_its_cgroup_and_child(tmp_path):
+    found, why = find_hierarchy()
+    if found is None:
+        pytest.skip(f"no memory cgroup here: {why}")
+
+    def groups(pid: int) -> list[str]:
+        return [os.path.join(found.group, f"ple-um-bench-{pid}-0")]
+
+    probe = os.path.join(found.group, f"ple-um-test-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as exc:
+        pytest.skip(f"no cgroup can be made in {found.group}: {exc.strerror}")
+    done, children, pid = _interrupt_under_a_limit(tmp_path, "", groups)
+    _check_nothing_left(done, children, tmp_path)
+    assert not [g for g in groups(pid) if os.path.exists(g)]
+
+
+def test_an_interrupt_where_no_cgroup_can_be_made_leaves_nothing(tmp_path):
+    """The fallback (no memory cgroup: the limit held only by the row cache's knob) cleans up too."""
+    prelude = (
+        "from ple_um.bench import memlimit\n"
+        "memlimit.find_hierarchy = lambda *a: (None, 'no memory cgroup in this test')\n"
+    )
+    done, children, _ = _interrupt_under_a_limit(tmp_path, prelude, lambda pid: [])
+    _check_nothing_left(done, children, tmp_path)
+
+
+# -- the CLI's own ---------------------------------------------------------------------------------
+def test_an_unknown_argument_after_a_verb_names_the_verb(capsys):
+    for json_flag in ([], ["--json"]):
+        code, out, err = run(capsys, "bench", "--bogus", *json_flag)
+        assert code == cli.EXIT_USAGE
+        if json_flag:
+            assert json.loads(out) == {"error": "unrecognized arguments: --bogus"}
+        else:
+            assert err.splitlines() == [
+                "ple-um bench: error: unrecognized arguments: --bogus (see ple-um bench --help)"
+            ]
+    code, _, err = run(capsys, "knobs", "extra")
+    assert code == 2 and err.startswith("ple-um knobs: error: unrecognized arguments: extra")
+
+
+def test_version(capsys):
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and out == f"ple-um {__version__}\n" and err == ""
+
+
+@pytest.mark.parametrize("verb", ["bench", "probe", "residency", "prewarm"])
+def test_a_layer_the_checkpoint_lacks_exits_2(capsys, tmp_path, verb):
+    directory = two_layer_checkpoint(tmp_path)
+    code, out, err = run(capsys, verb, directory, "--layer", "7")
+    assert code == cli.EXIT_USAGE and out == ""
+    assert err.splitlines() == [
+        f"ple-um {verb}: error: --layer 7: no PLE shards of layer 7 in {directory}; layers with shards: 1, 3"
+    ]
