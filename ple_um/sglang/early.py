@@ -57,6 +57,8 @@ class EarlyLookups:
         step = (batch, forward_batch)
         if position in self.pending and self._same_step(step):
             self.pending.discard(position)
+            if not self.pending:
+                self.step = None  # the step's last start: its inputs are not held past it
             return True
         if envs.PLE_UM_EARLY_LOOKUPS == "off" or batch is None:
             return False

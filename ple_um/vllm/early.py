@@ -76,6 +76,8 @@ class EarlyLookups:
         step = (input_ids, query_start_loc, ngram_context)
         if position in self.pending and self._same_step(step):
             self.pending.discard(position)
+            if not self.pending:
+                self.step = None  # the step's last start: its inputs are not held past it
             return True
         mode = envs.PLE_UM_EARLY_LOOKUPS
         if mode == "off":
