@@ -190,6 +190,16 @@ KNOBS: dict[str, Knob] = {
             "(the engine's start_prefetch hook), so the host gather overlaps the GPU's work",
         ),
         Knob(
+            "PLE_UM_EARLY_LOOKUPS",
+            v.choice("auto", "on", "off"),
+            "auto",
+            "vLLM and SGLang plugins with PLE_UM_OVERLAP: the first PLE layer's start_prefetch of a step "
+            "starts every PLE layer's lookup of that step (auto = where the lookups go on a side stream; "
+            "on = also where they cannot, as stream-ordered work at the first layer; off = each layer one "
+            "decoder layer ahead). No memory beyond the layers' own prefetch buffers (their total is "
+            "logged at load)",
+        ),
+        Knob(
             "PLE_UM_ATS_POPULATE",
             v.boolean,
             False,

@@ -7,13 +7,20 @@ refuses it), the old one closed as soon as the new one serves (``MappedTable.clo
 the lookups already under way), and the open's log line, at INFO with
 the probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
 What each framework checks before and after the open stays with its plugin.
+
+``SideLookups`` is the other shared part: the side stream that the early lookups of a step are
+queued on, and the per-layer marks each layer's rows are joined by.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import torch
+
+from ple_um.lookup.streams import own_stream
 from ple_um.table import MappedTable
 
 # The loggers (by name) that have written the INFO line of an open in this process.
@@ -77,3 +84,39 @@ class ServedTable:
         table, self.table, self.directory = self.table, None, None
         if table is not None:
             table.close()
+
+
+class SideLookups:
+    """Lookups queued on one side stream of ple-um's own, forked from the current stream, each
+    joined back on its own: the early lookups of a step (several layers' lookups started together,
+    each taken where its layer needs the rows).
+
+    ``fork`` makes the side stream wait for the current one and sends the work queued inside to the
+    side stream; ``mark(key)`` records, on the side stream, that the work queued so far for ``key``
+    is queued; ``join(key)`` makes the current stream wait for that mark only, not for the lookups
+    queued after it. All are stream operations, so a CUDA graph captured across them holds the fork
+    and every join; a graph's capture must join every key it forked (the last key joins them all).
+    """
+
+    def __init__(self) -> None:
+        self.stream = None
+        self._marks: dict[object, torch.cuda.Event] = {}
+
+    @contextlib.contextmanager
+    def fork(self, device: torch.device) -> Iterator[None]:
+        if self.stream is None:
+            self.stream = own_stream(device)  # not a torch pool stream: never the one being captured
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def mark(self, key: object) -> None:
+        """Within ``fork``: the work queued so far is what ``join(key)`` waits for."""
+        event = self._marks.get(key)
+        if event is None:
+            event = self._marks[key] = torch.cuda.Event()
+        event.record(self.stream)
+
+    def join(self, key: object, device: torch.device) -> None:
+        """The current stream waits for ``key``'s mark."""
+        torch.cuda.current_stream(device).wait_event(self._marks[key])

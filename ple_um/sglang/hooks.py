@@ -11,6 +11,9 @@ Targets in ``sglang.srt.models.qwen4_exp`` and ``sglang.srt.model_loader.loader`
   PLE_UM is read each time a layer is built: unset, the layer is stock.
 - ``Qwen4ExpPLELayer.__init__`` (AFTER): the layer's prefetch side stream follows PLE_UM_OVERLAP
   (stock makes one only when the offload flag is on; none on a CPU device).
+- ``Qwen4ExpPLELayer.start_prefetch`` (AROUND) and ``Qwen4ExpModel.__init__`` (AFTER): the model's
+  ple-um PLE layers are linked when it is built, and the step's first one starts them all
+  (``ple_um.sglang.early``, PLE_UM_EARLY_LOOKUPS).
 - ``Qwen4ExpForConditionalGeneration.load_weights`` and ``DefaultModelLoader._get_weights_iterator``
   (AROUND): ``ple_um.sglang.loading``.
 """
@@ -36,13 +39,15 @@ def register() -> list[str]:
         return []
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from ple_um.sglang import loading
+    from ple_um.sglang import early, loading
     from ple_um.sglang.embedding import PleUmHostEmbedding
 
     hooks = {
         f"{MODEL}.Qwen4ExpPinnedHostEmbedding": (PleUmHostEmbedding, HookType.REPLACE),
         f"{MODEL}.Qwen4ExpNGramEmbedding.__init__": (ngram_init, HookType.AROUND),
         f"{MODEL}.Qwen4ExpPLELayer.__init__": (ple_layer_built, HookType.AFTER),
+        f"{MODEL}.Qwen4ExpPLELayer.start_prefetch": (early.start_prefetch, HookType.AROUND),
+        f"{MODEL}.Qwen4ExpModel.__init__": (early.model_built, HookType.AFTER),
         f"{MODEL}.Qwen4ExpForConditionalGeneration.load_weights": (loading.load_weights, HookType.AROUND),
         f"{LOADER}._get_weights_iterator": (loading.weights_iterator, HookType.AROUND),
     }

@@ -21,8 +21,10 @@ stream forked from the current one, and ``finalize_prefetch`` joins that stream 
 (``prefetch``). Both are plain stream operations, so a FULL CUDA graph captures the fork, the
 lookup and the join, and the host gather of the cpu mode (a CUDA host node) runs while the GPU
 computes the layer before. Where the lookup may fork, and where it runs in an eager break, is
-``capture``'s to say. ROCm's layer has no prefetch wiring, and there the backend declares no hook
-(``patch``).
+``capture``'s to say. Once the model is loaded its ple-um layers are linked (``early``): the step's
+first PLE layer's ``start_prefetch`` then queues every PLE layer's lookup at once
+(``PLE_UM_EARLY_LOOKUPS``), each into its layer's own prefetch buffer, each joined by its layer.
+ROCm's layer has no prefetch wiring, and there the backend declares no hook (``patch``).
 
 The patched ``Qwen4ExpNGramEmbedding.load_weights`` (``patch``) hands every shard tensor (for NVFP4
 the shards' block scales too) to ``receive_shard`` instead of copying it: a view of a file on disk
@@ -108,6 +110,8 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self.prefetches = PrefetchLookups(
             prefix, max_total_tokens * self.etp_data_parallel_size, embedding_dim
         )
+        # The model's ple-um layers whose lookups of a step start together (``early.link``).
+        self.early = None
         # Shard tensors (NVFP4: rows and block scales alike) delivered as file views: not read; and
         # delivered in memory: compared with the mapped bytes.
         self.shards_skipped = 0
@@ -281,20 +285,37 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         """Queue this layer's lookup for ``ngram_ids`` [tokens, heads] on a side stream forked from
         the current one where ``capture.prefetch_may_fork`` allows (a FULL graph captures the fork),
         else on the current stream; ``finalize_prefetch`` joins it."""
+        ids, out = self.prepare_prefetch(ngram_ids)
+        if self.may_fork(ids):
+            with self.prefetches.on_side_stream(ids.device):
+                self.queue_prefetch(ids, out)
+            self.prefetches.start(out, ids, self.prefetches.join_side_stream, ngram_ids.shape[0])
+        else:
+            self.queue_prefetch(ids, out)
+            self.prefetches.start(out, ids, None, ngram_ids.shape[0])
+
+    def prepare_prefetch(self, ngram_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new prefetch of ``ngram_ids`` [tokens, heads]: the ids of the data-parallel ranks that
+        share the table (gathered on the current stream) and the prefetch buffer's rows for them."""
         self.prefetches.begin()
         slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
         ids = self._gather_dp_ids(ngram_ids, slot_size)
-        out = self.prefetches.out(ids.shape[0], ids, self.lookup_dtype, fixed=self.graphs.lookup)
-        side = False
+        return ids, self.prefetches.out(ids.shape[0], ids, self.lookup_dtype, fixed=self.graphs.lookup)
+
+    def may_fork(self, ids: torch.Tensor) -> bool:
+        """Whether this layer's lookup of ``ids`` may be queued on a side stream
+        (``capture.prefetch_may_fork``; the zero rows of a dummy load as the lookup would be)."""
+        if self.served.table is None and self._dummy:
+            return ids.is_cuda and not capture.segments_end_before_join()
+        return capture.prefetch_may_fork(ids, self.require_table())
+
+    def queue_prefetch(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """The lookup of ``ids`` into ``out``, queued on the current stream (zero rows for a dummy
+        load before any table is open)."""
         if self.served.table is None and self._dummy:
             self._zero_rows(ids, out)
-        elif capture.prefetch_may_fork(ids, self.require_table()):
-            with self.prefetches.on_side_stream(ids.device):
-                self.lookup_rows(ids, out)
-            side = True
         else:
             self.lookup_rows(ids, out)
-        self.prefetches.start(out, ids, side, ngram_ids.shape[0])
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """Join the side stream and return the rows of the last ``start_prefetch``, combined across

@@ -8,6 +8,8 @@ vLLM symbols it replaces (class attributes; the originals are kept on the class 
   names ``Qwen4ExpPLEDeviceEmbedding`` and ``Qwen4ExpPLEPinnedHostEmbedding`` both point at
   ``Qwen4ExpPLEMappedEmbedding``, so vLLM's own backend selection builds ours with vLLM's own
   arguments (vocab padding, embedding method, ETP group, DP rank, reduce flag).
+- ``Qwen4ExpNGramEmbedding.start_prefetch`` (NVIDIA's; ROCm's layer has none): the layer's early
+  lookup group starts it where it may (``early``), else the stock method runs.
 - ``Qwen4ExpNGramEmbedding.load_weights``: shard tensors (``shard_<i>.weight``, and an NVFP4
   table's block scales ``shard_<i>.weight_scale``) go to the backend's ``receive_shard`` (never
   copied) before the stock method sees the rest; then ``finish_load`` opens the table.
@@ -15,7 +17,7 @@ vLLM symbols it replaces (class attributes; the originals are kept on the class 
   when the first ple-um layer is built inside one: ``is_unused_checkpoint_weight`` (vLLM then skips
   files that hold only shard tensors and NVFP4 block scales, even with loaders that read whole
   files) and ``load_weights`` (``check_headers`` on every ple-um layer before vLLM's loader opens
-  a file, ``finish_load`` once the whole model is loaded).
+  a file, ``finish_load`` once the whole model is loaded, then ``early.link_model``).
 
 The patched constructor reads PLE_UM each time a layer is built: with it unset the layer is stock.
 """
@@ -34,6 +36,7 @@ from vllm.logger import init_logger
 
 from ple_um import envs
 from ple_um.errors import CheckpointError
+from ple_um.vllm import early
 from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
 
 logger = init_logger("vllm.ple_um.patch")
@@ -91,6 +94,9 @@ def patch_ngram_class(module: ModuleType) -> bool:
     original = {"__init__": cls.__init__, "load_weights": cls.load_weights}
     cls.__init__ = _patched_init(module, original["__init__"])
     cls.load_weights = _patched_load_weights(original["load_weights"])
+    if "start_prefetch" in cls.__dict__:
+        original["start_prefetch"] = cls.start_prefetch
+        cls.start_prefetch = early.start_prefetch_hook(cls.start_prefetch)
     setattr(cls, ORIGINAL, original)
     return True
 
@@ -203,6 +209,7 @@ def _model_load_weights(original):
         loaded = original(self, weights)
         for backend in _backends(self):
             backend.finish_load()
+        early.link_model(self)
         return loaded
 
     return load_weights

@@ -4,13 +4,14 @@ Qwen4Exp's model calls the layer's ``start_prefetch`` one decoder layer ahead an
 ``finalize_prefetch`` in its forward. ``PrefetchLookups`` holds what lies between the two: the
 buffer the lookups write into (allocated by the first, eager call), the side stream they may be
 queued on (``capture.prefetch_may_fork`` decides), and the started lookups whose ids must stay
-referenced until the side stream is joined.
+referenced until the side stream is joined. A lookup started early, by the step's first PLE layer
+(``early``), is queued on that group's side stream and carries its own join.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -28,9 +29,10 @@ class PrefetchLookups:
         self.row_dim = row_dim
         self.buffer: torch.Tensor | None = None
         self.side_stream = None
-        # The last start: (rows it writes, the ids it reads, whether on the side stream, tokens).
-        self.started: tuple[torch.Tensor, torch.Tensor, bool, int] | None = None
-        self.unjoined: list[tuple[torch.Tensor, torch.Tensor, bool, int]] = []
+        # The last start: (rows it writes, the ids it reads, how the current stream joins it, or
+        # None where it was queued on the current stream, tokens).
+        self.started: tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None, int] | None = None
+        self.unjoined: list[tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None, int]] = []
 
     def begin(self) -> None:
         """A new start. One never finalized (a forward that raised in between) keeps its ids
@@ -73,19 +75,27 @@ class PrefetchLookups:
         with torch.cuda.stream(stream):
             yield
 
-    def start(self, out: torch.Tensor, ids: torch.Tensor, side: bool, tokens: int) -> None:
-        """Record the lookup of ``ids`` into ``out`` for ``tokens`` local tokens. The ids stay
-        referenced until the join: their memory is not reused while the side stream reads it."""
-        self.started = (out, ids, side, tokens)
+    def join_side_stream(self) -> None:
+        """The current stream waits for this layer's side stream (a start queued in ``on_side_stream``)."""
+        torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
+
+    def start(
+        self, out: torch.Tensor, ids: torch.Tensor, join: Callable[[], None] | None, tokens: int
+    ) -> None:
+        """Record the lookup of ``ids`` into ``out`` for ``tokens`` local tokens; ``join`` makes the
+        current stream wait for it (None: it was queued on the current stream). The ids stay
+        referenced until the join: their memory is not reused while a side stream reads it."""
+        self.started = (out, ids, join, tokens)
 
     def join(self, total_tokens: int) -> torch.Tensor:
         """The rows of the last start, the side stream joined into the current one."""
         if self.started is None:
             raise RuntimeError(f"{self.prefix}: finalize_prefetch requires a prior start_prefetch")
-        rows, _, side, tokens = self.started
+        rows, _, join, tokens = self.started
         self.started = None
-        if side or any(started[2] for started in self.unjoined):
-            torch.cuda.current_stream(rows.device).wait_stream(self.side_stream)
+        for started in (*self.unjoined, (rows, None, join, tokens)):
+            if started[2] is not None:
+                started[2]()
         self.unjoined.clear()
         if total_tokens != tokens:
             raise ValueError(

@@ -46,7 +46,8 @@ def test_shard_files_are_not_even_opened(world, patched, table_dir, tmp_path, dt
 
 def test_model_load_opens_tables_never_given_weights(world, patched, table_dir, tmp_path):
     """When vLLM's file filter leaves a layer no tensor at all (BF16 shards in their own files), the
-    model-level hook still opens its table after the model's load_weights."""
+    model-level hook still opens its table after the model's load_weights, and links the model's
+    layers for early lookups."""
     from ple_um.vllm.patch import _model_load_weights
 
     config = h.text_config(fp8=False)
@@ -59,6 +60,7 @@ def test_model_load_opens_tables_never_given_weights(world, patched, table_dir, 
     backend = holder.ple.ngram_embedding
     assert backend.table is not None and backend.table.layout.directory == layout.directory
     assert backend.shards_skipped == 0
+    assert backend.early.layers == [holder.ple]  # linked for early lookups once the model is loaded
     stock = h.stock(config, layout.directory)
     assert h.same_bits(h.forward(holder.ple, 0)[0], h.forward(stock, 0)[0])
     backend.close_table()

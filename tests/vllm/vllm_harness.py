@@ -93,14 +93,15 @@ def head_dim(config) -> int:
     return config.ple_embed_dim // HEADS
 
 
-def table_rows(config) -> int:
-    """Rows of the layer's table (the n-gram vocabulary padded as vLLM pads it)."""
+def table_rows(config, dense_id: int = 0) -> int:
+    """Rows of the table of the PLE layer of dense index ``dense_id`` (the n-gram vocabulary padded
+    as vLLM pads it)."""
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
     from vllm.utils.math_utils import round_up
 
     heads = (config.ngram_size - 1) * config.heads_per_ngram
     _, _, total = Qwen4ExpNGramEmbedding._make_vocab_layout(
-        ngram_vocab_size_base=config.ngram_vocab_size_base, ngram_heads=heads, ple_dense_layer_id=0
+        ngram_vocab_size_base=config.ngram_vocab_size_base, ngram_heads=heads, ple_dense_layer_id=dense_id
     )
     return round_up(total, config.make_ngram_vocab_size_divisible_by)
 
@@ -183,9 +184,11 @@ def build(
     prefix: str = PREFIX,
     data_parallel_rank: int = 0,
     use_sequence_parallel: bool = False,
+    dense_id: int = 0,
 ):
-    """The real (NVIDIA) Qwen4ExpNGramEmbedding; the patched constructor builds the ple-um backend
-    when PLE_UM is set, the stock device backend otherwise. ``use_sequence_parallel`` (with the
+    """The real (NVIDIA) Qwen4ExpNGramEmbedding of the PLE layer of dense index ``dense_id``; the
+    patched constructor builds the ple-um backend when PLE_UM is set, the stock device backend
+    otherwise. ``use_sequence_parallel`` (with the
     embedding-parallel group equal to the TP group, as here) makes the embedding return its rank's
     partial rows unreduced, as vLLM's sequence-parallel decoder builds it."""
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
@@ -194,7 +197,7 @@ def build(
         return Qwen4ExpNGramEmbedding(
             config,
             config.ple_embed_dim,
-            0,
+            dense_id,
             max_tokens,
             data_parallel_rank=data_parallel_rank,
             prefix=prefix,

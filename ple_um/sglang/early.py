@@ -1,0 +1,120 @@
+"""Early lookups in SGLang: a step's first PLE layer starts every PLE layer's prefetch.
+
+SGLang 0.5.23's Qwen4Exp model calls ``Qwen4ExpPLELayer.start_prefetch(batch, forward_batch)`` one
+decoder layer ahead of each PLE layer, which computes that layer's n-gram ids from the step's
+``_PLEBatch`` (SGLang's own ``compute_ngram_ids``), forks the layer's own prefetch stream, gathers
+the rows there into the layer's own buffer, and leaves them for the layer's forward, which joins
+that stream. The ids depend only on the step's batch and the layer's hash configuration, so the
+whole step's exist before layer 0 runs. ``link`` groups a model's PLE layers served by ple-um
+(``EarlyLookups``, when the model is built: ``hooks``); with ``PLE_UM_EARLY_LOOKUPS`` the group's
+first layer's ``start_prefetch`` runs SGLang's own ``start_prefetch`` of every later PLE layer too,
+each on its layer's stream into its layer's buffers, and a later layer's own call in the same forward
+(the same batch) finds its lookup started and returns. Each layer's forward joins only its own
+stream, as stock. A FULL CUDA graph captures every fork and every join; SGLang's breakable graphs run
+the prefetch in an eager break, where the first layer's break starts them all.
+
+The rows go where SGLang's stock prefetch puts them (each layer's eager buffer, and one buffer per
+captured batch size), so early lookups take no memory beyond those; ``link`` logs their size a token.
+A layer without a prefetch stream (a CPU device, ``PLE_UM_OVERLAP=0``) looks its rows up in its
+forward, early lookups or not: ``auto`` and ``on`` are the same here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from ple_um import envs
+from ple_um.units import format_bytes
+
+logger = logging.getLogger("ple_um.sglang")
+
+_BF16_BYTES = 2  # SGLang's prefetch buffers hold bf16 rows
+
+
+class EarlyLookups:
+    """The PLE layers (``Qwen4ExpPLELayer``) of one model served by ple-um, in the model's order,
+    whose prefetches of a step start together."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = list(layers)
+        # The batch of the step whose prefetches were started early, and the layers (by position)
+        # started then whose own start_prefetch has not come yet.
+        self.step: tuple[object, object] | None = None
+        self.pending: set[int] = set()
+
+    def bytes_per_token(self) -> int:
+        return sum(layer.ple_embed_dim * _BF16_BYTES for layer in self.layers)
+
+    def start(self, original, layer: nn.Module, batch, forward_batch) -> bool:
+        """SGLang's ``start_prefetch`` of ``layer`` (``original``, the stock method): True when its
+        prefetch is started here (now, with every later layer's, or by an earlier layer of this
+        forward); False when the caller runs the stock one alone."""
+        position = next((i for i, member in enumerate(self.layers) if member is layer), None)
+        if position is None:
+            return False
+        step = (batch, forward_batch)
+        if position in self.pending and self._same_step(step):
+            self.pending.discard(position)
+            if not self.pending:
+                self.step = None  # the step's last start: its inputs are not held past it
+            return True
+        if envs.PLE_UM_EARLY_LOOKUPS == "off" or batch is None:
+            return False
+        for member in self.layers[position:]:
+            original(member, batch=batch, forward_batch=forward_batch)
+        self.step = step
+        self.pending = set(range(position + 1, len(self.layers)))
+        return True
+
+    def _same_step(self, step: tuple[object, object]) -> bool:
+        # SGLang hands every layer the same batch objects in one forward (a breakable graph's replay
+        # refills its holder with a new batch); holding them keeps their identity from being reused.
+        return self.step is not None and all(a is b for a, b in zip(self.step, step, strict=True))
+
+
+def ple_um_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's PLE layers whose table ple-um serves, in layer order."""
+    from ple_um.sglang.embedding import PleUmHostEmbedding
+
+    found = []
+    for layer in getattr(model, "layers", ()):
+        ple = getattr(layer, "ple", None)
+        embedding = getattr(getattr(ple, "ple_embedding", None), "ngram_embedding", None)
+        if isinstance(embedding, PleUmHostEmbedding):
+            found.append(ple)
+    return found
+
+
+def link(layers: list[nn.Module]) -> EarlyLookups | None:
+    """Group ``layers`` (PLE layers of one model, in its order) for early lookups and log it; None
+    for no layer."""
+    if not layers:
+        return None
+    group = EarlyLookups(layers)
+    for layer in layers:
+        layer._ple_um_early = group
+    logger.info(
+        "ple-um: early lookups %s (PLE_UM_EARLY_LOOKUPS): the first of %d PLE layers' start_prefetch "
+        "starts all %d prefetches of a step, each on its layer's stream; their rows go to the layers' "
+        "own prefetch buffers, %s a token in all",
+        envs.PLE_UM_EARLY_LOOKUPS,
+        len(layers),
+        len(layers),
+        format_bytes(group.bytes_per_token()),
+    )
+    return group
+
+
+def start_prefetch(original, self, batch=None, forward_batch=None, **kwargs) -> None:
+    """``Qwen4ExpPLELayer.start_prefetch`` (AROUND): the layer's group starts it (and the step's
+    later PLE layers') where it may, else the stock method runs."""
+    group = getattr(self, "_ple_um_early", None)
+    if kwargs or group is None or not group.start(original, self, batch, forward_batch):
+        original(self, batch=batch, forward_batch=forward_batch, **kwargs)
+
+
+def model_built(result, self, *args, **kwargs) -> None:
+    """After ``Qwen4ExpModel.__init__``: ``link`` its ple-um PLE layers."""
+    link(ple_um_layers(self))

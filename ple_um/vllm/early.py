@@ -1,0 +1,178 @@
+"""Early lookups: a step's first PLE layer starts every PLE layer's lookup of the step.
+
+Qwen4Exp's model calls each PLE layer's ``start_prefetch(input_ids, query_start_loc,
+ngram_context)`` one decoder layer ahead of it. A layer's row ids depend only on those three (the
+step's tokens, their requests, the n-gram context) and the layer's hash configuration, so the whole
+step's ids exist before layer 0 runs. Once the model is loaded, ``link_model`` groups its ple-um
+layers (``EarlyLookups``); with ``PLE_UM_EARLY_LOOKUPS`` the group's first layer's start computes
+every later layer's ids exactly as vLLM does (each layer's own ``compute_ngram_ids``, into its own
+``_prefetch_ids``, on the current stream), then queues every layer's lookup on one side stream,
+marking each, and each layer's ``finalize_prefetch`` joins its own mark only: the last PLE layer's
+reads have the whole step's compute to hide behind, the first one's what they had before.
+
+The rows land in each layer's own prefetch buffer (allocated by the first eager step, sized for
+vLLM's ``max_num_batched_tokens``), so early lookups take no memory beyond what the layers hold
+anyway; ``link`` logs the buffers' total. A later layer's ``start_prefetch`` in the same forward
+(the same input tensors) finds its lookup started and returns. Everything is stream work: a FULL
+CUDA graph captures the fork, the lookups and every join.
+
+``PLE_UM_EARLY_LOOKUPS``: ``auto`` where every lookup may go on a side stream
+(``capture.prefetch_may_fork``: a CUDA device, capture-safe tables, not vLLM's piecewise capture,
+where graph segments end between a start and its finalize); ``on`` also where they cannot (they then
+run in order on the current stream at the first layer); ``off``: each layer one decoder layer ahead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from vllm.logger import init_logger
+
+from ple_um import envs
+from ple_um.served import SideLookups
+from ple_um.units import format_bytes
+from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
+from ple_um.vllm.loading import layer_index
+
+logger = init_logger("vllm.ple_um.early")
+
+
+class EarlyLookups:
+    """The ple-um PLE layers of one model (its ``Qwen4ExpNGramEmbedding`` modules, in the model's
+    order) whose lookups of a step start together."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = list(layers)
+        self.side = SideLookups()
+        # The inputs of the step whose lookups were started early, and the layers (by position in
+        # ``layers``) started then whose own start_prefetch has not come yet.
+        self.step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.pending: set[int] = set()
+
+    def buffer_bytes(self) -> int:
+        """The prefetch buffers' total: each layer's rows x heads x head_dim in its lookup dtype."""
+        total = 0
+        for layer in self.layers:
+            backend = layer.ngram_embedding
+            per_row = layer.ngram_heads * backend.embedding_dim * backend.lookup_dtype.itemsize
+            total += backend.prefetches.rows * per_row
+        return total
+
+    def start(
+        self,
+        layer: nn.Module,
+        input_ids: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        ngram_context: torch.Tensor,
+    ) -> bool:
+        """vLLM's ``start_prefetch`` of ``layer``: True when its lookup is started here (now, with
+        every later layer's, or already by an earlier layer of this forward); False when the caller
+        runs the stock one (not a member; early lookups off, or ``auto`` where they cannot fork)."""
+        position = next((i for i, member in enumerate(self.layers) if member is layer), None)
+        if position is None:
+            return False
+        step = (input_ids, query_start_loc, ngram_context)
+        if position in self.pending and self._same_step(step):
+            self.pending.discard(position)
+            if not self.pending:
+                self.step = None  # the step's last start: its inputs are not held past it
+            return True
+        mode = envs.PLE_UM_EARLY_LOOKUPS
+        if mode == "off":
+            return False
+        members = self.layers[position:]
+        fork = all(member.ngram_embedding.may_fork(input_ids) for member in members)
+        if mode == "auto" and not fork:
+            return False
+        prepared = []
+        for member in members:
+            ids = member.compute_ngram_ids(
+                input_ids, query_start_loc, ngram_context, output=member._prefetch_ids[: input_ids.numel()]
+            )
+            prepared.append((member.ngram_embedding, ids))
+        self._queue(prepared, fork)
+        self.step = step
+        self.pending = set(range(position + 1, len(self.layers)))
+        return True
+
+    def _same_step(self, step: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+        # The model hands every layer the same tensor objects in one forward; holding them in
+        # ``step`` keeps another forward's from taking their identity.
+        return self.step is not None and all(a is b for a, b in zip(self.step, step, strict=True))
+
+    def _queue(self, prepared: list[tuple[Qwen4ExpPLEMappedEmbedding, torch.Tensor]], fork: bool) -> None:
+        started = [
+            (backend, *backend.prepare_prefetch(ngram_ids), ngram_ids) for backend, ngram_ids in prepared
+        ]
+        if not fork:
+            for backend, ids, out, ngram_ids in started:
+                backend.queue_prefetch(ids, out)
+                backend.prefetches.start(out, ids, None, ngram_ids.shape[0])
+            return
+        device = started[0][1].device
+        with self.side.fork(device):
+            for backend, ids, out, _ in started:
+                backend.queue_prefetch(ids, out)
+                self.side.mark(backend)
+        for backend, ids, out, ngram_ids in started:
+            join = functools.partial(self.side.join, backend, device)
+            backend.prefetches.start(out, ids, join, ngram_ids.shape[0])
+
+
+def ple_um_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's n-gram embeddings served by ple-um with vLLM's prefetch hook, in layer order."""
+    found = [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "ngram_embedding", None), Qwen4ExpPLEMappedEmbedding)
+        and module.ngram_embedding.supports_prefetch
+        and hasattr(module, "_prefetch_ids")
+    ]
+    return sorted(found, key=lambda module: layer_index(module.ngram_embedding.prefix))
+
+
+def link(layers: list[nn.Module]) -> EarlyLookups | None:
+    """Group ``layers`` (n-gram embeddings of one model, in the model's order) for early lookups;
+    the group they already share is kept (graphs may have captured its side stream). Logs the
+    group and its buffers' total when it is new. None for no layer."""
+    if not layers:
+        return None
+    group = layers[0].ngram_embedding.early
+    if group is not None and group.layers == layers and all(m.ngram_embedding.early is group for m in layers):
+        return group
+    group = EarlyLookups(layers)
+    for layer in layers:
+        layer.ngram_embedding.early = group
+    first = layers[0].ngram_embedding
+    logger.info(
+        "ple-um: early lookups %s (PLE_UM_EARLY_LOOKUPS): the first of %d PLE layers' start_prefetch "
+        "starts all %d lookups of a step on a side stream, each joined by its layer; their rows go to "
+        "the layers' own prefetch buffers, %s in all (%d tokens x %d heads a layer)",
+        envs.PLE_UM_EARLY_LOOKUPS,
+        len(layers),
+        len(layers),
+        format_bytes(group.buffer_bytes()),
+        first.prefetches.rows,
+        layers[0].ngram_heads,
+    )
+    return group
+
+
+def link_model(model: nn.Module) -> EarlyLookups | None:
+    """``link`` the model's ple-um PLE layers (called once the model is loaded)."""
+    return link(ple_um_layers(model))
+
+
+def start_prefetch_hook(original):
+    """``Qwen4ExpNGramEmbedding.start_prefetch``: the layer's group starts it (and the step's later
+    layers' lookups) where it may, else the stock method."""
+
+    @functools.wraps(original)
+    def start_prefetch(self, input_ids, query_start_loc, ngram_context) -> None:
+        group = getattr(self.ngram_embedding, "early", None)
+        if group is None or not group.start(self, input_ids, query_start_loc, ngram_context):
+            original(self, input_ids, query_start_loc, ngram_context)
+
+    return start_prefetch
