@@ -11,6 +11,9 @@
 #   bench    ple-um bench on the shared table of $SIZE, side by side; BENCH_ARGS adds arguments
 #   cold     ple-um bench --memory-limit: a table of $COLD_SIZE (default 12GiB) served by lookups
 #            held to $MEMORY_LIMIT (default 3GiB) of memory, uniform and zipf:1.1 ids; COLD_ARGS
+#   serving  ple-um bench --serving: a decode loop's step of $STEP_MS ms of GPU work (default 5,20,50)
+#            with the step's lookups issued at its start, the whole step one CUDA graph, on a table
+#            of $COLD_SIZE under $MEMORY_LIMIT and without, $SERVING_IDS ids; SERVING_ARGS
 #   profile  tools/profile_cold.py on the shared table; PROFILE_ARGS adds arguments
 #   tp       tools/tp_check.py on two GPUs, its own table of $TP_SIZE (the two ranks' vocab split
 #            inside a shard); TP_ARGS adds arguments
@@ -62,11 +65,15 @@ for part in "${parts[@]}"; do
         bench) table; run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench --size "$SIZE" ${BENCH_ARGS:-} ;;
         cold) run cold "${COLD_LIMIT:-500}" python3 -m ple_um.cli bench --memory-limit "${MEMORY_LIMIT:-3GiB}" \
                   --size "${COLD_SIZE:-12GiB}" --ids uniform,zipf:1.1 --json-file "$OUT/cold.json" ${COLD_ARGS:-} ;;
+        serving) run serving "${SERVING_LIMIT:-560}" python3 -m ple_um.cli bench --serving \
+                     --memory-limit "${MEMORY_LIMIT:-3GiB}" --size "${COLD_SIZE:-12GiB}" \
+                     --ids "${SERVING_IDS:-uniform,zipf:1.1,trace}" --step-ms "${STEP_MS:-5,20,50}" \
+                     --json-file "$OUT/serving.json" --plot "$OUT/serving.png" ${SERVING_ARGS:-} ;;
         profile) table; run profile "${PROFILE_LIMIT:-300}" python3 tools/profile_cold.py --dir "$TABLE" \
                      --out "$OUT/profile_cold.json" ${PROFILE_ARGS:-} ;;
         tp) run tp "${TP_LIMIT:-400}" python3 tools/tp_check.py --size "${TP_SIZE:-$SIZE}" \
                 --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;  # its own table: the split inside a shard
-        *) echo "unknown part $part (tests, bench, cold, profile, tp)"; exit 2 ;;
+        *) echo "unknown part $part (tests, bench, cold, serving, profile, tp)"; exit 2 ;;
     esac
 done
 printf '%s\n' "${summary[@]}"
