@@ -49,6 +49,7 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # the row cache's too
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 

@@ -13,11 +13,11 @@ Once a mode serves, the open measures the bulk crossover (``PLE_UM_BULK_ROWS=aut
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 import os
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -28,7 +28,7 @@ from ple_um.access.build import ModeAccess
 from ple_um.access.capabilities import DeviceCapabilities, resolve_device
 from ple_um.access.probe import ProbeReport, decide, pin_budget, requested_mode
 from ple_um.checkpoint import ShardLayout, read_layout
-from ple_um.errors import KnobError, ModeUnavailableError
+from ple_um.errors import KnobError, ModeUnavailableError, TableClosedError
 from ple_um.lookup.host.signals import StreamBlockedError
 from ple_um.lookup.paths import build_paths
 from ple_um.mapping import MappedShards
@@ -228,6 +228,7 @@ class _Builds:
 
     def reject(self) -> None:
         """Release the last try (where that fails, the mappings stay mapped, and it raises)."""
+        self.tables[-1].release_nothing_when_dropped()
         ops.unregister_table(self.tables[-1].handle)
         self.tables[-1].release_mode()
 
@@ -235,6 +236,8 @@ class _Builds:
         """The open failed: unmap, unless a failed release kept the mappings for host threads that
         may still read them. ``blocked``: a stream waits for ever, so nothing is released through
         the device (the tables only leave the ops' registry)."""
+        for table in self.tables:
+            table.release_nothing_when_dropped()  # released here, or kept with the mappings
         for table in self.tables if blocked else ():
             ops.unregister_table(table.handle)
         if not any(table.mappings_kept for table in self.tables):
@@ -323,6 +326,18 @@ def _start_serving(
     residency = mapping.residency
     if scale_mapping is not None:  # the page-cache figures count the block scales beside the rows
         residency = lambda: [*mapping.residency(), *scale_mapping.residency()]  # noqa: E731
-    table.watch = metrics.watch(
-        functools.partial(table.stats, sync=False), table.metrics, residency, device=dev
-    )
+    table.watch = metrics.watch(_weak_stats(table), table.metrics, residency, device=dev)
+
+
+def _weak_stats(table: MappedTable) -> Callable[[], dict]:
+    """``table.stats(sync=False)`` for the reporter, holding the table weakly: a table dropped
+    without ``close()`` is not kept alive by its watch (which the reporter then lets go of)."""
+    method = weakref.WeakMethod(table.stats)
+
+    def stats() -> dict:
+        bound = method()
+        if bound is None:
+            raise TableClosedError("the table was dropped")
+        return bound(sync=False)
+
+    return stats

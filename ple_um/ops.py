@@ -3,17 +3,20 @@ into a given tensor, allocating nothing: what a CUDA graph captures).
 
 Both are ``torch.library.custom_op``s with fake implementations, so torch.compile treats them as
 opaque calls with known output shapes. An op receives the table as an integer handle; the table
-registers itself here when it opens and leaves when it closes.
+registers itself here when it opens and leaves when it closes. The registry holds tables weakly: a
+table dropped without ``close()`` is not kept alive by it (``ple_um.table`` releases it), and its
+handle then raises ``TableClosedError`` like a closed one.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 import torch
 
-_TABLES: dict[int, object] = {}
+_TABLES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 _NEXT = itertools.count(1)
 

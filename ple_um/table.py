@@ -5,7 +5,8 @@ mappings (fds + mmaps: the rows, and an NVFP4 table's block scales), the access 
 them (``access.build.ModeAccess``: registrations, device copies, the page prefetcher) and its
 lookup paths (``lookup.paths.LookupPaths``: the kernel and the host path, with their buffers and
 threads). A lookup checks its arguments, then ``route`` sends it down one path; under torch.compile
-it goes through the torch ops of ``ple_um.ops``, whose body is ``op_lookup``.
+it goes through the torch ops of ``ple_um.ops``, whose body is ``op_lookup``. A table dropped
+without ``close()`` is released all the same, through ``ple_um.dropped``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ple_um import metrics, ops, verify
+from ple_um import dropped, metrics, ops, verify
 from ple_um.access.build import ModeAccess
 from ple_um.access.probe import ProbeReport
 from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout
@@ -85,6 +86,7 @@ class MappedTable:
         self._closing = False
         self._released = threading.Event()
         self.handle = ops.register_table(self)
+        self._finalizer = dropped.on_drop(self, vars(self), _release_dropped, cuda=device.type == "cuda")
 
     # -- the paths, as the caller and the tests see them ------------------------------------
     @property
@@ -112,19 +114,10 @@ class MappedTable:
         mappings stay). Where that fails (a CUDA error) the device is not known to be idle: a host
         thread (the dispatcher, a host node, the pool) may still read the mappings or a job struct,
         so they are kept for the life of the process (``mappings_kept``) and the error is raised."""
-        try:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # every queued kernel and host node has run
-            if self.access is not None:
-                self.access.stop_prefetcher()  # a prefetch may be reading into the row cache
-            for res in (self.paths, self.access):
-                if res is not None:
-                    res.close()
-        except BaseException:
-            _KEPT_AFTER_FAILED_CLOSE.append((self.paths, self.mapping, self.scale_mapping))
-            logger.error("ple-um: releasing %s failed; its mappings stay until exit", self.layout.directory)
-            raise
-        self.paths = self.access = None
+        release_state(vars(self))
+
+    def release_nothing_when_dropped(self) -> None:
+        self._finalizer.detach()  # the open path's tries share the mappings: a rejected one leaves them
 
     @property
     def mappings_kept(self) -> bool:
@@ -310,6 +303,7 @@ class MappedTable:
         if closing:
             self._released.wait()
             return
+        self._finalizer.detach()  # released here, not again when the table is dropped
         try:
             if self.watch is not None:
                 self.watch.close()  # its last stats() read, while the table is still open
@@ -336,6 +330,33 @@ class MappedTable:
             f"MappedTable({self.layout.directory!r}, layer={self.layout.layer}, rows={self.rows}, "
             f"{self.num_rows}x{self.row_dim} {self.dtype}, {state})"
         )
+
+
+def release_state(state: dict) -> None:
+    """``release_mode`` on a table's attributes ``vars(table)``: a dropped table's release runs it too."""
+    paths, access, device = state["paths"], state["access"], state["device"]
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # every queued kernel and host node has run
+        if access is not None:
+            access.stop_prefetcher()  # a prefetch may be reading into the row cache
+        for res in (paths, access):
+            if res is not None:
+                res.close()
+    except BaseException:
+        _KEPT_AFTER_FAILED_CLOSE.append((paths, state["mapping"], state["scale_mapping"]))
+        logger.error("ple-um: releasing %s failed; its mappings stay until exit", state["layout"].directory)
+        raise
+    state["paths"] = state["access"] = None
+
+
+def _release_dropped(state: dict) -> None:
+    """What ``close()`` releases (handle, mode, mappings), for a table dropped without it."""
+    ops.unregister_table(state["handle"])
+    release_state(state)
+    for each in (state["scale_mapping"], state["mapping"]):
+        if each is not None:
+            each.close()
 
 
 def check_ids(ids) -> None:

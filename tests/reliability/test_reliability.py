@@ -16,6 +16,7 @@ docs/RELIABILITY.md.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ from helpers.reference import maps_of, reference_rows
 
 import ple_um
 import ple_um.table
-from ple_um import ops
+from ple_um import dropped, ops
 from ple_um.access.capabilities import triton_interpreter
 from ple_um.access.registration import RegisteredMapping, RegistrationError
 from ple_um.checkpoint import read_layout
@@ -151,6 +152,11 @@ def test_auto_falls_back_to_cpu_when_registration_fails(layout, machine, call, c
         assert len(ops._TABLES) == before + 1  # the rejected attempt's handle is gone
         check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
         assert table.stats()["pinned_bytes"] == 0
+        # The rejected try, now garbage, releases nothing of the mappings it shared with this table.
+        gc.collect()
+        assert dropped.drain(60)
+        assert not table.mapping.closed
+        check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
 
 
 def test_forced_registered_mode_whose_registration_fails_is_unavailable(layout, machine, monkeypatch):
@@ -431,6 +437,65 @@ def test_a_file_truncated_after_open_is_detected_and_kills_only_the_reader(make_
     with pytest.raises(CheckpointError) as info:
         ple_um.open_table(layout.directory, mode="cpu", device="cpu")
     assert info.value.path == path
+
+
+# -- tables dropped without close() ----------------------------------------------------------------
+def _fds_and_maps() -> tuple[int, int]:
+    with open("/proc/self/maps") as f:
+        return len(os.listdir("/proc/self/fd")), sum(1 for _ in f)
+
+
+def _settled(limit: tuple[int, int], patience: float = 60.0) -> tuple[int, int]:
+    """The counts once they are back within ``limit`` (dropped tables are released on a thread of
+    their own, a moment later), or as they are after ``patience`` seconds."""
+    end = time.monotonic() + patience
+    while True:
+        gc.collect()
+        now = _fds_and_maps()
+        if (now[0] <= limit[0] and now[1] <= limit[1]) or time.monotonic() > end:
+            return now
+        time.sleep(0.05)
+
+
+def test_tables_dropped_without_close_are_released(layout, expected_rows):
+    """200 tables opened, looked up in and dropped (no close()): descriptors and mappings stay flat,
+    the dropped tables' handles raise TableClosedError through the torch ops, a live one's serve."""
+    ids = torch.arange(layout.num_rows)
+    want = expected_rows(layout, ids).view(torch.uint8)
+
+    def cycle() -> int:
+        table = ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+        assert torch.equal(table.lookup(ids).view(torch.uint8), want)
+        handle = table.handle
+        del table
+        gc.collect()
+        return handle
+
+    for _ in range(3):  # what the first opens of a process make once (the row copy's library, ...)
+        cycle()
+    before = _settled((1 << 30, 1 << 30), patience=0)
+    handles = [cycle() for _ in range(200)]
+    # Flat: a few map lines of slack for thread stacks and malloc arenas the C library keeps.
+    after = _settled((before[0], before[1] + 16))
+    assert after[0] <= before[0] and after[1] <= before[1] + 16, (before, after)
+    assert not fds_of(layout.files) and not maps_of(layout.files)
+    for handle in handles[-3:]:
+        with pytest.raises(TableClosedError):
+            ops.lookup(ids, handle, layout.dtype)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as live:
+        assert torch.equal(ops.lookup(ids, live.handle, layout.dtype).view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("mode", ["ats", "device"])
+def test_a_table_of_any_mode_dropped_without_close_is_released(layout, mode):
+    table = ple_um.open_table(layout.directory, mode=mode, device="cpu")
+    assert maps_of(layout.files)
+    del table
+    gc.collect()
+    deadline = time.monotonic() + 60
+    while (maps_of(layout.files) or fds_of(layout.files)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not maps_of(layout.files) and not fds_of(layout.files)
 
 
 # -- close() racing lookups --------------------------------------------------------------------------

@@ -25,7 +25,7 @@ LAYERS = (
     ("ple_um.access",),
     ("ple_um.kernels",),
     ("ple_um.lookup",),
-    ("ple_um.ops", "ple_um.metrics", "ple_um.verify"),
+    ("ple_um.ops", "ple_um.metrics", "ple_um.verify", "ple_um.dropped"),
     ("ple_um.table",),
     ("ple_um.opening",),
     (
