@@ -363,7 +363,7 @@ tally_t ple_read_misses(const ple_rows_t *t, ple_miss_t *misses, int64_t n, uint
 }
 
 int ple_resident(const uint8_t *row, int64_t rb) {
-    uintptr_t first = (uintptr_t)row & ~(uintptr_t)(PAGE - 1), last = ((uintptr_t)row + rb - 1) & ~(uintptr_t)(PAGE - 1);
+    uintptr_t first = (uintptr_t)row & ~(uintptr_t)(PAGE - 1), last = ((uintptr_t)row + (uintptr_t)rb - 1) & ~(uintptr_t)(PAGE - 1);
     unsigned char vec[2] = {0, 0};
     size_t pages = last > first ? 2 : 1;
     if (mincore((void *)first, pages * PAGE, vec) != 0) return 0;
@@ -375,7 +375,7 @@ int ple_resident(const uint8_t *row, int64_t rb) {
 void ple_touch_pages(const ple_rows_t *t, const ple_miss_t *rows, int64_t n) {
     for (int64_t j = 0; j < n; j++) {
         uintptr_t first = (uintptr_t)rows[j].mapped & ~(uintptr_t)(PAGE - 1);
-        uintptr_t last = ((uintptr_t)rows[j].mapped + t->rb - 1) & ~(uintptr_t)(PAGE - 1);
+        uintptr_t last = ((uintptr_t)rows[j].mapped + (uintptr_t)t->rb - 1) & ~(uintptr_t)(PAGE - 1);
         if (!ple_resident(rows[j].mapped, t->rb)) madvise((void *)first, last - first + PAGE, MADV_WILLNEED);
     }
 }
