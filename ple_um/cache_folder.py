@@ -123,7 +123,7 @@ def open_private(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW: the last part of the path is a symbolic link
             raise UnsafeCacheError(f"{path} is a symbolic link") from None
-        raise UnsafeCacheError(f"cannot open {path}: {exc.strerror or exc}") from None
+        raise UnsafeCacheError(f"{path}: {exc.strerror or exc}") from None
     why = _why_unsafe(os.fstat(fd), "file")
     if why is not None:
         os.close(fd)
