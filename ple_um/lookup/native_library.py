@@ -80,8 +80,12 @@ def open_library(
     digest_fn.argtypes, digest_fn.restype = [], ctypes.c_char_p
     digest = (digest_fn() or b"").decode(errors="replace")
     why = declare(lib)
-    if why is None and digest != native_build.source_digest():
-        why = f"built from other source (digest {digest}, the source here is {native_build.source_digest()})"
+    try:
+        here = native_build.source_digest()
+    except OSError:  # an install that ships no C files: the library is the only row copy there is
+        here = digest
+    if why is None and digest != here:
+        why = f"built from other source (digest {digest}, the source here is {here})"
     if why is not None:
         _unload(lib)
         return None, f"{name}: {why}"
@@ -213,4 +217,7 @@ def find(cache_dir: str, declare: Declare) -> tuple[ctypes.CDLL | None, str]:
     cc = _compiler()
     if not cc:
         return None, "no C compiler found ($CC, cc, gcc)" + ("" if packaged else " and no installed row copy")
-    return _build(cache_dir, cc, declare)
+    try:
+        return _build(cache_dir, cc, declare)
+    except OSError as exc:  # the C files are not there to compile (an install that ships none)
+        return None, f"cannot compile the row copy: {exc}"
