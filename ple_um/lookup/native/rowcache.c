@@ -40,6 +40,7 @@
  * after it.
  */
 #include "rowcopy.h"
+#include "sanitize.h"
 
 #include <sched.h>
 
@@ -237,7 +238,9 @@ int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint32_t ways, uint8_t
         uint32_t before = load32(version_of(c, k));
         if (before & 1) break;
         if (load_tag(tag_of(c, k)) != id) continue;
+        PLE_RACY_READS_BEGIN(); /* a sequence lock's copy: used only when the version held (sanitize.h) */
         memcpy(dst, row_of(c, k), (size_t)c->rb);
+        PLE_RACY_READS_END();
         atomic_thread_fence(memory_order_acquire);
         if (__atomic_load_n(version_of(c, k), __ATOMIC_RELAXED) != before) break;
         uint32_t *m = meta_of(c, k);
