@@ -154,3 +154,16 @@ def test_a_bounded_read_stops_past_its_bound(tmp_path):
     os.symlink("/dev/zero", tmp_path / "zero")
     with pytest.raises(cache_folder.UnsafeCacheError, match="symbolic link"):
         cache_folder.read_private(str(tmp_path / "zero"), 100)
+
+
+def test_bench_refuses_a_cache_dir_that_is_a_file_before_any_work(tmp_path, capsys, monkeypatch):
+    """`ple-um bench` keeps its table in the cache folder: one that names a file is refused with the
+    other knobs (exit 2, the variable named), never a bare "Not a directory" mid-run."""
+    from helpers.cli import run
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(blocker))
+    code, out, err = run(capsys, "bench", "--size", "1MiB")
+    assert code == 2 and out == ""
+    assert f"environment variable PLE_UM_CACHE_DIR={str(blocker)!r}" in err and "is not a folder" in err
