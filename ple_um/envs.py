@@ -31,6 +31,7 @@ class Knob:
     default: Any
     doc: str
     aliases: tuple[str, ...] = ()
+    check_default: bool = False  # the default goes through ``parse`` too (it names a path to check)
 
     def raw(self) -> tuple[str, str] | None:
         """(variable name, text) of the first of name and aliases that is set, or None."""
@@ -43,7 +44,14 @@ class Knob:
     def value(self) -> Any:
         found = self.raw()
         if found is None:
-            return self.default() if callable(self.default) else self.default
+            default = self.default() if callable(self.default) else self.default
+            if not self.check_default:
+                return default
+            try:
+                return self.parse(default)
+            except ValueError as exc:
+                why = f"{self.name} is unset and its default {default!r} cannot be used: {exc}"
+                raise KnobError(why) from None
         var, text = found
         try:
             return self.parse(text)
@@ -242,10 +250,13 @@ KNOBS: dict[str, Knob] = {
         Knob("PLE_UM_STRICT", v.boolean, False, "raise IndexError for ids outside the table (synchronizes)"),
         Knob(
             "PLE_UM_CACHE_DIR",
-            v.directory,
+            v.cache_directory,
             lambda: os.path.join(os.path.expanduser("~"), ".cache", "ple-um"),
-            "where `ple-um bench` keeps its synthetic table, the compiled C row copy, and the "
-            "first-read verdicts (first-read/)",
+            "where `ple-um bench` keeps its synthetic table, the C row copy compiled at run time where "
+            "the installed one is missing (native/), the first-read verdicts (first-read/) and the "
+            "locks; made 0700, used only when it is this user's folder and no one else can write it "
+            "(one folder per user)",
+            check_default=True,
         ),
         Knob(
             "PLE_UM_FIRST_READ_CHECK",
@@ -355,7 +366,7 @@ def describe() -> list[dict[str, Any]]:
                 "default": default,
                 "doc": knob.doc,
                 "set": None if found is None else f"{found[0]}={found[1]}",
-                "invalid": None if found is None else knob.problem(),
+                "invalid": knob.problem() if found is not None or knob.check_default else None,
             }
         )
     return rows

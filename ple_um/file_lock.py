@@ -15,6 +15,8 @@ import os
 import time
 from collections.abc import Iterator
 
+from ple_um import cache_folder
+
 POLL_S = 0.02  # between tries while another process holds the lock
 
 
@@ -22,10 +24,15 @@ POLL_S = 0.02  # between tries while another process holds the lock
 def held(path: str, wait: float) -> Iterator[str | None]:
     """Hold an ``flock`` on ``path`` (made, with its folder, where it is not) while the block runs,
     having waited at most ``wait`` seconds for it. Yields None when it is held, else why not (the
-    file cannot be opened, or another process held it all along): the caller goes on without it."""
+    file cannot be opened, or another process held it all along): the caller goes on without it.
+    The folder and the file are trusted only when they are safe (``cache_folder``): a FIFO does
+    not block the open, a link is not followed (nor its target made)."""
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        cache_folder.private_folder(os.path.dirname(path) or ".")
+        fd = cache_folder.open_private(path, os.O_RDONLY | os.O_CREAT, 0o600)
+    except cache_folder.UnsafeCacheError as exc:
+        yield f"cannot open {path}: {exc}"
+        return
     except OSError as exc:
         yield f"cannot open {path}: {exc.strerror or exc}"
         return

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ple_um import cache_folder
+
 
 def boolean(text: str) -> bool:
     value = text.strip().lower()
@@ -77,6 +79,17 @@ def auto_or(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
 def directory(text: str) -> str:
     if not text.strip():
         raise ValueError("expected a directory, got an empty value")
+    return text
+
+
+def cache_directory(text: str) -> str:
+    """A folder ple-um may trust with what it caches: one that is there is a folder (not a link)
+    owned by this user that no one else can write; one that is not there can be made
+    (``cache_folder``)."""
+    directory(text)
+    why = cache_folder.why_unusable(text)
+    if why is not None:
+        raise ValueError(f"expected a folder of this user's that no one else can write: {why}")
     return text
 
 

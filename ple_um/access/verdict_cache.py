@@ -3,9 +3,14 @@
 The key names what decides whether a mode's first read works here: the device (UUID), the driver
 version, the kernel release, the mode and its kind of direct read, the filesystems that hold the
 table, and the ple-um version (with a digest of the kernels' source). A changed key is another
-file. A file that does not parse, is of another format or version, or was written for another key
-is ignored with a warning, never trusted. Writes go to a temporary file renamed over the old one
-(atomic), under an exclusive lock that also makes ranks starting at once run one child between them.
+file. A verdict is trusted only when everything about it says this user wrote it for this key:
+its folder is safe and it is a regular file of this user's that no one else can write, at most
+``MAX_BYTES`` long (``cache_folder``: a FIFO, a link or another user's file is not even read), and
+it parses as a record of this format and version, for this very key (machine, driver, kernel,
+filesystem, ple-um version), with a verdict, a reason for a rejection and a time. Anything else is
+ignored with a warning, never trusted: the mode's first read is checked again by its child. Writes
+go to a private temporary file (0600) renamed over the old one (atomic), under an exclusive lock
+that also makes ranks starting at once run one child between them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import socket
 import tempfile
 from collections.abc import Iterator
 
-from ple_um import envs, file_lock
+from ple_um import cache_folder, envs, file_lock
 from ple_um.access.capabilities import DeviceCapabilities
 from ple_um.access.probe import direct_read
 from ple_um.version import __version__
@@ -31,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "ple-um first-read verdict"
 FORMAT_VERSION = 1
+MAX_BYTES = 64 << 10  # a verdict is a few hundred bytes: a longer file is not one
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,9 +136,12 @@ def read_verdict(path: str, key: dict | None) -> dict | None:
     """The verdict stored at ``path`` for ``key`` (None: any key), or None when there is none or it
     cannot be trusted (then with a warning)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
+        cache_folder.check_folder(os.path.dirname(path))
+        record = json.loads(cache_folder.read_private(path, MAX_BYTES).decode("utf-8"))
     except FileNotFoundError:
+        return None
+    except cache_folder.UnsafeCacheError as exc:
+        logger.warning("ple-um: ignoring the first-read verdict file %s: not trusted: %s", path, exc)
         return None
     except (OSError, ValueError) as exc:
         logger.warning("ple-um: ignoring the first-read verdict file %s: unreadable: %s", path, exc)
@@ -145,14 +154,14 @@ def read_verdict(path: str, key: dict | None) -> dict | None:
 
 
 def write_verdict(path: str, record: dict) -> bool:
-    """Store ``record`` at ``path`` atomically (a temporary file in the same folder, renamed over the
-    old one): a reader sees the old file or the new one, never a part. False (and a warning) when
-    the folder cannot be written: the verdict then holds for this process only."""
+    """Store ``record`` at ``path`` atomically (a temporary file of mode 0600 in the same folder,
+    renamed over the old one): a reader sees the old file or the new one, never a part. False (and
+    a warning) when the folder cannot be written or is not safe (``cache_folder``): the verdict then
+    holds for this process only."""
     tmp = None
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        cache_folder.private_folder(os.path.dirname(path))
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the verdict from the machine's other users
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1, sort_keys=True)
             f.flush()

@@ -9,34 +9,45 @@ the one it copies (``torch.index_select`` copies row by row, about one miss in f
 are split in blocks over a pool of worker threads that stays up between lookups. A table may add a
 row cache (``host/row_cache.py``) and a reader of the rows it misses (``host/file_reads.py``).
 
-The C files are compiled once per machine with the system C compiler (``$CC``, else ``cc`` or
-``gcc``: Triton needs one too) into one library in the cache directory; where none is found or the
-build fails, ``load`` says why, and the ``cpu`` mode keeps its synchronous path (``sync_gather.py``).
+The C files are compiled at install time into one library inside the package (``setup.py``,
+``native_build.py``: hardened, warnings as errors). Where that library is missing (an install
+without a compiler), stale (built from other source) or refused (another interface), they are
+compiled at run time with the system C compiler (``$CC``, else ``cc`` or ``gcc``: Triton needs one
+too) into ``PLE_UM_CACHE_DIR/native/``, and a library found there is loaded only once checked: a
+regular file of this user's that no one else can write, in a safe folder (``cache_folder``), whose
+bytes are those its build recorded beside it. Every library's interface is checked before use
+(``ple_abi_version``, the source digest, the structs' sizes, every symbol). Where no library can
+be had, ``load`` says why, and the ``cpu`` mode keeps its synchronous path (``sync_gather.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from ple_um.lookup import native_library
 from ple_um.mapping import MappedShards
 
-NATIVE = Path(__file__).with_name("native")
-SOURCES = tuple(
-    NATIVE / name for name in ("rowcopy.c", "pool.c", "dispatcher.c", "rowcache.c", "reader.c", "uring.c")
+# abi.c's PLE_ABI_VERSION: the interface the declarations below are written for.
+ABI_VERSION = 2
+# The functions called through ctypes: name, argument types, result type.
+SIGNATURES = (
+    ("ple_abi_version", [], ctypes.c_int64),
+    ("ple_pool_start", [ctypes.c_int, ctypes.c_long], ctypes.c_int),
+    ("ple_pool_wake", [ctypes.c_void_p], None),
+    ("ple_lookup_run", [ctypes.c_void_p], None),
+    ("ple_dispatch_start", [], ctypes.c_int),
+    ("ple_dispatch_post", [ctypes.c_void_p], ctypes.c_int),
+    ("ple_struct_sizes", [], ctypes.c_int64),
+    ("ple_cache_ways", [], ctypes.c_int64),
+    ("ple_cache_set_head", [], ctypes.c_int64),
+    ("ple_uring_works", [], ctypes.c_int),
+    ("ple_reader_hold", [], None),
+    ("ple_reader_release", [], None),
 )
-HEADERS = (NATIVE / "rowcopy.h", NATIVE / "reader.h")
-FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 # How long idle workers spin after a lookup before they sleep: long enough to catch a lookup that
 # follows at once, short enough that a pool's threads do not burn their cores after every lookup
 # (a longer spin gains little back to back: docs/lab/PERF_NOTES.md).
@@ -144,65 +155,38 @@ class LookupStruct(ctypes.Structure):
     ]
 
 
-def _build(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
-    digest = hashlib.sha256()
-    for path in (*HEADERS, *SOURCES):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return None, "no C compiler found ($CC, cc, gcc)"
-    digest.update(" ".join((cc, *FLAGS, platform.machine())).encode())
-    target = Path(cache_dir) / "native" / f"rowcopy-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
+def _declare(lib: ctypes.CDLL) -> str | None:
+    """Declare the library's functions; None when its interface is the one declared here (every
+    symbol there, abi.c's version, the structs' sizes, the row cache's slots), else what differs."""
+    for name, argtypes, restype in SIGNATURES:
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                done = subprocess.run(
-                    [cc, *FLAGS, "-o", str(built), *map(str, SOURCES)],
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                )
-                if done.returncode != 0:
-                    return None, f"compiling {NATIVE} with {cc} failed: {done.stderr.strip()[-500:]}"
-                os.replace(built, target)  # atomic: another process may build the same file at once
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"compiling {NATIVE} with {cc} into {target.parent} failed: {exc}"
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        return None, f"loading {target} failed: {exc}"
-    for name, argtypes, restype in (
-        ("ple_pool_start", [ctypes.c_int, ctypes.c_long], ctypes.c_int),
-        ("ple_pool_wake", [ctypes.c_void_p], None),
-        ("ple_lookup_run", [ctypes.c_void_p], None),
-        ("ple_dispatch_start", [], ctypes.c_int),
-        ("ple_dispatch_post", [ctypes.c_void_p], ctypes.c_int),
-        ("ple_struct_sizes", [], ctypes.c_int64),
-        ("ple_cache_ways", [], ctypes.c_int64),
-        ("ple_cache_set_head", [], ctypes.c_int64),
-        ("ple_uring_works", [], ctypes.c_int),
-        ("ple_reader_hold", [], None),
-        ("ple_reader_release", [], None),
-    ):
-        fn = getattr(lib, name)
+            fn = getattr(lib, name)
+        except AttributeError:
+            return f"it has no {name}(): not a row copy of this interface"
         fn.argtypes, fn.restype = argtypes, restype
+    if lib.ple_abi_version() != ABI_VERSION:
+        return f"interface version {lib.ple_abi_version()}; this ple-um declares version {ABI_VERSION}"
     sizes = lib.ple_struct_sizes()
     declared = (RowsStruct, LookupStruct, ReaderStruct, CacheStruct)
     if [(sizes >> shift) & 0xFFFF for shift in (48, 32, 16, 0)] != [ctypes.sizeof(s) for s in declared]:
-        return None, f"{target}: the C structs do not match their ctypes declarations"
+        return "the C structs do not match their ctypes declarations"
     if (lib.ple_cache_ways(), lib.ple_cache_set_head()) != (CACHE_WAYS, CACHE_SET_HEAD):
-        return None, f"{target}: the C row cache's sets do not match CACHE_WAYS and CACHE_SET_HEAD"
-    return lib, f"C row copy ({target.name}, built with {cc})"
+        return "the C row cache's sets do not match CACHE_WAYS and CACHE_SET_HEAD"
+    return None
+
+
+def open_library(path: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """The row copy at ``path`` (a build of one's own: tests/native's sanitized one), once its
+    interface is checked; else None and why not."""
+    return native_library.open_library(path, _declare)
 
 
 def load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
-    """The compiled row copy (built once per machine, cached in ``cache_dir``) and what it is, or
-    None and why not."""
+    """The row copy and what it is: the library the install built, else one compiled at run time
+    into ``cache_dir`` (once per machine and source); or None and why not."""
     with _lock:
         if cache_dir not in _loaded:
-            _loaded[cache_dir] = _build(cache_dir)
+            _loaded[cache_dir] = native_library.find(cache_dir, _declare)
         return _loaded[cache_dir]
 
 

@@ -847,12 +847,12 @@ def test_sizing_goes_on_without_the_lock_where_it_cannot_be_had(tmp_path, monkey
     finally:
         os.close(fd)
     assert "still held by another process after 0 s" in caplog.text
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(blocker / "below"))
+    cache = tmp_path / "cache"
+    (cache / "row-cache.lock").mkdir(parents=True)  # a folder where the lock file should be
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(cache))
     with cold.one_sizing_at_a_time():
         pass
-    assert "row cache sized without" in caplog.text and "below" in caplog.text
+    assert "row cache sized without" in caplog.text and "row-cache.lock: Is a directory" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])

@@ -18,7 +18,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Layers, lowest first: checkpoint -> mapping -> access mode -> kernels -> lookup path -> op and
 # table -> open path -> what users run (the package's front, the CLI, the bench, the engines).
 LAYERS = (
-    ("ple_um.errors", "ple_um.units", "ple_um.version", "ple_um.knob_values", "ple_um.file_lock"),
+    (
+        "ple_um.errors",
+        "ple_um.units",
+        "ple_um.version",
+        "ple_um.cache_folder",
+        "ple_um.knob_values",
+        "ple_um.file_lock",
+    ),
     ("ple_um.envs",),
     ("ple_um.checkpoint",),
     ("ple_um.synthetic", "ple_um.mapping", "ple_um.residency"),

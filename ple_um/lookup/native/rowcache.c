@@ -54,6 +54,7 @@
  * and counters are taken a window of ids at once), which would hold back the reads after it.
  */
 #include "rowcopy.h"
+#include "sanitize.h"
 
 #include <sched.h>
 
@@ -283,7 +284,9 @@ int ple_cache_get(ple_cache_t *c, int64_t id, uint64_t h, uint32_t ways, uint8_t
         int64_t k = set * WAYS + w;
         if (__atomic_load_n(c->tags + k, __ATOMIC_RELAXED) != tag) continue;
         if (c->follower && !(__atomic_load_n(&s->follows, __ATOMIC_RELAXED) >> w & 1)) return 0;
+        PLE_RACY_READS_BEGIN(); /* a sequence lock's copy: used only when the version held (sanitize.h) */
         memcpy(dst, row_of(c, k), (size_t)c->rb);
+        PLE_RACY_READS_END();
         atomic_thread_fence(memory_order_acquire);
         if (__atomic_load_n(&s->version, __ATOMIC_RELAXED) != before) return 0;
         if (c->follower) return 1; /* the policy sees the access in the cache it follows */

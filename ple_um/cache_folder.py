@@ -1,0 +1,151 @@
+"""The cache folder (``PLE_UM_CACHE_DIR``) trusted only when it is safe, and its files opened only
+when they are what they should be.
+
+What ple-um keeps there decides what runs and how: the compiled row copy (``native/``), the
+first-read verdicts that let an open skip its child-process check (``first-read/``), the locks
+that put the ranks of one deployment in line. A folder anyone else can write lets them plant a
+library that runs as this user, or a verdict that skips a check; a file that is a FIFO, a device
+or a link makes an open hang, read without end, or create a file where the link points. So:
+
+- the folder and its subfolders are made 0700 and are used only when they are folders (not links)
+  owned by this user that no one else can write (``private_folder``);
+- a file in them is opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only when it is a regular
+  file owned by this user that no one else can write (``open_private``); a read is bounded
+  (``read_private``).
+
+Each check that fails raises ``UnsafeCacheError`` saying what is wrong; the callers then ignore
+what they found (a verdict is rechecked, a library rebuilt, a lock gone without) and say so. The
+folders above the cache folder are the user's choice and are not checked. docs/OPERATING.md says
+how several users share a machine (one cache folder each).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+
+class UnsafeCacheError(OSError):
+    """A cache folder or file that is not what ple-um may trust (the message says why)."""
+
+
+def _why_unsafe(st: os.stat_result, kind: str) -> str | None:
+    """Why a file of ``st`` cannot be trusted as a ``kind`` ("folder" or "file"), or None."""
+    is_kind = stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISREG(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not is_kind:
+        return f"is not a {'folder' if kind == 'folder' else 'regular file'} ({_kind_of(st.st_mode)})"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"can be written by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return name
+    return "an unknown kind of file"
+
+
+def why_unusable(path: str) -> str | None:
+    """Why ``path`` cannot be a cache folder (it exists and is not a safe folder, or it cannot be
+    made because a file is in the way), or None: the knob's check, which makes nothing."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            return f"{parent} is not a folder, so {path} cannot be made"
+        return None
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    why = _why_unsafe(st, "folder")
+    return None if why is None else f"{path} {why}"
+
+
+def check_folder(path: str) -> None:
+    """Raise UnsafeCacheError unless ``path`` is a folder (not a link) owned by this user that no
+    one else can write (FileNotFoundError where it is not there); makes nothing."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise UnsafeCacheError(f"cannot use the cache folder {path}: {exc.strerror or exc}") from None
+    why = _why_unsafe(st, "folder")
+    if why is not None:
+        raise UnsafeCacheError(f"the cache folder {path} {why}")
+
+
+def private_folder(path: str) -> str:
+    """``path``, made (0700, with its missing parents) where it is not, once checked to be a
+    folder, not a link, owned by this user and written by no one else; else UnsafeCacheError."""
+    missing = []
+    at = os.path.abspath(path)
+    while not os.path.lexists(at):
+        missing.append(at)
+        at = os.path.dirname(at)
+    try:
+        for folder in reversed(missing):  # each made 0700 (os.makedirs gives parents the umask's mode)
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:  # made by another process meanwhile: checked below like any
+                pass
+    except OSError as exc:
+        raise UnsafeCacheError(f"cannot make the cache folder {path}: {exc.strerror or exc}") from None
+    check_folder(path)
+    return path
+
+
+def open_private(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """A descriptor of ``path`` (a file in a cache folder), opened without following a link and
+    without blocking (a FIFO does not hang the open), once checked to be a regular file owned by
+    this user and written by no one else; else UnsafeCacheError (FileNotFoundError where it is not
+    there and ``flags`` has no O_CREAT)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW: the last part of the path is a symbolic link
+            raise UnsafeCacheError(f"{path} is a symbolic link") from None
+        raise UnsafeCacheError(f"{path}: {exc.strerror or exc}") from None
+    why = _why_unsafe(os.fstat(fd), "file")
+    if why is not None:
+        os.close(fd)
+        raise UnsafeCacheError(f"{path} {why}")
+    return fd
+
+
+def read_private(path: str, limit: int) -> bytes:
+    """The bytes of ``path`` (``open_private``), at most ``limit`` of them: a longer file raises
+    UnsafeCacheError, having read no more than ``limit + 1`` bytes."""
+    fd = open_private(path)
+    try:
+        parts, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            parts.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(parts)
+    if len(data) > limit:
+        raise UnsafeCacheError(f"{path} is larger than the {limit} bytes it may be")
+    return data

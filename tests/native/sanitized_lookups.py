@@ -1,0 +1,121 @@
+"""Lookups through a sanitized build of the row copy (run by test_sanitizers.py, in a process whose
+sanitizer runtime is preloaded): ``python sanitized_lookups.py LIBRARY CHECKPOINT_DIR``.
+
+What runs in C: the row copy (rowcopy.c) over a mapping and through a row cache small enough to
+evict all the time (rowcache.c, its slots rewritten while other threads copy them), the reader of
+misses (reader.c: io_uring where this kernel gives a ring, and its threads), the pool's workers
+(pool.c) splitting each lookup, and the dispatcher thread (dispatcher.c) running posted lookups at
+the same time as the ones this thread runs. One Python thread: the threads that race are the C
+code's own (Python's, not built for the sanitizer, would be reported without the GIL's ordering).
+Every row is checked against the reference read from the files; the exit code is 0 only when all
+were exact (a sanitizer that finds a fault ends the process first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+from helpers.reference import reference_rows  # noqa: E402
+from helpers.rowcopy_jobs import boundary_ids, make_job  # noqa: E402
+
+from ple_um.checkpoint import read_layout  # noqa: E402
+from ple_um.lookup import rowcopy  # noqa: E402
+from ple_um.lookup.host.file_reads import FileReader, choose_strategy  # noqa: E402
+from ple_um.lookup.host.row_cache import WAYS, RowCache  # noqa: E402
+from ple_um.mapping import MappedShards  # noqa: E402
+
+LOOKUPS, BATCH = 8, 600
+
+
+def main(library: str, directory: str) -> int:
+    lib, why = rowcopy.open_library(library)
+    if lib is None:
+        print(f"cannot use {library}: {why}", file=sys.stderr)
+        return 2
+    layout = read_layout(directory, 1)
+    owned = (layout.rows_per_shard // 2, layout.num_rows - 3)
+    pool = rowcopy.Pool(lib, 4)
+    bad: list[str] = []
+    with MappedShards(layout, owned) as mapping:
+        strategy, _ = choose_strategy(lib, "auto")
+        reader = FileReader(mapping, strategy=strategy, direct=False, depth=8)
+        counts = rowcopy.Counts()
+        # 64 slots for ~2 000 rows, admitting every row: evictions all along, slots rewritten while
+        # other threads copy them (the sequence lock's race).
+        cache = RowCache(4 * WAYS, layout.row_bytes, counts, policy="lru")
+        try:
+            if lib.ple_dispatch_start() != 1:
+                raise SystemExit("the dispatcher did not start")
+            tables = {
+                "mapped": rowcopy.Rows(mapping),
+                "cached": rowcopy.Rows(mapping, cache=cache, reader=reader),
+                "read": rowcopy.Rows(mapping, reader=reader),
+            }
+
+            rng = np.random.default_rng(1)
+            for k in range(LOOKUPS):
+                posted = post(lib, tables["cached"], counts, layout, owned, rng)  # runs meanwhile
+                for name, rows in tables.items():
+                    ids_np = np.concatenate(
+                        [
+                            boundary_ids(layout, rng, BATCH // 2, owned),
+                            rng.integers(owned[0], owned[0] + 200, BATCH // 2),
+                        ]
+                    )  # the hot half: hits, and puts into few sets
+                    ids = torch.from_numpy(ids_np)
+                    out = torch.full((ids.numel(), layout.row_bytes), 0xA5, dtype=torch.uint8)
+                    job = make_job([rows], ids, [out], counts, threads=pool.threads, inline_rows=0)
+                    lib.ple_lookup_run(ctypes.addressof(job))
+                    if job.busy or not np.array_equal(out.numpy(), reference_rows(layout, ids_np, owned)):
+                        bad.append(f"lookup {k} ({name}): rows differ")
+                bad += finish(posted, layout, owned)
+        finally:
+            reader.close()
+            cache.close()
+    if counts.read()["cache_hits"] == 0 or counts.read()["cache_evictions"] == 0:
+        bad.append(f"the row cache was not exercised: {counts.read()}")
+    for line in bad:
+        print(line, file=sys.stderr)
+    print(f"{LOOKUPS * 5} lookups, {len(bad)} wrong; counts {counts.read()}")
+    return 1 if bad else 0
+
+
+def post(lib, rows, counts, layout, owned, rng) -> list:
+    """Two lookups posted to the dispatcher thread, ready at once: it runs them while this thread
+    runs its own."""
+    posted = []
+    for _ in range(2):
+        ids_np = boundary_ids(layout, rng, BATCH, owned)
+        ids = torch.from_numpy(ids_np)
+        out = torch.full((ids.numel(), layout.row_bytes), 0x5A, dtype=torch.uint8)
+        words = np.zeros(32, dtype=np.uint32)
+        words[0] = 1  # the ready word, as the stream writes it once the ids are in place
+        job = make_job([rows], ids, [out], counts, threads=2, inline_rows=0)
+        job.seq, job.ready, job.done = 1, words.ctypes.data, words.ctypes.data + 64
+        assert lib.ple_dispatch_post(ctypes.addressof(job)) == 0
+        posted.append((job, ids, ids_np, out, words))
+    return posted
+
+
+def finish(posted, layout, owned) -> list[str]:
+    bad = []
+    deadline = time.monotonic() + 120
+    for k, (job, _, ids_np, out, words) in enumerate(posted):
+        while job.busy and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if job.busy or int(words[16]) != 1:
+            bad.append(f"dispatched lookup {k} never finished")
+        elif not np.array_equal(out.numpy(), reference_rows(layout, ids_np, owned)):
+            bad.append(f"dispatched lookup {k}: rows differ")
+    return bad
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
