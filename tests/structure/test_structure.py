@@ -21,7 +21,7 @@ LAYERS = (
     ("ple_um.errors", "ple_um.units", "ple_um.version", "ple_um.knob_values", "ple_um.file_lock"),
     ("ple_um.envs",),
     ("ple_um.checkpoint",),
-    ("ple_um.synthetic", "ple_um.mapping"),
+    ("ple_um.synthetic", "ple_um.synthetic_engram", "ple_um.mapping"),
     ("ple_um.access",),
     ("ple_um.kernels",),
     ("ple_um.lookup",),
