@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.reference import reference_rows, safetensors_table, write_raw, write_safetensors
+from helpers.vllm_engram import engram_module
 
 from ple_um.checkpoint.engram import find_engram_layers, read_engram_layout
 from ple_um.checkpoint.engram_geometry import EngramGeometry
@@ -69,7 +70,7 @@ def test_geometry_matches_the_tables_and_maps_heads_to_rows(tmp_path):
 
 
 def test_geometry_equals_vllms_engram_layout():
-    engram = pytest.importorskip("vllm.models.deepseek_v41.common.engram")
+    engram = engram_module()
     config = type("Config", (), dict(TINY, engram_compressed_vocab_size=100, engram_pad_token_id=0))
     theirs = engram.EngramLayout(config)
     ours = EngramGeometry.from_config(TINY)
