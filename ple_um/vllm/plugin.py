@@ -2,8 +2,9 @@
 
 vLLM calls ``register()`` in every process it starts, possibly more than once. With ``PLE_UM=1``
 (alias ``VLLM_PLE_MMAP=1``) it patches this platform's ``Qwen4ExpNGramEmbedding`` so Qwen4Exp PLE
-layers serve their n-gram table with ple-um (see ``ple_um.vllm.patch``); otherwise it imports
-nothing from vLLM and patches nothing.
+layers serve their n-gram table with ple-um (see ``ple_um.vllm.patch``), and DeepSeek-V4.1's
+``Engram._create_embedding`` so its Engram tables are served from the files too
+(``ple_um.vllm.engram``); otherwise it imports nothing from vLLM and patches nothing.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ def register() -> None:
     """Apply the patch when PLE_UM is set; idempotent."""
     if not envs.PLE_UM:
         return
+    from ple_um.vllm import engram
     from ple_um.vllm.patch import apply, logger
 
     log_through_vllm()
-    patched = apply()
+    patched = apply() + engram.apply()
     if patched:
         logger.info(
-            "ple-um: PLE_UM is set: Qwen4Exp PLE tables are served from the checkpoint files (%s)",
+            "ple-um: PLE_UM is set: PLE and Engram tables are served from the checkpoint files (%s)",
             ", ".join(patched),
         )
 
