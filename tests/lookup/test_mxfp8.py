@@ -176,3 +176,39 @@ def test_self_test_covers_both_tensors(engram):
             why = table.self_test(64)
             assert why is not None and re.fullmatch(r"self-test: 1 of \d+ sample rows differ .*", why), why
             copy[0] ^= 0x10
+
+
+def test_a_ranks_heads_through_the_row_cache_and_the_reader(tmp_path, rng, monkeypatch):
+    """TP2's rank 1 of a layer whose 8 heads own prime ranges: only its heads' rows are mapped, and
+    the cpu mode's row cache (rows of 64 B with 2 B of scales beside them) and reader of misses
+    give the files' rows and nothing outside them."""
+    from ple_um.checkpoint import EngramGeometry
+
+    config = {
+        "engram_layer_ids": [3],
+        "engram_max_ngram_size": 3,
+        "engram_n_heads": 4,
+        "engram_head_dim": 64,
+        "engram_vocab_size": 300,
+        "engram_num_embeddings": [2700],
+    }
+    geometry = EngramGeometry.from_config(config)
+    layout = write_engram_checkpoint(
+        tmp_path, tables={3: 2700}, head_dim=64, seed=int(rng.integers(1 << 30))
+    )[3]
+    rows = geometry.head_rows(3, 4, 8)
+    assert 0 < rows[0] < rows[1] < layout.num_rows
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "64KiB")
+    with ple_um.open_engram_table(tmp_path, rows=rows, geometry=geometry, mode="cpu", device="cpu") as table:
+        assert table.rows == rows and table.stats()["row_cache"] is not None
+        assert table.mapping.mapped_bytes < layout.num_rows * 64  # only this rank's heads
+        for _ in range(3):
+            ids = _ids(layout, rng, 900, rows)
+            values, scales = table.lookup_packed(torch.from_numpy(ids))
+            assert np.array_equal(values.numpy(), reference_rows(layout, ids, rows=rows))
+            assert np.array_equal(scales.numpy(), reference_rows(layout.scale_layout(), ids, rows=rows))
+            got = table.lookup(torch.from_numpy(ids), out_dtype=torch.bfloat16)
+            want = reference_mxfp8(layout, ids, rows=rows, out_dtype=torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        stats = table.stats()
+        assert stats["row_cache"]["hits"] > 0 and stats["file_reads"] > 0
