@@ -10,7 +10,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from helpers.reference import decode_e4m3, reference_rows
+from helpers.mxfp8 import reference_mxfp8
+from helpers.reference import reference_rows
 from helpers.vllm_engram import engram_module
 
 import ple_um
@@ -28,15 +29,6 @@ def engram(tmp_path_factory):
     return write_engram_checkpoint(tmp_path_factory.mktemp("engram"), tables={7: 1500}, head_dim=64, seed=5)[
         7
     ]
-
-
-def reference_mxfp8(layout, ids, rows=None, out_dtype=torch.float32) -> torch.Tensor:
-    """Each id's row decoded from the files: E4M3 values times the float32 whose bits are e << 23."""
-    values = decode_e4m3(reference_rows(layout, ids, rows))
-    exponents = reference_rows(layout.scale_layout(), ids, rows).astype(np.uint32)
-    scales = (exponents << np.uint32(23)).view(np.float32)
-    decoded = values.reshape(len(values), -1, 32) * scales[:, :, None]
-    return torch.from_numpy(decoded.reshape(len(values), -1)).to(out_dtype)
 
 
 def vllm_lookup(weight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
