@@ -44,3 +44,19 @@ def engram_module():
     if not hasattr(module._engram_lookup_kernel, "__getitem__"):
         pytest.fail("vLLM was imported before tests/helpers/vllm_engram.py could keep its Triton real")
     return module
+
+
+def as_on_a_gpu(
+    stock: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, hashes: torch.Tensor
+) -> torch.Tensor:
+    """vLLM's stock Engram rows of ``hashes`` (global row ids) as a GPU gives them: under the Triton
+    interpreter vLLM's ``.to(tl.bfloat16)`` truncates, and mangles float32 subnormals, so where a
+    product ``e4m3 * 2**(e-127)`` is a float32 subnormal its round-to-nearest-even BF16 is put in
+    (a normal product is exact in BF16, where truncation and rounding agree). Every other element
+    is stock's own; fewer than one in ten are replaced."""
+    ids = hashes.long()
+    exponents = scales.view(torch.uint8)[ids].to(torch.int32) << 23
+    exact = weight[ids].float() * exponents.view(torch.float32).repeat_interleave(32, dim=-1)
+    subnormal = (exact != 0) & (exact.abs() < 2.0**-126)
+    assert int(subnormal.sum()) < exact.numel() // 10
+    return torch.where(subnormal, exact.to(torch.bfloat16), stock)

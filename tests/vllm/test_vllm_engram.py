@@ -1,18 +1,22 @@
 """DeepSeek-V4.1's Engram tables through the plugin (``ple_um.vllm.engram``): vLLM 0.33's real
 ``ParallelEngramEmbedding`` (stock: its own table, its own Triton lookup under the interpreter)
 against ple-um's, both made by vLLM's real ``Engram._create_embedding`` from the same synthetic
-checkpoint, bit for bit, on the CPU (TP 1, gloo); loading reads no byte of the table (the tensors
-handed over live on the meta device); unsupported layouts refused at build with the reason."""
+checkpoint, bit for bit, on the CPU: TP 1 in this process, TP 2 and 4 as processes of one gloo
+world (``engram_rank_worker.py``). Loading reads no byte of the table (the tensors handed over live
+on the meta device); unsupported layouts are refused at build with the reason."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 
 import numpy as np
 import pytest
 import torch
 import vllm_harness
-from helpers.vllm_engram import engram_module
+from helpers.vllm_engram import as_on_a_gpu, engram_module
 
 from ple_um.synthetic_engram import write_engram_checkpoint
 
@@ -103,18 +107,6 @@ def _hashes(layout, index, rng, tokens):
     return torch.from_numpy((np.stack(cols, axis=1) + starts).astype(np.int32))
 
 
-def _as_on_a_gpu(stock: torch.Tensor, weight, scales, hashes) -> torch.Tensor:
-    """Stock's rows, but where a product is a float32 subnormal, its round-to-nearest-even BF16:
-    under the interpreter vLLM's ``.to(tl.bfloat16)`` truncates those (tests/lookup/test_mxfp8.py;
-    a GPU rounds to nearest even). Every other element is stock's own."""
-    ids = hashes.long()
-    exponents = scales.view(torch.uint8)[ids].to(torch.int32) << 23
-    exact = weight[ids].float() * exponents.view(torch.float32).repeat_interleave(32, dim=-1)
-    subnormal = (exact != 0) & (exact.abs() < 2.0**-126)
-    assert int(subnormal.sum()) < exact.numel() // 10
-    return torch.where(subnormal, exact.to(torch.bfloat16), stock)
-
-
 @pytest.mark.parametrize("index", [0, 1])
 def test_ple_um_rows_equal_stock_bit_for_bit(engram_world, monkeypatch, checkpoint, rng, index):
     from ple_um.vllm.engram import MappedEngramEmbedding
@@ -139,7 +131,7 @@ def test_ple_um_rows_equal_stock_bit_for_bit(engram_world, monkeypatch, checkpoi
     )
     assert ours.weight.numel() == 0 and ours.weight_scale_inv.numel() == 0
     hashes = _hashes(layout, index, rng, 50)
-    want = _as_on_a_gpu(stock(hashes), weight, scales, hashes)
+    want = as_on_a_gpu(stock(hashes), weight, scales, hashes)
     got = ours(hashes)
     assert got.shape == want.shape == (50, 8, DIM) and got.dtype == torch.bfloat16
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -178,3 +170,49 @@ def test_unsupported_parallel_layouts_are_refused_at_build(engram_world, monkeyp
         engram.geometry_of(layout), 2, cpu_offload=True, dp_shared_memory=True
     )
     assert shared.dp_size == 1 and shared.cpu_offload
+
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engram_rank_worker.py")
+
+
+def _run_ranks(tmp, checkpoint, world_size: int) -> list[dict]:
+    """``engram_rank_worker.py`` as ``world_size`` processes of one gloo world; each rank's report."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (vllm_harness.REPO, env.get("PYTHONPATH")) if p)
+    env.pop("PLE_UM_DIR", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(rank), str(world_size), str(tmp), str(checkpoint)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=900)[0])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:]}"
+    return [torch.load(os.path.join(tmp, f"rank{rank}.pt")) for rank in range(world_size)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tp_ranks_each_map_their_heads_and_gather_stocks_rows(tmp_path, checkpoint, world_size):
+    reports = _run_ranks(tmp_path, checkpoint, world_size)
+    for layer in LAYERS:
+        runs = [r["layers"][layer] for r in reports]
+        heads = [run["heads"] for run in runs]
+        per = 8 // world_size
+        assert heads == [(k * per, (k + 1) * per) for k in range(world_size)]
+        for run in runs:
+            assert tuple(run["table_rows"]) == tuple(run["stock_rows"])
+            assert run["shape"] == (60, 8, DIM) and run["equal"] and run["nonzero"]
+        ends = [run["table_rows"] for run in runs]
+        assert all(a[1] == b[0] for a, b in zip(ends, ends[1:], strict=False)) and ends[0][0] == 0
