@@ -18,11 +18,16 @@ def register() -> None:
     """Apply the patch when PLE_UM is set; idempotent."""
     if not envs.PLE_UM:
         return
-    from ple_um.vllm import engram
     from ple_um.vllm.patch import apply, logger
 
     log_through_vllm()
-    patched = apply() + engram.apply()
+    patched = apply()
+    try:
+        from ple_um.vllm import engram
+    except ImportError as exc:  # a vLLM without DeepSeek-V4.1's Engram module: PLE tables only
+        logger.debug("ple-um: DeepSeek-V4.1 Engram tables not patched: %s", exc)
+    else:
+        patched += engram.apply()
     if patched:
         logger.info(
             "ple-um: PLE_UM is set: PLE and Engram tables are served from the checkpoint files (%s)",
