@@ -9,7 +9,7 @@ contract.
 from ple_um import synthetic
 from ple_um.access.probe import ProbeReport
 from ple_um.errors import CheckpointError, ModeUnavailableError, PleUmError, TableClosedError
-from ple_um.opening import open_table, probe
+from ple_um.opening import open_engram_table, open_table, probe
 from ple_um.table import MappedTable
 from ple_um.version import __version__
 
@@ -21,6 +21,7 @@ __all__ = [
     "PleUmError",
     "ProbeReport",
     "TableClosedError",
+    "open_engram_table",
     "open_table",
     "probe",
     "synthetic",

@@ -19,7 +19,7 @@ import torch
 
 from ple_um import envs
 from ple_um.access.first_read import MARK, STAGES
-from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
 from ple_um.verify import read_file_rows
 
 _now = {"stage": "import"}  # the child's stage, for the reason of an error it reports
@@ -72,17 +72,19 @@ def _child_main(spec: dict) -> int:
     _say("stage", "import")
     import numpy as np
 
-    from ple_um.opening import open_table  # the public API, as any user opens a table
+    from ple_um.opening import open_engram_table, open_table  # the public API, as any user opens a table
 
     fault = envs.PLE_UM_FIRST_READ_FAULT
-    layout = read_layout(spec["directory"], spec["layer"])
-    parts = [layout, layout.scale_layout()] if layout.is_nvfp4 else [layout]
+    engram = spec.get("engram", False)  # a DeepSeek-V4.1 Engram table, not a PLE one
+    layout = (read_engram_layout if engram else read_layout)(spec["directory"], spec["layer"])
+    opener = open_engram_table if engram else open_table
+    parts = [layout, layout.scale_layout()] if layout.has_block_scales else [layout]
     rows = 0
     for lo, hi in spec["windows"]:
         for part in parts:
             _evict(part, (lo, hi))
         _say("stage", "open")
-        with open_table(
+        with opener(
             layout.directory, layer=layout.layer, rows=(lo, hi), mode=spec["mode"], device=spec["device"]
         ) as table:
             # The window's rows and two on each side, which the table does not own: zeros.
@@ -90,7 +92,7 @@ def _child_main(spec: dict) -> int:
             ids = torch.from_numpy(ids_np).to(table.device)
             _say("stage", "gather")
             _inject(fault)
-            if layout.is_nvfp4:
+            if layout.has_block_scales:
                 packed, scales = table.lookup_packed(ids)
                 got = torch.cat([packed.view(torch.uint8), scales.view(torch.uint8)], dim=1)
             else:

@@ -27,7 +27,7 @@ from ple_um.access import first_read, machine
 from ple_um.access.build import ModeAccess
 from ple_um.access.capabilities import DeviceCapabilities, resolve_device
 from ple_um.access.probe import ProbeReport, decide, pin_budget, requested_mode
-from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.checkpoint import EngramGeometry, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import KnobError, ModeUnavailableError, TableClosedError
 from ple_um.lookup.host.signals import StreamBlockedError
 from ple_um.lookup.paths import build_paths
@@ -142,7 +142,30 @@ def open_table(
     # read by requested_mode, and only when no mode is given).
     envs.check(skip=("PLE_UM_MODE",))
     forced = requested_mode(mode)
-    layout = read_layout(os.fspath(path), layer)
+    return _open(read_layout(os.fspath(path), layer), rows, forced, device, strict, t0)
+
+
+def open_engram_table(
+    path: str | os.PathLike,
+    *,
+    layer: int | None = None,
+    rows: tuple[int, int] | None = None,
+    geometry: EngramGeometry | None = None,
+    mode: str = "auto",
+    device=None,
+    strict: bool | None = None,
+) -> MappedTable:
+    """Open one DeepSeek-V4.1 Engram table (``layer``: the model layer id in the tensors' names;
+    None: the only one) from the checkpoint directory ``path``, checked against ``geometry`` where
+    given; ``rows``: the owned rows (a rank's heads: ``geometry.head_rows``). Its rows decode as
+    MXFP8 (``lookup`` with a float out) or come raw with their E8M0 scales (``lookup_packed``)."""
+    t0 = time.perf_counter()
+    envs.check(skip=("PLE_UM_MODE",))
+    forced = requested_mode(mode)
+    return _open(read_engram_layout(os.fspath(path), layer, geometry), rows, forced, device, strict, t0)
+
+
+def _open(layout: ShardLayout, rows, forced: str, device, strict: bool | None, t0: float) -> MappedTable:
     owned = _owned_rows(rows, layout.num_rows)
     dev = resolve_device(device)
     caps = machine.capabilities(dev)
@@ -196,7 +219,7 @@ class _Builds:
         self.scale_mapping = None
         self.mapping = MappedShards(layout, owned)
         try:
-            if layout.is_nvfp4:
+            if layout.has_block_scales:
                 self.scale_mapping = MappedShards(layout.scale_layout(), owned)
         except BaseException:
             self.mapping.close()

@@ -68,7 +68,7 @@ class ServedTable:
         start, end = table.rows
         layout = table.layout
         row = f"{layout.row_bytes} B per row"
-        if layout.is_nvfp4:
+        if layout.has_block_scales:
             row = f"{layout.row_bytes} B + {layout.row_dim // layout.block_size} B of block scales per row"
         line = "ple-um: %s served from %s in the %s mode: rows [%d, %d) of %d, %s, %s, capture-safe=%s"
         args = (prefix, layout.directory, table.mode, start, end, table.num_rows)

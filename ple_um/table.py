@@ -23,7 +23,7 @@ import torch
 from ple_um import dropped, metrics, ops, verify
 from ple_um.access.build import ModeAccess
 from ple_um.access.probe import ProbeReport
-from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout
+from ple_um.checkpoint import ShardLayout
 from ple_um.errors import TableClosedError
 from ple_um.lookup.paths import LookupPaths
 from ple_um.mapping import MappedShards
@@ -159,10 +159,10 @@ class MappedTable:
         return out
 
     def packed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """NVFP4: the packed rows and block scales of flat ``ids`` (uint8 [n, row_bytes], [n, D/16])."""
-        n = ids.numel()
-        packed = torch.empty((n, self.layout.row_bytes), dtype=torch.uint8, device=self.device)
-        scales = torch.empty((n, self.row_dim // NVFP4_BLOCK), dtype=torch.uint8, device=self.device)
+        """NVFP4, MXFP8: the raw rows and block scales of flat ``ids`` (uint8 [n, row_bytes], [n, D/B])."""
+        n, layout = ids.numel(), self.layout
+        packed = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=self.device)
+        scales = torch.empty((n, self.row_dim // layout.block_size), dtype=torch.uint8, device=self.device)
         (self.paths.host if self.paths.decode_on_host else self.paths.gpu).gather_packed(ids, packed, scales)
         return packed, scales
 
@@ -236,21 +236,21 @@ class MappedTable:
             self._leave()
 
     def lookup_packed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """NVFP4: the raw rows of ``ids`` for callers that decode themselves: packed bytes
-        ``ids.shape + (row_dim // 2,)`` (uint8) and block scales ``ids.shape + (row_dim // 16,)``
-        (float8_e4m3fn); zeros outside the owned range and the table."""
+        """NVFP4, MXFP8: the raw rows of ``ids`` for callers that decode themselves. NVFP4: packed
+        bytes ``ids.shape + (row_dim // 2,)`` (uint8) and block scales ``(row_dim // 16,)`` (E4M3);
+        MXFP8: E4M3 bytes ``(row_dim,)`` and E8M0 exponents ``(row_dim // 32,)``, both uint8. Zeros
+        outside the owned range and the table."""
         if self._closed:
             raise TableClosedError("the table is closed")
         if self.scale_mapping is None:
-            raise TypeError("lookup_packed() is for NVFP4 tables; use lookup()")
+            raise TypeError("lookup_packed() is for NVFP4 and MXFP8 tables; use lookup()")
         check_ids(ids)
         flat = ids.to(self.device).reshape(-1).contiguous()
         with self._in_use():
             packed, scales = self.packed(flat)
-        return (
-            packed.view(*ids.shape, packed.shape[1]),
-            scales.view(torch.float8_e4m3fn).view(*ids.shape, scales.shape[1]),
-        )
+        if self.layout.is_nvfp4:
+            scales = scales.view(torch.float8_e4m3fn)
+        return packed.view(*ids.shape, packed.shape[1]), scales.view(*ids.shape, scales.shape[1])
 
     def prefetch(self, ids) -> Future:
         """Start bringing ``ids``' rows into memory from CPU threads, a hint (``LookupPaths.
@@ -393,7 +393,7 @@ def check_args(table: MappedTable, ids, out: torch.Tensor | None, out_dtype) -> 
 def _refuse_dtype(table: MappedTable, out_dtype) -> None:
     if table.scale_mapping is not None:
         raise TypeError(
-            "an NVFP4 table decodes its rows: pass out_dtype (bf16, f16 or f32) or a float out=, "
-            "or use lookup_packed() for the packed bytes and block scales"
+            f"an {table.layout.dtype_name} table decodes its rows: pass out_dtype (bf16, f16 or f32) "
+            "or a float out=, or use lookup_packed() for the raw bytes and block scales"
         )
     raise TypeError(f"out_dtype must be {table.dtype} (raw) or one of bf16, f16, f32; got {out_dtype}")

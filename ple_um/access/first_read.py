@@ -179,6 +179,7 @@ def run_child(
     spec = {
         "directory": layout.directory,
         "layer": layout.layer,
+        "engram": layout.is_mxfp8,
         "mode": mode,
         "device": str(device),
         "windows": [list(w) for w in windows],

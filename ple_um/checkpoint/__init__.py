@@ -4,8 +4,12 @@
 through ``safetensors``, ``header_json`` and ``files``), ``naming`` knows the tensors' names,
 ``validation`` checks them (``global_scale`` reads a table's scale), and ``shard_layout`` is the
 data model and the storage formats (``NVFP4_BLOCK``: the values per NVFP4 block scale).
+``engram`` reads a DeepSeek-V4.1 Engram table (MXFP8, one unsplit shard) into the same ShardLayout,
+checked against the config's geometry (``engram_geometry``).
 """
 
+from ple_um.checkpoint.engram import find_engram_layers, read_engram_layout
+from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.files import FileIdentity, check_identity
 from ple_um.checkpoint.layout import (
     ShardLayout,
@@ -16,17 +20,21 @@ from ple_um.checkpoint.layout import (
     read_layout,
     validate,
 )
-from ple_um.checkpoint.shard_layout import NVFP4_BLOCK
+from ple_um.checkpoint.shard_layout import MXFP8_BLOCK, NVFP4_BLOCK
 
 __all__ = [
-    "NVFP4_BLOCK",
+    "EngramGeometry",
     "FileIdentity",
+    "MXFP8_BLOCK",
+    "NVFP4_BLOCK",
     "ShardLayout",
     "ShardSpec",
     "check_identity",
     "check_shape",
     "directory_from_knob",
+    "find_engram_layers",
     "find_layers",
+    "read_engram_layout",
     "read_layout",
     "validate",
 ]

@@ -7,6 +7,10 @@ one global scale. NVFP4 tables (vLLM's ``Qwen4ExpPLENvFp4EmbeddingMethod``) stor
 ``[rows_i, D/2]`` of packed E2M1 values (two per byte, the even element in the low nibble), next to
 each one its E4M3 block scales ``[rows_i, D/NVFP4_BLOCK]``, and one global scale. ``naming`` has
 the tensors' names.
+
+A DeepSeek-V4.1 Engram table (``engram``) is one unsplit shard: FP8 E4M3 rows ``[rows, D]`` and,
+as its block scales, E8M0 exponent bytes ``[rows, D/MXFP8_BLOCK]`` (the MXFP8 format: a value is
+``e4m3 * 2**(e - 127)``), with no global scale.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ NVFP4 = "NVFP4"  # dtype_name of an NVFP4 table (U8 shards)
 NVFP4_STORAGE = "U8"
 NVFP4_BLOCK = 16  # values per E4M3 block scale, as the NVFP4 format defines it
 NVFP4_SCALE_DTYPE = "F8_E4M3"
+MXFP8 = "MXFP8"  # dtype_name of an Engram table: E4M3 rows with E8M0 block scales
+MXFP8_BLOCK = 32  # values per E8M0 block scale
+MXFP8_SCALE_DTYPE = "U8"  # E8M0 exponent bytes, mapped as raw bytes
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,7 @@ class ShardLayout:
 
     directory: str
     layer: int
-    dtype_name: str  # safetensors dtype: F8_E4M3, F8_E5M2, BF16, F16; or NVFP4 (U8 shards)
+    dtype_name: str  # safetensors dtype: F8_E4M3, F8_E5M2, BF16, F16; NVFP4 (U8 shards); MXFP8
     dtype: torch.dtype  # the matching torch dtype (torch.uint8, the packed bytes, for NVFP4)
     row_dim: int  # elements per row (logical values for NVFP4: twice the packed bytes)
     row_bytes: int  # bytes per row (packed: row_dim // 2 for NVFP4)
@@ -60,9 +67,9 @@ class ShardLayout:
     shards: tuple[ShardSpec, ...]  # all parts, in index order
     scale: float | None  # the global FP8 scale, or NVFP4's weight_scale_2 (None for 16-bit tables)
     scale_tensor: str | None  # its tensor name
-    # NVFP4 only: each shard's block scales (E4M3 [rows, row_dim // NVFP4_BLOCK]), in the order and
-    # with the rows of ``shards``; and the values per block scale (NVFP4_BLOCK). Empty and 0 for
-    # other dtypes.
+    # NVFP4 and MXFP8 only: each shard's block scales (NVFP4: E4M3 [rows, row_dim // NVFP4_BLOCK];
+    # MXFP8: E8M0 bytes [rows, row_dim // MXFP8_BLOCK]), in the order and with the rows of
+    # ``shards``; and the values per block scale. Empty and 0 for other dtypes.
     block_scales: tuple[ShardSpec, ...] = ()
     block_size: int = 0
 
@@ -74,31 +81,44 @@ class ShardLayout:
     def is_nvfp4(self) -> bool:
         return self.dtype_name == NVFP4
 
+    @property
+    def is_mxfp8(self) -> bool:
+        return self.dtype_name == MXFP8
+
+    @property
+    def has_block_scales(self) -> bool:
+        """Whether every lookup reads a second table, the block scales, beside the rows."""
+        return self.block_size > 0
+
     def shard_start(self, index: int) -> int:
         return index * self.rows_per_shard
 
     @property
     def files(self) -> tuple[str, ...]:
-        """Every file that holds table data: the shards', and for NVFP4 the block scales' too."""
+        """Every file that holds table data: the shards', and the block scales' too."""
         return tuple(sorted({s.path for s in (*self.shards, *self.block_scales)}))
 
     @property
     def nbytes(self) -> int:
-        """Bytes of table data: rows, plus block scales for NVFP4."""
+        """Bytes of table data: rows, plus block scales (NVFP4, MXFP8)."""
         scale_bytes = self.num_rows * (self.row_dim // self.block_size) if self.block_size else 0
         return self.num_rows * self.row_bytes + scale_bytes
 
     def scale_layout(self) -> ShardLayout:
-        """An NVFP4 table's block scales as a table of their own (E4M3, ``row_dim // NVFP4_BLOCK``
-        per row), to be mapped like any table; ValueError for other dtypes."""
-        if not self.is_nvfp4:
-            raise ValueError(f"only NVFP4 tables have block scales; this table is {self.dtype_name}")
+        """A table's block scales as a table of their own (NVFP4: E4M3; MXFP8: E8M0 bytes, as U8;
+        ``row_dim // block_size`` per row), to be mapped like any table; ValueError for other
+        dtypes."""
+        if not self.has_block_scales:
+            raise ValueError(
+                f"only NVFP4 and MXFP8 tables have block scales; this table is {self.dtype_name}"
+            )
         width = self.row_dim // self.block_size
+        scale_dtype = NVFP4_SCALE_DTYPE if self.is_nvfp4 else MXFP8_SCALE_DTYPE
         return ShardLayout(
             directory=self.directory,
             layer=self.layer,
-            dtype_name=NVFP4_SCALE_DTYPE,
-            dtype=STORAGE_DTYPES[NVFP4_SCALE_DTYPE],
+            dtype_name=scale_dtype,
+            dtype=STORAGE_DTYPES[scale_dtype],
             row_dim=width,
             row_bytes=width,
             num_rows=self.num_rows,

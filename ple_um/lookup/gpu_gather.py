@@ -15,11 +15,13 @@ import torch
 from ple_um.checkpoint import ShardLayout
 from ple_um.kernels import DirectLaunch, gather_nvfp4, gather_rows
 from ple_um.kernels.gather import ROWS_PER_PROGRAM, _gather_kernel
+from ple_um.kernels.gather_mxfp8 import _gather_mxfp8_kernel, gather_mxfp8
 from ple_um.kernels.gather_nvfp4 import _gather_nvfp4_kernel
 from ple_um.kernels.launch import bind, hooks_set
 from ple_um.lookup.counts import path_counts
 
 _BIG = 1 << 31  # batches this big take 64-bit sizes: another compiled kernel
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)  # a block-scaled table's decoded outputs
 
 
 class GpuGather:
@@ -54,6 +56,7 @@ class GpuGather:
         self._rows = DirectLaunch(_gather_kernel)
         self._block_scales = DirectLaunch(_gather_kernel)
         self._nvfp4 = DirectLaunch(_gather_nvfp4_kernel)
+        self._mxfp8 = DirectLaunch(_gather_mxfp8_kernel)
         self.launch = self._rows.why_not or "direct (through the compiled kernel's launcher)"
         # (ids dtype, out dtype, out address mod 8, 64-bit batch) -> a bound launcher (launch.bind)
         self._bound: dict[tuple, object] = {}
@@ -84,7 +87,21 @@ class GpuGather:
                     compiled, args, ids_at=ids_at, n_at=n_at, rows_per_program=ROWS_PER_PROGRAM
                 )
 
-        if self.scale_bases is not None and out.dtype != layout.dtype:
+        if self.scale_bases is not None and layout.is_mxfp8 and out.dtype in _FLOATS:
+            return gather_mxfp8(
+                self.bases,
+                self.scale_bases,
+                ids,
+                out,
+                self.counters,
+                row_start=self.row_start,
+                row_end=self.row_end,
+                num_rows=layout.num_rows,
+                rows_per_shard=layout.rows_per_shard,
+                row_dim=layout.row_dim,
+                launch=self._mxfp8,
+            )
+        if self.scale_bases is not None and out.dtype in _FLOATS:
             return gather_nvfp4(
                 self.bases,
                 self.scale_bases,
@@ -118,9 +135,9 @@ class GpuGather:
         )
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
-        """NVFP4: the packed rows (uint8 [n, row_bytes]) and raw E4M3 block scales (uint8
-        [n, row_dim // 16]) of flat ``ids`` (counted once, by the rows' gather)."""
-        self.gather(ids, packed)
+        """NVFP4, MXFP8: the raw rows (uint8 [n, row_bytes]) and block scales (uint8
+        [n, row_dim // block_size]) of flat ``ids`` (counted once, by the rows' gather)."""
+        self.gather(ids, packed.view(self.layout.dtype))
         gather_rows(
             self.scale_bases,
             ids,

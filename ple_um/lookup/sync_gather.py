@@ -14,7 +14,8 @@ import time
 import torch
 
 from ple_um.lookup.counts import path_counts
-from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize
+from ple_um.lookup.mxfp8 import decode_block_scaled
+from ple_um.lookup.nvfp4 import dequantize
 from ple_um.lookup.sync_reader import RowReader
 from ple_um.mapping import MappedShards
 
@@ -71,7 +72,8 @@ class SyncGather:
         if raw:
             self.rows.gather(ids, owned, out.view(torch.uint8).view(n, out.shape[-1] * out.element_size()))
         elif self.block_scales is not None:
-            decode_nvfp4(self.rows.gather(ids, owned), self.block_scales.gather(ids, owned), self.scale, out)
+            rows, scales = self.rows.gather(ids, owned), self.block_scales.gather(ids, owned)
+            decode_block_scaled(self.storage, rows, scales, self.scale, out)
         else:
             dequantize(self.rows.gather(ids, owned), self.storage, self.scale, out)
         self._count(n, bad, self.rows.last_phases)

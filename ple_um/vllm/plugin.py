@@ -2,8 +2,9 @@
 
 vLLM calls ``register()`` in every process it starts, possibly more than once. With ``PLE_UM=1``
 (alias ``VLLM_PLE_MMAP=1``) it patches this platform's ``Qwen4ExpNGramEmbedding`` so Qwen4Exp PLE
-layers serve their n-gram table with ple-um (see ``ple_um.vllm.patch``); otherwise it imports
-nothing from vLLM and patches nothing.
+layers serve their n-gram table with ple-um (see ``ple_um.vllm.patch``), and DeepSeek-V4.1's
+``Engram._create_embedding`` so its Engram tables are served from the files too
+(``ple_um.vllm.engram``); otherwise it imports nothing from vLLM and patches nothing.
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ def register() -> None:
 
     log_through_vllm()
     patched = apply()
+    try:
+        from ple_um.vllm import engram
+    except ImportError as exc:  # a vLLM without DeepSeek-V4.1's Engram module: PLE tables only
+        logger.debug("ple-um: DeepSeek-V4.1 Engram tables not patched: %s", exc)
+    else:
+        patched += engram.apply()
     if patched:
         logger.info(
-            "ple-um: PLE_UM is set: Qwen4Exp PLE tables are served from the checkpoint files (%s)",
+            "ple-um: PLE_UM is set: PLE and Engram tables are served from the checkpoint files (%s)",
             ", ".join(patched),
         )
 

@@ -74,7 +74,7 @@ def test_scale_layout(tmp_path):
     assert scales.shards == layout.block_scales
     assert (scales.scale, scales.scale_tensor, scales.block_scales, scales.block_size) == (None, None, (), 0)
     assert not scales.is_nvfp4 and scales.nbytes == 40
-    with pytest.raises(ValueError, match="only NVFP4 tables have block scales"):
+    with pytest.raises(ValueError, match="only NVFP4 and MXFP8 tables have block scales"):
         scales.scale_layout()
     # Mapped like any table: its rows are the block-scale bytes.
     expected = np.frombuffer(b"".join(tensors[block(i)][2] for i in range(3)), np.uint8).reshape(10, 4)

@@ -28,7 +28,7 @@ LAYERS = (
     ),
     ("ple_um.envs",),
     ("ple_um.checkpoint",),
-    ("ple_um.synthetic", "ple_um.mapping", "ple_um.residency"),
+    ("ple_um.synthetic", "ple_um.synthetic_engram", "ple_um.mapping", "ple_um.residency"),
     ("ple_um.access",),
     ("ple_um.kernels",),
     ("ple_um.lookup",),

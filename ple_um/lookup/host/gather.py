@@ -41,7 +41,8 @@ from ple_um.lookup.host.buffers import INLINE_ROWS, PinnedBuffers, StreamState, 
 from ple_um.lookup.host.cold import ColdPlan, RowSources
 from ple_um.lookup.host.driver import CudaDriver
 from ple_um.lookup.host.signals import DONE_AT, SIGNAL_BYTES, arm, signals_work
-from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize, e2m1_values
+from ple_um.lookup.mxfp8 import decode_block_scaled
+from ple_um.lookup.nvfp4 import dequantize, e2m1_values
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
 from ple_um.mapping import MappedShards
 
@@ -280,7 +281,7 @@ class HostGather:
 
     def _decode(self, raws: list[torch.Tensor], out: torch.Tensor) -> None:
         if self.block_scales is not None:
-            decode_nvfp4(raws[0], raws[1], self.scale, out)
+            decode_block_scaled(self.storage, raws[0], raws[1], self.scale, out)
         else:
             dequantize(raws[0], self.storage, self.scale, out)
 

@@ -1,0 +1,42 @@
+"""Host-gathered MXFP8 rows (DeepSeek-V4.1's Engram tables) decoded with torch ops on the device, as
+the GPU modes' kernel (``kernels/gather_mxfp8.py``) decodes them while it gathers.
+
+A value is ``float32(e4m3) * scale``, the scale's float32 bits being the E8M0 byte shifted into the
+exponent field (``e << 23``: ``e = 0`` a zero scale, ``e = 255`` an infinite one), cast to the
+output dtype: the arithmetic of vLLM 0.33's own Engram lookup, so the results agree bit for bit.
+Every op here can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ple_um.checkpoint import MXFP8_BLOCK
+from ple_um.lookup.nvfp4 import decode_nvfp4
+
+
+def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 bytes -> float32 scales of the same shape (``e << 23`` as float32 bits)."""
+    return (exponents.to(torch.int32) << 23).view(torch.float32)
+
+
+def decode_mxfp8(values: torch.Tensor, exponents: torch.Tensor, out: torch.Tensor) -> None:
+    """``values`` uint8/E4M3 [n, D], ``exponents`` uint8 [n, D/32] -> ``out`` [n, D] (any float)."""
+    n, dim = out.shape
+    rows = values.reshape(n, dim // MXFP8_BLOCK, MXFP8_BLOCK).view(torch.float8_e4m3fn).float()
+    out.copy_((rows * e8m0_scales(exponents.reshape(n, -1)).unsqueeze(-1)).view(n, dim))
+
+
+def decode_block_scaled(
+    storage: torch.dtype,
+    rows: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """A block-scaled table's raw rows and block scales into the float ``out``: MXFP8 when the
+    rows are stored as E4M3, else NVFP4 (packed bytes, with its global scale)."""
+    if storage == torch.float8_e4m3fn:
+        decode_mxfp8(rows, scales, out)
+    else:
+        decode_nvfp4(rows, scales, global_scale, out)

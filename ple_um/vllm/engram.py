@@ -1,0 +1,212 @@
+"""DeepSeek-V4.1's Engram tables served by ple-um in vLLM 0.33 (``PLE_UM=1``).
+
+vLLM builds every Engram layer's table through one factory, ``Engram._create_embedding``
+(``vllm.models.deepseek_v41.common.engram``). ``apply()`` (called by the plugin's ``register``)
+replaces that class attribute, keeping the original on the class under ``_ple_um_original``; the
+replacement reads PLE_UM each time a layer is built and, with it set, builds
+``MappedEngramEmbedding``: a ``ParallelEngramEmbedding`` that holds no copy of the table. Its
+parameters are empty; their weight loader checks the tensor vLLM hands over (name, shape, dtype:
+metadata only, never a byte of the data) and, once both the rows and the E8M0 scales of the table
+have been handed over, opens this rank's rows from the checkpoint files (``open_engram_table``,
+rows = this rank's heads, checked against vLLM's own ``EngramLayout``). Its ``lookup`` is the one
+vLLM's layer calls, with vLLM's arguments, on the stream vLLM chose: inline, or on the Engram
+prefetch stream forked before layer 0 (``cpu_offload``, the default), captured in FULL graphs or
+run at the eager breaks of breakable ones as stock. The rows come back as stock returns them
+(BF16, decoded ``float32(e4m3) * 2**(e-127)``, bit for bit).
+
+Served: tensor parallelism (heads split evenly over the ranks), data parallelism with one table
+per replica or ``dp_shared_memory`` (every replica maps the same files: the page cache is the
+shared copy), ``cpu_offload`` on (prefetch stream) or off (inline lookups). Refused at start-up,
+with the reason: heads that do not split evenly over the TP ranks, and the DP-sharded layouts
+(``embedding_across_dp``, or a DP group sharing one table without ``dp_shared_memory``: vLLM's
+all-gather and peer exchange of rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+from torch import nn
+from vllm.config import get_current_vllm_config
+from vllm.distributed import (
+    get_engram_dp_size,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from vllm.logger import init_logger
+from vllm.model_executor.utils import set_weight_attrs
+from vllm.models.deepseek_v41.common.engram import ParallelEngramEmbedding
+
+from ple_um import envs
+from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry
+from ple_um.errors import CheckpointError
+from ple_um.opening import open_engram_table
+from ple_um.served import ServedTable
+from ple_um.vllm.source import resolve_table_dir
+
+logger = init_logger("vllm.ple_um.engram")
+
+ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+ORIGINAL = "_ple_um_original"
+
+
+class EngramLayoutError(ValueError):
+    """An Engram configuration ple-um does not serve; the message says why and what to change."""
+
+
+def apply() -> list[str]:
+    """Patch ``Engram._create_embedding``; returns what was patched now (empty when it already was)."""
+    module = importlib.import_module(ENGRAM_MODULE)
+    cls = module.Engram
+    if ORIGINAL in cls.__dict__:
+        return []
+    original = cls.__dict__["_create_embedding"]
+    cls._create_embedding = _patched_create_embedding(module, original)
+    setattr(cls, ORIGINAL, {"_create_embedding": original})
+    return [f"{ENGRAM_MODULE}.Engram._create_embedding"]
+
+
+def unpatch(module) -> None:
+    """Restore the stock factory (for tests)."""
+    original = module.Engram.__dict__.get(ORIGINAL)
+    if original is not None:
+        module.Engram._create_embedding = original["_create_embedding"]
+        delattr(module.Engram, ORIGINAL)
+
+
+def _patched_create_embedding(module, original):
+    @functools.wraps(original)
+    def _create_embedding(self, layout, layer_hash_index: int):
+        if not envs.PLE_UM:
+            return original(self, layout, layer_hash_index)
+        engram_config = get_current_vllm_config().engram_config
+        assert engram_config is not None
+        return MappedEngramEmbedding(
+            geometry_of(layout),
+            layout.layer_ids[layer_hash_index],
+            cpu_offload=engram_config.cpu_offload,
+            dp_shared_memory=bool(engram_config.dp_shared_memory),
+        )
+
+    return _create_embedding
+
+
+def geometry_of(layout) -> EngramGeometry:
+    """ple-um's geometry of vLLM's ``EngramLayout`` (its own primes, in table order)."""
+    return EngramGeometry(
+        layer_ids=tuple(layout.layer_ids),
+        num_rows=tuple(layout.num_embeddings),
+        head_dim=layout.head_dim,
+        head_sizes=tuple(tuple(p for order in layer for p in order) for layer in layout.primes),
+    )
+
+
+class MappedEngramEmbedding(ParallelEngramEmbedding):
+    """What ``ParallelEngramEmbedding`` keeps of the table, kept in the checkpoint files instead:
+    the attributes vLLM's layer and model read, empty parameters whose loader reads no data, and a
+    ``lookup`` through this rank's mapped rows."""
+
+    def __init__(self, geometry: EngramGeometry, layer_id: int, *, cpu_offload: bool, dp_shared_memory: bool):
+        nn.Module.__init__(self)  # not vLLM's constructor: it allocates the table
+        index = geometry.index(layer_id)
+        head_sizes = geometry.head_sizes[index]
+        self.layer_id, self.geometry = layer_id, geometry
+        self.prefix = f"Engram layer {layer_id}"
+        dp_size = 1 if dp_shared_memory else get_engram_dp_size()
+        if dp_size > 1:
+            raise EngramLayoutError(
+                f"ple-um: {self.prefix}: the table is sharded over {dp_size} DP replicas "
+                "(embedding_across_dp, or co-located replicas without dp_shared_memory); ple-um serves "
+                "each replica's heads from the files and does not take part in vLLM's DP row exchange: "
+                "unset embedding_across_dp, or set dp_shared_memory (every replica then maps the same "
+                "files), or unset PLE_UM"
+            )
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.n_hash_cols = len(head_sizes)
+        if self.n_hash_cols % self.tp_size:
+            raise EngramLayoutError(
+                f"ple-um: {self.prefix}: {self.n_hash_cols} hash heads do not split evenly over "
+                f"{self.tp_size} TP ranks; ple-um serves even splits only (unset PLE_UM for this layout)"
+            )
+        self.cpu_offload, self.dp_shared_memory, self.use_thp = cpu_offload, dp_shared_memory, False
+        self.dp_size, self.peer_rows, self._packed, self._shared_memory = 1, 0, None, None
+        self.num_embeddings, self.dim, self.block_size = (
+            geometry.num_rows[index],
+            geometry.head_dim,
+            MXFP8_BLOCK,
+        )
+        self.part_n_hash_cols = self.n_hash_cols // self.tp_size
+        self.head_start = get_tensor_model_parallel_rank() * self.part_n_hash_cols
+        self.vocab_start_idx, self.vocab_end_idx = geometry.head_rows(
+            layer_id, self.head_start, self.head_start + self.part_n_hash_cols
+        )
+        self.part_num_embeddings = self.vocab_end_idx - self.vocab_start_idx
+        self.weight = nn.Parameter(torch.empty(0, self.dim, dtype=torch.float8_e4m3fn), requires_grad=False)
+        scales = torch.empty(0, self.dim // MXFP8_BLOCK, dtype=torch.uint8)
+        self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        for param in (self.weight, self.weight_scale_inv):
+            set_weight_attrs(param, {"weight_loader": self._receive})
+        self._received: set[str] = set()
+        self._model = get_current_vllm_config().model_config
+        self._load_config = get_current_vllm_config().load_config
+        self.served = ServedTable(logger)
+
+    def _receive(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """vLLM's weight loader for both parameters: the tensor's shape and dtype are checked
+        (metadata: its data is never read), and once rows and scales are both in, the table opens."""
+        scales = param is self.weight_scale_inv
+        expect = (self.num_embeddings, self.dim // MXFP8_BLOCK if scales else self.dim)
+        dtypes = (torch.uint8, torch.float8_e8m0fnu) if scales else (torch.float8_e4m3fn,)
+        what = "weight_scale_inv" if scales else "weight"
+        if tuple(loaded.shape) != expect or loaded.dtype not in dtypes:
+            raise CheckpointError(
+                f"ple-um: {self.prefix}: the checkpoint's {what} is {loaded.dtype} {list(loaded.shape)}, "
+                f"the layer expects {' or '.join(map(str, dtypes))} {list(expect)}",
+                tensor=f"layers.{self.layer_id}.engram.embed.{'scale' if scales else 'weight'}",
+            )
+        self._received.add(what)
+        if self._received == {"weight", "weight_scale_inv"}:
+            self.finish_load()
+
+    def finish_load(self) -> None:
+        """Open (or keep) this rank's rows of the table from the checkpoint directory."""
+        model = self._model
+        directory = resolve_table_dir(
+            getattr(model, "model", None),
+            getattr(model, "revision", None),
+            getattr(self._load_config, "download_dir", None),
+        )
+        self._received.clear()
+        if self.served.open_at(directory) is not None:
+            return
+        rows = (self.vocab_start_idx, self.vocab_end_idx)
+        self.served.replace(
+            self.prefix,
+            directory,
+            lambda: open_engram_table(directory, layer=self.layer_id, rows=rows, geometry=self.geometry),
+            lambda table: None,
+        )
+
+    def _storage(self):
+        raise RuntimeError(
+            f"ple-um: {self.prefix}: the table has no storage tensors; it is read through lookup()"
+        )
+
+    def lookup(self, indices: torch.Tensor, out: torch.Tensor, background: bool = False) -> None:
+        """This rank's heads of ``indices`` [T, n_hash_cols] (global row ids) into ``out``
+        [T, local heads, dim] (BF16), queued on the current stream; ``background`` (vLLM's hint to
+        leave SMs free) does not apply to ple-um's lookup."""
+        table = self.served.table
+        if table is None:
+            raise RuntimeError(
+                f"ple-um: {self.prefix}: the table is not open: "
+                "the checkpoint's Engram tensors were never loaded"
+            )
+        if out.dtype == torch.uint8:
+            raise EngramLayoutError(f"ple-um: {self.prefix}: packed lookups serve only vLLM's DP exchange")
+        if indices.shape[0] == 0:
+            return
+        heads = indices[:, self.head_start : self.head_start + self.part_n_hash_cols]
+        table.lookup(heads, out=out.view(indices.shape[0], self.part_n_hash_cols, self.dim))

@@ -1,0 +1,218 @@
+"""DeepSeek-V4.1's Engram tables through the plugin (``ple_um.vllm.engram``): vLLM 0.33's real
+``ParallelEngramEmbedding`` (stock: its own table, its own Triton lookup under the interpreter)
+against ple-um's, both made by vLLM's real ``Engram._create_embedding`` from the same synthetic
+checkpoint, bit for bit, on the CPU: TP 1 in this process, TP 2 and 4 as processes of one gloo
+world (``engram_rank_worker.py``). Loading reads no byte of the table (the tensors handed over live
+on the meta device); unsupported layouts are refused at build with the reason."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import vllm_harness
+from helpers.vllm_engram import as_on_a_gpu, engram_module
+
+from ple_um.synthetic_engram import write_engram_checkpoint
+
+pytestmark = [pytest.mark.vllm, vllm_harness.needs_vllm]
+
+LAYERS = (2, 5)  # model layer ids with an Engram table
+DIM = 64
+
+
+def _config():
+    return types.SimpleNamespace(
+        engram_layer_ids=list(LAYERS),
+        engram_num_embeddings=[2700, 3100],
+        engram_max_ngram_size=3,
+        engram_n_heads=4,
+        engram_head_dim=DIM,
+        engram_vocab_size=300,
+        engram_compressed_vocab_size=100,
+        engram_pad_token_id=0,
+    )
+
+
+@pytest.fixture(scope="session")
+def module():
+    # Session-scoped and asked for before ``world``: vLLM is first imported here, so that its Triton
+    # kernels stay real (interpreted: the interpreter's variable is still set while session fixtures run).
+    return engram_module()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    config = _config()
+    path = tmp_path_factory.mktemp("engram")
+    write_engram_checkpoint(
+        path, tables=dict(zip(LAYERS, config.engram_num_embeddings, strict=True)), head_dim=DIM
+    )
+    return path
+
+
+@pytest.fixture
+def engram_world(module, world, monkeypatch, table_dir, checkpoint):
+    """The session's gloo world with an EngramConfig, the checkpoint as PLE_UM_DIR, and the CUDA
+    device vLLM's constructor asks for (its SM count) injected."""
+    from vllm.config import DeviceConfig, EngramConfig, VllmConfig, set_current_vllm_config
+
+    from ple_um.vllm import engram
+
+    props = types.SimpleNamespace(multi_processor_count=8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: props)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    table_dir(checkpoint)
+    engram.apply()
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    # Set after validation, which asks for a model config with Engram layers (the test world has none).
+    object.__setattr__(config, "engram_config", EngramConfig(cpu_offload=False))
+    with set_current_vllm_config(config):
+        yield module
+    engram.unpatch(module)
+
+
+def _tensors(path, layer):
+    from safetensors import safe_open
+
+    from ple_um.synthetic_engram import FILE_NAME, scale_name, weight_name
+
+    with safe_open(str(path / FILE_NAME), framework="pt") as f:
+        return f.get_tensor(weight_name(layer)), f.get_tensor(scale_name(layer))
+
+
+def _build(module, monkeypatch, on: bool, index: int):
+    monkeypatch.setenv("PLE_UM", "1" if on else "0")
+    layout = module.EngramLayout(_config())
+    return module.Engram._create_embedding(None, layout, index), layout
+
+
+def _load(table, weight, scales) -> None:
+    table.weight.weight_loader(table.weight, weight)
+    table.weight_scale_inv.weight_loader(table.weight_scale_inv, scales)
+
+
+def _hashes(layout, index, rng, tokens):
+    """[tokens, heads] int32 row ids, each head's column inside its own prime range, its ends included."""
+    sizes = [p for order in layout.primes[index] for p in order]
+    starts = np.cumsum([0, *sizes[:-1]])
+    cols = [rng.integers(0, size, tokens) for size in sizes]
+    for col, size in zip(cols, sizes, strict=True):
+        col[:2] = (0, size - 1)
+    return torch.from_numpy((np.stack(cols, axis=1) + starts).astype(np.int32))
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_ple_um_rows_equal_stock_bit_for_bit(engram_world, monkeypatch, checkpoint, rng, index):
+    from ple_um.vllm.engram import MappedEngramEmbedding
+
+    module = engram_world
+    weight, scales = _tensors(checkpoint, LAYERS[index])
+    stock, layout = _build(module, monkeypatch, False, index)
+    assert type(stock) is module.ParallelEngramEmbedding
+    _load(stock, weight, scales)
+    ours, _ = _build(module, monkeypatch, True, index)
+    assert isinstance(ours, MappedEngramEmbedding) and isinstance(ours, module.ParallelEngramEmbedding)
+    assert (ours.part_n_hash_cols, ours.vocab_start_idx, ours.vocab_end_idx) == (
+        stock.part_n_hash_cols,
+        stock.vocab_start_idx,
+        stock.vocab_end_idx,
+    )
+    # Handed over on the meta device: a loader that read one byte would raise.
+    _load(ours, torch.empty_like(weight, device="meta"), torch.empty_like(scales, device="meta"))
+    assert ours.served.table is not None and ours.served.table.rows == (
+        0,
+        sum(p for o in layout.primes[index] for p in o),
+    )
+    assert ours.weight.numel() == 0 and ours.weight_scale_inv.numel() == 0
+    hashes = _hashes(layout, index, rng, 50)
+    want = as_on_a_gpu(stock(hashes), weight, scales, hashes)
+    got = ours(hashes)
+    assert got.shape == want.shape == (50, 8, DIM) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # vLLM's layer writes into its persistent staging buffer through lookup().
+    staged = torch.full((50, 8, DIM), float("nan"), dtype=torch.bfloat16)  # poisoned
+    ours.lookup(hashes, staged)
+    assert torch.equal(staged.view(torch.int16), want.view(torch.int16))
+    ours.served.close()
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused(engram_world, monkeypatch, checkpoint):
+    from ple_um.errors import CheckpointError
+
+    ours, _ = _build(engram_world, monkeypatch, True, 0)
+    weight, _ = _tensors(checkpoint, LAYERS[1])  # the other layer's rows: 3100, not 2700
+    with pytest.raises(CheckpointError, match="the layer expects .* \\[2700, 64\\]") as info:
+        ours.weight.weight_loader(ours.weight, weight)
+    assert info.value.tensor == "layers.2.engram.embed.weight"
+    with pytest.raises(RuntimeError, match="the table is not open"):
+        ours(torch.zeros((1, 8), dtype=torch.int32))
+
+
+def test_unsupported_parallel_layouts_are_refused_at_build(engram_world, monkeypatch):
+    from ple_um.vllm import engram
+    from ple_um.vllm.engram import EngramLayoutError
+
+    monkeypatch.setattr(engram, "get_tensor_model_parallel_world_size", lambda: 3)
+    with pytest.raises(EngramLayoutError, match="8 hash heads do not split evenly over 3 TP ranks"):
+        _build(engram_world, monkeypatch, True, 0)
+    monkeypatch.setattr(engram, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(engram, "get_engram_dp_size", lambda: 2)
+    with pytest.raises(EngramLayoutError, match="sharded over 2 DP replicas.*embedding_across_dp"):
+        _build(engram_world, monkeypatch, True, 0)
+    layout = engram_world.EngramLayout(_config())
+    shared = engram.MappedEngramEmbedding(
+        engram.geometry_of(layout), 2, cpu_offload=True, dp_shared_memory=True
+    )
+    assert shared.dp_size == 1 and shared.cpu_offload
+
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engram_rank_worker.py")
+
+
+def _run_ranks(tmp, checkpoint, world_size: int) -> list[dict]:
+    """``engram_rank_worker.py`` as ``world_size`` processes of one gloo world; each rank's report."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (vllm_harness.REPO, env.get("PYTHONPATH")) if p)
+    env.pop("PLE_UM_DIR", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(rank), str(world_size), str(tmp), str(checkpoint)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=900)[0])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{logs[rank][-4000:]}"
+    return [torch.load(os.path.join(tmp, f"rank{rank}.pt")) for rank in range(world_size)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tp_ranks_each_map_their_heads_and_gather_stocks_rows(tmp_path, checkpoint, world_size):
+    reports = _run_ranks(tmp_path, checkpoint, world_size)
+    for layer in LAYERS:
+        runs = [r["layers"][layer] for r in reports]
+        heads = [run["heads"] for run in runs]
+        per = 8 // world_size
+        assert heads == [(k * per, (k + 1) * per) for k in range(world_size)]
+        for run in runs:
+            assert tuple(run["table_rows"]) == tuple(run["stock_rows"])
+            assert run["shape"] == (60, 8, DIM) and run["equal"] and run["nonzero"]
+        ends = [run["table_rows"] for run in runs]
+        assert all(a[1] == b[0] for a, b in zip(ends, ends[1:], strict=False)) and ends[0][0] == 0
