@@ -43,7 +43,7 @@ class GpuGather:
         self.layout = layout
         self.device = device
         self.bases = torch.tensor(bases, dtype=torch.int64, device=device)
-        # [rows looked up, ids outside the table]; see kernels/gather.py.
+        # [rows looked up, ids outside the table]; see ple_um/kernels/gather.py.
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         self.scale_bases = None
         if scale_bases is not None:
@@ -52,7 +52,7 @@ class GpuGather:
         self.row_start, self.row_end = row_start, row_end
         self.base_align = base_align
         self.scale = scale
-        # One launcher per kernel and per set of fixed arguments (kernels/launch.py).
+        # One launcher per kernel and per set of fixed arguments (ple_um/kernels/launch.py).
         self._rows = DirectLaunch(_gather_kernel)
         self._block_scales = DirectLaunch(_gather_kernel)
         self._nvfp4 = DirectLaunch(_gather_nvfp4_kernel)

@@ -1,4 +1,4 @@
-"""ple_um.kernels (kernels/gather.py): the Triton row gather, run on the CPU by the Triton interpreter.
+"""ple_um.kernels (ple_um/kernels/gather.py): the Triton row gather, run on the CPU by the Triton interpreter.
 
 The kernel reads rows through the host addresses of a real MappedShards over real safetensors files
 (no mock); every element of every output is compared with the reference reader's bytes, outputs are

@@ -52,14 +52,12 @@ EXCEPTIONS: dict[str, str] = {}
 
 def _modules() -> dict[str, pathlib.Path]:
     found = {}
-    for base, package in ((ROOT / "ple_um", "ple_um"), (ROOT / "kernels", "ple_um.kernels")):
-        for path in sorted(base.rglob("*.py")):
-            if "kernels" in path.relative_to(ROOT).parts[1:2] and base.name == "ple_um":
-                continue  # a worktree's link to ../kernels: the kernels are read from kernels/
-            parts = list(path.relative_to(base).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join([package, *parts])] = path
+    base = ROOT / "ple_um"
+    for path in sorted(base.rglob("*.py")):
+        parts = list(path.relative_to(base).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(["ple_um", *parts])] = path
     return found
 
 

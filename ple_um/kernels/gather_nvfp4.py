@@ -1,13 +1,11 @@
-"""MXFP8 row gather (DeepSeek-V4.1's Engram tables): E4M3 rows and their E8M0 block scales, decoded
-on the device.
+"""NVFP4 row gather: packed E2M1 rows and their E4M3 block scales, decoded on the device.
 
-An MXFP8 table is two tables with the same row ids: the E4M3 rows and the block scales (one E8M0
-exponent byte per 32 values), each reached through its own per-shard base addresses. A value is
-``float32(e4m3) * scale`` with the scale's float32 bits ``e << 23``, cast to the output dtype: the
-arithmetic of vLLM 0.33's own Engram lookup kernel (``_engram_lookup_kernel``), so the results
-agree bit for bit (``e = 0`` is a zero scale there, ``e = 255`` an infinite one, and so here). Rows
-outside the owned range and ids outside the table are never read and come back as zeros; the
-counters are the plain gather's.
+An NVFP4 table is two tables with the same row ids: packed rows (two E2M1 values a byte, the low
+nibble the even element) and block scales (one E4M3 byte per 16 values), each reached through its
+own per-shard base addresses. A value is ``e2m1 * (block_scale * global_scale)`` in float32 (the
+order vLLM 0.33's own decoder multiplies in), cast to the output dtype. Rows outside the owned
+range and ids outside the table are never read and come back as zeros; the counters are the same
+as the plain gather's.
 """
 
 from __future__ import annotations
@@ -16,21 +14,34 @@ import torch
 import triton
 import triton.language as tl
 
-from ple_um.checkpoint import MXFP8_BLOCK
+from ple_um.checkpoint import NVFP4_BLOCK
 from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _decode, _locate, _to_bf16_bits
 from ple_um.kernels.launch import DirectLaunch
 
-_BLOCK = tl.constexpr(MXFP8_BLOCK)  # values per block scale
+_BLOCK = tl.constexpr(NVFP4_BLOCK)  # values per block scale
 
 
-# Never specialized on the batch (kernels/launch.py).
+@triton.jit
+def _e2m1(code):
+    """E2M1 code (int32, 4 bits) -> float32: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign
+    (applied as a multiplication by -1.0, so code 8 is -0.0 as in vLLM's decoder)."""
+    mag = code & 7
+    ex = mag >> 1
+    mn = (mag & 1).to(tl.float32)
+    normal = (2.0 + mn) * (1 << tl.maximum(ex - 1, 0)).to(tl.float32) * 0.5
+    val = tl.where(ex == 0, mn * 0.5, normal)
+    return val * tl.where((code >> 3) == 1, -1.0, 1.0)
+
+
+# Never specialized on the batch (ple_um/kernels/launch.py).
 @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["ids_ptr", "out_ptr"])
-def _gather_mxfp8_kernel(
-    row_bases_ptr,  # int64 [parts]: address of each shard's E4M3 row 0
+def _gather_nvfp4_kernel(
+    row_bases_ptr,  # int64 [parts]: address of each shard's packed row 0
     scale_bases_ptr,  # int64 [parts]: address of each shard's block-scale row 0
     ids_ptr,
     out_ptr,  # [n, row_dim] float32 / float16 / bfloat16 (as int16)
     counters_ptr,  # int64 [2]: rows looked up, ids outside [0, num_rows)
+    global_scale_ptr,  # float32 [1]
     n,
     row_start,
     row_end,
@@ -49,24 +60,26 @@ def _gather_mxfp8_kernel(
     e = tl.arange(0, DIM)
     in_row = e < row_dim
     m = owned[:, None] & in_row[None, :]
-    values = row_base + local * row_dim
-    code = tl.load(values[:, None] + e[None, :], mask=m, other=0).to(tl.int32)
+    packed = row_base + local * (row_dim // 2)
+    byte = tl.load(packed[:, None] + (e // 2)[None, :], mask=m, other=0).to(tl.int32)
+    code = (byte >> ((e % 2) * 4)[None, :]) & 0xF
     scales = scale_base + local * (row_dim // _BLOCK)
-    exponent = tl.load(scales[:, None] + (e // _BLOCK)[None, :], mask=m, other=0).to(tl.int32)
-    # The E8M0 byte is the float32 exponent field of a power of two.
-    val = _decode(code, 0) * (exponent << 23).to(tl.float32, bitcast=True)  # 0: E4M3 (constexpr)
+    scale_byte = tl.load(scales[:, None] + (e // _BLOCK)[None, :], mask=m, other=0).to(tl.int32)
+    block_scale = _decode(scale_byte, 0) * tl.load(global_scale_ptr)  # 0: E4M3 (constexpr literal)
+    val = _e2m1(code) * block_scale
     if OUT_BF16:
         val = _to_bf16_bits(val)
     dst = out_ptr + rows[:, None] * row_dim + e[None, :]
     tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=in_batch[:, None] & in_row[None, :])
 
 
-def gather_mxfp8(
+def gather_nvfp4(
     row_bases: torch.Tensor,
     scale_bases: torch.Tensor,
     ids: torch.Tensor,
     out: torch.Tensor,
     counters: torch.Tensor,
+    global_scale: torch.Tensor,
     *,
     row_start: int,
     row_end: int,
@@ -76,9 +89,11 @@ def gather_mxfp8(
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
     launch: DirectLaunch | None = None,
+    on_compiled=None,
 ) -> torch.Tensor:
-    """Decode the MXFP8 rows of flat ``ids`` into ``out`` [n, row_dim] (bf16, f16 or f32);
-    ``launch`` as ``gather_rows``'. No allocation, no host sync."""
+    """Decode the NVFP4 rows of flat ``ids`` into ``out`` [n, row_dim] (bf16, f16 or f32); ``launch``
+    and ``on_compiled`` as ``gather_rows``' (ids at 2, out at 3, n at 6). No allocation, no host
+    sync."""
     n = ids.numel()
     if n == 0:
         return out
@@ -90,6 +105,7 @@ def gather_mxfp8(
         ids,
         target,
         counters,
+        global_scale,
         n,
         row_start,
         row_end,
@@ -99,7 +115,7 @@ def gather_mxfp8(
         *constexprs,  # OUT_BF16, ROWS, DIM
     )
     kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
-    (launch or DirectLaunch.plain(_gather_mxfp8_kernel))(
+    (launch or DirectLaunch.plain(_gather_nvfp4_kernel))(
         kind, triton.cdiv(n, rows_per_program), args, num_warps
     )
     return out

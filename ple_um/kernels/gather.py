@@ -90,7 +90,7 @@ def _locate(ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_sha
 
 
 # The batch (ids, out, n) changes from call to call of one table: never specialized on, so that one
-# compiled kernel serves every call of a kind (kernels/launch.py).
+# compiled kernel serves every call of a kind (ple_um/kernels/launch.py).
 @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["ids_ptr", "out_ptr"])
 def _gather_kernel(
     bases_ptr,  # int64 [parts]: address of each shard's local row 0
@@ -200,7 +200,7 @@ def gather_rows(
     dtype. ``base_align`` is a byte alignment every base address and row start honours (the widest
     word the table allows). ``launch``: a table's DirectLaunch of this kernel (else Triton's own
     launch); ``on_compiled(compiled, args)`` is called with the compiled kernel where it may be
-    launched directly (kernels/launch.py ``bind``: ids at 1, out at 2, n at 4). No allocation, no
+    launched directly (ple_um/kernels/launch.py ``bind``: ids at 1, out at 2, n at 4). No allocation, no
     host sync."""
     n = ids.numel()
     if n == 0:
