@@ -76,7 +76,8 @@ def test_graphs_captured_before_and_after_a_switch_both_replay_exactly(
             expect = want(layout, ids_np, out_dtype)
             assert same(before, expect), f"the graph captured before the switch, replay {k}"
             assert same(after, expect), f"the graph captured after the switch, replay {k}"
-            eager = torch.full((n, layout.row_dim), 0xAB, dtype=torch.uint8, device=device).view(out_dtype)
+            width = layout.row_dim * out_dtype.itemsize  # poisoned bytes of n rows of out_dtype
+            eager = torch.full((n, width), 0xAB, dtype=torch.uint8, device=device).view(out_dtype)
             table.lookup(torch.from_numpy(ids_np).to(device), out=eager)
             assert same(eager, expect), f"an eager lookup after the switch, {k}"
         stats = table.stats()
