@@ -217,9 +217,19 @@ def read_engram_layout(
         row_bytes=dim,
         num_rows=rows,
         rows_per_shard=rows,
-        shards=(ShardSpec(index=0, path=weight.path, tensor=weight.name, offset=weight.start, rows=rows),),
+        shards=(
+            ShardSpec(
+                index=0, path=weight.path, tensor=weight.name, offset=weight.start, rows=rows,
+                identity=weight.identity,
+            ),
+        ),
         scale=None,
         scale_tensor=None,
-        block_scales=(ShardSpec(index=0, path=scale.path, tensor=scale.name, offset=scale.start, rows=rows),),
+        block_scales=(
+            ShardSpec(
+                index=0, path=scale.path, tensor=scale.name, offset=scale.start, rows=rows,
+                identity=scale.identity,
+            ),
+        ),
         block_size=MXFP8_BLOCK,
     )
