@@ -106,9 +106,10 @@ def layouts(tmp_path_factory):
     return get
 
 
-def fill_all_patterns(layout) -> None:
+def fill_all_patterns(layout):
     """Overwrite the table in place: element ``e`` (global index) gets bit pattern ``e % 2**bits``,
-    so every byte (FP8: -0.0, subnormals, NaN, inf) or 16-bit pattern occurs in every lane."""
+    so every byte (FP8: -0.0, subnormals, NaN, inf) or 16-bit pattern occurs in every lane. The
+    layout read again: a file rewritten after its header was read is not mapped (its identity)."""
     item = layout.dtype.itemsize
     for spec in layout.shards:
         first = spec.index * layout.rows_per_shard * layout.row_dim
@@ -117,6 +118,7 @@ def fill_all_patterns(layout) -> None:
         with open(spec.path, "r+b") as f:
             f.seek(spec.offset)
             f.write(data.tobytes())
+    return read_layout(layout.directory, layer=layout.layer)
 
 
 # -- calling the kernel ---------------------------------------------------------------------------
@@ -206,7 +208,7 @@ def test_every_fp8_byte_dequantized_bit_for_bit(
         layout = write_checkpoint(
             path, num_rows=num_rows, row_dim=row_dim, dtype=dtype, shards=shards, files=files
         )
-    fill_all_patterns(layout)
+    layout = fill_all_patterns(layout)
     out_dtype = out_dtype or layout.dtype
     ids = torch.from_numpy(rng.permutation(layout.num_rows))
     with MappedShards(layout) as mapping:
@@ -248,7 +250,7 @@ def test_every_16bit_pattern(
         misalign_checkpoint(path)
         layout = read_layout(str(path))
         assert any(s.offset % 2 for s in layout.shards)
-    fill_all_patterns(layout)
+    layout = fill_all_patterns(layout)
     out_dtype = out_dtype or layout.dtype
     ids = torch.from_numpy(rng.permutation(layout.num_rows))
     with MappedShards(layout) as mapping:
