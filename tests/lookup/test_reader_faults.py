@@ -467,7 +467,9 @@ def lib():
 
 def _run(lib, rows, ids: np.ndarray, rb: int) -> tuple[np.ndarray, dict]:
     counts = rowcopy.Counts()
-    out = torch.full((len(ids), rb), 0xAB, dtype=torch.uint8)
+    # Poisoned with NumPy: a torch fill this large would run on torch's OpenMP pool, which a
+    # forked child of a process that already started it waits on for ever.
+    out = torch.from_numpy(np.full((len(ids), rb), 0xAB, dtype=np.uint8))
     job = make_job([rows], torch.from_numpy(ids), [out], counts)
     lib.ple_lookup_run(ctypes.addressof(job))
     return out.numpy(), counts.read()
