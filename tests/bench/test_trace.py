@@ -4,7 +4,6 @@ ids (parse_ids, the table mapping, a bench run on the CPU)."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import zipfile
 
@@ -27,19 +26,6 @@ from ple_um.bench.trace import (
 )
 
 RELEASED_ROWS = 320001536  # the released checkpoint's table (README: rows [0, 160000768) of 320001536)
-
-
-def _vllm_installed() -> bool:
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_vllm = pytest.mark.skipif(
-    not _vllm_installed(), reason="vLLM is not installed: pip install 'ple-um[vllm]'"
-)
 
 
 @pytest.fixture(scope="module")
