@@ -92,6 +92,17 @@ def machine():
         yield lambda caps=H200, **kw: stack.enter_context(injected_machine(caps, **kw))
 
 
+def pytest_sessionstart(session):
+    """vLLM decides at its first import whether Triton is usable; on a host without a GPU it swaps
+    ``triton.jit`` for a placeholder, unless its devices look hidden. Its first import in the
+    session is made here, that way, so that every test that runs a vLLM Triton kernel under the
+    interpreter (the Engram lookup) gets the real one, whichever test imports vLLM first."""
+    if not _gpu_session():
+        from helpers.vllm_engram import import_vllm_with_real_triton
+
+        import_vllm_with_real_triton()
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("ple-um")
     group.addoption(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -33,13 +34,22 @@ def _no_visible_devices():
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
+def import_vllm_with_real_triton() -> None:
+    """Import ``vllm.triton_utils`` with its Triton real (as a worker whose devices are hidden), where
+    vLLM is installed, no GPU is present and vLLM has not been imported yet; otherwise nothing."""
+    if "vllm.triton_utils" in sys.modules or importlib.util.find_spec("vllm") is None:
+        return
+    if torch.cuda.is_available():
+        return
+    with _no_visible_devices():
+        importlib.import_module("vllm.triton_utils")
+
+
 def engram_module():
     """``vllm.models.deepseek_v41.common.engram`` with real Triton kernels."""
     pytest.importorskip("vllm")
     name = "vllm.models.deepseek_v41.common.engram"
-    if "vllm.triton_utils" not in sys.modules and not torch.cuda.is_available():
-        with _no_visible_devices():
-            importlib.import_module("vllm.triton_utils")
+    import_vllm_with_real_triton()
     module = importlib.import_module(name)
     if not hasattr(module._engram_lookup_kernel, "__getitem__"):
         pytest.fail("vLLM was imported before tests/helpers/vllm_engram.py could keep its Triton real")
