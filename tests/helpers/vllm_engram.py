@@ -34,10 +34,18 @@ def _no_visible_devices():
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
+def _vllm_installed() -> bool:
+    """Whether a real vLLM package is importable. ``tests/`` is on ``sys.path`` (pytest's rootdir
+    insertion), so ``tests/vllm`` alone would be found as a namespace package named ``vllm``: one
+    with no ``__init__`` (no origin) is not vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
 def import_vllm_with_real_triton() -> None:
     """Import ``vllm.triton_utils`` with its Triton real (as a worker whose devices are hidden), where
     vLLM is installed, no GPU is present and vLLM has not been imported yet; otherwise nothing."""
-    if "vllm.triton_utils" in sys.modules or importlib.util.find_spec("vllm") is None:
+    if "vllm.triton_utils" in sys.modules or not _vllm_installed():
         return
     if torch.cuda.is_available():
         return
@@ -47,7 +55,8 @@ def import_vllm_with_real_triton() -> None:
 
 def engram_module():
     """``vllm.models.deepseek_v41.common.engram`` with real Triton kernels."""
-    pytest.importorskip("vllm")
+    if not _vllm_installed():
+        pytest.skip("vLLM is not installed")
     name = "vllm.models.deepseek_v41.common.engram"
     import_vllm_with_real_triton()
     module = importlib.import_module(name)
