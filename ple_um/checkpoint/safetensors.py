@@ -100,7 +100,10 @@ def read_header(path: str) -> SafetensorsHeader:
     # The package accepted the header: it is UTF-8 JSON of an object whose entries are sound,
     # nested at most 127 levels, so that Python's json reads the same tensors from it (the last
     # entry of a repeated name, as the package keeps).
-    header = json.loads(raw[8:])
+    try:
+        header = json.loads(raw[8:].decode("utf-8"))
+    except RecursionError as e:  # a caller already near Python's recursion limit
+        raise CheckpointError("header nested too deeply for Python's json at this depth", path=path) from e
     data_start = len(raw)
     tensors = {
         name: TensorEntry(
@@ -178,7 +181,7 @@ def _refusal(why: str, raw: bytes, file_size: int, path: str) -> CheckpointError
         tensor = _json_fault(raw[8:].decode("utf-8"))
         return CheckpointError(message, path=path, tensor=None if tensor == "__metadata__" else tensor)
     try:  # parsed by the package: the fault is in the offsets or sizes of its entries
-        header = json.loads(raw[8:])
+        header = json.loads(raw[8:].decode("utf-8"))
         entries = sorted(
             (tuple(meta["data_offsets"]), name) for name, meta in header.items() if name != "__metadata__"
         )

@@ -8,6 +8,7 @@ Every malformed file here is written byte by byte into tmp_path (tests/helpers/r
 from __future__ import annotations
 
 import json
+import random
 import struct
 
 import pytest
@@ -222,3 +223,25 @@ def test_unknown_dtype_of_unrelated_tensor_is_refused(tmp_path):
         r"unknown variant `F3_E1M1`, expected one of `BOOL`, ",
         tensor="future",
     )
+
+
+@pytest.mark.parametrize("fault", ["json", "size", "json_twice", "size_twice"])
+def test_the_entry_at_fault_is_named_among_many(tmp_path, fault):
+    """The package names no tensor for JSON or a size it refuses (and serde_json places an entry's
+    fault at the header's end): ple-um finds the entry, here one of 1000 listed in shuffled order,
+    the first at fault (in the text for JSON, by offset for a size) where two are."""
+    rng = random.Random(fault)
+    count = 1000
+    header = {f"t{i}": entry(shape=(2,), offsets=(2 * i, 2 * i + 2)) for i in range(count)}
+    at = sorted(rng.sample(range(count), 2 if fault.endswith("twice") else 1))
+    for i in at:
+        if fault.startswith("json"):
+            header[f"t{i}"]["dtype"] = "U9"
+        else:
+            header[f"t{i}"]["shape"] = [3]
+    names = list(header)
+    rng.shuffle(names)
+    write_raw(tmp_path / "model.safetensors", {n: header[n] for n in names}, b"\0" * (2 * count))
+    first = f"t{at[0]}" if fault.startswith("size") else min((f"t{i}" for i in at), key=names.index)
+    match = r"unknown variant `U9`" if fault.startswith("json") else r"invalid shape, data type, or offset"
+    raises(str(tmp_path), match, path="model.safetensors", tensor=first)
