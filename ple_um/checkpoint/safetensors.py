@@ -40,10 +40,11 @@ _REPR = reprlib.Repr()  # keyword arguments only from Python 3.12
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 2, 8, 4
 _REPR.maxstring = _REPR.maxlong = _REPR.maxother = 40
 
-# Where the package's message places the fault: a tensor it names, or serde_json's position.
+# The package's messages (from 0.6 on) that lead to the tensor at fault: one it names, JSON it
+# refuses, a data section that does not end where the last tensor does.
 _NAMED = re.compile(r"invalid offset for tensor `(.*)`\Z", re.DOTALL)
 _JSON = "invalid JSON in header"
-_COVERAGE = "incomplete metadata"  # bytes of the data section after the last tensor
+_COVERAGE = "incomplete metadata"
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
