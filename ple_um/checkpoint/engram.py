@@ -81,7 +81,7 @@ def _scan(directory: str, layer: int | None) -> dict[int, dict[str, list[TensorE
     files, claims = _files(directory, layer)
     found: dict[int, dict[str, list[TensorEntry]]] = {}
     for path in files:
-        header = read_header(path, strict=True)
+        header = read_header(path)
         for name, entry in header.tensors.items():
             match = engram_match(name)
             if match is not None and (layer is None or match[0] == layer):

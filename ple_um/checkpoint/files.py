@@ -6,11 +6,11 @@ later (a scale's bytes, the mapping) can be checked to come from that same file.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from dataclasses import dataclass
 
-from ple_um.checkpoint.header_json import decode_json
 from ple_um.errors import CheckpointError
 
 
@@ -107,8 +107,8 @@ def read_bytes(path: str, offset: int, length: int, identity: FileIdentity) -> b
 
 
 def read_json_file(path: str, *, what: str, limit: int) -> object:
-    """Parse a small JSON side file (the index) of at most ``limit`` bytes; its size is checked
-    before it is read."""
+    """Parse a small JSON side file (the index) of at most ``limit`` bytes, as vLLM reads it (Python's
+    json); its size is checked before it is read, and every way it can fail is a CheckpointError."""
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
@@ -117,4 +117,11 @@ def read_json_file(path: str, *, what: str, limit: int) -> object:
         raw = pread_exact(fd, size, 0, path)
     finally:
         os.close(fd)
-    return decode_json(raw, path, what=what)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{what} is not valid UTF-8 (byte {e.start})", path=path) from e
+    except RecursionError as e:
+        raise CheckpointError(f"{what} JSON is nested too deeply", path=path) from e
+    except ValueError as e:  # JSONDecodeError, and int() refusing an absurdly long number
+        raise CheckpointError(f"{what} is not valid JSON: {e}", path=path) from e

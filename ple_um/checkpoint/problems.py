@@ -1,6 +1,6 @@
 """Where the checkpoint's checks report: raise the first problem, or collect them all.
 
-``read_header(strict=True)`` and ``read_layout`` stop at the first problem; ``validate`` (for
+``read_layout`` stops at the first problem; ``validate`` (for
 ``ple-um inspect``) goes on and lists every one, found by the very same checks in the same order.
 """
 

@@ -70,31 +70,16 @@ def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
 
     for path in files:
         try:
-            header = read_header(path, strict=False)
+            header = read_header(path)
         except CheckpointError as e:
             problems.add(e)
             for name, claimed in claims.items():
                 if claimed == path:
                     found.lose(name)
             continue
-        if header.problems:
-            problems.add(_one_per_file(header.problems))
-        for error in header.problems:
-            found.lose(error.tensor)
         _collect(header, layer, found)
         _check_claims(header, claims, problems, found)
     return found
-
-
-def _one_per_file(errors: list[CheckpointError]) -> CheckpointError:
-    """One error for the problems of one file's header: the first, naming the other tensors."""
-    first, rest = errors[0], errors[1:]
-    if not rest:
-        return first
-    names = [e.tensor for e in rest if e.tensor is not None]
-    listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    more = f"; {len(rest)} more tensor{'s' if len(rest) > 1 else ''} of this file too: {listed}"
-    return CheckpointError(first.message + more, path=first.path, tensor=first.tensor)
 
 
 def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:
@@ -120,11 +105,10 @@ def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:
 
 
 def _check_claims(header: SafetensorsHeader, claims: dict[str, str], problems: Problems, found: Scan) -> None:
-    """Report each tensor the index maps to this file that the file does not hold (an entry the
-    header has but found unsound is reported there already), and mark it lost in ``found``."""
-    bad = {e.tensor for e in header.problems}
+    """Report each tensor the index maps to this file that the file does not hold, and mark it lost
+    in ``found``."""
     for name, claimed in claims.items():
-        if claimed == header.path and name not in header.tensors and name not in bad:
+        if claimed == header.path and name not in header.tensors:
             problems.report(
                 f"{INDEX_FILE} maps this tensor to {os.path.basename(header.path)}, which does not hold it",
                 path=header.path,

@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ple_um.checkpoint import find_layers, read_layout, validate
-from ple_um.checkpoint.header_json import MAX_JSON_NESTING
 from ple_um.errors import CheckpointError
 
 FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -41,6 +40,9 @@ def sound_tensors(rows=(3, 3, 3, 0), dim=4) -> dict[str, tuple[str, list[int], b
     return tensors
 
 
+# safetensors' JSON parser (serde_json) refuses arrays and objects nested deeper than this (the
+# header object is level 1).
+MAX_JSON_DEPTH = 127
 BASE = encode_safetensors(sound_tensors(), metadata={"format": "pt"})
 BASE_HEADER_END = 8 + struct.unpack("<Q", BASE[:8])[0]
 
@@ -272,12 +274,12 @@ def _at_stack_depth(frames: int, fn):
     return fn() if frames == 0 else _at_stack_depth(frames - 1, fn)
 
 
-@pytest.mark.parametrize("depth", [MAX_JSON_NESTING - 2, MAX_JSON_NESTING - 1, 1982])
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH - 3, MAX_JSON_DEPTH - 2, MAX_JSON_DEPTH - 1, 1982])
 def test_how_deep_is_too_deep_does_not_depend_on_the_callers_stack(depth):
-    """The limit is counted in the header, before parsing: the same verdict from a shallow and a
-    deep caller (the parser's own recursion limit counts the caller's frames, so a header 1 982
-    deep parsed by it alone would be refused as too deep from one caller and as cut short from
-    another)."""
+    """The same verdict, naming the same entry, from a shallow and a deep caller: the package judges
+    the nesting, and the entry at fault is found without Python's recursion limit deciding it (that
+    limit counts the caller's frames: a header 1 982 deep parsed by Python's json alone would be
+    refused as too deep from one caller and as cut short from another)."""
     opener = '{"t": {"dtype": "U8", "data_offsets": [0, 0], "shape": '  # two levels, then the shape's
     with tempfile.TemporaryDirectory() as directory:
         write_raw(os.path.join(directory, "x.safetensors"), opener + "[" * depth)
@@ -289,11 +291,13 @@ def test_how_deep_is_too_deep_does_not_depend_on_the_callers_stack(depth):
                 try:
                     _at_stack_depth(frames, lambda: read_layout(directory))
                 except CheckpointError as e:
-                    verdicts.append(str(e))
+                    verdicts.append((str(e), e.tensor))
         finally:
             sys.setrecursionlimit(limit)
         assert len(verdicts) == 3 and len(set(verdicts)) == 1, verdicts
-        assert ("nested too deeply" in verdicts[0]) == (depth + 2 > MAX_JSON_NESTING), verdicts[0]
+        message, tensor = verdicts[0]
+        assert ("recursion limit exceeded" in message) == (depth + 2 > MAX_JSON_DEPTH), message
+        assert tensor == "t"
 
 
 @settings(max_examples=4, deadline=None, database=None)

@@ -243,8 +243,12 @@ def test_truncated_block_scales(tmp_path):
     order = [global_name(), *(shard(i) for i in range(4)), *(block(i) for i in range(4))]
     one_file(tmp_path, nvfp4(rows=(3, 3, 3, 1)), order=order)
     path.write_bytes(path.read_bytes()[:-1])
-    error = raises(str(tmp_path), r"past the end of the data section", path="model.safetensors")
-    assert error.tensor == block(3)
+    raises(
+        str(tmp_path),
+        r"the file ends 1 bytes before the last tensor does",
+        path="model.safetensors",
+        tensor=block(3),
+    )
 
 
 def test_block_scale_size_that_does_not_match_its_shape(tmp_path):
@@ -254,7 +258,11 @@ def test_block_scale_size_that_does_not_match_its_shape(tmp_path):
     header = json.loads(blob[8 : 8 + length])
     header[block(1)]["shape"] = [2, 3]
     write_raw(tmp_path / "model.safetensors", header, blob[8 + length :])
-    raises(str(tmp_path), r"hold 4 bytes but shape \[2, 3\] of F8_E4M3 needs 6", tensor=block(1))
+    raises(
+        str(tmp_path),
+        r"invalid shape, data type, or offset for tensor; its entry: .*'shape': \[2, 3\]",
+        tensor=block(1),
+    )
 
 
 def test_validate_lists_every_problem(tmp_path):
