@@ -13,6 +13,8 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import shutil
+import subprocess
 import threading
 import time
 
@@ -26,7 +28,7 @@ import ple_um
 from ple_um import envs
 from ple_um.access import memory
 from ple_um.errors import KnobError
-from ple_um.lookup import rowcopy
+from ple_um.lookup import native_build, rowcopy
 from ple_um.lookup.host import cold
 from ple_um.lookup.host.cold import plan
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
@@ -39,6 +41,22 @@ STRATEGIES = ["uring", "threads"]
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     lib, why = rowcopy.load(str(tmp_path_factory.mktemp("cache")))
+    assert lib is not None, why
+    return lib
+
+
+@pytest.fixture(scope="module")
+def publish_first_lib(tmp_path_factory):
+    """The row copy built as a wrong cache (``-DPLE_TEST_PUBLISH_FIRST``: a slot's tag published
+    before its bytes), which only this test builds: the shipped library has no such switch."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the wrong cache with")
+    out = str(tmp_path_factory.mktemp("publish-first") / "rowcopy-publish-first.so")
+    command = native_build.command(cc, out, werror=False, extra=("-DPLE_TEST_PUBLISH_FIRST",))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lib, why = rowcopy.open_library(out)
     assert lib is not None, why
     return lib
 
@@ -354,10 +372,10 @@ def test_block_scales_follow_their_rows_under_evictions(lib, make_checkpoint, rn
 
 
 def _race(lib, layout, mapping, publish_first: bool, seconds: float) -> int:
-    """Readers and one writer on a cache of one set: how many rows came back wrong."""
+    """Readers and one writer on a cache of one set: how many rows came back wrong (``lib``: the
+    wrong cache's build where ``publish_first``)."""
     counts = rowcopy.Counts()
     cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")
-    cache.struct.publish_first = int(publish_first)
     reader = FileReader(mapping, strategy="threads", direct=False, depth=4)
     rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
     expect_all = reference_rows(layout, np.arange(layout.num_rows))
@@ -385,12 +403,12 @@ def _race(lib, layout, mapping, publish_first: bool, seconds: float) -> int:
     return wrong[0]
 
 
-def test_a_row_is_in_place_before_anything_can_find_it(lib, make_checkpoint, rng):
-    """The check can fail: a cache that publishes a slot's tag before its bytes (a test hook) hands
-    out rows that are not theirs; the real order never does."""
+def test_a_row_is_in_place_before_anything_can_find_it(lib, publish_first_lib, make_checkpoint, rng):
+    """The check can fail: a cache that publishes a slot's tag before its bytes (a build of the
+    library for this test) hands out rows that are not theirs; the real order never does."""
     layout = make_checkpoint(num_rows=64, row_dim=256, dtype="fp8", shards=2, seed=int(rng.integers(1 << 30)))
     with MappedShards(layout) as mapping:
-        assert _race(lib, layout, mapping, publish_first=True, seconds=30.0) > 0
+        assert _race(publish_first_lib, layout, mapping, publish_first=True, seconds=30.0) > 0
         assert _race(lib, layout, mapping, publish_first=False, seconds=3.0) == 0
 
 
