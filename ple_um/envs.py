@@ -79,8 +79,6 @@ def _default_threads() -> int:
 MODES = ("auto", "ats", "registered", "cpu", "device")
 # The modes in which the GPU reads host memory, whose first read a child process can make.
 FIRST_READ_MODES = ("ats", "registered")
-# What a test can make the first-read child do instead of passing (tests/access/test_first_read.py).
-FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
 
 KNOBS: dict[str, Knob] = {
     k.name: k
@@ -270,13 +268,6 @@ KNOBS: dict[str, Knob] = {
             v.positive_seconds,
             120.0,
             "seconds the first-read child may take before it is killed and its mode rejected",
-        ),
-        Knob(
-            "PLE_UM_FIRST_READ_FAULT",
-            v.choice(*FIRST_READ_FAULTS),
-            None,
-            "tests only: the first-read child crashes (segv, abort), hangs, exits at once (exit), "
-            "fails with a CUDA-like error (error) or corrupts the rows it compares (corrupt)",
         ),
         Knob(
             "PLE_UM_ROW_CACHE",

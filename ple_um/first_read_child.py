@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ple_um import envs
+from ple_um import _testing
 from ple_um.access.first_read import MARK, STAGES
 from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
 from ple_um.verify import read_file_rows
@@ -52,7 +52,7 @@ def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
 
 
 def _inject(fault: str | None) -> None:
-    """The test hook (PLE_UM_FIRST_READ_FAULT), while the child reads through the kernel."""
+    """The test hook (``_testing.first_read_fault``), while the child reads through the kernel."""
     if fault == "segv":
         import ctypes
 
@@ -74,7 +74,7 @@ def _child_main(spec: dict) -> int:
 
     from ple_um.opening import open_engram_table, open_table  # the public API, as any user opens a table
 
-    fault = envs.PLE_UM_FIRST_READ_FAULT
+    fault = _testing.first_read_fault()
     engram = spec.get("engram", False)  # a DeepSeek-V4.1 Engram table, not a PLE one
     layout = (read_engram_layout if engram else read_layout)(spec["directory"], spec["layer"])
     opener = open_engram_table if engram else open_table

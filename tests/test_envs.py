@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from ple_um import envs
+from ple_um import _testing, envs
 from ple_um.errors import KnobError
 
 GARBAGE = ("abc", "", " ", "-1", "0", "1e400", "nan", "inf", "99999999999999999999999", "1.5", "auto,")
 
 
-@pytest.mark.parametrize("name", sorted(envs.KNOBS))
+EVERY = {**envs.KNOBS, **_testing.HOOKS}  # the test hooks refuse a value as the knobs do
+
+
+@pytest.mark.parametrize("name", sorted(EVERY))
 def test_every_refusal_names_the_knob_its_value_and_what_it_takes(monkeypatch, name):
-    knob = envs.KNOBS[name]
+    knob = EVERY[name]
     for text in GARBAGE:
         monkeypatch.setenv(name, text)
         why = knob.problem()
@@ -127,3 +130,13 @@ def test_check_problems_and_describe(monkeypatch):
     assert rows["PLE_UM_MODE"]["set"] == "PLE_UM_MODE=bogus"
     assert rows["PLE_UM_MODE"]["invalid"] == envs.KNOBS["PLE_UM_MODE"].problem()
     assert rows["PLE_UM_PREWARM"]["set"] is None and rows["PLE_UM_PREWARM"]["invalid"] is None
+
+
+def test_the_test_hooks_are_no_knobs(monkeypatch):
+    """A test hook is set by the test suite only: ``describe`` (``ple-um knobs``) and ``check`` know
+    nothing of it, and no knob shares its name."""
+    monkeypatch.setenv("PLE_UM_FIRST_READ_FAULT", "melt")
+    assert not set(_testing.HOOKS) & set(envs.KNOBS)
+    assert not set(_testing.HOOKS) & {r["name"] for r in envs.describe()}
+    envs.check()
+    assert _testing.HOOKS["PLE_UM_FIRST_READ_FAULT"].problem() is not None
