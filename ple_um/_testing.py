@@ -8,7 +8,7 @@ only at the one place it hooks into. docs/DESIGN.md ("Test hooks") lists them fo
 from __future__ import annotations
 
 from ple_um import knob_values as v
-from ple_um.envs import Knob
+from ple_um.knob_values import Knob
 
 # What a test can make the first-read child do instead of passing (tests/access/test_first_read.py).
 FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
