@@ -20,6 +20,7 @@ import torch
 from ple_um import _testing
 from ple_um.access.first_read import MARK, STAGES
 from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
+from ple_um.residency import evict_file_pages
 from ple_um.verify import read_file_rows
 
 _now = {"stage": "import"}  # the child's stage, for the reason of an error it reports
@@ -32,8 +33,8 @@ def _say(kind: str, text: str) -> None:
 
 
 def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
-    """Ask the kernel to drop the window's pages from the page cache (POSIX_FADV_DONTNEED: pages
-    another process maps stay), so that the GPU's first touch reads them from the file, as a
+    """Ask the kernel to drop the window's pages from the page cache (pages another process maps
+    stay), so that the GPU's first touch reads them from the file, as a
     serving process's does. A hint: nothing depends on it."""
     S, rb = layout.rows_per_shard, layout.row_bytes
     for spec in layout.shards:
@@ -42,13 +43,7 @@ def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
         if hi <= lo:
             continue
         with contextlib.suppress(OSError):
-            fd = os.open(spec.path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(
-                    fd, spec.offset + (lo - spec.index * S) * rb, (hi - lo) * rb, os.POSIX_FADV_DONTNEED
-                )
-            finally:
-                os.close(fd)
+            evict_file_pages(spec.path, spec.offset + (lo - spec.index * S) * rb, (hi - lo) * rb)
 
 
 def _inject(fault: str | None) -> None:

@@ -34,6 +34,7 @@ from ple_um.lookup.host.cold import plan
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, WAYS, RowCache, slots_for
 from ple_um.mapping import MADV_DONTNEED, PAGE, MappedShards, _libc
+from ple_um.residency import evict_file_pages, evict_pages
 
 STRATEGIES = ["uring", "threads"]
 
@@ -69,11 +70,8 @@ def run(lib, tables, ids, dsts, counts, **kw):
 
 
 def evict(mapping: MappedShards, layout) -> None:
-    """Every page of the table out of this process and the page cache: MADV_DONTNEED on the
-    mappings, then POSIX_FADV_DONTNEED on the files (mapped pages survive fadvise alone)."""
-    for region in mapping.regions:
-        assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
-    drop_page_cache(layout)
+    """Every page of the table out of this process and the page cache (``evict_pages``)."""
+    evict_pages(layout.files, mapping.regions)
 
 
 def resident_pages(mapping: MappedShards) -> int:
@@ -707,12 +705,7 @@ def test_a_table_a_page_short_of_resident_is_copied_from_the_mapping(lib, make_c
         first = mapping.regions[0]  # then one page out of this process and the page cache
         assert first.length > 2 * PAGE and first.file_offset % PAGE == 0
         assert _libc.madvise(first.addr + PAGE, PAGE, MADV_DONTNEED) == 0
-        fd = os.open(first.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # DONTNEED drops clean pages only
-            os.posix_fadvise(fd, first.file_offset + PAGE, PAGE, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_file_pages(first.path, first.file_offset + PAGE, PAGE)
         resident = sum(r for _, r, _ in mapping.residency())
         mapped = sum(m for _, _, m in mapping.residency())
         if resident == mapped:
