@@ -1,20 +1,18 @@
 """Every knob ple-um reads, declared once: name, type, default, aliases and a one-line doc.
 
-Read a knob as an attribute (``envs.PLE_UM_MODE``); the environment is read at each access, so a
-test or a launcher can change it before the table opens. The ``VLLM_PLE_MMAP*`` names of the
-earlier CPU-gather patches (README) are aliases: when the ple-um name is unset and an alias is set,
-the alias is used.
+Read a knob as an attribute (``envs.PLE_UM_MODE``), typed by its annotation below; the environment
+is read at each access, so a test or a launcher can change it before the table opens. The
+``VLLM_PLE_MMAP*`` names of the earlier CPU-gather patches (README) are aliases: when the ple-um name
+is unset and an alias is set, the alias is used.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ple_um import knob_values as v
-from ple_um.errors import KnobError
+from ple_um.knob_values import Knob
 from ple_um.units import parse_size
 
 # Rows at most a lookup's id count can reach (int32 indexing of a batch).
@@ -22,50 +20,6 @@ _MAX_BULK_ROWS = 1 << 31
 _bulk_rows = v.auto_or(
     v.count(0, _MAX_BULK_ROWS), f"a whole number of rows from 0 (never) to {_MAX_BULK_ROWS}"
 )
-
-
-@dataclass(frozen=True)
-class Knob:
-    name: str
-    parse: Callable[[str], Any]
-    default: Any
-    doc: str
-    aliases: tuple[str, ...] = ()
-    check_default: bool = False  # the default goes through ``parse`` too (it names a path to check)
-
-    def raw(self) -> tuple[str, str] | None:
-        """(variable name, text) of the first of name and aliases that is set, or None."""
-        for var in (self.name, *self.aliases):
-            text = os.environ.get(var)
-            if text is not None:
-                return var, text
-        return None
-
-    def value(self) -> Any:
-        found = self.raw()
-        if found is None:
-            default = self.default() if callable(self.default) else self.default
-            if not self.check_default:
-                return default
-            try:
-                return self.parse(default)
-            except ValueError as exc:
-                why = f"{self.name} is unset and its default {default!r} cannot be used: {exc}"
-                raise KnobError(why) from None
-        var, text = found
-        try:
-            return self.parse(text)
-        except ValueError as exc:
-            alias = "" if var == self.name else f" (an alias of {self.name})"
-            raise KnobError(f"environment variable {var}={text!r}{alias}: {exc}") from None
-
-    def problem(self) -> str | None:
-        """Why the value set for this knob is not taken (the KnobError's message), or None."""
-        try:
-            self.value()
-        except KnobError as exc:
-            return str(exc)
-        return None
 
 
 def _default_threads() -> int:
@@ -76,11 +30,55 @@ def _default_threads() -> int:
     return max(1, min(16, cores - 1 if cores > 2 else cores))
 
 
-MODES = ("auto", "ats", "registered", "cpu", "device")
+Mode = Literal["auto", "ats", "registered", "cpu", "device"]
 # The modes in which the GPU reads host memory, whose first read a child process can make.
-FIRST_READ_MODES = ("ats", "registered")
-# What a test can make the first-read child do instead of passing (tests/access/test_first_read.py).
-FIRST_READ_FAULTS = ("segv", "abort", "hang", "exit", "error", "corrupt")
+FirstReadMode = Literal["ats", "registered"]
+AutoOnOff = Literal["auto", "on", "off"]
+Madvise = Literal["auto", "random", "normal", "none"]
+Fit = Literal["auto", "fits", "spills"]
+RowCachePolicy = Literal["tinylfu", "lru", "clock"]
+FileReads = Literal["auto", "uring", "threads", "mmap"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+FIRST_READ_MODES: tuple[FirstReadMode, ...] = get_args(FirstReadMode)
+
+# Each knob's type, for a type checker: the names are declared, not assigned, so that reading one
+# goes through ``__getattr__`` (the environment now). tests/test_envs.py checks that every knob has
+# one and that its default and the values it takes are of it.
+PLE_UM: bool
+PLE_UM_MODE: Mode
+PLE_UM_DIR: str | None
+PLE_UM_CPU_THREADS: int
+PLE_UM_CPU_CHUNK: int
+PLE_UM_MADVISE: Madvise
+PLE_UM_PREWARM: bool
+PLE_UM_PROMETHEUS: bool
+PLE_UM_STATS_SEC: float
+PLE_UM_PIN_BUDGET: int | None
+PLE_UM_PIN_FRACTION: float
+PLE_UM_ATS_PREFETCH: AutoOnOff
+PLE_UM_FIT: Fit
+PLE_UM_FIT_CHECK_SEC: float
+PLE_UM_MAP_RESIDENT: bool
+PLE_UM_DIRECT_LAUNCH: bool
+PLE_UM_OVERLAP: bool
+PLE_UM_EARLY_LOOKUPS: AutoOnOff
+PLE_UM_ATS_POPULATE: bool
+PLE_UM_SELF_TEST_ROWS: int
+PLE_UM_STAGING_SLOTS: int
+PLE_UM_BULK_ROWS: int | Literal["auto"]
+PLE_UM_ROWCOPY: bool
+PLE_UM_DISPATCHER: bool
+PLE_UM_STRICT: bool
+PLE_UM_CACHE_DIR: str
+PLE_UM_FIRST_READ_CHECK: tuple[FirstReadMode, ...]
+PLE_UM_FIRST_READ_TIMEOUT: float
+PLE_UM_ROW_CACHE: int | Literal["auto"]
+PLE_UM_ROW_CACHE_FRACTION: float
+PLE_UM_ROW_CACHE_POLICY: RowCachePolicy
+PLE_UM_FILE_READS: FileReads
+PLE_UM_DIRECT_READS: AutoOnOff
+PLE_UM_READ_DEPTH: int
+PLE_UM_METRICS_SEC: float
 
 KNOBS: dict[str, Knob] = {
     k.name: k
@@ -118,7 +116,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_MADVISE",
-            v.choice("auto", "random", "normal", "none"),
+            v.choice(*get_args(Madvise)),
             "auto",
             "madvise on the shard mappings; auto = random for cpu/ats, normal otherwise",
             ("VLLM_PLE_MMAP_MADVISE",),
@@ -153,7 +151,7 @@ KNOBS: dict[str, Knob] = {
         Knob("PLE_UM_PIN_FRACTION", v.fraction, 0.5, "fraction of MemAvailable the registered mode may pin"),
         Knob(
             "PLE_UM_ATS_PREFETCH",
-            v.choice("auto", "on", "off"),
+            v.choice(*get_args(AutoOnOff)),
             "auto",
             "ats mode: a host node queued before the kernel touches the pages of the lookup's rows "
             "(auto = while the table fits but is not fully resident, decided at open and at each fit "
@@ -161,7 +159,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_FIT",
-            v.choice("auto", "fits", "spills"),
+            v.choice(*get_args(Fit)),
             "auto",
             "whether a table's owned rows fit the memory this process may use (MemAvailable, its memory "
             "cgroups' room, its own pages in memory): a table that does not gets a row cache, and in the "
@@ -199,7 +197,7 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_EARLY_LOOKUPS",
-            v.choice("auto", "on", "off"),
+            v.choice(*get_args(AutoOnOff)),
             "auto",
             "vLLM and SGLang plugins with PLE_UM_OVERLAP: the first PLE layer's start_prefetch of a step "
             "starts every PLE layer's lookup of that step (auto = where the lookups go on a side stream; "
@@ -272,13 +270,6 @@ KNOBS: dict[str, Knob] = {
             "seconds the first-read child may take before it is killed and its mode rejected",
         ),
         Knob(
-            "PLE_UM_FIRST_READ_FAULT",
-            v.choice(*FIRST_READ_FAULTS),
-            None,
-            "tests only: the first-read child crashes (segv, abort), hangs, exits at once (exit), "
-            "fails with a CUDA-like error (error) or corrupts the rows it compares (corrupt)",
-        ),
-        Knob(
             "PLE_UM_ROW_CACHE",
             v.auto_or(parse_size, "a byte count (0, 512MiB, 4GiB)"),
             "auto",
@@ -296,21 +287,21 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob(
             "PLE_UM_ROW_CACHE_POLICY",
-            v.choice("tinylfu", "lru", "clock"),
+            v.choice(*get_args(RowCachePolicy)),
             "tinylfu",
             "what the row cache keeps: tinylfu admits a row only when it is wanted more often than the "
             "one it would evict; lru and clock admit every row",
         ),
         Knob(
             "PLE_UM_FILE_READS",
-            v.choice("auto", "uring", "threads", "mmap"),
+            v.choice(*get_args(FileReads)),
             "auto",
             "host path: how the rows a lookup misses are read, many at a time; auto = io_uring where a "
             "ring can be made, else reader threads; mmap = one page fault at a time",
         ),
         Knob(
             "PLE_UM_DIRECT_READS",
-            v.choice("auto", "on", "off"),
+            v.choice(*get_args(AutoOnOff)),
             "auto",
             "host path: read misses with O_DIRECT (past the page cache); auto = when there is a row cache",
         ),

@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from ple_um import envs
+from ple_um import _testing
 from ple_um.access.first_read import MARK, STAGES
 from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
+from ple_um.residency import evict_file_pages
 from ple_um.verify import read_file_rows
 
 _now = {"stage": "import"}  # the child's stage, for the reason of an error it reports
@@ -32,8 +33,8 @@ def _say(kind: str, text: str) -> None:
 
 
 def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
-    """Ask the kernel to drop the window's pages from the page cache (POSIX_FADV_DONTNEED: pages
-    another process maps stay), so that the GPU's first touch reads them from the file, as a
+    """Ask the kernel to drop the window's pages from the page cache (pages another process maps
+    stay), so that the GPU's first touch reads them from the file, as a
     serving process's does. A hint: nothing depends on it."""
     S, rb = layout.rows_per_shard, layout.row_bytes
     for spec in layout.shards:
@@ -42,17 +43,11 @@ def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
         if hi <= lo:
             continue
         with contextlib.suppress(OSError):
-            fd = os.open(spec.path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(
-                    fd, spec.offset + (lo - spec.index * S) * rb, (hi - lo) * rb, os.POSIX_FADV_DONTNEED
-                )
-            finally:
-                os.close(fd)
+            evict_file_pages(spec.path, spec.offset + (lo - spec.index * S) * rb, (hi - lo) * rb)
 
 
 def _inject(fault: str | None) -> None:
-    """The test hook (PLE_UM_FIRST_READ_FAULT), while the child reads through the kernel."""
+    """The test hook (``_testing.first_read_fault``), while the child reads through the kernel."""
     if fault == "segv":
         import ctypes
 
@@ -74,7 +69,7 @@ def _child_main(spec: dict) -> int:
 
     from ple_um.opening import open_engram_table, open_table  # the public API, as any user opens a table
 
-    fault = envs.PLE_UM_FIRST_READ_FAULT
+    fault = _testing.first_read_fault()
     engram = spec.get("engram", False)  # a DeepSeek-V4.1 Engram table, not a PLE one
     layout = (read_engram_layout if engram else read_layout)(spec["directory"], spec["layer"])
     opener = open_engram_table if engram else open_table

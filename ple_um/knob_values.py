@@ -1,13 +1,16 @@
-"""The kinds of value a knob takes (``ple_um.envs`` declares the knobs): each a parser that reads the
-text of an environment variable and returns its value, or raises ValueError saying what it takes,
-in words a user reads (``envs`` adds the variable's name)."""
+"""A knob and the kinds of value it takes (``ple_um.envs`` declares the knobs): each kind a parser that
+reads the text of an environment variable and returns its value, or raises ValueError saying what it
+takes, in words a user reads (``Knob`` adds the variable's name)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ple_um import cache_folder
+from ple_um.errors import KnobError
 
 
 def boolean(text: str) -> bool:
@@ -101,3 +104,47 @@ def choice(*allowed: str) -> Callable[[str], str]:
         return value
 
     return parse
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    aliases: tuple[str, ...] = ()
+    check_default: bool = False  # the default goes through ``parse`` too (it names a path to check)
+
+    def raw(self) -> tuple[str, str] | None:
+        """(variable name, text) of the first of name and aliases that is set, or None."""
+        for var in (self.name, *self.aliases):
+            text = os.environ.get(var)
+            if text is not None:
+                return var, text
+        return None
+
+    def value(self) -> Any:
+        found = self.raw()
+        if found is None:
+            default = self.default() if callable(self.default) else self.default
+            if not self.check_default:
+                return default
+            try:
+                return self.parse(default)
+            except ValueError as exc:
+                why = f"{self.name} is unset and its default {default!r} cannot be used: {exc}"
+                raise KnobError(why) from None
+        var, text = found
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            alias = "" if var == self.name else f" (an alias of {self.name})"
+            raise KnobError(f"environment variable {var}={text!r}{alias}: {exc}") from None
+
+    def problem(self) -> str | None:
+        """Why the value set for this knob is not taken (the KnobError's message), or None."""
+        try:
+            self.value()
+        except KnobError as exc:
+            return str(exc)
+        return None

@@ -5,7 +5,8 @@ times more (a 2 TiB table: 5 GiB); here it is asked a window of ``RESIDENCY_WIND
 time, and a window whose file range has no cached page at all (``cachestat``, Linux 6.5+, walks
 only the cached pages) is not asked: a huge sparse table costs bounded memory and little time.
 A region is anything with ``addr``, ``length``, ``fd``, ``file_offset`` and ``path`` (the
-``MappedRegion`` of ``ple_um.mapping``).
+``MappedRegion`` of ``ple_um.mapping``). ``evict_pages`` is the one way ple-um, its tools and its
+tests drop a file's pages from memory.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ctypes
 import errno
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -24,6 +25,7 @@ RESIDENCY_WINDOW = 1 << 18
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.syscall.restype = ctypes.c_long
 _SYS_CACHESTAT = 451  # the same number on x86_64 and in the generic table (aarch64)
 
@@ -79,6 +81,32 @@ def _windows(region) -> Iterator[tuple[int, np.ndarray]]:
             yield first, np.zeros(min(RESIDENCY_WINDOW, _pages(region) - first), dtype=np.uint8)
         else:
             yield first, resident_pages(region, first, RESIDENCY_WINDOW)
+
+
+def evict_file_pages(path: str, offset: int = 0, length: int = 0) -> None:
+    """Drop the file's bytes ``[offset, offset + length)`` (``length`` 0: to its end) from the page
+    cache: written back first (a dirty page cannot be dropped), then POSIX_FADV_DONTNEED, which drops
+    only the pages no process maps (``evict_pages`` unmaps this process's first). A request: a file
+    system whose files are their page cache (tmpfs) keeps them. OSError where the file cannot be opened."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def evict_pages(files: Iterable[str], regions: Iterable = ()) -> None:
+    """Every page of ``files`` out of this process and the page cache: each of ``regions`` (this
+    process's mappings of them) emptied with MADV_DONTNEED, so that its pages are no longer mapped
+    here and the next read faults them in, then each file's pages dropped (``evict_file_pages``).
+    OSError naming the file where madvise fails."""
+    for region in regions:
+        if _libc.madvise(region.addr, region.length, mmap.MADV_DONTNEED) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"madvise(MADV_DONTNEED) failed on {region.path}: {os.strerror(code)}")
+    for path in files:
+        evict_file_pages(path)
 
 
 def resident_count(region) -> int:

@@ -4,17 +4,23 @@ named as one; ``check``, ``problems`` and ``describe`` report what is set and wr
 
 from __future__ import annotations
 
+import types
+import typing
+
 import pytest
 
-from ple_um import envs
+from ple_um import _testing, envs
 from ple_um.errors import KnobError
 
 GARBAGE = ("abc", "", " ", "-1", "0", "1e400", "nan", "inf", "99999999999999999999999", "1.5", "auto,")
 
 
-@pytest.mark.parametrize("name", sorted(envs.KNOBS))
+EVERY = {**envs.KNOBS, **_testing.HOOKS}  # the test hooks refuse a value as the knobs do
+
+
+@pytest.mark.parametrize("name", sorted(EVERY))
 def test_every_refusal_names_the_knob_its_value_and_what_it_takes(monkeypatch, name):
-    knob = envs.KNOBS[name]
+    knob = EVERY[name]
     for text in GARBAGE:
         monkeypatch.setenv(name, text)
         why = knob.problem()
@@ -127,3 +133,60 @@ def test_check_problems_and_describe(monkeypatch):
     assert rows["PLE_UM_MODE"]["set"] == "PLE_UM_MODE=bogus"
     assert rows["PLE_UM_MODE"]["invalid"] == envs.KNOBS["PLE_UM_MODE"].problem()
     assert rows["PLE_UM_PREWARM"]["set"] is None and rows["PLE_UM_PREWARM"]["invalid"] is None
+
+
+def test_the_test_hooks_are_no_knobs(monkeypatch):
+    """A test hook is set by the test suite only: ``describe`` (``ple-um knobs``) and ``check`` know
+    nothing of it, and no knob shares its name."""
+    monkeypatch.setenv("PLE_UM_FIRST_READ_FAULT", "melt")
+    assert not set(_testing.HOOKS) & set(envs.KNOBS)
+    assert not set(_testing.HOOKS) & {r["name"] for r in envs.describe()}
+    envs.check()
+    assert _testing.HOOKS["PLE_UM_FIRST_READ_FAULT"].problem() is not None
+
+
+def _of(value, hint) -> bool:
+    """Whether ``value`` is of the type ``hint`` (the kinds envs.py's annotations use), exactly: a
+    bool is no int, an int no float."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_of(value, a) for a in args)
+    if origin is tuple:
+        return type(value) is tuple and all(_of(x, args[0]) for x in value)
+    return value is None if hint is type(None) else type(value) is hint
+
+
+# The words the choice knobs take, and texts of the other kinds: each knob takes some of them.
+WORDS = ("ats", "registered", "cpu", "device", "random", "normal", "none", "fits", "spills", "tinylfu")
+WORDS += ("lru", "clock", "uring", "threads", "mmap", "auto", "on", "off")
+TEXTS = (*GARBAGE, *WORDS, "1", "0.5", "64", "4GiB", "ats,registered")
+
+
+@pytest.mark.parametrize("name", sorted(envs.KNOBS))
+def test_every_knob_is_typed_and_its_values_are_of_its_type(monkeypatch, tmp_path, name):
+    """envs.py annotates every knob (a type checker sees ``envs.PLE_UM_MODE`` as its Literal), and the
+    default and every value the knob takes, of texts of every kind, are of that type."""
+    hints = typing.get_type_hints(envs)
+    assert name in hints, f"{name} has no annotation in ple_um/envs.py"
+    knob = envs.KNOBS[name]
+    for var in (name, *knob.aliases):
+        monkeypatch.delenv(var, raising=False)
+    values = [getattr(envs, name)]
+    for text in (*TEXTS, str(tmp_path / "folder")):
+        monkeypatch.setenv(name, text)
+        if knob.problem() is None:
+            values.append(getattr(envs, name))
+    allowed = typing.get_args(hints[name])
+    for text in (a for a in allowed if isinstance(a, str)):
+        monkeypatch.setenv(name, text)
+        values.append(getattr(envs, name))
+    assert len(values) > 1, f"no text tried is taken by {name}"
+    bad = [value for value in values if not _of(value, hints[name])]
+    assert not bad, f"{name}: {bad} not of {hints[name]}"
+
+
+def test_only_knobs_are_annotated_as_knobs():
+    hints = {name for name in typing.get_type_hints(envs) if name.startswith("PLE_UM")}
+    assert hints == set(envs.KNOBS)

@@ -360,3 +360,26 @@ def test_a_huge_sparse_table_costs_bounded_memory_and_time(tmp_path):
     assert int(populated) < 1 << 20
     assert int(grown) < 200 << 20, f"peak memory grew by {int(grown) >> 20} MiB"
     assert float(seconds) < 120, f"{float(seconds):.1f} s"
+
+
+def test_evicting_pages_unmaps_them_here_then_drops_them_from_the_page_cache(evictable):
+    """``residency.evict_pages``, the one way the package, its tools and its tests drop pages: the
+    page cache keeps a page this process maps (fadvise alone drops nothing of a populated mapping),
+    so the mapping is emptied first; ``evict_file_pages`` drops the range asked and no other."""
+    layout = evictable
+    with MappedShards(layout) as m:
+        (region,) = m.regions
+        m.populate()
+        assert resident(m) == m.mapped_bytes
+        residency.evict_file_pages(region.path)
+        assert resident(m) == m.mapped_bytes
+        residency.evict_pages(layout.files, m.regions)
+        assert resident(m) <= PAGE
+        m.populate()
+        residency.evict_pages([], m.regions)  # unmapped here, still in the page cache
+        assert resident(m) == m.mapped_bytes
+        half = (region.file_offset + region.length // 2) // PAGE * PAGE
+        residency.evict_file_pages(region.path, half)  # from there to the end
+        pages = region.resident_pages()
+        first_dropped = (half - region.file_offset) // PAGE
+        assert pages[:first_dropped].all() and pages[first_dropped:].sum() <= 2

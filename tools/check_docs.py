@@ -1,8 +1,8 @@
 """Check that the docs name only what exists: every path of the repository they cite, every test
-they cite (in the file cited before it on the same line, where one is), every knob and every metric;
-and that docs/OPERATING.md lists every knob of ``ple_um.envs`` with its aliases and every metric of
-``ple_um.metrics``. The lab notebook (docs/lab/) may name scripts and files that are gone, when its
-README lists them with the commit that holds them.
+they cite (in the file cited before it on the same line, where one is), every knob (or test hook of
+``ple_um._testing``) and every metric; and that docs/OPERATING.md lists every knob of ``ple_um.envs``
+with its aliases, no test hook, and every metric of ``ple_um.metrics``. The lab notebook (docs/lab/)
+may name scripts and files that are gone, when its README lists them with the commit that holds them.
 
     python tools/check_docs.py        # exit 1 and one line per problem, else "docs: ok"
 """
@@ -17,6 +17,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from ple_um._testing import HOOKS  # noqa: E402
 from ple_um.envs import KNOBS  # noqa: E402
 from ple_um.metrics.counters import METRICS  # noqa: E402
 
@@ -25,6 +26,7 @@ TEST = re.compile(r"(?<![\w/.])(?:::)?(test_\w+)\b")
 KNOB = re.compile(r"\bPLE_UM\w*")
 METRIC = re.compile(r"vllm:ple_(?:um|mmap)_\w+\*?")
 ALIASES = {alias for knob in KNOBS.values() for alias in knob.aliases}
+NAMED = {*KNOBS, *ALIASES, *HOOKS}  # what a doc may name: the knobs, their aliases, the test hooks
 
 
 def _docs() -> tuple[list[str], list[str]]:
@@ -85,8 +87,9 @@ def check_manual(path: str, every_test: set[str]) -> list[str]:
             elif cited_file is not None and name not in _module_names() and name not in _tests_in(cited_file):
                 problems.append(f"{where}: {name} is not in {cited_file}")
         for knob in set(KNOB.findall(line)):
-            if knob not in KNOBS and knob not in ALIASES:
-                problems.append(f"{where}: {knob} is no knob of ple_um/envs.py")
+            if knob not in NAMED:
+                why = "is no knob of ple_um/envs.py nor test hook of ple_um/_testing.py"
+                problems.append(f"{where}: {knob} {why}")
         for metric in set(METRIC.findall(line)):
             names = _metric_names()
             if metric.endswith("*") and any(n.startswith(metric[:-1]) for n in names):
@@ -115,6 +118,10 @@ def check_operating() -> list[str]:
             problems.append(
                 f"docs/OPERATING.md: {name}'s aliases are {sorted(knob.aliases)}, row: {sorted(listed)}"
             )
+    for name in HOOKS:
+        if re.search(rf"^\| `{name}` \|", text, re.M):
+            why = "is a test hook (ple_um/_testing.py), not a knob to list"
+            problems.append(f"docs/OPERATING.md: {name} {why}")
     for spec in METRICS:
         if f"`{spec.name}`" not in text:
             problems.append(f"docs/OPERATING.md: the metric {spec.name} is not listed")

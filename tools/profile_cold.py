@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import subprocess
@@ -48,6 +47,7 @@ from ple_um import operating, units
 from ple_um.bench.calls import capture
 from ple_um.bench.ids import parse_ids
 from ple_um.checkpoint import read_layout
+from ple_um.residency import evict_pages
 
 READERS = (
     ("mmap", {"PLE_UM_FILE_READS": "mmap", "PLE_UM_ROW_CACHE": "0"}),
@@ -68,9 +68,6 @@ SIZES = (16, 1024, 16384)
 HIT_BLOCK, HIT_BLOCK_WARM = 40, 40
 POLICIES = ("tinylfu", "lru", "clock")
 REFERENCES = ("belady", "lru", "lru-pages")
-MADV_DONTNEED = 4
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def say(text: str) -> None:
@@ -83,12 +80,7 @@ def drop(table) -> None:
     for mapping in (table.mapping, table.scale_mapping):
         if mapping is None:
             continue
-        for region in mapping.regions:
-            _libc.madvise(region.addr, region.length, MADV_DONTNEED)
-        for path in mapping.layout.files:
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        evict_pages(mapping.layout.files, mapping.regions)
 
 
 def with_knobs(knobs: dict[str, str]):

@@ -64,6 +64,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ple_um import envs, units
+from ple_um.residency import evict_pages
 
 # No NVLink multicast (NVLS: on a shared host it can take the GPUs out of service, and the check needs
 # none); set in every rank before NCCL starts.
@@ -235,14 +236,8 @@ class FileTable:
         return sum(hi - lo // mmap.PAGESIZE * mmap.PAGESIZE for lo, hi in spans.values()), touched
 
     def drop_cache(self) -> None:
-        """Write back and evict the files' pages (clean, unmapped pages only: POSIX_FADV_DONTNEED)."""
-        for path in self.files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        """Write back and evict the files' pages (the pages no process maps)."""
+        evict_pages(self.files)
 
 
 # -- memory -------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.host.buffers import INLINE_ROWS
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows, row_cache_plan
+from ple_um.residency import evict_pages
 
 MADV_DONTNEED = 4
 # The knobs of the steady state without a row cache: the page cache alone holds the rows read (and
@@ -66,13 +67,7 @@ def drop_table_pages(files: list[str]) -> None:
         if _libc.madvise(start, end - start, MADV_DONTNEED) != 0:
             code = ctypes.get_errno()
             raise OSError(code, f"madvise(MADV_DONTNEED) failed: {os.strerror(code)}")
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages (a table just written) cannot be dropped: written back first
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict_pages(files)
 
 
 def cold_knobs(probe: MappedShards) -> dict[str, str]:

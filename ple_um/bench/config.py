@@ -13,6 +13,7 @@ from ple_um import envs
 from ple_um.bench.ids import IdDistribution, parse_ids
 from ple_um.checkpoint import ShardLayout
 from ple_um.errors import PleUmError
+from ple_um.residency import evict_pages
 from ple_um.synthetic import write_checkpoint
 from ple_um.units import format_bytes
 
@@ -278,9 +279,4 @@ def read_cache(layout: ShardLayout) -> None:
 
 def drop_cache(layout: ShardLayout) -> None:
     """Ask the kernel to drop the table's files from the page cache (pages no process maps)."""
-    for path in layout.files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict_pages(layout.files)

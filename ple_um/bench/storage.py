@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from ple_um.residency import evict_pages
+
 DEPTHS = (1, 16, 64)
 READ_SIZES = (4096, 512)
 # Reads per depth: enough for a stable rate at depth 64 on NVMe (a few tenths of a second), few
@@ -24,7 +26,10 @@ READS = {1: 2000, 16: 8000, 64: 16000}
 
 
 def _open(path: str, direct: bool) -> int:
-    return os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    if not direct:  # readahead off (advice on this open file): only the bytes read come in
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
 
 
 def _direct_works(path: str, size: int) -> str | None:
@@ -52,20 +57,10 @@ def _offsets(files: list[str], size: int, count: int, rng: np.random.Generator) 
     return list(zip(which.tolist(), at.tolist(), strict=True))
 
 
-def _drop(files: list[str]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        finally:
-            os.close(fd)
-
-
 def _reads(files: list[str], size: int, depth: int, count: int, direct: bool, seed: int) -> dict:
     jobs = _offsets(files, size, count, np.random.default_rng(seed))
     if not direct:
-        _drop(files)
+        evict_pages(files)
     fds = [_open(f, direct) for f in files]
     errors: list[OSError] = []
 

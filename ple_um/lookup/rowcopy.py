@@ -32,7 +32,7 @@ from ple_um.lookup import native_library
 from ple_um.mapping import MappedShards
 
 # abi.c's PLE_ABI_VERSION: the interface the declarations below are written for.
-ABI_VERSION = 2
+ABI_VERSION = 3
 # The functions called through ctypes: name, argument types, result type.
 SIGNATURES = (
     ("ple_abi_version", [], ctypes.c_int64),
@@ -119,9 +119,7 @@ class CacheStruct(ctypes.Structure):
         ("sets", ctypes.c_int64),
         ("rb", ctypes.c_int64),
         ("policy", ctypes.c_int32),
-        ("publish_first", ctypes.c_int32),
         ("follower", ctypes.c_int32),
-        ("unused", ctypes.c_int32),
         ("tags", ctypes.c_void_p),
         ("heads", ctypes.c_void_p),
         ("data", ctypes.c_void_p),

@@ -27,7 +27,7 @@ from helpers.machines import ATS, DISCRETE, HMM
 from helpers.reference import reference_rows
 
 import ple_um
-from ple_um import cli, envs
+from ple_um import _testing, cli, envs
 from ple_um.access import verdict_cache
 from ple_um.access.capabilities import read_capabilities, triton_interpreter
 from ple_um.access.first_read import first_read_verdict, sample_windows
@@ -490,7 +490,7 @@ def test_probe_of_a_forced_mode_whose_first_read_fails(layout, cache, monkeypatc
 # -- the knobs -------------------------------------------------------------------------------------
 def test_the_first_read_knobs(monkeypatch):
     assert envs.PLE_UM_FIRST_READ_CHECK == ("ats",)
-    assert envs.PLE_UM_FIRST_READ_TIMEOUT == 120.0 and envs.PLE_UM_FIRST_READ_FAULT is None
+    assert envs.PLE_UM_FIRST_READ_TIMEOUT == 120.0 and _testing.first_read_fault() is None
     for text, modes in (("ats,registered", ("ats", "registered")), (" Registered ", ("registered",))):
         monkeypatch.setenv("PLE_UM_FIRST_READ_CHECK", text)
         assert envs.PLE_UM_FIRST_READ_CHECK == modes
@@ -505,5 +505,6 @@ def test_the_first_read_knobs(monkeypatch):
         with pytest.raises(ValueError, match="PLE_UM_FIRST_READ_TIMEOUT"):
             envs.PLE_UM_FIRST_READ_TIMEOUT  # noqa: B018
     monkeypatch.setenv("PLE_UM_FIRST_READ_FAULT", "melt")
-    with pytest.raises(ValueError, match="PLE_UM_FIRST_READ_FAULT"):
-        envs.PLE_UM_FIRST_READ_FAULT  # noqa: B018
+    with pytest.raises(ValueError, match="PLE_UM_FIRST_READ_FAULT='melt'"):
+        _testing.first_read_fault()
+    assert "PLE_UM_FIRST_READ_FAULT" not in envs.KNOBS  # a test hook, not a knob users see

@@ -17,6 +17,7 @@ from helpers.cli import fs_type
 
 from ple_um.bench.memlimit import Hierarchy, MemoryLimit, find_hierarchy
 from ple_um.operating import resident_bytes
+from ple_um.residency import evict_file_pages
 
 MiB = 1 << 20
 
@@ -137,9 +138,7 @@ def test_a_real_limit_holds_the_childs_page_cache(tmp_path):
     with open(path, "wb") as f:
         f.write(np.random.default_rng(0).integers(0, 256, 160 * MiB, dtype=np.uint8).tobytes())
         os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    evict_file_pages(str(path))
     reader = f"f = open({str(path)!r}, 'rb', buffering=0)\nwhile f.read(1 << 20): pass\n"
     with _real_limit(64 * MiB) as limit:
         if os.path.exists(os.path.join(limit.group, "memory.memsw.limit_in_bytes")):  # v1, swap accounted

@@ -7,8 +7,6 @@ and compared with the rows read from the files.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,7 @@ from helpers.reference import bits_differ, reference_nvfp4, reference_rows
 
 import ple_um
 from ple_um.lookup.host.gather import HostGather
-from ple_um.mapping import MADV_DONTNEED, _libc
+from ple_um.residency import evict_pages
 
 READERS = ["uring", "threads"]
 
@@ -24,14 +22,8 @@ READERS = ["uring", "threads"]
 def drop_pages(table) -> None:
     """Every page of the table out of this process and the page cache."""
     for mapping in (table.mapping, table.scale_mapping):
-        if mapping is None:
-            continue
-        for region in mapping.regions:
-            assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
-        for path in mapping.layout.files:
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        if mapping is not None:
+            evict_pages(mapping.layout.files, mapping.regions)
 
 
 def want(layout, ids_np: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

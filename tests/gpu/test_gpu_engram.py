@@ -19,7 +19,7 @@ import ple_um
 from ple_um.checkpoint import EngramGeometry
 from ple_um.kernels.gather_mxfp8 import gather_mxfp8
 from ple_um.lookup.mxfp8 import decode_mxfp8
-from ple_um.mapping import MADV_DONTNEED, _libc
+from ple_um.residency import evict_pages
 from ple_um.synthetic_engram import write_engram_checkpoint
 
 MODES = [("registered", "1"), ("device", "1"), ("cpu", "1"), ("cpu", "node"), ("cpu", "0"), ("ats", "1")]
@@ -140,12 +140,7 @@ def test_a_ranks_heads_in_every_mode_eager_and_in_a_graph(engram, mode, rowcopy,
 
 def _drop_pages(table) -> None:
     for mapping in (table.mapping, table.scale_mapping):
-        for region in mapping.regions:
-            assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
-        for path in mapping.layout.files:
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        evict_pages(mapping.layout.files, mapping.regions)
 
 
 @pytest.mark.parametrize("reads", ["uring", "threads"])

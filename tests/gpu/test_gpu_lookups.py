@@ -342,12 +342,9 @@ def test_the_direct_launch_equals_tritons_own(tables, open_mode, ids_for, rng, d
 def test_graph_replays_serve_a_table_whose_pages_were_dropped(tables, open_mode, ids_for, rng, device):
     """The page cache dropped between replays (our page-table entries, then the files' pages): the
     host node's reads fault the rows back in from the disk; every replay exact."""
-    import ctypes
-    import os
+    from ple_um.residency import evict_pages
 
     layout = tables["fp8"]
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     with open_mode(layout, "cpu", "1") as table:
         n = 4096
         ids = torch.from_numpy(ids_for(layout, n, rng)).to(device)
@@ -358,12 +355,7 @@ def test_graph_replays_serve_a_table_whose_pages_were_dropped(tables, open_mode,
         with torch.cuda.graph(graph):
             table.lookup(ids, out=out)
         for _ in range(3):
-            for region in table.mapping.regions:
-                assert libc.madvise(region.addr, region.length, 4) == 0  # MADV_DONTNEED
-            for path in layout.files:
-                fd = os.open(path, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            evict_pages(layout.files, table.mapping.regions)
             fresh = ids_for(layout, n, rng)
             ids.copy_(torch.from_numpy(fresh))
             graph.replay()

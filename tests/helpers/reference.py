@@ -26,6 +26,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from ple_um.residency import evict_pages
+
 ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "U8": 1}
 
 # NVFP4: two E2M1 codes a byte (the even element in the low nibble), one E4M3 scale per 16 values.
@@ -289,15 +291,9 @@ def bits_differ(got: torch.Tensor, expect: torch.Tensor, *, raw: bool = True) ->
 
 
 def drop_page_cache(layout) -> None:
-    """Write back and evict the table's files from the page cache (POSIX_FADV_DONTNEED drops clean
-    pages only); their pages then read as absent until something touches them."""
-    for path in layout.files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    """The table's files out of the page cache (the pages no process maps); their pages then read
+    as absent until something touches them."""
+    evict_pages(layout.files)
 
 
 def maps_of(paths) -> list[str]:

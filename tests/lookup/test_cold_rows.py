@@ -13,6 +13,8 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import shutil
+import subprocess
 import threading
 import time
 
@@ -26,12 +28,13 @@ import ple_um
 from ple_um import envs
 from ple_um.access import memory
 from ple_um.errors import KnobError
-from ple_um.lookup import rowcopy
+from ple_um.lookup import native_build, rowcopy
 from ple_um.lookup.host import cold
 from ple_um.lookup.host.cold import plan
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, WAYS, RowCache, slots_for
 from ple_um.mapping import MADV_DONTNEED, PAGE, MappedShards, _libc
+from ple_um.residency import evict_file_pages, evict_pages
 
 STRATEGIES = ["uring", "threads"]
 
@@ -39,6 +42,22 @@ STRATEGIES = ["uring", "threads"]
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     lib, why = rowcopy.load(str(tmp_path_factory.mktemp("cache")))
+    assert lib is not None, why
+    return lib
+
+
+@pytest.fixture(scope="module")
+def publish_first_lib(tmp_path_factory):
+    """The row copy built as a wrong cache (``-DPLE_TEST_PUBLISH_FIRST``: a slot's tag published
+    before its bytes), which only this test builds: the shipped library has no such switch."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the wrong cache with")
+    out = str(tmp_path_factory.mktemp("publish-first") / "rowcopy-publish-first.so")
+    command = native_build.command(cc, out, werror=False, extra=("-DPLE_TEST_PUBLISH_FIRST",))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lib, why = rowcopy.open_library(out)
     assert lib is not None, why
     return lib
 
@@ -51,11 +70,8 @@ def run(lib, tables, ids, dsts, counts, **kw):
 
 
 def evict(mapping: MappedShards, layout) -> None:
-    """Every page of the table out of this process and the page cache: MADV_DONTNEED on the
-    mappings, then POSIX_FADV_DONTNEED on the files (mapped pages survive fadvise alone)."""
-    for region in mapping.regions:
-        assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
-    drop_page_cache(layout)
+    """Every page of the table out of this process and the page cache (``evict_pages``)."""
+    evict_pages(layout.files, mapping.regions)
 
 
 def resident_pages(mapping: MappedShards) -> int:
@@ -354,10 +370,10 @@ def test_block_scales_follow_their_rows_under_evictions(lib, make_checkpoint, rn
 
 
 def _race(lib, layout, mapping, publish_first: bool, seconds: float) -> int:
-    """Readers and one writer on a cache of one set: how many rows came back wrong."""
+    """Readers and one writer on a cache of one set: how many rows came back wrong (``lib``: the
+    wrong cache's build where ``publish_first``)."""
     counts = rowcopy.Counts()
     cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")
-    cache.struct.publish_first = int(publish_first)
     reader = FileReader(mapping, strategy="threads", direct=False, depth=4)
     rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
     expect_all = reference_rows(layout, np.arange(layout.num_rows))
@@ -385,12 +401,12 @@ def _race(lib, layout, mapping, publish_first: bool, seconds: float) -> int:
     return wrong[0]
 
 
-def test_a_row_is_in_place_before_anything_can_find_it(lib, make_checkpoint, rng):
-    """The check can fail: a cache that publishes a slot's tag before its bytes (a test hook) hands
-    out rows that are not theirs; the real order never does."""
+def test_a_row_is_in_place_before_anything_can_find_it(lib, publish_first_lib, make_checkpoint, rng):
+    """The check can fail: a cache that publishes a slot's tag before its bytes (a build of the
+    library for this test) hands out rows that are not theirs; the real order never does."""
     layout = make_checkpoint(num_rows=64, row_dim=256, dtype="fp8", shards=2, seed=int(rng.integers(1 << 30)))
     with MappedShards(layout) as mapping:
-        assert _race(lib, layout, mapping, publish_first=True, seconds=30.0) > 0
+        assert _race(publish_first_lib, layout, mapping, publish_first=True, seconds=30.0) > 0
         assert _race(lib, layout, mapping, publish_first=False, seconds=3.0) == 0
 
 
@@ -689,12 +705,7 @@ def test_a_table_a_page_short_of_resident_is_copied_from_the_mapping(lib, make_c
         first = mapping.regions[0]  # then one page out of this process and the page cache
         assert first.length > 2 * PAGE and first.file_offset % PAGE == 0
         assert _libc.madvise(first.addr + PAGE, PAGE, MADV_DONTNEED) == 0
-        fd = os.open(first.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # DONTNEED drops clean pages only
-            os.posix_fadvise(fd, first.file_offset + PAGE, PAGE, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_file_pages(first.path, first.file_offset + PAGE, PAGE)
         resident = sum(r for _, r, _ in mapping.residency())
         mapped = sum(m for _, _, m in mapping.residency())
         if resident == mapped:

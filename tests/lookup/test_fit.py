@@ -28,7 +28,7 @@ import ple_um
 from ple_um.access import memory
 from ple_um.lookup import fit
 from ple_um.lookup.fit import Verdict, choose
-from ple_um.mapping import MADV_DONTNEED, _libc
+from ple_um.residency import evict_pages
 
 MiB = 1 << 20
 HMM_CPU = dataclasses.replace(HMM, device="cpu", name="NVIDIA RTX PRO 6000 (HMM, injected)")
@@ -65,9 +65,8 @@ def table_files(make_checkpoint, rng):
 def evict(table) -> None:
     """The table's pages out of this process and out of the page cache."""
     for m in (table.mapping, table.scale_mapping):
-        for region in m.regions if m is not None else ():
-            assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
-    drop_page_cache(table.layout)
+        if m is not None:
+            evict_pages(m.layout.files, m.regions)
 
 
 def resident(table) -> int:

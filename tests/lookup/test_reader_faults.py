@@ -39,12 +39,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.reference import drop_page_cache, reference_rows
+from helpers.reference import reference_rows
 from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job
 
 from ple_um.lookup import rowcopy
 from ple_um.lookup.host.file_reads import FileReader
-from ple_um.mapping import MADV_DONTNEED, MappedShards, _libc
+from ple_um.mapping import MappedShards
+from ple_um.residency import evict_pages
 
 SCENARIO_SECONDS = 30  # a scenario takes about a second; past this it hangs
 LAB_START_SECONDS = 240  # importing torch on a loaded 2-core machine
@@ -245,9 +246,7 @@ SCENARIOS = {
 
 # -- the lab: a process with the shim preloaded, running each scenario in a forked child ----------------
 def _evict(mapping: MappedShards, layout) -> None:
-    for region in mapping.regions:
-        assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
-    drop_page_cache(layout)
+    evict_pages(layout.files, mapping.regions)
 
 
 def _reader_threads() -> int:

@@ -26,23 +26,19 @@ import numpy as np
 import pytest
 import torch
 from helpers.machines import GH200
-from helpers.reference import bits_differ, drop_page_cache, reference_rows
+from helpers.reference import bits_differ, reference_rows
 
 import ple_um
 import ple_um.lookup.gpu_gather
 from ple_um.access.capabilities import triton_interpreter
 from ple_um.lookup.sync_reader import DEDUP_ROWS
-from ple_um.mapping import (
-    PAGE,
-    _libc,  # libc with mmap, munmap, madvise declared
-)
+from ple_um.mapping import PAGE
+from ple_um.residency import evict_pages
 
 pytestmark = [
     pytest.mark.skipif(not triton_interpreter(), reason="GPU paths run on the CPU under TRITON_INTERPRET=1"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
 ]
-
-MADV_DONTNEED = 4
 
 
 class Reference:
@@ -170,9 +166,7 @@ def evict(table) -> None:
     """Drop the table's pages: our page-table entries (MADV_DONTNEED on a shared file mapping only
     unmaps; the next read faults the page back in from the cache or the disk), then the file's
     pages in the page cache (written back first)."""
-    for region in table.mapping.regions:
-        assert _libc.madvise(region.addr, region.length, MADV_DONTNEED) == 0
-    drop_page_cache(table.layout)
+    evict_pages(table.layout.files, table.mapping.regions)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ple_um.errors import CheckpointError
+from ple_um.residency import evict_pages
 
 
 @pytest.fixture
@@ -94,13 +95,7 @@ def test_shard_only_files_stay_out_of_the_page_cache(sglang_checkpoint, load_mod
     model.model.layers[tiny.layer].ple.ple_embedding.ngram_embedding.close_table()
 
     def drop() -> None:
-        for name in only_shards:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages stay in the cache
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        evict_pages(os.path.join(directory, name) for name in only_shards)
 
     def resident() -> tuple[int, int]:
         files = [f for f in residency(directory, tiny.layer)["files"] if f["file"] in only_shards]

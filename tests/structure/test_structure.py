@@ -26,7 +26,7 @@ LAYERS = (
         "ple_um.knob_values",
         "ple_um.file_lock",
     ),
-    ("ple_um.envs",),
+    ("ple_um.envs", "ple_um._testing"),
     ("ple_um.checkpoint",),
     ("ple_um.synthetic", "ple_um.synthetic_engram", "ple_um.mapping", "ple_um.residency"),
     ("ple_um.access",),

@@ -71,9 +71,7 @@ struct ple_cache {
     int64_t sets;
     int64_t rb; /* bytes per row: slot k's row lies at data + k * rb */
     int32_t policy;
-    int32_t publish_first; /* tests only: publish the tag before the bytes (a wrong cache) */
-    int32_t follower;      /* 1: the tags, heads, sketch and doorkeeper are the cache's it follows */
-    int32_t unused;
+    int32_t follower; /* 1: the tags, heads, sketch and doorkeeper are the cache's it follows */
     uint32_t *tags;  /* [sets * WAYS]: id + 1, or 0 */
     uint8_t *heads;  /* [sets]: struct set_head */
     uint8_t *data;   /* [sets * WAYS * rb] */
@@ -387,14 +385,14 @@ void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
     /* the follower's part of the slot is stale from here on */
     __atomic_store_n(&s->follows, (uint16_t)(s->follows & ~(1u << w)), __ATOMIC_RELAXED);
     __atomic_store_n(c->tags + k, tag, __ATOMIC_RELAXED);
-    if (c->publish_first) { /* the version even before the bytes are in place */
-        __atomic_store_n(&s->version, v + 2, __ATOMIC_RELEASE);
-        for (int spin = 0; spin < 200; spin++) sched_yield(); /* a reader may find it meanwhile */
-        memcpy(row_of(c, k), row, (size_t)c->rb);
-    } else {
-        memcpy(row_of(c, k), row, (size_t)c->rb);
-        __atomic_store_n(&s->version, v + 2, __ATOMIC_RELEASE); /* even: published */
-    }
+#ifdef PLE_TEST_PUBLISH_FIRST /* a wrong cache, built by tests/lookup/test_cold_rows.py alone */
+    __atomic_store_n(&s->version, v + 2, __ATOMIC_RELEASE); /* even before the bytes are in place */
+    for (int spin = 0; spin < 200; spin++) sched_yield();   /* a reader may find it meanwhile */
+    memcpy(row_of(c, k), row, (size_t)c->rb);
+#else
+    memcpy(row_of(c, k), row, (size_t)c->rb);
+    __atomic_store_n(&s->version, v + 2, __ATOMIC_RELEASE); /* even: published */
+#endif
     count(c->counts, C_CACHE_INSERTS, 1);
     count(c->counts, C_CACHE_EVICTIONS, !empty);
 }
