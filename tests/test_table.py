@@ -387,16 +387,17 @@ def swap_during_open(monkeypatch):
     access mode is built (after the mapping, before the self-test), as a concurrent re-download would."""
 
     def arm(layout, path):
-        build = opening._build
+        build = opening.build_paths
         swapped = []
 
-        def build_then_swap(table, cuda):
-            build(table, cuda)
+        def build_then_swap(access, *args, **kwargs):
+            paths = build(access, *args, **kwargs)
             if not swapped:
-                swapped.append(table.mode)
+                swapped.append(access.mode)
                 swap_data(layout, path)
+            return paths
 
-        monkeypatch.setattr(opening, "_build", build_then_swap)
+        monkeypatch.setattr(opening, "build_paths", build_then_swap)
         return swapped
 
     return arm
