@@ -1,38 +1,41 @@
 """The open path: ``open_table`` and ``probe``, and the one mode-selection loop both run.
 
-Choosing a mode (``_select_mode``): the probe's policy (``access.probe.decide``) names the first
-mode whose requirements pass; a guarded mode's first read is made in a child process
-(``access.first_read``); ``open_table`` then builds the mode (``access.build.ModeAccess`` and
-``lookup.paths.build_paths``) and self-tests it through its lookup path (``verify``). A mode that
-fails any step is rejected with its reason and the next one is tried; a forced mode that fails
-raises ``ModeUnavailableError``. ``probe(path=...)`` runs the same loop without building.
+The pieces come first, then the table from them. ``_open`` maps the owned rows (``MappedShards``;
+the block scales too), then ``_select_mode`` chooses a mode: the probe's policy
+(``access.probe.decide``) names the first mode whose requirements pass; a guarded mode's first read
+is made in a child process (``access.first_read``); the mode is built (``access.build.ModeAccess``
+and ``lookup.paths.build_paths``) and self-tested through its lookup paths (``verify``). A mode that
+fails any step is rejected with its reason, what it built released, and the next one is tried; a
+forced mode that fails raises ``ModeUnavailableError``. ``probe(path=...)`` runs the same loop
+without building.
 
-Once a mode serves, the open measures the bulk crossover (``PLE_UM_BULK_ROWS=auto``), prewarms
-(``PLE_UM_PREWARM``), zeroes the counters its checks caused, and starts the metrics.
+Once a mode serves, ``_start_serving`` measures the bulk crossover (``PLE_UM_BULK_ROWS=auto``),
+maps the resident pages (``PLE_UM_MAP_RESIDENT``), prewarms (``PLE_UM_PREWARM``), zeroes the
+counters its checks caused and starts the fit checks; then ``MappedTable`` is made from the pieces,
+and holds them. Until then the open holds them, and releases them where it fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
 import time
-import weakref
-from collections.abc import Callable
 
 import torch
 
-from ple_um import envs, metrics, ops, verify
+from ple_um import envs, metrics, verify
 from ple_um.access import first_read, machine
 from ple_um.access.build import ModeAccess
 from ple_um.access.capabilities import DeviceCapabilities, resolve_device
 from ple_um.access.probe import ProbeReport, decide, pin_budget, requested_mode
 from ple_um.checkpoint import EngramGeometry, ShardLayout, read_engram_layout, read_layout
-from ple_um.errors import KnobError, ModeUnavailableError, TableClosedError
+from ple_um.errors import KnobError, ModeUnavailableError
 from ple_um.lookup.host.signals import StreamBlockedError
-from ple_um.lookup.paths import build_paths
+from ple_um.lookup.paths import LookupPaths, build_paths
 from ple_um.mapping import MappedShards
-from ple_um.table import MappedTable
+from ple_um.table import MappedTable, mappings_kept, release_mode
 
 logger = logging.getLogger(__name__)
 
@@ -45,34 +48,49 @@ def _select_mode(
     device: torch.device,
     *,
     table_bytes: int,
-    attempt: Callable[[ProbeReport], tuple[object, str | None]],
-    reject: Callable[[], None] | None = None,
+    mappings: tuple[MappedShards, MappedShards | None] | None = None,
+    scale: torch.Tensor | None = None,
     recheck: bool = False,
-):
-    """The first mode that passes the policy, its first read and ``attempt(report)``, which returns
-    what it built and None, or why it failed: what ``attempt`` built. ``reject()`` releases a failed
-    attempt's work, outside the rejection's handling (a release that fails raises). A mode that
-    fails is rejected with its reason and the next one is tried; a forced one raises
-    ModeUnavailableError. ``StreamBlockedError`` passes through at once: nothing may synchronize
-    the device after it; so does ``KnobError``: a knob no mode can take is the caller's to fix,
-    not a reason to serve the table another way."""
+) -> tuple[ProbeReport, ModeAccess | None, LookupPaths | None]:
+    """The first mode that passes the policy, its first read and, at an open (``mappings``: the
+    rows' and the block scales'; ``scale``: the dequantization scale on the device), its build and
+    self-test: its report, access and lookup paths (a probe: the report, None, None). A mode that
+    fails is rejected with its reason, what it built released, and the next one is tried; a forced
+    one raises ModeUnavailableError. ``StreamBlockedError`` passes through at once, nothing
+    released: nothing may synchronize the device after it; ``KnobError`` passes through once what
+    was built is released: a knob no mode can take is the caller's to fix, not a reason to serve
+    the table another way."""
     budget = pin_budget()
     rejected: dict[str, str] = {}
     while True:
         report = decide(caps, mode=forced, table_bytes=table_bytes, budget=budget, exclude=rejected)
-        tried = False
+        access = paths = knob_error = None
         try:
             first_read.check(report, caps, layout, rows, device, recheck=recheck)
-            tried = True
-            built, why = attempt(report)
-        except (StreamBlockedError, KnobError):
+            if mappings is None:
+                return report, None, None
+            access = ModeAccess(
+                report.mode,
+                mappings[0],
+                device,
+                cuda=caps.cuda,
+                scale_mapping=mappings[1],
+                progress=metrics.progress,
+            )
+            paths = build_paths(access, layout, rows=rows, scale=scale)
+            paths, why = _self_test(access, paths, rows, scale)
+            if why is None:
+                return report, access, paths
+        except StreamBlockedError:
             raise
+        except KnobError as exc:
+            knob_error = exc
         except Exception as exc:  # noqa: BLE001 - a mode that fails is rejected with its reason
-            built, why = None, f"{type(exc).__name__}: {exc}"
-        if why is None:
-            return built
-        if tried and reject is not None:
-            reject()
+            why = f"{type(exc).__name__}: {exc}"
+        if access is not None:  # outside the handling above: a release that fails raises
+            release_mode(device, access, paths, *mappings)
+        if knob_error is not None:
+            raise knob_error
         if forced != "auto":
             raise ModeUnavailableError(report.mode, why)
         logger.warning("ple-um: %s mode rejected for %s: %s", report.mode, layout.directory, why)
@@ -103,16 +121,10 @@ def probe(
     layout = read_layout(os.fspath(path), layer)
     dev = resolve_device(device)
     caps = machine.capabilities(dev)
-    return _select_mode(
-        caps,
-        forced,
-        layout,
-        (0, layout.num_rows),
-        dev,
-        table_bytes=layout.nbytes,
-        attempt=lambda report: (report, None),
-        recheck=recheck,
+    report, _, _ = _select_mode(
+        caps, forced, layout, (0, layout.num_rows), dev, table_bytes=layout.nbytes, recheck=recheck
     )
+    return report
 
 
 def _owned_rows(rows, num_rows: int) -> tuple[int, int]:
@@ -173,24 +185,36 @@ def _open(layout: ShardLayout, rows, forced: str, device, strict: bool | None, t
     scale = (
         torch.tensor([layout.scale], dtype=torch.float32, device=dev) if layout.scale is not None else None
     )
-    builds = _Builds(layout, owned, dev, caps, strict=strict, scale=scale)
-    try:
-        table = _select_mode(
+    with contextlib.ExitStack() as held:  # what the open holds, released in reverse where it fails
+        mapping = MappedShards(layout, owned)
+        held.callback(_close_unless_kept, mapping)
+        scale_mapping = None
+        if layout.has_block_scales:
+            scale_mapping = MappedShards(layout.scale_layout(), owned)
+            held.callback(_close_unless_kept, scale_mapping)
+        mappings = (mapping, scale_mapping)
+        report, access, paths = _select_mode(
             caps,
             forced,
             layout,
             owned,
             dev,
-            table_bytes=builds.mapped_bytes(),
-            attempt=builds.attempt,
-            reject=builds.reject,
+            table_bytes=sum(m.mapped_bytes for m in mappings if m is not None),
+            mappings=mappings,
+            scale=scale,
         )
-    except BaseException as exc:
-        builds.abandon(blocked=isinstance(exc, StreamBlockedError))
-        raise
-    mapping, scale_mapping = builds.mapping, builds.scale_mapping
-    _start_serving(table, dev, mapping, scale_mapping)
-    table.open_seconds = time.perf_counter() - t0
+        held.callback(release_mode, dev, access, paths, *mappings)
+        calibration = _start_serving(access, paths, owned)
+        table = MappedTable(
+            *mappings,
+            report,
+            access,
+            paths,
+            strict=strict,
+            open_seconds=time.perf_counter() - t0,
+            bulk_calibration=calibration,
+        )
+        held.pop_all()  # the table holds them now
     logger.info(
         "ple-um: %s opened in %s mode (%.2f s), capture-safe=%s\n%s\n  row reads: %s\n  decode lookups: %s",
         layout.directory,
@@ -204,163 +228,66 @@ def _open(layout: ShardLayout, rows, forced: str, device, strict: bool | None, t
     return table
 
 
-def _mapped_bytes(*mappings: MappedShards | None) -> int:
-    return sum(m.mapped_bytes for m in mappings if m is not None)
+def _close_unless_kept(mapping: MappedShards) -> None:
+    """Unmap, unless a failed release kept the mapping for host threads that may still read it."""
+    if not mappings_kept(mapping):
+        mapping.close()
 
 
-class _Builds:
-    """What ``open_table`` builds while it chooses a mode: the mappings (shared by every try) and one
-    table per mode tried, the last of which serves."""
-
-    def __init__(self, layout, owned, dev, caps, *, strict: bool, scale: torch.Tensor | None) -> None:
-        self.layout, self.owned, self.dev, self.caps = layout, owned, dev, caps
-        self.strict, self.scale = strict, scale
-        self.tables: list[MappedTable] = []
-        self.scale_mapping = None
-        self.mapping = MappedShards(layout, owned)
-        try:
-            if layout.has_block_scales:
-                self.scale_mapping = MappedShards(layout.scale_layout(), owned)
-        except BaseException:
-            self.mapping.close()
-            raise
-
-    def mapped_bytes(self) -> int:
-        return _mapped_bytes(self.mapping, self.scale_mapping)
-
-    def attempt(self, report: ProbeReport) -> tuple[MappedTable, str | None]:
-        """The table in ``report.mode``, and why it may not serve (None: it may)."""
-        table = MappedTable(
-            self.layout,
-            rows=self.owned,
-            device=self.dev,
-            mapping=self.mapping,
-            report=report,
-            strict=self.strict,
-            scale=self.scale,
-            scale_mapping=self.scale_mapping,
-        )
-        self.tables.append(table)
-        try:
-            _build(table, self.caps.cuda)
-            return table, _check(table)
-        except (StreamBlockedError, KnobError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a mode that fails to build is rejected with its reason
-            return table, f"{type(exc).__name__}: {exc}"
-
-    def reject(self) -> None:
-        """Release the last try (where that fails, the mappings stay mapped, and it raises)."""
-        self.tables[-1].release_nothing_when_dropped()
-        ops.unregister_table(self.tables[-1].handle)
-        self.tables[-1].release_mode()
-
-    def abandon(self, *, blocked: bool) -> None:
-        """The open failed: unmap, unless a failed release kept the mappings for host threads that
-        may still read them. ``blocked``: a stream waits for ever, so nothing is released through
-        the device (the tables only leave the ops' registry)."""
-        for table in self.tables:
-            table.release_nothing_when_dropped()  # released here, or kept with the mappings
-        for table in self.tables if blocked else ():
-            ops.unregister_table(table.handle)
-        if not any(table.mappings_kept for table in self.tables):
-            for each in (self.scale_mapping, self.mapping):
-                if each is not None:
-                    each.close()
-
-
-def _build(table: MappedTable, cuda: bool) -> None:
-    """Give ``table`` its mode's access and lookup paths (``table.release_mode`` releases both)."""
-    table.access = ModeAccess(
-        table.mode,
-        table.mapping,
-        table.device,
-        cuda=cuda,
-        scale_mapping=table.scale_mapping,
-        progress=metrics.progress,
-    )
-    table.paths = build_paths(table.access, table.layout, rows=table.rows, scale=table.scale_on_device)
-
-
-def _check(table: MappedTable) -> str | None:
-    """Why the built mode may not serve (its self-test failed), or None. The cpu mode's host node
-    that fails its self-test (or fails) gives way to the synchronous host path, which is not
-    capture-safe, and the log says why; that is not a rejection."""
-    count = envs.PLE_UM_SELF_TEST_ROWS
-    paths = table.paths
+def _self_test(
+    access: ModeAccess, paths: LookupPaths, rows: tuple[int, int], scale: torch.Tensor | None
+) -> tuple[LookupPaths, str | None]:
+    """The paths the built mode serves through, and why it may not serve (its self-test failed), or
+    None. The cpu mode's host node that fails its self-test (or fails) gives way to the synchronous
+    host path, which is not capture-safe, and the log says why; that is not a rejection."""
+    count, mapping = envs.PLE_UM_SELF_TEST_ROWS, access.mapping
     if paths.gpu is not None:
         on_host, paths.decode_on_host = paths.decode_on_host, False  # the kernel: a fit check may pick it
         try:
-            why = table.self_test(count)
+            why = verify.self_test(paths, mapping, count)
         finally:
             paths.decode_on_host = on_host
-        return why or (table.self_test(count) if on_host else None)
-    if table.paths.row_copy is None:
-        return None
+        return paths, why or (verify.self_test(paths, mapping, count) if on_host else None)
+    if paths.row_copy is None:
+        return paths, None
     try:
-        why = table.self_test(count)
+        why = verify.self_test(paths, mapping, count)
     except StreamBlockedError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the host node sends it to the fallback
         why = f"{type(exc).__name__}: {exc}"
-    if why is not None:
-        logger.warning(
-            "ple-um: the cpu mode's host node failed its self-test (%s): synchronous host path", why
-        )
-        if table.device.type == "cuda":
-            torch.cuda.synchronize(table.device)
-        table.paths.close()
-        table.paths = build_paths(
-            table.access, table.layout, rows=table.rows, scale=table.scale_on_device, row_copy=False
-        )
-        table.paths.row_reads += f"; the host node failed its self-test: {why}"
-    return None
+    if why is None:
+        return paths, None
+    logger.warning("ple-um: the cpu mode's host node failed its self-test (%s): synchronous host path", why)
+    if access.device.type == "cuda":
+        torch.cuda.synchronize(access.device)
+    paths.close()
+    paths = build_paths(access, paths.layout, rows=rows, scale=scale, row_copy=False)
+    paths.row_reads += f"; the host node failed its self-test: {why}"
+    return paths, None
 
 
-def _start_serving(
-    table: MappedTable, dev, mapping: MappedShards, scale_mapping: MappedShards | None
-) -> None:
-    """After the mode is chosen: the bulk crossover, the prewarm, counters zeroed, the metrics."""
-    knob = envs.PLE_UM_BULK_ROWS
-    paths = table.paths
+def _start_serving(access: ModeAccess, paths: LookupPaths, rows: tuple[int, int]) -> dict:
+    """After the mode is chosen: the bulk crossover (its timings returned), the resident pages
+    mapped, the prewarm, counters zeroed, the fit checks started."""
+    knob, mode = envs.PLE_UM_BULK_ROWS, access.mode
+    calibration: dict = {}
     # The crossover is a GPU's: on the CPU (the interpreter) a GPU mode's host path serves only a
     # table that does not fit.
-    bulk = paths.gpu is not None and paths.row_copy is not None and dev.type == "cuda"
-    if bulk and knob != 0 and mapping.owned:
-        if table.mode in ("ats", "registered"):
-            if knob == "auto":
-                table.bulk_calibration = verify.calibrate_bulk(table)
-            else:
-                paths.bulk_rows = int(knob)
+    bulk = paths.gpu is not None and paths.row_copy is not None and access.device.type == "cuda"
+    if bulk and knob != 0 and access.mapping.owned and mode in ("ats", "registered"):
+        if knob == "auto":
+            calibration = verify.calibrate_bulk(paths, rows)
+        else:
+            paths.bulk_rows = int(knob)
+    if paths.row_copy is not None and mode in ("ats", "cpu") and envs.PLE_UM_MAP_RESIDENT:
+        access.map_resident()  # the host path's reads of resident rows then take no minor faults
+    mappings = [m for m in (access.mapping, access.scale_mapping) if m is not None]
     if envs.PLE_UM_PREWARM:
-        with metrics.progress(_mapped_bytes(mapping, scale_mapping), "ple-um prewarm") as advance:
-            for each in (mapping, scale_mapping):
-                if each is not None:
-                    each.populate(progress=advance)
+        with metrics.progress(sum(m.mapped_bytes for m in mappings), "ple-um prewarm") as advance:
+            for each in mappings:
+                each.populate(progress=advance)
     paths.reset_counts()  # the self-test's and the calibration's rows were not lookups
     if paths.fit is not None:
         paths.fit.start()  # the fit decided again while the table serves (lookup.fit)
-    table.metrics = metrics.LookupMetrics(table.mode, host_counted=paths.counts_on_host)
-    if paths.counts_on_host:
-        paths.host.metrics = table.metrics
-    seconds = table.access.registration_seconds
-    if table.access.registrations:
-        table.metrics.registration(seconds)
-    residency = mapping.residency
-    if scale_mapping is not None:  # the page-cache figures count the block scales beside the rows
-        residency = lambda: [*mapping.residency(), *scale_mapping.residency()]  # noqa: E731
-    table.watch = metrics.watch(_weak_stats(table), table.metrics, residency, device=dev)
-
-
-def _weak_stats(table: MappedTable) -> Callable[[], dict]:
-    """``table.stats(sync=False)`` for the reporter, holding the table weakly: a table dropped
-    without ``close()`` is not kept alive by its watch (which the reporter then lets go of)."""
-    method = weakref.WeakMethod(table.stats)
-
-    def stats() -> dict:
-        bound = method()
-        if bound is None:
-            raise TableClosedError("the table was dropped")
-        return bound(sync=False)
-
-    return stats
+    return calibration

@@ -16,6 +16,8 @@ import weakref
 
 import torch
 
+from ple_um.errors import TableClosedError
+
 _TABLES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 _NEXT = itertools.count(1)
@@ -36,8 +38,6 @@ def unregister_table(handle: int) -> None:
 def _table(handle: int):
     table = _TABLES.get(handle)
     if table is None:
-        from ple_um.errors import TableClosedError
-
         raise TableClosedError(f"no open table has handle {handle} (closed?)")
     return table
 

@@ -1,12 +1,13 @@
 """MappedTable: one PLE table served from its mapped checkpoint files, as a caller holds it.
 
-The table owns, in the order they are built (``ple_um.opening``) and released here in reverse: the
-mappings (fds + mmaps: the rows, and an NVFP4 table's block scales), the access mode's reach into
-them (``access.build.ModeAccess``: registrations, device copies, the page prefetcher) and its
-lookup paths (``lookup.paths.LookupPaths``: the kernel and the host path, with their buffers and
-threads). A lookup checks its arguments, then ``route`` sends it down one path; under torch.compile
-it goes through the torch ops of ``ple_um.ops``, whose body is ``op_lookup``. A table dropped
-without ``close()`` is released all the same, through ``ple_um.dropped``.
+The table is made from finished pieces (``ple_um.opening`` builds them) and owns them, released in
+reverse in one place (``_release``): the mappings (fds + mmaps: the rows, and an NVFP4 or MXFP8
+table's block scales), the access mode's reach into them (``access.build.ModeAccess``:
+registrations, device copies, the page prefetcher) and its lookup paths (``lookup.paths.LookupPaths``:
+the kernel and the host path, with their buffers and threads). A lookup checks its arguments, then
+``LookupPaths.route`` sends it down one path; under torch.compile it goes through the torch ops of
+``ple_um.ops``, whose body is ``op_lookup``. A table dropped without ``close()`` is released all
+the same, through ``ple_um.dropped``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import torch
@@ -23,14 +25,13 @@ import torch
 from ple_um import dropped, metrics, ops, verify
 from ple_um.access.build import ModeAccess
 from ple_um.access.probe import ProbeReport
-from ple_um.checkpoint import ShardLayout
 from ple_um.errors import TableClosedError
 from ple_um.lookup.paths import LookupPaths
 from ple_um.mapping import MappedShards
 
 logger = logging.getLogger(__name__)
 
-# What a table whose release failed still holds: never freed (see MappedTable.release_mode).
+# What a mode whose release failed still holds: never freed (see release_mode).
 _KEPT_AFTER_FAILED_CLOSE: list[tuple[object, ...]] = []
 
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -39,42 +40,39 @@ _ID_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.uint8, torc
 
 class MappedTable:
     """A PLE table served from its mapped checkpoint files through one access mode (see the module
-    docstring). Built by ``open_table``, which gives it its ``access`` and ``paths``; ``report``
-    says which mode and why not the others."""
+    docstring), made by ``open_table`` from finished pieces: the mappings, the mode's ``access`` and
+    its lookup ``paths``; ``report`` says which mode and why not the others. The table holds them
+    from here, and what it adds to serve: its handle in the torch ops' registry, its release when
+    dropped, its metrics and its watch by the stats reporter; ``close()`` releases all of it."""
 
     def __init__(
         self,
-        layout: ShardLayout,
-        *,
-        rows: tuple[int, int],
-        device: torch.device,
         mapping: MappedShards,
+        scale_mapping: MappedShards | None,
         report: ProbeReport,
+        access: ModeAccess,
+        paths: LookupPaths,
+        *,
         strict: bool,
-        scale: torch.Tensor | None,
-        scale_mapping: MappedShards | None = None,
-        access: ModeAccess | None = None,
-        paths: LookupPaths | None = None,
+        open_seconds: float,
+        bulk_calibration: dict,
     ) -> None:
-        self.layout = layout
-        self.rows = rows
-        self.device = device
+        self.layout = layout = mapping.layout
+        self.rows = (mapping.row_start, mapping.row_end)
+        self.device = access.device
         self.mapping = mapping
-        self.scale_mapping = scale_mapping  # NVFP4: the block scales, mapped like the rows
+        self.scale_mapping = scale_mapping  # NVFP4, MXFP8: the block scales, mapped like the rows
         self.report = report
         self.mode = report.mode
-        self.strict = strict
         self.access = access
         self.paths = paths
+        self.strict = strict
         self.num_rows = layout.num_rows
         self.row_dim = layout.row_dim
         self.dtype = layout.dtype
         self.scale = layout.scale
-        self.scale_on_device = scale  # the dequantization scale the paths use (float32 [1]), or None
-        self.open_seconds = 0.0
-        self.bulk_calibration: dict = {}
-        self.metrics: metrics.LookupMetrics | None = None  # set by open_table once the table serves
-        self.watch: metrics.Watch | None = None
+        self.open_seconds = open_seconds
+        self.bulk_calibration = bulk_calibration  # the crossover's timings (PLE_UM_BULK_ROWS=auto)
         # The dtypes an out may have: an NVFP4 table's rows are always decoded.
         self.out_dtypes = frozenset(FLOAT_OUT if scale_mapping is not None else (layout.dtype, *FLOAT_OUT))
         self._lookups = 0  # eager lookup() calls
@@ -86,7 +84,16 @@ class MappedTable:
         self._closing = False
         self._released = threading.Event()
         self.handle = ops.register_table(self)
-        self._finalizer = dropped.on_drop(self, vars(self), _release_dropped, cuda=device.type == "cuda")
+        self._finalizer = dropped.on_drop(self, vars(self), _release, cuda=self.device.type == "cuda")
+        self.metrics = metrics.LookupMetrics(self.mode, host_counted=paths.counts_on_host)
+        if paths.counts_on_host:
+            paths.host.metrics = self.metrics  # the synchronous path counts each lookup as it makes it
+        if access.registrations:
+            self.metrics.registration(access.registration_seconds)
+        residency = mapping.residency
+        if scale_mapping is not None:  # the page-cache figures count the block scales beside the rows
+            residency = lambda: [*mapping.residency(), *scale_mapping.residency()]  # noqa: E731
+        self.watch = metrics.watch(_weak_stats(self), self.metrics, residency, device=self.device)
 
     # -- the paths, as the caller and the tests see them ------------------------------------
     @property
@@ -104,25 +111,9 @@ class MappedTable:
         """Whether a lookup may be captured in a CUDA graph (every mode but the synchronous path)."""
         return self.paths.capture_safe if self.paths is not None else False
 
-    # -- the open path's checks -------------------------------------------------------------
     def self_test(self, count: int) -> str | None:
         """Sample rows through this mode's lookup path against the files (``verify.self_test``)."""
-        return verify.self_test(self, count)
-
-    def release_mode(self) -> None:
-        """Wait for the device, then release the lookup paths and the access mode's resources (the
-        mappings stay). Where that fails (a CUDA error) the device is not known to be idle: a host
-        thread (the dispatcher, a host node, the pool) may still read the mappings or a job struct,
-        so they are kept for the life of the process (``mappings_kept``) and the error is raised."""
-        release_state(vars(self))
-
-    def release_nothing_when_dropped(self) -> None:
-        self._finalizer.detach()  # the open path's tries share the mappings: a rejected one leaves them
-
-    @property
-    def mappings_kept(self) -> bool:
-        """Whether a failed release left this table's mappings to the process's end."""
-        return any(kept[1] is self.mapping for kept in _KEPT_AFTER_FAILED_CLOSE)
+        return verify.self_test(self.paths, self.mapping, count)
 
     # -- lookups ----------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -144,27 +135,6 @@ class MappedTable:
             yield
         finally:
             self._leave()
-
-    def route(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The one routing of a lookup: contiguous ``ids`` on the table's device into contiguous ``out``
-        (the kernel reads both by address, the host path flat): the host path while ``decode_on_host``
-        (``lookup.fit``) or for ``bulk_rows`` ids or more; with ``touch_pages`` a page touch first."""
-        paths = self.paths
-        n = ids.numel()
-        if not paths.decode_on_host and (paths.bulk_rows is None or n < paths.bulk_rows):
-            if paths.touch_pages:
-                paths.touch(ids.view(-1))
-            return paths.gpu.gather(ids, out)
-        paths.host.gather(ids.view(-1), out.view(n, out.shape[-1]))
-        return out
-
-    def packed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """NVFP4, MXFP8: the raw rows and block scales of flat ``ids`` (uint8 [n, row_bytes], [n, D/B])."""
-        n, layout = ids.numel(), self.layout
-        packed = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=self.device)
-        scales = torch.empty((n, self.row_dim // layout.block_size), dtype=torch.uint8, device=self.device)
-        (self.paths.host if self.paths.decode_on_host else self.paths.gpu).gather_packed(ids, packed, scales)
-        return packed, scales
 
     def _out(self, shape: torch.Size, out_dtype: torch.dtype | None) -> torch.Tensor:
         dtype = out_dtype or self.dtype
@@ -214,7 +184,7 @@ class MappedTable:
             return ops.lookup(flat, self.handle, out_dtype or self.dtype).view(*ids.shape, self.row_dim)
         self._enter()
         try:
-            return self.route(ids, out if out is not None else self._out(ids.shape, out_dtype))
+            return self.paths.route(ids, out if out is not None else self._out(ids.shape, out_dtype))
         finally:
             self._leave()
 
@@ -231,7 +201,7 @@ class MappedTable:
         ids = ids.contiguous()
         self._enter()
         try:
-            return self.route(ids, out if out is not None else self._out(ids.shape, out_dtype))
+            return self.paths.route(ids, out if out is not None else self._out(ids.shape, out_dtype))
         finally:
             self._leave()
 
@@ -247,7 +217,7 @@ class MappedTable:
         check_ids(ids)
         flat = ids.to(self.device).reshape(-1).contiguous()
         with self._in_use():
-            packed, scales = self.packed(flat)
+            packed, scales = self.paths.packed(flat)
         if self.layout.is_nvfp4:
             scales = scales.view(torch.float8_e4m3fn)
         return packed.view(*ids.shape, packed.shape[1]), scales.view(*ids.shape, scales.shape[1])
@@ -310,11 +280,7 @@ class MappedTable:
             self._closed = True
             while self._inflight:
                 time.sleep(1e-3)
-            ops.unregister_table(self.handle)
-            self.release_mode()  # where it fails, the mappings stay mapped (and it raises)
-            if self.scale_mapping is not None:
-                self.scale_mapping.close()
-            self.mapping.close()
+            _release(vars(self))  # where the mode's release fails, the mappings stay mapped (and it raises)
         finally:
             self._released.set()
 
@@ -332,9 +298,11 @@ class MappedTable:
         )
 
 
-def release_state(state: dict) -> None:
-    """``release_mode`` on a table's attributes ``vars(table)``: a dropped table's release runs it too."""
-    paths, access, device = state["paths"], state["access"], state["device"]
+def release_mode(device: torch.device, access, paths, mapping: MappedShards, scale_mapping) -> None:
+    """Wait for ``device``, then release a mode's lookup ``paths`` and ``access`` (None: not built;
+    the mappings stay). Where that fails (a CUDA error) the device is not known to be idle: a host
+    thread (the dispatcher, a host node, the pool) may still read the mappings or a job struct, so
+    they are kept for the life of the process (``mappings_kept``) and the error is raised."""
     try:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # every queued kernel and host node has run
@@ -344,19 +312,42 @@ def release_state(state: dict) -> None:
             if res is not None:
                 res.close()
     except BaseException:
-        _KEPT_AFTER_FAILED_CLOSE.append((paths, state["mapping"], state["scale_mapping"]))
-        logger.error("ple-um: releasing %s failed; its mappings stay until exit", state["layout"].directory)
+        _KEPT_AFTER_FAILED_CLOSE.append((paths, mapping, scale_mapping))
+        logger.error("ple-um: releasing %s failed; its mappings stay until exit", mapping.layout.directory)
         raise
-    state["paths"] = state["access"] = None
 
 
-def _release_dropped(state: dict) -> None:
-    """What ``close()`` releases (handle, mode, mappings), for a table dropped without it."""
+def mappings_kept(mapping: MappedShards) -> bool:
+    """Whether a failed ``release_mode`` left ``mapping`` (the rows' or the block scales') to the
+    process's end."""
+    return any(mapping is each for kept in _KEPT_AFTER_FAILED_CLOSE for each in kept[1:])
+
+
+def _release(state: dict) -> None:
+    """What a table holds, released in reverse of its open once nothing uses it: its handle, its
+    mode (``release_mode``: where that fails the mappings stay, and it raises), its mappings.
+    ``close()`` runs it on the table's attributes ``vars(table)``; ``ple_um.dropped`` runs it for
+    a table dropped without ``close()``."""
     ops.unregister_table(state["handle"])
-    release_state(state)
+    release_mode(state["device"], state["access"], state["paths"], state["mapping"], state["scale_mapping"])
+    state["paths"] = state["access"] = None
     for each in (state["scale_mapping"], state["mapping"]):
         if each is not None:
             each.close()
+
+
+def _weak_stats(table: MappedTable) -> Callable[[], dict]:
+    """``table.stats(sync=False)`` for the reporter, holding the table weakly: a table dropped
+    without ``close()`` is not kept alive by its watch (which the reporter then lets go of)."""
+    method = weakref.WeakMethod(table.stats)
+
+    def stats() -> dict:
+        bound = method()
+        if bound is None:
+            raise TableClosedError("the table was dropped")
+        return bound(sync=False)
+
+    return stats
 
 
 def check_ids(ids) -> None:

@@ -61,21 +61,22 @@ def sample_ids(mapping: MappedShards, count: int, seed: int = 0) -> np.ndarray:
     return np.unique(np.concatenate([np.array(ends[:count], dtype=np.int64), rand]))
 
 
-def self_test(table, count: int) -> str | None:
-    """Gather ``count`` sample rows through ``table``'s lookup path and compare them with the files;
-    None when equal, else what differed. An NVFP4 table compares its block scales too. The rows read
-    count like a lookup's (the open zeroes the counters after its checks)."""
-    if count <= 0 or not table.mapping.owned:
+def self_test(paths, mapping: MappedShards, count: int) -> str | None:
+    """Gather ``count`` sample rows of ``mapping`` through the lookup ``paths`` (``LookupPaths.route``)
+    and compare them with the files; None when equal, else what differed. A table with block scales
+    compares them too. The rows read count like a lookup's (the open zeroes the counters after its
+    checks)."""
+    if count <= 0 or not mapping.owned:
         return None  # self-test disabled (PLE_UM_SELF_TEST_ROWS=0) or nothing owned
-    layout = table.layout
-    ids_np = sample_ids(table.mapping, count)
+    layout = mapping.layout
+    ids_np = sample_ids(mapping, count)
     expect = read_file_rows(layout, ids_np)
-    ids = torch.from_numpy(ids_np).to(table.device)
-    if table.scale_mapping is None:
-        raw = torch.empty((ids_np.size, table.row_dim), dtype=layout.dtype, device=table.device)
-        got = table.route(ids, raw).view(torch.uint8).reshape(ids_np.size, -1)
-    else:  # NVFP4: the packed rows and the block scales, side by side
-        got = torch.cat(table.packed(ids), dim=1)
+    ids = torch.from_numpy(ids_np).to(paths.device)
+    if not layout.has_block_scales:
+        raw = torch.empty((ids_np.size, layout.row_dim), dtype=layout.dtype, device=paths.device)
+        got = paths.route(ids, raw).view(torch.uint8).reshape(ids_np.size, -1)
+    else:  # NVFP4, MXFP8: the packed rows and the block scales, side by side
+        got = torch.cat(paths.packed(ids), dim=1)
         expect = np.concatenate([expect, read_file_rows(layout.scale_layout(), ids_np)], axis=1)
     got = got.cpu().numpy()
     if not np.array_equal(got, expect):
@@ -85,21 +86,21 @@ def self_test(table, count: int) -> str | None:
     return None
 
 
-def calibrate_bulk(table, sizes=CALIBRATION_SIZES, repeats: int = 3) -> dict:
-    """Time the kernel and the host path on random owned ids, largest batch first, and set
-    ``table.paths.bulk_rows`` to the smallest size from which the host path wins at every size
-    measured (None when it does not win at the largest). Returns the medians, in seconds."""
-    paths, device = table.paths, table.device
+def calibrate_bulk(paths, rows: tuple[int, int], sizes=CALIBRATION_SIZES, repeats: int = 3) -> dict:
+    """Time the kernel and the host path of ``paths`` on random ids of the owned ``rows``, largest
+    batch first, and set ``paths.bulk_rows`` to the smallest size from which the host path wins at
+    every size measured (None when it does not win at the largest). Returns the medians, in seconds."""
+    device, layout = paths.device, paths.layout
     rng = np.random.default_rng(1)
-    start, end = table.rows
+    start, end = rows
     paths.bulk_rows = None
     measured = {}
 
     def batches(n: int, count: int) -> list[torch.Tensor]:
         return [torch.from_numpy(rng.integers(start, end, size=n)).to(device) for _ in range(count)]
 
-    dtype = torch.bfloat16 if table.scale_mapping is not None else table.dtype  # NVFP4: decoded rows
-    out = torch.empty((max(sizes), table.row_dim), dtype=dtype, device=device)
+    dtype = torch.bfloat16 if layout.has_block_scales else layout.dtype  # NVFP4, MXFP8: decoded rows
+    out = torch.empty((max(sizes), layout.row_dim), dtype=dtype, device=device)
     for batch in batches(max(sizes), 2):  # buffers allocated and the pool started before timing
         paths.host.gather(batch, out[: batch.numel()])
     for n in sorted(sizes, reverse=True):

@@ -21,6 +21,7 @@ import ple_um
 from ple_um import opening, ops
 from ple_um.access.capabilities import triton_interpreter
 from ple_um.checkpoint import read_layout
+from ple_um.errors import KnobError
 from ple_um.mapping import PAGE
 from ple_um.synthetic import scale_value, write_checkpoint
 from ple_um.table import MappedTable
@@ -387,16 +388,17 @@ def swap_during_open(monkeypatch):
     access mode is built (after the mapping, before the self-test), as a concurrent re-download would."""
 
     def arm(layout, path):
-        build = opening._build
+        build = opening.build_paths
         swapped = []
 
-        def build_then_swap(table, cuda):
-            build(table, cuda)
+        def build_then_swap(access, *args, **kwargs):
+            paths = build(access, *args, **kwargs)
             if not swapped:
-                swapped.append(table.mode)
+                swapped.append(access.mode)
                 swap_data(layout, path)
+            return paths
 
-        monkeypatch.setattr(opening, "_build", build_then_swap)
+        monkeypatch.setattr(opening, "build_paths", build_then_swap)
         return swapped
 
     return arm
@@ -422,6 +424,26 @@ def test_auto_falls_through_a_failed_self_test(layout, swap_during_open, check_r
         # The rows of the untouched files still read as the files say.
         ids = torch.arange(0, 24)  # shard 0, in the first file
         check_rows(table.lookup(ids), layout, ids)
+
+
+@pytest.mark.parametrize("mode", ["auto", "cpu"])
+def test_a_knob_refused_while_a_mode_is_built_releases_what_it_built(layout, monkeypatch, mode):
+    """A KnobError raised while a mode is built (a row cache past the memory left, say) reaches the
+    caller as it is, not as a rejected mode, once what was built is released: the mode's prefetcher
+    stopped, the files unmapped, no handle left in the ops' registry."""
+    built = []
+
+    def refused(access, *args, **kwargs):
+        built.append(access)
+        raise KnobError("PLE_UM_ROW_CACHE='1GiB' does not fit (injected)")
+
+    before = len(ops._TABLES)
+    monkeypatch.setattr(opening, "build_paths", refused)
+    with pytest.raises(KnobError, match="injected"):
+        ple_um.open_table(layout.directory, mode=mode, device="cpu")
+    assert [access.mode for access in built] == ["ats" if mode == "auto" else "cpu"]  # no other mode tried
+    assert built[0].prefetcher is None  # released: ModeAccess.close stopped it
+    assert not maps_of(layout.files) and len(ops._TABLES) == before
 
 
 def test_prewarm_populates(make_checkpoint, monkeypatch):

@@ -11,8 +11,9 @@ lookups (at least ``bulk_rows`` ids: the crossover the open measures, ``PLE_UM_B
 every lookup while the table's owned rows do not fit the memory this process may use
 (``decode_on_host``), and, in the ``ats`` mode while a table that fits is not all in memory, for a
 page touch queued before each kernel (``PLE_UM_ATS_PREFETCH``). ``lookup.fit`` decides which at
-open and again while the table serves (``serving``). Every path reports the same counts
-(``read_counts``), so the table adds them up without asking which path it holds.
+open and again while the table serves (``serving``); ``LookupPaths.route`` sends each lookup
+down the one that serves it. Every path reports the same counts (``read_counts``), so the table adds
+them up without asking which path it holds.
 """
 
 from __future__ import annotations
@@ -34,16 +35,25 @@ from ple_um.lookup.sync_gather import SyncGather
 
 
 class LookupPaths:
-    """The paths of one built mode. ``gpu``: the kernel, or None (cpu mode); ``host``: the host
-    path, or None; ``bulk_rows``: GPU-mode lookups of at least this many ids take the host path
-    (None: never); ``decode_on_host``: every lookup takes the host path; ``touch_pages``: a page
-    touch on the host path is queued before each kernel; ``serving``: which of them and why
+    """The paths of one built mode, for ``layout``'s owned rows on ``device``. ``gpu``: the kernel,
+    or None (cpu mode); ``host``: the host path, or None; ``bulk_rows``: GPU-mode lookups of at
+    least this many ids take the host path (None: never); ``decode_on_host``: every lookup takes the
+    host path; ``touch_pages``: a page touch on the host path is queued before each kernel;
+    ``serving``: which of them and why
     (``fit.Serving``), kept by ``fit`` (``FitWatch``, or None where nothing is decided again);
     ``capture_safe``: every lookup is stream-ordered work; ``row_reads``: how rows are read, in
     words, for the open's log line. A host path replaced (``adopt``) stays until ``close``: graphs
     captured through it still run it."""
 
-    def __init__(self, gpu: GpuGather | None, host: HostGather | SyncGather | None, row_reads: str) -> None:
+    def __init__(
+        self,
+        layout: ShardLayout,
+        device: torch.device,
+        gpu: GpuGather | None,
+        host: HostGather | SyncGather | None,
+        row_reads: str,
+    ) -> None:
+        self.layout, self.device = layout, device
         self.gpu = gpu
         self.host = host
         self.row_reads = row_reads
@@ -64,6 +74,26 @@ class LookupPaths:
         self.serving = serving
         self.touch_pages = serving.touch and self.host is not None
         self.decode_on_host = serving.path == "host"
+
+    def route(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The one routing of a lookup: contiguous ``ids`` on the table's device into contiguous ``out``
+        (the kernel reads both by address, the host path flat): the host path while ``decode_on_host``
+        (``lookup.fit``) or for ``bulk_rows`` ids or more; with ``touch_pages`` a page touch first."""
+        n = ids.numel()
+        if not self.decode_on_host and (self.bulk_rows is None or n < self.bulk_rows):
+            if self.touch_pages:
+                self.touch(ids.view(-1))
+            return self.gpu.gather(ids, out)
+        self.host.gather(ids.view(-1), out.view(n, out.shape[-1]))
+        return out
+
+    def packed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NVFP4, MXFP8: the raw rows and block scales of flat ``ids`` (uint8 [n, row_bytes], [n, D/B])."""
+        n, layout = ids.numel(), self.layout
+        packed = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=self.device)
+        scales = torch.empty((n, layout.row_dim // layout.block_size), dtype=torch.uint8, device=self.device)
+        (self.host if self.decode_on_host else self.gpu).gather_packed(ids, packed, scales)
+        return packed, scales
 
     def touch(self, ids: torch.Tensor) -> None:
         """Queue the page touch of flat ``ids``' rows on the host path (before the kernel's lookup)."""
@@ -175,7 +205,7 @@ def build_paths(
     if not row_copy and lib is not None:
         lib, why = None, "the host node's self-test failed"
     if mode == "device":
-        paths = LookupPaths(_kernel(access, layout, rows, scale), None, "the GPU kernel only")
+        paths = LookupPaths(layout, device, _kernel(access, layout, rows, scale), None, "the GPU kernel only")
         paths.serving = fit.Serving("kernel", False, "the device mode: the rows are in GPU memory")
         return paths
     mappings = [m for m in (mapping, scale_mapping) if m is not None]
@@ -199,10 +229,10 @@ def build_paths(
                 why=why,
                 scale_mapping=scale_mapping,
             )
-        paths = LookupPaths(None, host, host.row_reads)
+        paths = LookupPaths(layout, device, None, host, host.row_reads)
         paths.set_serving(fit.Serving("host", False, f"{verdict.why}: the cpu mode's host path"))
     else:
-        paths = LookupPaths(_kernel(access, layout, rows, scale), None, "the GPU kernel only")
+        paths = LookupPaths(layout, device, _kernel(access, layout, rows, scale), None, "the GPU kernel only")
         serving = fit.choose(None, verdict, touch_knob=touch_knob, touch_here=touch_here)
         # The host path serves big lookups on a GPU, the page touch, or every lookup (spilled).
         needed = (
@@ -219,8 +249,6 @@ def build_paths(
             paths.row_reads = f"the GPU kernel; big lookups: {paths.host.row_reads}"
         elif needed:
             paths.row_reads = f"the GPU kernel only (no host path: {why})"
-    if paths.row_copy is not None and mode in ("ats", "cpu") and envs.PLE_UM_MAP_RESIDENT:
-        access.map_resident()
     if lib is not None and mode in ("cpu", *fit.SWITCHING_MODES) and envs.PLE_UM_FIT == "auto":
         paths.fit = fit.FitWatch(
             paths,

@@ -556,7 +556,6 @@ def test_a_blocked_stream_at_open_is_raised_without_a_release(layout, monkeypatc
     from ple_um import opening
     from ple_um.access.build import ModeAccess
     from ple_um.lookup.host.signals import StreamBlockedError
-    from ple_um.table import MappedTable
 
     released = []
 
@@ -564,7 +563,7 @@ def test_a_blocked_stream_at_open_is_raised_without_a_release(layout, monkeypatc
         raise StreamBlockedError("a stream ... stays blocked (injected)")
 
     monkeypatch.setattr(opening, "build_paths", blocked)  # where the host gather checks the signals
-    monkeypatch.setattr(MappedTable, "release_mode", lambda self: released.append(self))
+    monkeypatch.setattr(opening, "release_mode", lambda *args: released.append(args))
     monkeypatch.setattr(ModeAccess, "close", lambda self: released.append(self))
     for mode in ("auto", "cpu"):
         with pytest.raises(StreamBlockedError, match="injected"):
