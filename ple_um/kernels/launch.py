@@ -91,6 +91,9 @@ class DirectLaunch:
             if compiled is not None:
                 self._compiled[key] = compiled
             return compiled
+        # torch's private call for the current stream's handle (what Triton's own launcher reads):
+        # the public torch.cuda.current_stream(device).cuda_stream builds a Stream object per call,
+        # a host cost of the size this launch exists to remove. So in bind's launcher too.
         stream = torch._C._cuda_getCurrentRawStream(device)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
         return compiled

@@ -70,6 +70,8 @@ class GpuGather:
         out_ptr = out.data_ptr()
         key = (ids.dtype, out.dtype, out_ptr & 7, n >= _BIG)
         launch = self._bound.get(key)
+        # torch's private call for the current device: torch.cuda.current_device() checks torch's
+        # lazy initialization first, host time on every lookup of the bound launcher.
         if launch is not None and torch._C._cuda_getDevice() == self._index and not hooks_set():
             if n:
                 launch(ids.data_ptr(), out_ptr, n)

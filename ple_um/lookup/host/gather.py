@@ -159,7 +159,7 @@ class HostGather:
                 return self._lookup(ids, outs, raw)
         t0 = time.perf_counter()
         self._driver.ensure_context(self.index)
-        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        stream = torch.cuda.current_stream(self.index).cuda_stream
         capturing = torch.cuda.is_current_stream_capturing()
         state = self._state(stream)
         if raw:
@@ -192,12 +192,11 @@ class HostGather:
         if not capturing and self.dispatcher:
             self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
         elif len(pieces) == 1:
-            self._ids_in(bufs, ids)
+            self._ids_in(stream, bufs, ids)
             if not capturing and n > INLINE_ROWS:
                 self.pool.wake()
             self._launch(stream, jobs[0])
-            for target, staging in zip(targets, bufs.staging, strict=False):
-                target.copy_(staging[:n], non_blocking=True)
+            self._rows_out(stream, bufs, targets, 0, n)
         else:
             self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
         if capturing:
@@ -216,7 +215,7 @@ class HostGather:
         seq = state.seq = (state.seq + 1) & 0xFFFFFFFF
         ready = host + slots[0] * SIGNAL_BYTES
         arm(ready, seq)
-        driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
+        self._ids_in(stream, bufs, ids)
         driver.write_value(stream, ready + offset, seq)
         if ids.numel() > INLINE_ROWS:
             self.pool.wake()
@@ -233,8 +232,7 @@ class HostGather:
         for slot, (a, b), waits in zip(slots, pieces, posted, strict=True):
             if waits:
                 driver.wait_value(stream, state.ring[slot].done + offset, seq)
-            for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=False):
-                driver.h2d(target.data_ptr() + a * rb, staging + a * rb, (b - a) * rb, stream)
+            self._rows_out(stream, bufs, targets, a, b)
 
     def _chunked(self, state, stream, bufs, ids, jobs, pieces, targets, capturing) -> None:
         """A big lookup: the ids in one copy, the chunks' host nodes in turn on the side stream, each
@@ -252,7 +250,7 @@ class HostGather:
             driver.launch_host_func(side, self._wake, None)
         else:
             self.pool.wake()
-        self._ids_in(bufs, ids)
+        self._ids_in(stream, bufs, ids)
         driver.record(events[-2], stream)
         driver.wait(side, events[-2])
         for k, job in enumerate(jobs):
@@ -260,14 +258,18 @@ class HostGather:
             driver.record(events[k], side)
         for k, (a, b) in enumerate(pieces):
             driver.wait(stream, events[k])
-            for target, staging in zip(targets, bufs.staging, strict=True):
-                target[a:b].copy_(staging[a:b], non_blocking=True)
+            self._rows_out(stream, bufs, targets, a, b)
 
-    def _ids_in(self, bufs: PinnedBuffers, ids: torch.Tensor) -> None:
-        """The ids' copy into the pinned buffer for a host node, through torch (an asynchronous
-        copy into pinned memory, which a captured graph replays)."""
-        n = ids.numel()
-        bufs.ids[: n * ids.element_size()].view(ids.dtype).copy_(ids, non_blocking=True)
+    def _ids_in(self, stream: int, bufs: PinnedBuffers, ids: torch.Tensor) -> None:
+        """Queue the copy of ``ids`` into the pinned ids buffer on ``stream`` (captured like any
+        stream operation: a graph replays it with the ids its buffer holds then)."""
+        self._driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
+
+    def _rows_out(self, stream: int, bufs: PinnedBuffers, targets, a: int, b: int) -> None:
+        """Queue the copies of the staged rows ``[a, b)`` into ``targets`` on ``stream`` (none for
+        the page touch)."""
+        for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=False):
+            self._driver.h2d(target.data_ptr() + a * rb, staging + a * rb, (b - a) * rb, stream)
 
     def _launch(self, stream: int, job) -> None:
         """Queue the host node of ``job`` on ``stream``. Its ``busy`` flag is up only while a host
@@ -291,17 +293,22 @@ class HostGather:
         n = ids.numel()
         if ids.device.type != "cpu":
             raise ValueError(f"ids are on {ids.device}; a table on the CPU takes host ids")
-        ids = ids.contiguous()
         if raw:
             staging = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
         else:
             staging = [torch.empty((n, rb), dtype=torch.uint8) for rb in self.row_bytes]
-        job = rowcopy.LookupStruct()
-        self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], n, [s.data_ptr() for s in staging])
-        self.lib.ple_lookup_run(ctypes.addressof(job))
+        self.run_here(ids.contiguous(), staging, self.counts)
         if not raw:
             self._decode(staging, outs[0])
         return outs[0] if outs else None
+
+    def run_here(self, ids: torch.Tensor, staging: list[torch.Tensor], counts: rowcopy.Counts) -> None:
+        """The row copy of host ``ids`` (contiguous) into ``staging`` (contiguous uint8, none for the
+        page touch), run on this thread, counted in ``counts``."""
+        job, dst = rowcopy.LookupStruct(), [s.data_ptr() for s in staging]
+        self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], ids.numel(), dst)
+        job.counts = counts.address
+        self.lib.ple_lookup_run(ctypes.addressof(job))
 
     # -- state, counters and life ------------------------------------------------------------
     def _state(self, stream: int) -> StreamState:
@@ -363,10 +370,6 @@ def warm_row_cache(host: HostGather, ids) -> int:
     owned = int(((flat >= rows.lo) & (flat < rows.hi)).sum())
     if owned == 0:
         return 0
-    n = flat.numel()
-    scratch = [torch.empty((n, rb), dtype=torch.uint8) for rb in host.row_bytes]
-    job = rowcopy.LookupStruct()
-    host._fill(job, flat.data_ptr(), rowcopy.ID_KINDS[torch.int64], n, [s.data_ptr() for s in scratch])
-    job.counts = host.prefetch_counts.address
-    host.lib.ple_lookup_run(ctypes.addressof(job))
+    scratch = [torch.empty((flat.numel(), rb), dtype=torch.uint8) for rb in host.row_bytes]
+    host.run_here(flat, scratch, host.prefetch_counts)
     return owned
