@@ -14,8 +14,7 @@ import time
 import torch
 
 from ple_um.lookup.counts import path_counts
-from ple_um.lookup.mxfp8 import decode_block_scaled
-from ple_um.lookup.nvfp4 import dequantize
+from ple_um.lookup.mxfp8 import decode_staged
 from ple_um.lookup.sync_reader import RowReader
 from ple_um.mapping import MappedShards
 
@@ -71,11 +70,11 @@ class SyncGather:
         raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
         if raw:
             self.rows.gather(ids, owned, out.view(torch.uint8).view(n, out.shape[-1] * out.element_size()))
-        elif self.block_scales is not None:
-            rows, scales = self.rows.gather(ids, owned), self.block_scales.gather(ids, owned)
-            decode_block_scaled(self.storage, rows, scales, self.scale, out)
         else:
-            dequantize(self.rows.gather(ids, owned), self.storage, self.scale, out)
+            staged = [
+                reader.gather(ids, owned) for reader in (self.rows, self.block_scales) if reader is not None
+            ]
+            decode_staged(self.storage, staged, self.scale, out)
         self._count(n, bad, self.rows.last_phases)
         if self.metrics is not None:
             row_bytes = self.rows.row_bytes + (self.block_scales.row_bytes if self.block_scales else 0)

@@ -13,14 +13,14 @@ Who runs the row copy (three strategies, one per case):
   (``cuLaunchHostFunc``) between the two copies, replayed with new ids each time; a big one is cut
   into chunks whose host nodes run in turn on a side stream, each chunk's copy to the device
   waiting only for its own rows (``_chunked``).
-- Eager lookups: the dispatcher, one C thread per process (``_dispatched``; ``signals.py`` says how
+- Eager lookups: the dispatcher, one C thread per process (``_dispatched``; ``cuda.py`` says how
   the stream and the dispatcher signal each other). It saves the driver's round trip to its
   callback thread and back that a host node costs (docs/lab/PERF_NOTES.md). Where stream memory
   operations do not work (checked once per device) or ``PLE_UM_DISPATCHER=0``, eager lookups are
   host nodes too.
 - No CUDA device: the row copy called directly (``_lookup_here``; ctypes releases the GIL).
 
-Buffers and job structs: ``buffers.py``. Bound: per stream that captured lookups, at most twice
+Buffers and job structs: ``cuda.py``. Bound: per stream that captured lookups, at most twice
 the largest captured batch of ``8 + row bytes`` per id (the buffers grow by doubling and earlier
 ones stay), plus about 100 B per captured lookup.
 """
@@ -37,14 +37,33 @@ import torch
 from ple_um import envs
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
-from ple_um.lookup.host.buffers import INLINE_ROWS, PinnedBuffers, StreamState, chunks
+from ple_um.lookup.host import cuda
 from ple_um.lookup.host.cold import ColdPlan, RowSources
-from ple_um.lookup.host.driver import CudaDriver
-from ple_um.lookup.host.signals import DONE_AT, SIGNAL_BYTES, arm, signals_work
-from ple_um.lookup.mxfp8 import decode_block_scaled
-from ple_um.lookup.nvfp4 import dequantize, e2m1_values
+from ple_um.lookup.mxfp8 import decode_staged
+from ple_um.lookup.nvfp4 import e2m1_values
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
 from ple_um.mapping import MappedShards
+
+# Lookups above this many ids are cut into chunks of it (bigger ones where MAX_CHUNKS would not
+# hold them), the last one at most TAIL_ROWS: its copy to the device is the one nothing overlaps.
+CHUNK_ROWS = 32768
+TAIL_ROWS = 4096
+MAX_CHUNKS = 16
+assert cuda.RING > MAX_CHUNKS + 1  # a stream's ring holds a whole lookup's job structs
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    """[a, b) pieces of a lookup of ``n`` ids: one up to CHUNK_ROWS, else at most MAX_CHUNKS pieces
+    of CHUNK_ROWS or more, with the last piece cut to at most TAIL_ROWS (MAX_CHUNKS + 1 in all)."""
+    if n <= CHUNK_ROWS:
+        return [(0, n)]
+    step = max(CHUNK_ROWS, -(-n // MAX_CHUNKS))
+    bounds = list(range(0, n, step)) + [n]
+    pieces = list(zip(bounds[:-1], bounds[1:], strict=True))
+    a, b = pieces[-1]
+    if b - a > TAIL_ROWS:
+        pieces[-1:] = [(a, b - TAIL_ROWS), (b - TAIL_ROWS, b)]
+    return pieces
 
 
 class HostGather:
@@ -87,9 +106,9 @@ class HostGather:
         self.enqueue_seconds = 0.0  # host seconds spent queuing lookups (eager calls)
         self._run = rowcopy.function_address(lib, "ple_lookup_run")
         self._wake = rowcopy.function_address(lib, "ple_pool_wake")
-        self._driver = CudaDriver.get() if self.cuda else None
+        self._driver = cuda.CudaDriver.get() if self.cuda else None
         self.index = device.index
-        self._streams: dict[int, StreamState] = {}
+        self._streams: dict[int, cuda.StreamState] = {}
         self._captured: list[tuple[object, ...]] = []  # job structs and buffers of captured lookups
         self._lock = threading.Lock()
         self.dispatcher = False  # eager lookups through the dispatcher thread (else host nodes)
@@ -100,7 +119,7 @@ class HostGather:
             elif not lib.ple_dispatch_start():
                 why = "the dispatcher thread could not be started"
             else:
-                why = signals_work(self._driver, device)
+                why = cuda.signals_work(self._driver, device)
             self.dispatcher = why is None
             eager = "by the dispatcher thread" if self.dispatcher else f"as host nodes ({why})"
             self.row_reads += f"; eager lookups {eager}"
@@ -139,7 +158,7 @@ class HostGather:
         job.id_kind = kind
         job.touch = int(touch)
         job.threads = self.threads
-        job.inline_rows = INLINE_ROWS
+        job.inline_rows = rowcopy.INLINE_ROWS
         for k, address in enumerate(dst):
             job.dst[k] = address
 
@@ -171,13 +190,15 @@ class HostGather:
         with state.lock:
             self._queue(state, stream, ids, targets, capturing)
         if not raw:
-            self._decode(raws, out)
+            decode_staged(self.storage, raws, self.scale, out)
         if not capturing and outs:
             with self._lock:
                 self.enqueue_seconds += time.perf_counter() - t0
         return out
 
-    def _queue(self, state: StreamState, stream: int, ids: torch.Tensor, targets, capturing: bool) -> None:
+    def _queue(
+        self, state: cuda.StreamState, stream: int, ids: torch.Tensor, targets, capturing: bool
+    ) -> None:
         """Fill the lookup's job structs and queue its work on ``stream`` by the strategy that
         serves it (the module docstring); ``targets`` empty: the page touch, no copy out."""
         n = ids.numel()
@@ -193,14 +214,15 @@ class HostGather:
             self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
         elif len(pieces) == 1:
             self._ids_in(stream, bufs, ids)
-            if not capturing and n > INLINE_ROWS:
+            if not capturing and n > rowcopy.INLINE_ROWS:
                 self.pool.wake()
             self._launch(stream, jobs[0])
             self._rows_out(stream, bufs, targets, 0, n)
         else:
             self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
-        if capturing:
-            self._keep((*jobs, bufs))
+        if capturing:  # a graph may replay them at any time: kept as long as this
+            with self._lock:
+                self._captured.append((*jobs, bufs))
 
     def _dispatched(self, state, stream, bufs, ids, slots, pieces, targets) -> None:
         """An eager lookup through the dispatcher thread, all on the caller's stream: the ids' copy
@@ -213,16 +235,16 @@ class HostGather:
         host, device = state.words(driver)
         offset = device - host
         seq = state.seq = (state.seq + 1) & 0xFFFFFFFF
-        ready = host + slots[0] * SIGNAL_BYTES
-        arm(ready, seq)
+        ready = host + slots[0] * cuda.SIGNAL_BYTES
+        cuda.arm(ready, seq)
         self._ids_in(stream, bufs, ids)
         driver.write_value(stream, ready + offset, seq)
-        if ids.numel() > INLINE_ROWS:
+        if ids.numel() > rowcopy.INLINE_ROWS:
             self.pool.wake()
         posted = []
         for slot in slots:
             job = state.ring[slot]
-            job.seq, job.ready, job.done = seq, ready, host + slot * SIGNAL_BYTES + DONE_AT
+            job.seq, job.ready, job.done = seq, ready, host + slot * cuda.SIGNAL_BYTES + cuda.DONE_AT
             job.busy = 1
             if self.lib.ple_dispatch_post(ctypes.addressof(job)) == 0:
                 posted.append(True)
@@ -260,12 +282,12 @@ class HostGather:
             driver.wait(stream, events[k])
             self._rows_out(stream, bufs, targets, a, b)
 
-    def _ids_in(self, stream: int, bufs: PinnedBuffers, ids: torch.Tensor) -> None:
+    def _ids_in(self, stream: int, bufs: cuda.PinnedBuffers, ids: torch.Tensor) -> None:
         """Queue the copy of ``ids`` into the pinned ids buffer on ``stream`` (captured like any
         stream operation: a graph replays it with the ids its buffer holds then)."""
         self._driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
 
-    def _rows_out(self, stream: int, bufs: PinnedBuffers, targets, a: int, b: int) -> None:
+    def _rows_out(self, stream: int, bufs: cuda.PinnedBuffers, targets, a: int, b: int) -> None:
         """Queue the copies of the staged rows ``[a, b)`` into ``targets`` on ``stream`` (none for
         the page touch)."""
         for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=False):
@@ -281,12 +303,6 @@ class HostGather:
             job.busy = 0
             raise
 
-    def _decode(self, raws: list[torch.Tensor], out: torch.Tensor) -> None:
-        if self.block_scales is not None:
-            decode_block_scaled(self.storage, raws[0], raws[1], self.scale, out)
-        else:
-            dequantize(raws[0], self.storage, self.scale, out)
-
     def _lookup_here(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool) -> torch.Tensor:
         """No CUDA: the row copy called directly (ctypes releases the GIL), rows straight into
         ``out`` when raw."""
@@ -299,7 +315,7 @@ class HostGather:
             staging = [torch.empty((n, rb), dtype=torch.uint8) for rb in self.row_bytes]
         self.run_here(ids.contiguous(), staging, self.counts)
         if not raw:
-            self._decode(staging, outs[0])
+            decode_staged(self.storage, staging, self.scale, outs[0])
         return outs[0] if outs else None
 
     def run_here(self, ids: torch.Tensor, staging: list[torch.Tensor], counts: rowcopy.Counts) -> None:
@@ -311,16 +327,12 @@ class HostGather:
         self.lib.ple_lookup_run(ctypes.addressof(job))
 
     # -- state, counters and life ------------------------------------------------------------
-    def _state(self, stream: int) -> StreamState:
+    def _state(self, stream: int) -> cuda.StreamState:
         state = self._streams.get(stream)
         if state is None:
             with self._lock:
-                state = self._streams.setdefault(stream, StreamState(stream))
+                state = self._streams.setdefault(stream, cuda.StreamState(stream))
         return state
-
-    def _keep(self, items: tuple[object, ...]) -> None:
-        with self._lock:
-            self._captured.append(items)
 
     def read_counts(self) -> dict:
         """The host counters as ``path_counts`` (row copies run, graph replays included; gather =
