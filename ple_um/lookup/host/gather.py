@@ -20,7 +20,9 @@ Who runs the row copy (three strategies, one per case):
   host nodes too.
 - No CUDA device: the row copy called directly (``_lookup_here``; ctypes releases the GIL).
 
-Buffers and job structs: ``cuda.py``. Bound: per stream that captured lookups, at most twice
+Every strategy fills the same job structs and queues the same driver copies of the ids and the rows
+(``_ids_in``, ``_rows_out``); only who runs the row copy differs. What a stream keeps (buffers, the
+ring of job structs, the signal words): ``cuda.py``. Bound: per stream that captured lookups, at most twice
 the largest captured batch of ``8 + row bytes`` per id (the buffers grow by doubling and earlier
 ones stay), plus about 100 B per captured lookup.
 """
