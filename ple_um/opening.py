@@ -32,7 +32,7 @@ from ple_um.access.capabilities import DeviceCapabilities, resolve_device
 from ple_um.access.probe import ProbeReport, decide, pin_budget, requested_mode
 from ple_um.checkpoint import EngramGeometry, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import KnobError, ModeUnavailableError
-from ple_um.lookup.host.signals import StreamBlockedError
+from ple_um.lookup.host.cuda import StreamBlockedError
 from ple_um.lookup.paths import LookupPaths, build_paths
 from ple_um.mapping import MappedShards
 from ple_um.table import MappedTable, mappings_kept, release_mode

@@ -34,7 +34,7 @@ from ple_um.bench.calls import capture
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.timing import Timer, summary
 from ple_um.checkpoint import ShardLayout, read_layout
-from ple_um.lookup.host.buffers import INLINE_ROWS
+from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows, row_cache_plan
 from ple_um.residency import evict_pages

@@ -9,7 +9,7 @@ waited for them. The cold calls' table has no row cache (``bench/cold_child.py``
 from __future__ import annotations
 
 from ple_um.bench.report import cell
-from ple_um.lookup.host.buffers import INLINE_ROWS
+from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.units import format_bytes
 
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ple_um.checkpoint import NVFP4_BLOCK
 from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _decode, _locate, _to_bf16_bits
-from ple_um.kernels.launch import DirectLaunch
+from ple_um.kernels.launch import DirectLaunch, launch_decoding
 
 _BLOCK = tl.constexpr(NVFP4_BLOCK)  # values per block scale
 
@@ -89,33 +89,12 @@ def gather_nvfp4(
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
     launch: DirectLaunch | None = None,
-    on_compiled=None,
 ) -> torch.Tensor:
     """Decode the NVFP4 rows of flat ``ids`` into ``out`` [n, row_dim] (bf16, f16 or f32); ``launch``
-    and ``on_compiled`` as ``gather_rows``' (ids at 2, out at 3, n at 6). No allocation, no host
-    sync."""
-    n = ids.numel()
-    if n == 0:
-        return out
-    target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    constexprs = (out.dtype == torch.bfloat16, rows_per_program, triton.next_power_of_2(row_dim))
-    args = (
-        row_bases,
-        scale_bases,
-        ids,
-        target,
-        counters,
-        global_scale,
-        n,
-        row_start,
-        row_end,
-        num_rows,
-        rows_per_shard,
-        row_dim,
-        *constexprs,  # OUT_BF16, ROWS, DIM
+    as ``gather_rows``'. No allocation, no host sync."""
+    geometry = (row_start, row_end, num_rows, rows_per_shard, row_dim)
+    extra = (global_scale,)
+    bases = (row_bases, scale_bases)
+    return launch_decoding(
+        _gather_nvfp4_kernel, launch, bases, ids, out, counters, extra, geometry, rows_per_program, num_warps
     )
-    kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
-    (launch or DirectLaunch.plain(_gather_nvfp4_kernel))(
-        kind, triton.cdiv(n, rows_per_program), args, num_warps
-    )
-    return out

@@ -50,6 +50,13 @@ class GpuGather:
             self.scale_bases = torch.tensor(scale_bases, dtype=torch.int64, device=device)
             self._scratch = torch.zeros(2, dtype=torch.int64, device=device)
         self.row_start, self.row_end = row_start, row_end
+        # Where the owned rows lie, as every kernel takes it.
+        self._geometry = dict(
+            row_start=row_start,
+            row_end=row_end,
+            num_rows=layout.num_rows,
+            rows_per_shard=layout.rows_per_shard,
+        )
         self.base_align = base_align
         self.scale = scale
         # One launcher per kernel and per set of fixed arguments (ple_um/kernels/launch.py).
@@ -70,6 +77,8 @@ class GpuGather:
         out_ptr = out.data_ptr()
         key = (ids.dtype, out.dtype, out_ptr & 7, n >= _BIG)
         launch = self._bound.get(key)
+        # torch's private call for the current device: torch.cuda.current_device() checks torch's
+        # lazy initialization first, host time on every lookup of the bound launcher.
         if launch is not None and torch._C._cuda_getDevice() == self._index and not hooks_set():
             if n:
                 launch(ids.data_ptr(), out_ptr, n)
@@ -81,52 +90,24 @@ class GpuGather:
         layout = self.layout
         keep = self.device.type != "cuda" or torch.cuda.current_device() == self._index
 
-        def on_compiled(compiled, args, ids_at=1, n_at=4):
+        def on_compiled(compiled, args):
             if keep:
-                self._bound[key] = bind(
-                    compiled, args, ids_at=ids_at, n_at=n_at, rows_per_program=ROWS_PER_PROGRAM
-                )
+                self._bound[key] = bind(compiled, args, ids_at=1, n_at=4, rows_per_program=ROWS_PER_PROGRAM)
 
-        if self.scale_bases is not None and layout.is_mxfp8 and out.dtype in _FLOATS:
-            return gather_mxfp8(
-                self.bases,
-                self.scale_bases,
-                ids,
-                out,
-                self.counters,
-                row_start=self.row_start,
-                row_end=self.row_end,
-                num_rows=layout.num_rows,
-                rows_per_shard=layout.rows_per_shard,
-                row_dim=layout.row_dim,
-                launch=self._mxfp8,
-            )
+        # Decoded rows: DirectLaunch launches them directly after the first call, with no bound launcher.
         if self.scale_bases is not None and out.dtype in _FLOATS:
-            return gather_nvfp4(
-                self.bases,
-                self.scale_bases,
-                ids,
-                out,
-                self.counters,
-                self.scale,
-                row_start=self.row_start,
-                row_end=self.row_end,
-                num_rows=layout.num_rows,
-                rows_per_shard=layout.rows_per_shard,
-                row_dim=layout.row_dim,
-                launch=self._nvfp4,
-                on_compiled=lambda compiled, args: on_compiled(compiled, args, 2, 6),
-            )
+            geometry = dict(self._geometry, row_dim=layout.row_dim)
+            bases = (self.bases, self.scale_bases)
+            if layout.is_mxfp8:
+                return gather_mxfp8(*bases, ids, out, self.counters, **geometry, launch=self._mxfp8)
+            return gather_nvfp4(*bases, ids, out, self.counters, self.scale, **geometry, launch=self._nvfp4)
         return gather_rows(
             self.bases,
             ids,
             out,
             self.counters,
             storage=layout.dtype,
-            row_start=self.row_start,
-            row_end=self.row_end,
-            num_rows=layout.num_rows,
-            rows_per_shard=layout.rows_per_shard,
+            **self._geometry,
             row_bytes=layout.row_bytes,
             base_align=self.base_align,
             scale=self.scale if out.dtype != layout.dtype else None,
@@ -144,10 +125,7 @@ class GpuGather:
             scales.view(torch.float8_e4m3fn),
             self._scratch,
             storage=torch.float8_e4m3fn,
-            row_start=self.row_start,
-            row_end=self.row_end,
-            num_rows=self.layout.num_rows,
-            rows_per_shard=self.layout.rows_per_shard,
+            **self._geometry,
             row_bytes=scales.shape[1],
             base_align=1,
             launch=self._block_scales,

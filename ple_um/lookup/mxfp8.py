@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ple_um.checkpoint import MXFP8_BLOCK
-from ple_um.lookup.nvfp4 import decode_nvfp4
+from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize
 
 
 def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:
@@ -27,16 +27,16 @@ def decode_mxfp8(values: torch.Tensor, exponents: torch.Tensor, out: torch.Tenso
     out.copy_((rows * e8m0_scales(exponents.reshape(n, -1)).unsqueeze(-1)).view(n, dim))
 
 
-def decode_block_scaled(
-    storage: torch.dtype,
-    rows: torch.Tensor,
-    scales: torch.Tensor,
-    global_scale: torch.Tensor | None,
-    out: torch.Tensor,
+def decode_staged(
+    storage: torch.dtype, staged: list[torch.Tensor], global_scale: torch.Tensor | None, out: torch.Tensor
 ) -> None:
-    """A block-scaled table's raw rows and block scales into the float ``out``: MXFP8 when the
-    rows are stored as E4M3, else NVFP4 (packed bytes, with its global scale)."""
-    if storage == torch.float8_e4m3fn:
-        decode_mxfp8(rows, scales, out)
+    """Raw rows gathered on the host (``staged``: uint8 [n, row bytes], and a block-scaled table's
+    block scales) into the float ``out``: rows alone dequantized (``nvfp4.dequantize``); with block
+    scales, MXFP8 when the rows are stored as E4M3, else NVFP4 (packed bytes, with its global
+    scale)."""
+    if len(staged) == 1:
+        dequantize(staged[0], storage, global_scale, out)
+    elif storage == torch.float8_e4m3fn:
+        decode_mxfp8(*staged, out)
     else:
-        decode_nvfp4(rows, scales, global_scale, out)
+        decode_nvfp4(*staged, global_scale, out)

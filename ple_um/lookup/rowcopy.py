@@ -52,6 +52,9 @@ SIGNATURES = (
 # follows at once, short enough that a pool's threads do not burn their cores after every lookup
 # (a longer spin gains little back to back: docs/lab/PERF_NOTES.md).
 SPIN_US = 50
+# At most this many ids a lookup's rows are read by the thread that runs its row copy alone: below
+# it the pool's hand-off costs more than it saves (docs/lab/PERF_NOTES.md).
+INLINE_ROWS = 2048
 # rowcopy.h's counters, in the order of its enum.
 COUNTS = (
     "rows",

@@ -14,8 +14,7 @@ import time
 import torch
 
 from ple_um.lookup.counts import path_counts
-from ple_um.lookup.mxfp8 import decode_block_scaled
-from ple_um.lookup.nvfp4 import dequantize
+from ple_um.lookup.mxfp8 import decode_staged
 from ple_um.lookup.sync_reader import RowReader
 from ple_um.mapping import MappedShards
 
@@ -65,34 +64,29 @@ class SyncGather:
     def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows of flat ``ids`` into ``out`` [n, row_dim]: raw when out has the storage dtype (NVFP4:
         the packed bytes), else dequantized or decoded."""
-        t0 = time.perf_counter()
-        n = ids.numel()
-        ids, owned, bad = self._classify(ids)
-        raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
-        if raw:
-            self.rows.gather(ids, owned, out.view(torch.uint8).view(n, out.shape[-1] * out.element_size()))
-        elif self.block_scales is not None:
-            rows, scales = self.rows.gather(ids, owned), self.block_scales.gather(ids, owned)
-            decode_block_scaled(self.storage, rows, scales, self.scale, out)
+        if out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8):
+            self._read(ids, [out.view(torch.uint8).view(ids.numel(), out.shape[-1] * out.element_size())])
         else:
-            dequantize(self.rows.gather(ids, owned), self.storage, self.scale, out)
-        self._count(n, bad, self.rows.last_phases)
-        if self.metrics is not None:
-            row_bytes = self.rows.row_bytes + (self.block_scales.row_bytes if self.block_scales else 0)
-            self.metrics.observe(n, n * row_bytes, bad, self.rows.last_phases, time.perf_counter() - t0)
+            decode_staged(self.storage, self._read(ids, [None, None]), self.scale, out)
         return out
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
         """NVFP4: the packed rows and block scales of ``ids`` (uint8)."""
+        self._read(ids, [packed, scales])
+
+    def _read(self, ids: torch.Tensor, outs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The raw rows of flat ``ids`` (and an NVFP4 table's block scales, as many as ``outs``
+        names; None: allocated), counted as one lookup."""
         t0 = time.perf_counter()
-        ids, owned, bad = self._classify(ids)
-        self.rows.gather(ids, owned, packed)
-        self.block_scales.gather(ids, owned, scales)
         n = ids.numel()
+        ids, owned, bad = self._classify(ids)
+        readers = [r for r in (self.rows, self.block_scales) if r is not None]
+        staged = [reader.gather(ids, owned, out) for reader, out in zip(readers, outs, strict=False)]
         self._count(n, bad, self.rows.last_phases)
         if self.metrics is not None:
-            nbytes = n * (self.rows.row_bytes + self.block_scales.row_bytes)
+            nbytes = n * sum(r.row_bytes for r in readers)
             self.metrics.observe(n, nbytes, bad, self.rows.last_phases, time.perf_counter() - t0)
+        return staged
 
     def _count(self, n: int, bad: int, phases: dict[str, float]) -> None:
         with self._lock:  # lookups from several threads: += is not atomic

@@ -17,8 +17,7 @@ from helpers.reference import bits_differ, reference_nvfp4, reference_rows
 
 import ple_um
 from ple_um.access.capabilities import read_capabilities
-from ple_um.lookup.host.buffers import chunks
-from ple_um.lookup.host.gather import HostGather
+from ple_um.lookup.host.gather import HostGather, chunks
 from ple_um.lookup.sync_gather import SyncGather
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)

@@ -29,7 +29,7 @@ def lib(tmp_path_factory):
 
 
 class Signals:
-    """Ready and done words of a few jobs, 64 bytes apart, as ``host.signals`` lays them out."""
+    """Ready and done words of a few jobs, 64 bytes apart, as ``host.cuda`` lays them out."""
 
     def __init__(self, jobs: int) -> None:
         self.words = np.zeros(jobs * 32, dtype=np.uint32)
@@ -187,7 +187,7 @@ def test_a_ready_word_left_from_long_ago_is_armed_before_the_post(lib, make_chec
     """A slot that has not been the first of a lookup for 2**31 lookups holds a number that
     compares as reached: posted under it unarmed, the job reads the ids before they arrive.
     ``arm`` sets the word one behind first: the job waits for the stream's write."""
-    from ple_um.lookup.host.signals import arm
+    from ple_um.lookup.host.cuda import arm
 
     layout = make_checkpoint(num_rows=300, row_dim=16, dtype="fp8", shards=2, seed=int(rng.integers(1 << 30)))
     with MappedShards(layout) as mapping:
@@ -218,7 +218,7 @@ def test_a_ready_word_left_from_long_ago_is_armed_before_the_post(lib, make_chec
 def test_arm_leaves_the_word_one_behind_and_an_earlier_chunk_runnable(seq):
     """Armed, the word is one behind ``seq`` (through the wrap); a job of an earlier lookup that
     waits for a lower number still finds it reached."""
-    from ple_um.lookup.host.signals import arm
+    from ple_um.lookup.host.cuda import arm
 
     word = np.full(1, 12345, dtype=np.uint32)
     arm(word.ctypes.data, seq)

@@ -1,4 +1,4 @@
-"""The host path's ring of job structs (``host.buffers.StreamState.slot``): a slot is handed out once its
+"""The host path's ring of job structs (``host.cuda.StreamState.slot``): a slot is handed out once its
 host node has run; while the caller waits, a stream in error or a node that never ran ends the wait
 with HostNodeError instead of a hang. The CUDA driver's answers are injected (a CPU machine has no
 driver); the job's flag is cleared by the real C row copy, as a host node clears it."""
@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from ple_um.lookup import rowcopy
-from ple_um.lookup.host import signals
-from ple_um.lookup.host.buffers import RING, StreamState, check_pending
-from ple_um.lookup.host.driver import HostNodeError
+from ple_um.lookup.host import cuda
+from ple_um.lookup.host.cuda import RING, HostNodeError, StreamState, check_pending
 from ple_um.mapping import MappedShards
 
 
@@ -148,17 +147,17 @@ def test_the_signals_check_never_leaves_a_stream_waiting_unsaid(monkeypatch, see
     write, the stream is released by the device's own write on another stream and the dispatcher is
     not used (the word kept: the stream may still read it); where nothing releases it, HostNodeError
     says so and how to run instead, rather than a hang at the next synchronize."""
-    monkeypatch.setattr(signals, "_stranded", [])
-    word = torch.zeros(signals.SIGNAL_BYTES // 4, dtype=torch.int32)
+    monkeypatch.setattr(cuda, "_stranded", [])
+    word = torch.zeros(cuda.SIGNAL_BYTES // 4, dtype=torch.int32)
     driver = _SignalsDriver(word, sees_host=sees_host, sees_device=sees_device)
     if reason == "stays blocked":
-        with pytest.raises(signals.StreamBlockedError, match="stays blocked.*PLE_UM_DISPATCHER=0"):
-            signals.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
+        with pytest.raises(cuda.StreamBlockedError, match="stays blocked.*PLE_UM_DISPATCHER=0"):
+            cuda.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
     else:
-        said = signals.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
+        said = cuda.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
         assert reason in said and (said == "") == (reason == "")
-    assert int(word[0]) == 7 and int(word[signals.DONE_AT // 4]) == 1
-    assert (signals._stranded == [word]) == (not sees_host)
+    assert int(word[0]) == 7 and int(word[cuda.DONE_AT // 4]) == 1
+    assert (cuda._stranded == [word]) == (not sees_host)
 
 
 def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice(monkeypatch):
@@ -166,12 +165,12 @@ def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice
 
     def check(driver, device):
         calls.append(device)
-        raise signals.StreamBlockedError("a stream ... stays blocked")
+        raise cuda.StreamBlockedError("a stream ... stays blocked")
 
-    monkeypatch.setattr(signals, "_checked", {})
-    monkeypatch.setattr(signals, "_check", check)
+    monkeypatch.setattr(cuda, "_checked", {})
+    monkeypatch.setattr(cuda, "_check", check)
     device = torch.device("cuda", 3)
     for _ in range(2):
         with pytest.raises(HostNodeError, match="stays blocked"):
-            signals.signals_work(object(), device)
+            cuda.signals_work(object(), device)
     assert calls == [device]

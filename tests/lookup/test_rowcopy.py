@@ -237,7 +237,8 @@ def test_the_knob_picks_the_host_path(monkeypatch, layout, rng, check_rows, knob
 
 
 def test_chunks_cover_the_lookup_and_cut_the_tail():
-    from ple_um.lookup.host.buffers import CHUNK_ROWS, MAX_CHUNKS, RING, TAIL_ROWS, chunks
+    from ple_um.lookup.host.cuda import RING
+    from ple_um.lookup.host.gather import CHUNK_ROWS, MAX_CHUNKS, TAIL_ROWS, chunks
 
     for n in (
         1,

@@ -555,7 +555,7 @@ def test_a_blocked_stream_at_open_is_raised_without_a_release(layout, monkeypatc
     files are unmapped (no host thread reads them)."""
     from ple_um import opening
     from ple_um.access.build import ModeAccess
-    from ple_um.lookup.host.signals import StreamBlockedError
+    from ple_um.lookup.host.cuda import StreamBlockedError
 
     released = []
 

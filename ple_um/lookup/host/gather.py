@@ -13,14 +13,16 @@ Who runs the row copy (three strategies, one per case):
   (``cuLaunchHostFunc``) between the two copies, replayed with new ids each time; a big one is cut
   into chunks whose host nodes run in turn on a side stream, each chunk's copy to the device
   waiting only for its own rows (``_chunked``).
-- Eager lookups: the dispatcher, one C thread per process (``_dispatched``; ``signals.py`` says how
+- Eager lookups: the dispatcher, one C thread per process (``_dispatched``; ``cuda.py`` says how
   the stream and the dispatcher signal each other). It saves the driver's round trip to its
   callback thread and back that a host node costs (docs/lab/PERF_NOTES.md). Where stream memory
   operations do not work (checked once per device) or ``PLE_UM_DISPATCHER=0``, eager lookups are
   host nodes too.
 - No CUDA device: the row copy called directly (``_lookup_here``; ctypes releases the GIL).
 
-Buffers and job structs: ``buffers.py``. Bound: per stream that captured lookups, at most twice
+Every strategy fills the same job structs and queues the same driver copies of the ids and the rows
+(``_ids_in``, ``_rows_out``); only who runs the row copy differs. What a stream keeps (buffers, the
+ring of job structs, the signal words): ``cuda.py``. Bound: per stream that captured lookups, at most twice
 the largest captured batch of ``8 + row bytes`` per id (the buffers grow by doubling and earlier
 ones stay), plus about 100 B per captured lookup.
 """
@@ -37,14 +39,33 @@ import torch
 from ple_um import envs
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
-from ple_um.lookup.host.buffers import INLINE_ROWS, PinnedBuffers, StreamState, chunks
+from ple_um.lookup.host import cuda
 from ple_um.lookup.host.cold import ColdPlan, RowSources
-from ple_um.lookup.host.driver import CudaDriver
-from ple_um.lookup.host.signals import DONE_AT, SIGNAL_BYTES, arm, signals_work
-from ple_um.lookup.mxfp8 import decode_block_scaled
-from ple_um.lookup.nvfp4 import dequantize, e2m1_values
+from ple_um.lookup.mxfp8 import decode_staged
+from ple_um.lookup.nvfp4 import e2m1_values
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
 from ple_um.mapping import MappedShards
+
+# Lookups above this many ids are cut into chunks of it (bigger ones where MAX_CHUNKS would not
+# hold them), the last one at most TAIL_ROWS: its copy to the device is the one nothing overlaps.
+CHUNK_ROWS = 32768
+TAIL_ROWS = 4096
+MAX_CHUNKS = 16
+assert cuda.RING > MAX_CHUNKS + 1  # a stream's ring holds a whole lookup's job structs
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    """[a, b) pieces of a lookup of ``n`` ids: one up to CHUNK_ROWS, else at most MAX_CHUNKS pieces
+    of CHUNK_ROWS or more, with the last piece cut to at most TAIL_ROWS (MAX_CHUNKS + 1 in all)."""
+    if n <= CHUNK_ROWS:
+        return [(0, n)]
+    step = max(CHUNK_ROWS, -(-n // MAX_CHUNKS))
+    bounds = list(range(0, n, step)) + [n]
+    pieces = list(zip(bounds[:-1], bounds[1:], strict=True))
+    a, b = pieces[-1]
+    if b - a > TAIL_ROWS:
+        pieces[-1:] = [(a, b - TAIL_ROWS), (b - TAIL_ROWS, b)]
+    return pieces
 
 
 class HostGather:
@@ -87,9 +108,9 @@ class HostGather:
         self.enqueue_seconds = 0.0  # host seconds spent queuing lookups (eager calls)
         self._run = rowcopy.function_address(lib, "ple_lookup_run")
         self._wake = rowcopy.function_address(lib, "ple_pool_wake")
-        self._driver = CudaDriver.get() if self.cuda else None
+        self._driver = cuda.CudaDriver.get() if self.cuda else None
         self.index = device.index
-        self._streams: dict[int, StreamState] = {}
+        self._streams: dict[int, cuda.StreamState] = {}
         self._captured: list[tuple[object, ...]] = []  # job structs and buffers of captured lookups
         self._lock = threading.Lock()
         self.dispatcher = False  # eager lookups through the dispatcher thread (else host nodes)
@@ -100,7 +121,7 @@ class HostGather:
             elif not lib.ple_dispatch_start():
                 why = "the dispatcher thread could not be started"
             else:
-                why = signals_work(self._driver, device)
+                why = cuda.signals_work(self._driver, device)
             self.dispatcher = why is None
             eager = "by the dispatcher thread" if self.dispatcher else f"as host nodes ({why})"
             self.row_reads += f"; eager lookups {eager}"
@@ -139,7 +160,7 @@ class HostGather:
         job.id_kind = kind
         job.touch = int(touch)
         job.threads = self.threads
-        job.inline_rows = INLINE_ROWS
+        job.inline_rows = rowcopy.INLINE_ROWS
         for k, address in enumerate(dst):
             job.dst[k] = address
 
@@ -159,7 +180,7 @@ class HostGather:
                 return self._lookup(ids, outs, raw)
         t0 = time.perf_counter()
         self._driver.ensure_context(self.index)
-        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        stream = torch.cuda.current_stream(self.index).cuda_stream
         capturing = torch.cuda.is_current_stream_capturing()
         state = self._state(stream)
         if raw:
@@ -171,13 +192,15 @@ class HostGather:
         with state.lock:
             self._queue(state, stream, ids, targets, capturing)
         if not raw:
-            self._decode(raws, out)
+            decode_staged(self.storage, raws, self.scale, out)
         if not capturing and outs:
             with self._lock:
                 self.enqueue_seconds += time.perf_counter() - t0
         return out
 
-    def _queue(self, state: StreamState, stream: int, ids: torch.Tensor, targets, capturing: bool) -> None:
+    def _queue(
+        self, state: cuda.StreamState, stream: int, ids: torch.Tensor, targets, capturing: bool
+    ) -> None:
         """Fill the lookup's job structs and queue its work on ``stream`` by the strategy that
         serves it (the module docstring); ``targets`` empty: the page touch, no copy out."""
         n = ids.numel()
@@ -192,16 +215,16 @@ class HostGather:
         if not capturing and self.dispatcher:
             self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
         elif len(pieces) == 1:
-            self._ids_in(bufs, ids)
-            if not capturing and n > INLINE_ROWS:
+            self._ids_in(stream, bufs, ids)
+            if not capturing and n > rowcopy.INLINE_ROWS:
                 self.pool.wake()
             self._launch(stream, jobs[0])
-            for target, staging in zip(targets, bufs.staging, strict=False):
-                target.copy_(staging[:n], non_blocking=True)
+            self._rows_out(stream, bufs, targets, 0, n)
         else:
             self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
-        if capturing:
-            self._keep((*jobs, bufs))
+        if capturing:  # a graph may replay them at any time: kept as long as this
+            with self._lock:
+                self._captured.append((*jobs, bufs))
 
     def _dispatched(self, state, stream, bufs, ids, slots, pieces, targets) -> None:
         """An eager lookup through the dispatcher thread, all on the caller's stream: the ids' copy
@@ -214,16 +237,16 @@ class HostGather:
         host, device = state.words(driver)
         offset = device - host
         seq = state.seq = (state.seq + 1) & 0xFFFFFFFF
-        ready = host + slots[0] * SIGNAL_BYTES
-        arm(ready, seq)
-        driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
+        ready = host + slots[0] * cuda.SIGNAL_BYTES
+        cuda.arm(ready, seq)
+        self._ids_in(stream, bufs, ids)
         driver.write_value(stream, ready + offset, seq)
-        if ids.numel() > INLINE_ROWS:
+        if ids.numel() > rowcopy.INLINE_ROWS:
             self.pool.wake()
         posted = []
         for slot in slots:
             job = state.ring[slot]
-            job.seq, job.ready, job.done = seq, ready, host + slot * SIGNAL_BYTES + DONE_AT
+            job.seq, job.ready, job.done = seq, ready, host + slot * cuda.SIGNAL_BYTES + cuda.DONE_AT
             job.busy = 1
             if self.lib.ple_dispatch_post(ctypes.addressof(job)) == 0:
                 posted.append(True)
@@ -233,8 +256,7 @@ class HostGather:
         for slot, (a, b), waits in zip(slots, pieces, posted, strict=True):
             if waits:
                 driver.wait_value(stream, state.ring[slot].done + offset, seq)
-            for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=False):
-                driver.h2d(target.data_ptr() + a * rb, staging + a * rb, (b - a) * rb, stream)
+            self._rows_out(stream, bufs, targets, a, b)
 
     def _chunked(self, state, stream, bufs, ids, jobs, pieces, targets, capturing) -> None:
         """A big lookup: the ids in one copy, the chunks' host nodes in turn on the side stream, each
@@ -252,7 +274,7 @@ class HostGather:
             driver.launch_host_func(side, self._wake, None)
         else:
             self.pool.wake()
-        self._ids_in(bufs, ids)
+        self._ids_in(stream, bufs, ids)
         driver.record(events[-2], stream)
         driver.wait(side, events[-2])
         for k, job in enumerate(jobs):
@@ -260,14 +282,18 @@ class HostGather:
             driver.record(events[k], side)
         for k, (a, b) in enumerate(pieces):
             driver.wait(stream, events[k])
-            for target, staging in zip(targets, bufs.staging, strict=True):
-                target[a:b].copy_(staging[a:b], non_blocking=True)
+            self._rows_out(stream, bufs, targets, a, b)
 
-    def _ids_in(self, bufs: PinnedBuffers, ids: torch.Tensor) -> None:
-        """The ids' copy into the pinned buffer for a host node, through torch (an asynchronous
-        copy into pinned memory, which a captured graph replays)."""
-        n = ids.numel()
-        bufs.ids[: n * ids.element_size()].view(ids.dtype).copy_(ids, non_blocking=True)
+    def _ids_in(self, stream: int, bufs: cuda.PinnedBuffers, ids: torch.Tensor) -> None:
+        """Queue the copy of ``ids`` into the pinned ids buffer on ``stream`` (captured like any
+        stream operation: a graph replays it with the ids its buffer holds then)."""
+        self._driver.d2h(bufs.ids_ptr, ids.data_ptr(), ids.numel() * ids.element_size(), stream)
+
+    def _rows_out(self, stream: int, bufs: cuda.PinnedBuffers, targets, a: int, b: int) -> None:
+        """Queue the copies of the staged rows ``[a, b)`` into ``targets`` on ``stream`` (none for
+        the page touch)."""
+        for target, (staging, rb) in zip(targets, bufs.staging_ptrs, strict=False):
+            self._driver.h2d(target.data_ptr() + a * rb, staging + a * rb, (b - a) * rb, stream)
 
     def _launch(self, stream: int, job) -> None:
         """Queue the host node of ``job`` on ``stream``. Its ``busy`` flag is up only while a host
@@ -279,41 +305,36 @@ class HostGather:
             job.busy = 0
             raise
 
-    def _decode(self, raws: list[torch.Tensor], out: torch.Tensor) -> None:
-        if self.block_scales is not None:
-            decode_block_scaled(self.storage, raws[0], raws[1], self.scale, out)
-        else:
-            dequantize(raws[0], self.storage, self.scale, out)
-
     def _lookup_here(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool) -> torch.Tensor:
         """No CUDA: the row copy called directly (ctypes releases the GIL), rows straight into
         ``out`` when raw."""
         n = ids.numel()
         if ids.device.type != "cpu":
             raise ValueError(f"ids are on {ids.device}; a table on the CPU takes host ids")
-        ids = ids.contiguous()
         if raw:
             staging = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
         else:
             staging = [torch.empty((n, rb), dtype=torch.uint8) for rb in self.row_bytes]
-        job = rowcopy.LookupStruct()
-        self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], n, [s.data_ptr() for s in staging])
-        self.lib.ple_lookup_run(ctypes.addressof(job))
+        self.run_here(ids.contiguous(), staging, self.counts)
         if not raw:
-            self._decode(staging, outs[0])
+            decode_staged(self.storage, staging, self.scale, outs[0])
         return outs[0] if outs else None
 
+    def run_here(self, ids: torch.Tensor, staging: list[torch.Tensor], counts: rowcopy.Counts) -> None:
+        """The row copy of host ``ids`` (contiguous) into ``staging`` (contiguous uint8, none for the
+        page touch), run on this thread, counted in ``counts``."""
+        job, dst = rowcopy.LookupStruct(), [s.data_ptr() for s in staging]
+        self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], ids.numel(), dst)
+        job.counts = counts.address
+        self.lib.ple_lookup_run(ctypes.addressof(job))
+
     # -- state, counters and life ------------------------------------------------------------
-    def _state(self, stream: int) -> StreamState:
+    def _state(self, stream: int) -> cuda.StreamState:
         state = self._streams.get(stream)
         if state is None:
             with self._lock:
-                state = self._streams.setdefault(stream, StreamState(stream))
+                state = self._streams.setdefault(stream, cuda.StreamState(stream))
         return state
-
-    def _keep(self, items: tuple[object, ...]) -> None:
-        with self._lock:
-            self._captured.append(items)
 
     def read_counts(self) -> dict:
         """The host counters as ``path_counts`` (row copies run, graph replays included; gather =
@@ -363,10 +384,6 @@ def warm_row_cache(host: HostGather, ids) -> int:
     owned = int(((flat >= rows.lo) & (flat < rows.hi)).sum())
     if owned == 0:
         return 0
-    n = flat.numel()
-    scratch = [torch.empty((n, rb), dtype=torch.uint8) for rb in host.row_bytes]
-    job = rowcopy.LookupStruct()
-    host._fill(job, flat.data_ptr(), rowcopy.ID_KINDS[torch.int64], n, [s.data_ptr() for s in scratch])
-    job.counts = host.prefetch_counts.address
-    host.lib.ple_lookup_run(ctypes.addressof(job))
+    scratch = [torch.empty((flat.numel(), rb), dtype=torch.uint8) for rb in host.row_bytes]
+    host.run_here(flat, scratch, host.prefetch_counts)
     return owned

@@ -1,0 +1,398 @@
+"""The host path's side of CUDA: libcuda's calls, what a lookup keeps per stream, and the words
+through which a stream and ple-um's dispatcher thread hand an eager lookup to each other.
+
+The calls (``CudaDriver``, one per process: ``CudaDriver.get()``) are bound through ctypes on
+libcuda: each is a stream operation (captured like any other) or a query, and none takes the GIL
+back while it runs. A copy, launch, wait, event creation or context call that fails raises
+``HostNodeError`` naming the call and the driver's error; ``query`` and ``done`` hand the stream's
+or event's state back.
+
+Per stream (``StreamState``): pinned buffers for the ids and the staged rows, and a ring of job
+structs. Eager lookups use one set of buffers per stream (grown, never shrunk): the stream's order
+makes reuse safe (the next lookup's ids arrive after the previous lookup's rows left). Each queued
+lookup gets its job structs from the stream's ring; a struct is reused once its row copy has
+finished (the C code clears its ``busy`` flag last). Lookups captured in a CUDA graph get job
+structs of their own and the capture buffers of their stream, shared by the lookups captured on
+that stream (replayed one at a time in stream order, as vLLM replays its graphs); a graph may
+replay them at any time, so they are kept as long as the host gather.
+
+The signals: each ring slot has two 32-bit words of pinned memory, a cache line apart: its ready
+word, written by the stream (``cuStreamWriteValue32``) once the lookup's ids are in pinned memory,
+and its done word, written by the dispatcher once the rows are staged; the stream's copy of the
+rows waits for it (``cuStreamWaitValue32``, greater-or-equal, compared cyclically as CUDA does). A
+lookup's number (``seq``) is what both words carry. Whether a device's streams see the host's
+writes is checked once per device at open (``signals_work``). A stream that never sees them would
+wait for ever, and so would every later synchronize of the device; so the check releases such a
+stream by the device's own write on another stream, and where even that fails it raises
+``StreamBlockedError`` rather than leave a hang behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+
+import torch
+
+from ple_um.errors import PleUmError
+from ple_um.lookup import rowcopy
+from ple_um.lookup.streams import own_stream, relaxed_capture_mode
+
+log = logging.getLogger(__name__)
+
+_PTR, _I32, _U32, _U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint64
+_SIGNATURES = {
+    "cuMemcpyDtoHAsync_v2": [_PTR, _U64, ctypes.c_size_t, _PTR],
+    "cuMemcpyHtoDAsync_v2": [_U64, _PTR, ctypes.c_size_t, _PTR],
+    "cuLaunchHostFunc": [_PTR, _PTR, _PTR],
+    "cuEventCreate": [ctypes.POINTER(_PTR), ctypes.c_uint],
+    "cuEventRecord": [_PTR, _PTR],
+    "cuEventQuery": [_PTR],
+    "cuEventDestroy_v2": [_PTR],
+    "cuStreamWaitEvent": [_PTR, _PTR, ctypes.c_uint],
+    "cuGetErrorName": [_I32, ctypes.POINTER(ctypes.c_char_p)],
+    "cuStreamQuery": [_PTR],
+    "cuCtxGetCurrent": [ctypes.POINTER(_PTR)],
+    "cuCtxSetCurrent": [_PTR],
+    "cuDeviceGet": [ctypes.POINTER(_I32), _I32],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_PTR), _I32],
+}
+# Stream memory operations: the dispatcher's signals (CUDA 11.7+ drivers have the _v2 calls).
+_MEM_OPS = {
+    "cuStreamWriteValue32_v2": [_PTR, _U64, _U32, _U32],
+    "cuStreamWaitValue32_v2": [_PTR, _U64, _U32, _U32],
+    "cuMemHostGetDevicePointer_v2": [ctypes.POINTER(_U64), _PTR, _U32],
+}
+CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
+
+
+class HostNodeError(PleUmError, RuntimeError):
+    """The CUDA driver refused a call of the host path (the message names the call and the error)."""
+
+
+class CudaDriver:
+    """libcuda's calls of the host path: copies, host functions, events, stream memory operations."""
+
+    _instance: CudaDriver | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        lib = self.lib = ctypes.CDLL("libcuda.so.1")
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, _I32
+        self.mem_ops = all(hasattr(lib, name) for name in _MEM_OPS)
+        if self.mem_ops:
+            for name, argtypes in _MEM_OPS.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, _I32
+            self.write_value = self._checked(
+                lambda stream, address, value: lib.cuStreamWriteValue32_v2(stream, address, value, 0),
+                "cuStreamWriteValue32",
+            )
+            self.wait_value = self._checked(  # flags 0: CU_STREAM_WAIT_VALUE_GEQ (cyclic)
+                lambda stream, address, value: lib.cuStreamWaitValue32_v2(stream, address, value, 0),
+                "cuStreamWaitValue32",
+            )
+        self._thread = threading.local()
+        self.d2h = self._checked(lib.cuMemcpyDtoHAsync_v2, "cuMemcpyDtoHAsync")
+        self.h2d = self._checked(lib.cuMemcpyHtoDAsync_v2, "cuMemcpyHtoDAsync")
+        self.launch_host_func = self._checked(lib.cuLaunchHostFunc, "cuLaunchHostFunc")
+        self.record = self._checked(lib.cuEventRecord, "cuEventRecord")
+        self.wait = self._checked(
+            lambda stream, event: lib.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent"
+        )
+
+    @classmethod
+    def get(cls) -> CudaDriver:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _ok(self, rc: int, name: str) -> None:
+        if rc != CUDA_SUCCESS:
+            raise HostNodeError(f"{name} failed: {self.error_name(rc)}")
+
+    def _checked(self, fn, name: str):
+        return lambda *args: self._ok(fn(*args), name)
+
+    def error_name(self, rc: int) -> str:
+        name = ctypes.c_char_p()
+        self.lib.cuGetErrorName(rc, ctypes.byref(name))
+        return f"{(name.value or b'?').decode()} ({rc})"
+
+    def query(self, stream: int) -> int:
+        """cuStreamQuery's code: CUDA_SUCCESS (idle), CUDA_ERROR_NOT_READY (busy), or an error."""
+        return self.lib.cuStreamQuery(stream)
+
+    def ensure_context(self, index: int) -> None:
+        """Make device ``index``'s primary context current in this thread where none is (a thread
+        that has made no CUDA call yet: the calls here need one). Once per thread. The caller has
+        made ``index`` torch's current device (whose context is then current)."""
+        if getattr(self._thread, "index", None) == index:
+            return
+        current = ctypes.c_void_p()
+        if self.lib.cuCtxGetCurrent(ctypes.byref(current)) == 0 and not current.value:
+            device, context = ctypes.c_int(), ctypes.c_void_p()
+            for rc in (
+                self.lib.cuDeviceGet(ctypes.byref(device), index),
+                self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                self.lib.cuCtxSetCurrent(context),
+            ):
+                if rc != CUDA_SUCCESS:
+                    raise HostNodeError(
+                        f"making device {index}'s context current failed: {self.error_name(rc)}"
+                    )
+        self._thread.index = index
+
+    def device_pointer(self, host: int) -> int:
+        """The device address of pinned host memory at ``host`` (the same address under UVA)."""
+        address = ctypes.c_uint64()
+        self._ok(
+            self.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(address), host, 0), "cuMemHostGetDevicePointer"
+        )
+        return address.value
+
+    def event(self) -> int:
+        """A new event without timing (destroy with ``destroy``)."""
+        handle = ctypes.c_void_p()
+        self._ok(self.lib.cuEventCreate(ctypes.byref(handle), 2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
+        return handle.value
+
+    def done(self, event: int) -> bool:
+        return self.lib.cuEventQuery(event) == CUDA_SUCCESS
+
+    def destroy(self, event: int) -> None:
+        self.lib.cuEventDestroy_v2(event)
+
+
+# A ring slot's words: its ready word at the slot's start, its done word a cache line further (the
+# stream writes one, the dispatcher the other).
+SIGNAL_BYTES, DONE_AT = 128, 64
+# Seconds the open-time check waits for a stream to see a write.
+SIGNAL_TIMEOUT = 5.0
+# The check's verdict per device index: "" (works), a reason (use host nodes), or the error.
+_checked: dict[int, str | BaseException] = {}
+# Pinned words a blocked stream may still wait on: never freed (freed memory could be handed out
+# and written again, releasing or corrupting the wait).
+_stranded: list[torch.Tensor] = []
+
+
+class StreamBlockedError(HostNodeError):
+    """A stream of this device waits for ever (the signals' check at open): nothing may synchronize
+    the device after it, so the open gives up without releasing through the device."""
+
+
+def arm(ready: int, seq: int) -> None:
+    """Set the ready word at ``ready`` one behind ``seq`` before the lookup numbered ``seq`` is
+    posted under it. A ring slot's word is written by its stream only when the slot is a lookup's
+    first: a slot that has not been first for about 2**31 lookups holds a number that compares as
+    reached, and the dispatcher would read the ids before they arrive. Safe to store: the slot is
+    free, so the stream's last write of this word has landed (the job that waited for it has run),
+    and a later chunk of that lookup, still waiting on it, waits for that number or a lower one
+    (at or below ``seq - 1``: still reached)."""
+    ctypes.c_uint32.from_address(ready).value = (seq - 1) & 0xFFFFFFFF
+
+
+def signalled(job) -> bool:
+    """Whether the dispatcher has set ``job``'s done word (its stream's wait is over, and the job's
+    busy flag is about to clear): a job of the dispatcher whose stream is idle."""
+    if not job.done:
+        return False
+    done = ctypes.c_uint32.from_address(job.done).value
+    return ((done - job.seq) & 0xFFFFFFFF) < 1 << 31
+
+
+def signals_work(driver: CudaDriver, device: torch.device) -> str | None:
+    """None when stream memory operations work on ``device`` as the dispatcher uses them (checked
+    once per device), else why not. Raises StreamBlockedError, at every call, for a device whose
+    check left a stream blocked."""
+    known = _checked.get(device.index)
+    if known is None:
+        try:
+            known = _check(driver, device)
+        except StreamBlockedError as exc:
+            known = exc
+        _checked[device.index] = known
+    if isinstance(known, BaseException):
+        raise known
+    return known or None
+
+
+def _check(driver: CudaDriver, device: torch.device) -> str:
+    if not driver.mem_ops:
+        return "this driver has no cuStreamWriteValue32_v2 / cuStreamWaitValue32_v2"
+    try:
+        driver.ensure_context(device.index)
+        word = torch.zeros(SIGNAL_BYTES // 4, dtype=torch.int32, pin_memory=True)  # one slot's words
+        stream = own_stream(device).cuda_stream
+    except Exception as exc:  # noqa: BLE001 - any failure means: use host nodes
+        return f"stream memory operations failed: {exc}"
+    return round_trip(driver, stream, word, lambda: own_stream(device).cuda_stream)
+
+
+def round_trip(driver, stream: int, word: torch.Tensor, other_stream, timeout: float | None = None) -> str:
+    """The check itself, on ``stream`` with one slot's words in ``word`` (pinned): the stream
+    writes the ready word, then waits for the done word, which this thread sets. A stream that
+    never sees the write still waits: the word is kept for the life of the process, and the same
+    write is made from the device on ``other_stream()`` to release it. Where even that does not
+    release it, StreamBlockedError (logged first). "" when it works, else why not."""
+    timeout = SIGNAL_TIMEOUT if timeout is None else timeout
+    done = DONE_AT // 4
+    try:
+        address = driver.device_pointer(word.data_ptr())
+        driver.write_value(stream, address, 7)
+        driver.wait_value(stream, address + DONE_AT, 1)
+        time.sleep(1e-3)
+        word[done] = 1  # as the dispatcher signals a lookup done
+        rc = _settle(driver, stream, timeout)
+        if rc == CUDA_ERROR_NOT_READY:
+            _stranded.append(word)
+            driver.write_value(other_stream(), address + DONE_AT, 1)
+            released = _settle(driver, stream, timeout) == CUDA_SUCCESS
+    except Exception as exc:  # noqa: BLE001 - any failure means: use host nodes
+        return f"stream memory operations failed: {exc}"
+    if rc == CUDA_ERROR_NOT_READY and not released:
+        why = (
+            "a stream waiting on pinned memory saw neither this thread's write nor the device's "
+            f"own within {2 * timeout:g} s: it stays blocked, so any synchronize of this "
+            "device will hang. Run with PLE_UM_DISPATCHER=0 (eager lookups as host nodes; this "
+            "check is then not made)"
+        )
+        log.error("ple-um: %s", why)
+        raise StreamBlockedError(why)
+    if rc == CUDA_ERROR_NOT_READY:
+        return "a stream waiting on pinned memory never saw this thread's write"
+    if rc != CUDA_SUCCESS:
+        return f"a stream waiting on pinned memory: {driver.error_name(rc)} after this thread's write"
+    if int(word[0]) != 7:
+        return f"a stream's write of pinned memory did not arrive (read {int(word[0])})"
+    return ""
+
+
+def _settle(driver, stream: int, timeout: float) -> int:
+    """The stream's query code once it is no longer busy, or CUDA_ERROR_NOT_READY after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (rc := driver.query(stream)) == CUDA_ERROR_NOT_READY and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    return rc
+
+
+# Job structs per stream's ring: lookups queued ahead of their row copies before a caller waits.
+# A lookup takes one per chunk: the ring holds a whole lookup's (``gather.MAX_CHUNKS`` + 1) at once.
+RING = 64
+
+
+class PinnedBuffers:
+    """Pinned ids and staging (one per table the lookup reads: rows, NVFP4 block scales) for
+    lookups of up to ``capacity`` ids."""
+
+    def __init__(self, capacity: int, row_bytes: tuple[int, ...]) -> None:
+        self.capacity = capacity
+        self.ids = torch.empty(capacity * 8, dtype=torch.uint8, pin_memory=True)
+        self.staging = [torch.empty((capacity, rb), dtype=torch.uint8, pin_memory=True) for rb in row_bytes]
+        self.ids_ptr = self.ids.data_ptr()
+        self.staging_ptrs = [(s.data_ptr(), rb) for s, rb in zip(self.staging, row_bytes, strict=True)]
+
+
+def check_pending(driver, streams: list[int], job) -> None:
+    """Raise HostNodeError when ``job``'s row copy cannot run any more: one of ``streams`` (where it
+    was queued) is in error, or they are all idle and its flag is still up (a host node that never
+    ran, or a dispatched job whose stream no longer waits for it)."""
+    states = [driver.query(stream) for stream in streams]
+    failed = [rc for rc in states if rc not in (CUDA_SUCCESS, CUDA_ERROR_NOT_READY)]
+    if failed:
+        why = driver.error_name(failed[0])
+        raise HostNodeError(f"a stream with queued lookups failed ({why}): their host nodes will not run")
+    if all(rc == CUDA_SUCCESS for rc in states) and job.busy and not signalled(job):
+        raise HostNodeError("a queued host node never ran: its stream is idle and its job is still pending")
+
+
+class StreamState:
+    """One stream's eager buffers (and those it outgrew, each kept until an event recorded after
+    its last use has completed), the buffers of the lookups captured on it, its ring of job
+    structs, its side stream and events for chunked lookups, and the dispatcher's signal words.
+    ``lock`` keeps each lookup's operations together on the stream."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+        self.lock = threading.Lock()
+        self.buffers: PinnedBuffers | None = None
+        self.retired: list[tuple[int, PinnedBuffers]] = []
+        self.capture_buffers: PinnedBuffers | None = None
+        self.ring = (rowcopy.LookupStruct * RING)()
+        self.next = 0
+        self.side: torch.cuda.ExternalStream | None = None
+        self.events: list[int] = []
+        # Per ring slot a ready word (written by the stream) and a done word (by the dispatcher),
+        # each on its own 64-byte line; the last lookup's number.
+        self.signals: torch.Tensor | None = None
+        self.signals_device = 0
+        self.seq = 0
+
+    def words(self, driver) -> tuple[int, int]:
+        """The host and device addresses of the signal words (made on first use)."""
+        if self.signals is None:
+            self.signals = torch.zeros(RING * SIGNAL_BYTES // 4, dtype=torch.int32, pin_memory=True)
+            self.signals_device = driver.device_pointer(self.signals.data_ptr())
+        return self.signals.data_ptr(), self.signals_device
+
+    def slot(self, driver) -> int:
+        """The index of the next job struct of the ring, once its previous lookup has finished.
+        While it waits, the streams its work runs on are asked every ~0.1 s: a stream in error
+        never runs it (HostNodeError names the error instead of waiting for ever)."""
+        index = self.next
+        job = self.ring[index]
+        spins = 0
+        while job.busy:  # RING lookups queued ahead of their row copies: back-pressure
+            spins += 1
+            time.sleep(0 if spins < 1000 else 1e-4)
+            if spins % 1000 == 0:
+                streams = [self.handle] + ([self.side.cuda_stream] if self.side is not None else [])
+                check_pending(driver, streams, job)
+        self.next = (self.next + 1) % RING
+        return index
+
+    def buffers_for(self, n: int, capturing: bool, row_bytes: tuple[int, ...], driver) -> PinnedBuffers:
+        """Buffers for ``n`` ids: the stream's eager ones, or its capture ones; grown by doubling.
+        Outgrown eager buffers are kept until an event recorded now (after every operation queued
+        on the stream that may read them) has completed."""
+        if capturing:
+            bufs = self.capture_buffers
+            if bufs is None or bufs.capacity < n:
+                with relaxed_capture_mode():
+                    bufs = PinnedBuffers(max(n, 2 * (bufs.capacity if bufs else 0)), row_bytes)
+                self.capture_buffers = bufs
+            return bufs
+        if self.buffers is None or self.buffers.capacity < n:
+            self.retired = [(ev, b) for ev, b in self.retired if not _freed(driver, ev)]
+            old = self.buffers
+            if old is not None:
+                event = driver.event()
+                driver.record(event, self.handle)
+                self.retired.append((event, old))
+            self.buffers = PinnedBuffers(max(n, 2 * (old.capacity if old else 0), 1024), row_bytes)
+        return self.buffers
+
+    def close(self, driver) -> None:
+        """Wait for every job of the ring (the caller has synchronized the device: this only
+        checks), then destroy the events."""
+        for job in self.ring:
+            while job.busy:
+                time.sleep(1e-4)
+        for event, _ in self.retired:
+            driver.destroy(event)
+        for event in self.events:
+            driver.destroy(event)
+        self.retired, self.events = [], []
+
+
+def _freed(driver, event: int) -> bool:
+    if not driver.done(event):
+        return False
+    driver.destroy(event)
+    return True
