@@ -29,8 +29,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ple_um import envs
 from ple_um.errors import PleUmError
 from ple_um.lookup.streams import own_stream
+from ple_um.opening import open_table
 from ple_um.table import MappedTable
 
 # The loggers (by name) that have written the INFO line of an open in this process.
@@ -147,6 +149,7 @@ class ServedLayer:
     NOT_OPEN = "the model's load_weights never ran for this layer"
     served: ServedTable
     prefix: str
+    layer: int  # the decoder layer whose table the checkpoint names (``layers.<L>.ple``)
 
     @property
     def table(self) -> MappedTable | None:
@@ -157,6 +160,26 @@ class ServedLayer:
     def owned_rows(self) -> tuple[int, int]:
         """This rank's global row range of the table."""
         return self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
+
+    def serve_table(
+        self,
+        directory: str,
+        device: torch.device,
+        *,
+        fits: Callable[[], None],
+        check: Callable[[MappedTable], None],
+    ) -> MappedTable:
+        """This rank's rows of the table in ``directory``, opened in the ``PLE_UM_MODE`` mode on
+        ``device`` and served (``ServedTable.serve``: ``fits`` before the open, ``check`` after)."""
+        return self.served.serve(
+            self.prefix,
+            directory,
+            lambda: open_table(
+                directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=device
+            ),
+            fits=fits,
+            check=check,
+        )
 
     def require_table(self) -> MappedTable:
         table = self.served.table

@@ -28,7 +28,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
 from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
 from torch import nn
 
-from ple_um import MappedTable, envs, open_table
+from ple_um import MappedTable, envs
 from ple_um.checkpoint import ShardLayout, check_shape, read_layout
 from ple_um.errors import CheckpointError
 from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, compare_shard
@@ -101,12 +101,9 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
         if self.layer is None or self.split_ngram_parts is None:
             raise RuntimeError(f"{self.prefix}: built outside Qwen4ExpNGramEmbedding (bind() was not called)")
         directory = table_directory()
-        return self.served.serve(
-            self.prefix,
+        return self.serve_table(
             directory,
-            lambda: open_table(
-                directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self.device
-            ),
+            self.device,
             # Headers first: a table that does not fit the layer is refused before anything is mapped.
             fits=lambda: self._check_layout(read_layout(directory, self.layer)),
             check=self._check_capture,

@@ -44,7 +44,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLENvFp4EmbeddingMethod,
 )
 
-from ple_um import MappedTable, envs, open_table
+from ple_um import MappedTable, envs
 from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError
 from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, capturing, compare_shard, layer_index
@@ -212,15 +212,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
                 raise RuntimeError(f"{self.prefix}: the table opened on {table.device}, not {self._device}")
             capture.check_cudagraph_mode(self.prefix, table, self._vllm_config)
 
-        return self.served.serve(
-            self.prefix,
-            directory,
-            lambda: open_table(
-                directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self._device
-            ),
-            fits=fits,
-            check=check,
-        )
+        return self.serve_table(directory, self._device, fits=fits, check=check)
 
     # -- lookup -------------------------------------------------------------------------------
     def lookup_rows(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
