@@ -1,59 +1,114 @@
-"""ServedTable: the table a serving framework's layer reads (the vLLM backend, the SGLang embedding).
+"""What both engines' plugins share: the table a layer serves, and the lookups a step starts early.
 
-Both plugins hold one table per layer: this rank's rows of the checkpoint's table, opened when the
-weights are loaded and opened again when a later load names another checkpoint directory. What
-they share is here: the new table checked before it replaces the old one (closed when a check
-refuses it), the old one closed as soon as the new one serves (``MappedTable.close`` waits for
-the lookups already under way), and the open's log line, at INFO with
-the probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
-What each framework checks before and after the open stays with its plugin.
+The vLLM backend and the SGLang embedding each hold one table per layer: this rank's rows of the
+checkpoint's table, opened when the weights are loaded and opened again when a later load names
+another checkpoint directory. What they share is here; what each engine checks before and after an
+open, and how it calls a lookup, stays in its plugin (``ple_um.vllm``, ``ple_um.sglang``).
 
-``SideLookups`` is the other shared part: the side stream that the early lookups of a step are
-queued on, and the per-layer marks each layer's rows are joined by.
+- ``ServedTable``: the open table and its directory; a new table checked before it replaces the
+  old one (closed when a check refuses it), the old one closed as soon as the new one serves
+  (``MappedTable.close`` waits for the lookups already under way); the CUDA graphs that captured a
+  lookup of it (they hold its mapping, so a remap is refused); the open's log line, at INFO with the
+  probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
+- ``ServedLayer``: what an engine's layer class gets from its ``ServedTable`` (the table, its rows,
+  its ``extra_repr``, closing it).
+- ``compare_shard``: a shard a load delivers in memory compared with the mapped bytes, since the
+  table is served read-only (``ReloadMismatchError``).
+- ``SideLookups`` and ``StepGroup``: the side stream the early lookups of a step are queued on, with
+  a mark per layer, and the bookkeeping of which layers' starts of a step were taken early.
+
+Imports nothing from vLLM or SGLang.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Iterator
 
 import torch
 
+from ple_um import envs
+from ple_um.errors import PleUmError
 from ple_um.lookup.streams import own_stream
+from ple_um.opening import open_table
 from ple_um.table import MappedTable
 
 # The loggers (by name) that have written the INFO line of an open in this process.
 _reported: set[str] = set()
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Rows compared per lookup when a load delivers a shard in memory.
+_COMPARE_ROWS = 1 << 16
+
+
+class ReloadMismatchError(PleUmError, ValueError):
+    """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
+
+
+def capturing(ids: torch.Tensor) -> bool:
+    """Whether a lookup of ``ids`` is being captured into a CUDA graph."""
+    return ids.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder layer index in a PLE prefix (``...layers.<L>....``), which names the table's tensors."""
+    found = _LAYER.findall(prefix)
+    if not found:
+        raise ValueError(f"cannot find the decoder layer index (layers.<L>.) in the PLE prefix {prefix!r}")
+    return int(found[-1])
 
 
 class ServedTable:
     """A layer's open table (``table``, or None) and the checkpoint directory it was opened from;
-    ``logger`` is the plugin's."""
+    ``logger`` is the plugin's, ``engine`` its name in messages. ``captured``: a CUDA graph captured
+    a lookup of the open table (``note_lookup``)."""
 
-    def __init__(self, logger: logging.Logger) -> None:
+    def __init__(self, logger: logging.Logger, engine: str) -> None:
         self.logger = logger
+        self.engine = engine
         self.table: MappedTable | None = None
         self.directory: str | None = None
+        self.captured = False
 
     def open_at(self, directory: str) -> MappedTable | None:
         """The open table when it was opened from ``directory``, else None (none open, or another
         directory: the caller opens one)."""
         return self.table if self.table is not None and self.directory == directory else None
 
-    def replace(
+    def note_lookup(self, ids: torch.Tensor) -> None:
+        """A lookup of ``ids`` is queued: when a graph captures it, the graphs hold the table."""
+        if capturing(ids):
+            self.captured = True
+
+    def serve(
         self,
         prefix: str,
         directory: str,
         open_new: Callable[[], MappedTable],
-        check: Callable[[MappedTable], None],
+        *,
+        fits: Callable[[], None] | None = None,
+        check: Callable[[MappedTable], None] | None = None,
     ) -> MappedTable:
-        """Open the table of ``directory`` (``open_new``), ``check`` it (a raise closes it and leaves
-        the old one serving), then serve it in place of the old one, which is closed. ``prefix``
-        names the layer in the log lines."""
+        """The table of ``directory``: the open one when it was opened from there; else a remap
+        captured graphs would not see is refused, ``fits`` checks the headers before anything is
+        mapped, the table is opened (``open_new``) and ``check``-ed (a raise closes it and leaves the
+        old one serving), then serves in place of the old one, which is closed. ``prefix`` names the
+        layer in messages and log lines."""
+        if (table := self.open_at(directory)) is not None:
+            return table
+        if self.table is not None and self.captured:
+            raise RuntimeError(
+                f"{prefix}: the PLE table moved from {self.directory} to {directory} after CUDA graphs "
+                f"captured its lookup; the captured graphs read the old mapping. Restart {self.engine} on "
+                "the new checkpoint"
+            )
+        if fits is not None:
+            fits()
         table = open_new()
         try:
-            check(table)
+            if check is not None:
+                check(table)
         except BaseException:
             table.close()
             raise
@@ -86,10 +141,105 @@ class ServedTable:
             table.close()
 
 
+class ServedLayer:
+    """What an engine's PLE layer class (a subclass of the engine's vocab-parallel embedding, listed
+    before it) gets from the ``ServedTable`` it holds as ``served``: ``NOT_OPEN`` says why a lookup
+    can find no table in that engine."""
+
+    NOT_OPEN = "the model's load_weights never ran for this layer"
+    served: ServedTable
+    prefix: str
+    layer: int  # the decoder layer whose table the checkpoint names (``layers.<L>.ple``)
+
+    @property
+    def table(self) -> MappedTable | None:
+        """The open table, or None before the model's weights were loaded."""
+        return self.served.table
+
+    @property
+    def owned_rows(self) -> tuple[int, int]:
+        """This rank's global row range of the table."""
+        return self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
+
+    def serve_table(
+        self,
+        directory: str,
+        device: torch.device,
+        *,
+        fits: Callable[[], None],
+        check: Callable[[MappedTable], None],
+    ) -> MappedTable:
+        """This rank's rows of the table in ``directory``, opened in the ``PLE_UM_MODE`` mode on
+        ``device`` and served (``ServedTable.serve``: ``fits`` before the open, ``check`` after)."""
+        return self.served.serve(
+            self.prefix,
+            directory,
+            lambda: open_table(
+                directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=device
+            ),
+            fits=fits,
+            check=check,
+        )
+
+    def require_table(self) -> MappedTable:
+        table = self.served.table
+        if table is None:
+            raise RuntimeError(f"{self.prefix}: the PLE table is not open: {self.NOT_OPEN}")
+        return table
+
+    def close_table(self) -> None:
+        """Release the table's mappings and access resources; idempotent."""
+        self.served.close()
+
+    def extra_repr(self) -> str:
+        table = self.served.table
+        state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
+        start, end = self.owned_rows
+        return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"
+
+
+def compare_shard(
+    prefix: str, table: MappedTable, index: int, tensor: torch.Tensor, kind: str = "weight"
+) -> None:
+    """The rows of checkpoint tensor ``shard_<index>.<kind>`` (``weight``: the rows; ``weight_scale``:
+    NVFP4's block scales) that ``table`` maps, delivered in memory by a load, must equal the mapped
+    bytes (NVFP4: through ``lookup_packed``); ReloadMismatchError names the first row that differs,
+    the file and the tensor."""
+    layout = table.layout
+    if kind == "weight":
+        spec, stored, what = layout.shards[index], table.dtype, ""
+    else:
+        spec, stored, what = layout.block_scales[index], torch.float8_e4m3fn, " block scales"
+    if tensor.dim() != 2 or tensor.shape[0] != spec.rows or tensor.dtype != stored:
+        raise ReloadMismatchError(
+            f"{prefix}: shard {index}{what} was delivered as {tensor.dtype} {tuple(tensor.shape)}, but the "
+            f"table in {spec.path} ({spec.tensor}) is {stored} with {spec.rows} rows; ple-um serves the "
+            "checkpoint files read-only"
+        )
+    start = layout.shard_start(index)
+    row_start, row_end = table.rows
+    for a in range(max(start, row_start), min(start + spec.rows, row_end), _COMPARE_ROWS):
+        b = min(start + spec.rows, row_end, a + _COMPARE_ROWS)
+        ids = torch.arange(a, b, device=table.device)
+        if layout.is_nvfp4:
+            mapped = table.lookup_packed(ids)[0 if kind == "weight" else 1].view(torch.uint8)
+        else:
+            mapped = table.lookup(ids).view(torch.uint8)
+        given = tensor[a - start : b - start].to(table.device).contiguous().view(torch.uint8)
+        if not torch.equal(mapped, given):
+            row = a + int((mapped != given).any(dim=1).nonzero()[0])
+            raise ReloadMismatchError(
+                f"{prefix}: shard {index}{what} delivered in memory differs from the mapped checkpoint at "
+                f"row {row} (file {spec.path}, tensor {spec.tensor}). ple-um serves the table read-only "
+                "from the checkpoint files: write the new table to a checkpoint directory and reload from "
+                "that path, or unset PLE_UM to keep the table in memory"
+            )
+
+
 class SideLookups:
     """Lookups queued on one side stream of ple-um's own, forked from the current stream, each
     joined back on its own: the early lookups of a step (several layers' lookups started together,
-    each taken where its layer needs the rows).
+    each taken where its layer needs the rows), or one layer's prefetch.
 
     ``fork`` makes the side stream wait for the current one and sends the work queued inside to the
     side stream; ``mark(key)`` records, on the side stream, that the work queued so far for ``key``
@@ -120,3 +270,36 @@ class SideLookups:
     def join(self, key: object, device: torch.device) -> None:
         """The current stream waits for ``key``'s mark."""
         torch.cuda.current_stream(device).wait_event(self._marks[key])
+
+
+class StepGroup:
+    """The PLE layers of one model whose starts of a step are taken together, by the first layer's:
+    ``taken`` answers a later layer's own start, ``took`` records the early start of a step (its
+    inputs ``step``, compared by identity: the engines hand every layer the same objects in one
+    forward, and holding them keeps another forward's from taking their identity)."""
+
+    def __init__(self, layers: list) -> None:
+        self.layers = list(layers)
+        # The inputs of the step whose starts were taken early, and the layers (by position in
+        # ``layers``) started then whose own start has not come yet.
+        self.step: tuple | None = None
+        self.pending: set[int] = set()
+
+    def position(self, layer) -> int | None:
+        """``layer``'s position in the group, or None for a layer outside it."""
+        return next((i for i, member in enumerate(self.layers) if member is layer), None)
+
+    def taken(self, position: int, step: tuple) -> bool:
+        """Whether the start of the layer at ``position`` for ``step`` was already taken early."""
+        same = self.step is not None and all(a is b for a, b in zip(self.step, step, strict=True))
+        if position not in self.pending or not same:
+            return False
+        self.pending.discard(position)
+        if not self.pending:
+            self.step = None  # the step's last start: its inputs are not held past it
+        return True
+
+    def took(self, position: int, step: tuple) -> None:
+        """The layer at ``position`` started every later layer's work of ``step`` with its own."""
+        self.step = step
+        self.pending = set(range(position + 1, len(self.layers)))

@@ -3,5 +3,6 @@ that, with ``PLE_UM=1``, registers ``HookRegistry`` hooks (``hooks``) under whic
 table is a ``PleUmHostEmbedding`` (``embedding``) served from the checkpoint's files, and SGLang's
 loader never reads a table's bytes (``loading``). ``source`` finds the checkpoint directory.
 
-Importing this package imports nothing from SGLang; ``embedding``, ``loading`` and ``hooks``' hooks do.
+What it shares with the vLLM plugin is ``ple_um.served``. Importing this package imports nothing
+from SGLang; ``embedding``, ``loading`` and ``hooks``' hooks do.
 """

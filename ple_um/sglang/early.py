@@ -26,6 +26,7 @@ import logging
 from torch import nn
 
 from ple_um import envs
+from ple_um.served import StepGroup
 from ple_um.units import format_bytes
 
 logger = logging.getLogger("ple_um.sglang")
@@ -33,16 +34,11 @@ logger = logging.getLogger("ple_um.sglang")
 _BF16_BYTES = 2  # SGLang's prefetch buffers hold bf16 rows
 
 
-class EarlyLookups:
+class EarlyLookups(StepGroup):
     """The PLE layers (``Qwen4ExpPLELayer``) of one model served by ple-um, in the model's order,
-    whose prefetches of a step start together."""
-
-    def __init__(self, layers: list[nn.Module]) -> None:
-        self.layers = list(layers)
-        # The batch of the step whose prefetches were started early, and the layers (by position)
-        # started then whose own start_prefetch has not come yet.
-        self.step: tuple[object, object] | None = None
-        self.pending: set[int] = set()
+    whose prefetches of a step start together; a step is its batch objects (SGLang hands every
+    layer the same ones in one forward; a breakable graph's replay refills its holder with a new
+    batch)."""
 
     def bytes_per_token(self) -> int:
         return sum(layer.ple_embed_dim * _BF16_BYTES for layer in self.layers)
@@ -51,27 +47,18 @@ class EarlyLookups:
         """SGLang's ``start_prefetch`` of ``layer`` (``original``, the stock method): True when its
         prefetch is started here (now, with every later layer's, or by an earlier layer of this
         forward); False when the caller runs the stock one alone."""
-        position = next((i for i, member in enumerate(self.layers) if member is layer), None)
+        position = self.position(layer)
         if position is None:
             return False
         step = (batch, forward_batch)
-        if position in self.pending and self._same_step(step):
-            self.pending.discard(position)
-            if not self.pending:
-                self.step = None  # the step's last start: its inputs are not held past it
+        if self.taken(position, step):
             return True
         if envs.PLE_UM_EARLY_LOOKUPS == "off" or batch is None:
             return False
         for member in self.layers[position:]:
             original(member, batch=batch, forward_batch=forward_batch)
-        self.step = step
-        self.pending = set(range(position + 1, len(self.layers)))
+        self.took(position, step)
         return True
-
-    def _same_step(self, step: tuple[object, object]) -> bool:
-        # SGLang hands every layer the same batch objects in one forward (a breakable graph's replay
-        # refills its holder with a new batch); holding them keeps their identity from being reused.
-        return self.step is not None and all(a is b for a, b in zip(self.step, step, strict=True))
 
 
 def ple_um_layers(model: nn.Module) -> list[nn.Module]:

@@ -28,10 +28,10 @@ from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
 from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
 from torch import nn
 
-from ple_um import MappedTable, envs, open_table
+from ple_um import MappedTable, envs
 from ple_um.checkpoint import ShardLayout, check_shape, read_layout
-from ple_um.errors import CheckpointError, PleUmError
-from ple_um.served import ServedTable
+from ple_um.errors import CheckpointError
+from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, compare_shard
 from ple_um.sglang.source import table_directory
 
 NOT_APPLIED = (
@@ -41,18 +41,21 @@ NOT_APPLIED = (
 
 logger = logging.getLogger("ple_um.sglang")
 
-# Rows compared per lookup when a load delivers a shard in memory.
-_COMPARE_ROWS = 1 << 16
 # Tables whose bf16 rows a lookup writes straight into the output: BF16 (raw) and NVFP4 (decoded).
 _INTO_OUT = ("BF16", "NVFP4")
 
 
-class ReloadMismatchError(PleUmError, ValueError):
-    """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
+__all__ = ["NOT_APPLIED", "PleUmHostEmbedding", "ReloadMismatchError", "applied"]
 
 
-class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
+class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
     """This rank's rows of one Qwen4Exp PLE table, read from the checkpoint files through ple-um."""
+
+    NOT_OPEN = (
+        "the model's load_weights has not run (ple-um serves SGLang's safetensors loaders; startup "
+        "weight-load overlap, which captures CUDA graphs before loading, and --load-format dummy are "
+        "not supported)"
+    )
 
     def __init__(self, embedding, *, backend: str = "pinned", table_dir: str | None = None) -> None:
         nn.Module.__init__(self)
@@ -84,8 +87,7 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         self.prefix = "ngram_embedding"
         self.layer: int | None = None
         self.split_ngram_parts: int | None = None
-        self.served = ServedTable(logger)
-        self._captured = False
+        self.served = ServedTable(logger, "SGLang")
         self.shards_compared = 0
 
     def bind(self, *, prefix: str, layer: int, split_ngram_parts: int) -> None:
@@ -93,38 +95,18 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         index of the checkpoint's ``layers.<L>.ple`` names, the config's ``split_ngram_parts``."""
         self.prefix, self.layer, self.split_ngram_parts = prefix, layer, split_ngram_parts
 
-    @property
-    def owned_rows(self) -> tuple[int, int]:
-        return self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
-
-    @property
-    def table(self) -> MappedTable | None:
-        """The open table, or None before the model's weights were loaded."""
-        return self.served.table
-
     # -- the table ------------------------------------------------------------------------------
     def ensure_table(self) -> MappedTable:
         """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""
-        directory = table_directory()
-        if (table := self.served.open_at(directory)) is not None:
-            return table
-        if self.served.table is not None and self._captured:
-            raise RuntimeError(
-                f"{self.prefix}: the PLE table moved from {self.served.directory} to {directory} after CUDA "
-                "graphs captured its lookup; the captured graphs read the old mapping. Restart SGLang on "
-                "the new checkpoint"
-            )
         if self.layer is None or self.split_ngram_parts is None:
             raise RuntimeError(f"{self.prefix}: built outside Qwen4ExpNGramEmbedding (bind() was not called)")
-        # Headers first: a table that does not fit the layer is refused before anything is mapped.
-        self._check_layout(read_layout(directory, self.layer))
-        return self.served.replace(
-            self.prefix,
+        directory = table_directory()
+        return self.serve_table(
             directory,
-            lambda: open_table(
-                directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self.device
-            ),
-            self._check_capture,
+            self.device,
+            # Headers first: a table that does not fit the layer is refused before anything is mapped.
+            fits=lambda: self._check_layout(read_layout(directory, self.layer)),
+            check=self._check_capture,
         )
 
     def _check_layout(self, layout: ShardLayout) -> None:
@@ -200,23 +182,7 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
                 f"{self.prefix}: shard index {index} is outside the table's {layout.parts} shards",
                 tensor=f"shard_{index}.{kind}",
             )
-        spec = (layout.shards if kind == "weight" else layout.block_scales)[index]
-        start = layout.shard_start(index)
-        row_start, row_end = self.owned_rows
-        if tensor.dim() != 2 or tensor.shape[0] != spec.rows:
-            self._mismatch(f"shard {index} {kind} of shape {tuple(tensor.shape)}", spec.path, spec.tensor)
-        for a in range(max(start, row_start), min(start + spec.rows, row_end), _COMPARE_ROWS):
-            b = min(start + spec.rows, row_end, a + _COMPARE_ROWS)
-            ids = torch.arange(a, b, device=table.device)
-            if layout.is_nvfp4:
-                mapped = table.lookup_packed(ids)[0 if kind == "weight" else 1]
-            else:
-                mapped = table.lookup(ids)
-            given = tensor[a - start : b - start].to(table.device)
-            if given.dtype != mapped.dtype or not torch.equal(
-                given.contiguous().view(torch.uint8), mapped.view(torch.uint8)
-            ):
-                self._mismatch(f"shard {index} {kind} rows [{a}, {b})", spec.path, spec.tensor)
+        compare_shard(self.prefix, table, index, tensor, kind)
 
     def _mismatch(self, what: str, path: str | None, tensor: str | None) -> None:
         raise ReloadMismatchError(
@@ -224,10 +190,6 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
             f"(file {path}, tensor {tensor}). ple-um serves the table read-only from the checkpoint files: "
             "write the new table to a checkpoint directory and load from that path, or unset PLE_UM"
         )
-
-    def close_table(self) -> None:
-        """Release the table's mappings and access resources; idempotent."""
-        self.served.close()
 
     def prefetch_stream(self, stream):
         """The side stream SGLang's PLE layer queues ``start_prefetch`` on: with PLE_UM_OVERLAP (the
@@ -237,16 +199,6 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         return stream if stream is not None else torch.cuda.Stream(self.device)
 
     # -- lookup ---------------------------------------------------------------------------------
-    def require_table(self) -> MappedTable:
-        table = self.served.table
-        if table is None:
-            raise RuntimeError(
-                f"{self.prefix}: the PLE table is not open: the model's load_weights has not run (ple-um "
-                "serves SGLang's safetensors loaders; startup weight-load overlap, which captures CUDA "
-                "graphs before loading, and --load-format dummy are not supported)"
-            )
-        return table
-
     def gather(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """bf16 rows of the global n-gram ``input_ids`` (``input_ids.shape + (head_dim,)``), into ``out``
         when given (SGLang's prefetch and CUDA-graph buffers); zeros for ids this rank does not own."""
@@ -260,19 +212,12 @@ class PleUmHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         if input_ids.numel() == 0:
             return out
         table = self.require_table()
-        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._captured = True
+        self.served.note_lookup(input_ids)
         if table.layout.dtype_name in _INTO_OUT:
             table.lookup(input_ids, out=out)
         else:  # raw rows, converted as stock converts them (no scale: the model applies weight_scale)
             out.copy_(table.lookup(input_ids))
         return out
-
-    def extra_repr(self) -> str:
-        table = self.served.table
-        state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
-        start, end = self.owned_rows
-        return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"
 
 
 def applied() -> bool:

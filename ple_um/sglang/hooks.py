@@ -21,13 +21,12 @@ Targets in ``sglang.srt.models.qwen4_exp`` and ``sglang.srt.model_loader.loader`
 from __future__ import annotations
 
 import inspect
-import re
 
 from ple_um import envs
+from ple_um.served import layer_index
 
 MODEL = "sglang.srt.models.qwen4_exp"
 LOADER = "sglang.srt.model_loader.loader.DefaultModelLoader"
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 _registered = False
 
@@ -68,9 +67,7 @@ def ngram_init(original, self, *args, **kwargs) -> None:
         raise RuntimeError(NOT_APPLIED)
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     config, prefix = bound.arguments["config"], bound.arguments.get("prefix", "")
-    found = _LAYER.findall(prefix)
-    if not found:
-        raise ValueError(f"ple-um: no decoder layer index (layers.<L>.) in the PLE prefix {prefix!r}")
+    layer = layer_index(prefix)
     saved = config.ple_offload_embedding
     config.ple_offload_embedding = True
     try:
@@ -79,7 +76,7 @@ def ngram_init(original, self, *args, **kwargs) -> None:
         config.ple_offload_embedding = saved
     self.ngram_embedding.bind(
         prefix=f"{prefix}.ngram_embedding" if prefix else "ngram_embedding",
-        layer=int(found[-1]),
+        layer=layer,
         split_ngram_parts=int(getattr(config, "split_ngram_parts", 512)),
     )
 

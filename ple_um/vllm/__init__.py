@@ -10,11 +10,12 @@ Which file holds what, in the order a load and a step reach them:
   lookup, the reduce across ranks, vLLM's prefetch hook).
 - ``source``: which directory holds the table, and whether a delivered tensor is a view of a file.
 - ``loading``: the table a layer expects, and the checks that what vLLM loads is that table.
-- ``capture``: the CUDA-graph rules (when the prefetch forks a side stream, the eager break of a
-  table that is not capture-safe, the graph modes refused, the opens a capture forbids).
+- ``capture``: vLLM's CUDA-graph rules (when the prefetch forks a side stream, the eager break of a
+  table that is not capture-safe, the graph modes refused).
 - ``prefetch``: the buffer, side stream and started lookups between ``start_prefetch`` and
   ``finalize_prefetch``.
 
-Importing this package imports nothing from vLLM; its modules other than ``plugin`` and ``source``
-do.
+What the SGLang plugin shares with this one (the served table, the opens a capture forbids, shard
+comparison, the early lookups' side stream) is ``ple_um.served``. Importing this package imports
+nothing from vLLM; its modules other than ``plugin`` and ``source`` do.
 """

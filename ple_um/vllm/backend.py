@@ -44,12 +44,12 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLENvFp4EmbeddingMethod,
 )
 
-from ple_um import MappedTable, envs, open_table
+from ple_um import MappedTable, envs
 from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError
-from ple_um.served import ServedTable
+from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, capturing, compare_shard, layer_index
 from ple_um.vllm import capture, loading
-from ple_um.vllm.loading import ExpectedTable, ReloadMismatchError
+from ple_um.vllm.loading import ExpectedTable
 from ple_um.vllm.prefetch import PrefetchLookups
 from ple_um.vllm.source import TableSource, file_backing
 
@@ -63,7 +63,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _NVFP4_SHARDED = ("weight", "weight_scale")
 
 
-class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
+class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     """This rank's rows of a Qwen4Exp PLE table, read from the checkpoint files through ple-um."""
 
     def __init__(
@@ -92,7 +92,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             data_parallel_rank=data_parallel_rank,
             reduce_results=reduce_results,
         )
-        self.layer = loading.layer_index(prefix)
+        self.layer = layer_index(prefix)
         # Set by the patched Qwen4ExpNGramEmbedding right after construction.
         self.split_ngram_parts: int | None = None
         vllm_config = get_current_vllm_config()
@@ -101,9 +101,11 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self._device = torch.empty(0).device
         load_config = getattr(vllm_config, "load_config", None)
         self._dummy = getattr(load_config, "load_format", None) == "dummy"
-        self.served = ServedTable(logger)
+        self.served = ServedTable(logger, "vLLM")
         self.source = TableSource(vllm_config)
-        self.graphs = capture.CapturedLookups(prefix)
+        # A CUDA graph captured the zero rows of ``--load-format dummy`` (no table open), which it
+        # replays for ever: a table opened later is refused.
+        self.zeros_captured = False
         # vLLM's prefetch hook (read by Qwen4ExpNGramEmbedding right after construction): the
         # lookup queued one decoder layer ahead on a side stream.
         self.supports_prefetch = envs.PLE_UM_OVERLAP
@@ -127,16 +129,6 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         return torch.empty((0, embedding_dim), dtype=dtype)
 
     # -- what the layer is ----------------------------------------------------------------------
-    @property
-    def table(self) -> MappedTable | None:
-        """The open table, or None before weights were loaded."""
-        return self.served.table
-
-    @property
-    def owned_rows(self) -> tuple[int, int]:
-        """This rank's global row range in the embedding-parallel group."""
-        return self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
-
     @property
     def lookup_dtype(self) -> torch.dtype:
         """The dtype of the rows a lookup returns: the storage dtype, or NVFP4's params_dtype."""
@@ -179,7 +171,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             return
         table = self.ensure_table()
         self.shards_compared += 1
-        loading.compare_shard(expected, table, index, tensor, name)
+        compare_shard(self.prefix, table, index, tensor, name)
 
     def check_headers(self) -> None:
         """Check the headers of the table's files, unless they are open already or not there yet (a
@@ -203,40 +195,26 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
     def ensure_table(self) -> MappedTable:
         """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""
         directory = self.source.directory()
-        if (table := self.served.open_at(directory)) is not None:
-            return table
-        self.graphs.check_open(directory, self.served.directory)
-        # Headers first: a table that does not fit the layer is rejected before anything is mapped
-        # or pinned.
-        loading.check_layout(self.expected_table(), read_layout(directory, self.layer))
+
+        def fits() -> None:
+            if self.zeros_captured:
+                raise RuntimeError(
+                    f"{self.prefix}: CUDA graphs captured this layer's lookup as zero rows (--load-format "
+                    f"dummy, no table open); opening the table at {directory} now would not change what "
+                    "they replay. Load the real weights before graph capture (or run with --enforce-eager), "
+                    "or restart vLLM on the checkpoint"
+                )
+            # A table that does not fit the layer is rejected before anything is mapped or pinned.
+            loading.check_layout(self.expected_table(), read_layout(directory, self.layer))
 
         def check(table: MappedTable) -> None:
             if table.device != self._device:
                 raise RuntimeError(f"{self.prefix}: the table opened on {table.device}, not {self._device}")
             capture.check_cudagraph_mode(self.prefix, table, self._vllm_config)
 
-        return self.served.replace(
-            self.prefix,
-            directory,
-            lambda: open_table(
-                directory, layer=self.layer, rows=self.owned_rows, mode=envs.PLE_UM_MODE, device=self._device
-            ),
-            check,
-        )
-
-    def close_table(self) -> None:
-        """Release the table's mappings and access resources; idempotent."""
-        self.served.close()
+        return self.serve_table(directory, self._device, fits=fits, check=check)
 
     # -- lookup -------------------------------------------------------------------------------
-    def require_table(self) -> MappedTable:
-        table = self.served.table
-        if table is None:
-            raise RuntimeError(
-                f"{self.prefix}: the PLE table is not open: the model's load_weights never ran for this layer"
-            )
-        return table
-
     def lookup_rows(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows of the global n-gram ``ids`` into ``out`` (``ids.shape + (head_dim,)``, the lookup
         dtype: the storage dtype, or for NVFP4 the layer's params_dtype, decoded as
@@ -251,7 +229,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
             return self._zero_rows(ids, out)
         table = self.require_table()
         if table.capture_safe:
-            self.graphs.note_lookup(ids)
+            self.served.note_lookup(ids)
             table.lookup(ids, out=out)
         else:
             capture.host_lookup(self, ids, out)
@@ -259,8 +237,8 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
 
     def _zero_rows(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``--load-format dummy`` before any table is open: zero rows. A graph that captures this
-        fill replays zeros for ever, so a table opened later refuses (``CapturedLookups``)."""
-        self.graphs.note_zeros(ids)
+        fill replays zeros for ever, so a table opened later refuses (``ensure_table``)."""
+        self.zeros_captured = self.zeros_captured or capturing(ids)
         return out.zero_()
 
     def _reduce(self, embeddings: torch.Tensor) -> torch.Tensor:
@@ -287,9 +265,9 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         else on the current stream; ``finalize_prefetch`` joins it."""
         ids, out = self.prepare_prefetch(ngram_ids)
         if self.may_fork(ids):
-            with self.prefetches.on_side_stream(ids.device):
+            with self.prefetches.on_side_stream(ids.device) as join:
                 self.queue_prefetch(ids, out)
-            self.prefetches.start(out, ids, self.prefetches.join_side_stream, ngram_ids.shape[0])
+            self.prefetches.start(out, ids, join, ngram_ids.shape[0])
         else:
             self.queue_prefetch(ids, out)
             self.prefetches.start(out, ids, None, ngram_ids.shape[0])
@@ -300,7 +278,7 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         self.prefetches.begin()
         slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
         ids = self._gather_dp_ids(ngram_ids, slot_size)
-        return ids, self.prefetches.out(ids.shape[0], ids, self.lookup_dtype, fixed=self.graphs.lookup)
+        return ids, self.prefetches.out(ids.shape[0], ids, self.lookup_dtype, fixed=self.served.captured)
 
     def may_fork(self, ids: torch.Tensor) -> bool:
         """Whether this layer's lookup of ``ids`` may be queued on a side stream
@@ -331,9 +309,3 @@ class Qwen4ExpPLEMappedEmbedding(Qwen4ExpPLEEmbedding):
         out = rows.new_empty(rows.shape)
         out.copy_(rows)
         return out
-
-    def extra_repr(self) -> str:
-        table = self.served.table
-        state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
-        start, end = self.owned_rows
-        return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"

@@ -1,7 +1,5 @@
-"""The CUDA-graph rules of the vLLM layer: where a lookup may run while vLLM captures graphs, and
-what a capture fixes for good.
+"""The CUDA-graph rules of the vLLM layer: where a lookup may run while vLLM captures graphs.
 
-- ``capturing``: whether a lookup is being captured into a CUDA graph.
 - ``segments_end_before_join`` and ``prefetch_may_fork``: whether ``start_prefetch`` may queue its
   lookup on a side stream. It may in eager calls and in FULL captures (the graph captures the fork
   and the join); it may not in vLLM's breakable piecewise captures, where an attention op ends the
@@ -11,9 +9,10 @@ what a capture fixes for good.
   copy), run in an eager break of vLLM's piecewise capture.
 - ``check_cudagraph_mode``: such a table refused at load under a graph mode that has no eager
   breaks, naming the flags that work.
-- ``CapturedLookups``: what the graphs captured from one layer hold (a lookup of its open table, or
-  the zero rows of ``--load-format dummy``), and the opens that would leave them replaying stale
-  work, refused.
+
+What a capture fixes for good (a lookup of the open table, the zero rows of ``--load-format
+dummy``) the layer's ``ServedTable`` and the backend note, and refuse the opens that would leave the
+graphs replaying stale work.
 """
 
 from __future__ import annotations
@@ -33,11 +32,6 @@ from ple_um import MappedTable
 
 if TYPE_CHECKING:
     from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
-
-
-def capturing(ids: torch.Tensor) -> bool:
-    """Whether this lookup is being captured into a CUDA graph."""
-    return ids.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def segments_end_before_join() -> bool:
@@ -96,39 +90,3 @@ def check_cudagraph_mode(prefix: str, table: MappedTable, vllm_config) -> None:
         "(or -cc.cudagraph_mode=NONE), "
         f"or make a GPU mode available (why not: {table.report.reasons})"
     )
-
-
-class CapturedLookups:
-    """What CUDA graphs captured from one layer. ``lookup``: a lookup of its open table, so the
-    graphs hold the table's mapping and the prefetch buffer's address. ``zeros``: the zero rows of
-    ``--load-format dummy`` (no table open), which the graphs replay for ever."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.lookup = False
-        self.zeros = False
-
-    def note_lookup(self, ids: torch.Tensor) -> None:
-        if capturing(ids):
-            self.lookup = True
-
-    def note_zeros(self, ids: torch.Tensor) -> None:
-        if capturing(ids):
-            self.zeros = True
-
-    def check_open(self, directory: str, open_dir: str | None) -> None:
-        """Refuse to open the table at ``directory`` (``open_dir``: the directory of the table open
-        now, or None) when the graphs captured would go on replaying something else."""
-        if self.zeros:
-            raise RuntimeError(
-                f"{self.prefix}: CUDA graphs captured this layer's lookup as zero rows (--load-format "
-                f"dummy, no table open); opening the table at {directory} now would not change what they "
-                "replay. Load the real weights before graph capture (or run with --enforce-eager), or "
-                "restart vLLM on the checkpoint"
-            )
-        if open_dir is not None and self.lookup:
-            raise RuntimeError(
-                f"{self.prefix}: the PLE table moved from {open_dir} to {directory} after CUDA graphs "
-                "captured its lookup; the captured graphs read the old mapping. Restart vLLM on the new "
-                "checkpoint"
-            )

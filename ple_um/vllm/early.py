@@ -31,25 +31,20 @@ from torch import nn
 from vllm.logger import init_logger
 
 from ple_um import envs
-from ple_um.served import SideLookups
+from ple_um.served import SideLookups, StepGroup, layer_index
 from ple_um.units import format_bytes
 from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
-from ple_um.vllm.loading import layer_index
 
 logger = init_logger("vllm.ple_um.early")
 
 
-class EarlyLookups:
+class EarlyLookups(StepGroup):
     """The ple-um PLE layers of one model (its ``Qwen4ExpNGramEmbedding`` modules, in the model's
-    order) whose lookups of a step start together."""
+    order) whose lookups of a step start together; a step is its input tensors."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
-        self.layers = list(layers)
+        super().__init__(layers)
         self.side = SideLookups()
-        # The inputs of the step whose lookups were started early, and the layers (by position in
-        # ``layers``) started then whose own start_prefetch has not come yet.
-        self.step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.pending: set[int] = set()
 
     def buffer_bytes(self) -> int:
         """The prefetch buffers' total: each layer's rows x heads x head_dim in its lookup dtype."""
@@ -70,14 +65,11 @@ class EarlyLookups:
         """vLLM's ``start_prefetch`` of ``layer``: True when its lookup is started here (now, with
         every later layer's, or already by an earlier layer of this forward); False when the caller
         runs the stock one (not a member; early lookups off, or ``auto`` where they cannot fork)."""
-        position = next((i for i, member in enumerate(self.layers) if member is layer), None)
+        position = self.position(layer)
         if position is None:
             return False
         step = (input_ids, query_start_loc, ngram_context)
-        if position in self.pending and self._same_step(step):
-            self.pending.discard(position)
-            if not self.pending:
-                self.step = None  # the step's last start: its inputs are not held past it
+        if self.taken(position, step):
             return True
         mode = envs.PLE_UM_EARLY_LOOKUPS
         if mode == "off":
@@ -93,14 +85,8 @@ class EarlyLookups:
             )
             prepared.append((member.ngram_embedding, ids))
         self._queue(prepared, fork)
-        self.step = step
-        self.pending = set(range(position + 1, len(self.layers)))
+        self.took(position, step)
         return True
-
-    def _same_step(self, step: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
-        # The model hands every layer the same tensor objects in one forward; holding them in
-        # ``step`` keeps another forward's from taking their identity.
-        return self.step is not None and all(a is b for a, b in zip(self.step, step, strict=True))
 
     def _queue(self, prepared: list[tuple[Qwen4ExpPLEMappedEmbedding, torch.Tensor]], fork: bool) -> None:
         started = [

@@ -44,7 +44,7 @@ from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry
 from ple_um.errors import CheckpointError
 from ple_um.opening import open_engram_table
 from ple_um.served import ServedTable
-from ple_um.vllm.source import resolve_table_dir
+from ple_um.vllm.source import TableSource
 
 logger = init_logger("vllm.ple_um.engram")
 
@@ -149,9 +149,8 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         for param in (self.weight, self.weight_scale_inv):
             set_weight_attrs(param, {"weight_loader": self._receive})
         self._received: set[str] = set()
-        self._model = get_current_vllm_config().model_config
-        self._load_config = get_current_vllm_config().load_config
-        self.served = ServedTable(logger)
+        self.source = TableSource(get_current_vllm_config())
+        self.served = ServedTable(logger, "vLLM")
 
     def _receive(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """vLLM's weight loader for both parameters: the tensor's shape and dtype are checked
@@ -172,21 +171,13 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
 
     def finish_load(self) -> None:
         """Open (or keep) this rank's rows of the table from the checkpoint directory."""
-        model = self._model
-        directory = resolve_table_dir(
-            getattr(model, "model", None),
-            getattr(model, "revision", None),
-            getattr(self._load_config, "download_dir", None),
-        )
+        directory = self.source.directory()
         self._received.clear()
-        if self.served.open_at(directory) is not None:
-            return
         rows = (self.vocab_start_idx, self.vocab_end_idx)
-        self.served.replace(
+        self.served.serve(
             self.prefix,
             directory,
             lambda: open_engram_table(directory, layer=self.layer_id, rows=rows, geometry=self.geometry),
-            lambda table: None,
         )
 
     def _storage(self):
@@ -209,4 +200,5 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         if indices.shape[0] == 0:
             return
         heads = indices[:, self.head_start : self.head_start + self.part_n_hash_cols]
+        self.served.note_lookup(heads)  # a graph that captures it holds the mapping: a remap is refused
         table.lookup(heads, out=out.view(indices.shape[0], self.part_n_hash_cols, self.dim))

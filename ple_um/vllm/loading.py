@@ -8,18 +8,17 @@ to the layer instead of copying it. The layer describes itself as an ``ExpectedT
 - ``check_shard``: is the tensor of the kind, shape and dtype the layer's embedding method loads
   (vLLM's own shape check, and an NVFP4 checkpoint under another method or the reverse refused
   naming the cure)?
-- ``compare_shard``: a tensor in memory (a reload from an iterator, a weight sync) must equal the
-  bytes this rank maps, since the table is served read-only from the files
-  (``ReloadMismatchError``). A view of a table file on disk is not read at all (``source``).
 - ``check_layout``: the checkpoint's table (its headers) fits the layer: row width, row count,
   shard count, storage dtype, the global scale and NVFP4's block scales present.
 - ``check_scale``: the global scale vLLM loaded is the mapped table's own.
+
+A tensor in memory (a reload from an iterator, a weight sync) must then equal the bytes this rank
+maps (``served.compare_shard``); a view of a table file on disk is not read at all (``source``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 from vllm.models.qwen4_exp.common.ngram_embedding import (
@@ -30,27 +29,12 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 
 from ple_um import MappedTable
 from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, check_shape
-from ple_um.errors import CheckpointError, PleUmError
+from ple_um.errors import CheckpointError
 
 NVFP4_HINT = (
     "an NVFP4 table needs ple_embedding_dtype='nvfp4' in the model's text config (or a ModelOpt "
     "mixed-precision quantization config with NVFP4 for this layer)"
 )
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# Rows compared per lookup when a reload delivers a shard from memory.
-_COMPARE_ROWS = 1 << 16
-
-
-class ReloadMismatchError(PleUmError, ValueError):
-    """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
-
-
-def layer_index(prefix: str) -> int:
-    """The decoder layer index in a PLE prefix (``...layers.<L>....``), which names the table's tensors."""
-    found = _LAYER.findall(prefix)
-    if not found:
-        raise ValueError(f"cannot find the decoder layer index (layers.<L>.) in the PLE prefix {prefix!r}")
-    return int(found[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,44 +141,6 @@ def _check_shard_kind(
             f"serves {dtype} rows: {NVFP4_HINT}",
             **where,
         )
-
-
-def compare_shard(
-    expected: ExpectedTable, table: MappedTable, index: int, tensor: torch.Tensor, name: str = "weight"
-) -> None:
-    """The rows of shard tensor ``shard_<index>.<name>`` that this rank owns, delivered in memory,
-    must equal the mapped bytes (NVFP4: the packed rows through ``lookup_packed``'s bytes, the block
-    scales through its scales); ReloadMismatchError names the first row that differs."""
-    start = index * expected.rows_per_shard()
-    row_start, row_end = expected.rows
-    lo, hi = max(start, row_start), min(start + tensor.shape[0], row_end)
-    if lo >= hi:
-        return
-    if name == "weight":
-        spec, stored, what = table.layout.shards[index], table.dtype, ""
-    else:  # NVFP4 block scales
-        spec, stored, what = table.layout.block_scales[index], torch.float8_e4m3fn, " block scales"
-    if tensor.dtype != stored:
-        raise ReloadMismatchError(
-            f"{expected.prefix}: shard {index}{what} was delivered as {tensor.dtype}, but the table in "
-            f"{spec.path} ({spec.tensor}) is {stored}; ple-um serves the checkpoint files read-only"
-        )
-    for a in range(lo, hi, _COMPARE_ROWS):
-        b = min(hi, a + _COMPARE_ROWS)
-        ids = torch.arange(a, b, device=table.device)
-        if table.layout.is_nvfp4:
-            mapped = table.lookup_packed(ids)[0 if name == "weight" else 1].view(torch.uint8)
-        else:
-            mapped = table.lookup(ids).view(torch.uint8)
-        given = tensor[a - start : b - start].to(table.device).contiguous().view(torch.uint8)
-        if not torch.equal(mapped, given):
-            row = a + int((mapped != given).any(dim=1).nonzero()[0])
-            raise ReloadMismatchError(
-                f"{expected.prefix}: shard {index}{what} delivered in memory differs from the mapped "
-                f"checkpoint at row {row} (file {spec.path}, tensor {spec.tensor}). ple-um serves the "
-                "table read-only from the checkpoint files: write the new table to a checkpoint "
-                "directory and reload from that path, or unset PLE_UM to keep the table in memory"
-            )
 
 
 def check_layout(expected: ExpectedTable, layout: ShardLayout) -> None:

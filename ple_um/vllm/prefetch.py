@@ -11,12 +11,12 @@ referenced until the side stream is joined. A lookup started early, by the step'
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
 
-from ple_um.lookup.streams import own_stream
-from ple_um.vllm.capture import capturing
+from ple_um.served import SideLookups, capturing
 
 
 class PrefetchLookups:
@@ -28,7 +28,7 @@ class PrefetchLookups:
         self.rows = rows
         self.row_dim = row_dim
         self.buffer: torch.Tensor | None = None
-        self.side_stream = None
+        self.side = SideLookups()
         # The last start: (rows it writes, the ids it reads, how the current stream joins it, or
         # None where it was queued on the current stream, tokens).
         self.started: tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None, int] | None = None
@@ -65,19 +65,12 @@ class PrefetchLookups:
         return buffer[:rows]
 
     @contextlib.contextmanager
-    def on_side_stream(self, device: torch.device) -> Iterator[None]:
+    def on_side_stream(self, device: torch.device) -> Iterator[Callable[[], None]]:
         """Work queued inside runs on the side stream, forked from the current stream here (a FULL
-        graph captures the fork)."""
-        if self.side_stream is None:
-            self.side_stream = own_stream(device)  # not a torch pool stream
-        stream = self.side_stream
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            yield
-
-    def join_side_stream(self) -> None:
-        """The current stream waits for this layer's side stream (a start queued in ``on_side_stream``)."""
-        torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream)
+        graph captures the fork); yields how the current stream joins that work."""
+        with self.side.fork(device):
+            yield functools.partial(self.side.join, self, device)
+            self.side.mark(self)
 
     def start(
         self, out: torch.Tensor, ids: torch.Tensor, join: Callable[[], None] | None, tokens: int

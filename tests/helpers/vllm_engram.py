@@ -16,9 +16,28 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 
 import pytest
 import torch
+
+# The test model's Engram tables: model layer ids with a table, and the head dim.
+LAYERS = (2, 5)
+DIM = 64
+
+
+def engram_config() -> types.SimpleNamespace:
+    """The test model's Engram config, in the attributes vLLM's ``EngramLayout`` reads."""
+    return types.SimpleNamespace(
+        engram_layer_ids=list(LAYERS),
+        engram_num_embeddings=[2700, 3100],
+        engram_max_ngram_size=3,
+        engram_n_heads=4,
+        engram_head_dim=DIM,
+        engram_vocab_size=300,
+        engram_compressed_vocab_size=100,
+        engram_pad_token_id=0,
+    )
 
 
 @contextlib.contextmanager

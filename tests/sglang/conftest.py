@@ -114,15 +114,9 @@ def sglang_world():
     from sglang.test.layer_ut_utils import init_single_process_dist
 
     init_single_process_dist(master_port=free_port(), backend="gloo")
-    previous = os.environ.get("PLE_UM")
-    os.environ["PLE_UM"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("PLE_UM", "1")
         load_plugins()
-    finally:
-        if previous is None:
-            del os.environ["PLE_UM"]
-        else:
-            os.environ["PLE_UM"] = previous
 
 
 @pytest.fixture(autouse=True)

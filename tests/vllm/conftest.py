@@ -35,15 +35,9 @@ def patched():
     """The plugin's register() with PLE_UM=1: Qwen4ExpNGramEmbedding is patched for the session."""
     from ple_um.vllm.plugin import register
 
-    previous = os.environ.get("PLE_UM")
-    os.environ["PLE_UM"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("PLE_UM", "1")
         register()
-    finally:
-        if previous is None:
-            del os.environ["PLE_UM"]
-        else:
-            os.environ["PLE_UM"] = previous
     yield
 
 

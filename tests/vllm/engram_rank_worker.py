@@ -19,23 +19,8 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from helpers.vllm_engram import as_on_a_gpu, engram_module  # noqa: E402
-
-LAYERS = (2, 5)
-DIM = 64
-
-
-def config():
-    return types.SimpleNamespace(
-        engram_layer_ids=list(LAYERS),
-        engram_num_embeddings=[2700, 3100],
-        engram_max_ngram_size=3,
-        engram_n_heads=4,
-        engram_head_dim=DIM,
-        engram_vocab_size=300,
-        engram_compressed_vocab_size=100,
-        engram_pad_token_id=0,
-    )
+from helpers.vllm_engram import LAYERS, as_on_a_gpu, engram_module  # noqa: E402
+from helpers.vllm_engram import engram_config as config  # noqa: E402
 
 
 def main() -> None:

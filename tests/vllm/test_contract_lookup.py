@@ -131,7 +131,7 @@ def test_prefetch_buffer_is_allocated_lazily(loaded):
     buffer = backend.prefetches.buffer
     assert buffer.shape == (256, h.HEADS, layout.row_dim)  # the harness builds for 256 tokens
     assert buffer.dtype == backend.lookup_dtype and buffer.device.type == "cpu"
-    assert backend.prefetches.side_stream is None
+    assert backend.prefetches.side.stream is None
     assert h.same_bits(output, stock.ngram_embedding(ids).flatten(-2))
 
 
@@ -151,7 +151,7 @@ def test_rocm_layer_never_allocates_the_prefetch_machinery(world, patched, table
         backend = module.ngram_embedding
         ids = _ids(layout, 3, 5)
         assert h.same_bits(backend(ids), h.file_rows(layout, ids))
-        assert backend.prefetches.buffer is None and backend.prefetches.side_stream is None
+        assert backend.prefetches.buffer is None and backend.prefetches.side.stream is None
         backend.close_table()
     finally:
         unpatch_ngram_class(ple_layer)

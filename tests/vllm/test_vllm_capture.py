@@ -174,7 +174,7 @@ def test_a_dummy_graph_of_zero_rows_refuses_a_table_opened_later(
     load refuses and says what to do; without a capture the same load opens the table."""
     from vllm.config import DeviceConfig, LoadConfig, VllmConfig, set_current_vllm_config
 
-    from ple_um.vllm import capture
+    from ple_um.vllm import backend
 
     config = h.text_config(fp8=True)
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True)
@@ -184,7 +184,7 @@ def test_a_dummy_graph_of_zero_rows_refuses_a_table_opened_later(
         with set_current_vllm_config(dummy):
             module = h.build(config, ple_um_on=True)
         with monkeypatch.context() as m:
-            m.setattr(capture, "capturing", lambda ids, captured=captured: captured)
+            m.setattr(backend, "capturing", lambda ids, captured=captured: captured)
             raw, _ = h.forward(module, 0)
         assert not raw.view(torch.uint8).any()
         if captured:

@@ -176,23 +176,24 @@ def test_captured_early_lookups_are_tracked(three_layers, monkeypatch):
     """Under a capture (injected: no GPU here) the first layer's start captures every layer's
     lookup, so each layer knows its graphs hold its table and buffer (a later remap is refused);
     before any eager step has sized the buffers, a capture is refused, naming the need."""
-    from ple_um.vllm import capture, early, prefetch
+    from ple_um import served
+    from ple_um.vllm import early, prefetch
 
     monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", "on")
     stock, mapped, layouts = three_layers("fp8")
     early.link_model(_Model(mapped))
     ids, query_start_loc, ngram_context = h.inputs(10, tokens=20)
     with monkeypatch.context() as m:
-        m.setattr(capture, "capturing", lambda ids: True)
+        m.setattr(served, "capturing", lambda ids: True)
         m.setattr(prefetch, "capturing", lambda ids: True)
         with pytest.raises(RuntimeError, match="allocated by an eager call"):
             mapped[0].start_prefetch(ids, query_start_loc, ngram_context)
     _step(stock, mapped, layouts, 11, 20, early=True)
-    assert not any(m.ngram_embedding.graphs.lookup for m in mapped)
+    assert not any(m.ngram_embedding.served.captured for m in mapped)
     with monkeypatch.context() as m:
-        m.setattr(capture, "capturing", lambda ids: True)
+        m.setattr(served, "capturing", lambda ids: True)
         m.setattr(prefetch, "capturing", lambda ids: True)
         with torch.no_grad():
             mapped[0].start_prefetch(ids, query_start_loc, ngram_context)
-    assert all(m.ngram_embedding.graphs.lookup for m in mapped)
+    assert all(m.ngram_embedding.served.captured for m in mapped)
     _step(stock, mapped, layouts, 12, 20, early=True)

@@ -16,27 +16,12 @@ import numpy as np
 import pytest
 import torch
 import vllm_harness
-from helpers.vllm_engram import as_on_a_gpu, engram_module
+from helpers.vllm_engram import DIM, LAYERS, as_on_a_gpu, engram_module
+from helpers.vllm_engram import engram_config as _config
 
 from ple_um.synthetic_engram import write_engram_checkpoint
 
 pytestmark = [pytest.mark.vllm, vllm_harness.needs_vllm]
-
-LAYERS = (2, 5)  # model layer ids with an Engram table
-DIM = 64
-
-
-def _config():
-    return types.SimpleNamespace(
-        engram_layer_ids=list(LAYERS),
-        engram_num_embeddings=[2700, 3100],
-        engram_max_ngram_size=3,
-        engram_n_heads=4,
-        engram_head_dim=DIM,
-        engram_vocab_size=300,
-        engram_compressed_vocab_size=100,
-        engram_pad_token_id=0,
-    )
 
 
 @pytest.fixture(scope="session")

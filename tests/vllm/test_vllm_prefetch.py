@@ -21,14 +21,14 @@ def test_prefetch_buffer_grows_until_a_graph_captured_it(world, patched, table_d
 
     def out(rows):
         return prefetches.out(
-            rows, torch.zeros((rows, heads), dtype=torch.long), dtype, fixed=backend.graphs.lookup
+            rows, torch.zeros((rows, heads), dtype=torch.long), dtype, fixed=backend.served.captured
         )
 
     small = out(3)
     big = out(prefetches.rows + 5)
     assert small.shape[1:] == big.shape[1:] == (heads, backend.embedding_dim)
     assert big.shape[0] == prefetches.rows + 5 and prefetches.buffer.shape[0] >= big.shape[0]
-    backend.graphs.lookup = True
+    backend.served.captured = True
     with pytest.raises(ValueError, match="prefetch buffer holds"):
         out(prefetches.buffer.shape[0] + 1)
     backend.close_table()
