@@ -55,9 +55,11 @@ def write_engram_checkpoint(
     seed: int = 0,
     scale_dtype: str = "F8_E8M0",
     sparse: bool = False,
+    write_back: bool = False,
 ) -> dict[int, ShardLayout]:
     """Write one Engram table per entry of ``tables`` (model layer id -> rows) of ``head_dim``
-    values a row into the directory ``path``; returns each layer's ShardLayout as read back."""
+    values a row into the directory ``path``; returns each layer's ShardLayout as read back.
+    ``write_back``: the file is written back to disk (fsync) before it is renamed into place."""
     if head_dim <= 0 or head_dim % MXFP8_BLOCK:
         raise ValueError(f"head_dim must be a positive multiple of {MXFP8_BLOCK}, got {head_dim}")
     if scale_dtype not in ("F8_E8M0", "U8"):
@@ -85,6 +87,9 @@ def write_engram_checkpoint(
         for start, shape, layer, kind in places if not sparse else ():
             f.seek(8 + len(raw) + start)
             _write_tensor(f, np.random.default_rng([seed, layer, kind == "scale"]), shape, kind)
+        if write_back:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(target + ".partial", target)
     index = {"metadata": {}, "weight_map": {name: FILE_NAME for name, *_ in tensors}}
     with open(os.path.join(directory, INDEX_FILE), "w") as f:

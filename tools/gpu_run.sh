@@ -9,6 +9,8 @@
 #            odd byte offsets, the first-read guard, bad ids under compute-sanitizer memcheck when it
 #            is on the PATH or in /usr/local/cuda/bin); PYTEST_ARGS adds pytest arguments
 #   bench    ple-um bench on the shared table of $SIZE, side by side; BENCH_ARGS adds arguments
+#   engram   ple-um bench --model deepseek-v41: a DeepSeek-V4.1 Engram table of $ENGRAM_SIZE (default
+#            8GiB), ple-um's modes side by side with torch and vLLM's stock pinned copy; ENGRAM_ARGS
 #   cold     ple-um bench --memory-limit: a table of $COLD_SIZE (default 12GiB) served by lookups
 #            held to $MEMORY_LIMIT (default 3GiB) of memory, uniform and zipf:1.1 ids; COLD_ARGS
 #   serving  ple-um bench --serving: a decode loop's step of $STEP_MS ms of GPU work (default 5,20,50)
@@ -18,7 +20,7 @@
 #   tp       tools/tp_check.py on two GPUs, its own table of $TP_SIZE (the two ranks' vocab split
 #            inside a shard); TP_ARGS adds arguments
 #
-#   tools/gpu_run.sh                       # tests, profile, bench
+#   tools/gpu_run.sh                       # tests, profile, bench, engram
 #   SIZE=16GiB tools/gpu_run.sh bench cold
 # The parts that need the big table (profile, bench) share one: ple-um bench's synthetic table of
 # $SIZE, written once into $PLE_UM_CACHE_DIR (or $TABLE, when set).
@@ -56,13 +58,15 @@ run() {  # run NAME LIMIT_S COMMAND...: log in $OUT/NAME.log, exit code in the s
     tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests profile bench)
+[ ${#parts[@]} -eq 0 ] && parts=(tests profile bench engram)
 for part in "${parts[@]}"; do
     case $part in
         tests) eval "extra=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS='-k "not nvfp4"' keeps its quotes
                run tests "${TESTS_LIMIT:-480}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
                    --junitxml="$OUT/gpu_tests.xml" "${extra[@]}" ;;
         bench) table; run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench --size "$SIZE" ${BENCH_ARGS:-} ;;
+        engram) run engram "${ENGRAM_LIMIT:-400}" python3 -m ple_um.cli bench --model deepseek-v41 \
+                    --size "${ENGRAM_SIZE:-8GiB}" --json-file "$OUT/engram.json" ${ENGRAM_ARGS:-} ;;
         cold) run cold "${COLD_LIMIT:-500}" python3 -m ple_um.cli bench --memory-limit "${MEMORY_LIMIT:-3GiB}" \
                   --size "${COLD_SIZE:-12GiB}" --ids uniform,zipf:1.1 --json-file "$OUT/cold.json" ${COLD_ARGS:-} ;;
         serving) run serving "${SERVING_LIMIT:-560}" python3 -m ple_um.cli bench --serving \
@@ -73,7 +77,7 @@ for part in "${parts[@]}"; do
                      --out "$OUT/profile_cold.json" ${PROFILE_ARGS:-} ;;
         tp) run tp "${TP_LIMIT:-400}" python3 tools/tp_check.py --size "${TP_SIZE:-$SIZE}" \
                 --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;  # its own table: the split inside a shard
-        *) echo "unknown part $part (tests, bench, cold, serving, profile, tp)"; exit 2 ;;
+        *) echo "unknown part $part (tests, bench, engram, cold, serving, profile, tp)"; exit 2 ;;
     esac
 done
 printf '%s\n' "${summary[@]}"

@@ -52,17 +52,19 @@ def is_table(impl) -> bool:
 
 
 def lookup_buffer(layout: ShardLayout, n: int, device: torch.device) -> torch.Tensor:
-    """Where an NVFP4 lookup decodes to: bf16 rows."""
+    """Where a block-scaled (NVFP4, MXFP8) lookup decodes to: bf16 rows."""
     return torch.empty((n, layout.row_dim), dtype=torch.bfloat16, device=device)
 
 
 def lookup_call(impl, ids, layout: ShardLayout, n: int, device: torch.device) -> Callable[[int], object]:
-    """fn(k): one lookup of ``ids[k]`` (n ids) by ``impl`` into an output allocated here, once."""
-    out = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
-    if is_table(impl):
-        view = lookup_buffer(layout, n, device) if layout.is_nvfp4 else out.view(layout.dtype)
-        return lambda k: impl.lookup(ids[k], out=view)
-    return lambda k: impl.lookup(ids[k], out)
+    """fn(k): one lookup of ``ids[k]`` (n ids) by ``impl`` into an output allocated here, once: the
+    decoded rows of a block-scaled table, else the raw rows (in the storage dtype for ple-um's)."""
+    if layout.has_block_scales:
+        out = lookup_buffer(layout, n, device)
+    else:
+        out = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
+        out = out.view(layout.dtype) if is_table(impl) else out
+    return lambda k: impl.lookup(ids[k], out=out)
 
 
 class DecodeStep:
@@ -80,7 +82,7 @@ class DecodeStep:
         self.raw = torch.empty((tokens * heads, layout.row_bytes), dtype=torch.uint8, device=device)
         self.scale = torch.tensor(layout.scale or 1.0, dtype=torch.float32, device=device)
         self.is_table = is_table(impl)
-        self.decoded = lookup_buffer(layout, tokens * heads, device) if layout.is_nvfp4 else None
+        self.decoded = lookup_buffer(layout, tokens * heads, device) if layout.has_block_scales else None
         self.capture_safe = bool(getattr(impl, "capture_safe", False))
         self.graph = None
         self.graph_ok = False
@@ -98,7 +100,7 @@ class DecodeStep:
 
     def step(self) -> torch.Tensor:
         layout, impl = self.layout, self.impl
-        if self.decoded is not None:  # NVFP4: the lookup decodes
+        if self.decoded is not None:  # NVFP4, MXFP8: the lookup decodes
             impl.lookup(self.ids, out=self.decoded)
             rows = self.decoded
         else:

@@ -1,6 +1,8 @@
 """What a bench run is asked to do (``Config``), the synthetic table it writes once into the cache
-folder (``default_table``), and whether that table and the run fit this machine before anything is
-written or timed (``check_fits``)."""
+folder (``default_table``: Qwen3.8-Flash-Next's PLE shape, or DeepSeek-V4.1's Engram shape), the
+table's layout and ple-um's open of it for either model (``bench_layout``, ``open_ple_um``), and
+whether that table and the run fit this machine before anything is written or timed
+(``check_fits``)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import resource
 import shutil
 from dataclasses import dataclass
 
+import ple_um
 from ple_um import envs
 from ple_um.bench.ids import IdDistribution, parse_ids
-from ple_um.checkpoint import ShardLayout
+from ple_um.checkpoint import MXFP8_BLOCK, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import PleUmError
 from ple_um.residency import evict_pages
 from ple_um.synthetic import write_checkpoint
+from ple_um.synthetic_engram import write_engram_checkpoint
 from ple_um.units import format_bytes
 
 DEFAULT_ROWS = (16, 1024, 16384, 131072)
@@ -26,6 +30,14 @@ RUN_OVERHEAD_BYTES = 1 << 30
 TABLE_FILES = 4
 # Free disk kept beside a written table, so that the bench never fills the filesystem.
 DISK_MARGIN_BYTES = 256 << 20
+# The models whose table shape the bench knows: Qwen3.8-Flash-Next's PLE table (its row width and
+# shards from --row-bytes and --shards) and DeepSeek-V4.1's Engram table (one unsplit tensor of
+# E4M3 rows of 256 values, each with 8 E8M0 scale bytes; the released model's first Engram layer).
+PLE_MODEL, ENGRAM_MODEL = "qwen3.8-flash-next", "deepseek-v41"
+MODELS = (PLE_MODEL, ENGRAM_MODEL)
+ENGRAM_HEAD_DIM = 256
+ENGRAM_ROW_BYTES = ENGRAM_HEAD_DIM + ENGRAM_HEAD_DIM // MXFP8_BLOCK  # a row and its scales
+ENGRAM_LAYER = 1
 
 
 class BenchRefused(PleUmError, RuntimeError):
@@ -37,8 +49,9 @@ class Config:
     directory: str | None = None
     layer: int | None = None
     size: int = 2 << 30
-    row_bytes: int = 160
+    row_bytes: int = 160  # of a row and its block scales (ENGRAM_ROW_BYTES for the Engram model)
     shards: int = 128
+    model: str = PLE_MODEL
     rows: tuple[int, ...] = DEFAULT_ROWS
     modes: tuple[str, ...] | None = None
     ids: tuple[IdDistribution, ...] = parse_ids("uniform")
@@ -59,7 +72,8 @@ class Config:
 def table_path(cfg: Config) -> str:
     """Where the synthetic table of ``cfg`` lives in the cache folder."""
     num_rows = cfg.size // cfg.row_bytes
-    return os.path.join(envs.PLE_UM_CACHE_DIR, f"bench-fp8-{num_rows}x{cfg.row_bytes}-{cfg.shards}")
+    kind = "engram" if cfg.model == ENGRAM_MODEL else "fp8"
+    return os.path.join(envs.PLE_UM_CACHE_DIR, f"bench-{kind}-{num_rows}x{cfg.row_bytes}-{cfg.shards}")
 
 
 def _table_written(path: str) -> bool:
@@ -67,7 +81,8 @@ def _table_written(path: str) -> bool:
 
 
 def default_table(cfg: Config, progress: bool = True) -> str:
-    """The synthetic FP8 table shaped like Qwen3.8-Flash-Next's, written once into the cache folder.
+    """The synthetic table of ``cfg.model``, written once into the cache folder: FP8 shaped like
+    Qwen3.8-Flash-Next's, or an Engram table of layer ENGRAM_LAYER shaped like DeepSeek-V4.1's.
 
     It is written into ``<path>.partial`` and renamed into place when complete; a failure (a full
     disk, an interrupt) removes the partial folder, so no half-written table is ever left or used."""
@@ -77,17 +92,23 @@ def default_table(cfg: Config, progress: bool = True) -> str:
     tmp = path + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)  # a run killed while writing (nothing else removes it)
     try:
-        write_checkpoint(
-            tmp,
-            num_rows=cfg.size // cfg.row_bytes,
-            row_dim=cfg.row_bytes,
-            dtype="F8_E4M3",
-            shards=cfg.shards,
-            progress=progress,
-            # Written back to disk now, not while the first timings run (writeback takes CPU and
-            # memory bandwidth from the lookups measured): the table's files, not the whole machine's.
-            write_back=True,
-        )
+        if cfg.model == ENGRAM_MODEL:
+            rows = cfg.size // cfg.row_bytes
+            write_engram_checkpoint(
+                tmp, tables={ENGRAM_LAYER: rows}, head_dim=ENGRAM_HEAD_DIM, seed=cfg.seed, write_back=True
+            )
+        else:
+            write_checkpoint(
+                tmp,
+                num_rows=cfg.size // cfg.row_bytes,
+                row_dim=cfg.row_bytes,
+                dtype="F8_E4M3",
+                shards=cfg.shards,
+                progress=progress,
+                # Written back to disk now, not while the first timings run (writeback takes CPU and
+                # memory bandwidth from the lookups measured): the table's files, not the whole machine's.
+                write_back=True,
+            )
         if os.path.exists(path):
             shutil.rmtree(path)
         os.rename(tmp, path)
@@ -95,6 +116,20 @@ def default_table(cfg: Config, progress: bool = True) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def bench_layout(cfg: Config) -> ShardLayout:
+    """The layout of the table ``cfg`` benches: the directory's, or the synthetic one (written first
+    where it is not yet); an Engram table's for the Engram model."""
+    directory = cfg.directory or default_table(cfg)
+    read = read_engram_layout if cfg.model == ENGRAM_MODEL else read_layout
+    return read(directory, cfg.layer)
+
+
+def open_ple_um(layout: ShardLayout, device, mode: str = "auto") -> ple_um.MappedTable:
+    """ple-um's table of ``layout`` in ``mode``: an Engram table's (MXFP8) or a PLE table's."""
+    opener = ple_um.open_engram_table if layout.is_mxfp8 else ple_um.open_table
+    return opener(layout.directory, layer=layout.layer, mode=mode, device=device)
 
 
 def _existing_parent(path: str) -> str:
@@ -183,12 +218,12 @@ def add_batches(
     return needed
 
 
-def path_count(modes: tuple[str, ...], cuda: bool, nvfp4: bool) -> int:
+def path_count(modes: tuple[str, ...], cuda: bool, nvfp4: bool, seeds: bool = True) -> int:
     """How many paths the bench times side by side (``runner._contenders``, ``runner._open``): the
-    anchor, vLLM's pinned-host copy on a GPU and the seeds' gather (none for an NVFP4 table), each
-    mode, and a GPU mode's kernel-only view."""
+    anchor, vLLM's pinned-host copy on a GPU and the seeds' gather where ``seeds`` (none for an
+    NVFP4 table), each mode, and a GPU mode's kernel-only view."""
     kernel_only = sum(1 for m in modes if m in ("ats", "registered")) if cuda else 0
-    return len(modes) + kernel_only + (0 if nvfp4 else 2 + cuda)
+    return len(modes) + kernel_only + (0 if nvfp4 else 1 + cuda + seeds)
 
 
 # What the bench's child process under --memory-limit holds before it reads a row (keyed by CUDA or
@@ -250,6 +285,43 @@ def check_limits(
             f"holds before it holds a row of the table ({format_bytes(floor)}: {held}): give at least "
             f"{format_bytes(floor)} (and room for the table's rows), or smaller --rows"
         )
+
+
+def check_fits(
+    cfg: Config,
+    layout: ShardLayout | None,
+    modes: tuple[str, ...],
+    cuda: bool,
+    serving_loop: bool,
+    limits: tuple[int, ...] | None,
+    gpu_free: int | None,
+) -> None:
+    """Refuse (BenchRefused) a run that does not fit this machine: the synthetic table (``layout``
+    None; else DIR's table) the disk, a memory limit its child, the run's peak the memory free (the
+    table's copies and the largest batch's buffers, every contender's of ``modes``)."""
+    from ple_um.access.probe import mem_available
+    from ple_um.bench import serving
+
+    table_bytes = layout.nbytes if layout is not None else (cfg.size // cfg.row_bytes) * cfg.row_bytes
+    row_bytes = layout.row_bytes if layout is not None else cfg.row_bytes
+    if layout is None:
+        check_disk(cfg)
+    if serving_loop:
+        sizes = (cfg.decode_tokens * cfg.heads, cfg.prefill_tokens * cfg.heads)
+        if limits:
+            check_limits(limits, sizes, row_bytes, serving.POOL_STEPS, cuda)
+        needed = serving_memory(table_bytes, sizes, row_bytes, bool(limits))
+    elif limits:  # the bench under a limit holds no copy of the table: its child's batches
+        check_limits(limits, cfg.rows, row_bytes, cfg.repeats, cuda)
+        needed = child_memory(cfg.rows, row_bytes, cfg.repeats, cuda)
+    else:
+        nvfp4, engram = layout is not None and layout.is_nvfp4, cfg.model == ENGRAM_MODEL
+        needed = memory_needed(table_bytes, cuda, modes, nvfp4=nvfp4, processes=cfg.processes)
+        paths = path_count(modes, cuda, nvfp4, seeds=not engram)
+        if engram:  # every contender decodes to bf16
+            row_bytes = 2 * (layout.row_dim if layout is not None else ENGRAM_HEAD_DIM)
+        add_batches(needed, cfg.rows, row_bytes, cfg.repeats + cfg.warmup, paths, cuda)
+    check_memory(needed, mem_available(), gpu_free)
 
 
 def check_memory(needed: dict, host_available: int, gpu_free: int | None) -> None:

@@ -5,8 +5,12 @@ for each contender of the bench saying what it is (``describe``):
   tensor in GPU memory (host memory on a machine without a GPU) and gathered by
   ``torch.index_select`` into the caller's preallocated output. What a gather costs when the rows
   are already where the GPU reads fastest, through one stock torch op.
+  An Engram table's E8M0 scales are copied beside the rows and decoded by torch ops.
 - ``VllmPinnedHost``: the vLLM 0.33 pinned-host way: the whole table copied into torch pinned host
   memory and read by a Triton kernel through its device pointer, one program per row copying bytes.
+- ``VllmEngramPinned``: vLLM 0.33's stock storage of a DeepSeek-V4.1 Engram table: rows and scales
+  in private pinned host copies, read and decoded by vLLM's own lookup kernel (a stand-in kernel,
+  said so, where vLLM is not installed).
 - ``SeedsCpuPath`` (the bench's ``seeds cpu``): the gather of the earlier CPU-gather patches
   (``vllm_ple_mmap``, the vLLM patch module the README calls the seeds), which keep the table on
   disk behind mmap and gather rows on the CPU: ids to the host, np.unique, a thread pool (32
@@ -16,6 +20,7 @@ for each contender of the bench saying what it is (``describe``):
 
 from __future__ import annotations
 
+import importlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,6 +29,10 @@ import triton
 import triton.language as tl
 
 from ple_um.checkpoint import ShardLayout
+from ple_um.kernels.gather_mxfp8 import gather_mxfp8
+from ple_um.lookup.mxfp8 import decode_mxfp8
+
+VLLM_ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 
 
 @triton.jit
@@ -36,12 +45,10 @@ def _row_copy_kernel(table_ptr, ids_ptr, out_ptr, row_bytes, BLOCK: tl.constexpr
 
 
 class _Address:
-    """Lets a Triton kernel take a raw address as a uint8 pointer argument."""
+    """Lets a Triton kernel take a raw address as a pointer argument of ``dtype``."""
 
-    dtype = torch.uint8
-
-    def __init__(self, addr: int) -> None:
-        self.addr = addr
+    def __init__(self, addr: int, dtype: torch.dtype = torch.uint8) -> None:
+        self.addr, self.dtype = addr, dtype
 
     def data_ptr(self) -> int:
         return self.addr
@@ -67,10 +74,30 @@ def _copy_rows(layout: ShardLayout, dst: torch.Tensor, chunk_bytes: int = 64 << 
         del mm
 
 
+def _device_pointer(host: torch.Tensor, dtype: torch.dtype = torch.uint8) -> _Address:
+    """The device address of the pinned host tensor ``host``, as a Triton pointer of ``dtype``."""
+    from cuda.bindings import runtime as rt
+
+    err, dptr = rt.cudaHostGetDevicePointer(host.data_ptr(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostGetDevicePointer: {err}")
+    return _Address(int(dptr), dtype)
+
+
+def _host_copy(layout: ShardLayout, device: torch.device) -> torch.Tensor:
+    """The table's raw rows in a private host tensor, pinned where ``device`` is a GPU."""
+    host = torch.empty(
+        (layout.num_rows, layout.row_bytes), dtype=torch.uint8, pin_memory=device.type == "cuda"
+    )
+    _copy_rows(layout, host)
+    return host
+
+
 class TorchResident:
     """The anchor: the whole table in one torch tensor on ``device``, rows gathered by
-    ``torch.index_select`` into ``out``: one stock kernel, capture-safe. Ids must lie in the table
-    (index_select checks them; the bench draws only such ids)."""
+    ``torch.index_select`` into ``out``: one stock kernel, capture-safe. An Engram (MXFP8) table's
+    E8M0 scales are gathered the same way and the rows decoded by torch ops into ``out`` (bf16).
+    Ids must lie in the table (index_select checks them; the bench draws only such ids)."""
 
     capture_safe = True
 
@@ -79,12 +106,20 @@ class TorchResident:
         self.device = device
         self.rows = torch.empty((layout.num_rows, layout.row_bytes), dtype=torch.uint8, device=device)
         _copy_rows(layout, self.rows)
+        self.scales = None
+        if layout.is_mxfp8:
+            scales = layout.scale_layout()
+            self.scales = torch.empty((scales.num_rows, scales.row_bytes), dtype=torch.uint8, device=device)
+            _copy_rows(scales, self.scales)
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return torch.index_select(self.rows, 0, ids, out=out)
+        if self.scales is None:
+            return torch.index_select(self.rows, 0, ids, out=out)
+        decode_mxfp8(self.rows.index_select(0, ids), self.scales.index_select(0, ids), out)
+        return out
 
     def close(self) -> None:
-        self.rows = None
+        self.rows = self.scales = None
 
 
 class VllmPinnedHost:
@@ -94,16 +129,10 @@ class VllmPinnedHost:
     capture_safe = False
 
     def __init__(self, layout: ShardLayout, device: torch.device) -> None:
-        from cuda.bindings import runtime as rt
-
         self.layout = layout
         self.device = device
-        self.host = torch.empty((layout.num_rows, layout.row_bytes), dtype=torch.uint8, pin_memory=True)
-        _copy_rows(layout, self.host)
-        err, dptr = rt.cudaHostGetDevicePointer(self.host.data_ptr(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostGetDevicePointer: {err}")
-        self.dptr = _Address(int(dptr))
+        self.host = _host_copy(layout, device)
+        self.dptr = _device_pointer(self.host)
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rb = self.layout.row_bytes
@@ -112,6 +141,69 @@ class VllmPinnedHost:
 
     def close(self) -> None:
         self.host = None
+
+
+def vllm_engram_kernel():
+    """vLLM 0.33's Engram lookup kernel (``_engram_lookup_kernel``), or None where vLLM (or its
+    DeepSeek-V4.1 model) is not installed."""
+    try:
+        return importlib.import_module(VLLM_ENGRAM_MODULE)._engram_lookup_kernel
+    except ImportError:
+        return None
+
+
+class VllmEngramPinned:
+    """vLLM 0.33's stock storage of a DeepSeek-V4.1 Engram table (``EngramConfig.cpu_offload``, its
+    default): the rows and their E8M0 scales copied into two private pinned host tensors at load,
+    read through their device pointers by vLLM's own ``_engram_lookup_kernel`` as
+    ``ParallelEngramEmbedding.lookup`` launches it on an H200 (16 rows a program, a grid of at most
+    one program per SM, ids unsorted), decoded to bf16. ``kernel`` says whose kernel ran:
+    ``"vllm"``, or ``"stand-in"`` where vLLM is not installed (or ``use_vllm`` is False): then
+    ple-um's MXFP8 kernel reads the same copies (the same arithmetic, bit for bit), so the figure is
+    the storage's, not vLLM's code. Capture-safe, as vLLM captures it. Without CUDA (the Triton
+    interpreter) the copies are plain host tensors."""
+
+    capture_safe = True
+
+    def __init__(self, layout: ShardLayout, device: torch.device, use_vllm: bool | None = None) -> None:
+        self.layout, self.device = layout, device
+        self.vllm = vllm_engram_kernel() if use_vllm is not False else None
+        if use_vllm and self.vllm is None:
+            raise ImportError(f"{VLLM_ENGRAM_MODULE} is not installed")
+        self.kernel = "vllm" if self.vllm is not None else "stand-in"
+        self.host = _host_copy(layout, device)
+        self.host_scales = _host_copy(layout.scale_layout(), device)
+        cuda = device.type == "cuda"
+        if cuda:
+            self.weight = _device_pointer(self.host, torch.float8_e4m3fn)
+            self.scales = _device_pointer(self.host_scales)
+            self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.weight, self.scales = self.host.view(torch.float8_e4m3fn), self.host_scales
+            self.sms = 1
+        bases = [self.weight.data_ptr(), self.scales.data_ptr()]
+        self.bases = torch.tensor(bases, dtype=torch.int64, device=device).view(2, 1)
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        n, dim = out.shape
+        rows = self.layout.num_rows
+        if self.vllm is None:
+            return gather_mxfp8(
+                self.bases[0], self.bases[1], ids, out, self.counters,
+                row_start=0, row_end=rows, num_rows=rows, rows_per_shard=rows, row_dim=dim,
+            )  # fmt: skip
+        grid = min(triton.cdiv(n, 16), self.sms)
+        index = ids.view(n, 1)  # one hash head owning the whole table
+        self.vllm[(grid,)](
+            self.weight, self.scales, index, index, out, 0, rows, n, 1, 1,
+            HEAD_START=0, LOCAL_HEADS=1, TOTAL_HEADS=1, DIM=dim, QUANT_BLOCK=self.layout.block_size,
+            BLOCK_R=16, GRID=grid, SORTED=False, PACKED=False, OUT_STRIDE=dim, PEER_ROWS=0,
+        )  # fmt: skip
+        return out
+
+    def close(self) -> None:
+        self.host = self.host_scales = None
 
 
 class SeedsCpuPath:
@@ -199,12 +291,31 @@ MODE_LINES = {
 }
 
 
-def describe(name: str, anchor_memory: str) -> str:
-    """One line saying what the bench's contender ``name`` is."""
+# The Engram table's pinned-host contender where vLLM's kernel is not installed (VllmEngramPinned).
+ENGRAM_STAND_IN = "vllm-like pinned-host (stand-in)"
+
+
+def describe(name: str, anchor_memory: str, mxfp8: bool = False) -> str:
+    """One line saying what the bench's contender ``name`` is (``mxfp8``: on an Engram table)."""
+    if name == "torch index_select" and mxfp8:
+        return (
+            f"the anchor, plain torch: the table and its E8M0 scales copied into torch tensors in "
+            f"{anchor_memory}, rows and scales gathered by torch.index_select, decoded to bf16 by torch ops"
+        )
     if name == "torch index_select":
         return (
             f"the anchor, no ple-um code: the table copied into one torch tensor in {anchor_memory}, "
             "rows gathered by torch.index_select"
+        )
+    if name == "vllm pinned-host" and mxfp8:
+        return (
+            "vLLM 0.33's stock Engram storage (cpu_offload): rows and scales copied into private pinned "
+            "host memory (per process), read and decoded by vLLM's own _engram_lookup_kernel"
+        )
+    if name == ENGRAM_STAND_IN:
+        return (
+            "a stand-in for vLLM 0.33's stock Engram storage (vLLM is not installed): rows and scales "
+            "copied into private pinned host memory, read and decoded by ple-um's MXFP8 kernel"
         )
     if name == "vllm pinned-host":
         return (

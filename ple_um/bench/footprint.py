@@ -9,11 +9,10 @@ import time
 
 import torch
 
-import ple_um
 from ple_um.access.probe import mem_available
-from ple_um.bench.config import drop_cache, read_cache
+from ple_um.bench.config import drop_cache, open_ple_um, read_cache
 from ple_um.bench.contenders import VllmPinnedHost
-from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
 
 
 def rss_anon() -> int:
@@ -34,7 +33,7 @@ def startup(layout: ShardLayout, device: torch.device) -> dict:
         gpu0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         anon0 = rss_anon()
         t0 = time.perf_counter()
-        with ple_um.open_table(layout.directory, layer=layout.layer, device=device) as table:
+        with open_ple_um(layout, device) as table:
             seconds = time.perf_counter() - t0
             stats = table.stats()
             out[label] = {
@@ -47,15 +46,16 @@ def startup(layout: ShardLayout, device: torch.device) -> dict:
     return out
 
 
-def serve(directory: str, layer: str, kind: str, device: str) -> None:
+def serve(directory: str, layer: str, kind: str, device: str, engram: str) -> None:
     """Child process (see ``processes``): open the table one way, print the mode it is served in,
-    wait for stdin to close, close the table."""
-    dev, at = torch.device(device), int(layer)
+    wait for stdin to close, close the table (``engram`` "1": an Engram table)."""
+    dev = torch.device(device)
+    layout = (read_engram_layout if engram == "1" else read_layout)(directory, int(layer))
     if kind == "ple-um":
-        impl = ple_um.open_table(directory, layer=at, device=dev)
+        impl = open_ple_um(layout, dev)
         mode = impl.mode
     else:
-        impl = VllmPinnedHost(read_layout(directory, at), dev)
+        impl = VllmPinnedHost(layout, dev)
         mode = "pinned copy"
     print(mode, flush=True)
     sys.stdin.read()
@@ -73,6 +73,7 @@ def processes(layout: ShardLayout, kind: str, count: int, device: torch.device) 
     mode = None
     child = "import sys; from ple_um.bench.footprint import serve; serve(*sys.argv[1:])"
     argv = [sys.executable, "-c", child, layout.directory, str(layout.layer), kind, str(device)]
+    argv.append("1" if layout.is_mxfp8 else "0")
     try:
         for _ in range(count):
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -33,16 +33,32 @@ def plot_format(path: str) -> str:
     return ext
 
 
-def check_writable_format(path: str) -> None:
-    """Render an empty figure in ``path``'s format, in memory: ValueError before a run whose plot
-    could not be written (an unknown extension, a format whose writer is missing here)."""
-    import io
-
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: str) -> None:
+    """``fig`` laid out and written whole to ``path`` in its extension's format, then closed."""
+    fig.tight_layout()
+    try:
+        fmt = plot_format(path)
+        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
+    finally:
+        _pyplot().close(fig)
+
+
+def check_writable_format(path: str) -> None:
+    """Render an empty figure in ``path``'s format, in memory: ValueError before a run whose plot
+    could not be written (an unknown extension, a format whose writer is missing here)."""
+    import io
+
+    plt = _pyplot()
     fmt = plot_format(path)
     fig = plt.figure(figsize=(1, 1))
     try:
@@ -56,12 +72,7 @@ def check_writable_format(path: str) -> None:
 
 
 def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = _pyplot().subplots(figsize=(8, 5))
     colors: dict[str, str] = {}
     for i, dist in enumerate(result["ids"]):
         for name, entry in result["lookup"].items():
@@ -88,24 +99,14 @@ def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
     ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table, {t['row_bytes']} B rows")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fmt = plot_format(path)
-    try:
-        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
-    finally:
-        plt.close(fig)
+    _save(fig, path)
 
 
 def plot_limits(result: dict, path: str) -> None:
     """The bench for tables larger than memory: median lookup time against the memory limit, one
     line per path, id distribution and batch size, steady state solid, cold dashed, and the steady
     state without the row cache (the page cache alone) dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig, ax = _pyplot().subplots(figsize=(11, 5))
     limits = [e for e in result["limits"].values() if "modes" in e]
     lines: dict[tuple[str, str, str], dict[str, list]] = {}
     for entry in limits:
@@ -146,29 +147,19 @@ def plot_limits(result: dict, path: str) -> None:
     ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table under a memory limit")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines
-    fig.tight_layout()
-    fmt = plot_format(path)
-    try:
-        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
-    finally:
-        plt.close(fig)
+    _save(fig, path)
 
 
 def plot_serving(result: dict, path: str) -> None:
     """The serving loop: grouped bars, a group per GPU work and id distribution, a bar per
     configuration (median step time, the p10-p90 spread as its whisker), each bar labelled with
     its ratio to the resident table's step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from ple_um.bench.serving_report import columns
 
     names = columns(result)
     groups = [(ms, dist, rows) for ms, by_dist in result["steps"].items() for dist, rows in by_dist.items()]
     width = 0.8 / max(1, len(names))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * max(1, len(names)) ** 0.5 + 3), 5))
+    fig, ax = _pyplot().subplots(figsize=(max(6, 1.2 * len(groups) * max(1, len(names)) ** 0.5 + 3), 5))
     fixed = {"no PLE": "0.6", "resident": "black"}
     for j, name in enumerate(names):
         xs, ys, low, high = [], [], [], []
@@ -192,9 +183,4 @@ def plot_serving(result: dict, path: str) -> None:
     )
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")
-    fig.tight_layout()
-    fmt = plot_format(path)
-    try:
-        write_atomically(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=120))
-    finally:
-        plt.close(fig)
+    _save(fig, path)

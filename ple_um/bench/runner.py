@@ -28,11 +28,11 @@ from ple_um import units
 from ple_um.access.capabilities import resolve_device
 from ple_um.bench import contenders as known
 from ple_um.bench.calls import DecodeStep, KernelOnly, lookup_call
-from ple_um.bench.config import Config, default_table, read_cache
+from ple_um.bench.config import Config, bench_layout, open_ple_um, read_cache
 from ple_um.bench.footprint import processes, startup
 from ple_um.bench.ids import IdDistribution
 from ple_um.bench.timing import HOST_ROWS, SETTLE_S, Timer, host_summary, summary
-from ple_um.checkpoint import ShardLayout, read_layout
+from ple_um.checkpoint import ShardLayout
 
 # The anchor every path's times are divided by: no ple-um code at all (contenders.TorchResident).
 ANCHOR = "torch index_select"
@@ -77,6 +77,11 @@ def run_header(cfg: Config, layout: ShardLayout, device: torch.device) -> dict:
     }
 
 
+def read_bytes(layout: ShardLayout) -> int:
+    """Bytes of the table a lookup reads per row: the row and its block scales (NVFP4, MXFP8)."""
+    return layout.nbytes // layout.num_rows
+
+
 def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     return {
@@ -116,24 +121,28 @@ def _contenders(cfg: Config, layout: ShardLayout, device: torch.device, result: 
     else:
         makers[ANCHOR] = lambda: known.TorchResident(layout, device)
     for mode in modes:
-        makers[f"ple-um {mode}"] = lambda m=mode: ple_um.open_table(
-            layout.directory, layer=layout.layer, mode=m, device=device
-        )
-    if not layout.is_nvfp4:
+        makers[f"ple-um {mode}"] = lambda m=mode: open_ple_um(layout, device, m)
+    if layout.is_mxfp8:  # vLLM's stock Engram storage; the seeds never served an Engram table
+        if cuda:
+            pinned = "vllm pinned-host" if known.vllm_engram_kernel() else known.ENGRAM_STAND_IN
+            makers[pinned] = lambda: known.VllmEngramPinned(layout, device)
+    elif not layout.is_nvfp4:
         if cuda:
             makers["vllm pinned-host"] = lambda: known.VllmPinnedHost(layout, device)
         makers["seeds cpu"] = lambda: known.SeedsCpuPath(layout, device)
     return makers
 
 
-def _open(makers: dict, device: torch.device, result: dict, log: Callable[[str], None]) -> dict:
+def _open(
+    makers: dict, layout: ShardLayout, device: torch.device, result: dict, log: Callable[[str], None]
+) -> dict:
     """Open every contender: name -> its lookup object. One this machine cannot run is reported
     (``skipped``, with why), not fatal; a GPU-mode table adds its kernel-only view."""
     cuda = device.type == "cuda"
     memory = result["anchor"]["memory"]
     impls: dict[str, object] = {}
     for name, make in makers.items():
-        result["contenders"][name] = known.describe(name, memory)
+        result["contenders"][name] = known.describe(name, memory, layout.is_mxfp8)
         try:
             t0 = time.perf_counter()
             impl = make()
@@ -158,7 +167,7 @@ def _open(makers: dict, device: torch.device, result: dict, log: Callable[[str],
                 only = f"{name} kernel-only"
                 impls[only] = KernelOnly(impl)
                 result["lookup"][only] = {"mode": impl.mode, "bulk_rows": None}
-                result["contenders"][only] = known.describe(only, memory)
+                result["contenders"][only] = known.describe(only, memory, layout.is_mxfp8)
     return impls
 
 
@@ -188,7 +197,7 @@ def _time_lookups(cfg, layout, device, impls, ids: _Ids, dist, timer: Timer, res
         }
         times = timer.side_by_side(fns, cfg.repeats, cfg.warmup, cfg.rounds)
         for name, t in times.items():
-            row = summary(t, n * layout.row_bytes)
+            row = summary(t, n * read_bytes(layout))
             result["lookup"][name].setdefault(dist.name, {})[str(n)] = row
             log(f"{name:30s} {n:>8d} rows  {row['median_us']:10.1f} us")
         del fns, times
@@ -210,7 +219,7 @@ def _time_decode(cfg, layout, device, impls, ids: _Ids, timer: Timer, result) ->
         name: DecodeStep(impl, layout, device, cfg.decode_tokens, cfg.heads, check)
         for name, impl in impls.items()
     }
-    nbytes = n * layout.row_bytes
+    nbytes = n * read_bytes(layout)
     for name, st in steps.items():
         result["decode_step"][name] = {"capture_safe": st.capture_safe}
         if st.graph is not None:
@@ -237,25 +246,26 @@ def _time_decode(cfg, layout, device, impls, ids: _Ids, timer: Timer, result) ->
 
 def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
     device = resolve_device(cfg.device)
-    layout = read_layout(cfg.directory or default_table(cfg), cfg.layer)
+    layout = bench_layout(cfg)
     report = ple_um.probe(device, table_bytes=layout.nbytes)
     result = _describe_run(cfg, layout, report, device)
     cuda = device.type == "cuda"
     log(
-        f"table: {layout.num_rows} rows x {layout.row_bytes} B = {units.format_bytes(layout.nbytes)} "
+        f"table: {layout.num_rows} rows x {read_bytes(layout)} B = {units.format_bytes(layout.nbytes)} "
         f"in {layout.parts} shards (layer {layout.layer}, {layout.directory})"
     )
     log(report.describe())
     if not cuda:
+        seeds = "" if layout.is_mxfp8 else ", the seeds' CPU path"
         log(
-            "no CUDA device: only the cpu mode, the seeds' CPU path and the torch anchor (gathering "
-            "from a copy of the table in host memory) run here"
+            f"no CUDA device: only the cpu mode{seeds} and the torch anchor (gathering from a copy of "
+            "the table in host memory) run here"
         )
     if layout.is_nvfp4:
         log("NVFP4 table: ple-um decodes rows to bf16; the raw-row contenders (and the anchor) are left out")
     read_cache(layout)
     timer, ids = Timer(device), _Ids(layout, device, cfg.seed)
-    impls = _open(_contenders(cfg, layout, device, result), device, result, log)
+    impls = _open(_contenders(cfg, layout, device, result), layout, device, result, log)
     try:
         for dist in cfg.ids:
             log(f"ids: {dist.name}")
@@ -269,7 +279,8 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
     ratios(result)
     result["startup"] = startup(layout, device)
     if cfg.processes >= 1:
-        kinds = ("ple-um", "vllm pinned-host") if cuda and not layout.is_nvfp4 else ("ple-um",)
+        pinned = cuda and not layout.has_block_scales
+        kinds = ("ple-um", "vllm pinned-host") if pinned else ("ple-um",)
         result["processes"] = {kind: processes(layout, kind, cfg.processes, device) for kind in kinds}
     return result
 

@@ -108,41 +108,36 @@ def rows(text: str) -> tuple[int, ...]:
     return found
 
 
-def fraction(text: str) -> float:
+def _number(text: str, low: float, high: float, low_open: bool, expected: str) -> float:
+    """``text`` as a float within ``[low, high]`` (above ``low`` where ``low_open``), else the
+    ArgumentTypeError ``expected`` followed by ``got 'text'``."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value <= 1:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    if not (low < value if low_open else low <= value) or not value <= high:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
     return value
+
+
+def fraction(text: str) -> float:
+    return _number(text, 0, 1, True, "must be in (0, 1]")
 
 
 def seconds(text: str) -> float:
     """A duration in seconds, at least 0 and at most a day."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 86400:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 86400, got {text!r}")
-    return value
+    return _number(text, 0, 86400, False, "expected seconds from 0 to 86400")
 
 
 def milliseconds(text: str) -> tuple[float, ...]:
     """Durations in milliseconds, comma-separated, each above 0 and at most 10 s."""
-    found = []
-    for item in items(text):
-        try:
-            value = float(item)
-        except ValueError:
-            value = float("nan")
-        if not 0 < value <= 10000:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"expected milliseconds above 0 and at most 10000, got {item!r}")
-        found.append(value)
+    found = tuple(
+        _number(item, 0, 10000, True, "expected milliseconds above 0 and at most 10000")
+        for item in items(text)
+    )
     if not found:
         raise argparse.ArgumentTypeError("no durations given")
-    return tuple(found)
+    return found
 
 
 def modes(text: str) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 
+from ple_um.bench.config import ENGRAM_MODEL, ENGRAM_ROW_BYTES, MODELS, PLE_MODEL, Config
 from ple_um.cli import arguments as a
 from ple_um.cli.output import (
     EXIT_INCOMPLETE,
@@ -26,8 +27,10 @@ Compare every lookup path this machine can run, side by side, on one table: ple-
 seeds' CPU gather (vllm_ple_mmap, the CPU-gather vLLM patch that came before ple-um), vLLM's
 pinned-host copy on a GPU, each against plain torch.index_select over the table resident in GPU
 memory (host memory without a GPU). Without DIR it writes a synthetic FP8 table shaped like
-Qwen3.8-Flash-Next's once into PLE_UM_CACHE_DIR; a table that does not fit the free disk, or a run
-that does not fit the memory, is refused before anything is written (exit 3)."""
+Qwen3.8-Flash-Next's once into PLE_UM_CACHE_DIR (--model deepseek-v41: an Engram table shaped like
+DeepSeek-V4.1's, against plain torch and vLLM's stock pinned Engram storage); a table that does not
+fit the free disk, or a run that does not fit the memory, is refused before anything is written
+(exit 3)."""
 
 
 def add_parser(sub) -> None:
@@ -38,9 +41,21 @@ def add_parser(sub) -> None:
         "dir", nargs="?", default=None, help="checkpoint dir (default: a cached synthetic FP8 table)"
     )
     a.add_layer(b)
+    b.add_argument(
+        "--model",
+        choices=MODELS,
+        default=PLE_MODEL,
+        help="the table's kind: a PLE table (Qwen3.8-Flash-Next's) or an Engram table (DeepSeek-V4.1's: "
+        "FP8 rows of 256 values, 8 E8M0 scale bytes each, one unsplit tensor), DIR's or synthetic",
+    )
     b.add_argument("--size", type=a.nonzero_size, default="2GiB", help="synthetic table size")
-    b.add_argument("--row-bytes", type=a.positive, default=160, help="synthetic table row width in bytes")
-    b.add_argument("--shards", type=a.positive, default=128, help="synthetic table shard count")
+    for flag, what, default in (
+        ("--row-bytes", "row width in bytes", Config.row_bytes),
+        ("--shards", "shard count", Config.shards),
+    ):
+        b.add_argument(
+            flag, type=a.positive, default=None, help=f"synthetic PLE table {what} (default: {default})"
+        )
     b.add_argument(
         "--rows",
         type=a.rows,
@@ -161,7 +176,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _check_table(args: argparse.Namespace):
     """The synthetic table's arguments, or the directory's table; its layout when it exists."""
-    from ple_um.checkpoint import read_layout
+    from ple_um.checkpoint import read_engram_layout, read_layout
     from ple_um.errors import CheckpointError
 
     if args.warmup is not None and not (args.memory_limit or args.serving):
@@ -174,11 +189,13 @@ def _check_table(args: argparse.Namespace):
             f"{','.join(held)} holds it in memory",
             EXIT_USAGE,
         )
+    engram = _check_model(args)
     if args.dir is not None:
         a.checkpoint_dir(args.dir)
-        a.one_layer(args.dir, args.layer)
+        if not engram:
+            a.one_layer(args.dir, args.layer)
         try:
-            return read_layout(args.dir, args.layer)
+            return (read_engram_layout if engram else read_layout)(args.dir, args.layer)
         except CheckpointError as exc:
             raise CliError(str(exc), EXIT_INVALID) from None
     if args.layer is not None:
@@ -194,6 +211,25 @@ def _check_table(args: argparse.Namespace):
             f"--shards {args.shards} is more than the {num_rows} rows of --size {args.size} B", EXIT_USAGE
         )
     return None
+
+
+def _check_model(args: argparse.Namespace) -> bool:
+    """--row-bytes and --shards set to the synthetic table's (an Engram table's are the model's, and
+    the options of a PLE table's bench refused for one); whether the table is an Engram table."""
+    if args.model != ENGRAM_MODEL:
+        args.row_bytes, args.shards = args.row_bytes or Config.row_bytes, args.shards or Config.shards
+        return False
+    pairs = ("--row-bytes", args.row_bytes), ("--shards", args.shards), ("--memory-limit", args.memory_limit)
+    for flag, given in (*pairs, ("--serving", args.serving)):
+        if given:
+            raise CliError(
+                f"{flag} is a PLE table's option: an Engram table (--model {ENGRAM_MODEL}) is one unsplit "
+                f"tensor of {ENGRAM_ROW_BYTES} B rows (256 FP8 values, 8 E8M0 scale bytes) whose lookups the "
+                "bench times side by side",
+                EXIT_USAGE,
+            )
+    args.row_bytes, args.shards = ENGRAM_ROW_BYTES, 1
+    return True
 
 
 def _check_serving(args: argparse.Namespace) -> None:
@@ -232,14 +268,13 @@ def _check_modes(args: argparse.Namespace, device, table_bytes: int) -> None:
 
 
 def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
-    """The device, a mode forced by PLE_UM_MODE, the modes asked for, the disk for a table to
-    write, the memory (the table's copies and the largest batch's buffers)."""
+    """The device, a mode forced by PLE_UM_MODE, the modes asked for, and whether the run fits this
+    machine (``config.check_fits``: exit 3 where it does not)."""
     import torch
 
     import ple_um
     from ple_um.access.capabilities import resolve_device
-    from ple_um.access.probe import mem_available
-    from ple_um.bench import config, serving
+    from ple_um.bench import config
 
     try:
         device = resolve_device(args.device)
@@ -255,33 +290,17 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
             + ("" if torch.cuda.is_available() else " (torch.cuda.is_available() is False)"),
             EXIT_USAGE,
         )
-    row_bytes = layout.row_bytes if layout is not None else cfg.row_bytes
-    nvfp4 = layout is not None and layout.is_nvfp4
     gpu_free = torch.cuda.mem_get_info(device)[0] if cuda else None
     try:
-        if layout is None:
-            config.check_disk(cfg)
-        if args.serving:
-            sizes = (cfg.decode_tokens * cfg.heads, cfg.prefill_tokens * cfg.heads)
-            if args.memory_limit:
-                config.check_limits(args.memory_limit, sizes, row_bytes, serving.POOL_STEPS, cuda)
-            needed = config.serving_memory(table_bytes, sizes, row_bytes, bool(args.memory_limit))
-        elif args.memory_limit:  # the bench under a limit holds no copy of the table: its child's batches
-            config.check_limits(args.memory_limit, cfg.rows, row_bytes, cfg.repeats, cuda)
-            needed = config.child_memory(cfg.rows, row_bytes, cfg.repeats, cuda)
-        else:
-            modes = cfg.modes or (a.MODES if cuda else ("cpu",))
-            needed = config.memory_needed(table_bytes, cuda, modes, nvfp4=nvfp4, processes=cfg.processes)
-            paths = config.path_count(modes, cuda, nvfp4)
-            config.add_batches(needed, cfg.rows, row_bytes, cfg.repeats + cfg.warmup, paths, cuda)
-        config.check_memory(needed, mem_available(), gpu_free)
+        modes = cfg.modes or (a.MODES if cuda else ("cpu",))
+        config.check_fits(cfg, layout, modes, cuda, args.serving, args.memory_limit, gpu_free)
     except config.BenchRefused as exc:
         raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
 
 
 def _config(args: argparse.Namespace, argv: list[str] | None):
     from ple_um.bench.cold import COLD_ROWS
-    from ple_um.bench.config import DEFAULT_ROWS, Config
+    from ple_um.bench.config import DEFAULT_ROWS
     from ple_um.bench.serving_run import STEPS
 
     rows = args.rows or (COLD_ROWS if args.memory_limit else DEFAULT_ROWS)
@@ -291,6 +310,7 @@ def _config(args: argparse.Namespace, argv: list[str] | None):
         size=args.size,
         row_bytes=args.row_bytes,
         shards=args.shards,
+        model=args.model,
         rows=rows,
         modes=args.modes,
         ids=args.ids,
@@ -320,7 +340,7 @@ def _write(args: argparse.Namespace, result: dict, plot, say) -> None:
         for line in written:
             say(line)
         raise CliError(f"the results could not be written: {exc}", EXIT_INVALID, results=result) from None
-    if args.json and not unmeasured(result, args.modes):  # else the error's object carries them
+    if args.json and not report.unmeasured(result, args.modes):  # else the error's object carries them
         emit_json(result)
     for line in written or [
         "results: not written to a file (--json-file PATH writes them, --plot FILE plots them)"
@@ -338,9 +358,11 @@ def run(args: argparse.Namespace) -> int:
     # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
     say = to_stderr if args.json else emit
     log = to_stderr if args.quiet or args.json else emit
+    from ple_um.bench import plot, report
+
     try:
         if args.serving:
-            from ple_um.bench import plot, serving_report, serving_run
+            from ple_um.bench import serving_report, serving_run
 
             warmup = serving_run.WARMUP_S if args.warmup is None else args.warmup
             step_ms = args.step_ms or serving_run.STEP_MS
@@ -348,45 +370,23 @@ def run(args: argparse.Namespace) -> int:
             say(serving_report.format_serving(result))
             _write(args, result, plot.plot_serving, say)
         elif args.memory_limit:
-            from ple_um.bench import cold, cold_report, plot
+            from ple_um.bench import cold, cold_report
 
             warmup = cold.WARMUP_S if args.warmup is None else args.warmup
             result = cold.run(cfg, args.memory_limit, log=log, warmup_s=warmup)
             say(cold_report.format_cold(result))
             _write(args, result, plot.plot_limits, say)
         else:
-            from ple_um.bench import plot, report, runner
+            from ple_um.bench import runner
 
             result = runner.run(cfg, log=log)
             say(report.format_table(result, cfg.rows))
             _write(args, result, lambda r, path: plot.plot(r, cfg.rows, path), say)
     except CheckpointError as exc:  # the directory's table (the synthetic one is written valid)
         raise CliError(str(exc), EXIT_INVALID) from None
-    missing = unmeasured(result, args.modes)
+    missing = report.unmeasured(result, args.modes)
     if missing:
         raise CliError(
             "the run could not measure what was asked: " + "; ".join(missing), EXIT_INCOMPLETE, results=result
         )
     return EXIT_OK
-
-
-def unmeasured(result: dict, modes: tuple[str, ...] | None) -> list[str]:
-    """What a finished run was asked for and has no figures of, each with why: a mode named by
-    --modes that was skipped, a memory limit whose child gave no figures, a mode its child skipped."""
-    missing = []
-    for name, entry in result.get("lookup", {}).items():
-        if modes and name.removeprefix("ple-um ") in modes and "skipped" in entry:
-            missing.append(f"{name}: {entry['skipped']}")
-    for name, entry in result.get("configs", {}).items():  # the serving loop's
-        if "skipped" in entry:
-            missing.append(f"{name}: {entry['skipped']}")
-    for mode, why in result.get("left_out", {}).items():
-        missing.append(f"ple-um {mode}: {why}")
-    for entry in result.get("limits", {}).values():
-        where = f"under {entry['how']}"
-        if "failed" in entry:
-            missing.append(f"{where}: {entry['failed']}")
-        for mode, runs in entry.get("modes", {}).items():
-            if "skipped" in runs:
-                missing.append(f"ple-um {mode} {where}: {runs['skipped']}")
-    return missing

@@ -21,7 +21,7 @@ import ple_um
 from ple_um import cli
 from ple_um.bench import config
 from ple_um.bench.memlimit import find_hierarchy
-from ple_um.cli.bench import unmeasured
+from ple_um.bench.report import unmeasured
 from ple_um.version import __version__
 
 SMALL = ["--size", "1MiB", "--shards", "4", "--device", "cpu"]

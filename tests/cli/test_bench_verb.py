@@ -21,6 +21,7 @@ from helpers.cli import REPO, run, run_cli, run_json, two_layer_checkpoint
 
 from ple_um import cli
 from ple_um.access.probe import ALL_MODES, mem_available
+from ple_um.synthetic_engram import write_engram_checkpoint
 
 BENCH_REFUSALS = [
     (["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
@@ -72,6 +73,17 @@ BENCH_REFUSALS = [
         "argument --warmup: expected seconds from 0 to 86400, got '-1'",
     ),
     (["--memory-limit", "1GiB", "--warmup", "nan"], "argument --warmup: expected seconds from 0 to 86400"),
+    (["--model", "gemma"], "argument --model: invalid choice: 'gemma'"),
+    (
+        ["--model", "deepseek-v41", "--row-bytes", "160"],
+        "--row-bytes is a PLE table's option: an Engram table (--model deepseek-v41) is one unsplit tensor "
+        "of 264 B rows (256 FP8 values, 8 E8M0 scale bytes) whose lookups the bench times side by side",
+    ),
+    (["--model", "deepseek-v41", "--shards", "2"], "--shards is a PLE table's option: an Engram table"),
+    (["--model", "deepseek-v41", "--memory-limit", "1GiB"], "--memory-limit is a PLE table's option"),
+    (["--model", "deepseek-v41", "--serving"], "--serving is a PLE table's option: an Engram table"),
+    (["--model", "deepseek-v41", "--size", "263"], "--size 263 B holds no row of 264 B"),
+    (["--model", "deepseek-v41", "--layer", "1"], "--layer needs DIR: the synthetic table has one layer"),
     (["--memory-limit", "1GiB", "--warmup", "1e9"], "argument --warmup: expected seconds from 0 to 86400"),
 ]
 
@@ -244,6 +256,55 @@ def test_bench_of_one_layer_of_a_checkpoint_with_two(capsys, tmp_path):
     assert (result["table"]["layer"], result["table"]["num_rows"]) == (3, 30)
     assert result["startup"]["warm"]["mode"] in ALL_MODES
     assert set(result["lookup"]["ple-um cpu"]["uniform"]) == {"16", "host"}
+
+
+def test_bench_of_an_engram_table_end_to_end(capsys, tmp_path, monkeypatch):
+    """`ple-um bench --model deepseek-v41` on the CPU: the synthetic Engram table written once into
+    the cache, its contenders (the torch anchor decoding with torch ops, ple-um's cpu mode; no seeds,
+    no pinned copy without CUDA) timed side by side, the ratios from its own numbers; then the same
+    run on a directory's Engram table of two layers, one picked by --layer, opened in a second
+    process too (--processes 1). No times asserted."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    argv = [
+        "--model",
+        "deepseek-v41",
+        "--size",
+        "2MiB",
+        "--rows",
+        "16,256",
+        "--repeats",
+        "3",
+        "--rounds",
+        "2",
+    ]
+    code, result = run_json(capsys, "bench", *argv, "--ids", "uniform,zipf:1.1")
+    assert code == 0
+    rows = (2 << 20) // 264
+    table = result["table"]
+    assert (table["dtype"], table["layer"], table["num_rows"], table["row_bytes"]) == ("MXFP8", 1, rows, 256)
+    assert (table["shards"], table["bytes"]) == (1, rows * 264)
+    assert table["directory"] == str(tmp_path / "cache" / f"bench-engram-{rows}x264-1")
+    assert list(result["lookup"]) == ["torch index_select", "ple-um cpu"]
+    assert "E8M0 scales" in result["contenders"]["torch index_select"]
+    anchor = result["lookup"]["torch index_select"]
+    for entry in result["lookup"].values():
+        for dist in ("uniform", "zipf:1.1"):
+            for n in ("16", "256"):
+                row = entry[dist][n]
+                assert row["calls"] == 3 and row["p10_us"] <= row["median_us"] <= row["p90_us"]
+                assert row["gbps"] == pytest.approx(int(n) * 264 / row["median_us"] / 1e3)
+                assert row["vs_torch"] == pytest.approx(row["median_us"] / anchor[dist][n]["median_us"])
+    assert set(result["decode_step"]) == set(result["lookup"])
+    assert result["decode_step"]["ple-um cpu"]["uniform"]["eager"]["calls"] == 3
+    assert result["startup"]["warm"]["mode"] in ALL_MODES
+    write_engram_checkpoint(tmp_path / "two", tables={1: 500, 14: 700})
+    argv_dir = [str(tmp_path / "two"), "--layer", "14", *argv[:2], *argv[4:], "--processes", "1"]
+    code, result = run_json(capsys, "bench", *argv_dir)
+    assert code == 0 and (result["table"]["layer"], result["table"]["num_rows"]) == (14, 700)
+    assert list(result["processes"]) == ["ple-um"]  # no pinned copy without CUDA
+    assert len(result["processes"]["ple-um"]["mem_available_drop_bytes"]) == 1
+    code, out, err = run(capsys, "bench", str(tmp_path / "two"), *argv[:2], *argv[4:])
+    assert code == cli.EXIT_INVALID and "Engram tables of layers 1, 14" in err and "pass layer=" in err
 
 
 def _console_script() -> str:

@@ -1,18 +1,21 @@
 """DeepSeek-V4.1 Engram (MXFP8) tables on a real GPU: ple-um's kernel and host decode against vLLM
 0.33's own compiled ``_engram_lookup_kernel`` on every code and exponent, bit for bit; an
 Engram-shaped table (256 values + 8 E8M0 bytes a row, a rank's heads) in every mode the machine
-allows, eager and in a CUDA graph replayed with new ids, and with its rows not in memory (the row
-cache and the reader); the vLLM plugin's table against stock ``ParallelEngramEmbedding`` with its
-pinned host copy, on the GPU. Outputs poisoned first."""
+allows, eager and in a CUDA graph replayed with new ids, with its rows not in memory (the row
+cache and the reader), and larger than the memory cgroup of the process that serves it (the modes
+that read it where it lies); the vLLM plugin's table against stock ``ParallelEngramEmbedding`` with
+its pinned host copy, on the GPU. Outputs poisoned first."""
 
 from __future__ import annotations
 
 import os
+import textwrap
 
 import numpy as np
 import pytest
 import torch
-from helpers.mxfp8 import reference_mxfp8
+from helpers.cgroup import run_limited
+from helpers.mxfp8 import engram_ids, graph_replays_differ, reference_mxfp8
 from helpers.reference import reference_rows
 
 import ple_um
@@ -99,10 +102,7 @@ def _open(monkeypatch, layout, geometry, mode, rowcopy, rows, device, **env):
 
 
 def _ids(layout, rows, n, rng):
-    extra = [rows[0] - 1, rows[0], rows[1] - 1, rows[1], -1, layout.num_rows, 0, layout.num_rows - 1]
-    ids = np.concatenate([extra, rng.integers(0, layout.num_rows, n)]).astype(np.int64)
-    rng.shuffle(ids)
-    return ids
+    return engram_ids(layout.num_rows, rows, n, rng)
 
 
 @pytest.mark.parametrize("mode,rowcopy", MODES)
@@ -119,23 +119,8 @@ def test_a_ranks_heads_in_every_mode_eager_and_in_a_graph(engram, mode, rowcopy,
         values, scales = table.lookup_packed(torch.from_numpy(ids_np).to(device))
         assert np.array_equal(values.cpu().numpy(), reference_rows(layout, ids_np, rows))
         assert np.array_equal(scales.cpu().numpy(), reference_rows(layout.scale_layout(), ids_np, rows))
-        if not table.capture_safe:
-            return
-        ids = torch.zeros(24 * 64, dtype=torch.int64, device=device)
-        out = torch.empty((ids.numel(), 256), dtype=torch.bfloat16, device=device)
-        table.lookup(ids, out=out)  # warm-up outside the capture
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            table.lookup(ids, out=out)
-        for _ in range(3):
-            ids_np = _ids(layout, rows, ids.numel() - 8, rng)
-            ids.copy_(torch.from_numpy(ids_np))
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize(device)
-            want = reference_mxfp8(layout, ids_np, rows, torch.bfloat16)
-            assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), mode
+        if table.capture_safe:
+            assert graph_replays_differ(table, rows, lambda n: _ids(layout, rows, n, rng), device) == [], mode
 
 
 def _drop_pages(table) -> None:
@@ -159,6 +144,113 @@ def test_rows_not_in_memory_through_the_row_cache_and_the_reader(engram, reads, 
                 want = reference_mxfp8(layout, ids_np, rows, torch.bfloat16)
                 assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), (reads, n)
         assert table.stats()["file_reads"] > 0 and table.stats()["row_cache"]["hits"] > 0
+
+
+@pytest.mark.parametrize("contender", ["torch", "vllm", "stand-in"])
+def test_the_benchs_contenders_equal_the_files(engram, contender, rng, device):
+    """``ple-um bench --model deepseek-v41``'s torch anchor (the table in GPU memory) and vLLM's
+    stock pinned copy, read by vLLM's compiled kernel or by the stand-in, on the GPU."""
+    from ple_um.bench.contenders import TorchResident, VllmEngramPinned
+
+    layout, _ = engram
+    if contender == "torch":
+        impl = TorchResident(layout, device)
+    else:
+        if contender == "vllm":
+            _vllm_kernel()  # skipped without vLLM
+        impl = VllmEngramPinned(layout, device, use_vllm=contender == "vllm")
+        assert impl.kernel == contender
+    try:
+        for n in (1, 24 * 64, 40_000):
+            ids_np = rng.integers(0, layout.num_rows, n)
+            ids_np[: min(n, 2)] = [layout.num_rows - 1, 0][: min(n, 2)]
+            out = torch.full((n, 256), float("nan"), dtype=torch.bfloat16, device=device)
+            impl.lookup(torch.from_numpy(ids_np).to(device), out=out)
+            torch.cuda.synchronize(device)
+            want = reference_mxfp8(layout, ids_np, None, torch.bfloat16)
+            assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), (contender, n)
+    finally:
+        impl.close()
+
+
+# The child under the memory limit: its CUDA context and imports held first, then the limit set to
+# what it holds and 48 MiB more (the table is 127 MB), the table's pages dropped, eager lookups and
+# graph replays with new ids, each compared with the rows decoded from the files.
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, {tests!r})
+    import numpy as np, torch
+    import ple_um
+    from helpers.mxfp8 import engram_ids, graph_replays_differ, reference_mxfp8
+    from ple_um.access.capabilities import read_capabilities
+    from ple_um.checkpoint import EngramGeometry
+    group, mode, device = {group!r}, {mode!r}, torch.device("cuda")
+    torch.zeros(1, device=device)
+    if mode == "ats" and not read_capabilities(device).pageable_memory_access_uses_host_page_tables:
+        print(json.dumps(dict(skipped="no ATS on this machine")))
+        sys.exit(0)
+    def read(name):
+        with open(os.path.join(group, name)) as f:
+            return int(f.read())
+    limit = (read("memory.current") if {v2} else read("memory.usage_in_bytes")) + (48 << 20)
+    with open(os.path.join(group, "memory.max" if {v2} else "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit))
+    fd = os.open({path!r}, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    geometry = EngramGeometry.from_config({config!r})
+    rows = geometry.head_rows(1, 0, 24)  # every head: the whole table, 127 MB
+    rng = np.random.default_rng({seed})
+    ids_for = lambda n: engram_ids({num_rows}, rows, n, rng)
+    bad = []
+    opened = ple_um.open_engram_table({directory!r}, rows=rows, geometry=geometry, mode=mode, device=device)
+    with opened as table:
+        serving = table.stats()["serving"]
+        for n in (24, 24 * 64, 40_000):
+            for k in range(3):
+                ids_np = ids_for(n)
+                out = torch.full((ids_np.size, 256), float("nan"), dtype=torch.bfloat16, device=device)
+                table.lookup(torch.from_numpy(ids_np).to(device), out=out)
+                want = reference_mxfp8(table.layout, ids_np, rows, torch.bfloat16)
+                if not torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)):
+                    bad.append(("eager", n, k))
+        bad += [("graph", k) for k in graph_replays_differ(table, rows, ids_for, device, replays=4)]
+        stats = table.stats()
+    print(json.dumps(dict(serving=serving, bad=bad, reads=stats["file_reads"], row_cache=stats["row_cache"])))
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "ats"])
+def test_a_table_larger_than_its_memory_cgroup(engram, mode, rng, device):
+    """The Engram table (127 MB) served by a process whose memory cgroup (page cache included, no
+    swap) holds 48 MiB more than its CUDA context and imports: on the host path (the table does not
+    fit), its rows through the row cache and the reader of misses, eager and in graph replays with
+    new ids, every element equal to the files'."""
+    layout, geometry = engram
+    config = dict(CONFIG, engram_num_embeddings=[layout.num_rows])
+    seed, tests = int(rng.integers(1 << 30)), os.path.dirname(os.path.dirname(__file__))
+    result = run_limited(
+        "ple-um-engram",
+        lambda group, v2: CHILD.format(
+            tests=tests,
+            group=group,
+            mode=mode,
+            v2=v2,
+            path=layout.shards[0].path,
+            config=config,
+            seed=seed,
+            num_rows=layout.num_rows,
+            directory=layout.directory,
+        ),
+    )
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    assert result["bad"] == []
+    serving = result["serving"]
+    assert serving["path"] == "host" and "cgroup" in serving["why"], serving
+    assert result["reads"] > 0 and result["row_cache"]["hits"] > 0, result
 
 
 def test_the_plugin_table_equals_stock_with_its_pinned_copy(engram, monkeypatch, rng, device, tmp_path):

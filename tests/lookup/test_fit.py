@@ -9,17 +9,15 @@ poisoned, shard edges, ids outside the owned range and the table included.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
 import numpy as np
 import pytest
 import torch
+from helpers.cgroup import run_limited
 from helpers.machines import GH200, H200, HMM
 from helpers.reference import drop_page_cache, reference_rows
 from helpers.rowcopy_jobs import boundary_ids
@@ -320,41 +318,20 @@ CHILD = textwrap.dedent(
 
 
 def test_a_table_over_a_real_cgroups_limit_is_served_on_the_host_path(make_checkpoint, tmp_path, rng):
-    from ple_um.bench.memlimit import MemoryLimit
-
     rows, dim = 400_000, 160  # 61 MiB
     layout = make_checkpoint(
         num_rows=rows, row_dim=dim, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
     )
     drop_page_cache(layout)
-    with MemoryLimit.open(4 << 30, f"ple-um-fit-{os.getpid()}") as limit:
-        if not limit.enforced:
-            pytest.skip(f"no memory cgroup can be made here: {limit.why}")
-        v2 = os.path.exists(os.path.join(limit.group, "memory.max"))
-        code = CHILD.format(
-            tests=os.path.dirname(os.path.dirname(__file__)),
-            group=limit.group,
-            v2=v2,
-            seed=int(rng.integers(1 << 30)),
-            directory=layout.directory,
-            rows=rows,
-            dim=dim,
-        )
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            preexec_fn=limit.preexec,
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-        procs = os.path.join(limit.group, "cgroup.procs")
-        deadline = time.monotonic() + 30  # an exited child leaves the group a moment later
-        while time.monotonic() < deadline and open(procs).read().strip():
-            time.sleep(0.05)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    seed = int(rng.integers(1 << 30))
+    tests = os.path.dirname(os.path.dirname(__file__))
+    result = run_limited(
+        "ple-um-fit",
+        lambda group, v2: CHILD.format(
+            tests=tests, group=group, v2=v2, seed=seed, directory=layout.directory, rows=rows, dim=dim
+        ),
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     serving, stats = result["serving"], result["stats"]
     assert serving["path"] == "host" and "cgroup" in serving["why"] and "do not fit" in serving["why"], (
         serving
