@@ -22,7 +22,8 @@ from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.files import read_json_file
 from ple_um.checkpoint.safetensors import MAX_HEADER_BYTES, TensorEntry, read_header
 from ple_um.checkpoint.scan import INDEX_FILE
-from ple_um.checkpoint.shard_layout import MXFP8, MXFP8_BLOCK, STORAGE_DTYPES, ShardLayout, ShardSpec
+from ple_um.checkpoint.shard_layout import MXFP8, MXFP8_BLOCK, STORAGE_DTYPES, ShardLayout
+from ple_um.checkpoint.validation import shard_specs
 from ple_um.errors import CheckpointError
 
 ENGRAM_RE = re.compile(r"(?:^|\.)layers\.([0-9]{1,9})\.engram\.embed\.(weight|scale)\Z")
@@ -217,19 +218,9 @@ def read_engram_layout(
         row_bytes=dim,
         num_rows=rows,
         rows_per_shard=rows,
-        shards=(
-            ShardSpec(
-                index=0, path=weight.path, tensor=weight.name, offset=weight.start, rows=rows,
-                identity=weight.identity,
-            ),
-        ),
+        shards=shard_specs({0: weight}),
         scale=None,
         scale_tensor=None,
-        block_scales=(
-            ShardSpec(
-                index=0, path=scale.path, tensor=scale.name, offset=scale.start, rows=rows,
-                identity=scale.identity,
-            ),
-        ),
+        block_scales=shard_specs({0: scale}),  # as many rows as the weight (_check)
         block_size=MXFP8_BLOCK,
     )

@@ -98,15 +98,16 @@ def _build(found: Scan, layer: int, problems: Problems) -> ShardLayout | None:
         row_bytes=reference.shape[1] * STORAGE_DTYPES[storage].itemsize,
         num_rows=total,
         rows_per_shard=per_shard,
-        shards=_specs(shards),
+        shards=shard_specs(shards),
         scale=scale,
         scale_tensor=scale_tensor,
-        block_scales=_specs(blocks),
+        block_scales=shard_specs(blocks),
         block_size=NVFP4_BLOCK if nvfp4 else 0,
     )
 
 
-def _specs(entries: dict[int, TensorEntry]) -> tuple[ShardSpec, ...]:
+def shard_specs(entries: dict[int, TensorEntry]) -> tuple[ShardSpec, ...]:
+    """The ShardSpecs of tensors by shard index, in index order: each a whole tensor of rows."""
     return tuple(
         ShardSpec(index=i, path=e.path, tensor=e.name, offset=e.start, rows=e.shape[0], identity=e.identity)
         for i, e in sorted(entries.items())
