@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ple_um.checkpoint import MXFP8_BLOCK
-from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _decode, _locate, _to_bf16_bits
+from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _block_scales, _decode, _locate, _store_decoded
 from ple_um.kernels.launch import DirectLaunch, launch_decoding
 
 _BLOCK = tl.constexpr(MXFP8_BLOCK)  # values per block scale
@@ -44,21 +44,13 @@ def _gather_mxfp8_kernel(
     rows, in_batch, owned, shard, local = _locate(
         ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_shard, ROWS
     )
-    row_base = tl.load(row_bases_ptr + shard, mask=owned, other=0).to(tl.pointer_type(tl.uint8))
-    scale_base = tl.load(scale_bases_ptr + shard, mask=owned, other=0).to(tl.pointer_type(tl.uint8))
-    e = tl.arange(0, DIM)
-    in_row = e < row_dim
-    m = owned[:, None] & in_row[None, :]
-    values = row_base + local * row_dim
-    code = tl.load(values[:, None] + e[None, :], mask=m, other=0).to(tl.int32)
-    scales = scale_base + local * (row_dim // _BLOCK)
-    exponent = tl.load(scales[:, None] + (e // _BLOCK)[None, :], mask=m, other=0).to(tl.int32)
+    row_base, e, m, exponent = _block_scales(
+        row_bases_ptr, scale_bases_ptr, owned, shard, local, row_dim, _BLOCK, DIM
+    )
+    code = tl.load((row_base + local * row_dim)[:, None] + e[None, :], mask=m, other=0).to(tl.int32)
     # The E8M0 byte is the float32 exponent field of a power of two.
     val = _decode(code, 0) * (exponent << 23).to(tl.float32, bitcast=True)  # 0: E4M3 (constexpr)
-    if OUT_BF16:
-        val = _to_bf16_bits(val)
-    dst = out_ptr + rows[:, None] * row_dim + e[None, :]
-    tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=in_batch[:, None] & in_row[None, :])
+    _store_decoded(out_ptr, val, rows, in_batch, e, row_dim, OUT_BF16)
 
 
 def gather_mxfp8(

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ple_um.checkpoint import NVFP4_BLOCK
-from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _decode, _locate, _to_bf16_bits
+from ple_um.kernels.gather import NUM_WARPS, ROWS_PER_PROGRAM, _block_scales, _decode, _locate, _store_decoded
 from ple_um.kernels.launch import DirectLaunch, launch_decoding
 
 _BLOCK = tl.constexpr(NVFP4_BLOCK)  # values per block scale
@@ -55,22 +55,14 @@ def _gather_nvfp4_kernel(
     rows, in_batch, owned, shard, local = _locate(
         ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_shard, ROWS
     )
-    row_base = tl.load(row_bases_ptr + shard, mask=owned, other=0).to(tl.pointer_type(tl.uint8))
-    scale_base = tl.load(scale_bases_ptr + shard, mask=owned, other=0).to(tl.pointer_type(tl.uint8))
-    e = tl.arange(0, DIM)
-    in_row = e < row_dim
-    m = owned[:, None] & in_row[None, :]
+    row_base, e, m, scale_byte = _block_scales(
+        row_bases_ptr, scale_bases_ptr, owned, shard, local, row_dim, _BLOCK, DIM
+    )
     packed = row_base + local * (row_dim // 2)
     byte = tl.load(packed[:, None] + (e // 2)[None, :], mask=m, other=0).to(tl.int32)
     code = (byte >> ((e % 2) * 4)[None, :]) & 0xF
-    scales = scale_base + local * (row_dim // _BLOCK)
-    scale_byte = tl.load(scales[:, None] + (e // _BLOCK)[None, :], mask=m, other=0).to(tl.int32)
     block_scale = _decode(scale_byte, 0) * tl.load(global_scale_ptr)  # 0: E4M3 (constexpr literal)
-    val = _e2m1(code) * block_scale
-    if OUT_BF16:
-        val = _to_bf16_bits(val)
-    dst = out_ptr + rows[:, None] * row_dim + e[None, :]
-    tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=in_batch[:, None] & in_row[None, :])
+    _store_decoded(out_ptr, _e2m1(code) * block_scale, rows, in_batch, e, row_dim, OUT_BF16)
 
 
 def gather_nvfp4(
