@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from ple_um.checkpoint.safetensors import TensorEntry
 from ple_um.errors import CheckpointError
 
 
@@ -23,3 +24,8 @@ class Problems:
 
     def report(self, message: str, *, path: str | None = None, tensor: str | None = None) -> None:
         self.add(CheckpointError(message, path=path, tensor=tensor))
+
+    def about(self, entry: TensorEntry, message: str) -> bool:
+        """Report ``message`` naming ``entry``'s file and tensor; False, the verdict of the check."""
+        self.report(message, path=entry.path, tensor=entry.name)
+        return False

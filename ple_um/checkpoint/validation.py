@@ -122,11 +122,7 @@ def _one_per_index(
     for index in sorted(entries):
         first, *others = sorted(entries[index], key=lambda e: (e.path, e.name))
         for other in others:
-            problems.report(
-                f"{what} {index}: also tensor {first.name} in {first.path}",
-                path=other.path,
-                tensor=other.name,
-            )
+            problems.about(other, f"{what} {index}: also tensor {first.name} in {first.path}")
         chosen[index] = first
     return chosen
 
@@ -152,20 +148,16 @@ def _check_rows(shards: dict[int, TensorEntry], problems: Problems) -> tuple[Ten
                 f"of shard tensor {reference.name}"
             )
         if wrong is not None:
-            problems.report(wrong, path=entry.path, tensor=entry.name)
-            sound = False
+            sound = problems.about(entry, wrong)
     if reference is not None and reference.shape[1] == 0:
-        problems.report("rows have 0 elements", path=reference.path, tensor=reference.name)
-        sound = False
+        sound = problems.about(reference, "rows have 0 elements")
     packed_block = NVFP4_BLOCK // 2  # packed bytes of one block: two values a byte
     if reference is not None and reference.dtype == NVFP4_STORAGE and reference.shape[1] % packed_block:
-        problems.report(
+        sound = problems.about(
+            reference,
             f"NVFP4 rows of {2 * reference.shape[1]} values ({reference.shape[1]} packed bytes) do not "
             f"split into blocks of {NVFP4_BLOCK}: the packed width must be a multiple of {packed_block}",
-            path=reference.path,
-            tensor=reference.name,
         )
-        sound = False
     return reference, sound
 
 
@@ -207,18 +199,17 @@ def _check_ceil(
     """(rows, rows per shard, whether every shard holds its ceil share); None for a table of 0 rows."""
     total = sum(entry.shape[0] for entry in shards.values())
     if total == 0:
-        problems.report(f"layer {layer}: the table has 0 rows", path=reference.path, tensor=reference.name)
+        problems.about(reference, f"layer {layer}: the table has 0 rows")
         return None
     per_shard = -(-total // parts)
     sound = True
     for index, entry in shards.items():
         expected = min(max(total - index * per_shard, 0), per_shard)
         if entry.shape[0] != expected:
-            problems.report(
+            problems.about(
+                entry,
                 f"shard {index} holds {entry.shape[0]} rows, expected {expected} ({total} rows in "
                 f"{parts} parts: ceil({total}/{parts}) = {per_shard} rows per shard)",
-                path=entry.path,
-                tensor=entry.name,
             )
             sound = False
     return total, per_shard, sound
@@ -263,13 +254,11 @@ def _check_nvfp4(
     sound = True
     # vLLM refuses an unsharded ngram_embedding.weight_scale next to an NVFP4 table.
     for entry in sorted(tensors.scales, key=lambda e: (e.path, e.name)):
-        problems.report(
+        sound = problems.about(
+            entry,
             "unsharded weight_scale next to an NVFP4 table: its block scales must be stored per shard, "
             "as ...ngram_embedding.shard_<i>.weight_scale",
-            path=entry.path,
-            tensor=entry.name,
         )
-        sound = False
 
     blocks = _one_per_index(tensors.block_scales, "duplicate block scales of shard index", problems)
     sound = sound and all(len(v) == 1 for v in tensors.block_scales.values())
@@ -312,43 +301,31 @@ def _check_block(
         return False
     if rows is None:
         if ("shard", index) not in lost:
-            problems.report(
+            problems.about(
+                block,
                 f"block scales of shard {index} without its rows: no tensor {rows_name(block.name)} "
                 "in any file",
-                path=block.path,
-                tensor=block.name,
             )
         return False
     if block.dtype != NVFP4_SCALE_DTYPE:
-        problems.report(
-            f"block-scale dtype {block.dtype}, expected {NVFP4_SCALE_DTYPE}",
-            path=block.path,
-            tensor=block.name,
-        )
-        return False
+        return problems.about(block, f"block-scale dtype {block.dtype}, expected {NVFP4_SCALE_DTYPE}")
     if len(block.shape) != 2:
-        problems.report(
+        return problems.about(
+            block,
             f"block-scale tensor has shape {list(block.shape)}, expected 2-D [rows, row_dim/{NVFP4_BLOCK}]",
-            path=block.path,
-            tensor=block.name,
         )
-        return False
     sound = True
     if rows.dtype == reference.dtype and len(rows.shape) == 2 and block.shape[0] != rows.shape[0]:
-        problems.report(
+        sound = problems.about(
+            block,
             f"block scales of shard {index} have {block.shape[0]} rows, its row shard {rows.name} "
             f"has {rows.shape[0]}",
-            path=block.path,
-            tensor=block.name,
         )
-        sound = False
     row_dim = 2 * reference.shape[1]
     if row_dim % NVFP4_BLOCK == 0 and block.shape[1] != row_dim // NVFP4_BLOCK:
-        problems.report(
+        sound = problems.about(
+            block,
             f"block-scale width {block.shape[1]}, expected {row_dim // NVFP4_BLOCK}: one scale per "
             f"{NVFP4_BLOCK} of the {row_dim} values of a row ({reference.shape[1]} packed bytes)",
-            path=block.path,
-            tensor=block.name,
         )
-        sound = False
     return sound
