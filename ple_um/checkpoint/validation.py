@@ -236,8 +236,7 @@ def _check_scales(
         )
         return None if read is None else (*read, {})
     if reference.dtype == NVFP4_STORAGE:
-        checked = _check_nvfp4(tensors, shards, reference, problems, lost)
-        return None if checked is None else (checked[1], checked[2], checked[0])
+        return _check_nvfp4(tensors, shards, reference, problems, lost)
     return None, None, {}
 
 
@@ -247,8 +246,8 @@ def _check_nvfp4(
     reference: TensorEntry,
     problems: Problems,
     lost: _Lost,
-) -> tuple[dict[int, TensorEntry], float, str] | None:
-    """An NVFP4 table's block scales by shard index, and its global scale (value, tensor name);
+) -> tuple[float, str, dict[int, TensorEntry]] | None:
+    """An NVFP4 table's global scale (value, tensor name) and its block scales by shard index;
     None when any of them is unsound (every problem reported; a tensor in ``lost``, of a file
     already reported, is not reported missing again)."""
     sound = True
@@ -276,7 +275,7 @@ def _check_nvfp4(
     )
     if read is None or not sound:
         return None
-    return blocks, read[0], read[1]
+    return (*read, blocks)
 
 
 def _check_block(
