@@ -167,7 +167,7 @@ def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice
         calls.append(device)
         raise cuda.StreamBlockedError("a stream ... stays blocked")
 
-    monkeypatch.setattr(cuda, "_checked", {})
+    monkeypatch.setattr(cuda, "_verdicts", {})
     monkeypatch.setattr(cuda, "_check", check)
     device = torch.device("cuda", 3)
     for _ in range(2):

@@ -175,7 +175,7 @@ SIGNAL_BYTES, DONE_AT = 128, 64
 # Seconds the open-time check waits for a stream to see a write.
 SIGNAL_TIMEOUT = 5.0
 # The check's verdict per device index: "" (works), a reason (use host nodes), or the error.
-_checked: dict[int, str | BaseException] = {}
+_verdicts: dict[int, str | BaseException] = {}
 # Pinned words a blocked stream may still wait on: never freed (freed memory could be handed out
 # and written again, releasing or corrupting the wait).
 _stranded: list[torch.Tensor] = []
@@ -210,13 +210,13 @@ def signals_work(driver: CudaDriver, device: torch.device) -> str | None:
     """None when stream memory operations work on ``device`` as the dispatcher uses them (checked
     once per device), else why not. Raises StreamBlockedError, at every call, for a device whose
     check left a stream blocked."""
-    known = _checked.get(device.index)
+    known = _verdicts.get(device.index)
     if known is None:
         try:
             known = _check(driver, device)
         except StreamBlockedError as exc:
             known = exc
-        _checked[device.index] = known
+        _verdicts[device.index] = known
     if isinstance(known, BaseException):
         raise known
     return known or None
