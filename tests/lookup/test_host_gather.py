@@ -1,7 +1,8 @@
 """The host path's ring of job structs (``host.cuda.StreamState.slot``): a slot is handed out once its
 host node has run; while the caller waits, a stream in error or a node that never ran ends the wait
 with HostNodeError instead of a hang. The CUDA driver's answers are injected (a CPU machine has no
-driver); the job's flag is cleared by the real C row copy, as a host node clears it."""
+driver); the job's flag is cleared by the real C row copy, as a host node clears it. Also the
+dispatcher's signals check at open, and the context calls a thread new to CUDA makes first."""
 
 from __future__ import annotations
 
@@ -174,3 +175,51 @@ def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice
         with pytest.raises(HostNodeError, match="stays blocked"):
             cuda.signals_work(object(), device)
     assert calls == [device]
+
+
+class _ContextLib:
+    """libcuda's context calls for a thread with no context current: each records itself and
+    returns its code from ``codes`` (0 success); the device and context it makes are handed out as
+    the driver does, through the pointer given."""
+
+    def __init__(self, codes):
+        self.codes, self.calls = codes, []
+
+    def _answer(self, name, *args):
+        self.calls.append((name, *args))
+        return self.codes.get(name, 0)
+
+    def cuCtxGetCurrent(self, current):
+        return 0  # no context current: ``current`` stays NULL
+
+    def cuDeviceGet(self, device, index):
+        device._obj.value = 40 + index
+        return self._answer("cuDeviceGet", index)
+
+    def cuDevicePrimaryCtxRetain(self, context, device):
+        context._obj.value = 0x1000 + device.value
+        return self._answer("cuDevicePrimaryCtxRetain", device.value)
+
+    def cuCtxSetCurrent(self, context):
+        return self._answer("cuCtxSetCurrent", context.value)
+
+    def cuGetErrorName(self, rc, name):
+        return 0
+
+
+@pytest.mark.parametrize("failing", [None, "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent"])
+def test_a_context_is_made_current_one_checked_call_at_a_time(failing):
+    driver = cuda.CudaDriver.__new__(cuda.CudaDriver)  # no libcuda here: its calls injected
+    driver.lib, driver._thread = _ContextLib({failing: 999}), threading.local()
+    made = [("cuDeviceGet", 2), ("cuDevicePrimaryCtxRetain", 42), ("cuCtxSetCurrent", 0x1000 + 42)]
+    if failing is None:
+        driver.ensure_context(2)
+        driver.ensure_context(2)  # once per thread
+        assert driver.lib.calls == made
+        return
+    with pytest.raises(HostNodeError, match="device 2's context current failed.*999"):
+        driver.ensure_context(2)
+    stop = [name for name, *_ in made].index(failing) + 1
+    assert driver.lib.calls == made[:stop]  # no call after the one that failed
+    with pytest.raises(HostNodeError):  # not taken as done: the next lookup tries again
+        driver.ensure_context(2)

@@ -137,12 +137,12 @@ class CudaDriver:
         current = ctypes.c_void_p()
         if self.lib.cuCtxGetCurrent(ctypes.byref(current)) == 0 and not current.value:
             device, context = ctypes.c_int(), ctypes.c_void_p()
-            for rc in (
-                self.lib.cuDeviceGet(ctypes.byref(device), index),
-                self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
-                self.lib.cuCtxSetCurrent(context),
+            for call in (  # in turn, each checked before the next uses what it made
+                lambda: self.lib.cuDeviceGet(ctypes.byref(device), index),
+                lambda: self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                lambda: self.lib.cuCtxSetCurrent(context),
             ):
-                if rc != CUDA_SUCCESS:
+                if (rc := call()) != CUDA_SUCCESS:
                     raise HostNodeError(
                         f"making device {index}'s context current failed: {self.error_name(rc)}"
                     )
