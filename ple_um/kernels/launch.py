@@ -59,6 +59,14 @@ def why_not_direct(kernel) -> str | None:
     return None
 
 
+def current_stream(device: int) -> int:
+    """The handle of CUDA device ``device``'s current stream, through torch's private call (what
+    Triton's own launcher reads): the public ``torch.cuda.current_stream(device).cuda_stream``
+    builds a Stream object per call, a host cost of the size a direct launch, and the host path's
+    queuing of an eager lookup, exist to remove."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 class DirectLaunch:
     """Launches ``kernel`` (a ``triton.jit`` function) on the current stream of the current device.
 
@@ -91,10 +99,7 @@ class DirectLaunch:
             if compiled is not None:
                 self._compiled[key] = compiled
             return compiled
-        # torch's private call for the current stream's handle (what Triton's own launcher reads):
-        # the public torch.cuda.current_stream(device).cuda_stream builds a Stream object per call,
-        # a host cost of the size this launch exists to remove. So in bind's launcher too.
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        stream = current_stream(device)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
         return compiled
 
@@ -110,7 +115,7 @@ def bind(compiled, args: tuple, *, ids_at: int, n_at: int, rows_per_program: int
     fixed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     head, middle, tail = fixed[:ids_at], fixed[ids_at + 2 : n_at], fixed[n_at + 1 :]
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    stream_of, device = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device()
+    stream_of, device = current_stream, torch.cuda.current_device()
 
     def launch(ids_ptr: int, out_ptr: int, n: int) -> None:
         grid = (n + rows_per_program - 1) // rows_per_program

@@ -37,6 +37,7 @@ import time
 import torch
 
 from ple_um import envs
+from ple_um.kernels.launch import current_stream
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.host import cuda
@@ -180,7 +181,7 @@ class HostGather:
                 return self._lookup(ids, outs, raw)
         t0 = time.perf_counter()
         self._driver.ensure_context(self.index)
-        stream = torch.cuda.current_stream(self.index).cuda_stream
+        stream = current_stream(self.index)
         capturing = torch.cuda.is_current_stream_capturing()
         state = self._state(stream)
         if raw:
