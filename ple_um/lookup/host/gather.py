@@ -20,11 +20,13 @@ Who runs the row copy (three strategies, one per case):
   host nodes too.
 - No CUDA device: the row copy called directly (``_lookup_here``; ctypes releases the GIL).
 
-Every strategy fills the same job structs and queues the same driver copies of the ids and the rows
-(``_ids_in``, ``_rows_out``); only who runs the row copy differs. What a stream keeps (buffers, the
-ring of job structs, the signal words): ``cuda.py``. Bound: per stream that captured lookups, at most twice
-the largest captured batch of ``8 + row bytes`` per id (the buffers grow by doubling and earlier
-ones stay), plus about 100 B per captured lookup.
+Every strategy fills the same job structs (``_fill``). The two on a CUDA device (host nodes, the
+dispatcher) queue the same driver copies of the ids and the rows (``_ids_in``, ``_rows_out``) and
+differ only in who runs the row copy; the direct call runs it on the calling thread and copies
+nothing. What a stream keeps (buffers, the ring of job structs, the signal words): ``cuda.py``.
+Bound: per stream that captured lookups, at most twice the largest captured batch of ``8 + row
+bytes`` per id (the buffers grow by doubling and earlier ones stay), plus about 100 B per captured
+lookup.
 """
 
 from __future__ import annotations
