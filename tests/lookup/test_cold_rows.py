@@ -49,15 +49,19 @@ def lib(tmp_path_factory):
 @pytest.fixture(scope="module")
 def publish_first_lib(tmp_path_factory):
     """The row copy built as a wrong cache (``-DPLE_TEST_PUBLISH_FIRST``: a slot's tag published
-    before its bytes), which only this test builds: the shipped library has no such switch."""
+    before its bytes), which only this test builds: the shipped library has no such switch, and the
+    define is in the build's digest, so that the check a shipped library passes refuses it."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler to build the wrong cache with")
     out = str(tmp_path_factory.mktemp("publish-first") / "rowcopy-publish-first.so")
-    command = native_build.command(cc, out, werror=False, extra=("-DPLE_TEST_PUBLISH_FIRST",))
+    defines = ("-DPLE_TEST_PUBLISH_FIRST",)
+    command = native_build.command(cc, out, werror=False, extra=defines)
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lib, why = rowcopy.open_library(out)
+    assert lib is None and "built from other source" in why, why
+    lib, why = rowcopy.open_library(out, defines=defines)
     assert lib is not None, why
     return lib
 
