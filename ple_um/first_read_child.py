@@ -34,8 +34,9 @@ def _say(kind: str, text: str) -> None:
 
 def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
     """Ask the kernel to drop the window's pages from the page cache (pages another process maps
-    stay), so that the GPU's first touch reads them from the file, as a
-    serving process's does. A hint: nothing depends on it."""
+    stay), so that the GPU's first touch reads them from the file, as a serving process's does. A
+    hint: nothing depends on it. Not written back: a freshly written shard's write-back, the whole
+    file's, could outlast the child's time limit."""
     S, rb = layout.rows_per_shard, layout.row_bytes
     for spec in layout.shards:
         lo = max(window[0], spec.index * S)
@@ -43,7 +44,8 @@ def _evict(layout: ShardLayout, window: tuple[int, int]) -> None:
         if hi <= lo:
             continue
         with contextlib.suppress(OSError):
-            evict_file_pages(spec.path, spec.offset + (lo - spec.index * S) * rb, (hi - lo) * rb)
+            start = spec.offset + (lo - spec.index * S) * rb
+            evict_file_pages(spec.path, start, (hi - lo) * rb, write_back=False)
 
 
 def _inject(fault: str | None) -> None:

@@ -83,30 +83,39 @@ def _windows(region) -> Iterator[tuple[int, np.ndarray]]:
             yield first, resident_pages(region, first, RESIDENCY_WINDOW)
 
 
-def evict_file_pages(path: str, offset: int = 0, length: int = 0) -> None:
+def evict_file_pages(path: str, offset: int = 0, length: int = 0, write_back: bool = True) -> None:
     """Drop the file's bytes ``[offset, offset + length)`` (``length`` 0: to its end) from the page
-    cache: written back first (a dirty page cannot be dropped), then POSIX_FADV_DONTNEED, which drops
-    only the pages no process maps (``evict_pages`` unmaps this process's first). A request: a file
-    system whose files are their page cache (tmpfs) keeps them. OSError where the file cannot be opened."""
+    cache with POSIX_FADV_DONTNEED, which drops only clean pages no process maps (``evict_pages``
+    unmaps this process's first). ``write_back``: the whole file written back first (fsync), for a
+    file just written, whose dirty pages would stay; a file system without fsync (squashfs, erofs,
+    iso9660: EINVAL, EROFS) has no dirty page, and its pages are dropped all the same. A request: a
+    file system whose files are their page cache (tmpfs) keeps them. OSError where the file cannot
+    be opened or written back."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        if write_back:
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EROFS):
+                    raise
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
 
-def evict_pages(files: Iterable[str], regions: Iterable = ()) -> None:
+def evict_pages(files: Iterable[str], regions: Iterable = (), write_back: bool = True) -> None:
     """Every page of ``files`` out of this process and the page cache: each of ``regions`` (this
-    process's mappings of them) emptied with MADV_DONTNEED, so that its pages are no longer mapped
-    here and the next read faults them in, then each file's pages dropped (``evict_file_pages``).
-    OSError naming the file where madvise fails."""
+    process's mappings of them: anything with ``addr``, ``length`` and ``path``) emptied with
+    MADV_DONTNEED, so that its pages are no longer mapped here and the next read faults them in,
+    then each file's pages dropped (``evict_file_pages``, ``write_back`` as there). OSError naming
+    the file where madvise fails."""
     for region in regions:
         if _libc.madvise(region.addr, region.length, mmap.MADV_DONTNEED) != 0:
             code = ctypes.get_errno()
             raise OSError(code, f"madvise(MADV_DONTNEED) failed on {region.path}: {os.strerror(code)}")
     for path in files:
-        evict_file_pages(path)
+        evict_file_pages(path, write_back=write_back)
 
 
 def resident_count(region) -> int:

@@ -8,6 +8,7 @@ dropping the files from the page cache.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -383,3 +384,41 @@ def test_evicting_pages_unmaps_them_here_then_drops_them_from_the_page_cache(evi
         pages = region.resident_pages()
         first_dropped = (half - region.file_offset) // PAGE
         assert pages[:first_dropped].all() and pages[first_dropped:].sum() <= 2
+
+
+def test_evicting_pages_of_a_file_system_without_fsync_still_drops_them(evictable, monkeypatch):
+    """squashfs, erofs and iso9660 have no fsync (EINVAL; EROFS on some others): their files have no
+    dirty page, and their pages are dropped all the same. Any other write-back failure raises, and
+    drops nothing; ``write_back=False`` (the first-read child, the benches reading a table) never
+    calls fsync."""
+    layout, fsyncs = evictable, []
+
+    def failing(code: int):
+        def fsync(fd: int) -> None:
+            fsyncs.append(fd)
+            raise OSError(code, os.strerror(code))
+
+        return fsync
+
+    with MappedShards(layout) as m:
+        (region,) = m.regions
+
+        def cached_not_mapped() -> None:
+            m.populate()
+            residency.evict_pages([], m.regions)  # unmapped here, still in the page cache
+            assert resident(m) == m.mapped_bytes
+
+        for code in (errno.EINVAL, errno.EROFS):
+            cached_not_mapped()
+            monkeypatch.setattr(residency.os, "fsync", failing(code))
+            residency.evict_file_pages(region.path)
+            assert fsyncs and resident(m) <= PAGE
+        cached_not_mapped()
+        monkeypatch.setattr(residency.os, "fsync", failing(errno.EIO))
+        with pytest.raises(OSError) as raised:
+            residency.evict_file_pages(region.path)
+        assert raised.value.errno == errno.EIO and resident(m) == m.mapped_bytes
+        fsyncs.clear()
+        m.populate()
+        residency.evict_pages(layout.files, m.regions, write_back=False)
+        assert not fsyncs and resident(m) <= PAGE

@@ -20,11 +20,11 @@ reads a table opened with the defaults makes.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,35 +39,36 @@ from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows, row_cache_plan
 from ple_um.residency import evict_pages
 
-MADV_DONTNEED = 4
 # The knobs of the steady state without a row cache: the page cache alone holds the rows read (and
 # a GPU mode's kernel reads them there: the table taken to fit, ``lookup.fit``).
 PAGE_CACHE_KNOBS = {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "off", "PLE_UM_FIT": "fits"}
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def own_mappings(paths: set[str]) -> list[tuple[int, int]]:
-    """(start, end) of every mapping of this process of one of ``paths`` (/proc/self/maps)."""
+class Mapped(NamedTuple):
+    """One mapping of this process of a file: a region ``residency.evict_pages`` empties."""
+
+    addr: int
+    length: int
+    path: str
+
+
+def own_mappings(paths: set[str]) -> list[Mapped]:
+    """Every mapping of this process of one of ``paths`` (/proc/self/maps)."""
     found = []
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
             if len(fields) == 6 and fields[5].rstrip("\n") in paths:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
-                found.append((start, end))
+                found.append(Mapped(start, end - start, fields[5].rstrip("\n")))
     return found
 
 
 def drop_table_pages(files: list[str]) -> None:
     """Drop the table's pages: this process's mappings of ``files`` emptied (MADV_DONTNEED), then
-    the files' pages evicted from the page cache (POSIX_FADV_DONTNEED; pages another process maps
-    stay)."""
-    for start, end in own_mappings(set(files)):
-        if _libc.madvise(start, end - start, MADV_DONTNEED) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"madvise(MADV_DONTNEED) failed: {os.strerror(code)}")
-    evict_pages(files)
+    the files' pages evicted from the page cache, written back first (a table just written);
+    pages another process maps stay (``residency.evict_pages``)."""
+    evict_pages(files, own_mappings(set(files)))
 
 
 def cold_knobs(probe: MappedShards) -> dict[str, str]:

@@ -60,7 +60,7 @@ def _offsets(files: list[str], size: int, count: int, rng: np.random.Generator) 
 def _reads(files: list[str], size: int, depth: int, count: int, direct: bool, seed: int) -> dict:
     jobs = _offsets(files, size, count, np.random.default_rng(seed))
     if not direct:
-        evict_pages(files)
+        evict_pages(files, write_back=False)  # files this bench only reads
     fds = [_open(f, direct) for f in files]
     errors: list[OSError] = []
 

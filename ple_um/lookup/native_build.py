@@ -9,9 +9,10 @@ library, so that ``setup.py`` can read it before anything is installed.
 The flags harden the library as distributions build theirs (stack protector, ``_FORTIFY_SOURCE``,
 full RELRO, a stack that cannot execute) and turn on the warnings; at install time and in CI
 (``tests/native``) warnings are errors. The run-time fallback compiles without ``-Werror``: a newer
-compiler's new warning must not cost a user the row copy. The digest of the source is compiled
-into the library (``ple_source_digest()``), so a library built from other source (an editable
-install edited since) is known at load.
+compiler's new warning must not cost a user the row copy. The digest of the source, and of the
+``-D`` defines a test's build adds, is compiled into the library (``ple_source_digest()``), so a
+library built from other source (an editable install edited since) or as a test's variant
+(``-DPLE_TEST_PUBLISH_FIRST``) is known at load.
 """
 
 from __future__ import annotations
@@ -34,20 +35,29 @@ def sources(folder: Path = NATIVE) -> list[Path]:
     return [folder / name for name in SOURCE_NAMES]
 
 
-def source_digest(folder: Path = NATIVE) -> str:
-    """The digest of the headers and sources (names and bytes) in ``folder``: what a library built
-    from them reports as ``ple_source_digest()``."""
+def source_digest(folder: Path = NATIVE, defines: tuple[str, ...] = ()) -> str:
+    """The digest of the headers and sources (names and bytes) in ``folder`` and of ``defines`` (the
+    ``-D`` flags a build adds): what a library built from them reports as ``ple_source_digest()``."""
     digest = hashlib.sha256()
     for name in (*HEADER_NAMES, *SOURCE_NAMES):
         digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    for define in defines:
+        digest.update(define.encode() + b"\0")
     return digest.hexdigest()[:32]
 
 
-def digest_define(folder: Path = NATIVE) -> str:
-    return f'-DPLE_SOURCE_DIGEST="{source_digest(folder)}"'
+def define_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``-D`` flags of ``flags``, which change what is compiled and so the digest."""
+    return tuple(flag for flag in flags if flag.startswith("-D"))
+
+
+def digest_define(folder: Path = NATIVE, defines: tuple[str, ...] = ()) -> str:
+    return f'-DPLE_SOURCE_DIGEST="{source_digest(folder, defines)}"'
 
 
 def command(cc: str, output: str, *, werror: bool, extra: tuple[str, ...] = ()) -> list[str]:
-    """The command that compiles and links every source into the library ``output``."""
-    flags = (*COMPILE_FLAGS, *(("-Werror",) if werror else ()), digest_define(), *extra)
+    """The command that compiles and links every source into the library ``output``; the ``-D``
+    flags of ``extra`` go into its digest, so that only ``open_library`` told them accepts it."""
+    digest = digest_define(defines=define_flags(extra))
+    flags = (*COMPILE_FLAGS, *(("-Werror",) if werror else ()), digest, *extra)
     return [cc, *flags, *LINK_FLAGS, "-o", output, *map(str, sources())]

@@ -63,10 +63,12 @@ def _unload(lib: ctypes.CDLL) -> None:
 
 
 def open_library(
-    path: str, declare: Declare, *, name: str | None = None
+    path: str, declare: Declare, *, name: str | None = None, defines: tuple[str, ...] = ()
 ) -> tuple[ctypes.CDLL | None, str | None]:
     """The library at ``path`` once ``declare`` found its interface as declared and its source
-    digest is that of the source beside this module; else None and why not (it is unloaded)."""
+    digest is that of the source beside this module built with ``defines`` (a test's build: the
+    ``-D`` flags it was compiled with; none for every other); else None and why not (it is
+    unloaded)."""
     name = name or path
     try:
         lib = ctypes.CDLL(path)
@@ -81,7 +83,7 @@ def open_library(
     digest = (digest_fn() or b"").decode(errors="replace")
     why = declare(lib)
     try:
-        here = native_build.source_digest()
+        here = native_build.source_digest(defines=defines)
     except OSError:  # an install that ships no C files: the library is the only row copy there is
         here = digest
     if why is None and digest != here:

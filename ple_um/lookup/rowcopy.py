@@ -176,10 +176,10 @@ def _declare(lib: ctypes.CDLL) -> str | None:
     return None
 
 
-def open_library(path: str) -> tuple[ctypes.CDLL | None, str | None]:
+def open_library(path: str, defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
     """The row copy at ``path`` (a build of one's own: tests/native's sanitized one), once its
-    interface is checked; else None and why not."""
-    return native_library.open_library(path, _declare)
+    interface is checked, built with the ``-D`` flags ``defines``; else None and why not."""
+    return native_library.open_library(path, _declare, defines=defines)
 
 
 def load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:

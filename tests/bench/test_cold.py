@@ -38,8 +38,8 @@ def test_drop_table_pages_empties_this_process_and_the_page_cache(make_checkpoin
     layout = make_checkpoint(num_rows=20000, row_dim=160, shards=5, files=3)
     _skip_on_tmpfs(layout.directory)
     with MappedShards(layout) as mapping:
-        assert sorted({s for s, _ in own_mappings(set(layout.files))}) == sorted(
-            r.addr for r in mapping.regions
+        assert sorted((m.addr, m.path) for m in own_mappings(set(layout.files))) == sorted(
+            (r.addr, r.path) for r in mapping.regions
         )
         for region in mapping.regions:
             region.array().sum()  # every page read, through this mapping

@@ -76,7 +76,9 @@ def test_the_installed_library_is_used_when_it_checks_out(tmp_path, monkeypatch)
     assert not (tmp_path / "cache").exists()  # nothing compiled at run time
 
 
-@pytest.mark.parametrize("kind", ["missing symbol", "other interface", "stale", "not a library"])
+@pytest.mark.parametrize(
+    "kind", ["missing symbol", "other interface", "stale", "a test's build", "not a library"]
+)
 def test_an_installed_library_that_does_not_check_out_gives_the_run_time_build(
     tmp_path, monkeypatch, caplog, kind
 ):
@@ -90,6 +92,9 @@ def test_an_installed_library_that_does_not_check_out_gives_the_run_time_build(
     elif kind == "stale":  # an editable install whose C files were edited since it was built
         compile_library(out, extra=("-UPLE_SOURCE_DIGEST", '-DPLE_SOURCE_DIGEST="0123"'))
         expected = "built from other source (digest 0123"
+    elif kind == "a test's build":  # a define of a test's variant is in the digest it reports
+        compile_library(out, extra=("-DPLE_TEST_PUBLISH_FIRST",))
+        expected = f"the source here is {native_build.source_digest()})"
     else:
         out.write_text("not a library")
         expected = "loading"

@@ -1,5 +1,6 @@
 """Lookups through a sanitized build of the row copy (run by test_sanitizers.py, in a process whose
-sanitizer runtime is preloaded): ``python sanitized_lookups.py LIBRARY CHECKPOINT_DIR``.
+sanitizer runtime is preloaded): ``python sanitized_lookups.py LIBRARY CHECKPOINT_DIR [-DNAME ...]``
+(the ``-D`` flags the library was built with beyond the shipped ones, for its digest).
 
 What runs in C: the row copy (rowcopy.c) over a mapping and through a row cache small enough to
 evict all the time (rowcache.c, its slots rewritten while other threads copy them), the reader of
@@ -34,8 +35,8 @@ from ple_um.mapping import MappedShards  # noqa: E402
 LOOKUPS, BATCH = 8, 600
 
 
-def main(library: str, directory: str) -> int:
-    lib, why = rowcopy.open_library(library)
+def main(library: str, directory: str, *defines: str) -> int:
+    lib, why = rowcopy.open_library(library, defines=defines)
     if lib is None:
         print(f"cannot use {library}: {why}", file=sys.stderr)
         return 2
@@ -118,4 +119,4 @@ def finish(posted, layout, owned) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(*sys.argv[1:]))
