@@ -4,15 +4,16 @@ The pieces come first, then the table from them. ``_open`` maps the owned rows (
 the block scales too), then ``_select_mode`` chooses a mode: the probe's policy
 (``access.probe.decide``) names the first mode whose requirements pass; a guarded mode's first read
 is made in a child process (``access.first_read``); the mode is built (``access.build.ModeAccess``
-and ``lookup.paths.build_paths``) and self-tested through its lookup paths (``verify``). A mode that
+and ``lookup.paths.build_paths``), its resident pages mapped for the host path
+(``PLE_UM_MAP_RESIDENT``), and self-tested through its lookup paths (``verify``). A mode that
 fails any step is rejected with its reason, what it built released, and the next one is tried; a
 forced mode that fails raises ``ModeUnavailableError``. ``probe(path=...)`` runs the same loop
 without building.
 
 Once a mode serves, ``_start_serving`` measures the bulk crossover (``PLE_UM_BULK_ROWS=auto``),
-maps the resident pages (``PLE_UM_MAP_RESIDENT``), prewarms (``PLE_UM_PREWARM``), zeroes the
-counters its checks caused and starts the fit checks; then ``MappedTable`` is made from the pieces,
-and holds them. Until then the open holds them, and releases them where it fails.
+prewarms (``PLE_UM_PREWARM``), zeroes the counters its checks caused and starts the fit checks;
+then ``MappedTable`` is made from the pieces, and holds them. Until then the open holds them, and
+releases them where it fails.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ def _select_mode(
                 progress=metrics.progress,
             )
             paths = build_paths(access, layout, rows=rows, scale=scale)
+            if paths.row_copy is not None and access.mode in ("ats", "cpu") and envs.PLE_UM_MAP_RESIDENT:
+                # Before the self-test and the crossover, so that they, like serving, take no minor
+                # faults on the host path's reads of resident rows.
+                access.map_resident()
             paths, why = _self_test(access, paths, rows, scale)
             if why is None:
                 return report, access, paths
@@ -268,8 +273,8 @@ def _self_test(
 
 
 def _start_serving(access: ModeAccess, paths: LookupPaths, rows: tuple[int, int]) -> dict:
-    """After the mode is chosen: the bulk crossover (its timings returned), the resident pages
-    mapped, the prewarm, counters zeroed, the fit checks started."""
+    """After the mode is chosen: the bulk crossover (its timings returned), the prewarm, counters
+    zeroed, the fit checks started."""
     knob, mode = envs.PLE_UM_BULK_ROWS, access.mode
     calibration: dict = {}
     # The crossover is a GPU's: on the CPU (the interpreter) a GPU mode's host path serves only a
@@ -280,8 +285,6 @@ def _start_serving(access: ModeAccess, paths: LookupPaths, rows: tuple[int, int]
             calibration = verify.calibrate_bulk(paths, rows)
         else:
             paths.bulk_rows = int(knob)
-    if paths.row_copy is not None and mode in ("ats", "cpu") and envs.PLE_UM_MAP_RESIDENT:
-        access.map_resident()  # the host path's reads of resident rows then take no minor faults
     mappings = [m for m in (access.mapping, access.scale_mapping) if m is not None]
     if envs.PLE_UM_PREWARM:
         with metrics.progress(sum(m.mapped_bytes for m in mappings), "ple-um prewarm") as advance:

@@ -42,8 +42,8 @@ class MappedTable:
     """A PLE table served from its mapped checkpoint files through one access mode (see the module
     docstring), made by ``open_table`` from finished pieces: the mappings, the mode's ``access`` and
     its lookup ``paths``; ``report`` says which mode and why not the others. The table holds them
-    from here, and what it adds to serve: its handle in the torch ops' registry, its release when
-    dropped, its metrics and its watch by the stats reporter; ``close()`` releases all of it."""
+    from here, and what it adds to serve: its metrics and its watch by the stats reporter, its handle
+    in the torch ops' registry, its release when dropped; ``close()`` releases all of it."""
 
     def __init__(
         self,
@@ -83,8 +83,6 @@ class MappedTable:
         self._close_lock = threading.Lock()
         self._closing = False
         self._released = threading.Event()
-        self.handle = ops.register_table(self)
-        self._finalizer = dropped.on_drop(self, vars(self), _release, cuda=self.device.type == "cuda")
         self.metrics = metrics.LookupMetrics(self.mode, host_counted=paths.counts_on_host)
         if paths.counts_on_host:
             paths.host.metrics = self.metrics  # the synchronous path counts each lookup as it makes it
@@ -93,7 +91,12 @@ class MappedTable:
         residency = mapping.residency
         if scale_mapping is not None:  # the page-cache figures count the block scales beside the rows
             residency = lambda: [*mapping.residency(), *scale_mapping.residency()]  # noqa: E731
+        # The watch holds the table weakly (a failure below leaves the reporter a dropped table,
+        # which it lets go of); the handle and the release when dropped come last: a failure
+        # before them leaves the pieces to the open alone, which releases them once.
         self.watch = metrics.watch(_weak_stats(self), self.metrics, residency, device=self.device)
+        self.handle = ops.register_table(self)
+        self._finalizer = dropped.on_drop(self, vars(self), _release, cuda=self.device.type == "cuda")
 
     # -- the paths, as the caller and the tests see them ------------------------------------
     @property

@@ -446,6 +446,24 @@ def test_a_knob_refused_while_a_mode_is_built_releases_what_it_built(layout, mon
     assert not maps_of(layout.files) and len(ops._TABLES) == before
 
 
+def test_resident_pages_are_mapped_before_the_self_test(layout, monkeypatch):
+    """The cpu mode's C row copy: the resident pages are mapped (PLE_UM_MAP_RESIDENT) before the
+    self-test reads through the host path (and, on a GPU, before the crossover is measured), so
+    that the open's checks take no minor faults that serving will not."""
+    from ple_um import verify
+    from ple_um.access.build import ModeAccess
+
+    calls = []
+    map_resident, self_test = ModeAccess.map_resident, verify.self_test
+    monkeypatch.setattr(ModeAccess, "map_resident", lambda a: calls.append("map") or map_resident(a))
+    monkeypatch.setattr(verify, "self_test", lambda *a, **k: calls.append("self-test") or self_test(*a, **k))
+    monkeypatch.setenv("PLE_UM_MAP_RESIDENT", "1")
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        assert table.paths.row_copy is not None  # the C row copy's host path: what maps them
+        assert table.access.mapped_resident > 0
+    assert calls == ["map", "self-test"]
+
+
 def test_prewarm_populates(make_checkpoint, monkeypatch):
     layout = make_checkpoint(num_rows=1024, row_dim=256, dtype="fp8", shards=2, files=1)
     monkeypatch.setenv("PLE_UM_PREWARM", "1")

@@ -70,7 +70,8 @@ class TableSource:
         self._files: frozenset[str] = frozenset()
 
     def directory(self) -> str:
-        """The directory to map now (its real path), or CheckpointError saying what was tried."""
+        """The directory to map now (its real path), or CheckpointError saying what was tried or
+        that the directory cannot be listed."""
         model_config = getattr(self._vllm_config, "model_config", None)
         load_config = getattr(self._vllm_config, "load_config", None)
         model = getattr(model_config, "model", None)
@@ -78,10 +79,16 @@ class TableSource:
         download_dir = getattr(load_config, "download_dir", None)
         key = (envs.PLE_UM_DIR, model, revision, download_dir)
         if key != self._key:
+            # The real path, for the PLE layers and Engram alike: two spellings of one checkpoint (a
+            # symlink, say) are one table, not a reason to remap it.
             directory = os.path.realpath(resolve_table_dir(model, revision, download_dir))
+            try:
+                names = os.listdir(directory)
+            except OSError as exc:
+                raise CheckpointError(f"cannot list the checkpoint directory {directory}: {exc}") from exc
             files = frozenset(
                 os.path.realpath(os.path.join(directory, name))
-                for name in os.listdir(directory)
+                for name in names
                 if name.endswith(".safetensors")
             )
             self._key, self._directory, self._files = key, directory, files

@@ -549,6 +549,41 @@ def test_a_close_that_fails_keeps_the_mappings(layout, monkeypatch):
     table.mapping.close()  # (the test's own clean-up: the process goes on)
 
 
+@pytest.mark.parametrize("fails", ["LookupMetrics", "watch"])
+def test_a_table_that_fails_to_finish_is_released_once(layout, monkeypatch, fails):
+    """MappedTable failing as it finishes (its metrics, its watch: injected): the open releases the
+    mode and the mappings once; no handle stays registered, no release is left to run when the
+    half-made table is dropped."""
+    from ple_um import metrics, opening
+    from ple_um import table as table_module
+
+    releases, finalizers = [], []
+    release_mode, on_drop = table_module.release_mode, dropped.on_drop
+
+    def counted(*args):
+        releases.append(args)
+        release_mode(*args)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError(f"{fails} failed (injected)")
+
+    monkeypatch.setattr(opening, "release_mode", counted)
+    monkeypatch.setattr(table_module, "release_mode", counted)
+    monkeypatch.setattr(
+        dropped, "on_drop", lambda *a, **k: finalizers.append(on_drop(*a, **k)) or finalizers[-1]
+    )
+    monkeypatch.setattr(metrics, fails, failing)
+    before = len(ops._TABLES)
+    with pytest.raises(RuntimeError, match="injected") as caught:  # its traceback holds the table
+        ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    assert not any(f.alive for f in finalizers), "a release is left for the half-made table"
+    del caught
+    gc.collect()
+    assert dropped.drain(60)
+    assert len(releases) == 1
+    nothing_left(layout, before)
+
+
 def test_a_blocked_stream_at_open_is_raised_without_a_release(layout, monkeypatch):
     """The dispatcher's check found a stream blocked for good (injected here): open_table raises
     it at once and never releases through the device (its synchronize would wait for ever); the

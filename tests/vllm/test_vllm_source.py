@@ -5,13 +5,15 @@ from tensors in memory. The resolution tests need no vLLM; the loads do."""
 from __future__ import annotations
 
 import os
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 import vllm_harness as h
 
 import ple_um
-from ple_um.vllm.source import file_backing, resolve_table_dir
+from ple_um.vllm.source import TableSource, file_backing, resolve_table_dir
 
 
 @pytest.mark.vllm
@@ -88,6 +90,43 @@ def test_resolve_error_says_what_was_tried(no_dir_knob, tmp_path):
     message = str(info.value)
     for part in ("PLE_UM_DIR", "'acme/absent': not a local directory", "Hugging Face cache", "v1"):
         assert part in message
+
+
+def vllm_config(model: str) -> SimpleNamespace:
+    """The fields of vLLM's config TableSource reads (by attribute)."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=None),
+        load_config=SimpleNamespace(download_dir=None),
+    )
+
+
+def test_table_source_is_the_real_directory(no_dir_knob, tmp_path):
+    """A checkpoint reached through a symlink: its real path (one table for the PLE layers and
+    Engram alike, however it is spelled), and its files told from others by their real paths."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a.safetensors").write_bytes(b"")
+    (tmp_path / "link").symlink_to(real)
+    source = TableSource(vllm_config(str(tmp_path / "link")))
+    assert source.directory() == os.path.realpath(real)
+    assert source.is_table_file(str(tmp_path / "link" / "a.safetensors"))
+    assert not source.is_table_file(str(tmp_path / "b.safetensors"))
+
+
+def test_an_unlistable_directory_is_a_checkpoint_error_naming_it(no_dir_knob, tmp_path, monkeypatch):
+    """listdir refused (injected: root lists any directory): CheckpointError naming the directory."""
+    directory, listdir = os.path.realpath(tmp_path), os.listdir
+
+    def refused(path="."):
+        if os.fspath(path) == directory:
+            raise PermissionError(13, "Permission denied", directory)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", refused)
+    with pytest.raises(
+        ple_um.CheckpointError, match=f"cannot list .* {re.escape(directory)}: .*Permission denied"
+    ):
+        TableSource(vllm_config(str(tmp_path))).directory()
 
 
 def test_file_backing_tells_file_views_from_memory(tmp_path):
