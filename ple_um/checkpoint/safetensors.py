@@ -100,9 +100,12 @@ def read_header(path: str) -> SafetensorsHeader:
     header to the package (see _verdict) or map a stand-in as long as the file.
     """
     identity, raw = _read_raw(path)
-    past = _past_end(raw, identity.size, path)
-    if past is not None:
-        raise past
+    try:
+        header, unread = json.loads(raw[8:].decode("utf-8")), None
+    except (ValueError, RecursionError) as e:
+        header, unread = None, e  # the package judges it
+    if isinstance(header, dict):
+        _check_end(header, raw, identity.size, path)
     try:
         why = _verdict(raw, identity.size)
         if why is not None:
@@ -113,12 +116,12 @@ def read_header(path: str) -> SafetensorsHeader:
             "size) exceeds this process's address space; raise its limit (ulimit -v)"
         ) from e
     # The package accepted the header: it is UTF-8 JSON of an object whose entries are sound,
-    # nested at most 127 levels, so that Python's json reads the same tensors from it (the last
-    # entry of a repeated name, as the package keeps).
-    try:
-        header = json.loads(raw[8:].decode("utf-8"))
-    except RecursionError as e:  # a caller already near Python's recursion limit
-        raise CheckpointError("header nested too deeply for Python's json at this depth", path=path) from e
+    # nested at most 127 levels, so that Python's json read the same tensors from it (the last
+    # entry of a repeated name, as the package keeps) unless the caller was already near Python's
+    # recursion limit.
+    if unread is not None:
+        message = "header nested too deeply for Python's json at this depth"
+        raise CheckpointError(message, path=path) from unread
     data_start = len(raw)
     tensors = {
         name: TensorEntry(
@@ -200,17 +203,10 @@ def _stand_in() -> int:
             return os.dup(f.fileno())
 
 
-def _past_end(raw: bytes, file_size: int, path: str) -> CheckpointError | None:
-    """The refusal of a header whose entries (as Python's json reads them) place a tensor past the end
-    of the file, naming the one that ends last; None when none does. The package refuses such a
-    header too (its data section must end where the last tensor does); refused first, no stand-in
-    is asked to be longer than the real file."""
-    try:
-        header = json.loads(raw[8:].decode("utf-8"))
-    except (ValueError, RecursionError):
-        return None  # the package judges it
-    if not isinstance(header, dict):
-        return None
+def _check_end(header: dict, raw: bytes, file_size: int, path: str) -> None:
+    """Refuse a header (as Python's json reads it) whose entries place a tensor past the end of the
+    file, naming the one that ends last. The package refuses it too (its data section must end where
+    the last tensor does); refused first, no stand-in is asked to be longer than the real file."""
     ends = [
         (meta["data_offsets"][1], name)
         for name, meta in header.items()
@@ -222,15 +218,14 @@ def _past_end(raw: bytes, file_size: int, path: str) -> CheckpointError | None:
     ]
     end, tensor = max(ends, default=(0, None))
     short = end - (file_size - len(raw))
-    if short <= 0:
-        return None
-    return CheckpointError(
-        f"header places tensor data past the end of the file ({file_size} bytes): the file ends {short} "
-        f"bytes before the last tensor does; file truncated or offsets wrong; its entry: "
-        f"{_REPR.repr(header[tensor])}",
-        path=path,
-        tensor=tensor,
-    )
+    if short > 0:
+        raise CheckpointError(
+            f"header places tensor data past the end of the file ({file_size} bytes): the file ends "
+            f"{short} bytes before the last tensor does; file truncated or offsets wrong; its entry: "
+            f"{_REPR.repr(header[tensor])}",
+            path=path,
+            tensor=tensor,
+        )
 
 
 def _refusal(why: str, raw: bytes, file_size: int, path: str) -> CheckpointError:
