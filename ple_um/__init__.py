@@ -8,7 +8,7 @@ contract.
 
 from ple_um import synthetic
 from ple_um.access.probe import ProbeReport
-from ple_um.errors import CheckpointError, ModeUnavailableError, PleUmError, TableClosedError
+from ple_um.errors import CheckpointError, HostError, ModeUnavailableError, PleUmError, TableClosedError
 from ple_um.opening import open_engram_table, open_table, probe
 from ple_um.table import MappedTable
 from ple_um.version import __version__
@@ -16,6 +16,7 @@ from ple_um.version import __version__
 __all__ = [
     "__version__",
     "CheckpointError",
+    "HostError",
     "MappedTable",
     "ModeUnavailableError",
     "PleUmError",

@@ -23,6 +23,11 @@ class CheckpointError(PleUmError, ValueError):
         self.tensor = tensor
 
 
+class HostError(PleUmError, OSError):
+    """This machine lacks what a check needs (an OS facility, address space): no checkpoint file is
+    at fault; the message says what is missing."""
+
+
 class KnobError(PleUmError, ValueError):
     """An environment knob holds a value it does not accept: the message names the variable, the
     value and what is accepted."""

@@ -9,11 +9,15 @@ read, and only the header (never tensor data) is read, through the descriptor th
 is taken from.
 
 The verdict is the package's (the loader stock vLLM uses), so that ple-um serves no file vLLM
-would refuse: the header bytes ple-um read are handed to ``safetensors.safe_open`` in an in-memory
-file as long as the real one, its data section a hole, so that the package judges exactly those
+would refuse: the header bytes ple-um read are handed to ``safetensors.safe_open`` in a stand-in file
+as long as the real one, its data section a hole (an in-memory file, else a sparse temporary file,
+opened by the package through Linux's /proc/self/fd), so that the package judges exactly those
 bytes, never opens the checkpoint's file itself and reads no tensor data. Its refusal becomes a
-CheckpointError naming the file, and the tensor at fault where one is. docs/CHECKPOINTS.md lists
-the rules the package applies.
+CheckpointError naming the file, and the tensor at fault where one is. A header that places a tensor
+past the end of the file is refused before the package is asked (the package refuses it too), so
+that no stand-in is ever longer than the real file. A machine where no stand-in can be made or
+mapped raises HostError, which blames no file. docs/CHECKPOINTS.md lists the rules the package
+applies.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ import os
 import re
 import reprlib
 import struct
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import safetensors
 
 from ple_um.checkpoint.files import FileIdentity, open_regular, pread_exact
-from ple_um.errors import CheckpointError
+from ple_um.errors import CheckpointError, HostError
 
 # The safetensors package refuses larger headers too (its MAX_HEADER_SIZE); checked here before
 # anything of that length is read or allocated.
@@ -46,6 +51,8 @@ _NAMED = re.compile(r"invalid offset for tensor `(.*)`\Z", re.DOTALL)
 _JSON = "invalid JSON in header"
 _COVERAGE = "incomplete metadata"
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+# Where the package opens the stand-in file by its descriptor.
+_PROC_FD = "/proc/self/fd"
 
 
 @dataclass(frozen=True)
@@ -88,23 +95,33 @@ def read_header(path: str) -> SafetensorsHeader:
     """The header of the safetensors file ``path``, read without reading tensor data.
 
     CheckpointError naming ``path`` (and the tensor at fault, where there is one) when the file
-    cannot be read, its header length is beyond the file or the cap, or the ``safetensors``
-    package refuses its header.
+    cannot be read, its header length is beyond the file or the cap, a tensor lies past its end, or
+    the ``safetensors`` package refuses its header. HostError when this machine cannot hand the
+    header to the package (see _verdict) or map a stand-in as long as the file.
     """
     identity, raw = _read_raw(path)
+    try:
+        header, unread = json.loads(raw[8:].decode("utf-8")), None
+    except (ValueError, RecursionError) as e:
+        header, unread = None, e  # the package judges it
+    if isinstance(header, dict):
+        _check_end(header, raw, identity.size, path)
     try:
         why = _verdict(raw, identity.size)
         if why is not None:
             raise _refusal(why, raw, identity.size, path)
-    except OSError as e:
-        raise CheckpointError(f"cannot hand the header to safetensors: {e.strerror or e}", path=path) from e
+    except MemoryError as e:  # safe_open maps the stand-in, as long as the file, whole
+        raise HostError(
+            f"cannot check the safetensors header of {path}: mapping {identity.size} bytes (the file's "
+            "size) exceeds this process's address space; raise its limit (ulimit -v)"
+        ) from e
     # The package accepted the header: it is UTF-8 JSON of an object whose entries are sound,
-    # nested at most 127 levels, so that Python's json reads the same tensors from it (the last
-    # entry of a repeated name, as the package keeps).
-    try:
-        header = json.loads(raw[8:].decode("utf-8"))
-    except RecursionError as e:  # a caller already near Python's recursion limit
-        raise CheckpointError("header nested too deeply for Python's json at this depth", path=path) from e
+    # nested at most 127 levels, so that Python's json read the same tensors from it (the last
+    # entry of a repeated name, as the package keeps) unless the caller was already near Python's
+    # recursion limit.
+    if unread is not None:
+        message = "header nested too deeply for Python's json at this depth"
+        raise CheckpointError(message, path=path) from unread
     data_start = len(raw)
     tensors = {
         name: TensorEntry(
@@ -152,21 +169,63 @@ def _verdict(raw: bytes, file_size: int) -> str | None:
     """What the ``safetensors`` package says of a file of ``file_size`` bytes that begins with
     ``raw`` (the length field and the header): None when it accepts it, else its reason.
 
-    The package is given an in-memory file holding ``raw``, as long as the real one, the rest a hole
-    that takes no memory: it reads only the header, and the data section's length."""
-    fd = os.memfd_create("ple-um-safetensors-header")
+    The package is given a stand-in file holding ``raw``, as long as the real one, the rest a hole
+    that takes no space: it reads only the header, and the data section's length. HostError when
+    no stand-in can be made or opened (no memfd and no temporary file, no /proc)."""
     try:
-        os.ftruncate(fd, file_size)
-        done = 0
-        while done < len(raw):
-            done += os.pwrite(fd, raw[done:], done)
+        fd = _stand_in()
         try:
-            with safetensors.safe_open(f"/proc/self/fd/{fd}", framework="numpy"):
-                return None
-        except safetensors.SafetensorError as e:
-            return str(e).removeprefix("Error while deserializing header: ")
-    finally:
-        os.close(fd)
+            os.ftruncate(fd, file_size)
+            done = 0
+            while done < len(raw):
+                done += os.pwrite(fd, raw[done:], done)
+            try:
+                with safetensors.safe_open(f"{_PROC_FD}/{fd}", framework="numpy"):
+                    return None
+            except safetensors.SafetensorError as e:
+                return str(e).removeprefix("Error while deserializing header: ")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise HostError(
+            f"cannot hand a safetensors header to the package: a stand-in file of {file_size} bytes, "
+            f"opened through {_PROC_FD}, failed: {e}"
+        ) from e
+
+
+def _stand_in() -> int:
+    """A descriptor of a new empty file: in memory, else (a Python built without memfd_create, a
+    kernel or sandbox refusing it) a temporary one, unnamed, whose holes take no disk."""
+    try:
+        return os.memfd_create("ple-um-safetensors-header")
+    except (AttributeError, OSError):
+        with tempfile.TemporaryFile() as f:
+            return os.dup(f.fileno())
+
+
+def _check_end(header: dict, raw: bytes, file_size: int, path: str) -> None:
+    """Refuse a header (as Python's json reads it) whose entries place a tensor past the end of the
+    file, naming the one that ends last. The package refuses it too (its data section must end where
+    the last tensor does); refused first, no stand-in is asked to be longer than the real file."""
+    ends = [
+        (meta["data_offsets"][1], name)
+        for name, meta in header.items()
+        if name != "__metadata__"
+        and isinstance(meta, dict)
+        and isinstance(meta.get("data_offsets"), list)
+        and len(meta["data_offsets"]) == 2
+        and type(meta["data_offsets"][1]) is int
+    ]
+    end, tensor = max(ends, default=(0, None))
+    short = end - (file_size - len(raw))
+    if short > 0:
+        raise CheckpointError(
+            f"header places tensor data past the end of the file ({file_size} bytes): the file ends "
+            f"{short} bytes before the last tensor does; file truncated or offsets wrong; its entry: "
+            f"{_REPR.repr(header[tensor])}",
+            path=path,
+            tensor=tensor,
+        )
 
 
 def _refusal(why: str, raw: bytes, file_size: int, path: str) -> CheckpointError:
@@ -191,15 +250,12 @@ def _refusal(why: str, raw: bytes, file_size: int, path: str) -> CheckpointError
     if not entries:
         return CheckpointError(message, path=path)
     order = [name for _, name in entries]
-    if why.startswith(_COVERAGE):
+    if why.startswith(_COVERAGE):  # never short: _past_end refuses that first
         tensor = max(entries, key=lambda e: (e[0][1], e[0][0], e[1]))[1]
         extra = file_size - len(raw) - _end(header, tensor)
         message += (
             f": {extra} bytes after the end of the last tensor; the header length is wrong (a shifted "
             "header) or bytes were appended"
-            if extra > 0
-            else f": the file ends {-extra} bytes before the last tensor does; file truncated or offsets "
-            "wrong"
         )
     else:
         # The first k tensors cover their data section: refused exactly when one of them is at fault.
@@ -213,8 +269,9 @@ def _end(header: dict, name: str) -> int:
 
 
 def _judge(header: dict, last: str) -> bool:
-    """Whether the package refuses ``header`` on a data section that ends where tensor ``last`` does."""
-    text = json.dumps(header).encode()
+    """Whether the package refuses ``header`` on a data section that ends where tensor ``last`` does;
+    written compact, so that the stand-in is no longer than the real file."""
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     return _verdict(struct.pack("<Q", len(text)) + text, 8 + len(text) + _end(header, last)) is not None
 
 

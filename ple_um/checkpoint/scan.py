@@ -40,6 +40,9 @@ class Scan:
     # file, an index entry pointing elsewhere), as (layer, kind, shard index or None): their
     # absence from the table is not reported again.
     lost: set[tuple[int, str, int | None]] = field(default_factory=set)
+    # A file refused with no index to say what it holds: it may hold any PLE tensor, so that none is
+    # reported missing.
+    blind: bool = False
 
     def lose(self, name: str | None) -> None:
         match = ple_match(name) if name else None
@@ -73,6 +76,7 @@ def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
             header = read_header(path)
         except CheckpointError as e:
             problems.add(e)
+            found.blind = found.blind or not os.path.lexists(index_path)
             for name, claimed in claims.items():
                 if claimed == path:
                     found.lose(name)

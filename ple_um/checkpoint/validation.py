@@ -8,6 +8,7 @@ scale). Every problem goes to a ``Problems``: the first raises (read_layout), or
 from __future__ import annotations
 
 import operator
+from collections.abc import Container
 
 from ple_um.checkpoint.global_scale import read_scale
 from ple_um.checkpoint.naming import block_scale_name, global_scale_name, rows_name, scale_name
@@ -26,7 +27,16 @@ from ple_um.checkpoint.shard_layout import (
 )
 
 # Tensors of one layer whose file is reported already, as (kind, shard index or None): see Scan.lost.
-_Lost = set[tuple[str, int | None]]
+_Lost = Container[tuple[str, int | None]]
+
+
+class _Every:
+    """Every tensor: what a file refused with no index may hold (Scan.blind)."""
+
+    def __contains__(self, _: object) -> bool:
+        return True
+
+
 _SUPPORTED = ", ".join(f"{d} ({NVFP4})" if d == NVFP4_STORAGE else d for d in STORAGE_DTYPES)
 
 
@@ -40,7 +50,8 @@ def analyze(directory: str, layer: int | None, problems: Problems) -> ShardLayou
     present = ", ".join(str(at) for at in sorted(found.layers)) or "none"
     if layer is None:
         if not found.layers:
-            problems.report(f"no PLE shards were found in {found.directory}")
+            if not found.blind:
+                problems.report(f"no PLE shards were found in {found.directory}")
             return None
         if len(found.layers) > 1:
             problems.report(
@@ -51,7 +62,10 @@ def analyze(directory: str, layer: int | None, problems: Problems) -> ShardLayou
             return None
         (layer,) = found.layers
     elif layer not in found.layers:
-        problems.report(f"no PLE shards of layer {layer} in {found.directory}; layers with shards: {present}")
+        if not found.blind:
+            problems.report(
+                f"no PLE shards of layer {layer} in {found.directory}; layers with shards: {present}"
+            )
         return None
     return _build(found, layer, problems)
 
@@ -64,14 +78,16 @@ def _build(found: Scan, layer: int, problems: Problems) -> ShardLayout | None:
     sound = all(len(v) == 1 for v in tensors.shards.values())
     reference, rows_sound = _check_rows(shards, problems)
     sound = sound and rows_sound
-    lost = {(kind, index) for at, kind, index in found.lost if at == layer}
-    lost_shards = {index for kind, index in lost if kind == "shard"}
+    lost_here = {(kind, index) for at, kind, index in found.lost if at == layer}
+    lost: _Lost = _Every() if found.blind else lost_here
+    lost_shards = {index for kind, index in lost_here if kind == "shard"}
     if not shards:  # the index named shards that their files do not hold (reported by the scan)
-        if not lost_shards:
+        if not lost_shards and not found.blind:
             problems.report(f"no PLE shards of layer {layer} could be read in {found.directory}")
         return None
     parts = max(shards.keys() | lost_shards) + 1
-    sound = _check_indices(layer, shards, lost_shards, parts, problems) and sound and not lost_shards
+    whole = not found.blind and _check_indices(layer, shards, lost_shards, parts, problems)
+    sound = whole and sound and not lost_shards
     # An NVFP4 table goes on to its block scales and global scale even when its rows are unsound,
     # so that validate lists their problems too; other tables stop here.
     nvfp4 = reference is not None and reference.dtype == NVFP4_STORAGE

@@ -8,15 +8,22 @@ Every malformed file here is written byte by byte into tmp_path (tests/helpers/r
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
+import subprocess
+import sys
+import tempfile
 
 import pytest
 from helpers.hand_checkpoints import entry, one_file, ple, raises, scale_name, shard
 from helpers.reference import encode_safetensors, write_raw
 
+import ple_um
 from ple_um.checkpoint import read_layout, validate
+from ple_um.checkpoint import safetensors as st
 from ple_um.checkpoint.safetensors import MAX_HEADER_BYTES, read_header
+from ple_um.errors import CheckpointError, HostError
 
 E = "t.weight"  # the entry the header cases break
 
@@ -86,7 +93,14 @@ HEADER_CASES = [
         r"the file ends 3 bytes before the last tensor does; file truncated or offsets wrong",
         E,
     ),
-    ("offsets_far_past", {E: entry(offsets=(1 << 62, (1 << 62) + 8))}, b"\0" * 8, None, r"invalid offset", E),
+    (
+        "offsets_far_past",
+        {E: entry(offsets=(1 << 62, (1 << 62) + 8))},
+        b"\0" * 8,
+        None,
+        r"the file ends 4611686018427387904 bytes before the last tensor does",
+        E,
+    ),
     (
         "size_mismatch",
         {E: entry(shape=(2, 5))},
@@ -160,6 +174,21 @@ def test_overlapping_tensors(tmp_path):
         b"\0" * 16,
     )
     raises(str(tmp_path), r"invalid offset for tensor `b`", path="x.safetensors", tensor="b")
+
+
+@pytest.mark.parametrize("end", [1 << 50, 1 << 63])
+def test_tensor_past_the_end_is_refused_before_any_stand_in(tmp_path, end):
+    """Tensors claiming data far past the file's end (b, then c of a size the package refuses): refused
+    naming the one that ends last, never judged on a stand-in that long (2^50: beyond any mapping;
+    2^63: beyond ftruncate)."""
+    header = {
+        "a": entry(shape=(4,), offsets=(0, 4)),
+        "b": entry(shape=(end - 4,), offsets=(4, end)),
+        "c": entry(shape=(3,), offsets=(end, end + 4)),
+    }
+    write_raw(tmp_path / "x.safetensors", header, b"\0" * 12)
+    raises(str(tmp_path), rf"the file ends {end + 4 - 12} bytes before the last tensor does", tensor="c")
+    assert validate(str(tmp_path))[0].startswith("header places tensor data past the end")
 
 
 def test_truncated_file(tmp_path):
@@ -245,3 +274,69 @@ def test_the_entry_at_fault_is_named_among_many(tmp_path, fault):
     first = f"t{at[0]}" if fault.startswith("size") else min((f"t{i}" for i in at), key=names.index)
     match = r"unknown variant `U9`" if fault.startswith("json") else r"invalid shape, data type, or offset"
     raises(str(tmp_path), match, path="model.safetensors", tensor=first)
+
+
+def test_without_memfd_a_temporary_file_stands_in(tmp_path, monkeypatch):
+    """A Python without os.memfd_create (built against an old glibc) judges headers exactly as well,
+    through a sparse temporary file: a sound table, and an entry at fault found by bisection."""
+    monkeypatch.delattr(os, "memfd_create", raising=False)
+    made = []
+
+    def temporary(*args, **kw):
+        made.append(1)
+        return tempfile_file(*args, **kw)
+
+    tempfile_file = tempfile.TemporaryFile
+    monkeypatch.setattr(st.tempfile, "TemporaryFile", temporary)
+    assert read_layout(one_file(tmp_path, ple())).num_rows == 9
+    assert made
+    header = {f"t{i}": entry(shape=(2,), offsets=(2 * i, 2 * i + 2)) for i in range(20)}
+    header["t13"]["shape"] = [3]
+    write_raw(tmp_path / "model.safetensors", header, b"\0" * 40)
+    raises(str(tmp_path), r"invalid shape, data type, or offset", path="model.safetensors", tensor="t13")
+
+
+def test_no_stand_in_is_a_host_error_naming_no_file(tmp_path, monkeypatch):
+    """Neither memfd nor a temporary file, or no /proc: a HostError saying so, never a CheckpointError
+    that blames the checkpoint; validate does not list it as a problem of each file."""
+    directory = one_file(tmp_path, ple())
+    monkeypatch.setattr(st, "_PROC_FD", str(tmp_path / "no-proc"))
+    with pytest.raises(HostError, match=r"opened through .*no-proc, failed") as info:
+        read_layout(directory)
+    assert not isinstance(info.value, CheckpointError)
+    monkeypatch.undo()
+
+    def refused(*args, **kw):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.delattr(os, "memfd_create", raising=False)
+    monkeypatch.setattr(st.tempfile, "TemporaryFile", refused)
+    with pytest.raises(HostError, match=r"cannot hand a safetensors header to the package: .*Read-only"):
+        validate(directory)
+
+
+def test_address_space_limit_is_a_host_error(tmp_path):
+    """Under a limit on address space (ulimit -v) smaller than a file, the stand-in of its length
+    cannot be mapped: a HostError that names the limit, checked in a child that sets it."""
+    size = 8 << 30
+    path = tmp_path / "big.safetensors"
+    write_raw(path, {"t": entry(shape=(size,), offsets=(0, size))})
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) + size)  # sparse: takes no disk
+    child = f"""
+import resource
+from ple_um.checkpoint.safetensors import read_header
+from ple_um.errors import HostError
+vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    read_header({str(path)!r})
+except HostError as e:
+    print("HostError:", e)
+"""
+    root = os.path.dirname(os.path.dirname(ple_um.__file__))  # the tree this ple_um is in
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("HostError: cannot check the safetensors header of "), run.stdout
+    assert f"mapping {os.path.getsize(path)} bytes" in run.stdout and "ulimit -v" in run.stdout

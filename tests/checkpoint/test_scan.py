@@ -6,7 +6,18 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.hand_checkpoints import INDEX, UNRELATED, indexed, ple, raises, scale_name, shard
+from helpers.hand_checkpoints import (
+    INDEX,
+    UNRELATED,
+    block,
+    global_name,
+    indexed,
+    nvfp4,
+    ple,
+    raises,
+    scale_name,
+    shard,
+)
 from helpers.reference import (
     write_safetensors,
 )
@@ -143,3 +154,33 @@ def test_index_claims_a_tensor_its_file_lacks(tmp_path):
 def test_index_without_ple_entries(tmp_path):
     directory = indexed(tmp_path, {"model.safetensors": UNRELATED})
     raises(directory, r"no PLE shards were found in ")
+
+
+@pytest.mark.parametrize(
+    "held",
+    [
+        ["scale"],  # the FP8 global scale
+        ["shard_3", "scale"],  # the last shard too
+        ["shard_0"],
+        ["shard_0", "shard_1", "shard_2", "shard_3", "scale"],  # every PLE tensor
+        ["nvfp4_global"],
+        ["nvfp4_shard_1"],  # rows and block scales of one shard
+    ],
+)
+def test_a_refused_file_without_index_hides_what_it_may_hold(tmp_path, held):
+    """No index says what a refused file holds: its problem is the only one listed, none of the
+    tensors it may hold is reported missing (here it does hold them, the rest is sound)."""
+    tensors = nvfp4() if held[0].startswith("nvfp4") else ple()
+    names = {
+        "scale": scale_name(),
+        "nvfp4_global": global_name(),
+        "nvfp4_shard_1": [shard(1), block(1)],
+        **{f"shard_{i}": shard(i) for i in range(4)},
+    }
+    moved = [n for h in held for n in ([names[h]] if isinstance(names[h], str) else names[h])]
+    write_safetensors(tmp_path / "a.safetensors", {n: t for n, t in tensors.items() if n not in moved})
+    write_safetensors(tmp_path / "b.safetensors", {n: tensors[n] for n in moved})
+    (tmp_path / "b.safetensors").write_bytes((tmp_path / "b.safetensors").read_bytes()[:-1])
+    for layer in (None, 1):
+        (problem,) = validate(str(tmp_path), layer)
+        assert "b.safetensors" in problem and "file truncated or offsets wrong" in problem, problem
