@@ -230,13 +230,14 @@ def _check_end(header: dict, raw: bytes, file_size: int, path: str) -> None:
 
 def _refusal(why: str, raw: bytes, file_size: int, path: str) -> CheckpointError:
     """The package's refusal ``why`` as a CheckpointError naming the file and the tensor at fault:
-    the one it names; for JSON it refuses, the entry that makes it refuse; the last tensor when
-    bytes follow it; for a size that does not fit shape and dtype, the first (in offset order) it
-    refuses. serde_json's own position is no guide: it reports an entry's fault at the header's end."""
+    for JSON it refuses, the entry that makes it refuse; the last tensor when bytes follow it; for
+    offsets out of place or a size that does not fit shape and dtype, the first (in offset order,
+    then by name) it refuses. serde_json's own position is no guide: it reports an entry's fault at
+    the header's end."""
     message = f"safetensors {safetensors.__version__} refuses the header: {why}"
+    # Among entries with the same offsets, the tensor the package names follows its hash map's
+    # order, which changes from run to run; the one named here is found in a fixed order instead.
     named = _NAMED.search(why)
-    if named is not None:
-        return CheckpointError(message, path=path, tensor=named.group(1))
     if why.startswith(_JSON):
         tensor = _json_fault(raw[8:].decode("utf-8"))
         return CheckpointError(message, path=path, tensor=None if tensor == "__metadata__" else tensor)
@@ -261,6 +262,10 @@ def _refusal(why: str, raw: bytes, file_size: int, path: str) -> CheckpointError
         # The first k tensors cover their data section: refused exactly when one of them is at fault.
         at = _first(len(order), lambda k: _judge({n: header[n] for n in order[:k]}, order[k - 1]))
         tensor = order[at]
+        if named is not None:
+            head = message[: len(message) - len(why) + named.start()]
+            message = f"{head}invalid offset for tensor `{tensor}`"
+            return CheckpointError(message, path=path, tensor=tensor)
     return CheckpointError(f"{message}; its entry: {_REPR.repr(header[tensor])}", path=path, tensor=tensor)
 
 

@@ -176,6 +176,21 @@ def test_overlapping_tensors(tmp_path):
     raises(str(tmp_path), r"invalid offset for tensor `b`", path="x.safetensors", tensor="b")
 
 
+def test_tensors_at_the_same_offsets_name_one_tensor_every_time(tmp_path):
+    """Three entries on the same bytes, none starting at 0: the package names whichever its hash map
+    puts first, which changes between calls; ple-um names the first by offset then name, every time."""
+    names = ["zeta", "alpha", "mid"]
+    write_raw(tmp_path / "x.safetensors", {n: entry(offsets=(8, 16)) for n in names}, b"\0" * 16)
+    seen = set()
+    for _ in range(40):
+        with pytest.raises(CheckpointError) as e:
+            read_header(str(tmp_path / "x.safetensors"))
+        seen.add((e.value.tensor, str(e.value)))
+    assert len(seen) == 1, seen
+    tensor, message = seen.pop()
+    assert tensor == "alpha" and "invalid offset for tensor `alpha`" in message
+
+
 @pytest.mark.parametrize("end", [1 << 50, 1 << 63])
 def test_tensor_past_the_end_is_refused_before_any_stand_in(tmp_path, end):
     """Tensors claiming data far past the file's end (b, then c of a size the package refuses): refused
