@@ -3,7 +3,7 @@ bounded time.
 
 Processes that start at once (tensor-parallel ranks, data-parallel replicas, several servers) use
 it to do one at a time what each would otherwise do at the same moment: the first read's child
-(``access.verdict_cache``) and the sizing of a row cache (``lookup.host.cold``). The kernel releases
+(``access.verdict_cache``) and the sizing of a row cache (``lookup.host.misses``). The kernel releases
 the lock when its holder's file is closed, however the process ends.
 """
 

@@ -29,7 +29,7 @@ from ple_um.checkpoint import ShardLayout
 from ple_um.lookup import fit, rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
-from ple_um.lookup.host import cold
+from ple_um.lookup.host import misses
 from ple_um.lookup.host.gather import HostGather, warm_row_cache
 from ple_um.lookup.sync_gather import SyncGather
 
@@ -277,10 +277,10 @@ def _kernel(access: ModeAccess, layout: ShardLayout, rows: tuple[int, int], scal
 
 def _host_builder(access: ModeAccess, layout: ShardLayout, scale, lib, why: str):
     """``host_for(spills)``: a new host path through the C row copy ``lib`` for ``access``'s table,
-    with the row cache and reader of misses ``cold.plan`` gives it (a row cache when ``spills``)."""
+    with the row cache and reader of misses ``misses.plan`` gives it (a row cache when ``spills``)."""
 
     def host_for(spills: bool) -> HostGather:
-        with cold.one_sizing_at_a_time():  # sized from the memory left and faulted in, then let go
+        with misses.one_sizing_at_a_time():  # sized from the memory left and faulted in, then let go
             return HostGather(
                 lib,
                 access.mapping,
@@ -290,7 +290,7 @@ def _host_builder(access: ModeAccess, layout: ShardLayout, scale, lib, why: str)
                 threads=envs.PLE_UM_CPU_THREADS,
                 scale_mapping=access.scale_mapping,
                 built=why,
-                cold=cold.plan(lib, access.mapping, access.scale_mapping, spills=spills),
+                misses=misses.plan(lib, access.mapping, access.scale_mapping, spills=spills),
             )
 
     return host_for

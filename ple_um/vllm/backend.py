@@ -50,7 +50,7 @@ from ple_um.errors import CheckpointError
 from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, capturing, compare_shard, layer_index
 from ple_um.vllm import capture, loading
 from ple_um.vllm.loading import ExpectedTable
-from ple_um.vllm.prefetch import PrefetchLookups
+from ple_um.vllm.overlap import OverlappedLookups
 from ple_um.vllm.source import TableSource, file_backing
 
 __all__ = ["Qwen4ExpPLEMappedEmbedding", "ReloadMismatchError"]
@@ -109,7 +109,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         # vLLM's prefetch hook (read by Qwen4ExpNGramEmbedding right after construction): the
         # lookup queued one decoder layer ahead on a side stream.
         self.supports_prefetch = envs.PLE_UM_OVERLAP
-        self.prefetches = PrefetchLookups(
+        self.overlapped = OverlappedLookups(
             prefix, max_total_tokens * self.etp_data_parallel_size, embedding_dim
         )
         # The model's ple-um layers whose lookups of a step start together (``early.link``).
@@ -261,33 +261,33 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     # -- vLLM's prefetch hook -------------------------------------------------------------------
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Queue this layer's lookup for ``ngram_ids`` [tokens, heads] on a side stream forked from
-        the current one where ``capture.prefetch_may_fork`` allows (a FULL graph captures the fork),
+        the current one where ``capture.overlap_may_fork`` allows (a FULL graph captures the fork),
         else on the current stream; ``finalize_prefetch`` joins it."""
-        ids, out = self.prepare_prefetch(ngram_ids)
+        ids, out = self.prepare_lookup(ngram_ids)
         if self.may_fork(ids):
-            with self.prefetches.on_side_stream(ids.device) as join:
-                self.queue_prefetch(ids, out)
-            self.prefetches.start(out, ids, join, ngram_ids.shape[0])
+            with self.overlapped.on_side_stream(ids.device) as join:
+                self.queue_lookup(ids, out)
+            self.overlapped.start(out, ids, join, ngram_ids.shape[0])
         else:
-            self.queue_prefetch(ids, out)
-            self.prefetches.start(out, ids, None, ngram_ids.shape[0])
+            self.queue_lookup(ids, out)
+            self.overlapped.start(out, ids, None, ngram_ids.shape[0])
 
-    def prepare_prefetch(self, ngram_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A new prefetch of ``ngram_ids`` [tokens, heads]: the ids of the data-parallel ranks that
+    def prepare_lookup(self, ngram_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new overlapped lookup of ``ngram_ids`` [tokens, heads]: the ids of the data-parallel ranks that
         share the table (gathered on the current stream) and the prefetch buffer's rows for them."""
-        self.prefetches.begin()
+        self.overlapped.begin()
         slot_size, _ = self._get_dp_gather_slot(ngram_ids.shape[0])
         ids = self._gather_dp_ids(ngram_ids, slot_size)
-        return ids, self.prefetches.out(ids.shape[0], ids, self.lookup_dtype, fixed=self.served.captured)
+        return ids, self.overlapped.out(ids.shape[0], ids, self.lookup_dtype, fixed=self.served.captured)
 
     def may_fork(self, ids: torch.Tensor) -> bool:
         """Whether this layer's lookup of ``ids`` may be queued on a side stream
-        (``capture.prefetch_may_fork``; the zero rows of a dummy load as the lookup would be)."""
+        (``capture.overlap_may_fork``; the zero rows of a dummy load as the lookup would be)."""
         if self.served.table is None and self._dummy:
             return ids.is_cuda and not capture.segments_end_before_join()
-        return capture.prefetch_may_fork(ids, self.require_table())
+        return capture.overlap_may_fork(ids, self.require_table())
 
-    def queue_prefetch(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+    def queue_lookup(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """The lookup of ``ids`` into ``out``, queued on the current stream (zero rows for a dummy
         load before any table is open)."""
         if self.served.table is None and self._dummy:
@@ -300,7 +300,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         the ranks that share the table: [total_tokens, heads * head_dim], a tensor of the caller's
         own, as stock's pinned backend returns (the prefetch buffer, and an in-place all-reduce's
         result in it, are the next start_prefetch's to overwrite)."""
-        rows = self.prefetches.join(total_tokens)
+        rows = self.overlapped.join(total_tokens)
         slot_size, slot_offset = self._get_dp_gather_slot(total_tokens)
         rows = rows[: slot_size * self.etp_data_parallel_size]
         if self.reduce_results and self.tp_size > 1:

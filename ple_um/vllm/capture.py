@@ -1,6 +1,6 @@
 """The CUDA-graph rules of the vLLM layer: where a lookup may run while vLLM captures graphs.
 
-- ``segments_end_before_join`` and ``prefetch_may_fork``: whether ``start_prefetch`` may queue its
+- ``segments_end_before_join`` and ``overlap_may_fork``: whether ``start_prefetch`` may queue its
   lookup on a side stream. It may in eager calls and in FULL captures (the graph captures the fork
   and the join); it may not in vLLM's breakable piecewise captures, where an attention op ends the
   graph segment between ``start_prefetch`` and ``finalize_prefetch`` (a fork left unjoined at a
@@ -48,7 +48,7 @@ def segments_end_before_join() -> bool:
     return True
 
 
-def prefetch_may_fork(ids: torch.Tensor, table: MappedTable) -> bool:
+def overlap_may_fork(ids: torch.Tensor, table: MappedTable) -> bool:
     """Whether ``start_prefetch`` queues the lookup of ``ids`` on a side stream: on a CUDA device,
     for a capture-safe table, outside a graph segment that ends before the join. Otherwise the
     lookup runs on the current stream (a CPU device; the host path's eager break; a segment that

@@ -17,7 +17,7 @@ anyway; ``link`` logs the buffers' total. A later layer's ``start_prefetch`` in 
 CUDA graph captures the fork, the lookups and every join.
 
 ``PLE_UM_EARLY_LOOKUPS``: ``auto`` where every lookup may go on a side stream
-(``capture.prefetch_may_fork``: a CUDA device, capture-safe tables, not vLLM's piecewise capture,
+(``capture.overlap_may_fork``: a CUDA device, capture-safe tables, not vLLM's piecewise capture,
 where graph segments end between a start and its finalize); ``on`` also where they cannot (they then
 run in order on the current stream at the first layer); ``off``: each layer one decoder layer ahead.
 """
@@ -52,7 +52,7 @@ class EarlyLookups(StepGroup):
         for layer in self.layers:
             backend = layer.ngram_embedding
             per_row = layer.ngram_heads * backend.embedding_dim * backend.lookup_dtype.itemsize
-            total += backend.prefetches.rows * per_row
+            total += backend.overlapped.rows * per_row
         return total
 
     def start(
@@ -90,21 +90,21 @@ class EarlyLookups(StepGroup):
 
     def _queue(self, prepared: list[tuple[Qwen4ExpPLEMappedEmbedding, torch.Tensor]], fork: bool) -> None:
         started = [
-            (backend, *backend.prepare_prefetch(ngram_ids), ngram_ids) for backend, ngram_ids in prepared
+            (backend, *backend.prepare_lookup(ngram_ids), ngram_ids) for backend, ngram_ids in prepared
         ]
         if not fork:
             for backend, ids, out, ngram_ids in started:
-                backend.queue_prefetch(ids, out)
-                backend.prefetches.start(out, ids, None, ngram_ids.shape[0])
+                backend.queue_lookup(ids, out)
+                backend.overlapped.start(out, ids, None, ngram_ids.shape[0])
             return
         device = started[0][1].device
         with self.side.fork(device):
             for backend, ids, out, _ in started:
-                backend.queue_prefetch(ids, out)
+                backend.queue_lookup(ids, out)
                 self.side.mark(backend)
         for backend, ids, out, ngram_ids in started:
             join = functools.partial(self.side.join, backend, device)
-            backend.prefetches.start(out, ids, join, ngram_ids.shape[0])
+            backend.overlapped.start(out, ids, join, ngram_ids.shape[0])
 
 
 def ple_um_layers(model: nn.Module) -> list[nn.Module]:
@@ -140,7 +140,7 @@ def link(layers: list[nn.Module]) -> EarlyLookups | None:
         len(layers),
         len(layers),
         format_bytes(group.buffer_bytes()),
-        first.prefetches.rows,
+        first.overlapped.rows,
         layers[0].ngram_heads,
     )
     return group

@@ -29,9 +29,9 @@ from ple_um import envs
 from ple_um.access import memory
 from ple_um.errors import KnobError
 from ple_um.lookup import native_build, rowcopy
-from ple_um.lookup.host import cold
-from ple_um.lookup.host.cold import plan
+from ple_um.lookup.host import misses
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
+from ple_um.lookup.host.misses import plan
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, WAYS, RowCache, slots_for
 from ple_um.mapping import MADV_DONTNEED, PAGE, MappedShards, _libc
 from ple_um.residency import evict_file_pages, evict_pages
@@ -596,7 +596,7 @@ def test_a_cache_takes_at_most_eight_bytes_beside_each_row(make_checkpoint, capa
     two caches of as many slots, the scales' following the rows' admission); the budget is kept."""
     fp8 = make_checkpoint(num_rows=5000, row_dim=160, dtype="fp8", shards=4)  # the plan sizes the cache
     nvfp4 = make_checkpoint(num_rows=5000, row_dim=160, dtype="nvfp4", shards=4)
-    plan = cold.ColdPlan(
+    plan = misses.MissPlan(
         cache_bytes=capacity,
         policy="tinylfu",
         strategy="mmap",
@@ -611,7 +611,7 @@ def test_a_cache_takes_at_most_eight_bytes_beside_each_row(make_checkpoint, capa
             MappedShards(layout) as mapping,
             MappedShards(scales) if scales else contextlib.nullcontext() as scale_mapping,
         ):
-            sources = cold.RowSources(mapping, scale_mapping, plan, rowcopy.Counts())
+            sources = misses.RowSources(mapping, scale_mapping, plan, rowcopy.Counts())
             try:
                 caches = [sources.rows.cache] + ([sources.block_scales.cache] if scales else [])
                 mapped = sum(len(c._memory) for c in caches)  # the anonymous mappings themselves
@@ -857,7 +857,7 @@ def test_sizing_goes_on_without_the_lock_where_it_cannot_be_had(tmp_path, monkey
     fd = _hold_sizing_lock()
     try:
         t0 = time.monotonic()
-        with cold.one_sizing_at_a_time(wait_s=0.2):
+        with misses.one_sizing_at_a_time(wait_s=0.2):
             assert 0.2 <= time.monotonic() - t0 < 10
     finally:
         os.close(fd)
@@ -865,7 +865,7 @@ def test_sizing_goes_on_without_the_lock_where_it_cannot_be_had(tmp_path, monkey
     cache = tmp_path / "cache"
     (cache / "row-cache.lock").mkdir(parents=True)  # a folder where the lock file should be
     monkeypatch.setenv("PLE_UM_CACHE_DIR", str(cache))
-    with cold.one_sizing_at_a_time():
+    with misses.one_sizing_at_a_time():
         pass
     assert "row cache sized without" in caplog.text and "row-cache.lock: Is a directory" in caplog.text
 

@@ -111,7 +111,7 @@ def test_finalize_prefetch_returns_rows_of_the_callers_own(loaded):
     backend = mapped.ngram_embedding
     first, second = _ids(layout, 4, 9), _ids(layout, 4, 10)
     rows = _prefetched(mapped, first)
-    buffer = backend.prefetches.buffer
+    buffer = backend.overlapped.buffer
     assert rows.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     backend.start_prefetch(second)
     assert h.same_bits(rows, stock.ngram_embedding(first).flatten(-2))
@@ -125,13 +125,13 @@ def test_prefetch_buffer_is_allocated_lazily(loaded):
     the rows. ple-um makes its side stream only where it forks one (a CUDA device), never here."""
     layout, stock, mapped = loaded
     backend = mapped.ngram_embedding
-    assert backend.supports_prefetch and backend.prefetches.buffer is None
+    assert backend.supports_prefetch and backend.overlapped.buffer is None
     ids = _ids(layout, 2, 4)
     output = _prefetched(mapped, ids)
-    buffer = backend.prefetches.buffer
+    buffer = backend.overlapped.buffer
     assert buffer.shape == (256, h.HEADS, layout.row_dim)  # the harness builds for 256 tokens
     assert buffer.dtype == backend.lookup_dtype and buffer.device.type == "cpu"
-    assert backend.prefetches.side.stream is None
+    assert backend.overlapped.side.stream is None
     assert h.same_bits(output, stock.ngram_embedding(ids).flatten(-2))
 
 
@@ -151,7 +151,7 @@ def test_rocm_layer_never_allocates_the_prefetch_machinery(world, patched, table
         backend = module.ngram_embedding
         ids = _ids(layout, 3, 5)
         assert h.same_bits(backend(ids), h.file_rows(layout, ids))
-        assert backend.prefetches.buffer is None and backend.prefetches.side.stream is None
+        assert backend.overlapped.buffer is None and backend.overlapped.side.stream is None
         backend.close_table()
     finally:
         unpatch_ngram_class(ple_layer)
@@ -169,10 +169,10 @@ def test_prefetch_ids_outlive_start_prefetch(loaded):
     ids = _ids(layout, 6, 8)
     kept = ids.clone()
     backend.start_prefetch(ids)
-    assert backend.prefetches.started[1] is ids
+    assert backend.overlapped.started[1] is ids
     ids.fill_(-1)  # the caller's next ids, written before this start's join
     assert h.same_bits(backend.finalize_prefetch(6), stock.ngram_embedding(kept).flatten(-2))
-    assert backend.prefetches.started is None  # released at the join
+    assert backend.overlapped.started is None  # released at the join
 
     token_ids, query_start_loc, ngram_context = h.inputs(6)
     with torch.no_grad():

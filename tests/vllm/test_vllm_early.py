@@ -71,13 +71,13 @@ def _step(stock, mapped, layouts, seed: int, tokens: int, *, early: bool) -> Non
     layer's output is stock's, raw and dequantized, bit for bit, and its rows are the files'."""
     ids, query_start_loc, ngram_context = h.inputs(seed, tokens=tokens)
     for module in mapped:
-        if (buffer := module.ngram_embedding.prefetches.buffer) is not None:
+        if (buffer := module.ngram_embedding.overlapped.buffer) is not None:
             buffer.view(torch.uint8).fill_(0x7F)  # poisoned: a row not written shows
     before = [_lookups(module) for module in mapped]
     with torch.no_grad():
         mapped[0].start_prefetch(ids, query_start_loc, ngram_context)
         for index, (s, module, layout) in enumerate(zip(stock, mapped, layouts, strict=True)):
-            started = module.ngram_embedding.prefetches.started
+            started = module.ngram_embedding.overlapped.started
             if early or index == 0:
                 assert started is not None and _lookups(module) == before[index] + 1
                 expected = h.file_rows(layout, s.compute_ngram_ids(ids, query_start_loc, ngram_context))
@@ -168,7 +168,7 @@ def test_buffers_bounded_and_logged(three_layers, monkeypatch, caplog):
     assert len(lines) == 1 and f"{format_bytes(expected)} in all" in lines[0], lines
     for seed, tokens in ((8, MAX_TOKENS), (9, 5)):
         _step(stock, mapped, layouts, seed, tokens, early=True)
-    held = [m.ngram_embedding.prefetches.buffer for m in mapped]
+    held = [m.ngram_embedding.overlapped.buffer for m in mapped]
     assert sum(b.numel() * b.element_size() for b in held) == expected
 
 
@@ -177,7 +177,7 @@ def test_captured_early_lookups_are_tracked(three_layers, monkeypatch):
     lookup, so each layer knows its graphs hold its table and buffer (a later remap is refused);
     before any eager step has sized the buffers, a capture is refused, naming the need."""
     from ple_um import served
-    from ple_um.vllm import early, prefetch
+    from ple_um.vllm import early, overlap
 
     monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", "on")
     stock, mapped, layouts = three_layers("fp8")
@@ -185,14 +185,14 @@ def test_captured_early_lookups_are_tracked(three_layers, monkeypatch):
     ids, query_start_loc, ngram_context = h.inputs(10, tokens=20)
     with monkeypatch.context() as m:
         m.setattr(served, "capturing", lambda ids: True)
-        m.setattr(prefetch, "capturing", lambda ids: True)
+        m.setattr(overlap, "capturing", lambda ids: True)
         with pytest.raises(RuntimeError, match="allocated by an eager call"):
             mapped[0].start_prefetch(ids, query_start_loc, ngram_context)
     _step(stock, mapped, layouts, 11, 20, early=True)
     assert not any(m.ngram_embedding.served.captured for m in mapped)
     with monkeypatch.context() as m:
         m.setattr(served, "capturing", lambda ids: True)
-        m.setattr(prefetch, "capturing", lambda ids: True)
+        m.setattr(overlap, "capturing", lambda ids: True)
         with torch.no_grad():
             mapped[0].start_prefetch(ids, query_start_loc, ngram_context)
     assert all(m.ngram_embedding.served.captured for m in mapped)

@@ -43,7 +43,7 @@ from ple_um.kernels.launch import current_stream
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.host import cuda
-from ple_um.lookup.host.cold import ColdPlan, RowSources
+from ple_um.lookup.host.misses import MissPlan, RowSources
 from ple_um.lookup.mxfp8 import decode_staged
 from ple_um.lookup.nvfp4 import e2m1_values
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
@@ -89,25 +89,25 @@ class HostGather:
         threads: int,
         scale_mapping: MappedShards | None = None,
         built: str = "C row copy",
-        cold: ColdPlan | None = None,
+        misses: MissPlan | None = None,
     ) -> None:
         self.lib = lib
         self.device = device
         self.cuda = device.type == "cuda"
         self.storage = storage
         self.scale = scale
-        self.counts, self.prefetch_counts = rowcopy.Counts(), rowcopy.Counts()  # warm_row_cache's
-        self.cold = cold
+        self.counts, self.warm_counts = rowcopy.Counts(), rowcopy.Counts()  # warm_row_cache's
+        self.misses = misses
         # The C code's view of the rows (and block scales), with their row cache and reader.
-        self.sources = RowSources(mapping, scale_mapping, cold, self.counts, lib)
+        self.sources = RowSources(mapping, scale_mapping, misses, self.counts, lib)
         self.rows, self.block_scales = self.sources.rows, self.sources.block_scales
         self.row_bytes = tuple(r.row_bytes for r in (self.rows, self.block_scales) if r is not None)
         self.pool = rowcopy.Pool(lib, threads)
         self.threads = self.pool.threads
         way = "as a CUDA host node" if self.cuda else "called directly (no CUDA device)"
         self.row_reads = f"{built}, {way}, {self.threads} threads"
-        if cold is not None:
-            self.row_reads += f"; {cold.why}"
+        if misses is not None:
+            self.row_reads += f"; {misses.why}"
         self.enqueue_seconds = 0.0  # host seconds spent queuing lookups (eager calls)
         self._run = rowcopy.function_address(lib, "ple_lookup_run")
         self._wake = rowcopy.function_address(lib, "ple_pool_wake")
@@ -130,7 +130,7 @@ class HostGather:
             self.row_reads += f"; eager lookups {eager}"
 
     def row_cache_stats(self) -> dict | None:
-        """The row cache's figures (``cold.RowSources.stats``), or None where there is none."""
+        """The row cache's figures (``misses.RowSources.stats``), or None where there is none."""
         return self.sources.stats()
 
     # -- what a lookup asks ------------------------------------------------------------------
@@ -343,7 +343,7 @@ class HostGather:
         """The host counters as ``path_counts`` (row copies run, graph replays included; gather =
         the row copies' seconds, stage = the callers' queuing eager lookups). Lookups queued but
         not yet run are not in it (``counts.read()`` has the C counters themselves)."""
-        c, warmed = self.counts.read(), self.prefetch_counts.read()
+        c, warmed = self.counts.read(), self.warm_counts.read()
         return path_counts(
             c["rows"],
             c["out_of_range"],
@@ -359,7 +359,7 @@ class HostGather:
         """Zero the counters, keeping the rows a row cache holds (its ``rows``: inserts less
         evictions, so the inserts start again from the rows held)."""
         held = self.counts.held_rows()
-        self.counts.array[:] = self.prefetch_counts.array[:] = 0
+        self.counts.array[:] = self.warm_counts.array[:] = 0
         self.counts.array[rowcopy.COUNTS.index("cache_inserts")] = held
         self.enqueue_seconds = 0.0
 
@@ -388,5 +388,5 @@ def warm_row_cache(host: HostGather, ids) -> int:
     if owned == 0:
         return 0
     scratch = [torch.empty((flat.numel(), rb), dtype=torch.uint8) for rb in host.row_bytes]
-    host.run_here(flat, scratch, host.prefetch_counts)
+    host.run_here(flat, scratch, host.warm_counts)
     return owned

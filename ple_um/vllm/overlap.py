@@ -1,9 +1,9 @@
 """The lookups vLLM's prefetch hook starts one decoder layer ahead, for one layer.
 
 Qwen4Exp's model calls the layer's ``start_prefetch`` one decoder layer ahead and
-``finalize_prefetch`` in its forward. ``PrefetchLookups`` holds what lies between the two: the
+``finalize_prefetch`` in its forward. ``OverlappedLookups`` holds what lies between the two: the
 buffer the lookups write into (allocated by the first, eager call), the side stream they may be
-queued on (``capture.prefetch_may_fork`` decides), and the started lookups whose ids must stay
+queued on (``capture.overlap_may_fork`` decides), and the started lookups whose ids must stay
 referenced until the side stream is joined. A lookup started early, by the step's first PLE layer
 (``early``), is queued on that group's side stream and carries its own join.
 """
@@ -19,7 +19,7 @@ import torch
 from ple_um.served import SideLookups, capturing
 
 
-class PrefetchLookups:
+class OverlappedLookups:
     """The prefetch buffer, side stream and started lookups of one layer (``prefix``), whose
     buffer holds at least ``rows`` gathered tokens of ``row_dim`` elements per head."""
 

@@ -1,4 +1,4 @@
-"""vLLM's prefetch hook (``ple_um.vllm.prefetch``): the buffer, and starts and finalizes that do
+"""vLLM's prefetch hook (``ple_um.vllm.overlap``): the buffer, and starts and finalizes that do
 not pair up."""
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ def test_prefetch_buffer_grows_until_a_graph_captured_it(world, patched, table_d
     config = h.text_config(dtype="fp8")
     layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
     backend = h.mapped(config, layout.directory).ngram_embedding
-    prefetches, dtype = backend.prefetches, backend.lookup_dtype
+    overlapped, dtype = backend.overlapped, backend.lookup_dtype
     heads = 4
 
     def out(rows):
-        return prefetches.out(
+        return overlapped.out(
             rows, torch.zeros((rows, heads), dtype=torch.long), dtype, fixed=backend.served.captured
         )
 
     small = out(3)
-    big = out(prefetches.rows + 5)
+    big = out(overlapped.rows + 5)
     assert small.shape[1:] == big.shape[1:] == (heads, backend.embedding_dim)
-    assert big.shape[0] == prefetches.rows + 5 and prefetches.buffer.shape[0] >= big.shape[0]
+    assert big.shape[0] == overlapped.rows + 5 and overlapped.buffer.shape[0] >= big.shape[0]
     backend.served.captured = True
     with pytest.raises(ValueError, match="prefetch buffer holds"):
-        out(prefetches.buffer.shape[0] + 1)
+        out(overlapped.buffer.shape[0] + 1)
     backend.close_table()
 
 

@@ -42,7 +42,7 @@ SIZING_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
-class ColdPlan:
+class MissPlan:
     """``cache_bytes`` of row cache (0: none) with ``policy``; misses read by ``strategy``
     (uring, threads, mmap), O_DIRECT when ``direct``, ``depth`` in flight; ``resident_check``:
     without a cache, only rows whose pages are not resident are read. ``why``: in words."""
@@ -100,7 +100,7 @@ def _sized(asked: int, owned: int) -> int:
     return cache
 
 
-def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool) -> ColdPlan | None:
+def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool) -> MissPlan | None:
     """The plan for this table's host path, or None: rows copied from the mapping as they are.
     ``spills``: the owned rows do not fit the memory this process may use (``lookup.fit``)."""
     mappings = [m for m in (mapping, scale_mapping) if m is not None]
@@ -126,7 +126,7 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spil
     direct_knob = envs.PLE_UM_DIRECT_READS
     direct = strategy != "mmap" and (direct_knob == "on" or (direct_knob == "auto" and cache > 0))
     why = f"{said}; misses read by {how}" + (", O_DIRECT where the files allow it" if direct else "")
-    return ColdPlan(
+    return MissPlan(
         cache_bytes=cache,
         policy=envs.PLE_UM_ROW_CACHE_POLICY,
         strategy=strategy,
