@@ -17,7 +17,7 @@ and at ``--reads-per-s`` the least time those reads take. ``first_lookups.py`` b
 after a given amount of traffic; this is the bound no amount of traffic passes.
 
 The row probabilities hash the first ``--exact-ranks`` n-gram ranks one by one and spread the rest
-evenly over the rows (``IdDistribution.row_probabilities``); the share of the draws spread so is
+evenly over the rows (``cache_bound.row_probabilities``); the share of the draws spread so is
 printed: it is the most any hit rate here can be off by. The defaults take about 45 s and 5 GiB
 (numpy: float64 and int64 arrays of the table's rows).
 """
@@ -37,6 +37,8 @@ from cache_bound import (  # noqa: E402
     best_hits,
     page_probabilities,
     pages_held_hits,
+    row_probabilities,
+    tail_share,
 )
 from cache_sim import PAGE_BYTES  # noqa: E402
 
@@ -68,7 +70,7 @@ def measure(
     """The best row cache of each size of ``caches`` and the best page cache of each of
     ``page_caches`` (bytes), under ``dist``'s ids over a table of ``table_rows`` rows."""
     start = time.monotonic()
-    rows = dist.row_probabilities(table_rows, exact_ranks)
+    rows = row_probabilities(dist, table_rows, exact_ranks)
     found = _best("row", rows, caches, [slots_for(c, row_bytes) for c in caches], batch, reads_per_s)
     if page_caches:
         pages = page_probabilities(rows, row_bytes, page_bytes)
@@ -87,7 +89,7 @@ def measure(
         "batch": batch,
         "reads_per_s": reads_per_s,
         "exact_ranks": min(exact_ranks, dist.space),
-        "tail_share": dist.tail_share(exact_ranks),
+        "tail_share": tail_share(dist, exact_ranks),
         "caches": found,
         "seconds": time.monotonic() - start,
     }

@@ -1,6 +1,6 @@
 """The most any cache of a given size serves of a stream of row lookups drawn i.i.d. from fixed
 probabilities (the independent reference model; the bench's ``zipf:S`` ids are such a stream,
-``IdDistribution.row_probabilities`` their probabilities), however long the stream runs.
+``row_probabilities`` their probabilities), however long the stream runs.
 
 What a cache holds before a lookup cannot depend on that lookup's row, so no cache that does not
 know the future serves more than the sum of the K largest probabilities (``best_hits``). A static
@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+
+from ple_um.bench.ids import IdDistribution, hash_onto_rows
 
 
 def best_hits(probabilities: np.ndarray, capacities: Iterable[int]) -> list[float]:
@@ -93,3 +95,66 @@ def _largest_sums(values: np.ndarray, capacities: Iterable[int], total: float) -
         raise ValueError(f"capacities must be >= 0, got {capacities}")
     descending = np.cumsum(np.sort(values)[::-1])
     return [0.0 if k == 0 else total if k >= values.size else float(descending[k - 1]) for k in capacities]
+
+
+def zipf_mass(s: float, a: int, b: int) -> float:
+    """``sum_{r=a}^{b} r^-s`` (s > 1, 1 <= a <= b) by the midpoint integral
+    ``int_{a-1/2}^{b+1/2} x^-s dx``: too many terms to add one by one. x^-s is convex, so the
+    integral is a little more than the sum, by about ``s / 24 * a^(-s-1)`` (the midpoint rule's
+    f''/24 a term): 2.3e-8 from a = 1000 on at s = 1.1, where the sum to 2^40 is 9.96.
+    """
+    return ((a - 0.5) ** (1 - s) - (b + 0.5) ** (1 - s)) / (s - 1)
+
+
+def row_probabilities(
+    dist: IdDistribution, num_rows: int, exact_ranks: int = 1 << 30, chunk: int = 1 << 24
+) -> np.ndarray:
+    """The probability that a draw of ``dist.draw(rng, num_rows, n)`` is each row (float64, sums to 1):
+    rank r of ``[1, space]`` has probability ``r^-s / sum_{q<=space} q^-s`` (``zipf_ngrams``
+    draws again past the space), and a row the sum over the ranks it hashes onto. A zipf
+    distribution only (ValueError for the others).
+
+    Ranks 1 to ``exact_ranks`` are hashed one by one, ``chunk`` at a time. The ranks past them
+    (up to the space: 2^40 by default, too many to hash) carry the tail mass
+    ``zipf_mass(s, exact_ranks + 1, space)``, spread evenly over all rows: their hashes scatter
+    them over the table, each row getting the mass of many such ranks. That is the
+    approximation (beside ``zipf_mass``'s own, near 1e-8), and ``tail_share(dist, exact_ranks)`` its
+    size: it moves at most that share of the mass between rows, so a sum over a set of rows (a
+    cache's hit rate) is off by at most the tail share, and so is the best such sum.
+
+    Memory: two float64 arrays of ``num_rows``; time: about 30 s for 2^30 exact ranks.
+    """
+    s = _zipf_exponent(dist)
+    if num_rows < 1 or exact_ranks < 1 or chunk < 1:
+        raise ValueError(
+            f"need num_rows, exact_ranks and chunk >= 1, got {num_rows}, {exact_ranks}, {chunk}"
+        )
+    head_ranks = min(exact_ranks, dist.space)
+    mass = np.zeros(num_rows)
+    head = 0.0
+    for lo in range(1, head_ranks + 1, chunk):
+        ranks = np.arange(lo, min(lo + chunk, head_ranks + 1), dtype=np.int64)
+        weights = ranks.astype(np.float64) ** -s
+        head += float(weights.sum())
+        mass += np.bincount(hash_onto_rows(ranks, num_rows), weights=weights, minlength=num_rows)
+    tail = zipf_mass(s, head_ranks + 1, dist.space) if dist.space > head_ranks else 0.0
+    mass /= head + tail
+    mass += tail / (head + tail) / num_rows
+    return mass
+
+def tail_share(dist: IdDistribution, exact_ranks: int = 1 << 30) -> float:
+    """The share of the draws that ``row_probabilities(dist, n, exact_ranks)`` spreads evenly over the
+    rows: the ranks past ``exact_ranks`` (0 when the space holds no more)."""
+    s = _zipf_exponent(dist)
+    if exact_ranks >= dist.space:
+        return 0.0
+    first = min(1000, exact_ranks)  # added term by term, the rest by the midpoint integral
+    total = float((np.arange(1, first + 1, dtype=np.float64) ** -s).sum()) + zipf_mass(
+        s, first + 1, dist.space
+    )
+    return zipf_mass(s, exact_ranks + 1, dist.space) / total
+
+def _zipf_exponent(dist: IdDistribution) -> float:
+    if dist.s is None:
+        raise ValueError(f"{dist.name!r} has no n-gram ranks: row probabilities are for zipf:S ids")
+    return dist.s

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ngram_hash import NGramHash, trace_of  # noqa: E402
 
 from ple_um import envs  # noqa: E402
-from ple_um.bench.trace import write_trace  # noqa: E402
+from ple_um.bench.trace import FORMAT, Trace  # noqa: E402
 
 HANDBOOK_LICENSE = "GPL-2.0+ or CC-BY-SA-3.0"
 PSF = "PSF-2.0"
@@ -133,6 +133,51 @@ class HandbookText(html.parser.HTMLParser):
             re.sub(r"\n{3,}", "\n\n", "\n".join(line if line.strip() else "" for line in lines)).strip()
             + "\n"
         )
+
+
+def windows(trace: Trace, picks: list[tuple[int, int, int]]) -> Trace:
+    """A trace of windows of ``trace``: ``(q, start, length)`` takes tokens ``[start, start + length)`` of
+    request q, their rows, and as context the ``context_len`` tokens before ``start`` (the
+    request's own context where the window reaches back before its start)."""
+    context_len = trace.context.shape[1]
+    tokens, rows, offsets, contexts, requests = [], [], [0], [], []
+    for q, start, length in picks:
+        req = trace.request_tokens(q)
+        if not (0 <= start and length > 0 and start + length <= req.size):
+            raise ValueError(f"window {start}+{length} lies outside request {q} of {req.size} tokens")
+        before = np.concatenate([trace.context[q], req[:start]])[-context_len:]
+        tokens.append(req[start : start + length])
+        rows.append(trace.request_rows(q)[start : start + length])
+        offsets.append(offsets[-1] + length)
+        contexts.append(before)
+        name = dict(trace.description.get("requests", [{}] * trace.num_requests)[q])
+        name.update(window=[start, length], of_request=q)
+        requests.append(name)
+    out = Trace(
+        np.concatenate(tokens).astype(np.uint32),
+        np.concatenate(rows),
+        np.asarray(offsets, dtype=np.int64),
+        np.stack(contexts).astype(np.int64),
+        {k: v for k, v in trace.description.items() if k not in ("requests", "figures")},
+    )
+    out.description["requests"] = requests
+    out.description["figures"] = out.figures()
+    return out
+
+
+def write_trace(path: str, trace: Trace) -> None:
+    """Write ``trace`` to ``path`` (.npz, compressed), its description completed with FORMAT."""
+    description = dict(trace.description, format=FORMAT)
+    tmp = f"{path}.partial.npz"
+    np.savez_compressed(
+        tmp,
+        tokens=trace.tokens.astype(np.uint32),
+        rows=trace.rows,
+        offsets=trace.offsets.astype(np.int64),
+        context=trace.context.astype(np.int64),
+        description=np.array(json.dumps(description, sort_keys=True)),
+    )
+    os.replace(tmp, path)
 
 
 def html_text(path: str) -> str:
@@ -327,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     eligible = np.flatnonzero(lengths >= args.window)
     chosen = rng.choice(eligible, size=min(args.windows, eligible.size), replace=False)
     picks = [(int(q), int(rng.integers(0, lengths[q] - args.window + 1)), args.window) for q in chosen]
-    sample = trace.windows(picks)
+    sample = windows(trace, picks)
     sample.description["sample_of"] = {
         "trace": os.path.basename(args.out),
         "figures": trace.description["figures"],

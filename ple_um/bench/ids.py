@@ -50,15 +50,6 @@ def zipf_ngrams(rng: np.random.Generator, s: float, n: int, space: int = NGRAM_S
         out[beyond] = rng.zipf(s, size=beyond.size)
 
 
-def zipf_mass(s: float, a: int, b: int) -> float:
-    """``sum_{r=a}^{b} r^-s`` (s > 1, 1 <= a <= b) by the midpoint integral
-    ``int_{a-1/2}^{b+1/2} x^-s dx``: too many terms to add one by one. x^-s is convex, so the
-    integral is a little more than the sum, by about ``s / 24 * a^(-s-1)`` (the midpoint rule's
-    f''/24 a term): 2.3e-8 from a = 1000 on at s = 1.1, where the sum to 2^40 is 9.96.
-    """
-    return ((a - 0.5) ** (1 - s) - (b + 0.5) ** (1 - s)) / (s - 1)
-
-
 @dataclass(frozen=True)
 class IdDistribution:
     """One way to draw a lookup's ids: ``uniform``, ``zipf:S`` or ``zipf:S:NGRAMS``."""
@@ -72,59 +63,6 @@ class IdDistribution:
         if self.s is None:
             return rng.integers(0, num_rows, size=n)
         return hash_onto_rows(zipf_ngrams(rng, self.s, n, self.space), num_rows)
-
-    def row_probabilities(
-        self, num_rows: int, exact_ranks: int = 1 << 30, chunk: int = 1 << 24
-    ) -> np.ndarray:
-        """The probability that a draw of ``draw(rng, num_rows, n)`` is each row (float64, sums to 1):
-        rank r of ``[1, space]`` has probability ``r^-s / sum_{q<=space} q^-s`` (``zipf_ngrams``
-        draws again past the space), and a row the sum over the ranks it hashes onto. A zipf
-        distribution only (ValueError for the others).
-
-        Ranks 1 to ``exact_ranks`` are hashed one by one, ``chunk`` at a time. The ranks past them
-        (up to the space: 2^40 by default, too many to hash) carry the tail mass
-        ``zipf_mass(s, exact_ranks + 1, space)``, spread evenly over all rows: their hashes scatter
-        them over the table, each row getting the mass of many such ranks. That is the
-        approximation (beside ``zipf_mass``'s own, near 1e-8), and ``tail_share(exact_ranks)`` its
-        size: it moves at most that share of the mass between rows, so a sum over a set of rows (a
-        cache's hit rate) is off by at most the tail share, and so is the best such sum.
-
-        Memory: two float64 arrays of ``num_rows``; time: about 30 s for 2^30 exact ranks.
-        """
-        s = self._zipf_exponent()
-        if num_rows < 1 or exact_ranks < 1 or chunk < 1:
-            raise ValueError(
-                f"need num_rows, exact_ranks and chunk >= 1, got {num_rows}, {exact_ranks}, {chunk}"
-            )
-        head_ranks = min(exact_ranks, self.space)
-        mass = np.zeros(num_rows)
-        head = 0.0
-        for lo in range(1, head_ranks + 1, chunk):
-            ranks = np.arange(lo, min(lo + chunk, head_ranks + 1), dtype=np.int64)
-            weights = ranks.astype(np.float64) ** -s
-            head += float(weights.sum())
-            mass += np.bincount(hash_onto_rows(ranks, num_rows), weights=weights, minlength=num_rows)
-        tail = zipf_mass(s, head_ranks + 1, self.space) if self.space > head_ranks else 0.0
-        mass /= head + tail
-        mass += tail / (head + tail) / num_rows
-        return mass
-
-    def tail_share(self, exact_ranks: int = 1 << 30) -> float:
-        """The share of the draws that ``row_probabilities(n, exact_ranks)`` spreads evenly over the
-        rows: the ranks past ``exact_ranks`` (0 when the space holds no more)."""
-        s = self._zipf_exponent()
-        if exact_ranks >= self.space:
-            return 0.0
-        first = min(1000, exact_ranks)  # added term by term, the rest by the midpoint integral
-        total = float((np.arange(1, first + 1, dtype=np.float64) ** -s).sum()) + zipf_mass(
-            s, first + 1, self.space
-        )
-        return zipf_mass(s, exact_ranks + 1, self.space) / total
-
-    def _zipf_exponent(self) -> float:
-        if self.s is None:
-            raise ValueError(f"{self.name!r} has no n-gram ranks: row probabilities are for zipf:S ids")
-        return self.s
 
     def describe(self) -> dict:
         if self.s is None:

@@ -36,7 +36,6 @@ from ple_um.operating import resident_rows
 from ple_um.units import format_bytes
 
 STEP_MS = (5.0, 20.0, 50.0)
-PREFILL_TOKENS = 2048
 WARMUP_S = 5.0
 # Timed steps of each figure when --repeats is not given.
 STEPS = 50

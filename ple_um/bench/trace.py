@@ -16,7 +16,8 @@ File format (``FORMAT``): one ``.npz`` (numpy's zip of arrays, read with ``allow
   figures ``describe`` computes.
 
 A trace replays as the lookups a server makes (``DecodeReplay``, ``PrefillReplay``); ``TraceIds``
-is the bench's id distribution over it (``--ids trace[:FILE]``).
+is the bench's id distribution over it (``--ids trace[:FILE]``). ``tools/make_trace.py`` writes
+traces.
 """
 
 from __future__ import annotations
@@ -101,50 +102,6 @@ class Trace:
             "distinct_rows": distinct,
             "distinct_fraction": distinct / lookups if lookups else 0.0,
         }
-
-    def windows(self, picks: list[tuple[int, int, int]]) -> Trace:
-        """A trace of windows: ``(q, start, length)`` takes tokens ``[start, start + length)`` of
-        request q, their rows, and as context the ``context_len`` tokens before ``start`` (the
-        request's own context where the window reaches back before its start)."""
-        context_len = self.context.shape[1]
-        tokens, rows, offsets, contexts, requests = [], [], [0], [], []
-        for q, start, length in picks:
-            req = self.request_tokens(q)
-            if not (0 <= start and length > 0 and start + length <= req.size):
-                raise ValueError(f"window {start}+{length} lies outside request {q} of {req.size} tokens")
-            before = np.concatenate([self.context[q], req[:start]])[-context_len:]
-            tokens.append(req[start : start + length])
-            rows.append(self.request_rows(q)[start : start + length])
-            offsets.append(offsets[-1] + length)
-            contexts.append(before)
-            name = dict(self.description.get("requests", [{}] * self.num_requests)[q])
-            name.update(window=[start, length], of_request=q)
-            requests.append(name)
-        out = Trace(
-            np.concatenate(tokens).astype(np.uint32),
-            np.concatenate(rows),
-            np.asarray(offsets, dtype=np.int64),
-            np.stack(contexts).astype(np.int64),
-            {k: v for k, v in self.description.items() if k not in ("requests", "figures")},
-        )
-        out.description["requests"] = requests
-        out.description["figures"] = out.figures()
-        return out
-
-
-def write_trace(path: str, trace: Trace) -> None:
-    """Write ``trace`` to ``path`` (.npz, compressed), its description completed with FORMAT."""
-    description = dict(trace.description, format=FORMAT)
-    tmp = f"{path}.partial.npz"
-    np.savez_compressed(
-        tmp,
-        tokens=trace.tokens.astype(np.uint32),
-        rows=trace.rows,
-        offsets=trace.offsets.astype(np.int64),
-        context=trace.context.astype(np.int64),
-        description=np.array(json.dumps(description, sort_keys=True)),
-    )
-    os.replace(tmp, path)
 
 
 def read_trace(path: str) -> Trace:

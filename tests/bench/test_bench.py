@@ -9,7 +9,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from cache_bound import best_hits
 from helpers.reference import reference_rows
 
 import ple_um
@@ -21,7 +20,6 @@ from ple_um.bench.ids import (
     NGRAM_SPACE,
     hash_onto_rows,
     parse_ids,
-    zipf_mass,
     zipf_ngrams,
 )
 
@@ -167,78 +165,6 @@ def test_zipf_ids_are_skewed_fresh_and_spread_over_the_table():
     # Ranks themselves stay inside the n-gram space.
     ranks = zipf_ngrams(rng, 1.01, 50_000)
     assert ranks.min() >= 1 and ranks.max() <= NGRAM_SPACE
-
-
-def _rows_by_python(ranks: range, s: float, num_rows: int) -> np.ndarray:
-    """Each row's sum of r^-s over ``ranks``, the hash done with Python's integers."""
-    mass = np.zeros(num_rows)
-    for r in ranks:
-        h = (r * HASH_MULTIPLIER) % (1 << 64)
-        mass[(h ^ (h >> 32)) % num_rows] += r**-s
-    return mass
-
-
-@pytest.mark.parametrize("ids,chunk", [("zipf:1.1:5000", 1 << 24), ("zipf:1.5:3000", 777), ("zipf:2:2", 1)])
-def test_row_probabilities_hash_every_rank_of_a_small_space(ids, chunk):
-    """Every rank hashed (the space within exact_ranks): the brute-force sum over the space,
-    normalized, row by row; chunk boundaries included."""
-    (dist,) = parse_ids(ids)
-    got = dist.row_probabilities(1000, chunk=chunk)
-    want = _rows_by_python(range(1, dist.space + 1), dist.s, 1000)
-    np.testing.assert_allclose(got, want / want.sum(), rtol=1e-12, atol=0)
-    assert got.dtype == np.float64 and got.sum() == pytest.approx(1.0, abs=1e-12)
-    assert dist.tail_share() == 0.0
-
-
-def test_row_probabilities_spread_the_tail_evenly():
-    """Ranks past exact_ranks: their exact mass (summed term by term here) spread over all rows;
-    the midpoint integral off by under 1e-6. That approximation moves no more than tail_share of
-    the mass from where it really falls, and so moves no best cache by more."""
-    (dist,) = parse_ids("zipf:1.1:5000")
-    head = _rows_by_python(range(1, 101), 1.1, 1000)
-    tail = float((np.arange(101, 5001, dtype=np.float64) ** -1.1).sum())
-    total = head.sum() + tail
-    got = dist.row_probabilities(1000, exact_ranks=100, chunk=33)
-    np.testing.assert_allclose(got, (head + tail / 1000) / total, rtol=1e-6, atol=0)
-    assert got.sum() == pytest.approx(1.0, abs=1e-12)
-    share = dist.tail_share(100)
-    assert share == pytest.approx(tail / total, rel=1e-6) and 0.3 < share < 0.35
-    exact = dist.row_probabilities(1000)
-    assert 0.5 * np.abs(got - exact).sum() <= share
-    ks = [1, 10, 100, 500]
-    for approx, true in zip(best_hits(got, ks), best_hits(exact, ks), strict=True):
-        assert abs(approx - true) <= share
-    assert zipf_mass(1.1, 101, 5000) - tail == pytest.approx(1.1 / 24 * 100**-2.1, rel=0.1)
-
-
-@pytest.mark.parametrize("ids,exact_ranks", [("zipf:1.1:5000", 1 << 30), ("zipf:1.5", 1 << 16)])
-def test_row_probabilities_are_the_frequencies_of_the_draws(ids, exact_ranks):
-    """2e6 draws of ``draw`` over 1000 rows: the 20 most probable rows within 6 binomial standard
-    deviations, and the total variation within what sampling gives (its mean, from each row's
-    binomial, plus 6 times a bound on its spread) plus the tail share spread evenly (zipf:1.5's
-    2^40 n-grams past 2^16: 0.3% of the draws)."""
-    (dist,) = parse_ids(ids)
-    n = 2_000_000
-    p = dist.row_probabilities(1000, exact_ranks)
-    freq = np.bincount(dist.draw(np.random.default_rng(1), 1000, n), minlength=1000) / n
-    top = np.argsort(p)[::-1][:20]
-    sigma = np.sqrt(p[top] * (1 - p[top]) / n)
-    assert np.all(np.abs(freq[top] - p[top]) < 6 * sigma + dist.tail_share(exact_ranks) / 1000)
-    mean_tv = 0.5 * np.sqrt(2 * p * (1 - p) / (np.pi * n)).sum()
-    spread = 0.5 * np.sqrt((p * (1 - p)).sum() / n)
-    tv = 0.5 * np.abs(freq - p).sum()
-    assert tv < min(0.01, mean_tv + 6 * spread + dist.tail_share(exact_ranks))
-
-
-def test_row_probabilities_refuse_ids_without_ranks():
-    (uniform,) = parse_ids("uniform")
-    with pytest.raises(ValueError, match="'uniform' has no n-gram ranks"):
-        uniform.row_probabilities(1000)
-    with pytest.raises(ValueError, match="'uniform' has no n-gram ranks"):
-        uniform.tail_share()
-    (zipf,) = parse_ids("zipf:1.1:64")
-    with pytest.raises(ValueError, match="need num_rows, exact_ranks and chunk >= 1, got 0, 1073741824, 16"):
-        zipf.row_probabilities(0, chunk=16)
 
 
 def test_uniform_ids_cover_the_table_evenly():

@@ -9,6 +9,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from make_trace import windows, write_trace
 
 from ple_um.bench import runner
 from ple_um.bench.ids import parse_ids
@@ -22,7 +23,6 @@ from ple_um.bench.trace import (
     TraceIds,
     read_trace,
     sample_path,
-    write_trace,
 )
 
 RELEASED_ROWS = 320001536  # the released checkpoint's table (README: rows [0, 160000768) of 320001536)
@@ -150,13 +150,13 @@ def test_read_trace_refuses_a_file_that_is_no_npz(tmp_path):
 
 def test_windows_keep_their_rows_and_the_tokens_before_them_as_context():
     trace = small_trace()
-    w = trace.windows([(2, 3, 4), (0, 0, 2), (2, 1, 2)])
+    w = windows(trace, [(2, 3, 4), (0, 0, 2), (2, 1, 2)])
     np.testing.assert_array_equal(w.tokens, [23, 24, 25, 26, 0, 1, 21, 22])
     np.testing.assert_array_equal(w.rows[:, 0], [203, 204, 205, 206, 0, 1, 201, 202])
     np.testing.assert_array_equal(w.context, [[21, 22], [7, 7], [7, 20]])  # before a start: the request's own
     assert [r["window"] for r in w.description["requests"]] == [[3, 4], [0, 2], [1, 2]]
     with pytest.raises(ValueError, match="outside request 1"):
-        trace.windows([(1, 2, 2)])
+        windows(trace, [(1, 2, 2)])
 
 
 # -- replays ----------------------------------------------------------------------------------------
