@@ -13,6 +13,7 @@ the same, through ``ple_um.dropped``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -26,16 +27,16 @@ from ple_um import dropped, metrics, ops, verify
 from ple_um.access.build import ModeAccess
 from ple_um.access.probe import ProbeReport
 from ple_um.errors import TableClosedError
+from ple_um.kernels.launch import current_stream
+from ple_um.lookup.arguments import FLOAT_OUT, check_args, check_ids
 from ple_um.lookup.paths import LookupPaths
+from ple_um.lookup.streams import wait_for_streams
 from ple_um.mapping import MappedShards
 
 logger = logging.getLogger(__name__)
 
 # What a mode whose release failed still holds: never freed (see release_mode).
 _KEPT_AFTER_FAILED_CLOSE: list[tuple[object, ...]] = []
-
-FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
-_ID_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8))
 
 
 class MappedTable:
@@ -80,6 +81,12 @@ class MappedTable:
         # Calls in flight (one entry each; list.append and .pop are atomic under the GIL, the
         # cheapest guard there is): close() waits until it is empty before it unmaps anything.
         self._inflight: list[None] = []
+        # The raw handles of the streams its lookups were queued on: a release waits for these
+        # rather than for the device, which it may not do while another thread captures a graph.
+        self._streams: set[int] = set()
+        self._stream_of = (
+            functools.partial(current_stream, self.device.index) if self.device.type == "cuda" else None
+        )
         self._close_lock = threading.Lock()
         self._closing = False
         self._released = threading.Event()
@@ -126,6 +133,8 @@ class MappedTable:
         if self._closed:  # checked after the entry is in: close() either sees it or we see closed
             self._inflight.pop()
             raise TableClosedError("the table is closed")
+        if self._stream_of is not None:
+            self._streams.add(self._stream_of())
 
     def _leave(self) -> None:
         self._inflight.pop()
@@ -270,7 +279,11 @@ class MappedTable:
         """Wait for lookups in flight and for the device, then release the lookup paths, the access
         mode and the mappings. Idempotent; a second caller returns once the first has released
         everything. Where that wait or a release fails (a CUDA error), the error is raised and the
-        mappings are kept until the process exits: host threads may still read them."""
+        mappings are kept until the process exits: host threads may still read them. Not while
+        this thread captures a CUDA graph (its lookups could not be waited for): that raises, and
+        the table stays open."""
+        if self._stream_of is not None and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("close() during a CUDA graph capture: close the table after the capture")
         with self._close_lock:
             closing, self._closing = self._closing, True
         if closing:
@@ -301,14 +314,20 @@ class MappedTable:
         )
 
 
-def release_mode(device: torch.device, access, paths, mapping: MappedShards, scale_mapping) -> None:
-    """Wait for ``device``, then release a mode's lookup ``paths`` and ``access`` (None: not built;
-    the mappings stay). Where that fails (a CUDA error) the device is not known to be idle: a host
-    thread (the dispatcher, a host node, the pool) may still read the mappings or a job struct, so
-    they are kept for the life of the process (``mappings_kept``) and the error is raised."""
+def release_mode(
+    device: torch.device, access, paths, mapping: MappedShards, scale_mapping, streams: set[int] | None = None
+) -> None:
+    """Wait for the lookups queued on ``streams`` (raw handles; None: for the whole device, as the
+    open does on its own thread), then release a mode's lookup ``paths`` and ``access`` (None: not
+    built; the mappings stay). Where that fails (a CUDA error) the device is not known to be idle: a
+    host thread (the dispatcher, a host node, the pool) may still read the mappings or a job struct,
+    so they are kept for the life of the process (``mappings_kept``) and the error is raised."""
     try:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # every queued kernel and host node has run
+        if device.type == "cuda":  # every queued kernel and host node has run
+            if streams is None:
+                torch.cuda.synchronize(device)
+            else:
+                wait_for_streams(device, sorted(streams))
         if access is not None:
             access.stop_prefetcher()  # a prefetch may be reading into the row cache
         for res in (paths, access):
@@ -332,7 +351,14 @@ def _release(state: dict) -> None:
     ``close()`` runs it on the table's attributes ``vars(table)``; ``ple_um.dropped`` runs it for
     a table dropped without ``close()``."""
     ops.unregister_table(state["handle"])
-    release_mode(state["device"], state["access"], state["paths"], state["mapping"], state["scale_mapping"])
+    release_mode(
+        state["device"],
+        state["access"],
+        state["paths"],
+        state["mapping"],
+        state["scale_mapping"],
+        state["_streams"],
+    )
     state["paths"] = state["access"] = None
     for each in (state["scale_mapping"], state["mapping"]):
         if each is not None:
@@ -351,43 +377,3 @@ def _weak_stats(table: MappedTable) -> Callable[[], dict]:
         return bound(sync=False)
 
     return stats
-
-
-def check_ids(ids) -> None:
-    """TypeError unless ``ids`` is a tensor of an integer dtype a lookup takes."""
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
-    if ids.dtype not in _ID_DTYPES:
-        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
-
-
-def check_args(table: MappedTable, ids, out: torch.Tensor | None, out_dtype) -> torch.dtype | None:
-    """The argument checks of every lookup of ``table`` (``lookup`` and the torch ops); the out
-    dtype."""
-    check_ids(ids)
-    if out is not None:
-        if out_dtype is not None and out_dtype != out.dtype:
-            raise TypeError(f"out is {out.dtype} but out_dtype is {out_dtype}: pass one of them")
-        out_dtype = out.dtype
-        if out_dtype not in table.out_dtypes:
-            _refuse_dtype(table, out_dtype)
-        if out.shape != (*ids.shape, table.row_dim):
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {(*ids.shape, table.row_dim)}")
-        if out.device != table.device:
-            raise ValueError(f"out is on {out.device}, the table on {table.device}")
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
-    elif (out_dtype is not None and out_dtype not in table.out_dtypes) or (
-        out_dtype is None and table.scale_mapping is not None
-    ):
-        _refuse_dtype(table, out_dtype)
-    return out_dtype
-
-
-def _refuse_dtype(table: MappedTable, out_dtype) -> None:
-    if table.scale_mapping is not None:
-        raise TypeError(
-            f"an {table.layout.dtype_name} table decodes its rows: pass out_dtype (bf16, f16 or f32) "
-            "or a float out=, or use lookup_packed() for the raw bytes and block scales"
-        )
-    raise TypeError(f"out_dtype must be {table.dtype} (raw) or one of bf16, f16, f32; got {out_dtype}")

@@ -153,8 +153,8 @@ class ModeAccess:
             self.prefetcher = None
 
     def close(self) -> None:
-        """Stop the prefetcher, unregister (each registration waits for the device first) and drop
-        the device copies, in reverse order of building. Idempotent."""
+        """Stop the prefetcher, unregister and drop the device copies, in reverse order of building,
+        once no kernel reads them (the caller waited: ``table.release_mode``). Idempotent."""
         self.stop_prefetcher()
         while self.registrations:
             self.registrations[-1].close()

@@ -76,12 +76,11 @@ class RegisteredMapping:
         return bases
 
     def close(self) -> None:
-        """Wait for the device (no kernel may still read the pages), then unregister; idempotent."""
+        """Unregister; idempotent. The caller has waited for every kernel that reads the pages
+        (``table.release_mode``)."""
         if self._closed:
             return
         self._closed = True
-        if self._registered and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         for addr in reversed(self._registered):
             self._unregister(addr)
         self._registered.clear()

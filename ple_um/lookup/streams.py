@@ -11,7 +11,8 @@ per thread and applies to this thread's calls only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -59,3 +60,32 @@ def relaxed_capture_mode(on_failure: Callable[[BaseException], None] | None = No
     finally:
         if old is not None:
             rt.cudaThreadExchangeStreamCaptureMode(old)
+
+
+# cudaStreamIsCapturing on the legacy stream while a blocking stream captures: unknown, not an
+# error to give up on (the capture is not invalidated by the query).
+_CAPTURE_IMPLICIT = 906
+
+
+def wait_for_streams(device: torch.device, streams: Iterable[int], pause: float = 1e-3) -> None:
+    """Wait until the work queued so far on each stream in ``streams`` (raw handles on ``device``)
+    has run, without joining or breaking a CUDA graph capture that another thread makes meanwhile.
+
+    Synchronizing the device would be refused while any stream captures, and the refusal
+    invalidates that capture; a stream is synchronized only while it is not capturing (a stream
+    that captures now is waited for until its capture ends; the legacy stream is while a blocking
+    stream captures). Run it in the relaxed capture mode of the calling thread."""
+    from cuda.bindings import runtime as rt
+
+    with torch.cuda.device(device):
+        for handle in streams:
+            while True:
+                err, status = rt.cudaStreamIsCapturing(handle)
+                if int(err) == 0 and status == rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone:
+                    break
+                if int(err) not in (0, _CAPTURE_IMPLICIT):
+                    raise CudaStreamError(f"cudaStreamIsCapturing failed: {err}")
+                time.sleep(pause)
+            (err,) = rt.cudaStreamSynchronize(handle)
+            if int(err) != 0:
+                raise CudaStreamError(f"cudaStreamSynchronize failed: {err}")

@@ -35,5 +35,5 @@ def run_limited(name: str, code_for: Callable[[str, bool], str], env: dict | Non
         deadline = time.monotonic() + 30  # an exited child leaves the group a moment later
         while time.monotonic() < deadline and open(procs).read().strip():
             time.sleep(0.05)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, f"exit {done.returncode} (-9: killed, out of memory?): {done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
