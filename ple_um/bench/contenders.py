@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from ple_um.checkpoint import ShardLayout
-from ple_um.kernels.gather_mxfp8 import gather_mxfp8
+from ple_um.checkpoint.shard_layout import MXFP8
+from ple_um.kernels.gather_block_scaled import gather_block_scaled
 from ple_um.lookup.mxfp8 import decode_mxfp8
 
 VLLM_ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
@@ -189,8 +190,8 @@ class VllmEngramPinned:
         n, dim = out.shape
         rows = self.layout.num_rows
         if self.vllm is None:
-            return gather_mxfp8(
-                self.bases[0], self.bases[1], ids, out, self.counters,
+            return gather_block_scaled(
+                self.bases[0], self.bases[1], ids, out, self.counters, fmt=MXFP8,
                 row_start=0, row_end=rows, num_rows=rows, rows_per_shard=rows, row_dim=dim,
             )  # fmt: skip
         grid = min(triton.cdiv(n, 16), self.sms)

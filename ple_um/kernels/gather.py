@@ -90,23 +90,6 @@ def _locate(ids_ptr, counters_ptr, n, row_start, row_end, num_rows, rows_per_sha
 
 
 @triton.jit
-def _block_scales(
-    row_bases_ptr, scale_bases_ptr, owned, shard, local, row_dim, BLOCK: tl.constexpr, DIM: tl.constexpr
-):
-    """A block-scaled table's (NVFP4, MXFP8: rows and block scales, each through its own per-shard
-    bases) part of a program, after ``_locate``: each id's shard's rows address (bytes), the row's
-    elements ``e`` and their mask ``m`` (owned and in the row), and each element's block-scale byte
-    (int32; 0 where masked)."""
-    row_base = tl.load(row_bases_ptr + shard, mask=owned, other=0).to(tl.pointer_type(tl.uint8))
-    scale_base = tl.load(scale_bases_ptr + shard, mask=owned, other=0).to(tl.pointer_type(tl.uint8))
-    e = tl.arange(0, DIM)
-    m = owned[:, None] & (e < row_dim)[None, :]
-    scales = scale_base + local * (row_dim // BLOCK)
-    scale_byte = tl.load(scales[:, None] + (e // BLOCK)[None, :], mask=m, other=0).to(tl.int32)
-    return row_base, e, m, scale_byte
-
-
-@triton.jit
 def _store_decoded(out_ptr, val, rows, in_batch, col, row_dim, OUT_BF16: tl.constexpr):
     """Decoded float32 ``val`` [ROWS, len(col)] into ``out`` [n, row_dim] (bfloat16 as its int16 bits
     when OUT_BF16), masked to the batch's rows and the row's elements."""

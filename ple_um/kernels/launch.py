@@ -138,29 +138,3 @@ def bind(compiled, args: tuple, *, ids_at: int, n_at: int, rows_per_program: int
         )
 
     return launch
-
-
-def launch_decoding(
-    kernel,
-    launch,
-    bases: tuple,
-    ids,
-    out,
-    counters,
-    extra: tuple,
-    geometry: tuple,
-    rows_per_program,
-    num_warps,
-) -> torch.Tensor:
-    """Launch a block-scaled table's decoding gather (``kernel``: NVFP4's or MXFP8's), whose arguments
-    are ``bases``, ids, out (bf16 as int16), counters, ``extra``, n, ``geometry`` (row_start, row_end,
-    num_rows, rows_per_shard, row_dim), then OUT_BF16, ROWS and DIM; ``launch`` as ``gather_rows``'."""
-    n = ids.numel()
-    if n == 0:
-        return out
-    target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    constexprs = (out.dtype == torch.bfloat16, rows_per_program, triton.next_power_of_2(geometry[-1]))
-    args = (*bases, ids, target, counters, *extra, n, *geometry, *constexprs)
-    kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
-    (launch or DirectLaunch.plain(kernel))(kind, triton.cdiv(n, rows_per_program), args, num_warps)
-    return out

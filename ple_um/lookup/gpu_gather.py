@@ -13,10 +13,9 @@ from __future__ import annotations
 import torch
 
 from ple_um.checkpoint import ShardLayout
-from ple_um.kernels import DirectLaunch, gather_nvfp4, gather_rows
+from ple_um.kernels import DirectLaunch, gather_block_scaled, gather_rows
 from ple_um.kernels.gather import ROWS_PER_PROGRAM, _gather_kernel
-from ple_um.kernels.gather_mxfp8 import _gather_mxfp8_kernel, gather_mxfp8
-from ple_um.kernels.gather_nvfp4 import _gather_nvfp4_kernel
+from ple_um.kernels.gather_block_scaled import _gather_block_scaled_kernel
 from ple_um.kernels.launch import bind, hooks_set
 from ple_um.lookup.counts import path_counts
 
@@ -62,8 +61,7 @@ class GpuGather:
         # One launcher per kernel and per set of fixed arguments (ple_um/kernels/launch.py).
         self._rows = DirectLaunch(_gather_kernel)
         self._block_scales = DirectLaunch(_gather_kernel)
-        self._nvfp4 = DirectLaunch(_gather_nvfp4_kernel)
-        self._mxfp8 = DirectLaunch(_gather_mxfp8_kernel)
+        self._decoded = DirectLaunch(_gather_block_scaled_kernel)
         self.launch = self._rows.why_not or "direct (through the compiled kernel's launcher)"
         # (ids dtype, out dtype, out address mod 8, 64-bit batch) -> a bound launcher (launch.bind)
         self._bound: dict[tuple, object] = {}
@@ -96,11 +94,12 @@ class GpuGather:
 
         # Decoded rows: DirectLaunch launches them directly after the first call, with no bound launcher.
         if self.scale_bases is not None and out.dtype in _FLOATS:
-            geometry = dict(self._geometry, row_dim=layout.row_dim)
+            # NVFP4 has a global scale (the layout's), MXFP8 none.
+            table = dict(
+                self._geometry, row_dim=layout.row_dim, fmt=layout.dtype_name, global_scale=self.scale
+            )
             bases = (self.bases, self.scale_bases)
-            if layout.is_mxfp8:
-                return gather_mxfp8(*bases, ids, out, self.counters, **geometry, launch=self._mxfp8)
-            return gather_nvfp4(*bases, ids, out, self.counters, self.scale, **geometry, launch=self._nvfp4)
+            return gather_block_scaled(*bases, ids, out, self.counters, **table, launch=self._decoded)
         return gather_rows(
             self.bases,
             ids,

@@ -1,5 +1,5 @@
 """Host-gathered MXFP8 rows (DeepSeek-V4.1's Engram tables) decoded with torch ops on the device, as
-the GPU modes' kernel (``ple_um/kernels/gather_mxfp8.py``) decodes them while it gathers.
+the GPU modes' kernel (``ple_um/kernels/gather_block_scaled.py``) decodes them while it gathers.
 
 A value is ``float32(e4m3) * scale``, the scale's float32 bits being the E8M0 byte shifted into the
 exponent field (``e << 23``: ``e = 0`` a zero scale, ``e = 255`` an infinite one), cast to the

@@ -20,7 +20,7 @@ from helpers.reference import reference_rows
 
 import ple_um
 from ple_um.checkpoint import EngramGeometry
-from ple_um.kernels.gather_mxfp8 import gather_mxfp8
+from ple_um.kernels.gather_block_scaled import gather_block_scaled
 from ple_um.lookup.mxfp8 import decode_mxfp8
 from ple_um.residency import evict_pages
 from ple_um.synthetic_engram import write_engram_checkpoint
@@ -82,9 +82,8 @@ def test_every_code_and_exponent_equals_vllms_compiled_kernel(device):
         torch.tensor([scales.data_ptr()], device=device),
     )
     rows = weight.shape[0]
-    gather_mxfp8(
-        *bases, ids, out, counters, row_start=0, row_end=rows, num_rows=rows, rows_per_shard=rows, row_dim=32
-    )
+    geometry = dict(row_start=0, row_end=rows, num_rows=rows, rows_per_shard=rows, row_dim=32)
+    gather_block_scaled(*bases, ids, out, counters, fmt="MXFP8", **geometry)
     assert torch.equal(out.view(torch.int16), want)
     assert counters.tolist() == [rows, 0]
 

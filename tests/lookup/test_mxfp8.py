@@ -15,7 +15,7 @@ from helpers.reference import reference_rows
 from helpers.vllm_engram import engram_module
 
 import ple_um
-from ple_um.kernels.gather_mxfp8 import gather_mxfp8
+from ple_um.kernels.gather_block_scaled import gather_block_scaled
 from ple_um.lookup.mxfp8 import decode_mxfp8
 from ple_um.synthetic_engram import write_engram_checkpoint
 
@@ -80,9 +80,8 @@ def test_every_code_and_exponent_decodes_as_vllm_decodes():
     bases = (torch.tensor([weight.data_ptr()]), torch.tensor([scales.data_ptr()]))
     counters = torch.zeros(2, dtype=torch.int64)
     n = rows = weight.shape[0]
-    gather_mxfp8(
-        *bases, ids, out, counters, row_start=0, row_end=rows, num_rows=rows, rows_per_shard=rows, row_dim=32
-    )
+    geometry = dict(row_start=0, row_end=rows, num_rows=rows, rows_per_shard=rows, row_dim=32)
+    gather_block_scaled(*bases, ids, out, counters, fmt="MXFP8", **geometry)
     assert torch.equal(out.view(torch.int16), want)
     assert counters.tolist() == [n, 0]
 
