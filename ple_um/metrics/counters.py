@@ -333,26 +333,15 @@ class LookupMetrics:
         except Exception as exc:  # noqa: BLE001
             warn_once("absorb", "absorb failed: %s: %s", type(exc).__name__, exc)
 
-    def set_row_cache(self, rows: int, resident: int) -> None:
-        """Set this mode's row-cache gauges (rows held, bytes in RAM) for this process."""
+    def set_gauges(self, values: dict[str, int]) -> None:
+        """Set this mode's gauges named in ``values`` for this process (the page cache's
+        ``resident_bytes`` and ``mapped_bytes``, the row cache's ``row_cache_rows`` and
+        ``row_cache_bytes`` in RAM)."""
         try:
             children = self._metrics()
             if children is not None:
-                for child in children["row_cache_rows"]:
-                    child.set(rows)
-                for child in children["row_cache_bytes"]:
-                    child.set(resident)
+                for key, value in values.items():
+                    for child in children[key]:
+                        child.set(value)
         except Exception as exc:  # noqa: BLE001
-            warn_once("gauge", "row cache gauge failed: %s: %s", type(exc).__name__, exc)
-
-    def set_residency(self, resident: int, mapped: int) -> None:
-        """Set this mode's page-cache gauges (bytes resident, bytes mapped) for this process."""
-        try:
-            children = self._metrics()
-            if children is not None:
-                for child in children["resident_bytes"]:
-                    child.set(resident)
-                for child in children["mapped_bytes"]:
-                    child.set(mapped)
-        except Exception as exc:  # noqa: BLE001
-            warn_once("gauge", "residency gauge failed: %s: %s", type(exc).__name__, exc)
+            warn_once("gauge", "gauge failed: %s: %s", type(exc).__name__, exc)

@@ -21,6 +21,9 @@ from ple_um.metrics.counters import LookupMetrics, prometheus
 from ple_um.metrics.failures import logger, warn_once
 from ple_um.metrics.stats_line import CACHE_HELD, figures, format_line
 
+# The gauges a mode's watches add up to: their ``resident`` (bytes resident, mapped), then ``cache``.
+_GAUGES = ("resident_bytes", "mapped_bytes", "row_cache_rows", "row_cache_bytes")
+
 
 def _fold(window: dict[str, dict[str, float]], watch: Watch, stats: dict) -> None:
     """Add what the watched table did since its last reading to its mode's window figures (and
@@ -221,25 +224,18 @@ class StatsReporter:
         return line
 
     def _set_gauges(self) -> None:
-        by_mode: dict[str, tuple[LookupMetrics, int, int, int, int]] = {}
+        by_mode: dict[str, tuple[LookupMetrics, dict[str, int]]] = {}
         for watch in self.watches:
             if watch.metrics is None or watch.residency is None:
                 continue
-            m, r, t, rows, held = by_mode.get(watch.mode, (watch.metrics, 0, 0, 0, 0))
-            by_mode[watch.mode] = (
-                m,
-                r + watch.resident[0],
-                t + watch.resident[1],
-                rows + watch.cache[0],
-                held + watch.cache[1],
-            )
-        for metrics, resident, mapped, rows, held in by_mode.values():
-            metrics.set_residency(resident, mapped)
-            metrics.set_row_cache(rows, held)
+            _, gauges = by_mode.setdefault(watch.mode, (watch.metrics, dict.fromkeys(_GAUGES, 0)))
+            for key, value in zip(_GAUGES, (*watch.resident, *watch.cache), strict=True):
+                gauges[key] += value
+        for metrics, gauges in by_mode.values():
+            metrics.set_gauges(gauges)
         for mode, metrics in self._gauged.items():  # the last table of a mode closed: nothing mapped
             if mode not in by_mode:
-                metrics.set_residency(0, 0)
-                metrics.set_row_cache(0, 0)
+                metrics.set_gauges(dict.fromkeys(_GAUGES, 0))
         self._gauged = {mode: entry[0] for mode, entry in by_mode.items()}
 
     # -- the thread ------------------------------------------------------------------------

@@ -120,7 +120,9 @@ def test_the_row_cache_counters_and_gauges_follow_its_stats(make_checkpoint, mon
             expect |= {key: stats[key] for key in keys[3:]}
             assert rise == pytest.approx(expect) and stats["file_reads"] > 0
         assert cache["hits"] > 0 and cache["evictions"] > 0
-        table.metrics.set_row_cache(cache["rows"], cache["resident_bytes"])
+        table.metrics.set_gauges(
+            {"row_cache_rows": cache["rows"], "row_cache_bytes": cache["resident_bytes"]}
+        )
         assert sample("row_cache_rows", "cpu") == cache["rows"] > 0
         assert sample("row_cache_bytes", "cpu") == cache["resident_bytes"] > 0
 
