@@ -49,6 +49,16 @@ class Scan:
         if match is not None:
             self.lost.add(match)
 
+    def wanted(self, name: str, layer: int | None) -> tuple[int, str, int | None] | None:
+        """``name``'s (layer, kind, shard index) when it is a PLE tensor of ``layer`` (of any layer when
+        None), else None; adds the layer of every shard tensor seen, wanted or not, to ``layers``."""
+        match = ple_match(name)
+        if match is None:
+            return None
+        if match[1] == "shard":
+            self.layers.add(match[0])
+        return match if layer is None or match[0] == layer else None
+
 
 def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
     """Read the headers of the files that may hold PLE tensors (of ``layer`` when given); None when
@@ -89,14 +99,10 @@ def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
 def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:
     """Add the PLE tensors of one header to ``found``."""
     for name, entry in header.tensors.items():
-        match = ple_match(name)
+        match = found.wanted(name, layer)
         if match is None:
             continue
         at, kind, index = match
-        if kind == "shard":
-            found.layers.add(at)
-        if layer is not None and at != layer:
-            continue
         tensors = found.tensors.setdefault(at, LayerTensors())
         if kind == "shard":
             tensors.shards.setdefault(index, []).append(entry)
@@ -157,13 +163,7 @@ def _files_from_index(
                 tensor=name,
             )
             continue
-        match = ple_match(name)
-        if match is None:
-            continue
-        at, kind, _ = match
-        if kind == "shard":
-            found.layers.add(at)
-        if layer is not None and at != layer:
+        if found.wanted(name, layer) is None:
             continue
         path = os.path.join(directory, normal)
         if not os.path.exists(path):
