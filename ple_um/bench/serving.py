@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ple_um.bench.calls import capture
-from ple_um.bench.timing import summary
+from ple_um.bench.timing import spread
 
 # The square matmuls a step's GPU work is made of: bf16, this many rows and columns (about 0.2 ms
 # each on an H200; a step of 5 ms is some 25 of them).
@@ -206,8 +206,7 @@ def measure(step: ServingStep, pool: IdPool, steps: int, warmup_s: float, reside
     warm = warm_up(step, pool, warmup_s)
     before = _row_cache(step.table)
     times = time_steps(step, pool, steps)
-    row = summary(times, 0)
-    del row["gbps"]
+    row = spread(times) | {"calls": len(times)}
     row["warmup"] = warm
     after = _row_cache(step.table)
     row["row_cache_hits"] = None

@@ -99,29 +99,22 @@ class Timer:
         return times
 
 
+def spread(times: list[float]) -> dict:
+    """Median, p10 and p90 of ``times`` (seconds) in microseconds."""
+    p10, median, p90 = np.quantile(times, [0.1, 0.5, 0.9]) * 1e6
+    return {"median_us": median, "p10_us": p10, "p90_us": p90}
+
+
 def summary(times: list[float], nbytes: int) -> dict:
-    """Median, p10 and p90 of ``times`` (seconds) in microseconds, and the median's bytes per second."""
-    q = np.quantile(times, [0.1, 0.5, 0.9])
-    return {
-        "median_us": q[1] * 1e6,
-        "p10_us": q[0] * 1e6,
-        "p90_us": q[2] * 1e6,
-        "gbps": nbytes / q[1] / 1e9,
-        "calls": len(times),
-    }
+    """``spread(times)``, the median's bytes per second and the number of calls."""
+    row = spread(times)
+    return {**row, "gbps": nbytes / (row["median_us"] * 1e-6) / 1e9, "calls": len(times)}
 
 
 def host_summary(per_call: list[float], calls: int) -> dict:
     """The back-to-back figure: the median of the rounds' per-call times, with their p10 and p90."""
-    q = np.quantile(per_call, [0.1, 0.5, 0.9])
-    return {
-        "median_us": q[1] * 1e6,
-        "p10_us": q[0] * 1e6,
-        "p90_us": q[2] * 1e6,
-        "rounds_us": [t * 1e6 for t in per_call],
-        "calls": calls,
-        "rows": HOST_ROWS,
-    }
+    rounds_us = [t * 1e6 for t in per_call]
+    return {**spread(per_call), "rounds_us": rounds_us, "calls": calls, "rows": HOST_ROWS}
 
 
 def noisy(row: dict) -> bool:
