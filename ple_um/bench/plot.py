@@ -102,6 +102,14 @@ def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
     _save(fig, path)
 
 
+# A line of plot_limits: its curves, as (key, style, what the label says).
+_LIMIT_CURVES = (
+    ("steady", {"marker": "o"}, "steady"),
+    ("cold", {"marker": "x", "linestyle": "--"}, "cold"),
+    ("alone", {"marker": "s", "linestyle": ":"}, "steady, page cache only"),
+)
+
+
 def plot_limits(result: dict, path: str) -> None:
     """The bench for tables larger than memory: median lookup time against the memory limit, one
     line per path, id distribution and batch size, steady state solid, cold dashed, and the steady
@@ -120,26 +128,13 @@ def plot_limits(result: dict, path: str) -> None:
                     alone = row.get("steady_page_cache")
                     line["alone"].append(alone["median_us"] if alone else float("nan"))
     for (mode, dist, n), line in lines.items():
-        (drawn,) = ax.plot(
-            line["x"], line["steady"], marker="o", label=f"ple-um {mode}, {dist}, {n} rows, steady"
-        )
-        ax.plot(
-            line["x"],
-            line["cold"],
-            marker="x",
-            linestyle="--",
-            color=drawn.get_color(),
-            label=f"ple-um {mode}, {dist}, {n} rows, cold",
-        )
-        if any(v == v for v in line["alone"]):  # not all NaN: some limit ran it without its row cache
-            ax.plot(
-                line["x"],
-                line["alone"],
-                marker="s",
-                linestyle=":",
-                color=drawn.get_color(),
-                label=f"ple-um {mode}, {dist}, {n} rows, steady, page cache only",
-            )
+        color = None  # the first curve's, from the colour cycle, for the line's others
+        for key, style, what in _LIMIT_CURVES:
+            if all(v != v for v in line[key]):  # all NaN: no limit measured it (ran without a row cache)
+                continue
+            label = f"ple-um {mode}, {dist}, {n} rows, {what}"
+            (drawn,) = ax.plot(line["x"], line[key], **style, color=color, label=label)
+            color = drawn.get_color()
     ax.set_yscale("log")
     ax.set_xlabel("memory limit (GiB)")
     ax.set_ylabel("median lookup time (us)")
