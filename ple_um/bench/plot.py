@@ -71,6 +71,16 @@ def check_writable_format(path: str) -> None:
         plt.close(fig)
 
 
+def _time_axes(ax, result: dict, title: str, xlabel: str, ylabel: str) -> None:
+    """A time plot's axes: log times, the labels, a grid, and a title that names the device and
+    the table's size, then ``title``."""
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{result['device']}: {format_bytes(result['table']['bytes'])} table{title}")
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
     fig, ax = _pyplot().subplots(figsize=(8, 5))
     colors: dict[str, str] = {}
@@ -92,12 +102,7 @@ def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
             )
             colors.setdefault(name, line.get_color())
     ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("rows per lookup")
-    ax.set_ylabel("median time (us)")
-    t = result["table"]
-    ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table, {t['row_bytes']} B rows")
-    ax.grid(True, which="both", alpha=0.3)
+    _time_axes(ax, result, f", {result['table']['row_bytes']} B rows", "rows per lookup", "median time (us)")
     ax.legend(fontsize="small")
     _save(fig, path)
 
@@ -135,12 +140,7 @@ def plot_limits(result: dict, path: str) -> None:
             label = f"ple-um {mode}, {dist}, {n} rows, {what}"
             (drawn,) = ax.plot(line["x"], line[key], **style, color=color, label=label)
             color = drawn.get_color()
-    ax.set_yscale("log")
-    ax.set_xlabel("memory limit (GiB)")
-    ax.set_ylabel("median lookup time (us)")
-    t = result["table"]
-    ax.set_title(f"{result['device']}: {format_bytes(t['bytes'])} table under a memory limit")
-    ax.grid(True, which="both", alpha=0.3)
+    _time_axes(ax, result, " under a memory limit", "memory limit (GiB)", "median lookup time (us)")
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines
     _save(fig, path)
 
