@@ -67,7 +67,8 @@ def _select_mode(
         report = decide(caps, mode=forced, table_bytes=table_bytes, budget=budget, exclude=rejected)
         access = paths = knob_error = None
         try:
-            first_read.check(report, caps, layout, rows, device, recheck=recheck)
+            verdict = first_read.first_read_verdict(report.mode, caps, layout, rows, device, recheck=recheck)
+            first_read.check(report, verdict)
             if mappings is None:
                 return report, None, None
             access = ModeAccess(

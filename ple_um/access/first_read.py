@@ -324,22 +324,13 @@ def first_read_verdict(
     return verdict
 
 
-def check(
-    report: ProbeReport,
-    caps: DeviceCapabilities,
-    layout: ShardLayout,
-    rows: tuple[int, int],
-    device: torch.device,
-    *,
-    recheck: bool = False,
-) -> FirstReadVerdict:
-    """The hook ``open_table`` calls before it builds ``report.mode``: sets ``report.first_read`` and
-    raises FirstReadRejected when the mode's first read failed in a child (now or before)."""
-    verdict = first_read_verdict(report.mode, caps, layout, rows, device, recheck=recheck)
+def check(report: ProbeReport, verdict: FirstReadVerdict) -> None:
+    """What ``open_table`` does with ``first_read_verdict``'s answer for ``report.mode``: sets
+    ``report.first_read`` and raises FirstReadRejected when the mode's first read failed in a child
+    (now or before)."""
     report.first_read = [verdict]
     if not verdict.passed:
         raise FirstReadRejected(verdict)
-    return verdict
 
 
 def cached_verdicts(report: ProbeReport, caps: DeviceCapabilities) -> list[FirstReadVerdict]:
