@@ -38,6 +38,7 @@ from ple_um import envs
 from ple_um.access import memory
 from ple_um.checkpoint import ShardLayout
 from ple_um.mapping import PAGE, MappedShards, _libc
+from ple_um.ticker import Ticker
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +145,13 @@ def choose(now: Serving | None, verdict: Verdict, *, touch_knob: str, touch_here
     return Serving("host", False, why, switches + int(now is not None))
 
 
-class FitWatch:
+class FitWatch(Ticker):
     """Decides again, every ``interval`` seconds on a thread of its own, what serves ``paths``'
     decode-sized lookups (``LookupPaths``: ``serving``, ``decode_on_host``, ``touch_pages``,
     ``adopt``). ``host_for(spills)`` builds a host path (a row cache when ``spills``), or None
     where none can be built. ``close()`` stops the thread and waits for it; idempotent."""
+
+    thread_name = "ple-um-fit"
 
     def __init__(
         self,
@@ -162,35 +165,26 @@ class FitWatch:
         host_for: Callable[[bool], object | None],
         seed: int = 0,
     ) -> None:
-        self.paths, self.mappings, self.interval, self.pinned = paths, mappings, interval, pinned
+        super().__init__(interval)
+        self.paths, self.mappings, self.pinned = paths, mappings, pinned
         self.touch_knob, self.touch_here, self.host_for = touch_knob, touch_here, host_for
         self.rng = np.random.default_rng(seed)
         self.checks = 0
         self._lock = threading.Lock()  # one check at a time (the thread's, a caller's)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> FitWatch:
-        if self._thread is None and self.interval > 0:
-            self._thread = threading.Thread(target=self._run, name="ple-um-fit", daemon=True)
-            self._thread.start()
-        return self
+    def tick(self) -> None:
+        self.check()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.check()
-            except Exception as exc:  # noqa: BLE001 - a failed check keeps what serves
-                logger.warning(
-                    "ple-um: the fit check failed (%s: %s); the path stays", type(exc).__name__, exc
-                )
+    def tick_failed(self, exc: Exception) -> None:
+        # A failed check keeps what serves.
+        logger.warning("ple-um: the fit check failed (%s: %s); the path stays", type(exc).__name__, exc)
 
     def check(self) -> bool:
         """One check now: measure, choose, switch. Where the host path is to serve a table that does
         not fit and it has no row cache (or there is no host path), one is built first, and the
         switch waits for it. Whether what serves changed."""
         with self._lock:
-            if self._stop.is_set():
+            if self.stopped.is_set():
                 return False
             self.checks += 1
             paths = self.paths
@@ -219,10 +213,7 @@ class FitWatch:
             return True
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        self._thread = None
+        super().close()
         with self._lock:  # a check another thread runs has finished
             pass
 

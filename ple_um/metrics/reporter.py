@@ -20,6 +20,7 @@ from ple_um.lookup.streams import own_stream, relaxed_capture_mode
 from ple_um.metrics.counters import LookupMetrics, prometheus
 from ple_um.metrics.failures import logger, warn_once
 from ple_um.metrics.stats_line import CACHE_HELD, figures, format_line
+from ple_um.ticker import Ticker
 
 # The gauges a mode's watches add up to: their ``resident`` (bytes resident, mapped), then ``cache``.
 _GAUGES = ("resident_bytes", "mapped_bytes", "row_cache_rows", "row_cache_bytes")
@@ -66,7 +67,7 @@ class Watch:
             self.reporter.remove(self)
 
 
-class StatsReporter:
+class StatsReporter(Ticker):
     """A daemon thread that every ``interval`` seconds logs one windowed line for the tables this
     process watches and absorbs their device counters into Prometheus.
 
@@ -76,6 +77,8 @@ class StatsReporter:
     nothing; ``log=False`` logs no line at all (the reporter then only feeds Prometheus). ``tick()``
     does one pass (tests call it directly); ``hold()`` pauses ticks."""
 
+    thread_name = "ple-um-stats"
+
     def __init__(
         self,
         interval: float,
@@ -84,7 +87,7 @@ class StatsReporter:
         emit: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.interval = float(interval)
+        super().__init__(float(interval))
         self.log = log
         self.pid = os.getpid()
         self.emit = emit or (lambda line: logger.info("%s", line))
@@ -95,8 +98,6 @@ class StatsReporter:
         self._lock = threading.RLock()  # one tick at a time; add/remove wait for it
         self._held = 0
         self._window_start = clock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._streams: dict = {}
 
     # -- watching --------------------------------------------------------------------------
@@ -238,27 +239,9 @@ class StatsReporter:
                 metrics.set_gauges(dict.fromkeys(_GAUGES, 0))
         self._gauged = {mode: entry[0] for mode, entry in by_mode.items()}
 
-    # -- the thread ------------------------------------------------------------------------
-    def start(self) -> StatsReporter:
-        """Start the daemon thread (once); a non-positive interval starts nothing."""
-        if self._thread is None and self.interval > 0:
-            self._thread = threading.Thread(target=self._run, name="ple-um-stats", daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.tick()
-            except Exception as exc:  # noqa: BLE001 - the thread must outlive any one failure
-                warn_once("tick", "stats tick failed: %s: %s", type(exc).__name__, exc)
-
-    def close(self) -> None:
-        """Stop the thread (idempotent); the watches stay as they are."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        self._thread = None
+    # -- the thread (Ticker's start and close; close leaves the watches as they are) -----------
+    def tick_failed(self, exc: Exception) -> None:
+        warn_once("tick", "stats tick failed: %s: %s", type(exc).__name__, exc)
 
 
 def _relaxed_capture_mode():

@@ -25,6 +25,7 @@ LAYERS = (
         "ple_um.cache_folder",
         "ple_um.knob_values",
         "ple_um.file_lock",
+        "ple_um.ticker",
     ),
     ("ple_um.envs", "ple_um._testing"),
     ("ple_um.checkpoint",),
