@@ -81,8 +81,9 @@ class MappedTable:
         # Calls in flight (one entry each; list.append and .pop are atomic under the GIL, the
         # cheapest guard there is): close() waits until it is empty before it unmaps anything.
         self._inflight: list[None] = []
-        # The raw handles of the streams its lookups were queued on: a release waits for these
-        # rather than for the device, which it may not do while another thread captures a graph.
+        # The raw handles of the streams its lookups were queued on: the release of a dropped table
+        # waits for these rather than for the device, which its thread may not synchronize while
+        # another thread captures a graph (close() waits for the device: graphs replayed anywhere).
         self._streams: set[int] = set()
         self._stream_of = (
             functools.partial(current_stream, self.device.index) if self.device.type == "cuda" else None
@@ -296,7 +297,8 @@ class MappedTable:
             self._closed = True
             while self._inflight:
                 time.sleep(1e-3)
-            _release(vars(self))  # where the mode's release fails, the mappings stay mapped (and it raises)
+            # Where the mode's release fails, the mappings stay mapped (and it raises).
+            _release(vars(self), whole_device=True)
         finally:
             self._released.set()
 
@@ -345,11 +347,14 @@ def mappings_kept(mapping: MappedShards) -> bool:
     return any(mapping is each for kept in _KEPT_AFTER_FAILED_CLOSE for each in kept[1:])
 
 
-def _release(state: dict) -> None:
+def _release(state: dict, *, whole_device: bool = False) -> None:
     """What a table holds, released in reverse of its open once nothing uses it: its handle, its
     mode (``release_mode``: where that fails the mappings stay, and it raises), its mappings.
-    ``close()`` runs it on the table's attributes ``vars(table)``; ``ple_um.dropped`` runs it for
-    a table dropped without ``close()``."""
+    ``close()`` runs it on the table's attributes ``vars(table)``, after a wait for the whole device
+    (a graph that captured a lookup may be replayed on any stream); ``ple_um.dropped`` runs it for a
+    table dropped without ``close()``, after a wait for the streams its lookups were queued on: a
+    graph that captured its lookups reads buffers the table owns, so a table must outlive its graphs'
+    replays, including one queued on another stream just before it is dropped."""
     ops.unregister_table(state["handle"])
     release_mode(
         state["device"],
@@ -357,7 +362,7 @@ def _release(state: dict) -> None:
         state["paths"],
         state["mapping"],
         state["scale_mapping"],
-        state["_streams"],
+        None if whole_device else state["_streams"],
     )
     state["paths"] = state["access"] = None
     for each in (state["scale_mapping"], state["mapping"]):

@@ -5,7 +5,8 @@ device pointer to it: the kernel reads rows over PCIe, no copy, no GPU memory. A
 mapping needs the ReadOnly flag (with the default flags the driver refuses a read-only range with
 cudaErrorInvalidValue). On ATS systems the same call only populates the pages (it does not pin),
 which the ats mode may use. The object owns the registrations: a failure part-way releases the
-earlier ones, and ``close()`` waits for the device, then unregisters in reverse order. The calls
+earlier ones, and ``close()`` unregisters in reverse order once its caller has waited for every
+lookup that reads the pages (``table.release_mode``). The calls
 are the machine's (``ple_um.access.machine.registration()``: CUDA's, or an injected machine's).
 """
 

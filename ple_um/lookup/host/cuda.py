@@ -379,8 +379,8 @@ class StreamState:
         return self.buffers
 
     def close(self, driver) -> None:
-        """Wait for every job of the ring (the caller has synchronized the device: this only
-        checks), then destroy the events."""
+        """Wait for every job of the ring (the caller has waited for the streams its lookups
+        were queued on: this only checks), then destroy the events."""
         for job in self.ring:
             while job.busy:
                 time.sleep(1e-4)

@@ -365,7 +365,7 @@ class HostGather:
 
     def close(self) -> None:
         """Wait for every queued lookup's row copy, then drop the buffers and events (the caller has
-        synchronized the device: this only checks). Idempotent."""
+        waited for the streams they were queued on: this only checks). Idempotent."""
         for state in self._streams.values():
             state.close(self._driver)
         self._streams = {}
