@@ -17,6 +17,10 @@
 #            with the step's lookups issued at its start, the whole step one CUDA graph, on a table
 #            of $COLD_SIZE under $MEMORY_LIMIT and without, $SERVING_IDS ids; SERVING_ARGS
 #   profile  tools/profile_cold.py on the shared table; PROFILE_ARGS adds arguments
+#   regress  tools/host_cost.py on the shared table in each of $REGRESS_MODES (registered cpu) with this
+#            tree and with $OLD_TREE (another build's package: `git archive REV ple_um kernels | tar -x
+#            -C old`, moving a root kernels/ into old/ple_um/), alternately, $REGRESS_PAIRS (2) times
+#            each, no row cache; then the two builds compared (--compare): where the table fits
 #   tp       tools/tp_check.py on two GPUs, its own table of $TP_SIZE (the two ranks' vocab split
 #            inside a shard); TP_ARGS adds arguments
 #
@@ -75,9 +79,23 @@ for part in "${parts[@]}"; do
                      --json-file "$OUT/serving.json" --plot "$OUT/serving.png" ${SERVING_ARGS:-} ;;
         profile) table; run profile "${PROFILE_LIMIT:-300}" python3 tools/profile_cold.py --dir "$TABLE" \
                      --out "$OUT/profile_cold.json" ${PROFILE_ARGS:-} ;;
+        regress) table
+                 [ -d "${OLD_TREE:-}/ple_um" ] || { echo "regress: OLD_TREE must hold another build's ple_um"; exit 2; }
+                 for mode in ${REGRESS_MODES:-registered cpu}; do
+                     for k in $(seq "${REGRESS_PAIRS:-2}"); do
+                         for build in new old; do
+                             tree=$PWD; [ "$build" = old ] && tree=$(cd "$OLD_TREE" && pwd)
+                             PYTHONPATH=$tree PLE_UM_ROW_CACHE=0 run "regress_${mode}_${build}$k" "${REGRESS_LIMIT:-120}" \
+                                 python3 tools/host_cost.py --dir "$TABLE" --mode "$mode" \
+                                 --json-file "$OUT/regress_${mode}_${build}$k.json"
+                         done
+                     done
+                     run "regress_$mode" 60 python3 tools/host_cost.py --compare "$OUT"/regress_"${mode}"_new*.json \
+                         --against "$OUT"/regress_"${mode}"_old*.json --json-file "$OUT/regress_$mode.json"
+                 done ;;
         tp) run tp "${TP_LIMIT:-400}" python3 tools/tp_check.py --size "${TP_SIZE:-$SIZE}" \
                 --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;  # its own table: the split inside a shard
-        *) echo "unknown part $part (tests, bench, engram, cold, serving, profile, tp)"; exit 2 ;;
+        *) echo "unknown part $part (tests, bench, engram, cold, serving, regress, profile, tp)"; exit 2 ;;
     esac
 done
 printf '%s\n' "${summary[@]}"

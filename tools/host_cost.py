@@ -12,6 +12,11 @@ package runs it. Three figures, each the median of rounds with its p10 and p90:
   its input first.
 
     python tools/host_cost.py --dir TABLE --mode cpu --json-file out.json
+    python tools/host_cost.py --compare new1.json new2.json --against old1.json old2.json
+
+``--compare`` reads the JSON of runs of one build against those of another (the same table, mode and
+device, taken alternately) and prints each figure's median over the runs of each build and their
+ratio, marking a figure more than ``REGRESSION`` slower (``tools/gpu_run.sh regress`` takes them).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import ple_um
 
 BACK_TO_BACK_ROWS, BACK_TO_BACK_CALLS = 16, 300
 BIG_ROWS = 1024
+# A figure this much slower than the other build's is marked a regression by --compare.
+REGRESSION = 0.05
 
 
 def quantiles(seconds: list[float]) -> dict:
@@ -109,9 +116,51 @@ def measure(table, device: torch.device, rounds: int, calls: int, seed: int) -> 
     return result
 
 
+def compare(new_runs: list[dict], old_runs: list[dict]) -> dict:
+    """Each figure both builds measured: the median over each build's runs of the runs' medians,
+    and new / old. Refuses runs of different modes or devices (their figures are not comparable)."""
+    runs = new_runs + old_runs
+    if not new_runs or not old_runs:
+        raise ValueError("--compare needs runs of both builds")
+    for key in ("mode", "device"):
+        if len({run[key] for run in runs}) != 1:
+            raise ValueError(f"the runs differ in {key}: {sorted({run[key] for run in runs})}")
+    found = {}
+    for name in new_runs[0]["figures"]:
+        if not all(name in run["figures"] for run in runs):
+            continue
+        new = float(np.median([run["figures"][name]["median_us"] for run in new_runs]))
+        old = float(np.median([run["figures"][name]["median_us"] for run in old_runs]))
+        found[name] = {
+            "new_us": new,
+            "old_us": old,
+            "ratio": new / old,
+            "regression": new > old * (1 + REGRESSION),
+        }
+    return {
+        "mode": runs[0]["mode"],
+        "device": runs[0]["device"],
+        "runs": [len(new_runs), len(old_runs)],
+        "figures": found,
+    }
+
+
+def print_comparison(found: dict) -> None:
+    print(
+        f"mode {found['mode']}, device {found['device']}, runs new/old {found['runs'][0]}/{found['runs'][1]}"
+    )
+    print("| figure | new us | old us | new / old |")
+    print("| --- | --- | --- | --- |")
+    for name, f in found["figures"].items():
+        mark = f" (more than {REGRESSION:.0%} slower)" if f["regression"] else ""
+        print(f"| {name} | {f['new_us']:.1f} | {f['old_us']:.1f} | {f['ratio']:.3f}{mark} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", required=True, help="the table's checkpoint directory")
+    p.add_argument("--dir", help="the table's checkpoint directory")
+    p.add_argument("--compare", nargs="+", metavar="JSON", help="runs of one build (this script's JSON)")
+    p.add_argument("--against", nargs="+", metavar="JSON", help="with --compare: runs of the other build")
     p.add_argument("--mode", default="cpu")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=7, help="back-to-back rounds")
@@ -119,6 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-file")
     args = p.parse_args(argv)
+    if args.compare or args.against:
+        if not (args.compare and args.against):
+            p.error("--compare and --against go together")
+        load = lambda paths: [json.load(open(path)) for path in paths]  # noqa: E731
+        found = compare(load(args.compare), load(args.against))
+        print_comparison(found)
+        if args.json_file:
+            with open(args.json_file, "w") as f:
+                json.dump(found, f, indent=1)
+        return 0
+    if not args.dir:
+        p.error("--dir is needed (or --compare)")
     device = torch.device(args.device)
     table = ple_um.open_table(args.dir, mode=args.mode, device=device)
     try:
