@@ -64,7 +64,6 @@ PLE_UM_OVERLAP: bool
 PLE_UM_EARLY_LOOKUPS: AutoOnOff
 PLE_UM_ATS_POPULATE: bool
 PLE_UM_SELF_TEST_ROWS: int
-PLE_UM_STAGING_SLOTS: int
 PLE_UM_BULK_ROWS: int | Literal["auto"]
 PLE_UM_ROWCOPY: bool
 PLE_UM_DISPATCHER: bool
@@ -103,15 +102,16 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_CPU_THREADS",
             v.count(1, 1024),
             _default_threads,
-            "threads that read a big host-path lookup's rows (the calling one included; default the "
-            "cores less one, at most 16)",
+            "threads that read a big host-path lookup's rows with the C row copy (the calling one "
+            "included; default the cores less one, at most 16)",
             ("VLLM_PLE_MMAP_WORKERS",),
         ),
         Knob(
             "PLE_UM_CPU_CHUNK",
             v.count(1, 1 << 30),
             2048,
-            "rows per gather task of the cpu mode's synchronous gather (no C row copy)",
+            "rows per chunk of the cpu mode's synchronous gather (no C row copy): a lookup is read, "
+            "copied to the device and decoded a chunk at a time",
             ("VLLM_PLE_MMAP_CHUNK",),
         ),
         Knob(
@@ -216,12 +216,6 @@ KNOBS: dict[str, Knob] = {
             v.count(0, 1 << 20),
             64,
             "rows the self-test compares with the file at open (0 = off)",
-        ),
-        Knob(
-            "PLE_UM_STAGING_SLOTS",
-            v.count(1, 64),
-            3,
-            "cpu mode without the C row copy: pinned staging buffers used in turn",
         ),
         Knob(
             "PLE_UM_BULK_ROWS",

@@ -223,9 +223,7 @@ def build_paths(
                 device,
                 storage=layout.dtype,
                 scale=scale,
-                threads=envs.PLE_UM_CPU_THREADS,
                 chunk=envs.PLE_UM_CPU_CHUNK,
-                slots=envs.PLE_UM_STAGING_SLOTS,
                 why=why,
                 scale_mapping=scale_mapping,
             )

@@ -1,6 +1,10 @@
-"""SyncGather: the ``cpu`` mode where the C row copy cannot be built (no working C compiler, or
-``PLE_UM_ROWCOPY=0``): synchronous, not capture-safe (a lookup waits for the device to read its ids
-on the host). The reading itself is ``sync_reader.RowReader``'s.
+"""SyncGather: the ``cpu`` mode's host path where the C row copy cannot be built (no working C
+compiler, or ``PLE_UM_ROWCOPY=0``). It does the plain thing, synchronously: a lookup brings its ids
+to the host (it waits for the device: not capture-safe), reads each shard's owned rows from the
+mapping with ``torch.index_select`` (zeros for the ids it does not own), copies the rows to the
+device and, for a float output, dequantizes or decodes them there (``nvfp4.py``, ``mxfp8.py``). An
+NVFP4 or MXFP8 table's block scales are read the same way from their own mapping. A big lookup goes
+a chunk of ids at a time (``PLE_UM_CPU_CHUNK``), so that its staging and decoding stay bounded.
 
 Wherever the C row copy builds, the host path is ``host.gather.HostGather`` instead: stream-ordered,
 no host sync, capture-safe.
@@ -15,14 +19,39 @@ import torch
 
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.mxfp8 import decode_staged
-from ple_um.lookup.sync_reader import RowReader
 from ple_um.mapping import MappedShards
 
 
+class MappedRows:
+    """The owned rows of one MappedShards, each shard a uint8 tensor [rows, row_bytes] over the
+    mapping (no copy), read on the host."""
+
+    def __init__(self, mapping: MappedShards) -> None:
+        layout = mapping.layout
+        self.row_bytes, self.rows_per_shard = layout.row_bytes, layout.rows_per_shard
+        self.owned = (mapping.row_start, mapping.row_end)
+        # shard index -> (global row of the view's first row, the view)
+        self.shards = {
+            index: (index * layout.rows_per_shard + shard.lo, torch.from_numpy(mapping.shard_rows(index)))
+            for index, shard in mapping.owned.items()
+        }
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows [n, row_bytes] of int64 host ``ids``: zeros where an id is not owned."""
+        rows = torch.zeros((ids.numel(), self.row_bytes), dtype=torch.uint8)
+        owned = (ids >= self.owned[0]) & (ids < self.owned[1])
+        shard = torch.where(owned, ids // self.rows_per_shard, -1)
+        for index in torch.unique(shard[owned]).tolist():
+            at = torch.nonzero(shard == index).squeeze(1)
+            first, view = self.shards[index]
+            rows.index_copy_(0, at, torch.index_select(view, 0, ids[at] - first))
+        return rows
+
+
 class SyncGather:
-    """The synchronous host path of the ``cpu`` mode: owns the row readers (the rows, and an NVFP4
-    table's block scales), the dequantization and the counting of its lookups (on the host, under a
-    lock). Every lookup waits for the device to read its ids: not capture-safe."""
+    """The synchronous host path of the ``cpu`` mode: reads the rows (and an NVFP4 or MXFP8 table's
+    block scales, ``scale_mapping``), dequantizes or decodes them, and counts its lookups (on the
+    host, under a lock). Every lookup waits for the device to read its ids: not capture-safe."""
 
     def __init__(
         self,
@@ -31,9 +60,7 @@ class SyncGather:
         *,
         storage: torch.dtype,
         scale: torch.Tensor | None,
-        threads: int,
         chunk: int,
-        slots: int,
         why: str,
         scale_mapping: MappedShards | None = None,
     ) -> None:
@@ -41,63 +68,66 @@ class SyncGather:
         self.storage = storage
         self.scale = scale
         self.num_rows = mapping.layout.num_rows
-        self.owned = (mapping.row_start, mapping.row_end)
-        self.rows = RowReader(mapping, device, threads=threads, chunk=chunk, slots=slots)
-        self.block_scales = (
-            RowReader(scale_mapping, device, threads=threads, chunk=chunk, slots=slots)
-            if scale_mapping is not None
-            else None
-        )
-        self.row_reads = f"torch.index_select and numpy, synchronous ({why})"
+        self.chunk = max(1, chunk)
+        self.rows = MappedRows(mapping)
+        self.sources = [self.rows] + ([MappedRows(scale_mapping)] if scale_mapping is not None else [])
+        self.row_reads = f"torch.index_select, synchronous ({why})"
         self.counts = {"rows": 0, "out_of_range": 0, "lookups": 0}
-        self.phases = {"dedup": 0.0, "gather": 0.0, "stage": 0.0, "wait": 0.0}
+        self.phases = {"gather": 0.0, "stage": 0.0, "wait": 0.0}
         self.metrics = None  # the table's LookupMetrics, fed at each lookup (set once it serves)
         self._lock = threading.Lock()
-
-    def _classify(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(ids as int64, which are owned, how many are outside the table: read on the host)."""
-        ids = ids.to(torch.int64)
-        in_table = (ids >= 0) & (ids < self.num_rows)
-        owned = in_table & (ids >= self.owned[0]) & (ids < self.owned[1])
-        return ids, owned, int((~in_table).sum())
 
     def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows of flat ``ids`` into ``out`` [n, row_dim]: raw when out has the storage dtype (NVFP4:
         the packed bytes), else dequantized or decoded."""
-        if out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8):
-            self._read(ids, [out.view(torch.uint8).view(ids.numel(), out.shape[-1] * out.element_size())])
+        if out.dtype == self.storage or (len(self.sources) == 2 and out.dtype == torch.uint8):
+            self._lookup(ids, [out.view(torch.uint8).view(ids.numel(), out.shape[-1] * out.element_size())])
         else:
-            decode_staged(self.storage, self._read(ids, [None, None]), self.scale, out)
+            self._lookup(ids, None, decoded=out)
         return out
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
-        """NVFP4: the packed rows and block scales of ``ids`` (uint8)."""
-        self._read(ids, [packed, scales])
+        """NVFP4, MXFP8: the raw rows and block scales of ``ids`` (uint8)."""
+        self._lookup(ids, [packed, scales])
 
-    def _read(self, ids: torch.Tensor, outs: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        """The raw rows of flat ``ids`` (and an NVFP4 table's block scales, as many as ``outs``
-        names; None: allocated), counted as one lookup."""
+    def _lookup(
+        self, ids: torch.Tensor, raw: list[torch.Tensor] | None, decoded: torch.Tensor | None = None
+    ) -> None:
+        """One lookup of flat ``ids``, a chunk at a time: the raw bytes of the first ``len(raw)``
+        sources (the rows, then the block scales) into ``raw``, or every source's decoded into
+        ``decoded``. Phases: ``wait`` the ids' copy to the host (after the work queued before
+        it), ``gather`` the reads of the mapping, ``stage`` the copies to the device and the
+        decoding."""
         t0 = time.perf_counter()
         n = ids.numel()
-        ids, owned, bad = self._classify(ids)
-        readers = [r for r in (self.rows, self.block_scales) if r is not None]
-        staged = [reader.gather(ids, owned, out) for reader, out in zip(readers, outs, strict=False)]
-        self._count(n, bad, self.rows.last_phases)
-        if self.metrics is not None:
-            nbytes = n * sum(r.row_bytes for r in readers)
-            self.metrics.observe(n, nbytes, bad, self.rows.last_phases, time.perf_counter() - t0)
-        return staged
-
-    def _count(self, n: int, bad: int, phases: dict[str, float]) -> None:
+        host_ids = ids.to(device="cpu", dtype=torch.int64)
+        wait = time.perf_counter() - t0
+        sources = self.sources if raw is None else self.sources[: len(raw)]
+        gather = 0.0
+        for a in range(0, n, self.chunk):
+            b = min(a + self.chunk, n)
+            tr = time.perf_counter()
+            staged = [source.read(host_ids[a:b]) for source in sources]
+            gather += time.perf_counter() - tr
+            if raw is None:
+                decode_staged(self.storage, [s.to(self.device) for s in staged], self.scale, decoded[a:b])
+            else:
+                for out, rows in zip(raw, staged, strict=True):
+                    out[a:b].copy_(rows)
+        bad = int(((host_ids < 0) | (host_ids >= self.num_rows)).sum())
+        seconds = time.perf_counter() - t0
+        phases = {"gather": gather, "stage": seconds - wait - gather, "wait": wait}
         with self._lock:  # lookups from several threads: += is not atomic
             self.counts["rows"] += n
             self.counts["out_of_range"] += bad
             self.counts["lookups"] += 1
             for key, value in phases.items():
                 self.phases[key] += value
+        if self.metrics is not None:
+            self.metrics.observe(n, n * sum(s.row_bytes for s in sources), bad, phases, seconds)
 
     def read_counts(self) -> dict:
-        """The lookups counted so far, as ``path_counts`` (phases: dedup, gather, stage, wait)."""
+        """The lookups counted so far, as ``path_counts`` (phases: gather, stage, wait)."""
         with self._lock:
             return path_counts(**self.counts, **self.phases)
 
@@ -109,6 +139,6 @@ class SyncGather:
                 self.phases[key] = 0.0
 
     def close(self) -> None:
-        for reader in (self.block_scales, self.rows):
-            if reader is not None:
-                reader.close()
+        """Drop the views of the mappings (the table unmaps them once its lookups have finished)."""
+        for source in self.sources:
+            source.shards = {}

@@ -150,7 +150,7 @@ def test_raw_lookup_of_an_mxfp8_table_is_refused(engram):
 
 
 def test_bulk_sized_cpu_lookup(engram, rng, monkeypatch):
-    """More than 16 384 ids: the cpu mode's bulk path feeds the decoder."""
+    """20 000 ids: a big lookup of the cpu mode's host path feeds the decoder."""
     monkeypatch.setenv("PLE_UM_CPU_THREADS", "2")
     ids = rng.integers(-5, engram.num_rows + 5, 20000)
     with ple_um.open_engram_table(engram.directory, mode="cpu", device="cpu") as table:

@@ -110,7 +110,7 @@ def test_lookup_packed_is_only_for_nvfp4(make_checkpoint):
 
 
 def test_bulk_sized_cpu_lookup(nvfp4, rng, monkeypatch):
-    """More than 16 384 ids: the cpu mode's bulk path (no dedup, grouped by file) feeds the decoder."""
+    """20 000 ids: a big lookup of the cpu mode's host path feeds the decoder."""
     monkeypatch.setenv("PLE_UM_CPU_THREADS", "2")
     ids = rng.integers(-5, nvfp4.num_rows + 5, 20000)
     with ple_um.open_table(nvfp4.directory, mode="cpu", device="cpu") as table:

@@ -662,13 +662,13 @@ def test_close_waits_for_a_lookup_in_flight(make_checkpoint, check_rows, monkeyp
     if rowcopy == "1":
         table.paths.host.lib = _HeldLibrary(table.paths.host.lib, hold)
     else:
-        read = table.paths.host.rows._read
+        read = table.paths.host.rows.read
 
-        def held_read(space, row, out):
+        def held_read(ids):
             hold()
-            return read(space, row, out)
+            return read(ids)
 
-        table.paths.host.rows._read = held_read
+        table.paths.host.rows.read = held_read
     ids = torch.arange(0, 3000, 7)
     outcome: list = []
 
@@ -699,7 +699,7 @@ directory, seconds = sys.argv[1], float(sys.argv[2])
 seen = collections.Counter()
 end = time.monotonic() + seconds
 rounds = 0
-# The bulk path (> 16384 ids: torch reads the mapping) first, then the deduplicating one.
+# Big lookups (the C copy's pool) first, then small ones (read on the calling thread).
 for n in (20000, 300):
     while time.monotonic() < end and set(seen) <= {"TableClosedError"}:
         rounds += 1

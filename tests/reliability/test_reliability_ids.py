@@ -1,7 +1,7 @@
 """Reliability: bad ids give their documented result in every mode that runs here.
 
 The modes: cpu (the host gather: the C row copy where it builds, called directly on the CPU
-device; lookups of a few ids and of 20 000, above the synchronous path's DEDUP_ROWS), ats and device
+device; lookups of a few ids and of 20 000, those also on the synchronous path), ats and device
 (the kernel under the Triton interpreter) and registered (the kernel reading through injected
 "device pointers": see tests/reliability/test_reliability.py). The documented results (README, DESIGN.md):
 
@@ -114,10 +114,11 @@ def test_ids_outside_the_table_and_the_owned_range(open_in, layout, mode, rows, 
             assert table.stats()["out_of_range"] == counted_bad
 
 
+@pytest.mark.parametrize("rowcopy", ["1", "0"])
 @pytest.mark.parametrize("rows", [None, OWNED], ids=["all", "owned"])
-def test_bad_ids_on_the_cpu_bulk_path(open_in, layout, rows, rng, check_rows, poison):
-    # More than 16384 ids: no deduplication, rows grouped by a radix sort and read by torch; the
-    # masked ids are zeroed by a separate pass.
+def test_bad_ids_on_the_cpu_bulk_path(open_in, layout, rows, rng, check_rows, poison, monkeypatch, rowcopy):
+    # 20 000 ids: the C copy's pool, or the synchronous path's chunks (PLE_UM_ROWCOPY=0).
+    monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
     with open_in("cpu", rows=rows) as table:
         for dtype in (torch.int64, torch.int32, torch.uint8):
             parts = [bad_ids(dtype, rng) for _ in range(300)]

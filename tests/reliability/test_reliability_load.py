@@ -1,9 +1,10 @@
 """Reliability: threads, page-cache eviction, and the files after long runs.
 
 - 8 threads look up at once for a few seconds; every row of every result is compared with the
-  reference (the whole table read once with plain reads): the cpu mode's host gather (the C row
-  copy where it builds) with lookups of up to DEDUP_ROWS ids and of more (the synchronous path's
-  deduplicating and bulk sizes), and the ats mode's kernel under the interpreter.
+  reference (the whole table read once with plain reads): the cpu mode's two host paths (the C
+  row copy, and the synchronous one of PLE_UM_ROWCOPY=0) with lookups of up to INLINE_ROWS ids
+  and of more (the C copy's inline and pooled sizes, the synchronous path's one chunk and many),
+  and the ats mode's kernel under the interpreter.
 - The table's pages are dropped from the page cache between lookups (our page-table entries with
   MADV_DONTNEED, then the file's cached pages with fsync + POSIX_FADV_DONTNEED): every lookup
   still returns the file's rows.
@@ -31,7 +32,7 @@ from helpers.reference import bits_differ, reference_rows
 import ple_um
 import ple_um.lookup.gpu_gather
 from ple_um.access.capabilities import triton_interpreter
-from ple_um.lookup.sync_reader import DEDUP_ROWS
+from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import PAGE
 from ple_um.residency import evict_pages
 
@@ -112,11 +113,15 @@ def hammer(table, ref: Reference, *, threads: int, seconds: float, sizes: tuple[
 
 # -- 8 threads at once ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("path", "sizes"), [("dedup", (1, DEDUP_ROWS)), ("bulk", (DEDUP_ROWS + 1, 2 * DEDUP_ROWS))]
+    "sizes", [(1, INLINE_ROWS), (INLINE_ROWS + 1, 16 * INLINE_ROWS)], ids=["small", "big"]
 )
-def test_eight_threads_in_cpu_mode(make_checkpoint, monkeypatch, path, sizes, rng):
-    # A pool of 2 gather threads shared by the 8 callers; 3 files, 8 shards.
+@pytest.mark.parametrize("rowcopy", ["1", "0"])
+def test_eight_threads_in_cpu_mode(make_checkpoint, monkeypatch, rowcopy, sizes, rng):
+    # The C copy: a pool of 2 threads shared by the 8 callers; the synchronous path: chunks of 2048
+    # ids. 3 files, 8 shards.
     monkeypatch.setenv("PLE_UM_CPU_THREADS", "2")
+    monkeypatch.setenv("PLE_UM_ROWCOPY", rowcopy)
+    monkeypatch.setenv("PLE_UM_CPU_CHUNK", "2048")
     layout = make_checkpoint(
         num_rows=30000, row_dim=12, dtype="fp8", shards=8, seed=int(rng.integers(1 << 30))
     )
@@ -132,7 +137,7 @@ def test_eight_threads_in_cpu_mode(make_checkpoint, monkeypatch, path, sizes, rn
         stats = table.stats()
         assert (stats["lookups"], stats["rows"], stats["out_of_range"]) == (lookups, ids, outside)
         assert stats["bytes"] == ids * layout.row_bytes
-    print(f"cpu {path}: {lookups} lookups, {ids} ids, 8 threads")
+    print(f"cpu {table.row_reads}: {lookups} lookups, {ids} ids, 8 threads")
 
 
 def test_eight_threads_in_ats_mode(make_checkpoint, monkeypatch, rng):
@@ -169,9 +174,7 @@ def evict(table) -> None:
     evict_pages(table.layout.files, table.mapping.regions)
 
 
-@pytest.mark.parametrize(
-    ("mode", "sizes"), [("cpu", (50, 3000)), ("cpu", (DEDUP_ROWS + 1, 18000)), ("ats", (10, 40))]
-)
+@pytest.mark.parametrize(("mode", "sizes"), [("cpu", (50, 3000)), ("cpu", (16385, 18000)), ("ats", (10, 40))])
 def test_lookups_survive_the_page_cache_being_dropped(make_checkpoint, mode, sizes, rng):
     # 4 MiB in 2 files, rows of 512 bytes: 8 rows a page.
     layout = make_checkpoint(
