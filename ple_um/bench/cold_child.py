@@ -20,7 +20,6 @@ reads a table opened with the defaults makes.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -29,10 +28,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-import ple_um
 from ple_um.bench.calls import capture
+from ple_um.bench.config import open_ple_um
 from ple_um.bench.ids import parse_ids
-from ple_um.bench.timing import Timer, summary
+from ple_um.bench.memlimit import child_main
+from ple_um.bench.timing import Timer, hit_rate, row_cache_counts, summary
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import MappedShards
@@ -64,6 +64,11 @@ def own_mappings(paths: set[str]) -> list[Mapped]:
     return found
 
 
+def table_files(layout: ShardLayout) -> list[str]:
+    """The files a lookup of ``layout`` reads: its shards', and an NVFP4 table's block scales'."""
+    return list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
+
+
 def drop_table_pages(files: list[str]) -> None:
     """Drop the table's pages: this process's mappings of ``files`` emptied (MADV_DONTNEED), then
     the files' pages evicted from the page cache, written back first (a table just written);
@@ -93,14 +98,6 @@ def _knobs(values: dict[str, str]):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _row_cache(stats: dict) -> tuple[int, int] | None:
-    """The row cache's hits and misses in a table's ``stats()``, or None where it has none."""
-    found = stats.get("row_cache")
-    if not found:
-        return None
-    return int(found["hits"]), int(found["misses"])
 
 
 class _Lookup:
@@ -160,7 +157,7 @@ def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_
     row = summary(times, nbytes)
     row["page_cache_hits"] = float(np.mean(resident))
     after = table.stats()
-    row["row_cache_hits"] = _hit_rate(_row_cache(before), _row_cache(after))
+    row["row_cache_hits"] = hit_rate(row_cache_counts(before), row_cache_counts(after))
     reads_before = _reads(table, before)
     if reads_before is not None:
         reads, waited = (b - a for a, b in zip(reads_before, _reads(table, after), strict=True))
@@ -170,22 +167,13 @@ def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_
     return row
 
 
-def _hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """hits / (hits + misses) between two readings of the row cache's counters (None: no cache, or
-    no row asked of it)."""
-    if before is None or after is None:
-        return None
-    hits, misses = after[0] - before[0], after[1] - before[1]
-    return hits / (hits + misses) if hits + misses else None
-
-
 def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> dict:
     """Lookups of ``call``'s batch size, fresh ids each, for at least ``seconds`` (and 10 calls):
     the table's hot rows come into memory as far as the limit lets them. The share of a call's
     rows already in the page cache, first and last, and the row cache's hit rate over the warm-up
     say whether it settled."""
     t0, calls, shares = time.perf_counter(), 0, []
-    before = _row_cache(call.table.stats())
+    before = row_cache_counts(call.table.stats())
     n = call.ids.numel()
     while calls < 10 or time.perf_counter() - t0 < seconds:
         ids = dist.draw(rng, layout.num_rows, n)
@@ -200,7 +188,7 @@ def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> 
         "seconds": time.perf_counter() - t0,
         "first_hits": shares[0],
         "last_hits": shares[-1],
-        "row_cache_hits": _hit_rate(before, _row_cache(call.table.stats())),
+        "row_cache_hits": hit_rate(before, row_cache_counts(call.table.stats())),
     }
 
 
@@ -219,14 +207,14 @@ def _cold(table, layout: ShardLayout, request: dict, device, graph: bool, probe,
 
 def _open(layout: ShardLayout, mode: str, device: torch.device, knobs: dict[str, str]):
     with _knobs(knobs):  # read at open
-        return ple_um.open_table(layout.directory, layer=layout.layer, mode=mode, device=device)
+        return open_ple_um(layout, device, mode)
 
 
 def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
     """Every batch size cold, in a table without a row cache; then the steady state (``_steady``) in
     a table opened as the environment says and, where that table has a row cache, again in one
     without (the page cache alone under the same limit)."""
-    files = list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
+    files = table_files(layout)
     with MappedShards(layout) as probe:
         drop_table_pages(files)
         with _open(layout, mode, device, cold_knobs(probe)) as table:
@@ -295,8 +283,9 @@ def _shared(mode: str, layout: ShardLayout, request: dict, device: torch.device)
     return entry
 
 
-def main() -> None:
-    request = json.load(sys.stdin)
+def serve(request: dict) -> dict:
+    """Every mode of ``request`` (``_shared`` where it says ``"shared"``, else ``_mode``); a mode
+    this process cannot run is reported as skipped."""
     device = torch.device(request["device"])
     layout = read_layout(request["directory"], request["layer"])
     out: dict = {"pid": os.getpid(), "modes": {}}
@@ -306,12 +295,8 @@ def main() -> None:
             out["modes"][mode] = run(mode, layout, request, device)
         except Exception as exc:  # noqa: BLE001 - a mode this child cannot run is reported, not fatal
             out["modes"][mode] = {"skipped": f"{type(exc).__name__}: {exc}"}
-    with open("/proc/self/status") as f:
-        out["status"] = {
-            k: v.strip() for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "RssAnon")
-        }
-    json.dump(out, sys.stdout)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    child_main(serve)

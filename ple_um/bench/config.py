@@ -132,6 +132,22 @@ def open_ple_um(layout: ShardLayout, device, mode: str = "auto") -> ple_um.Mappe
     return opener(layout.directory, layer=layout.layer, mode=mode, device=device)
 
 
+def child_request(cfg: Config, layout: ShardLayout, device, modes, warmup_s: float) -> dict:
+    """What every child under a memory limit is asked (``memlimit.run_limited``): the table, the
+    device, the modes, the ids (as given: the child parses them again), the timed calls, the
+    warm-up's seconds and the seed."""
+    return {
+        "directory": layout.directory,
+        "layer": layout.layer,
+        "device": str(device),
+        "modes": list(modes),
+        "ids": cfg.ids_text or ",".join(dist.name for dist in cfg.ids),
+        "repeats": cfg.repeats,
+        "warmup_s": warmup_s,
+        "seed": cfg.seed,
+    }
+
+
 def _existing_parent(path: str) -> str:
     """``path`` or its nearest ancestor that exists (where a folder would be created)."""
     path = os.path.abspath(path)

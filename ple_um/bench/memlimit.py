@@ -1,5 +1,7 @@
 """A memory limit for the bench's child process: a memory cgroup made for it, where the machine
-lets this process make one, page cache included and no swap.
+lets this process make one, page cache included and no swap; and the child run in it
+(``run_limited``: ``python -m MODULE``, the request as JSON on its stdin, its figures as JSON on
+its stdout, ``child_main`` its side).
 
 cgroup v2: a group below this process's own (``memory.max``, ``memory.swap.max`` 0), the memory
 controller enabled in the parent's ``cgroup.subtree_control`` where it is not yet. cgroup v1: a
@@ -17,15 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from ple_um.units import format_bytes
 
 PROC_MOUNTINFO = "/proc/self/mountinfo"
 PROC_CGROUP = "/proc/self/cgroup"
 # How long ``close`` waits for the processes of a group to leave it (a killed child's exit).
 RMDIR_WAIT_S = 10.0
+# The row cache's size knob: held to the limit when no cgroup can be.
+ROW_CACHE_KNOB = "PLE_UM_ROW_CACHE"
 
 
 @dataclass(frozen=True)
@@ -219,3 +229,104 @@ class MemoryLimit:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _child_env(limit: MemoryLimit) -> dict[str, str]:
+    env = dict(os.environ)
+    # The steady state measures the row cache under the limit, whatever the table's size (one that
+    # fits the limit would get none under PLE_UM_FIT=auto); the caller's setting wins.
+    env.setdefault("PLE_UM_FIT", "spills")
+    if not limit.enforced:
+        env[ROW_CACHE_KNOB] = str(limit.limit)
+    return env
+
+
+def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], module: str) -> dict:
+    """One child (``python -m module``, the request on its stdin) under ``limit``: its figures (the
+    JSON on its stdout), or why it gave none (killed by the limit's OOM killer, an error). The child
+    leads a session of its own: an interrupt (Ctrl-C) reaches this process alone, which then kills
+    the child and everything in its group (``stop_child``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_child_env(limit),
+        preexec_fn=limit.preexec if limit.enforced else None,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(json.dumps(request))
+    except BaseException:
+        stop_child(proc, limit)
+        raise
+    for line in stderr.splitlines():
+        log(f"  {line}")
+    if proc.returncode == 0:
+        return json.loads(stdout)
+    if proc.returncode == -9 and limit.enforced:
+        why = (
+            "the child was killed (SIGKILL), by the limit's OOM killer most likely: "
+            f"{format_bytes(limit.limit)} must hold the process itself (the interpreter, torch, a CUDA "
+            "context) besides the page cache"
+        )
+    else:
+        tail = stderr.strip().splitlines()[-1:] or [""]
+        why = f"the child exited with {proc.returncode}: {tail[0]}"
+    return {"failed": why}
+
+
+def stop_child(proc: subprocess.Popen, limit: MemoryLimit) -> None:
+    """Kill an unfinished child (its session: it and what it started) and every process in its
+    memory group, and reap it, so that the group can be removed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    limit.kill()
+    proc.kill()
+    proc.wait()
+
+
+def run_limited(
+    limits: tuple[int, ...],
+    request: dict,
+    module: str,
+    log: Callable[[str], None],
+    hierarchy: tuple[Hierarchy | None, str] | None = None,
+) -> dict[str, dict]:
+    """For each of ``limits``, ``run_child`` (``request`` with its ``limit`` in bytes) in a memory
+    group of its own held to that many bytes: str(limit) -> the limit (bytes, whether enforced and
+    how, the group's peak) and the child's figures. Each group is removed whatever happens; on an
+    interrupt a group that cannot be is named in a warning, and the interrupt is what is raised.
+    ``hierarchy`` stands for the machine's memory cgroup (``find_hierarchy()``'s answer;
+    ``(None, why)``: there is none)."""
+    entries = {}
+    for k, limit in enumerate(limits):
+        held = MemoryLimit.open(limit, f"ple-um-bench-{os.getpid()}-{k}", hierarchy)
+        try:
+            log(f"memory limit {format_bytes(limit)}: {held.describe()}")
+            found = run_child({**request, "limit": limit}, held, log, module)
+            entry = {"bytes": limit, "enforced": held.enforced, "how": held.describe()}
+            entry["peak_bytes"] = held.peak()
+        except BaseException:
+            try:
+                held.close()
+            except OSError as exc:
+                log(f"warning: {exc.strerror}")
+            raise
+        held.close()
+        if not held.enforced:
+            entry["row_cache_knob"] = f"{ROW_CACHE_KNOB}={limit}"
+        entries[str(limit)] = entry | found
+    return entries
+
+
+def child_main(serve: Callable[[dict], dict]) -> None:
+    """A child's side of ``run_child``: the request from stdin, ``serve(request)``'s figures with
+    this process's peak and anonymous memory (``/proc/self/status``) as JSON on stdout."""
+    out = serve(json.load(sys.stdin))
+    with open("/proc/self/status") as f:
+        out["status"] = {
+            k: v.strip() for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "RssAnon")
+        }
+    json.dump(out, sys.stdout)

@@ -57,7 +57,8 @@ def versions() -> dict:
 
 
 def run_header(cfg: Config, layout: ShardLayout, device: torch.device) -> dict:
-    """What every bench result opens with: when, the command, the machine, the versions, the table."""
+    """What every bench result opens with: when, the command, the machine, the versions, the table,
+    the id distributions."""
     cuda = device.type == "cuda"
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -74,6 +75,7 @@ def run_header(cfg: Config, layout: ShardLayout, device: torch.device) -> dict:
             "bytes": layout.nbytes,
             "dtype": layout.dtype_name,
         },
+        "ids": {dist.name: dist.describe() for dist in cfg.ids},
     }
 
 
@@ -88,7 +90,6 @@ def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device
         **run_header(cfg, layout, device),
         "torch": torch.__version__,
         "probe": report.as_dict(),
-        "ids": {dist.name: dist.describe() for dist in cfg.ids},
         "anchor": {"name": ANCHOR, "memory": "GPU memory" if cuda else "host memory (no CUDA device)"},
         "method": {
             "timed_calls": cfg.repeats,

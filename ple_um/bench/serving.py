@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ple_um.bench.calls import capture
-from ple_um.bench.timing import spread
+from ple_um.bench.timing import hit_rate, row_cache_counts, spread
 
 # The square matmuls a step's GPU work is made of: bf16, this many rows and columns (about 0.2 ms
 # each on an H200; a step of 5 ms is some 25 of them).
@@ -156,11 +156,6 @@ class ServingStep:
             self.body()
 
 
-def _row_cache(table) -> tuple[int, int] | None:
-    found = table.stats().get("row_cache") if table is not None else None
-    return (int(found["hits"]), int(found["misses"])) if found else None
-
-
 def time_steps(step: ServingStep, pool: IdPool, steps: int) -> list[float]:
     """Seconds of ``steps`` steps, each on fresh ids from ``pool`` (refilled every ``pool.steps``):
     on CUDA the replays are queued back to back, as a server's decode loop queues them, each timed
@@ -204,15 +199,10 @@ def measure(step: ServingStep, pool: IdPool, steps: int, warmup_s: float, reside
     microseconds), the row cache's hit rate over them (None: no row cache), and ``resident``'s
     share of the last step's rows in the page cache (None where not asked)."""
     warm = warm_up(step, pool, warmup_s)
-    before = _row_cache(step.table)
+    counts = (lambda: row_cache_counts(step.table.stats())) if step.table is not None else (lambda: None)
+    before = counts()
     times = time_steps(step, pool, steps)
-    row = spread(times) | {"calls": len(times)}
-    row["warmup"] = warm
-    after = _row_cache(step.table)
-    row["row_cache_hits"] = None
-    if before is not None and after is not None:
-        hits, misses = after[0] - before[0], after[1] - before[1]
-        row["row_cache_hits"] = hits / (hits + misses) if hits + misses else None
+    row = spread(times) | {"calls": len(times), "warmup": warm, "row_cache_hits": hit_rate(before, counts())}
     if resident is not None and step.inputs:
         ids = np.concatenate([t.cpu().numpy() for t in step.inputs.values()])
         row["page_cache_hits"] = float(resident(ids).mean())

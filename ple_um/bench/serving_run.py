@@ -16,19 +16,18 @@ stdout (the child under a limit).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-import ple_um
 from ple_um.access.capabilities import resolve_device
 from ple_um.bench import serving
-from ple_um.bench.config import Config, default_table
+from ple_um.bench.cold_child import drop_table_pages, table_files
+from ple_um.bench.config import Config, bench_layout, child_request, open_ple_um
 from ple_um.bench.ids import parse_ids
+from ple_um.bench.memlimit import child_main, run_limited
 from ple_um.bench.runner import run_header
 from ple_um.checkpoint import read_layout
 from ple_um.mapping import MappedShards
@@ -77,7 +76,7 @@ def _configs(request: dict) -> list[tuple[str, str | None, bool]]:
     found: list[tuple[str, str | None, bool]] = []
     if request.get("baselines"):
         found += [(NO_PLE, None, True), (RESIDENT, "device", True)]
-    suffix = f" under {request['limit_name']}" if request.get("limit_name") else ""
+    suffix = f" under {format_bytes(request['limit'])}" if request.get("limit") else ""
     for mode in request["modes"]:
         found.append((f"{mode}{suffix}", mode, True))
         if request.get("baselines"):
@@ -85,17 +84,11 @@ def _configs(request: dict) -> list[tuple[str, str | None, bool]]:
     return found
 
 
-def _open(layout, mode: str | None, device):
-    if mode is None:
-        return None
-    return ple_um.open_table(layout.directory, layer=layout.layer, mode=mode, device=device)
-
-
 def _config(name, mode, with_work, layout, request, work, counts, probe, device, result, log) -> None:
     """One configuration at every step time (one figure without GPU work) and id distribution."""
     rng = np.random.default_rng(request["seed"])
     try:
-        table = _open(layout, mode, device)
+        table = open_ple_um(layout, device, mode) if mode is not None else None
     except Exception as exc:  # noqa: BLE001 - a configuration this machine cannot run is reported
         result["configs"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
         log(f"{name}: skipped ({exc})")
@@ -114,7 +107,7 @@ def _config(name, mode, with_work, layout, request, work, counts, probe, device,
             for dist in parse_ids(request["ids"]):
                 pool = serving.IdPool(dist, layout.num_rows, sizes, serving.POOL_STEPS, device, rng)
                 step = serving.ServingStep(table, sizes, layout.row_dim, dtype, work, matmuls, device)
-                row = serving.measure(step, pool, request["steps"], request["warmup_s"], resident)
+                row = serving.measure(step, pool, request["repeats"], request["warmup_s"], resident)
                 where = (
                     result["lookups_alone"]
                     if not with_work
@@ -144,10 +137,8 @@ def serve(request: dict, log: Callable[[str], None] = _say) -> dict:
     else:
         out["calibration"] = calibrate(work, request["step_ms"], device, log)
     counts = out["calibration"]["matmuls"]
-    if request.get("drop_pages"):  # a run under a limit grows its steady state from nothing
-        from ple_um.bench.cold_child import drop_table_pages
-
-        drop_table_pages(list(layout.files))
+    if request.get("limit"):  # a run under a limit grows its steady state from nothing
+        drop_table_pages(table_files(layout))
     with MappedShards(layout) as probe:
         for name, mode, with_work in _configs(request):
             _config(name, mode, with_work, layout, request, work, counts, probe, device, out, log)
@@ -155,24 +146,6 @@ def serve(request: dict, log: Callable[[str], None] = _say) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
-
-
-def request_for(cfg: Config, layout, device: torch.device, step_ms, warmup_s: float, modes) -> dict:
-    return {
-        "directory": layout.directory,
-        "layer": layout.layer,
-        "device": str(device),
-        "modes": list(modes),
-        "step_ms": [float(ms) for ms in step_ms],
-        "ids": cfg.ids_text or ",".join(dist.name for dist in cfg.ids),
-        "decode_tokens": cfg.decode_tokens,
-        "prefill_tokens": cfg.prefill_tokens,
-        "heads": cfg.heads,
-        "steps": cfg.repeats,
-        "warmup_s": warmup_s,
-        "seed": cfg.seed,
-        "baselines": True,
-    }
 
 
 def run(
@@ -185,28 +158,24 @@ def run(
     hierarchy=None,
 ) -> dict:
     """The serving loop's figures: this process's configurations, then each limit's in a child."""
-    from ple_um.bench.cold import run_limited
-
     device = resolve_device(cfg.device)
-    layout = read_layout(cfg.directory or default_table(cfg), cfg.layer)
-    modes = cfg.modes or ("cpu",)
-    request = request_for(cfg, layout, device, step_ms, warmup_s, modes)
-    result = {**run_header(cfg, layout, device), "kind": "serving", "ids": {}}
-    result["ids"] = {dist.name: dist.describe() for dist in cfg.ids}
-    result["method"] = method(request, device)
+    layout = bench_layout(cfg)
+    request = child_request(cfg, layout, device, cfg.modes or ("cpu",), warmup_s) | {
+        "step_ms": [float(ms) for ms in step_ms],
+        "decode_tokens": cfg.decode_tokens,
+        "prefill_tokens": cfg.prefill_tokens,
+        "heads": cfg.heads,
+        "baselines": True,
+    }
+    result = {**run_header(cfg, layout, device), "kind": "serving", "method": method(request, device)}
     log(f"table: {format_bytes(layout.nbytes)} in {layout.parts} shards ({layout.directory})")
     result.update(serve(request, log))
-    result["limits"] = {}
-    for k, limit in enumerate(limits):
-        child = {**request, "baselines": False, "drop_pages": True, "limit_name": format_bytes(limit)}
-        child["matmuls"], child["matmul_size"] = (
-            result["calibration"]["matmuls"],
-            result["calibration"]["matmul_size"],
-        )
-        name = f"ple-um-bench-{os.getpid()}-serving-{k}"
-        entry = run_limited(limit, name, hierarchy, child, log, "ple_um.bench.serving_run")
+    # Each child runs the served modes alone, with the parent's matmul counts.
+    cal = result["calibration"]
+    child = request | {"baselines": False, "matmuls": cal["matmuls"], "matmul_size": cal["matmul_size"]}
+    result["limits"] = run_limited(limits, child, "ple_um.bench.serving_run", log, hierarchy)
+    for entry in result["limits"].values():
         merge(result, entry)
-        result["limits"][str(limit)] = entry
     ratios(result)
     return result
 
@@ -239,7 +208,7 @@ def method(request: dict, device: torch.device) -> dict:
         else "eager steps, perf_counter (no CUDA: plumbing only)",
         "ids": "fresh every step: a pool of id batches drawn ahead, each step's copied into the "
         "graph's static inputs before its replay",
-        "timed_steps": request["steps"],
+        "timed_steps": request["repeats"],
         "warmup_s": request["warmup_s"],
         "step_ms": request["step_ms"],
     }
@@ -255,10 +224,5 @@ def ratios(result: dict) -> None:
                         row[key] = row["median_us"] / rows[base]["median_us"]
 
 
-def main() -> None:
-    request = json.load(sys.stdin)
-    json.dump(serve(request), sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    child_main(serve)

@@ -1,5 +1,6 @@
 """How the bench times its contenders: side by side in rotated rounds, and back-to-back bursts for
-the host's cost of an eager call; and the summaries (median, p10, p90) of what it timed."""
+the host's cost of an eager call; and the summaries of what it timed (median, p10, p90; the row
+cache's hit rate over the timed calls)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,21 @@ def host_summary(per_call: list[float], calls: int) -> dict:
     """The back-to-back figure: the median of the rounds' per-call times, with their p10 and p90."""
     rounds_us = [t * 1e6 for t in per_call]
     return {**spread(per_call), "rounds_us": rounds_us, "calls": calls, "rows": HOST_ROWS}
+
+
+def row_cache_counts(stats: dict) -> tuple[int, int] | None:
+    """The row cache's hits and misses in a table's ``stats()``, or None where it has none."""
+    found = stats.get("row_cache")
+    return (int(found["hits"]), int(found["misses"])) if found else None
+
+
+def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """hits / (hits + misses) between two readings of ``row_cache_counts`` (None: no cache, or no
+    row asked of it)."""
+    if before is None or after is None:
+        return None
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    return hits / (hits + misses) if hits + misses else None
 
 
 def noisy(row: dict) -> bool:
