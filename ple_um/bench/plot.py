@@ -149,7 +149,7 @@ def plot_serving(result: dict, path: str) -> None:
     """The serving loop: grouped bars, a group per GPU work and id distribution, a bar per
     configuration (median step time, the p10-p90 spread as its whisker), each bar labelled with
     its ratio to the resident table's step."""
-    from ple_um.bench.serving_report import columns
+    from ple_um.bench.report import columns
 
     names = columns(result)
     groups = [(ms, dist, rows) for ms, by_dist in result["steps"].items() for dist, rows in by_dist.items()]

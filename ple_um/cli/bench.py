@@ -362,19 +362,19 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.serving:
-            from ple_um.bench import serving_report, serving_run
+            from ple_um.bench import serving_run
 
             warmup = serving_run.WARMUP_S if args.warmup is None else args.warmup
             step_ms = args.step_ms or serving_run.STEP_MS
             result = serving_run.run(cfg, step_ms, args.memory_limit or (), log=log, warmup_s=warmup)
-            say(serving_report.format_serving(result))
+            say(report.format_serving(result))
             _write(args, result, plot.plot_serving, say)
         elif args.memory_limit:
-            from ple_um.bench import cold, cold_report
+            from ple_um.bench import cold
 
             warmup = cold.WARMUP_S if args.warmup is None else args.warmup
             result = cold.run(cfg, args.memory_limit, log=log, warmup_s=warmup)
-            say(cold_report.format_cold(result))
+            say(report.format_cold(result))
             _write(args, result, plot.plot_limits, say)
         else:
             from ple_um.bench import runner

@@ -15,12 +15,11 @@ import torch
 from helpers.cli import fs_type
 
 from ple_um import envs
-from ple_um.bench import cold, cold_report, storage
+from ple_um.bench import cold, report, storage
 from ple_um.bench.cold_child import PAGE_CACHE_KNOBS, cold_knobs, drop_table_pages, own_mappings
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import MemoryLimit
-from ple_um.bench.report import cell
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
@@ -233,7 +232,7 @@ def test_a_run_under_a_real_memory_cgroup(make_checkpoint):
     assert entry["how"].startswith("cgroup v") and 0 < entry["peak_bytes"] <= 768 << 20
     assert entry["status"]["RssAnon"].endswith("kB")
     assert any(line.startswith("memory limit 768.00 MiB: cgroup v") for line in lines)
-    text = cold_report.format_cold(result)
+    text = report.format_cold(result)
     steady = entry["modes"]["cpu"]["zipf:1.1"]["16"]["steady"]
     share = f"{100 * steady['row_cache_hits']:.1f}%" if row_cache else "-"
     assert (
@@ -258,12 +257,12 @@ def test_a_run_where_no_cgroup_can_be_made_says_so(make_checkpoint, tmp_path, dt
         assert entry["row_cache_knob"] == f"PLE_UM_ROW_CACHE={entry['bytes']}"
         held = min(entry["bytes"], layout.num_rows * (layout.row_bytes + SLOT_OVERHEAD))  # at most the table
         assert f"a row cache of {format_bytes(held)}" in entry["modes"]["cpu"]["row_reads"]
-    text = cold_report.format_cold(result)
+    text = report.format_cold(result)
     assert "memory limit 1.00 GiB: not enforced: injected: no memory controller" in text
     assert "the page cache is the machine's here: only ple-um's row cache is held to the limit" in text
     assert text.count("| ple-um cpu (eager) | 256 |") == 4  # 2 limits x 2 id distributions
     alone = next(iter(result["limits"].values()))["modes"]["cpu"]["uniform"]["256"]["steady_page_cache"]
-    assert f"| {cell(alone, rate=False)} | {100 * alone['page_cache_hits']:.1f}% |" in text
+    assert f"| {report.cell(alone, rate=False)} | {100 * alone['page_cache_hits']:.1f}% |" in text
     assert "page cache only: steady us [p10-p90] | its page cache hits |" in text
     from ple_um.bench.plot import plot_limits
 
@@ -282,4 +281,4 @@ def test_a_child_killed_by_its_limit_is_said_so(make_checkpoint):
     _, result, _ = _run(make_checkpoint, None, (32 << 20,))
     (entry,) = result["limits"].values()
     assert "OOM killer" in entry["failed"] and "modes" not in entry
-    assert "no figures: the child was killed (SIGKILL)" in cold_report.format_cold(result)
+    assert "no figures: the child was killed (SIGKILL)" in report.format_cold(result)

@@ -15,7 +15,7 @@ from helpers.cli import run
 from helpers.reference import reference_rows
 
 import ple_um
-from ple_um.bench import serving, serving_report, serving_run
+from ple_um.bench import report, serving, serving_run
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.plot import plot_serving
@@ -115,7 +115,7 @@ def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(sma
                     )
             assert 0 <= rows["cpu"]["page_cache_hits"] <= 1
     assert set(result["lookups_alone"]["uniform"]) == {"lookups alone, cpu"}
-    text = serving_report.format_serving(result)
+    text = report.format_serving(result)
     assert "| GPU work | ids | no PLE |" in text and "| 2 ms | zipf:1.1 |" in text
     assert "  cpu: ple-um's cpu mode, the table where it lies" in text
     json.loads(json.dumps(result, default=str))
