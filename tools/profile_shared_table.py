@@ -2,9 +2,9 @@
 process's own row cache costs and gives, against the page cache they share.
 
 Each process of a run looks up the same table at once (the bench's steady state,
-``ple_um.bench.cold_child`` with ``"shared": true``: a warm-up, then the timed calls, fresh ids of its
-own), all of them in one memory cgroup (``ple_um.bench.memlimit``). Two runs per limit and process
-count, the table's pages dropped before each:
+``ple_um.bench.cold_child.timed_runs``, in this script run with ``--child``: a warm-up, then the
+timed calls, fresh ids of its own), all of them in one memory cgroup (``ple_um.bench.memlimit``).
+Two runs per limit and process count, the table's pages dropped before each:
 - ``row cache``: the tables opened as not fitting in memory (``PLE_UM_FIT=spills``, whatever their
   size; ``PLE_UM_ROW_CACHE`` auto by default: each process takes ``PLE_UM_ROW_CACHE_FRACTION`` of the
   room it sees at open, for itself);
@@ -24,14 +24,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
 from ple_um import units
-from ple_um.bench.cold_child import drop_table_pages
+from ple_um.bench.cold_child import drop_table_pages, open_with, table_files, timed_runs
 from ple_um.bench.ids import parse_ids
-from ple_um.bench.memlimit import MemoryLimit, find_hierarchy
+from ple_um.bench.memlimit import MemoryLimit, child_main, find_hierarchy
 from ple_um.checkpoint import read_layout
+from ple_um.mapping import MappedShards
 
 RUNS = {"row cache": {"PLE_UM_FIT": "spills"}, "page cache": {"PLE_UM_ROW_CACHE": "0"}}
 
@@ -46,7 +48,7 @@ def _run(request: dict, limit: MemoryLimit, processes: int, knobs: dict[str, str
             json.dump({**request, "seed": request["seed"] + 1000 * k}, text)
             text.seek(0)
             child = subprocess.Popen(
-                [sys.executable, "-m", "ple_um.bench.cold_child"],
+                [sys.executable, os.path.abspath(__file__), "--child"],
                 stdin=text,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -66,6 +68,33 @@ def _run(request: dict, limit: MemoryLimit, processes: int, knobs: dict[str, str
             tail = err.strip().splitlines()[-1:] or [""]
             found.append({"failed": f"exited with {child.returncode}: {tail[0]}"})
     return found
+
+
+def _serve(request: dict) -> dict:
+    """One process of a run (``--child``): the steady state only, in a table opened as the
+    environment says. No page is dropped here (the other processes' would go too): the parent
+    dropped them before it started the processes. ``window``: when the timed part ran (epoch
+    seconds), to check that the processes overlapped."""
+    import torch
+
+    device = torch.device(request["device"])
+    layout = read_layout(request["directory"], request["layer"])
+    out: dict = {"pid": os.getpid(), "modes": {}}
+    for mode in request["modes"]:
+        rng = np.random.default_rng(request["seed"])
+        try:
+            with MappedShards(layout) as probe, open_with(layout, mode, device, {}) as table:
+                graph = device.type == "cuda" and table.capture_safe
+                entry: dict = {"timing": "graph replay" if graph else "eager", "row_reads": table.row_reads}
+                started = time.time()
+                timed_runs(table, layout, request, device, graph, probe, None, rng, entry, "steady")
+                entry["window"] = [started, time.time()]
+                cache = table.stats()["row_cache"]
+                entry["row_cache_bytes"] = cache["bytes"] if cache else 0
+        except Exception as exc:  # noqa: BLE001 - a mode this child cannot run is reported, not fatal
+            entry = {"skipped": f"{type(exc).__name__}: {exc}"}
+        out["modes"][mode] = entry
+    return out
 
 
 def _one(request, files, hierarchy, limit: int, processes: int, kept_in: str, knobs) -> dict | None:
@@ -156,6 +185,9 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--child"]:
+        child_main(_serve)
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", required=True, help="the table's checkpoint directory")
     p.add_argument("--layer", type=int, default=None)
@@ -180,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    files = list(layout.files) + (list(layout.scale_layout().files) if layout.is_nvfp4 else [])
+    files = table_files(layout)
     request = {
-        "shared": True,
         "directory": layout.directory,
         "layer": layout.layer,
         "modes": [args.mode],

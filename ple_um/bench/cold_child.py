@@ -4,8 +4,8 @@ the table dropped before each call, in a table without a row cache) and in the s
 a warm-up under the limit, in a table opened as the environment says, its row cache included).
 
 Run as ``python -m ple_um.bench.cold_child``: the request as JSON on stdin, the figures as JSON on
-stdout. A request with ``"shared": true`` is one of several processes sharing the table: the steady
-state only, and no page dropped (``_shared``). Before each cold call the table's pages are
+stdout (``memlimit.child_main``); ``tools/profile_shared_table.py`` runs its steady state
+(``timed_runs``) in several processes at once. Before each cold call the table's pages are
 dropped inside this process, the one that maps them: ``MADV_DONTNEED`` over its own mappings of
 the files (from ``/proc/self/maps``), then ``POSIX_FADV_DONTNEED`` on each file (pages another
 process maps stay in the page cache). Before each timed call, the share of its rows already in the
@@ -19,7 +19,6 @@ reads a table opened with the defaults makes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -83,21 +82,6 @@ def cold_knobs(probe: MappedShards) -> dict[str, str]:
     beside a row cache, as ``PLE_UM_DIRECT_READS=auto`` does)."""
     direct = row_cache_plan(probe, None).get("direct", False)
     return {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "on" if direct else "off", "PLE_UM_FIT": "fits"}
-
-
-@contextlib.contextmanager
-def _knobs(values: dict[str, str]):
-    """The environment knobs ``values`` set while the block runs (a table reads them at open)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 class _Lookup:
@@ -192,107 +176,88 @@ def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> 
     }
 
 
-def _cold(table, layout: ShardLayout, request: dict, device, graph: bool, probe, files) -> dict:
-    """Every batch size of every id distribution, cold: per distribution, batch size -> figures."""
-    timer, rng = Timer(device), np.random.default_rng(request["seed"])
-    runs: dict = {}
-    calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
-    for dist in parse_ids(request["ids"]):
-        for n, call in calls.items():
-            draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
-            row = _timed(call, draws, table, probe, timer, files, n * layout.row_bytes)
-            runs.setdefault(dist.name, {})[str(n)] = {"cold": row}
-    return runs
-
-
-def _open(layout: ShardLayout, mode: str, device: torch.device, knobs: dict[str, str]):
-    with _knobs(knobs):  # read at open
+def open_with(layout: ShardLayout, mode: str, device: torch.device, knobs: dict[str, str]):
+    """``layout``'s table in ``mode``, opened with the environment knobs ``knobs`` set (a table
+    reads them at open; the environment is restored after)."""
+    saved = {name: os.environ.get(name) for name in knobs}
+    os.environ.update(knobs)
+    try:
         return open_ple_um(layout, device, mode)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
-    """Every batch size cold, in a table without a row cache; then the steady state (``_steady``) in
-    a table opened as the environment says and, where that table has a row cache, again in one
-    without (the page cache alone under the same limit)."""
+    """Every batch size cold, in a table without a row cache; then the steady state
+    (``timed_runs``) in a table opened as the environment says and, where that table has a row
+    cache, again in one without (the page cache alone under the same limit)."""
     files = table_files(layout)
     with MappedShards(layout) as probe:
         drop_table_pages(files)
-        with _open(layout, mode, device, cold_knobs(probe)) as table:
+        with open_with(layout, mode, device, cold_knobs(probe)) as table:
             graph = device.type == "cuda" and table.capture_safe
             entry: dict = {"capture_safe": table.capture_safe, "timing": "graph replay" if graph else "eager"}
             entry["cold_row_reads"] = table.row_reads
-            entry.update(_cold(table, layout, request, device, graph, probe, files))
+            rng = np.random.default_rng(request["seed"])
+            timed_runs(table, layout, request, device, graph, probe, files, rng, entry, "cold")
         drop_table_pages(files)  # opened out of the page cache, as a table larger than memory is
         # Draws of their own: the steady calls do not repeat the cold calls' ids.
         rng = np.random.default_rng(request["seed"] + 1)
-        with _open(layout, mode, device, {}) as table:
+        with open_with(layout, mode, device, {}) as table:
             if graph and not table.capture_safe:
                 graph, entry["timing"] = False, "graph replay cold, eager steady"
             entry["row_reads"] = table.row_reads
             with_cache = table.stats().get("row_cache") is not None
-            _steady(table, layout, request, device, graph, probe, files, rng, entry, "steady")
+            timed_runs(table, layout, request, device, graph, probe, files, rng, entry, "steady")
         if with_cache:  # the same limit's memory left to the page cache alone, for comparison
             drop_table_pages(files)
-            with _open(layout, mode, device, PAGE_CACHE_KNOBS) as table:
-                _steady(table, layout, request, device, graph, probe, files, rng, entry, "steady_page_cache")
+            with open_with(layout, mode, device, PAGE_CACHE_KNOBS) as table:
+                timed_runs(
+                    table, layout, request, device, graph, probe, files, rng, entry, "steady_page_cache"
+                )
     return entry
 
 
-def _steady(table, layout, request, device, graph: bool, probe, files, rng, entry: dict, key: str) -> None:
-    """Per id distribution: the pages dropped, a warm-up at the largest batch size, then every batch
-    size timed in that steady state, as ``entry[dist][n][key]`` (the warm-up as
-    ``entry["warmup"]``, or ``entry["warmup_page_cache"]``, ``[dist]``)."""
+# The key of each steady state's warm-up in a mode's figures: ``entry[key][dist]``.
+WARMUPS = {"steady": "warmup", "steady_page_cache": "warmup_page_cache"}
+
+
+def timed_runs(table, layout, request, device, graph: bool, probe, files, rng, entry: dict, key: str) -> None:
+    """Per id distribution, every batch size timed, as ``entry[dist][n][key]``: ``cold``, the
+    table's pages (``files``) dropped before each call; a steady state (``WARMUPS``), the pages
+    dropped once (where ``files`` are given), then a warm-up at the largest batch size, then the
+    timed calls."""
     timer = Timer(device)
     calls = {n: _Lookup(table, layout, n, device, graph) for n in request["rows"]}
-    warmups = "warmup" if key == "steady" else "warmup_page_cache"
     for dist in parse_ids(request["ids"]):
-        if files:
-            drop_table_pages(files)  # the steady state grows from nothing, under the limit
-        entry.setdefault(warmups, {})[dist.name] = _warm_up(
-            calls[max(calls)], dist, rng, layout, probe, timer, request["warmup_s"]
-        )
+        if key in WARMUPS:
+            if files:
+                drop_table_pages(files)  # the steady state grows from nothing, under the limit
+            entry.setdefault(WARMUPS[key], {})[dist.name] = _warm_up(
+                calls[max(calls)], dist, rng, layout, probe, timer, request["warmup_s"]
+            )
         for n, call in calls.items():
             draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
             row = entry.setdefault(dist.name, {}).setdefault(str(n), {})
-            row[key] = _timed(call, draws, table, probe, timer, None, n * layout.row_bytes)
-            cold = f"cold {row['cold']['median_us']:.1f} us, " if "cold" in row else ""
-            steady = f"{key.replace('_', ' ')} {row[key]['median_us']:.1f} us"
-            print(
-                f"{table.mode} {dist.name} {n} rows: {cold}{steady}",
-                file=sys.stderr,
-                flush=True,
-            )
-    return entry
-
-
-def _shared(mode: str, layout: ShardLayout, request: dict, device: torch.device) -> dict:
-    """One of several processes that look up the same table at once under one limit
-    (``tools/profile_shared_table.py``): the steady state only, in a table opened as the
-    environment says. No page is dropped here (the other processes' would go too): the parent
-    dropped them before it started the processes. ``window``: when the timed part ran (epoch
-    seconds), to check that the processes overlapped."""
-    rng = np.random.default_rng(request["seed"])
-    with MappedShards(layout) as probe, _open(layout, mode, device, {}) as table:
-        graph = device.type == "cuda" and table.capture_safe
-        entry: dict = {"timing": "graph replay" if graph else "eager", "row_reads": table.row_reads}
-        started = time.time()
-        _steady(table, layout, request, device, graph, probe, None, rng, entry, "steady")
-        entry["window"] = [started, time.time()]
-        cache = table.stats()["row_cache"]
-        entry["row_cache_bytes"] = cache["bytes"] if cache else 0
-    return entry
+            dropped = files if key == "cold" else None
+            row[key] = _timed(call, draws, table, probe, timer, dropped, n * layout.row_bytes)
+            times = ", ".join(f"{k.replace('_', ' ')} {v['median_us']:.1f} us" for k, v in row.items())
+            print(f"{table.mode} {dist.name} {n} rows: {times}", file=sys.stderr, flush=True)
 
 
 def serve(request: dict) -> dict:
-    """Every mode of ``request`` (``_shared`` where it says ``"shared"``, else ``_mode``); a mode
-    this process cannot run is reported as skipped."""
+    """Every mode of ``request`` (``_mode``); a mode this process cannot run is reported as
+    skipped."""
     device = torch.device(request["device"])
     layout = read_layout(request["directory"], request["layer"])
     out: dict = {"pid": os.getpid(), "modes": {}}
     for mode in request["modes"]:
         try:
-            run = _shared if request.get("shared") else _mode
-            out["modes"][mode] = run(mode, layout, request, device)
+            out["modes"][mode] = _mode(mode, layout, request, device)
         except Exception as exc:  # noqa: BLE001 - a mode this child cannot run is reported, not fatal
             out["modes"][mode] = {"skipped": f"{type(exc).__name__}: {exc}"}
     return out
