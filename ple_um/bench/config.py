@@ -16,7 +16,6 @@ from ple_um import envs
 from ple_um.bench.ids import IdDistribution, parse_ids
 from ple_um.checkpoint import MXFP8_BLOCK, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import PleUmError
-from ple_um.residency import evict_pages
 from ple_um.synthetic import write_checkpoint
 from ple_um.synthetic_engram import write_engram_checkpoint
 from ple_um.units import format_bytes
@@ -355,17 +354,3 @@ def check_memory(needed: dict, host_available: int, gpu_free: int | None) -> Non
             f"the run would hold {format_bytes(total)} of {kind} memory ({held}), more than "
             f"{what} ({format_bytes(available)}): give a smaller --size or --rows (or fewer --modes)"
         )
-
-
-def read_cache(layout: ShardLayout) -> None:
-    """Read every file of the table once, so that its pages are in the page cache."""
-    for path in layout.files:
-        with open(path, "rb", buffering=0) as f:
-            while f.read(64 << 20):
-                pass
-
-
-def drop_cache(layout: ShardLayout) -> None:
-    """Ask the kernel to drop the table's files from the page cache (pages no process maps; the files
-    are read, never written, here: nothing to write back)."""
-    evict_pages(layout.files, write_back=False)

@@ -296,39 +296,30 @@ MODE_LINES = {
 ENGRAM_STAND_IN = "vllm-like pinned-host (stand-in)"
 
 
+# What each contender that is not a ple-um mode is, by (name, on an Engram table); ``{memory}``:
+# where the anchor's copy lies.
+CONTENDER_LINES = {
+    ("torch index_select", True): "the anchor, plain torch: the table and its E8M0 scales copied into "
+    "torch tensors in {memory}, rows and scales gathered by torch.index_select, decoded to bf16 by torch ops",
+    ("torch index_select", False): "the anchor, no ple-um code: the table copied into one torch tensor in "
+    "{memory}, rows gathered by torch.index_select",
+    ("vllm pinned-host", True): "vLLM 0.33's stock Engram storage (cpu_offload): rows and scales copied "
+    "into private pinned host memory (per process), read and decoded by vLLM's own _engram_lookup_kernel",
+    (ENGRAM_STAND_IN, True): "a stand-in for vLLM 0.33's stock Engram storage (vLLM is not installed): "
+    "rows and scales copied into private pinned host memory, read and decoded by ple-um's MXFP8 kernel",
+    ("vllm pinned-host", False): "vLLM 0.33's way: the whole table copied into pinned host memory (per "
+    "process), one Triton program per row reading it through the device pointer",
+    ("seeds cpu", False): "the seeds: vllm_ple_mmap, the CPU-gather vLLM patch that came before ple-um "
+    "(ids to the host, np.unique, 32 threads over np.memmap, pinned staging, an async copy; it "
+    "synchronizes the stream, so it is never captured)",
+}
+
+
 def describe(name: str, anchor_memory: str, mxfp8: bool = False) -> str:
     """One line saying what the bench's contender ``name`` is (``mxfp8``: on an Engram table)."""
-    if name == "torch index_select" and mxfp8:
-        return (
-            f"the anchor, plain torch: the table and its E8M0 scales copied into torch tensors in "
-            f"{anchor_memory}, rows and scales gathered by torch.index_select, decoded to bf16 by torch ops"
-        )
-    if name == "torch index_select":
-        return (
-            f"the anchor, no ple-um code: the table copied into one torch tensor in {anchor_memory}, "
-            "rows gathered by torch.index_select"
-        )
-    if name == "vllm pinned-host" and mxfp8:
-        return (
-            "vLLM 0.33's stock Engram storage (cpu_offload): rows and scales copied into private pinned "
-            "host memory (per process), read and decoded by vLLM's own _engram_lookup_kernel"
-        )
-    if name == ENGRAM_STAND_IN:
-        return (
-            "a stand-in for vLLM 0.33's stock Engram storage (vLLM is not installed): rows and scales "
-            "copied into private pinned host memory, read and decoded by ple-um's MXFP8 kernel"
-        )
-    if name == "vllm pinned-host":
-        return (
-            "vLLM 0.33's way: the whole table copied into pinned host memory (per process), one Triton "
-            "program per row reading it through the device pointer"
-        )
-    if name == "seeds cpu":
-        return (
-            "the seeds: vllm_ple_mmap, the CPU-gather vLLM patch that came before ple-um (ids to the host, "
-            "np.unique, 32 threads over np.memmap, pinned staging, an async copy; it synchronizes the "
-            "stream, so it is never captured)"
-        )
+    line = CONTENDER_LINES.get((name, mxfp8)) or CONTENDER_LINES.get((name, not mxfp8))
+    if line is not None:
+        return line.format(memory=anchor_memory)
     mode = name.removeprefix("ple-um ").removesuffix(" kernel-only")
     line = f"ple-um's {mode} mode: {MODE_LINES.get(mode, 'an access mode of ple-um')}"
     if name.endswith(" kernel-only"):

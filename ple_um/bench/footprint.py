@@ -10,9 +10,18 @@ import time
 import torch
 
 from ple_um.access.probe import mem_available
-from ple_um.bench.config import drop_cache, open_ple_um, read_cache
+from ple_um.bench.config import open_ple_um
 from ple_um.bench.contenders import VllmPinnedHost
 from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
+from ple_um.residency import evict_pages
+
+
+def read_cache(layout: ShardLayout) -> None:
+    """Read every file of the table once, so that its pages are in the page cache."""
+    for path in layout.files:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
 
 
 def rss_anon() -> int:
@@ -28,8 +37,11 @@ def startup(layout: ShardLayout, device: torch.device) -> dict:
     """An open of the table with its pages dropped, then with them all in the page cache: the
     mode, the seconds, and the GPU, anonymous and pinned bytes it adds."""
     out = {}
-    for label, prep in (("cold", drop_cache), ("warm", read_cache)):
-        prep(layout)
+    for label in ("cold", "warm"):
+        if label == "warm":
+            read_cache(layout)
+        else:  # the pages no process maps dropped (the files are only read: nothing to write back)
+            evict_pages(layout.files, write_back=False)
         gpu0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         anon0 = rss_anon()
         t0 = time.perf_counter()

@@ -13,17 +13,13 @@ from ple_um.units import format_bytes
 LINESTYLES = ("-", "--", ":", "-.")
 
 
-def formats() -> dict[str, str]:
-    """The file extensions matplotlib can write (without the dot) -> what each is."""
+def plot_format(path: str) -> str:
+    """The image format of ``path``, from its extension; ValueError naming the formats accepted (the
+    extensions matplotlib can write)."""
     from matplotlib.backend_bases import FigureCanvasBase
 
-    return FigureCanvasBase.get_supported_filetypes()
-
-
-def plot_format(path: str) -> str:
-    """The image format of ``path``, from its extension; ValueError naming the formats accepted."""
     ext = os.path.splitext(path)[1].lstrip(".").lower()
-    known = formats()
+    known = FigureCanvasBase.get_supported_filetypes()
     if ext not in known:
         given = f"its extension .{ext}" if ext else "no extension"
         raise ValueError(

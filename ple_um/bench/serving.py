@@ -64,21 +64,16 @@ class IdPool:
             name: torch.empty((steps, n), dtype=torch.int64, device=self.device)
             for name, n in self.sizes.items()
         }
-        self.drawn = 0  # batches drawn so far, every refill's
         self.refill()
 
     def refill(self) -> None:
         for name, n in self.sizes.items():
             drawn = np.stack([self.dist.draw(self.rng, self.num_rows, n) for _ in range(self.steps)])
             self.batches[name].copy_(torch.from_numpy(drawn.astype(np.int64, copy=False)))
-        self.drawn += self.steps
 
     def load(self, k: int, inputs: dict[str, torch.Tensor]) -> None:
         for name, ids in inputs.items():
             ids.copy_(self.batches[name][k], non_blocking=True)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * 8 for t in self.batches.values())
 
 
 class GpuWork:
@@ -98,9 +93,6 @@ class GpuWork:
     def run(self, count: int | None = None) -> None:
         for i in range(self.count if count is None else count):
             torch.matmul(self.x[i % 2], self.w, out=self.x[(i + 1) % 2])
-
-    def nbytes(self) -> int:
-        return 3 * self.size * self.size * 2
 
 
 class ServingStep:

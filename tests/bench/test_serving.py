@@ -49,9 +49,7 @@ def test_an_id_pool_gives_fresh_ids_every_step(ids):
     for name in sizes:
         assert torch.equal(inputs[name], first[name][2])
     pool.refill()
-    assert pool.drawn == 8
     assert not torch.equal(pool.batches["decode"], first["decode"])
-    assert pool.nbytes() == 4 * 8 * sum(sizes.values())
 
 
 @pytest.fixture
