@@ -19,16 +19,13 @@ from ple_um.access.capabilities import read_capabilities, resolve_device
 from ple_um.access.probe import reason_if_unsatisfied
 from ple_um.bench import storage
 from ple_um.bench.cold_child import table_files
-from ple_um.bench.config import Config, bench_layout, child_request
+from ple_um.bench.config import WARMUP_S, Config, bench_layout, child_request
 from ple_um.bench.memlimit import ROW_CACHE_KNOB, Hierarchy, run_limited
 from ple_um.bench.runner import run_header
 from ple_um.checkpoint import ShardLayout
 from ple_um.units import format_bytes
 
 COLD_MODES = ("cpu", "ats")
-COLD_ROWS = (16, 1024, 16384)
-# Seconds of lookups before the steady state is timed (and at least 10 calls).
-WARMUP_S = 5.0
 
 
 def cold_modes(asked: tuple[str, ...] | None, device: torch.device) -> tuple[tuple[str, ...], dict[str, str]]:

@@ -21,6 +21,14 @@ from ple_um.synthetic_engram import write_engram_checkpoint
 from ple_um.units import format_bytes
 
 DEFAULT_ROWS = (16, 1024, 16384, 131072)
+# The batch sizes under --memory-limit, and the seconds of lookups (of the serving loop's steps)
+# before a steady state is timed (and at least 10 calls).
+COLD_ROWS = (16, 1024, 16384)
+WARMUP_S = 5.0
+# The serving loop's GPU work per step (milliseconds, a figure each) and its timed steps a figure
+# when --repeats is not given.
+STEP_MS = (5.0, 20.0, 50.0)
+SERVING_STEPS = 50
 # Host memory a run holds besides the table and its copies: the interpreter, torch, the id sets
 # drawn ahead and the outputs of the largest batch.
 RUN_OVERHEAD_BYTES = 1 << 30

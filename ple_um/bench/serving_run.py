@@ -25,7 +25,7 @@ import torch
 from ple_um.access.capabilities import resolve_device
 from ple_um.bench import serving
 from ple_um.bench.cold_child import drop_table_pages, table_files
-from ple_um.bench.config import Config, bench_layout, child_request, open_ple_um
+from ple_um.bench.config import STEP_MS, WARMUP_S, Config, bench_layout, child_request, open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main, run_limited
 from ple_um.bench.runner import run_header
@@ -34,10 +34,6 @@ from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
 from ple_um.units import format_bytes
 
-STEP_MS = (5.0, 20.0, 50.0)
-WARMUP_S = 5.0
-# Timed steps of each figure when --repeats is not given.
-STEPS = 50
 NO_PLE, RESIDENT = "no PLE", "resident"
 
 

@@ -299,9 +299,7 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
 
 
 def _config(args: argparse.Namespace, argv: list[str] | None):
-    from ple_um.bench.cold import COLD_ROWS
-    from ple_um.bench.config import DEFAULT_ROWS
-    from ple_um.bench.serving_run import STEPS
+    from ple_um.bench.config import COLD_ROWS, DEFAULT_ROWS, SERVING_STEPS
 
     rows = args.rows or (COLD_ROWS if args.memory_limit else DEFAULT_ROWS)
     return Config(
@@ -315,7 +313,7 @@ def _config(args: argparse.Namespace, argv: list[str] | None):
         modes=args.modes,
         ids=args.ids,
         ids_text=getattr(args.ids, "text", None),
-        repeats=args.repeats or (STEPS if args.serving else 20),
+        repeats=args.repeats or (SERVING_STEPS if args.serving else Config.repeats),
         rounds=args.rounds,
         device=args.device,
         processes=args.processes,
@@ -358,30 +356,23 @@ def run(args: argparse.Namespace) -> int:
     # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
     say = to_stderr if args.json else emit
     log = to_stderr if args.quiet or args.json else emit
-    from ple_um.bench import plot, report
+    from ple_um.bench import cold, plot, report, runner, serving_run
+    from ple_um.bench.config import STEP_MS, WARMUP_S
 
+    warmup = WARMUP_S if args.warmup is None else args.warmup
     try:
         if args.serving:
-            from ple_um.bench import serving_run
-
-            warmup = serving_run.WARMUP_S if args.warmup is None else args.warmup
-            step_ms = args.step_ms or serving_run.STEP_MS
-            result = serving_run.run(cfg, step_ms, args.memory_limit or (), log=log, warmup_s=warmup)
-            say(report.format_serving(result))
-            _write(args, result, plot.plot_serving, say)
+            limits = args.memory_limit or ()
+            result = serving_run.run(cfg, args.step_ms or STEP_MS, limits, log=log, warmup_s=warmup)
+            text, draw = report.format_serving(result), plot.plot_serving
         elif args.memory_limit:
-            from ple_um.bench import cold
-
-            warmup = cold.WARMUP_S if args.warmup is None else args.warmup
             result = cold.run(cfg, args.memory_limit, log=log, warmup_s=warmup)
-            say(report.format_cold(result))
-            _write(args, result, plot.plot_limits, say)
+            text, draw = report.format_cold(result), plot.plot_limits
         else:
-            from ple_um.bench import runner
-
             result = runner.run(cfg, log=log)
-            say(report.format_table(result, cfg.rows))
-            _write(args, result, lambda r, path: plot.plot(r, cfg.rows, path), say)
+            text, draw = report.format_table(result, cfg.rows), lambda r, path: plot.plot(r, cfg.rows, path)
+        say(text)
+        _write(args, result, draw, say)
     except CheckpointError as exc:  # the directory's table (the synthetic one is written valid)
         raise CliError(str(exc), EXIT_INVALID) from None
     missing = report.unmeasured(result, args.modes)
