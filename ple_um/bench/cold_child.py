@@ -107,10 +107,6 @@ class _Lookup:
         else:
             self.call()
 
-    def run(self, ids: np.ndarray) -> None:
-        self.load(ids)
-        self.go()
-
 
 def _reads(table, stats: dict) -> tuple[int, float] | None:
     """The table's reads from its files so far, and the seconds its reading threads waited for them
@@ -163,7 +159,8 @@ def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> 
         ids = dist.draw(rng, layout.num_rows, n)
         if calls < 10 or calls % 10 == 0:
             shares.append(float(resident_rows(probe, ids).mean()))
-        call.run(ids)
+        call.load(ids)
+        call.go()
         calls += 1
     timer.sync()
     return {

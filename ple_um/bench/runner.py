@@ -158,11 +158,8 @@ def _open(
         entry: dict = {"build_s": build}
         result["lookup"][name] = entry
         if isinstance(impl, ple_um.MappedTable):
-            entry["mode"] = impl.mode
-            entry["bulk_rows"] = impl.bulk_rows
-            entry["bulk_calibration_s"] = impl.bulk_calibration
-            entry["host_row_reads"] = impl.row_reads
-            entry["capture_safe"] = impl.capture_safe
+            entry.update(mode=impl.mode, bulk_rows=impl.bulk_rows, bulk_calibration_s=impl.bulk_calibration)
+            entry.update(host_row_reads=impl.row_reads, capture_safe=impl.capture_safe)
             if impl.mode in ("ats", "registered") and cuda:
                 # The same table with the GPU kernel for every batch size (no CPU bulk path).
                 only = f"{name} kernel-only"

@@ -98,22 +98,16 @@ def _config(name, mode, with_work, layout, request, work, counts, probe, device,
         sizes = lookup_sizes(request) if table is not None else {}
         dtype = torch.bfloat16 if layout.is_nvfp4 else layout.dtype
         resident = (lambda ids: resident_rows(probe, ids)) if table is not None and mode != "device" else None
-        for ms in request["step_ms"] if with_work else ["0"]:
-            matmuls = counts[f"{float(ms):g}"] if with_work else 0
+        for ms in (f"{float(ms):g}" for ms in request["step_ms"]) if with_work else [None]:
+            matmuls = counts[ms] if with_work else 0
             for dist in parse_ids(request["ids"]):
                 pool = serving.IdPool(dist, layout.num_rows, sizes, serving.POOL_STEPS, device, rng)
                 step = serving.ServingStep(table, sizes, layout.row_dim, dtype, work, matmuls, device)
                 row = serving.measure(step, pool, request["repeats"], request["warmup_s"], resident)
-                where = (
-                    result["lookups_alone"]
-                    if not with_work
-                    else result["steps"].setdefault(f"{float(ms):g}", {})
-                )
+                where = result["steps"].setdefault(ms, {}) if with_work else result["lookups_alone"]
                 where.setdefault(dist.name, {})[name] = row
-                log(
-                    f"{name}, {f'{float(ms):g} ms' if with_work else 'no GPU work'}, {dist.name}: "
-                    f"{row['median_us'] / 1e3:.2f} ms"
-                )
+                work_ms = f"{ms} ms" if with_work else "no GPU work"
+                log(f"{name}, {work_ms}, {dist.name}: {row['median_us'] / 1e3:.2f} ms")
                 del step, pool
     finally:
         if table is not None:
