@@ -81,7 +81,7 @@ def cold_knobs(probe: MappedShards) -> dict[str, str]:
     read its own (``operating.row_cache_plan`` over ``probe``, a mapping of the table's rows: O_DIRECT
     beside a row cache, as ``PLE_UM_DIRECT_READS=auto`` does)."""
     direct = row_cache_plan(probe, None).get("direct", False)
-    return {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "on" if direct else "off", "PLE_UM_FIT": "fits"}
+    return PAGE_CACHE_KNOBS | {"PLE_UM_DIRECT_READS": "on" if direct else "off"}
 
 
 class _Lookup:
