@@ -142,7 +142,7 @@ def test_the_knobs_the_bench_sets_are_ple_ums(make_checkpoint, monkeypatch):
                 envs.KNOBS[name].parse(text)  # raises on a value the knob refuses
             assert envs.KNOBS["PLE_UM_ROW_CACHE"].parse(knobs["PLE_UM_ROW_CACHE"]) == 0  # no row cache
         assert PAGE_CACHE_KNOBS["PLE_UM_DIRECT_READS"] == "off"  # the page cache holds the rows read
-        monkeypatch.setenv("PLE_UM_FIT", "spills")  # as the bench's child runs (cold._child_env)
+        monkeypatch.setenv("PLE_UM_FIT", "spills")  # as the bench's child runs (memlimit._child_env)
         for row_cache, direct, expected in (
             (None, None, "on"),  # the defaults: a row cache, its misses read O_DIRECT
             ("0", None, "off"),
