@@ -1,10 +1,11 @@
 """Tensor parallelism on two GPUs: each rank maps its vocab range of one FP8 table, every
 rank looks up the same ids, an all-reduce sums the partial rows, and the sum must equal the rows
-read from the files. Prints check lines as it goes, a memory table and a timing table last, and
-writes JSON.
+read from the files; and an Engram table split by heads, gathered across the ranks. Prints check
+lines as it goes, the row cache's counts, a memory table and a timing table last, and writes JSON.
 
     python tools/tp_check.py --size 16GiB                        # spawns 2 ranks, NCCL, GPUs 0 and 1
-    torchrun --nproc-per-node 2 tools/tp_check.py --size 16GiB    # the same under torchrun
+    python tools/tp_check.py --size 16GiB --row-cache 2GiB --memory-limit 10GiB   # issue 47's run
+    torchrun --nproc-per-node 2 tools/tp_check.py --size 16GiB    # the same under torchrun (no limit)
     python tools/tp_check.py --backend gloo --device cpu --size 32MiB   # dry run on the CPU
 
 What it does, for each way of opening the table (both ranks `registered`, both `cpu`, and rank 0
@@ -13,7 +14,9 @@ What it does, for each way of opening the table (both ranks `registered`, both `
    VocabParallelEmbedding splits the org vocab (the table has a multiple of 64 rows, as
    ``make_ngram_vocab_size_divisible_by`` makes it; the split falls inside a shard). Modes are
    forced; PLE_UM_PIN_BUDGET, when unset, is set to the table's bytes.
-2. Looks up uniform ids, and ids with every bad kind (negative, >= num_rows, the split's edges),
+2. Looks up ids of each of the bench's distributions (--distributions: uniform, zipf:1.1 and
+   trace, drawn by ``ple_um.bench.ids``), and ids with every bad kind (negative, >= num_rows, the
+   split's edges),
    all-reduces the raw FP8 rows as int8 (as vLLM's stock backend sums them) and the dequantized
    bf16 rows, and compares with the rows read from the files by this script (its own safetensors
    header parse, plain reads): bytes for the int8 sums, values for bf16 (the owner's -0.0 plus the
@@ -22,6 +25,10 @@ What it does, for each way of opening the table (both ranks `registered`, both `
    count every lookup.
 3. Captures lookup + all-reduce in a CUDA graph per rank when every rank's table reports
    ``capture_safe`` (else says which is not), and checks every replay, each with new ids.
+   Early lookups: a step whose lookup is forked onto ple-um's side stream at its start
+   (``served.SideLookups``, as the engines' early lookups), the step's other work meanwhile, joined
+   where the rows are used (the all-reduce): eager, and captured whole in a graph. Without CUDA the
+   same step runs with no stream (the lookup inline), eager only; the JSON says so.
 4. Memory: pinned bytes per rank against the span of the shards its range touches, computed from
    the file headers; each rank's anonymous and file-backed resident memory (/proc/self/status,
    /proc/self/smaps_rollup), the table's pages in the page cache (mincore) and the host's page
@@ -31,6 +38,20 @@ What it does, for each way of opening the table (both ranks `registered`, both `
 5. Times a step (lookup + all-reduce; CUDA events, fresh ids every call, median and p10-p90),
    eager and replayed, next to one GPU holding the whole table (torch.index_select on a resident
    copy on rank 0 alone, no all-reduce).
+6. --row-cache SIZE: every mode set again ("+ row cache") with PLE_UM_ROW_CACHE=SIZE per rank and
+   no prewarm, the table's pages dropped first: rows come from the row cache and the reader of
+   misses; a ``cpu`` rank's cache must have hit and missed and the reader read the files. Every
+   pass's row cache counts (hits, misses, reads) per rank are in the report and the JSON.
+7. --memory-limit SIZE: each rank in a memory cgroup of its own (``ple_um.bench.memlimit``, made
+   by the launcher, joined by the rank before its work; not under torchrun), page cache included;
+   where none can be made, a skipped check says why and the run goes on without. A registered
+   rank's pinned rows are charged to its group: a mode set whose pins do not fit (with PIN_ROOM)
+   is skipped, saying so. Each group's peak is reported.
+8. --engram-size SIZE: a DeepSeek-V4.1 Engram table (``ple_um.synthetic_engram``: 8 hash heads,
+   MXFP8) split by heads as ``ple_um.vllm.engram`` splits it: each rank opens the rows of its heads
+   (``open_engram_table``), looks up its heads' columns of the same hashes, and the heads gathered
+   across the ranks (all_gather) must equal the whole table's rows decoded from the file, bit for
+   bit, eager and (GPU) replayed in a CUDA graph of lookup + all_gather.
 
 The ranks run with NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
 NVSHMEM_DISABLE_NVLS=1: no NVLink multicast, which the check does not need and which on a shared
@@ -43,6 +64,7 @@ is done). Exit code: 0 all checks passed, 1 a check failed, 2 an error,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fcntl
 import hashlib
@@ -76,6 +98,7 @@ SCALE_NAME = re.compile(r"layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\.we
 BAD_IDS = (-1, -2, -7, -(1 << 40), 1 << 40, 1 << 62)  # plus num_rows, num_rows + 1, num_rows + 7
 READ_CHUNK = 256 << 20
 RAW, BF16 = "fp8 as int8", "bf16"
+PIN_ROOM = 1 << 30  # a rank's memory beyond its pinned rows under --memory-limit (CUDA, buffers, torch)
 
 
 def log(who: str, text: str) -> None:
@@ -240,6 +263,104 @@ class FileTable:
         evict_pages(self.files)
 
 
+# -- the ids ------------------------------------------------------------------------------------------
+def id_distributions(text: str) -> tuple:
+    """The bench's id distributions named in ``text`` (uniform, zipf:S, trace: each with ``name`` and
+    ``draw(rng, num_rows, n)``); the one place this script takes them from the package."""
+    from ple_um.bench.ids import parse_ids
+
+    return parse_ids(text)
+
+
+# -- the Engram table ---------------------------------------------------------------------------------
+ENGRAM_LAYER, ENGRAM_DIM, ENGRAM_ORDERS, ENGRAM_HEADS = 3, 256, 2, 4  # 2-grams and 3-grams, 4 heads each
+ENGRAM_ROW_BYTES = ENGRAM_DIM + ENGRAM_DIM // 32  # E4M3 values and their E8M0 block scales
+
+
+def engram_rows(size: int) -> int:
+    return size // ENGRAM_ROW_BYTES
+
+
+def engram_geometry(rows: int):
+    """The geometry (``EngramGeometry``) of a DeepSeek-V4.1-shaped table of ``rows`` rows: 8 hash
+    heads whose prime-sized ranges fill it but for a few hundred rows; ValueError for a table too
+    small to hold them."""
+    from ple_um.checkpoint import EngramGeometry
+
+    heads = ENGRAM_ORDERS * ENGRAM_HEADS
+    vocab = rows // heads - 256  # the primes lie just above it: 8 ranges a little longer than vocab
+    if vocab < 64:
+        raise ValueError(f"an Engram table of {rows} rows is too small for {heads} heads (--engram-size)")
+    config = {
+        "engram_layer_ids": [ENGRAM_LAYER],
+        "engram_num_embeddings": [rows],
+        "engram_max_ngram_size": ENGRAM_ORDERS + 1,
+        "engram_n_heads": ENGRAM_HEADS,
+        "engram_head_dim": ENGRAM_DIM,
+        "engram_vocab_size": vocab,
+    }
+    return EngramGeometry.from_config(config)
+
+
+def prepare_engram(args, who: str) -> str | None:
+    """The Engram table's directory under PLE_UM_CACHE_DIR, named by its rows, written once
+    (``ple_um.synthetic_engram``) and reused; None without --engram-size."""
+    if not args.engram_size:
+        return None
+    rows = engram_rows(args.engram_size)
+    directory = os.path.join(envs.PLE_UM_CACHE_DIR, f"tp_check-engram-{rows}x{ENGRAM_DIM}")
+    os.makedirs(envs.PLE_UM_CACHE_DIR, exist_ok=True)
+    with open(directory + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if EngramFiles(directory).num_rows == rows:
+                return directory
+        except (OSError, ValueError, KeyError):
+            pass
+        from ple_um.synthetic_engram import write_engram_checkpoint
+
+        t0 = time.perf_counter()
+        shutil.rmtree(directory, ignore_errors=True)
+        write_engram_checkpoint(directory, tables={ENGRAM_LAYER: rows}, head_dim=ENGRAM_DIM, write_back=True)
+        log(
+            who,
+            f"wrote an Engram table of {gib(rows * ENGRAM_ROW_BYTES)} in {time.perf_counter() - t0:.1f} s",
+        )
+        return directory
+
+
+class EngramFiles:
+    """The Engram table as its file holds it (this script's own header parse, plain reads): values
+    uint8 [rows, D] and E8M0 exponents uint8 [rows, D/32], decoded as vLLM decodes them."""
+
+    def __init__(self, directory: str) -> None:
+        with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+            (name,) = set(json.load(f)["weight_map"].values())
+        self.path = os.path.join(directory, name)
+        with open(self.path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        self.tensors = {}
+        for kind in ("weight", "scale"):
+            meta = header[f"model.layers.{ENGRAM_LAYER}.engram.embed.{kind}"]
+            self.tensors[kind] = (8 + length + meta["data_offsets"][0], meta["shape"])
+        self.num_rows, self.dim = self.tensors["weight"][1]
+
+    def load(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        found = []
+        for offset, shape in self.tensors.values():
+            data = np.fromfile(self.path, dtype=np.uint8, count=shape[0] * shape[1], offset=offset)
+            found.append(torch.from_numpy(data.reshape(shape)).to(device))
+        return found[0], found[1]
+
+    @staticmethod
+    def decode(values: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+        """bf16 of float32(e4m3) * 2^(e - 127), the scale's float32 bits ``e << 23`` (e = 0: zero)."""
+        scales = (exponents.to(torch.int32) << 23).view(torch.float32)
+        rows = values.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, 32))
+        return (rows * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
 # -- memory -------------------------------------------------------------------------------------------
 def _kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
     found = {}
@@ -262,16 +383,23 @@ def process_memory() -> dict[str, int]:
     return {**status, **{f"smaps_{k}": v for k, v in rollup.items()}}
 
 
-def system_memory(directory: str) -> dict[str, int]:
-    """The host's MemAvailable, Cached and MemFree (/proc/meminfo), and ``TableCached``: the
-    table's own pages in the page cache (mincore over a fresh read-only mapping; reads no data).
-    Cached counts every file on the host, so on a shared machine other work moves it by more
-    than a small table's bytes; TableCached counts only the table."""
+def system_memory(directory: str | None) -> dict[str, int]:
+    """The host's MemAvailable, Cached and MemFree (/proc/meminfo), and ``TableCached``: the PLE
+    table's own pages in the page cache (mincore over a fresh read-only mapping; reads no data;
+    none for ``directory`` None). Cached counts every file on the host, so on a shared machine
+    other work moves it by more than a small table's bytes; TableCached counts only the table."""
     from ple_um.operating import residency
 
     found = _kib_fields("/proc/meminfo", ("MemAvailable", "Cached", "MemFree"))
-    found["TableCached"] = residency(directory)["total"]["resident_bytes"]
+    if directory is not None:
+        found["TableCached"] = residency(directory)["total"]["resident_bytes"]
     return found
+
+
+def all_gather(out: torch.Tensor, part: torch.Tensor) -> None:
+    """Every rank's ``part`` into ``out`` [world * len(part), ...], rank after rank (one collective
+    a CUDA graph can capture; torch 2.14 names it all_gather_single)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, part)
 
 
 # -- one rank --------------------------------------------------------------------------------------------
@@ -279,7 +407,9 @@ class Rank:
     """One rank's share of the run: its checks, timings and memory readings, all kept in lockstep
     with the other ranks (every collective is called by every rank in the same order)."""
 
-    def __init__(self, rank: int, world: int, args, device: torch.device, directory: str) -> None:
+    def __init__(
+        self, rank: int, world: int, args, device: torch.device, directory: str, joined: str | None = None
+    ) -> None:
         self.rank, self.world, self.args, self.device, self.dir = rank, world, args, device, directory
         self.who = f"r{rank}"
         self.cuda = device.type == "cuda"
@@ -288,6 +418,11 @@ class Rank:
         self.memory: dict[str, dict] = {}
         self.tables: dict[str, dict] = {}
         self.expected = {"rows": 0, "out_of_range": 0}
+        self.joined = joined
+        self.dists = id_distributions(args.distributions)
+        self.row_cache_knob = os.environ.get("PLE_UM_ROW_CACHE")
+        self.row_cache: dict[str, dict] = {}
+        self.engram: dict = {}
 
     # -- bookkeeping ------------------------------------------------------------------------------------
     def record(self, name: str, ok: bool | None, detail: str = "") -> None:
@@ -305,11 +440,51 @@ class Rank:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    # -- the memory limit ------------------------------------------------------------------------------
+    def check_memory_group(self) -> None:
+        """With --memory-limit: this rank is in the memory cgroup made for it (its pid in the group's
+        cgroup.procs), or the reason there is none."""
+        if self.args.memory_limit is None:
+            return
+        group = self.args.memory_groups[self.rank]
+        name = f"memory limit: this rank in a memory cgroup of its own of {gib(self.args.memory_limit)}"
+        if not group["enforced"]:
+            self.record(name, None, f"the run goes on without the limit: {group['how']}")
+            return
+        try:
+            with open(os.path.join(group["group"], "cgroup.procs")) as f:
+                inside = str(os.getpid()) in f.read().split()
+        except OSError as exc:
+            inside, self.joined = False, self.joined or f"cannot read its cgroup.procs: {exc.strerror}"
+        self.record(
+            name, inside and self.joined is None, "; ".join(filter(None, (group["how"], self.joined)))
+        )
+
+    def memory_limit(self) -> dict | None:
+        """This rank's memory limit (the launcher's description) and the most its group held."""
+        group = self.args.memory_groups[self.rank]
+        if group is None:
+            return None
+        peak = None
+        for name in ("memory.peak", "memory.max_usage_in_bytes"):
+            try:
+                with open(os.path.join(group["group"] or "", name)) as f:
+                    peak = int(f.read())
+                break
+            except (OSError, ValueError):
+                continue
+        return {**group, "peak_bytes": peak}
+
     # -- ids and the reference ------------------------------------------------------------------------
-    def ids(self, key: tuple, n: int, bad: bool) -> torch.Tensor:
+    def ids(self, key: tuple, n: int, bad: bool, drawn=None) -> torch.Tensor:
         """The same ids on every rank (a generator seeded by the run's seed and ``key``): uniform in
-        the table, or with every bad kind and the split's edges mixed in."""
+        the table, or with every bad kind and the split's edges mixed in, or ``drawn`` from one of
+        the bench's distributions (a trace's replay steps on with each call, in the same order on
+        every rank)."""
         digest = hashlib.blake2b(repr((self.seed, *key)).encode(), digest_size=8).digest()
+        if drawn is not None:
+            rng = np.random.default_rng(int.from_bytes(digest, "little"))
+            return torch.from_numpy(drawn.draw(rng, self.files.num_rows, n)).to(self.device)
         g = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
         ids = torch.randint(0, self.files.num_rows, (n,), generator=g)
         if bad:
@@ -411,6 +586,7 @@ class Rank:
         seed = [args.seed if args.seed is not None else time.time_ns() % (1 << 31)]
         dist.broadcast_object_list(seed, src=0)
         self.seed = seed[0]
+        self.check_memory_group()
         self.files = FileTable(self.dir)
         self.ranges = vocab_ranges(self.files.num_rows, self.world)
         self.scale = torch.tensor(self.files.scale, dtype=torch.float32, device=self.device)
@@ -428,21 +604,28 @@ class Rank:
             f"ranges {self.ranges}, {S} rows a shard: split rows {splits} lie in shards "
             f"{[s // S for s in splits]}",
         )
-        os.environ["PLE_UM_PREWARM"] = "1"  # every rank reads its rows into the page cache at open
         # Each mode is forced here. On a host whose memory grows as it is used, MemAvailable reads
         # small at start, so the default budget (a fraction of MemAvailable) could refuse registered
         # mode for no reason this check is about; an explicit budget is kept.
         os.environ.setdefault("PLE_UM_PIN_BUDGET", str(self.files.nbytes))
         self.pin_budget = os.environ["PLE_UM_PIN_BUDGET"]
         everyone = lambda mode: [mode] * self.world  # noqa: E731
-        for modes in (everyone("registered"), everyone("cpu"), ["registered"] + ["cpu"] * (self.world - 1)):
-            label = "/".join(modes)
-            if not self.cuda and "registered" in modes:
-                self.record(
-                    f"{label}: whole run", None, "registered needs a CUDA device (dry run: cpu mode only)"
-                )
-                continue
-            self.run_modes(label, modes[self.rank])
+        mode_sets = (everyone("registered"), everyone("cpu"), ["registered"] + ["cpu"] * (self.world - 1))
+        caches = [None] if args.row_cache is None else [None, args.row_cache]
+        for cache in caches:
+            for modes in mode_sets:
+                label = "/".join(modes) + ("" if cache is None else " + row cache")
+                if not self.cuda and "registered" in modes:
+                    self.record(
+                        f"{label}: whole run", None, "registered needs a CUDA device (dry run: cpu mode only)"
+                    )
+                    continue
+                refused = self.pins_refused(modes)
+                if refused:
+                    self.record(f"{label}: whole run", None, refused)
+                    continue
+                self.run_modes(label, modes, cache)
+        self.check_engram()
         self.anchor()
         return {
             "rank": self.rank,
@@ -450,14 +633,49 @@ class Rank:
             "timings": self.timings,
             "memory": self.memory,
             "tables": self.tables,
+            "row_cache": self.row_cache,
+            "memory_limit": self.memory_limit(),
+            "engram": self.engram,
             "seed": self.seed,
             "range": self.ranges[self.rank],
             "pin_budget": self.pin_budget,
         }
 
-    def run_modes(self, label: str, mode: str) -> None:
+    def pins_refused(self, modes: list[str], spans: list[int] | None = None) -> str | None:
+        """Why ``modes`` cannot run under the ranks' memory limits, or None: a registered rank pins
+        its rows' span (``spans``, by rank; default: the PLE table's), charged to its group, and a
+        group that cannot hold them (with PIN_ROOM for the rest of the rank) has the rank killed,
+        not the registration refused. The same answer on every rank (from the headers and the
+        launcher's limits)."""
+        spans = spans or [self.files.pinned_span(*r)[0] for r in self.ranges]
+        for r, (mode, group, span) in enumerate(zip(modes, self.args.memory_groups, spans, strict=True)):
+            if mode != "registered" or group is None or not group["enforced"]:
+                continue
+            if group["limit"] < span + PIN_ROOM:
+                return (
+                    f"rank {r} would pin {gib(span)} of rows under its memory limit of {gib(group['limit'])} "
+                    f"(at least {gib(PIN_ROOM)} more needed for the rest of the rank)"
+                )
+        return None
+
+    def knobs(self, cache: int | None) -> None:
+        """The row cache pass: PLE_UM_ROW_CACHE of ``cache`` and no prewarm, so that the rows come
+        from the reader of misses; the other passes: every rank reads its rows into the page cache
+        at open (PLE_UM_PREWARM=1), the row cache as the environment set it."""
+        if cache is None:
+            os.environ["PLE_UM_PREWARM"] = "1"
+            if self.row_cache_knob is None:
+                os.environ.pop("PLE_UM_ROW_CACHE", None)
+            else:
+                os.environ["PLE_UM_ROW_CACHE"] = self.row_cache_knob
+        else:
+            os.environ.update(PLE_UM_PREWARM="0", PLE_UM_ROW_CACHE=str(cache))
+
+    def run_modes(self, label: str, modes: list[str], cache: int | None) -> None:
         import ple_um
 
+        mode = modes[self.rank]
+        self.knobs(cache)
         self.sync()
         dist.barrier()
         if self.rank == 0:
@@ -489,17 +707,20 @@ class Rank:
             return
         try:
             self.expected = {"rows": 0, "out_of_range": 0}
-            self.check_memory(label, table, before, after)
+            self.check_memory(label, table, before, after, prewarmed=cache is None)
             self.check_lookups(label, table)
             self.time_eager(label, table)
-            self.check_graphs(label, table)
+            self.check_early(label, table)
+            self.check_graphs(label, table, modes)
+            self.check_graphs(label, table, modes, early=True)
             stats = table.stats()
             got = {k: stats[k] for k in self.expected}
             self.record(f"{label}: device counters count every lookup", got == self.expected, f"{got}")
+            self.check_row_cache(label, stats, cache)
         finally:
             table.close()
 
-    def check_memory(self, label: str, table, before, after) -> None:
+    def check_memory(self, label: str, table, before, after, prewarmed: bool = True) -> None:
         (proc0, sys0), (proc1, sys1) = before, after
         lo, hi = self.ranges[self.rank]
         owned = (hi - lo) * self.files.row_bytes
@@ -543,24 +764,35 @@ class Rank:
             "open_seconds": table.open_seconds,
         }
         if self.rank == 0:
+            name = f"{label}: host memory grew by one table for all ranks (page cache shared)"
+            if not prewarmed:
+                self.record(name, None, "the row cache pass: no prewarm, misses read into the row cache")
+                return
             table_bytes = self.files.nbytes
             table_cached = system["growth"].get("TableCached", 0) / table_bytes
             cached = system["growth"].get("Cached", 0) / table_bytes
             files = sum(r["growth"].get("RssFile", 0) for r in ranks) / table_bytes
+            ok = 0.9 < table_cached <= 1.0 and files > 0.9
+            limits = [g["limit"] for g in self.args.memory_groups if g is not None and g["enforced"]]
+            held = bool(limits) and min(limits) < owned  # the limit, not a copy, bounds the page cache
             self.record(
-                f"{label}: host memory grew by one table for all ranks (page cache shared)",
-                0.9 < table_cached <= 1.0 and files > 0.9,
+                name,
+                None if held and not ok else ok,
                 f"the table's pages in the page cache {table_cached:+.2f} tables, the ranks' "
                 f"file-backed resident memory together {files:+.2f} tables; the host's page cache "
                 f"{cached:+.2f} tables and MemAvailable {gib(system['growth'].get('MemAvailable', 0))}, "
-                f"other work included (one table: {gib(table_bytes)})",
+                f"other work included (one table: {gib(table_bytes)})"
+                + (f"; a rank's memory limit {gib(min(limits))} is below its rows" if held else ""),
             )
 
     def check_lookups(self, label: str, table) -> None:
+        """Each distribution's ids, then ids with every bad kind: this rank's rows, and their sum."""
+        kinds = [(d.name, d, False) for d in self.dists] + [
+            ("with bad ids and the split's edges", None, True)
+        ]
         for n in self.args.ids:
-            for bad in (False, True):
-                ids = self.ids((label, "check", n, bad), n, bad)
-                kind = "with bad ids and the split's edges" if bad else "uniform"
+            for kind, drawn, bad in kinds:
+                ids = self.ids((label, "check", n, kind), n, bad, drawn)
                 for out in (RAW, BF16):
                     buf = self.buffer(n, out)
                     table.lookup(ids, out=buf)
@@ -598,35 +830,83 @@ class Rank:
                     "; ".join(wrong[:3]),
                 )
 
-    def check_graphs(self, label: str, table) -> None:
+    def early_step(self, table, ids: torch.Tensor, buf: torch.Tensor, out: str) -> None:
+        """A TP step whose lookup is issued early: forked onto ple-um's side stream at the step's
+        start (``served.SideLookups``, as the engines' early lookups), the step's other work (a
+        matmul) on the current stream meanwhile, joined where the rows are used (the all-reduce).
+        Without CUDA the same step runs with no stream: the lookup inline, then the work."""
+        side = self.side
+        with side.fork(self.device) if side is not None else contextlib.nullcontext():
+            table.lookup(ids, out=buf)
+            if side is not None:
+                side.mark("rows")
+        torch.matmul(self.work[0], self.work[1], out=self.work[2])
+        if side is not None:
+            side.join("rows", self.device)
+        dist.all_reduce(buf.view(torch.int8) if out == RAW else buf)
+
+    def check_early(self, label: str, table) -> None:
+        """Eager steps with the lookup issued early, fresh ids each (the first with bad ids)."""
+        from ple_um.served import SideLookups
+
+        self.side = SideLookups() if self.cuda else None
+        self.work = [torch.ones((256, 256), device=self.device) for _ in range(3)]
+        how = "on a side stream" if self.cuda else "with no stream (no CUDA device: the lookup inline)"
+        for n in self.args.ids:
+            for out in (RAW, BF16):
+                buf, wrong = self.buffer(n, out, poison=False), []
+                steps = self.args.warmup + self.args.repeats
+                for k in range(steps):
+                    ids = self.ids((label, "early", n, out, k), n, bad=k == 0)
+                    buf.view(torch.uint8).fill_(0xAB)
+                    self.early_step(table, ids, buf, out)
+                    self.count(ids)
+                    why = self.compare(buf, ids, out)
+                    if why:
+                        wrong.append(f"step {k}: {why}")
+                self.record(
+                    f"{label}: early lookups, eager {n} ids {out}: {steps} steps (the first with bad ids), "
+                    "forked at the step's start, joined where used == file rows",
+                    not wrong,
+                    "; ".join([how, *wrong[:3]]),
+                )
+
+    def check_graphs(self, label: str, table, modes: list[str], early: bool = False) -> None:
         safe = self.gather(bool(table.capture_safe))
-        name = f"{label}: CUDA graph of lookup + all_reduce, replays with new ids == file rows"
+        if early:
+            name = (
+                f"{label}: CUDA graph of a step, its lookup issued early, replays with new ids == file rows"
+            )
+        else:
+            name = f"{label}: CUDA graph of lookup + all_reduce, replays with new ids == file rows"
         if not self.cuda:
             self.record(name, None, "CUDA graphs need a CUDA device (dry run on the CPU)")
             return
         if not all(safe):
-            unsafe = [f"rank {r} ({label.split('/')[r]})" for r, ok in enumerate(safe) if not ok]
+            unsafe = [f"rank {r} ({modes[r]})" for r, ok in enumerate(safe) if not ok]
             self.record(name, None, f"not capture-safe: {', '.join(unsafe)}")
             return
         args = self.args
+        step = self.early_step if early else self.step
+        what = "early, graph" if early else "graph"
         for n in args.ids:
             for out in (RAW, BF16):
-                static = self.ids((label, "graph", n, out, -1), n, False)
+                static = self.ids((label, what, n, out, -1), n, False)
                 buf = self.buffer(n, out)
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):  # warm up outside the capture (allocator, NCCL)
-                    self.step(table, static, buf, out)
+                    step(table, static, buf, out)
                     self.count(static)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 self.sync()
                 dist.barrier()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    self.step(table, static, buf, out)
+                    step(table, static, buf, out)
                 us, wrong = [], []
                 for k in range(args.warmup + args.repeats + 1):
-                    ids = self.ids((label, "graph", n, out, k), n, bad=k == 0)  # the first with bad ids
+                    ids = self.ids((label, what, n, out, k), n, bad=k == 0)  # the first with bad ids
                     static.copy_(ids)
                     buf.view(torch.uint8).fill_(0xAB)  # a replay must write every row (untimed)
                     us.append(self.timed(graph.replay))
@@ -634,15 +914,236 @@ class Rank:
                     why = self.compare(buf, ids, out)
                     if why:
                         wrong.append(f"replay {k}: {why}")
-                self.keep_time(label, n, out, "graph", us[1:])
+                if not early:
+                    self.keep_time(label, n, out, "graph", us[1:])
                 self.record(
-                    f"{label}: graph {n} ids {out}: {len(us)} replays with new ids (the first with bad ids) "
+                    f"{label}: {what} {n} ids {out}: {len(us)} replays with new ids (the first with bad ids) "
                     "== file rows",
                     not wrong,
                     "; ".join(wrong[:3]),
                 )
                 self.sync()
                 del graph
+
+    def check_row_cache(self, label: str, stats: dict, cache: int | None) -> None:
+        """The row cache's counts, kept for the report; in the row cache pass, a ``cpu`` rank's cache
+        and reader of misses must both have served (hits, misses, reads of the files)."""
+        found = stats["row_cache"]
+        mine = {
+            "mode": stats["mode"],
+            "asked": cache,
+            "file_reads": stats["file_reads"],
+            "file_reader": stats["file_reader"],
+            **({k: found[k] for k in ("hits", "misses", "evictions", "rows", "bytes")} if found else {}),
+        }
+        self.row_cache[label] = self.gather(mine)
+        if cache is None or stats["mode"] != "cpu":
+            return
+        served = found is not None and found["hits"] > 0 and found["misses"] > 0 and stats["file_reads"] > 0
+        self.record(
+            f"{label}: the row cache and the reader of misses served (hits, misses, file reads)",
+            served,
+            f"{mine}",
+        )
+
+    # -- the Engram table, split by heads ----------------------------------------------------------------
+    def check_engram(self) -> None:
+        """An Engram-shaped table split by heads, as ``ple_um.vllm.engram`` splits it: each rank
+        opens the rows of its heads (``open_engram_table``, rows = ``geometry.head_rows``) and looks
+        up its heads' columns of the same hashes; the heads gathered across the ranks (all_gather)
+        must equal the whole table's rows decoded from the file, bit for bit: eager, and on a GPU in
+        a CUDA graph of lookup + all_gather replayed with new hashes."""
+        if self.args.engram_dir is None:
+            return
+        files = EngramFiles(self.args.engram_dir)
+        geometry = engram_geometry(files.num_rows)
+        sizes = geometry.head_sizes[0]
+        if len(sizes) % self.world:
+            self.record(
+                "engram: heads split over the ranks", None, f"{len(sizes)} heads over {self.world} ranks"
+            )
+            return
+        per = len(sizes) // self.world
+        first = self.rank * per
+        rows = geometry.head_rows(ENGRAM_LAYER, first, first + per)
+        self.eg = {
+            "files": files,
+            "geometry": geometry,
+            "sizes": sizes,
+            "starts": np.cumsum([0, *sizes[:-1]]),
+            "heads": (first, first + per),
+            "rows": rows,
+            "ref": files.load(self.device),
+        }
+        self.engram = {
+            "directory": self.args.engram_dir,
+            "num_rows": files.num_rows,
+            "head_dim": files.dim,
+            "head_rows": list(sizes),
+            "heads": [first, first + per],
+            "rows": list(rows),
+        }
+        if not self.cuda:
+            self.record(
+                "engram registered: whole run",
+                None,
+                "registered needs a CUDA device (dry run: cpu mode only)",
+            )
+        everyone = [geometry.head_rows(ENGRAM_LAYER, r * per, (r + 1) * per) for r in range(self.world)]
+        spans = [(hi - lo) * ENGRAM_ROW_BYTES for lo, hi in everyone]
+        for mode in ("registered", "cpu") if self.cuda else ("cpu",):
+            refused = self.pins_refused([mode] * self.world, spans)
+            if refused:
+                self.record(f"engram {mode}: whole run", None, refused)
+                continue
+            self.engram_mode(mode)
+
+    def engram_mode(self, mode: str) -> None:
+        import ple_um
+
+        eg, label = self.eg, f"engram {mode}"
+        self.sync()
+        dist.barrier()
+        if self.rank == 0:
+            evict_pages([eg["files"].path])
+        dist.barrier()
+        before = (process_memory(), system_memory(None))
+        table, error = None, None
+        try:
+            table = ple_um.open_engram_table(
+                self.args.engram_dir,
+                layer=ENGRAM_LAYER,
+                rows=eg["rows"],
+                geometry=eg["geometry"],
+                mode=mode,
+                device=self.device,
+            )
+        except Exception as exc:  # noqa: BLE001 - reported as a failed check; the other ranks go on
+            error = f"{type(exc).__name__}: {exc}"
+        self.sync()
+        dist.barrier()
+        after = (process_memory(), system_memory(None))
+        errors = self.gather(error)
+        got = None if table is None else (table.mode, tuple(table.rows))
+        self.record(
+            f"{label}: open heads {list(eg['heads'])} = rows {list(eg['rows'])} mode={mode}",
+            error is None and got == (mode, eg["rows"]),
+            error or f"mode {got[0]}, rows {list(got[1])}, capture_safe={table.capture_safe}",
+        )
+        if any(e is not None for e in errors):
+            if table is not None:
+                table.close()
+            return
+        try:
+            stats = table.stats()
+            mine = {
+                "mode": table.mode,
+                "pinned_bytes": stats["pinned_bytes"],
+                "owned_bytes": (eg["rows"][1] - eg["rows"][0]) * ENGRAM_ROW_BYTES,
+                "mapped_bytes": stats["mapped_bytes"],
+                "before": before[0],
+                "after": after[0],
+                "growth": {k: after[0].get(k, 0) - before[0].get(k, 0) for k in after[0]},
+            }
+            system = {"before": before[1], "after": after[1]}
+            system["growth"] = {k: after[1].get(k, 0) - before[1].get(k, 0) for k in after[1]}
+            table_bytes = eg["files"].num_rows * ENGRAM_ROW_BYTES
+            self.memory[label] = {"ranks": self.gather(mine), "system": system, "table_bytes": table_bytes}
+            self.engram_lookups(label, table)
+        finally:
+            table.close()
+
+    def engram_hashes(self, key: tuple, tokens: int) -> torch.Tensor:
+        """[tokens, heads] global row ids, the same on every rank: each head's column uniform in its
+        own range, the range's ends in the first two tokens."""
+        digest = hashlib.blake2b(repr((self.seed, *key)).encode(), digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        sizes = np.array(self.eg["sizes"])
+        cols = rng.integers(0, sizes, (tokens, len(sizes)))
+        cols[0], cols[-1] = 0, sizes - 1
+        return torch.from_numpy(cols + self.eg["starts"]).to(self.device)
+
+    def engram_compare(self, parts: torch.Tensor, hashes: torch.Tensor, own: bool) -> str | None:
+        """None when ``parts`` (this rank's heads [T, per, D], or all ranks' gathered
+        [world * T, per, D] when not ``own``) are the file's rows bit for bit, else what differs."""
+        values, exponents = self.eg["ref"]
+        want = EngramFiles.decode(values[hashes], exponents[hashes])
+        tokens, per = hashes.shape[0], parts.shape[1]
+        if own:
+            first = self.eg["heads"][0]
+            want = want[:, first : first + per]
+        else:  # rank-major [world, T, per, D] -> [T, world * per, D]
+            parts = parts.unflatten(0, (self.world, tokens)).transpose(0, 1).reshape(want.shape)
+        differ = (parts.view(torch.int16) != want.view(torch.int16)).any(dim=-1)
+        return (
+            f"{int(differ.sum())} of {differ.numel()} head rows differ in their bits"
+            if differ.any()
+            else None
+        )
+
+    def engram_step(self, table, hashes: torch.Tensor, part: torch.Tensor, gathered: torch.Tensor) -> None:
+        """This rank's heads' rows of ``hashes``, then every rank's gathered into ``gathered``."""
+        first, end = self.eg["heads"]
+        table.lookup(hashes[:, first:end], out=part)
+        all_gather(gathered, part)
+
+    def engram_lookups(self, label: str, table) -> None:
+        heads = len(self.eg["sizes"])
+        per = heads // self.world
+        dim = self.eg["files"].dim
+        for n in self.args.ids:
+            tokens = max(2, n // heads)
+            part = torch.empty((tokens, per, dim), dtype=torch.bfloat16, device=self.device)
+            gathered = torch.empty((self.world * tokens, per, dim), dtype=torch.bfloat16, device=self.device)
+            hashes = self.engram_hashes((label, "check", n), tokens)
+            part.fill_(float("nan"))
+            gathered.fill_(float("nan"))
+            first, end = self.eg["heads"]
+            table.lookup(hashes[:, first:end], out=part)
+            own = self.engram_compare(part, hashes, own=True)
+            all_gather(gathered, part)
+            total = self.engram_compare(gathered, hashes, own=False)
+            self.record(
+                f"{label}: {tokens} tokens x {heads} heads, all_gather(bf16) == file rows (bits)",
+                own is None and total is None,
+                "; ".join(f"{what}: {why}" for what, why in (("own heads", own), ("gathered", total)) if why),
+            )
+            self.engram_graph(label, table, tokens, part, gathered)
+
+    def engram_graph(
+        self, label: str, table, tokens: int, part: torch.Tensor, gathered: torch.Tensor
+    ) -> None:
+        name = f"{label}: CUDA graph of lookup + all_gather, {tokens} tokens, new hashes == file rows"
+        safe = self.gather(bool(table.capture_safe))
+        if not self.cuda:
+            self.record(name, None, "CUDA graphs need a CUDA device (dry run on the CPU)")
+            return
+        if not all(safe):
+            self.record(name, None, f"not capture-safe on ranks {[r for r, ok in enumerate(safe) if not ok]}")
+            return
+        static = self.engram_hashes((label, "graph", tokens, -1), tokens)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm up outside the capture (allocator, NCCL)
+            self.engram_step(table, static, part, gathered)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.sync()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.engram_step(table, static, part, gathered)
+        wrong = []
+        replays = self.args.warmup + self.args.repeats
+        for k in range(replays):
+            static.copy_(self.engram_hashes((label, "graph", tokens, k), tokens))
+            gathered.fill_(float("nan"))
+            graph.replay()
+            why = self.engram_compare(gathered, static, own=False)
+            if why:
+                wrong.append(f"replay {k}: {why}")
+        self.record(name, not wrong, f"{replays} replays; " + "; ".join(wrong[:3]))
+        self.sync()
+        del graph
 
     def anchor(self) -> None:
         """One device holding the whole table: torch.index_select on the resident copy (then the
@@ -696,13 +1197,35 @@ def memory_table(memory: dict) -> list[str]:
     ]
     for label, mem in memory.items():
         growth = mem["system"]["growth"]
-        table, cached = growth.get("TableCached", 0), growth.get("Cached", 0)
+        table, cached = growth.get("TableCached"), growth.get("Cached", 0)
+        table_cell = "-" if table is None else f"{gib(table)} ({table / mem['table_bytes']:.2f} tables)"
         lines.append(
             f"| {label} | {_per_rank(mem, 'pinned_bytes', False)} | {_per_rank(mem, 'RssAnon')} | "
-            f"{_per_rank(mem, 'RssFile')} | {gib(table)} ({table / mem['table_bytes']:.2f} tables) | "
+            f"{_per_rank(mem, 'RssFile')} | {table_cell} | "
             f"{gib(cached)} ({cached / mem['table_bytes']:.2f} tables) | "
             f"{gib(mem['system']['growth'].get('MemAvailable', 0))} |"
         )
+    return lines
+
+
+def row_cache_table(row_cache: dict) -> list[str]:
+    lines = [
+        "row cache per rank, from the table's open to its close (none: the host path kept none):",
+        "",
+        "| modes (rank 0/1) | rank | mode | row cache | hits | misses | hit rate | reads of misses |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, ranks in row_cache.items():
+        for r, c in enumerate(ranks):
+            if "hits" not in c:
+                lines.append(f"| {label} | {r} | {c['mode']} | none | - | - | - | {c['file_reads']} |")
+                continue
+            asked = c["hits"] + c["misses"]
+            rate = f"{c['hits'] / asked:.3f}" if asked else "-"
+            lines.append(
+                f"| {label} | {r} | {c['mode']} | {gib(c['bytes'])} | {c['hits']} | {c['misses']} | {rate} | "
+                f"{c['file_reads']} ({c['file_reader']}) |"
+            )
     return lines
 
 
@@ -734,7 +1257,13 @@ def report(results: list[dict], args, directory: str, written: dict, started: fl
     lines = [f"FAIL rank {c['rank']}: {c['name']} -- {c['detail']}" for c in checks if c["status"] == "FAIL"]
     lines += [f"skipped: {why}" for why in sorted({c["detail"] for c in checks if c["status"] == "SKIP"})]
     lines += [f"tp_check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped", ""]
-    lines += memory_table(first["memory"]) + [""] + timing_table(first["timings"], args.repeats)
+    for r in results:
+        if r["memory_limit"] is not None:
+            peak = r["memory_limit"]["peak_bytes"]
+            held = f", its group's peak {gib(peak)}" if peak is not None else ""
+            lines.append(f"memory limit of rank {r['rank']}: {r['memory_limit']['how']}{held}")
+    lines += row_cache_table(first["row_cache"]) + [""] + memory_table(first["memory"])
+    lines += [""] + timing_table(first["timings"], args.repeats)
     print("\n".join(lines), flush=True)
     files = FileTable(directory)
     return {
@@ -763,6 +1292,17 @@ def report(results: list[dict], args, directory: str, written: dict, started: fl
         "checks": checks,
         "memory": first["memory"],
         "tables": [r["tables"] for r in results],
+        "distributions": {d.name: d.describe() for d in id_distributions(args.distributions)},
+        "row_cache": first["row_cache"],
+        "memory_limit": [r["memory_limit"] for r in results],
+        "early_lookups": {
+            "streams": args.device == "cuda",
+            "how": "forked onto ple-um's side stream (served.SideLookups) at the step's start, joined "
+            "before the all-reduce; eager and in a CUDA graph"
+            if args.device == "cuda"
+            else "no CUDA device: the same step with no stream, the lookup inline; eager only",
+        },
+        "engram": [r["engram"] for r in results],
         "timings": [t for r in results for t in r["timings"]],
     }
 
@@ -795,6 +1335,20 @@ def leave(rc: int, timeout: float, who: str) -> None:
     os._exit(rc)
 
 
+def join_memory_group(group: dict | None) -> str | None:
+    """Move this process into the memory cgroup the launcher made for it: what it maps, reads and
+    allocates from now on is charged there (the interpreter and torch, imported before, are not).
+    None once it is in, or where there is no group; else why it could not join."""
+    if group is None or not group["enforced"]:
+        return None
+    try:
+        with open(os.path.join(group["group"], "cgroup.procs"), "w") as f:
+            f.write("0")  # "0": the writing process
+    except OSError as exc:
+        return f"cannot join {group['group']}: {exc.strerror or exc}"
+    return None
+
+
 def run_rank(
     rank: int, world: int, local_rank: int, args, directory: str, written: dict, limit: float
 ) -> None:
@@ -811,6 +1365,7 @@ def run_rank(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     rc = 2
     try:
+        joined = join_memory_group(args.memory_groups[rank])
         device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
         extra = {}
         if device.type == "cuda":
@@ -819,7 +1374,7 @@ def run_rank(
         timeout = datetime.timedelta(seconds=max(limit, 1.0))
         dist.init_process_group(args.backend, rank=rank, world_size=world, timeout=timeout, **extra)
         results = [None] * world
-        dist.all_gather_object(results, Rank(rank, world, args, device, directory).run())
+        dist.all_gather_object(results, Rank(rank, world, args, device, directory, joined).run())
         rc = 0 if all(c["status"] != "FAIL" for r in results for c in r["checks"]) else 1
         if rank == 0:
             summary = report(results, args, directory, written, started)
@@ -841,14 +1396,35 @@ def free_port() -> int:
 
 
 def spawn_ranks(args) -> int:
-    """Launcher: write or reuse the table, start one process per rank, wait for them within the
-    run's time limit; a rank that fails ends the others after a grace period (they would wait in a
-    collective for it)."""
-    import torch.multiprocessing as mp
-
+    """Launcher: write or reuse the tables, make each rank's memory cgroup (--memory-limit), start
+    one process per rank, wait for them within the run's time limit; a rank that fails ends the
+    others after a grace period (they would wait in a collective for it). The groups are removed
+    once the ranks have exited."""
     deadline = time.monotonic() + args.timeout
     start_watchdog(args.timeout + args.teardown_timeout + 30, "launcher")  # last resort
     directory, written = prepare_table(args, "launcher")
+    args.engram_dir = prepare_engram(args, "launcher")
+    with contextlib.ExitStack() as held:
+        if args.memory_limit is not None:
+            from ple_um.bench.memlimit import MemoryLimit
+
+            for r in range(args.world):
+                limit = held.enter_context(
+                    MemoryLimit.open(args.memory_limit, f"tp_check-r{r}-{os.getpid()}")
+                )
+                args.memory_groups[r] = {
+                    "limit": limit.limit,
+                    "group": limit.group,
+                    "enforced": limit.enforced,
+                    "how": limit.describe(),
+                }
+                log("launcher", f"rank {r}'s memory limit: {limit.describe()}")
+        return _spawn(args, directory, written, deadline)
+
+
+def _spawn(args, directory: str, written: dict, deadline: float) -> int:
+    import torch.multiprocessing as mp
+
     os.environ.update(NO_MULTICAST, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     ctx = mp.get_context("spawn")
     limit = deadline - time.monotonic() - 5  # the ranks' watchdogs fire before the launcher's deadline
@@ -903,6 +1479,29 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if cuda else "gloo")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if cuda else "cpu")
     p.add_argument("--ids", type=lambda t: [int(x) for x in t.split(",")], default=[1024, 131072])
+    p.add_argument(
+        "--distributions",
+        default="uniform,zipf:1.1,trace",
+        help="the bench's id distributions every check draws from (ple_um.bench.ids)",
+    )
+    p.add_argument(
+        "--row-cache",
+        type=units.parse_size,
+        help="a second pass of every mode set with PLE_UM_ROW_CACHE of this size per rank (8MiB, 2GiB): "
+        "no prewarm, pages dropped first, misses read by the reader into the row cache",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=units.parse_size,
+        help="each rank in a memory cgroup of its own of this size (page cache included, no swap); "
+        "where none can be made, the run says why and goes on without",
+    )
+    p.add_argument(
+        "--engram-size",
+        type=units.parse_size,
+        default=1 << 30,
+        help="bytes of the DeepSeek-V4.1 Engram table split by heads over the ranks (0: none)",
+    )
     p.add_argument("--repeats", type=int, default=20, help="timed steps per case (after the warm-up)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per case (their outputs are checked)")
     p.add_argument("--seed", type=int, help="ids seed (default: from the clock; in the JSON)")
@@ -928,8 +1527,14 @@ def parse_args(argv=None):
         p.error("--repeats, --world and --ids must be at least 1, --warmup at least 0")
     try:
         table_shape(args.size, args.row_bytes, args.shards, args.world)
+        id_distributions(args.distributions)
+        if args.engram_size:
+            engram_geometry(engram_rows(args.engram_size))
     except ValueError as exc:
         p.error(str(exc))
+    if args.memory_limit is not None and torchrun():
+        p.error("--memory-limit needs this script's own launcher (it makes each rank's group), not torchrun")
+    args.memory_groups = [None] * args.world  # the launcher's: each rank's memory cgroup
     return args
 
 
@@ -942,6 +1547,7 @@ def main() -> None:
         t0 = time.monotonic()
         start_watchdog(args.timeout, f"r{rank}")  # the table's writing included
         directory, written = prepare_table(args, f"r{rank}")
+        args.engram_dir = prepare_engram(args, f"r{rank}")
         run_rank(
             rank, args.world, local_rank, args, directory, written, args.timeout - (time.monotonic() - t0)
         )
