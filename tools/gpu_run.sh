@@ -22,7 +22,10 @@
 #            -C old`, moving a root kernels/ into old/ple_um/), alternately, $REGRESS_PAIRS (2) times
 #            each, no row cache; then the two builds compared (--compare): where the table fits
 #   tp       tools/tp_check.py on two GPUs, its own table of $TP_SIZE (the two ranks' vocab split
-#            inside a shard); TP_ARGS adds arguments
+#            inside a shard): uniform, zipf:1.1 and trace ids, early lookups on a side stream, eager
+#            and in CUDA graphs, a second pass with a row cache of $TP_ROW_CACHE (default 2GiB) per
+#            rank, each rank in a memory cgroup of $TP_MEMORY_LIMIT (default 10GiB: registered pins
+#            half the table), and an Engram table split by heads; TP_ARGS adds arguments
 #
 #   tools/gpu_run.sh                       # tests, profile, bench, engram
 #   SIZE=16GiB tools/gpu_run.sh bench cold
@@ -93,7 +96,9 @@ for part in "${parts[@]}"; do
                      run "regress_$mode" 60 python3 tools/host_cost.py --compare "$OUT"/regress_"${mode}"_new*.json \
                          --against "$OUT"/regress_"${mode}"_old*.json --json-file "$OUT/regress_$mode.json"
                  done ;;
-        tp) run tp "${TP_LIMIT:-400}" python3 tools/tp_check.py --size "${TP_SIZE:-$SIZE}" \
+        tp) run tp "${TP_LIMIT:-580}" python3 tools/tp_check.py --size "${TP_SIZE:-$SIZE}" \
+                --row-cache "${TP_ROW_CACHE:-2GiB}" --memory-limit "${TP_MEMORY_LIMIT:-10GiB}" \
+                --timeout $((${TP_LIMIT:-580} - 30)) \
                 --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;  # its own table: the split inside a shard
         *) echo "unknown part $part (tests, bench, engram, cold, serving, regress, profile, tp)"; exit 2 ;;
     esac

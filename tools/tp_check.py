@@ -1409,9 +1409,8 @@ def spawn_ranks(args) -> int:
             from ple_um.bench.memlimit import MemoryLimit
 
             for r in range(args.world):
-                limit = held.enter_context(
-                    MemoryLimit.open(args.memory_limit, f"tp_check-r{r}-{os.getpid()}")
-                )
+                limit = MemoryLimit.open(args.memory_limit, f"tp_check-r{r}-{os.getpid()}")
+                held.callback(remove_group, limit)
                 args.memory_groups[r] = {
                     "limit": limit.limit,
                     "group": limit.group,
@@ -1420,6 +1419,15 @@ def spawn_ranks(args) -> int:
                 }
                 log("launcher", f"rank {r}'s memory limit: {limit.describe()}")
         return _spawn(args, directory, written, deadline)
+
+
+def remove_group(limit) -> None:
+    """Remove a rank's memory cgroup once the rank has exited; where the kernel still refuses, say
+    so (the run's result stands)."""
+    try:
+        limit.close()
+    except OSError as exc:
+        log("launcher", str(exc))
 
 
 def _spawn(args, directory: str, written: dict, deadline: float) -> int:
@@ -1499,8 +1507,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--engram-size",
         type=units.parse_size,
-        default=1 << 30,
-        help="bytes of the DeepSeek-V4.1 Engram table split by heads over the ranks (0: none)",
+        help="bytes of the DeepSeek-V4.1 Engram table split by heads over the ranks (default: 1GiB on "
+        "CUDA, 4MiB on the CPU; 0: none)",
     )
     p.add_argument("--repeats", type=int, default=20, help="timed steps per case (after the warm-up)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per case (their outputs are checked)")
@@ -1525,6 +1533,8 @@ def parse_args(argv=None):
         p.error(f"--device cuda needs {args.world} CUDA devices; this host has {torch.cuda.device_count()}")
     if min(args.repeats, args.world, *args.ids) < 1 or args.warmup < 0:
         p.error("--repeats, --world and --ids must be at least 1, --warmup at least 0")
+    if args.engram_size is None:
+        args.engram_size = 1 << 30 if args.device == "cuda" else 4 << 20
     try:
         table_shape(args.size, args.row_bytes, args.shards, args.world)
         id_distributions(args.distributions)
