@@ -463,12 +463,12 @@ class Rank:
     def memory_limit(self) -> dict | None:
         """This rank's memory limit (the launcher's description) and the most its group held."""
         group = self.args.memory_groups[self.rank]
-        if group is None:
-            return None
+        if group is None or not group["enforced"]:
+            return group and {**group, "peak_bytes": None}
         peak = None
         for name in ("memory.peak", "memory.max_usage_in_bytes"):
             try:
-                with open(os.path.join(group["group"] or "", name)) as f:
+                with open(os.path.join(group["group"], name)) as f:
                     peak = int(f.read())
                 break
             except (OSError, ValueError):
@@ -991,6 +991,7 @@ class Rank:
             )
         everyone = [geometry.head_rows(ENGRAM_LAYER, r * per, (r + 1) * per) for r in range(self.world)]
         spans = [(hi - lo) * ENGRAM_ROW_BYTES for lo, hi in everyone]
+        self.knobs(None)  # prewarmed at open, the row cache as the environment set it
         for mode in ("registered", "cpu") if self.cuda else ("cpu",):
             refused = self.pins_refused([mode] * self.world, spans)
             if refused:
@@ -1055,7 +1056,7 @@ class Rank:
 
     def engram_hashes(self, key: tuple, tokens: int) -> torch.Tensor:
         """[tokens, heads] global row ids, the same on every rank: each head's column uniform in its
-        own range, the range's ends in the first two tokens."""
+        own range, the range's ends in the first and the last token."""
         digest = hashlib.blake2b(repr((self.seed, *key)).encode(), digest_size=8).digest()
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         sizes = np.array(self.eg["sizes"])
@@ -1098,10 +1099,8 @@ class Rank:
             hashes = self.engram_hashes((label, "check", n), tokens)
             part.fill_(float("nan"))
             gathered.fill_(float("nan"))
-            first, end = self.eg["heads"]
-            table.lookup(hashes[:, first:end], out=part)
+            self.engram_step(table, hashes, part, gathered)
             own = self.engram_compare(part, hashes, own=True)
-            all_gather(gathered, part)
             total = self.engram_compare(gathered, hashes, own=False)
             self.record(
                 f"{label}: {tokens} tokens x {heads} heads, all_gather(bf16) == file rows (bits)",

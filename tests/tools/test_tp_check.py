@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -220,6 +221,33 @@ def test_engram_split_is_vllms_layout():
         assert len(sizes) == 8 and rows - 8 * 256 <= sum(sizes) <= rows
         assert geometry.head_rows(tp.ENGRAM_LAYER, 0, 4) == (0, sum(sizes[:4]))
         assert geometry.head_rows(tp.ENGRAM_LAYER, 4, 8) == (sum(sizes[:4]), sum(sizes))
+
+
+def test_registered_is_skipped_where_its_pins_cannot_fit_the_memory_limit(tmp_path):
+    """Pinned rows are charged to a rank's group and cannot be reclaimed: a mode set whose
+    registered ranks would pin past their limit (less PIN_ROOM) is skipped, saying which rank."""
+    tp = load_tool("tp_check")
+    write_checkpoint(tmp_path, num_rows=6400, row_dim=160, dtype="fp8", shards=13, files=3, seed=4)
+    rank = tp.Rank.__new__(tp.Rank)
+    rank.files = tp.FileTable(str(tmp_path))
+    rank.ranges = tp.vocab_ranges(6400, 2)
+    spans = [rank.files.pinned_span(*rows)[0] for rows in rank.ranges]
+
+    def refused(limits, modes):
+        groups = [None if at is None else {"limit": at, "enforced": True} for at in limits]
+        rank.args = types.SimpleNamespace(memory_groups=groups)
+        return rank.pins_refused(modes)
+
+    tight = [span + tp.PIN_ROOM - 1 for span in spans]
+    roomy = [span + tp.PIN_ROOM for span in spans]
+    assert refused(roomy, ["registered"] * 2) is None
+    assert refused([None, None], ["registered"] * 2) is None  # no limit made
+    assert refused([roomy[0], 1 << 20], ["registered", "cpu"]) is None  # a cpu rank pins nothing
+    why = refused([roomy[0], tight[1]], ["registered"] * 2)
+    assert why.startswith("rank 1 would pin ") and "under its memory limit of" in why
+    assert refused([tight[0], roomy[1]], ["registered", "cpu"]).startswith("rank 0 would pin ")
+    rank.args.memory_groups[0]["enforced"] = False  # where the limit could not be made
+    assert rank.pins_refused(["registered", "cpu"]) is None
 
 
 @pytest.mark.parametrize("rows", [64 * 1000, 64 * 1001, 64 * 4097])
