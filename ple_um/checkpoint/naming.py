@@ -5,6 +5,9 @@
   refuses it);
 - ``...ngram_embedding.shard_<i>.weight_scale``: an NVFP4 shard's block scales;
 - ``...ngram_embedding.weight_scale_2``: an NVFP4 table's global scale.
+
+And a DeepSeek-V4.1 Engram table's (``engram``): ``...layers.<L>.engram.embed.weight``, its rows,
+and ``...layers.<L>.engram.embed.scale``, its E8M0 block scales.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ SHARD_RE = re.compile(_PLE + r"shard_([0-9]+)\.weight\Z")
 SCALE_RE = re.compile(_PLE + r"weight_scale\Z")
 BLOCK_SCALE_RE = re.compile(_PLE + r"shard_([0-9]+)\.weight_scale\Z")  # NVFP4: per shard
 GLOBAL_SCALE_RE = re.compile(_PLE + r"weight_scale_2\Z")  # NVFP4: the global scale
+
+ENGRAM_RE = re.compile(r"(?:^|\.)layers\.([0-9]{1,9})\.engram\.embed\.(weight|scale)\Z")
 
 _KINDS = (
     ("shard", SHARD_RE),
@@ -42,6 +47,15 @@ def ple_match(name: str) -> tuple[int, str, int | None] | None:
         index = int(match.group(2)) if match.lastindex == 2 else None
         return int(match.group(1)), kind, index
     return None
+
+
+def engram_match(name: str) -> tuple[int, str, int] | None:
+    """(layer, kind, 0) when ``name`` is an Engram table's tensor, else None: its one unsplit shard,
+    so that the scan finds its rows as "shard" 0 and its E8M0 scales as "block_scale" 0."""
+    match = ENGRAM_RE.search(name)
+    if match is None:
+        return None
+    return int(match.group(1)), "shard" if match.group(2) == "weight" else "block_scale", 0
 
 
 def _table_prefix(shard: str) -> str:

@@ -1,7 +1,9 @@
-"""The directory scan: which files may hold PLE tensors (those the index names, else every
-``*.safetensors``), their headers, and the PLE tensors found in them, per layer.
+"""The directory scan: which files may hold a table's tensors (those the index names, else every
+``*.safetensors``), their headers, and the table tensors found in them, per layer. A matcher of
+``naming`` says which tensors those are: ``ple_match`` (a PLE table, the default) or
+``engram_match`` (an Engram table: its rows as shard 0, its E8M0 scales as shard 0's block scales).
 
-Only headers are read. With an index, only the files it names for PLE tensors are opened, so a
+Only headers are read. With an index, only the files it names for table tensors are opened, so a
 broken file that holds none of them does not stop the table; every index entry is still checked
 to stay inside the checkpoint directory.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ple_um.checkpoint.files import read_json_file
@@ -21,13 +24,18 @@ from ple_um.errors import CheckpointError
 INDEX_FILE = "model.safetensors.index.json"
 
 
+# A tensor's name -> (layer, kind, shard index or None) when it is a table tensor, else None.
+Match = Callable[[str], tuple[int, str, int | None] | None]
+
+
 @dataclass
 class LayerTensors:
-    """The PLE tensors of one layer, as found in the headers (duplicates kept, to be reported)."""
+    """The table tensors of one layer, as found in the headers (duplicates kept, to be reported)."""
 
-    shards: dict[int, list[TensorEntry]] = field(default_factory=dict)
+    shards: dict[int, list[TensorEntry]] = field(default_factory=dict)  # an Engram table's rows: 0
     scales: list[TensorEntry] = field(default_factory=list)  # ...ngram_embedding.weight_scale
-    block_scales: dict[int, list[TensorEntry]] = field(default_factory=dict)  # NVFP4 shard_<i>.weight_scale
+    # NVFP4 shard_<i>.weight_scale; an Engram table's E8M0 scales: 0
+    block_scales: dict[int, list[TensorEntry]] = field(default_factory=dict)
     global_scales: list[TensorEntry] = field(default_factory=list)  # NVFP4 ...weight_scale_2
 
 
@@ -36,23 +44,24 @@ class Scan:
     directory: str
     layers: set[int]  # every layer seen with at least one shard tensor
     tensors: dict[int, LayerTensors]  # per layer (only the requested one when a layer is given)
-    # PLE tensors that cannot be read because of a problem already reported (a broken or missing
+    # Table tensors that cannot be read because of a problem already reported (a broken or missing
     # file, an index entry pointing elsewhere), as (layer, kind, shard index or None): their
     # absence from the table is not reported again.
     lost: set[tuple[int, str, int | None]] = field(default_factory=set)
-    # A file refused with no index to say what it holds: it may hold any PLE tensor, so that none is
+    # A file refused with no index to say what it holds: it may hold any table tensor, so that none is
     # reported missing.
     blind: bool = False
+    match: Match = ple_match
 
     def lose(self, name: str | None) -> None:
-        match = ple_match(name) if name else None
+        match = self.match(name) if name else None
         if match is not None:
             self.lost.add(match)
 
     def wanted(self, name: str, layer: int | None) -> tuple[int, str, int | None] | None:
-        """``name``'s (layer, kind, shard index) when it is a PLE tensor of ``layer`` (of any layer when
-        None), else None; adds the layer of every shard tensor seen, wanted or not, to ``layers``."""
-        match = ple_match(name)
+        """``name``'s (layer, kind, shard index) when it is a table tensor of ``layer`` (of any layer
+        when None), else None; adds the layer of every shard tensor seen, wanted or not, to ``layers``."""
+        match = self.match(name)
         if match is None:
             return None
         if match[1] == "shard":
@@ -60,9 +69,9 @@ class Scan:
         return match if layer is None or match[0] == layer else None
 
 
-def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
-    """Read the headers of the files that may hold PLE tensors (of ``layer`` when given); None when
-    the directory or its index cannot be read (reported)."""
+def scan(directory: str, layer: int | None, problems: Problems, match: Match = ple_match) -> Scan | None:
+    """Read the headers of the files that may hold the table tensors ``match`` finds (of ``layer``
+    when given); None when the directory or its index cannot be read (reported)."""
     directory = os.path.abspath(directory)
     if not os.path.exists(directory):
         problems.report(f"checkpoint directory {directory} does not exist")
@@ -72,8 +81,8 @@ def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
         return None
 
     index_path = os.path.join(directory, INDEX_FILE)
-    claims: dict[str, str] = {}  # PLE tensor name -> absolute file path, per the index
-    found = Scan(directory=directory, layers=set(), tensors={})
+    claims: dict[str, str] = {}  # table tensor name -> absolute file path, per the index
+    found = Scan(directory=directory, layers=set(), tensors={}, match=match)
     if os.path.lexists(index_path):
         files = _files_from_index(directory, index_path, layer, problems, claims, found)
         if files is None:
@@ -97,7 +106,7 @@ def scan(directory: str, layer: int | None, problems: Problems) -> Scan | None:
 
 
 def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:
-    """Add the PLE tensors of one header to ``found``."""
+    """Add the table tensors of one header to ``found``."""
     for name, entry in header.tensors.items():
         match = found.wanted(name, layer)
         if match is None:
@@ -135,7 +144,7 @@ def _files_from_index(
     claims: dict[str, str],
     found: Scan,
 ) -> list[str] | None:
-    """The files the index says hold PLE tensors (of ``layer`` when given); fills ``claims``, and
+    """The files the index says hold table tensors (of ``layer`` when given); fills ``claims``, and
     ``found``'s layers and lost tensors (those the index maps to a missing file, reported once per
     file)."""
     try:
