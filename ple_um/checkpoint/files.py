@@ -56,21 +56,22 @@ def check_identity(st: os.stat_result, identity: FileIdentity, path: str) -> Non
         )
 
 
-def open_regular(path: str) -> int:
-    """An fd of the regular file ``path``; O_NONBLOCK so that a FIFO cannot block the open."""
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """An fd of the regular file ``path`` and its ``fstat``; O_NONBLOCK so that a FIFO cannot block
+    the open."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise CheckpointError(f"cannot open: {e.strerror or e}", path=path) from e
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
     except OSError as e:
         os.close(fd)
         raise CheckpointError(f"cannot stat: {e.strerror or e}", path=path) from e
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise CheckpointError("not a regular file", path=path)
-    return fd
+    return fd, st
 
 
 def pread_exact(fd: int, length: int, offset: int, path: str) -> bytes:
@@ -94,12 +95,8 @@ def pread_exact(fd: int, length: int, offset: int, path: str) -> bytes:
 def read_bytes(path: str, offset: int, length: int, identity: FileIdentity) -> bytes:
     """``length`` bytes at absolute ``offset`` of ``path`` (for the few bytes of a scale), from the
     file ``identity`` describes (CheckpointError where another file is there now)."""
-    fd = open_regular(path)
+    fd, st = open_regular(path)
     try:
-        try:
-            st = os.fstat(fd)
-        except OSError as e:
-            raise CheckpointError(f"cannot stat: {e.strerror or e}", path=path) from e
         check_identity(st, identity, path)
         return pread_exact(fd, length, offset, path)
     finally:
@@ -109,9 +106,9 @@ def read_bytes(path: str, offset: int, length: int, identity: FileIdentity) -> b
 def read_json_file(path: str, *, what: str, limit: int) -> object:
     """Parse a small JSON side file (the index) of at most ``limit`` bytes, as vLLM reads it (Python's
     json); its size is checked before it is read, and every way it can fail is a CheckpointError."""
-    fd = open_regular(path)
+    fd, st = open_regular(path)
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         if size > limit:
             raise CheckpointError(f"{what} is {size} bytes, more than the {limit} byte limit", path=path)
         raw = pread_exact(fd, size, 0, path)

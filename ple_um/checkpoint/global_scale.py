@@ -35,24 +35,14 @@ def read_scale(
         if not lost:
             problems.report(missing, path=path, tensor=expected)
         return None
-    first, *others = sorted(scales, key=lambda e: (e.path, e.name))
-    for other in others:
-        problems.report(
-            f"duplicate {noun}: also tensor {first.name} in {first.path}", path=other.path, tensor=other.name
-        )
-    if others:
+    first = problems.first(scales, f"duplicate {noun}")
+    if len(scales) > 1:
         return None
     if first.dtype not in SCALE_DTYPES:
-        problems.report(
-            f"{noun} dtype {first.dtype} is not one of {', '.join(SCALE_DTYPES)}",
-            path=first.path,
-            tensor=first.name,
-        )
+        problems.about(first, f"{noun} dtype {first.dtype} is not one of {', '.join(SCALE_DTYPES)}")
         return None
     if first.shape not in ((), (1,)):
-        problems.report(
-            f"{noun} shape {list(first.shape)} is not [] or [1]", path=first.path, tensor=first.name
-        )
+        problems.about(first, f"{noun} shape {list(first.shape)} is not [] or [1]")
         return None
     try:
         raw = read_bytes(first.path, first.start, first.nbytes, first.identity)
@@ -66,8 +56,6 @@ def read_scale(
     else:  # BF16: the high half of an F32
         (value,) = struct.unpack("<f", b"\0\0" + raw)
     if not math.isfinite(value) or value == 0.0:
-        problems.report(
-            f"{noun} is {value}, expected a finite non-zero number", path=first.path, tensor=first.name
-        )
+        problems.about(first, f"{noun} is {value}, expected a finite non-zero number")
         return None
     return value, first.name

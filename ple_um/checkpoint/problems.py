@@ -29,3 +29,11 @@ class Problems:
         """Report ``message`` naming ``entry``'s file and tensor; False, the verdict of the check."""
         self.report(message, path=entry.path, tensor=entry.name)
         return False
+
+    def first(self, entries: list[TensorEntry], what: str) -> TensorEntry:
+        """The first of ``entries`` (tensors found for one place, by file then name); every further
+        one is reported as ``what``, naming the first."""
+        first, *others = sorted(entries, key=lambda e: (e.path, e.name))
+        for other in others:
+            self.about(other, f"{what}: also tensor {first.name} in {first.path}")
+        return first

@@ -142,9 +142,9 @@ def read_header(path: str) -> SafetensorsHeader:
 def _read_raw(path: str) -> tuple[FileIdentity, bytes]:
     """The file's identity (its size among them) and its first ``8 + N`` bytes (the length field and
     the header), both limits on ``N`` checked before anything of that length is read or allocated."""
-    fd = open_regular(path)
+    fd, st = open_regular(path)
     try:
-        identity = FileIdentity.of(os.fstat(fd))
+        identity = FileIdentity.of(st)
         file_size = identity.size
         if file_size < 8:
             raise CheckpointError(f"file is {file_size} bytes, too short for a safetensors header", path=path)

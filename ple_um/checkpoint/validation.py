@@ -7,6 +7,7 @@ scale). Every problem goes to a ``Problems``: the first raises (read_layout), or
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Container
 
@@ -134,13 +135,7 @@ def _one_per_index(
     entries: dict[int, list[TensorEntry]], what: str, problems: Problems
 ) -> dict[int, TensorEntry]:
     """The first tensor of each index (by file, then name); every further one is reported."""
-    chosen: dict[int, TensorEntry] = {}
-    for index in sorted(entries):
-        first, *others = sorted(entries[index], key=lambda e: (e.path, e.name))
-        for other in others:
-            problems.about(other, f"{what} {index}: also tensor {first.name} in {first.path}")
-        chosen[index] = first
-    return chosen
+    return {index: problems.first(entries[index], f"{what} {index}") for index in sorted(entries)}
 
 
 def _check_rows(shards: dict[int, TensorEntry], problems: Problems) -> tuple[TensorEntry | None, bool]:
@@ -182,8 +177,9 @@ def _check_indices(
 ) -> bool:
     """Whether every index of ``range(parts)`` has a shard or is ``lost`` (its file's problem is
     reported already); the first missing ones are reported."""
-    accounted = sorted(shards.keys() | lost)
-    missing = _missing(accounted, parts)
+    accounted = shards.keys() | lost
+    # Found within the first len(accounted) + 10 indices, whatever ``parts``: no range is built.
+    missing = list(itertools.islice((i for i in range(parts) if i not in accounted), 10))
     if not missing:
         return True
     count = parts - len(accounted)
@@ -193,20 +189,6 @@ def _check_indices(
         path=shards[max(shards)].path,
     )
     return False
-
-
-def _missing(present: list[int], parts: int, limit: int = 10) -> list[int]:
-    """The first ``limit`` indices of ``range(parts)`` not in sorted ``present`` (no range is built)."""
-    missing: list[int] = []
-    expected = 0
-    for index in [*present, parts]:
-        while expected < index and len(missing) < limit:
-            missing.append(expected)
-            expected += 1
-        if len(missing) >= limit:
-            break
-        expected = index + 1
-    return missing
 
 
 def _check_ceil(
