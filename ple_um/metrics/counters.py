@@ -19,17 +19,15 @@ import threading
 from dataclasses import dataclass
 
 from ple_um import envs
+from ple_um.lookup.counts import PHASES
 from ple_um.metrics.failures import logger, warn_once
+from ple_um.metrics.stats_line import CACHE_COUNTED, FIGURES, figures
 
-PHASES = ("dedup", "gather", "stage", "wait")
-# The counters absorb brings up to a table's stats(): its own keys, and the row cache's (metric key
-# -> the key in stats()["row_cache"]).
-ABSORBED = ("lookups", "rows", "bytes", "out_of_range", "file_reads")
-ROW_CACHE_COUNTS = {
-    "row_cache_hits": "hits",
-    "row_cache_misses": "misses",
-    "row_cache_evictions": "evictions",
-}
+# The counters absorb brings up to a table's stats(): metric key -> its key in the stats line's
+# ``figures`` (the row cache's ``cache_*`` counts are the metrics' ``row_cache_*``; the phases'
+# sum is the lookup seconds).
+ABSORBED = {key: key for key in (*FIGURES, *PHASES, "lookup_seconds")}
+ABSORBED |= {f"row_{key}": key for key in CACHE_COUNTED}
 
 
 @dataclass(frozen=True)
@@ -243,8 +241,7 @@ class LookupMetrics:
         self.host_counted = mode == "cpu" if host_counted is None else host_counted
         self._children: dict[str, list] | None = None
         self._ready = False
-        self._absorbed = dict.fromkeys((*ABSORBED, *ROW_CACHE_COUNTS), 0)
-        self._absorbed_seconds = dict.fromkeys((*PHASES, "lookup_seconds", "file_read_seconds"), 0.0)
+        self._absorbed = dict.fromkeys(ABSORBED, 0.0)
         self._absorb_lock = threading.Lock()
 
     def _metrics(self) -> dict[str, list] | None:
@@ -310,22 +307,11 @@ class LookupMetrics:
         if self.host_counted:
             return
         try:
-            phases = stats.get("phase_seconds") or {}
-            seconds = {key: float(phases.get(key, 0.0)) for key in PHASES}
-            seconds["lookup_seconds"] = sum(seconds.values())
-            cache = stats.get("row_cache") or {}
-            seconds["file_read_seconds"] = float(stats.get("file_read_seconds", 0.0))
-            counts = {key: int(stats.get(key, 0)) for key in ABSORBED}
-            counts.update({key: int(cache.get(field, 0)) for key, field in ROW_CACHE_COUNTS.items()})
+            now = figures(stats)
+            now["lookup_seconds"] = sum(now[key] for key in PHASES)
             with self._absorb_lock:
-                rise: dict[str, float] = {}
-                for key, before in self._absorbed.items():
-                    now = counts[key]
-                    rise[key] = max(0, now - before)
-                    self._absorbed[key] = now
-                for key, before in self._absorbed_seconds.items():
-                    rise[key] = max(0.0, seconds[key] - before)
-                    self._absorbed_seconds[key] = seconds[key]
+                rise = {key: max(0.0, now[field] - self._absorbed[key]) for key, field in ABSORBED.items()}
+                self._absorbed = {key: now[field] for key, field in ABSORBED.items()}
             children = self._metrics()
             if children is not None:
                 for key, value in rise.items():

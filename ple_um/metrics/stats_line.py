@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import os
 
-from ple_um.metrics.counters import PHASES
+from ple_um.lookup.counts import PHASES
 from ple_um.units import format_bytes
 
 FIGURES = ("lookups", "rows", "bytes", "out_of_range", "file_reads", "file_read_seconds")
 # From stats()["row_cache"]: counted (the window shows what they rose by) and held (what they are).
-CACHE_COUNTED = {"cache_hits": "hits", "cache_misses": "misses"}
+CACHE_COUNTED = {"cache_hits": "hits", "cache_misses": "misses", "cache_evictions": "evictions"}
 CACHE_HELD = {"cache_rows": "rows", "cache_resident": "resident_bytes"}
 
 
 def figures(stats: dict) -> dict[str, float]:
-    """The cumulative figures of a ``stats()`` dict that the stats line shows (and, under
-    ``CACHE_HELD``'s keys, what its row cache holds now)."""
+    """The cumulative figures of a ``stats()`` dict that the stats line shows and the counters
+    absorb (and, under ``CACHE_HELD``'s keys, what its row cache holds now)."""
     out = {key: float(stats.get(key, 0)) for key in FIGURES}
     phases = stats.get("phase_seconds") or {}
     for key in PHASES:

@@ -13,7 +13,7 @@ def window(**figures: float) -> dict[str, float]:
         ("lookups", "rows", "bytes", "out_of_range", "dedup", "gather", "stage", "wait"), 0.0
     )
     base |= dict.fromkeys(("file_reads", "file_read_seconds", "cache_hits", "cache_misses"), 0.0)
-    base |= dict.fromkeys(("cache_rows", "cache_resident"), 0.0)
+    base |= dict.fromkeys(("cache_evictions", "cache_rows", "cache_resident"), 0.0)
     return base | figures
 
 
