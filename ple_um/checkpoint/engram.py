@@ -157,8 +157,6 @@ def read_engram_layout(
         num_rows=rows,
         rows_per_shard=rows,
         shards=shard_specs({0: weight}),
-        scale=None,
-        scale_tensor=None,
         block_scales=shard_specs({0: scale}),  # as many rows as the weight (_check)
         block_size=MXFP8_BLOCK,
     )

@@ -65,8 +65,8 @@ class ShardLayout:
     num_rows: int  # global rows (sum of shard rows)
     rows_per_shard: int  # S = ceil(num_rows / parts)
     shards: tuple[ShardSpec, ...]  # all parts, in index order
-    scale: float | None  # the global FP8 scale, or NVFP4's weight_scale_2 (None for 16-bit tables)
-    scale_tensor: str | None  # its tensor name
+    scale: float | None = None  # the global FP8 scale, or NVFP4's weight_scale_2 (None: no such scale)
+    scale_tensor: str | None = None  # its tensor name
     # NVFP4 and MXFP8 only: each shard's block scales (NVFP4: E4M3 [rows, row_dim // NVFP4_BLOCK];
     # MXFP8: E8M0 bytes [rows, row_dim // MXFP8_BLOCK]), in the order and with the rows of
     # ``shards``; and the values per block scale. Empty and 0 for other dtypes.
@@ -124,6 +124,4 @@ class ShardLayout:
             num_rows=self.num_rows,
             rows_per_shard=self.rows_per_shard,
             shards=self.block_scales,
-            scale=None,
-            scale_tensor=None,
         )
