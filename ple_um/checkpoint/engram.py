@@ -18,7 +18,7 @@ import os
 
 from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.naming import engram_match
-from ple_um.checkpoint.problems import Problems
+from ple_um.checkpoint.problems import Problems, refusal
 from ple_um.checkpoint.safetensors import TensorEntry
 from ple_um.checkpoint.scan import LayerTensors, Scan, scan
 from ple_um.checkpoint.shard_layout import MXFP8, MXFP8_BLOCK, STORAGE_DTYPES, ShardLayout
@@ -52,21 +52,16 @@ def _one(entries: list[TensorEntry], what: str, expected: str, where: TensorEntr
         )
     if len(entries) > 1:
         first, second = sorted(entries, key=lambda e: (e.path, e.name))[:2]
-        raise CheckpointError(
-            f"a second {what} of the same Engram table: {second.name} in {second.path}",
-            path=first.path,
-            tensor=first.name,
-        )
+        raise refusal(first, f"a second {what} of the same Engram table: {second.name} in {second.path}")
     return entries[0]
 
 
 def _check(weight: TensorEntry, scale: TensorEntry) -> None:
     """The formats and shapes the MXFP8 decode needs."""
     if weight.dtype != ROW_DTYPE:
-        raise CheckpointError(
+        raise refusal(
+            weight,
             f"Engram rows have dtype {weight.dtype}; only {ROW_DTYPE} (with E8M0 block scales) is served",
-            path=weight.path,
-            tensor=weight.name,
         )
     if (
         len(weight.shape) != 2
@@ -74,50 +69,46 @@ def _check(weight: TensorEntry, scale: TensorEntry) -> None:
         or weight.shape[1] == 0
         or weight.shape[1] % MXFP8_BLOCK
     ):
-        raise CheckpointError(
+        raise refusal(
+            weight,
             f"Engram rows have shape {list(weight.shape)}; expected 2-D [rows, D], rows > 0, "
             f"D a positive multiple of {MXFP8_BLOCK} (one E8M0 scale per {MXFP8_BLOCK} values)",
-            path=weight.path,
-            tensor=weight.name,
         )
     if scale.dtype not in SCALE_DTYPES:
-        raise CheckpointError(
+        raise refusal(
+            scale,
             f"Engram block scales have dtype {scale.dtype}; "
             f"expected E8M0 exponents ({' or '.join(SCALE_DTYPES)})",
-            path=scale.path,
-            tensor=scale.name,
         )
     expect = [weight.shape[0], weight.shape[1] // MXFP8_BLOCK]
     if list(scale.shape) != expect:
-        raise CheckpointError(
+        raise refusal(
+            scale,
             f"Engram block scales have shape {list(scale.shape)}, expected {expect} "
             f"(one per {MXFP8_BLOCK} values of the rows tensor {weight.name})",
-            path=scale.path,
-            tensor=scale.name,
         )
 
 
 def _check_geometry(weight: TensorEntry, layer: int, geometry: EngramGeometry) -> None:
     """The table has the rows and the row width the config gives that layer."""
-    where = {"path": weight.path, "tensor": weight.name}
     if layer not in geometry.layer_ids:
-        raise CheckpointError(
+        raise refusal(
+            weight,
             f"layer {layer} has an Engram table, "
             f"but the config's engram_layer_ids are {list(geometry.layer_ids)}",
-            **where,
         )
     rows = geometry.num_rows[geometry.index(layer)]
     if weight.shape[0] != rows:
-        raise CheckpointError(
+        raise refusal(
+            weight,
             f"the Engram table has {weight.shape[0]} rows, "
             f"but the config gives {rows} (engram_num_embeddings)",
-            **where,
         )
     if weight.shape[1] != geometry.head_dim:
-        raise CheckpointError(
+        raise refusal(
+            weight,
             f"the Engram table's rows have {weight.shape[1]} values, but the config's engram_head_dim "
             f"is {geometry.head_dim}",
-            **where,
         )
 
 

@@ -10,6 +10,11 @@ from ple_um.checkpoint.safetensors import TensorEntry
 from ple_um.errors import CheckpointError
 
 
+def refusal(entry: TensorEntry, message: str) -> CheckpointError:
+    """A CheckpointError of ``message`` naming ``entry``'s file and tensor."""
+    return CheckpointError(message, path=entry.path, tensor=entry.name)
+
+
 class Problems:
     """A strict one raises each problem as it is reported; a lenient one keeps them in ``found``."""
 
@@ -27,7 +32,7 @@ class Problems:
 
     def about(self, entry: TensorEntry, message: str) -> bool:
         """Report ``message`` naming ``entry``'s file and tensor; False, the verdict of the check."""
-        self.report(message, path=entry.path, tensor=entry.name)
+        self.add(refusal(entry, message))
         return False
 
     def first(self, entries: list[TensorEntry], what: str) -> TensorEntry:
