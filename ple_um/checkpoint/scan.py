@@ -73,11 +73,9 @@ def scan(directory: str, layer: int | None, problems: Problems, match: Match = p
     """Read the headers of the files that may hold the table tensors ``match`` finds (of ``layer``
     when given); None when the directory or its index cannot be read (reported)."""
     directory = os.path.abspath(directory)
-    if not os.path.exists(directory):
-        problems.report(f"checkpoint directory {directory} does not exist")
-        return None
     if not os.path.isdir(directory):
-        problems.report(f"checkpoint directory {directory} is not a directory")
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        problems.report(f"checkpoint directory {directory} {what}")
         return None
 
     index_path = os.path.join(directory, INDEX_FILE)
