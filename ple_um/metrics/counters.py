@@ -255,10 +255,16 @@ class LookupMetrics:
             self._ready = True
         return self._children
 
-    def _inc(self, children: dict[str, list], key: str, value: float) -> None:
-        if value:
+    def _feed(self, values: dict[str, float], *, gauges: bool = False) -> None:
+        """Raise this mode's counters named in ``values`` by them (a 0 leaves one as it is), or, with
+        ``gauges``, set its gauges to them; nothing where there are no metrics."""
+        children = self._metrics()
+        for key, value in values.items() if children is not None else ():
             for child in children[key]:
-                child.inc(value)
+                if gauges:
+                    child.set(value)
+                elif value:
+                    child.inc(value)
 
     def observe(
         self,
@@ -272,30 +278,17 @@ class LookupMetrics:
         outside the table (these three only where the table is ``host_counted``), its phase seconds
         (dedup, gather, stage, wait) and its wall ``seconds`` (default: the phases' sum)."""
         try:
-            children = self._metrics()
-            if children is None:
-                return
-            if self.host_counted:
-                self._inc(children, "lookups", 1)
-                self._inc(children, "rows", rows)
-                self._inc(children, "bytes", nbytes)
-                self._inc(children, "out_of_range", out_of_range)
-            if phases:
-                for key in PHASES:
-                    self._inc(children, key, phases.get(key, 0.0))
-            if seconds is None and phases:
-                seconds = sum(phases.get(key, 0.0) for key in PHASES)
-            if seconds:
-                self._inc(children, "lookup_seconds", seconds)
+            counted = {"lookups": 1, "rows": rows, "bytes": nbytes, "out_of_range": out_of_range}
+            spent = {key: (phases or {}).get(key, 0.0) for key in PHASES}
+            seconds = sum(spent.values()) if seconds is None else seconds
+            self._feed({**(counted if self.host_counted else {}), **spent, "lookup_seconds": seconds})
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a lookup
             warn_once("observe", "observe failed (counters may be short): %s: %s", type(exc).__name__, exc)
 
     def registration(self, seconds: float) -> None:
         """Count the seconds spent registering the mapping with CUDA."""
         try:
-            children = self._metrics()
-            if children is not None:
-                self._inc(children, "registration", seconds)
+            self._feed({"registration": seconds})
         except Exception as exc:  # noqa: BLE001
             warn_once("registration", "registration failed: %s: %s", type(exc).__name__, exc)
 
@@ -312,10 +305,7 @@ class LookupMetrics:
             with self._absorb_lock:
                 rise = {key: max(0.0, now[field] - self._absorbed[key]) for key, field in ABSORBED.items()}
                 self._absorbed = {key: now[field] for key, field in ABSORBED.items()}
-            children = self._metrics()
-            if children is not None:
-                for key, value in rise.items():
-                    self._inc(children, key, value)
+            self._feed(rise)
         except Exception as exc:  # noqa: BLE001
             warn_once("absorb", "absorb failed: %s: %s", type(exc).__name__, exc)
 
@@ -324,10 +314,6 @@ class LookupMetrics:
         ``resident_bytes`` and ``mapped_bytes``, the row cache's ``row_cache_rows`` and
         ``row_cache_bytes`` in RAM)."""
         try:
-            children = self._metrics()
-            if children is not None:
-                for key, value in values.items():
-                    for child in children[key]:
-                        child.set(value)
+            self._feed(values, gauges=True)
         except Exception as exc:  # noqa: BLE001
             warn_once("gauge", "gauge failed: %s: %s", type(exc).__name__, exc)
