@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,28 +40,24 @@ def _fold(window: dict[str, dict[str, float]], watch: Watch, stats: dict) -> Non
     watch.last = now
 
 
+@dataclass(eq=False)
 class Watch:
     """One table watched by a StatsReporter; ``close()`` (idempotent) folds in its last figures and
     stops watching it. Close it before the table closes: it reads the table's stats() once more."""
 
-    def __init__(
-        self,
-        reporter: StatsReporter,
-        stats: Callable[[], dict],
-        metrics: LookupMetrics | None,
-        residency: Callable[[], Iterable[tuple]] | None,
-        device,
-    ) -> None:
-        self.reporter = reporter
-        self.stats = stats
-        self.metrics = metrics
-        self.residency = residency
-        self.device = device
-        self.mode = metrics.mode if metrics is not None else None
-        self.last: dict[str, float] | None = None  # figures at the previous tick
-        self.resident = (0, 0)
-        self.cache = (0, 0)  # the row cache's rows and bytes in RAM, at the last reading
-        self.closed = False
+    reporter: StatsReporter
+    stats: Callable[[], dict]
+    metrics: LookupMetrics | None
+    residency: Callable[[], Iterable[tuple]] | None
+    device: object
+    mode: str | None = field(init=False, default=None)  # the metrics' mode, else what its stats() names
+    last: dict[str, float] | None = None  # figures at the previous tick
+    resident: tuple[int, int] = (0, 0)
+    cache: tuple[int, int] = (0, 0)  # the row cache's rows and bytes in RAM, at the last reading
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.mode = self.metrics.mode if self.metrics is not None else None
 
     def close(self) -> None:
         if not self.closed:
