@@ -12,16 +12,8 @@ checked against the config's geometry (``engram_geometry``).
 from ple_um.checkpoint.engram import find_engram_layers, read_engram_layout
 from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.files import FileIdentity, check_identity
-from ple_um.checkpoint.layout import (
-    ShardLayout,
-    ShardSpec,
-    check_shape,
-    directory_from_knob,
-    find_layers,
-    read_layout,
-    validate,
-)
-from ple_um.checkpoint.shard_layout import MXFP8_BLOCK, NVFP4_BLOCK
+from ple_um.checkpoint.layout import check_shape, directory_from_knob, find_layers, read_layout, validate
+from ple_um.checkpoint.shard_layout import MXFP8_BLOCK, NVFP4_BLOCK, ShardLayout, ShardSpec
 
 __all__ = [
     "EngramGeometry",

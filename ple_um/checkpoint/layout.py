@@ -14,19 +14,9 @@ import os
 from ple_um import envs
 from ple_um.checkpoint.problems import Problems
 from ple_um.checkpoint.scan import scan
-from ple_um.checkpoint.shard_layout import ShardLayout, ShardSpec
+from ple_um.checkpoint.shard_layout import ShardLayout
 from ple_um.checkpoint.validation import analyze
 from ple_um.errors import CheckpointError
-
-__all__ = [
-    "ShardLayout",
-    "ShardSpec",
-    "check_shape",
-    "directory_from_knob",
-    "find_layers",
-    "read_layout",
-    "validate",
-]
 
 
 def find_layers(directory: str, *, strict: bool = True) -> list[int] | None:
