@@ -15,7 +15,7 @@ from helpers.vllm_engram import engram_module
 from ple_um.checkpoint.engram import find_engram_layers, read_engram_layout
 from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.errors import CheckpointError
-from ple_um.synthetic_engram import scale_name, weight_name, write_engram_checkpoint
+from ple_um.synthetic_engram import FILE_NAME, scale_name, weight_name, write_engram_checkpoint
 
 TINY = {
     "engram_layer_ids": [1, 3],
@@ -179,6 +179,11 @@ def test_index_entries_are_checked(tmp_path):
     with pytest.raises(CheckpointError, match="outside the checkpoint directory") as info:
         read_engram_layout(tmp_path)
     assert info.value.tensor == weight_name(1)
+    # Every entry stays inside the directory, as for a PLE table, not only the Engram table's.
+    index.write_text(f'{{"weight_map": {{"{weight_name(1)}": "{FILE_NAME}", "lm_head.weight": "/abs"}}}}')
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory") as info:
+        read_engram_layout(tmp_path)
+    assert info.value.tensor == "lm_head.weight"
     write_raw(tmp_path / "other.safetensors", {})
     index.write_text(f'{{"weight_map": {{"{weight_name(1)}": "other.safetensors"}}}}')
     with pytest.raises(CheckpointError, match="which does not hold it"):
