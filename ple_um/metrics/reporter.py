@@ -27,19 +27,6 @@ from ple_um.ticker import Ticker
 _GAUGES = ("resident_bytes", "mapped_bytes", "row_cache_rows", "row_cache_bytes")
 
 
-def _fold(window: dict[str, dict[str, float]], watch: Watch, stats: dict) -> None:
-    """Add what the watched table did since its last reading to its mode's window figures (and
-    what its row cache holds now to the mode's)."""
-    now = figures(stats)
-    watch.mode = watch.mode or str(stats.get("mode", "?"))
-    watch.cache = (int(now["cache_rows"]), int(now["cache_resident"]))
-    if watch.last is not None:
-        acc = window.setdefault(watch.mode, dict.fromkeys(now, 0.0))
-        for key, value in now.items():
-            acc[key] += value if key in CACHE_HELD else value - watch.last[key]
-    watch.last = now
-
-
 @dataclass(eq=False)
 class Watch:
     """One table watched by a StatsReporter; ``close()`` (idempotent) folds in its last figures and
@@ -62,6 +49,20 @@ class Watch:
     def close(self) -> None:
         if not self.closed:
             self.reporter.remove(self)
+
+    def fold(self, stats: dict, window: dict[str, dict[str, float]]) -> None:
+        """Absorb the table's ``stats()`` into its metrics, and add what it did since its last
+        reading to its mode's ``window`` figures (and what its row cache holds now to the mode's)."""
+        if self.metrics is not None:
+            self.metrics.absorb(stats)
+        now = figures(stats)
+        self.mode = self.mode or str(stats.get("mode", "?"))
+        self.cache = (int(now["cache_rows"]), int(now["cache_resident"]))
+        if self.last is not None:
+            acc = window.setdefault(self.mode, dict.fromkeys(now, 0.0))
+            for key, value in now.items():
+                acc[key] += value if key in CACHE_HELD else value - self.last[key]
+        self.last = now
 
 
 class StatsReporter(Ticker):
@@ -130,9 +131,7 @@ class StatsReporter(Ticker):
             try:
                 # On the caller's stream: the table's last lookups are ordered before this read.
                 stats = watch.stats()
-                if watch.metrics is not None:
-                    watch.metrics.absorb(stats)
-                _fold(self._retired, watch, stats)
+                watch.fold(stats, self._retired)
             except Exception as exc:  # noqa: BLE001
                 warn_once("read", "cannot read a table's stats: %s: %s", type(exc).__name__, exc)
             if watch in self.watches:
@@ -201,9 +200,7 @@ class StatsReporter(Ticker):
                 except Exception as exc:  # noqa: BLE001 - skip this tick, try again at the next
                     warn_once("read", "cannot read a table's stats: %s: %s", type(exc).__name__, exc)
                     continue
-                if watch.metrics is not None:
-                    watch.metrics.absorb(stats)
-                _fold(window, watch, stats)
+                watch.fold(stats, window)
                 if watch.residency is not None:
                     try:
                         parts = list(watch.residency())
