@@ -178,7 +178,7 @@ def _check_indices(
     """Whether every index of ``range(parts)`` has a shard or is ``lost`` (its file's problem is
     reported already); the first missing ones are reported."""
     accounted = shards.keys() | lost
-    # Found within the first len(accounted) + 10 indices, whatever ``parts``: no range is built.
+    # At most len(accounted) + 10 indices are looked at, however large ``parts`` is.
     missing = list(itertools.islice((i for i in range(parts) if i not in accounted), 10))
     if not missing:
         return True
