@@ -3,7 +3,7 @@ which path it holds."""
 
 from __future__ import annotations
 
-PHASES = ("dedup", "gather", "stage", "wait")
+PHASES = ("gather", "stage", "wait")
 
 
 def path_counts(

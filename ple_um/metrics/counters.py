@@ -75,12 +75,6 @@ METRICS: tuple[MetricSpec, ...] = (
         "Ids outside [0, num_rows): served as zero rows.",
     ),
     MetricSpec(
-        "dedup",
-        "vllm:ple_um_dedup_seconds_total",
-        "vllm:ple_mmap_dedup_seconds_total",
-        "Host path: seconds deduplicating (planning) the row ids.",
-    ),
-    MetricSpec(
         "gather",
         "vllm:ple_um_gather_seconds_total",
         "vllm:ple_mmap_gather_seconds_total",
@@ -276,7 +270,7 @@ class LookupMetrics:
     ) -> None:
         """Count one host-side lookup: ``rows`` ids, ``nbytes`` bytes of rows, ``out_of_range`` ids
         outside the table (these three only where the table is ``host_counted``), its phase seconds
-        (dedup, gather, stage, wait) and its wall ``seconds`` (default: the phases' sum)."""
+        (gather, stage, wait) and its wall ``seconds`` (default: the phases' sum)."""
         try:
             counted = {"lookups": 1, "rows": rows, "bytes": nbytes, "out_of_range": out_of_range}
             spent = {key: (phases or {}).get(key, 0.0) for key in PHASES}

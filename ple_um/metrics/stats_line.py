@@ -1,7 +1,7 @@
 """The stats line: one window's figures per access mode, as an operator reads them in the log.
 
 ``ple-um stats (last 30s, pid 4242): cpu: 1200 lookups, 19200 rows (640 rows/s, 0.10 MB/s),
-0 out-of-range, host 0.412 ms/lookup; phases ms: dedup 60.2, gather 310.5, stage 124.0, gpu-wait
+0 out-of-range, host 0.362 ms/lookup; phases ms: gather 310.5, stage 124.0, gpu-wait
 18.3; row cache: 96.2% hits, 730 file reads (2.1 ms), 6.10 M rows in 1.02 GiB; page cache:
 12.30 GiB of 47.68 GiB resident (25.8%)``
 
@@ -51,7 +51,7 @@ def format_line(
         if any(f[k] for k in PHASES):
             per = f", host {host_ms / n:.3f} ms/lookup" if n else ""
             text += (
-                f"{per}; phases ms: dedup {f['dedup'] * 1e3:.1f}, gather {f['gather'] * 1e3:.1f}, "
+                f"{per}; phases ms: gather {f['gather'] * 1e3:.1f}, "
                 f"stage {f['stage'] * 1e3:.1f}, gpu-wait {f['wait'] * 1e3:.1f}"
             )
         asked = f.get("cache_hits", 0) + f.get("cache_misses", 0)

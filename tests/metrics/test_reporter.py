@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("prometheus_on")
 
 LINE = re.compile(
     r"ple-um stats \(last (\d+)s, pid \d+\): cpu: (\d+) lookups, (\d+) rows \((\d+) rows/s, ([\d.]+) MB/s\), "
-    r"(\d+) out-of-range, host [\d.]+ ms/lookup; phases ms: dedup [\d.]+, gather [\d.]+, stage [\d.]+, "
+    r"(\d+) out-of-range, host [\d.]+ ms/lookup; phases ms: gather [\d.]+, stage [\d.]+, "
     r"gpu-wait [\d.]+; page cache: .* resident \(([\d.]+)%\)$"
 )
 

@@ -10,7 +10,7 @@ from ple_um.metrics.stats_line import figures, format_line
 
 def window(**figures: float) -> dict[str, float]:
     base = dict.fromkeys(
-        ("lookups", "rows", "bytes", "out_of_range", "dedup", "gather", "stage", "wait"), 0.0
+        ("lookups", "rows", "bytes", "out_of_range", "gather", "stage", "wait"), 0.0
     )
     base |= dict.fromkeys(("file_reads", "file_read_seconds", "cache_hits", "cache_misses"), 0.0)
     base |= dict.fromkeys(("cache_evictions", "cache_rows", "cache_resident"), 0.0)
@@ -19,12 +19,12 @@ def window(**figures: float) -> dict[str, float]:
 
 def test_line_of_one_window():
     cpu = window(
-        lookups=1200, rows=19200, bytes=3_072_000, dedup=0.0602, gather=0.3105, stage=0.124, wait=0.0183
+        lookups=1200, rows=19200, bytes=3_072_000, gather=0.3105, stage=0.124, wait=0.0183
     )
     line = format_line({"cpu": cpu}, 30.0, int(12.3 * (1 << 30)), int(47.68 * (1 << 30)))
     assert line == (
         f"ple-um stats (last 30s, pid {os.getpid()}): cpu: 1200 lookups, 19200 rows (640 rows/s, 0.10 MB/s), "
-        "0 out-of-range, host 0.412 ms/lookup; phases ms: dedup 60.2, gather 310.5, stage 124.0, "
+        "0 out-of-range, host 0.362 ms/lookup; phases ms: gather 310.5, stage 124.0, "
         "gpu-wait 18.3; page cache: 12.30 GiB of 47.68 GiB resident (25.8%)"
     )
 
