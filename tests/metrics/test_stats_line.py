@@ -9,18 +9,14 @@ from ple_um.metrics.stats_line import figures, format_line
 
 
 def window(**figures: float) -> dict[str, float]:
-    base = dict.fromkeys(
-        ("lookups", "rows", "bytes", "out_of_range", "gather", "stage", "wait"), 0.0
-    )
+    base = dict.fromkeys(("lookups", "rows", "bytes", "out_of_range", "gather", "stage", "wait"), 0.0)
     base |= dict.fromkeys(("file_reads", "file_read_seconds", "cache_hits", "cache_misses"), 0.0)
     base |= dict.fromkeys(("cache_evictions", "cache_rows", "cache_resident"), 0.0)
     return base | figures
 
 
 def test_line_of_one_window():
-    cpu = window(
-        lookups=1200, rows=19200, bytes=3_072_000, gather=0.3105, stage=0.124, wait=0.0183
-    )
+    cpu = window(lookups=1200, rows=19200, bytes=3_072_000, gather=0.3105, stage=0.124, wait=0.0183)
     line = format_line({"cpu": cpu}, 30.0, int(12.3 * (1 << 30)), int(47.68 * (1 << 30)))
     assert line == (
         f"ple-um stats (last 30s, pid {os.getpid()}): cpu: 1200 lookups, 19200 rows (640 rows/s, 0.10 MB/s), "
