@@ -19,6 +19,8 @@ import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor, as_completed, wait
+from contextlib import contextmanager
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -53,7 +55,7 @@ _TORCH_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float16: "F16",
 }
-_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1}
+_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1}
 
 
 def shard_name(layer: int, index: int) -> str:
@@ -106,7 +108,7 @@ def scale_value(seed: int) -> float:
     return value
 
 
-def _random_bytes(rng: np.random.Generator, name: str, count: int) -> np.ndarray:
+def random_bytes(rng: np.random.Generator, name: str, count: int) -> np.ndarray:
     """``count`` elements of dtype ``name`` as uint8, finite by construction."""
     if name == "F8_E4M3":
         # 254 of the 256 codes: skip 0x7F and 0xFF, the e4m3fn NaNs.
@@ -132,19 +134,21 @@ def _random_bytes(rng: np.random.Generator, name: str, count: int) -> np.ndarray
     return bits.view(np.uint8)
 
 
-class _Tensor(NamedTuple):
+class Tensor(NamedTuple):
+    """A tensor of a synthetic file, its data drawn from a generator keyed by ``source`` and ``index``."""
+
     name: str
     dtype: str
     shape: list[int]
-    source: str  # "shard", "block_scale" (NVFP4), "unrelated" or "scale"
-    index: int = 0  # the shard index of a shard or its block scales
+    source: str  # "shard", "block_scale" (NVFP4), "unrelated" or "scale"; an Engram "weight" or "scale"
+    index: int = 0  # the shard index of a shard or its block scales; an Engram table's layer
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * _ITEMSIZE[self.dtype]
 
 
-def _file_name(k: int, n: int) -> str:
+def file_name(k: int, n: int) -> str:
     return f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
@@ -208,96 +212,104 @@ def write_checkpoint(
             _write_file(os.path.join(directory, file_name), tensors, seed, bar, pool, write_back)
             weight_map.update({t.name: file_name for t in tensors})
 
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    _replace(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=2).encode())
+    write_index(directory, weight_map, total_bytes)
     return read_layout(directory, layer)
 
 
 def _plan_files(
     name: str, rows: list[int], row_dim: int, layer: int, files: int
-) -> list[tuple[str, list[_Tensor]]]:
+) -> list[tuple[str, list[Tensor]]]:
     """Each file's name and tensors, in the order they are written: contiguous runs of shards per
     file (an NVFP4 shard's block scales beside it), the small tensors in the last file."""
     nvfp4 = name == "NVFP4"
     storage = "U8" if nvfp4 else name
     width = row_dim // 2 if nvfp4 else row_dim  # elements of the shard tensor per row
-    plans: list[tuple[str, list[_Tensor]]] = []
+    plans: list[tuple[str, list[Tensor]]] = []
     for k, group in enumerate(np.array_split(np.arange(len(rows)), files)):
         tensors = [
-            _Tensor(shard_name(layer, int(i)), storage, [rows[i], width], "shard", int(i)) for i in group
+            Tensor(shard_name(layer, int(i)), storage, [rows[i], width], "shard", int(i)) for i in group
         ]
         if nvfp4:  # each shard's block scales in its file
             width_scales = row_dim // NVFP4_BLOCK
             tensors += [
-                _Tensor(
+                Tensor(
                     block_scale_name(layer, int(i)), "F8_E4M3", [rows[i], width_scales], "block_scale", int(i)
                 )
                 for i in group
             ]
         if k == files - 1:
-            tensors.append(_Tensor(UNRELATED_NAME, "BF16", [8, row_dim], "unrelated"))
+            tensors.append(Tensor(UNRELATED_NAME, "BF16", [8, row_dim], "unrelated"))
             if name in ("F8_E4M3", "F8_E5M2"):
-                tensors.append(_Tensor(scale_name(layer), "F32", [], "scale"))
+                tensors.append(Tensor(scale_name(layer), "F32", [], "scale"))
             elif nvfp4:
-                tensors.append(_Tensor(global_scale_name(layer), "F32", [], "scale"))
+                tensors.append(Tensor(global_scale_name(layer), "F32", [], "scale"))
         # The safetensors package's order: larger alignment first, then by name; it keeps every
         # tensor aligned to its element size, which loaders that view the data in place need.
         tensors.sort(key=lambda t: (-_ITEMSIZE[t.dtype], t.name))
-        plans.append((_file_name(k + 1, files), tensors))
+        plans.append((file_name(k + 1, files), tensors))
     return plans
 
 
 def _write_file(
-    path: str, tensors: list[_Tensor], seed: int, bar: tqdm, pool: ThreadPoolExecutor, write_back: bool
+    path: str, tensors: list[Tensor], seed: int, bar: tqdm, pool: ThreadPoolExecutor, write_back: bool
 ) -> None:
+    jobs = []
+    with safetensors_file(path, tensors, write_back) as (fd, places):
+        try:
+            for t, pos in zip(tensors, places, strict=True):
+                if t.source == "scale":
+                    _pwrite(fd, struct.pack("<f", scale_value(seed)), pos)
+                    bar.update(t.nbytes)
+                else:
+                    # A shard draws from (seed, i); its NVFP4 block scales from (seed, i, 2**34); the
+                    # unrelated tensor from (seed, 2**32).
+                    keys = {"shard": [seed, t.index], "block_scale": [seed, t.index, 1 << 34]}
+                    rng = np.random.default_rng(keys.get(t.source, [seed, 1 << 32]))
+                    draw = partial(random_bytes, rng, t.dtype)
+                    jobs.append(pool.submit(write_rows, fd, pos, t, draw))
+            for job in as_completed(jobs):
+                bar.update(job.result())
+        finally:
+            wait(jobs)  # no thread may still write through fd once it is closed (its number is reused)
+
+
+@contextmanager
+def safetensors_file(path: str, tensors: list[Tensor], write_back: bool = False):
+    """Yield the descriptor of ``path.partial``, holding the safetensors header of ``tensors`` (in
+    their order) and as long as their data (zeros until written), and each tensor's data position in
+    it; on a clean exit, written back to disk (fsync) where ``write_back``, then renamed to ``path``."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
+    offset, offsets = 0, []
     for t in tensors:
         header[t.name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
+        offsets.append(offset)
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the spec's padding: data starts 8-aligned
-
-    partial = path + ".partial"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    jobs = []
+    start = 8 + len(raw)
+    partial_path = path + ".partial"
+    fd = os.open(partial_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-        os.ftruncate(fd, 8 + len(raw) + offset)
-        pos = 8 + len(raw)
-        for t in tensors:
-            if t.source == "scale":
-                _pwrite(fd, struct.pack("<f", scale_value(seed)), pos)
-                bar.update(t.nbytes)
-            elif t.source == "unrelated":
-                rng = np.random.default_rng([seed, 1 << 32])
-                _pwrite(fd, _random_bytes(rng, t.dtype, math.prod(t.shape)).tobytes(), pos)
-                bar.update(t.nbytes)
-            else:
-                # A shard draws from (seed, i); its NVFP4 block scales from (seed, i, 2**34).
-                key = [seed, t.index] if t.source == "shard" else [seed, t.index, 1 << 34]
-                rng = np.random.default_rng(key)
-                jobs.append(pool.submit(_write_shard, fd, pos, rng, t.dtype, t.shape[0], t.shape[1]))
-            pos += t.nbytes
-        for job in as_completed(jobs):
-            bar.update(job.result())
+        os.ftruncate(fd, start + offset)
+        yield fd, [start + o for o in offsets]
         if write_back:
             os.fsync(fd)
     finally:
-        wait(jobs)  # no thread may still write through fd once it is closed (its number is reused)
         os.close(fd)
-    os.replace(partial, path)
+    os.replace(partial_path, path)
 
 
-def _write_shard(fd: int, pos: int, rng: np.random.Generator, dt: str, rows: int, count_per_row: int) -> int:
-    """Write a shard's rows at byte ``pos`` of ``fd``; returns the bytes written."""
+def write_rows(fd: int, pos: int, t: Tensor, draw) -> int:
+    """Write the rows of the 2-D tensor ``t`` at byte ``pos`` of ``fd``, ``draw(count)`` giving
+    ``count`` elements as uint8; returns the bytes written."""
     # Chunks of whole rows, sized from row_bytes alone, so the content depends only on the arguments.
-    row_bytes = count_per_row * _ITEMSIZE[dt]
+    rows, width = t.shape
+    row_bytes = width * _ITEMSIZE[t.dtype]
     chunk_rows = max(1, CHUNK_BYTES // row_bytes)
     for start in range(0, rows, chunk_rows):
         n = min(chunk_rows, rows - start)
-        data = _random_bytes(rng, dt, n * count_per_row)
-        _pwrite(fd, memoryview(data), pos + start * row_bytes)
+        _pwrite(fd, memoryview(draw(n * width)), pos + start * row_bytes)
     return rows * row_bytes
 
 
@@ -309,8 +321,10 @@ def _pwrite(fd: int, data, pos: int) -> None:
         view, pos = view[done:], pos + done
 
 
-def _replace(path: str, data: bytes) -> None:
-    partial = path + ".partial"
-    with open(partial, "wb") as f:
-        f.write(data)
-    os.replace(partial, path)
+def write_index(directory: str, weight_map: dict[str, str], total_bytes: int) -> None:
+    """``model.safetensors.index.json``: each tensor's file, written whole or not at all."""
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    path = os.path.join(directory, INDEX_FILE)
+    with open(path + ".partial", "wb") as f:
+        f.write(json.dumps(index, indent=2).encode())
+    os.replace(path + ".partial", path)

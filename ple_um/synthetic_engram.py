@@ -11,20 +11,18 @@ the data as a hole of the right length (zeros), for layout tests at the released
 
 from __future__ import annotations
 
-import json
 import os
-import struct
+from functools import partial
 
 import numpy as np
 
 from ple_um.checkpoint.engram import read_engram_layout
-from ple_um.checkpoint.scan import INDEX_FILE
 from ple_um.checkpoint.shard_layout import MXFP8_BLOCK, ShardLayout
+from ple_um.synthetic import Tensor, file_name, random_bytes, safetensors_file, write_index, write_rows
 
 PREFIX = "model."
-FILE_NAME = "model-00001-of-00001.safetensors"
+FILE_NAME = file_name(1, 1)
 UNRELATED_NAME = PREFIX + "layers.0.attn.wq.weight"
-CHUNK_ROWS = 1 << 16
 
 
 def weight_name(layer: int) -> str:
@@ -33,12 +31,6 @@ def weight_name(layer: int) -> str:
 
 def scale_name(layer: int) -> str:
     return f"{PREFIX}layers.{layer}.engram.embed.scale"
-
-
-def _values(rng: np.random.Generator, count: int) -> np.ndarray:
-    data = rng.integers(0, 254, count, dtype=np.uint8)
-    data += data >= 0x7F  # skip 0x7F and 0xFF, the E4M3 NaNs
-    return data
 
 
 def _exponents(rng: np.random.Generator, count: int) -> np.ndarray:
@@ -67,41 +59,15 @@ def write_engram_checkpoint(
     directory = os.fspath(path)
     os.makedirs(directory, exist_ok=True)
     width = head_dim // MXFP8_BLOCK
-    tensors: list[tuple[str, str, list[int], int, str]] = [(UNRELATED_NAME, "BF16", [4, 8], 0, "unrelated")]
+    tensors = [Tensor(UNRELATED_NAME, "BF16", [4, 8], "unrelated")]
     for layer, rows in sorted(tables.items()):
-        tensors.append((weight_name(layer), "F8_E4M3", [rows, head_dim], layer, "weight"))
-        tensors.append((scale_name(layer), scale_dtype, [rows, width], layer, "scale"))
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset, places = 0, []
-    for name, dtype, shape, layer, kind in tensors:
-        nbytes = shape[0] * shape[1] * (2 if dtype == "BF16" else 1)
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        places.append((offset, shape, layer, kind))
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    target = os.path.join(directory, FILE_NAME)
-    with open(target + ".partial", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
-        for start, shape, layer, kind in places if not sparse else ():
-            f.seek(8 + len(raw) + start)
-            _write_tensor(f, np.random.default_rng([seed, layer, kind == "scale"]), shape, kind)
-        if write_back:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(target + ".partial", target)
-    index = {"metadata": {}, "weight_map": {name: FILE_NAME for name, *_ in tensors}}
-    with open(os.path.join(directory, INDEX_FILE), "w") as f:
-        json.dump(index, f)
+        tensors.append(Tensor(weight_name(layer), "F8_E4M3", [rows, head_dim], "weight", layer))
+        tensors.append(Tensor(scale_name(layer), scale_dtype, [rows, width], "scale", layer))
+    with safetensors_file(os.path.join(directory, FILE_NAME), tensors, write_back) as (fd, places):
+        for t, pos in zip(tensors, places, strict=True) if not sparse else ():
+            rng = np.random.default_rng([seed, t.index, t.source == "scale"])
+            # E8M0 scales from _exponents; the weights and the unrelated tensor any finite value.
+            draw = partial(_exponents, rng) if t.source == "scale" else partial(random_bytes, rng, t.dtype)
+            write_rows(fd, pos, t, draw)
+    write_index(directory, {t.name: FILE_NAME for t in tensors}, sum(t.nbytes for t in tensors))
     return {layer: read_engram_layout(directory, layer) for layer in tables}
-
-
-def _write_tensor(f, rng: np.random.Generator, shape: list[int], kind: str) -> None:
-    rows, width = shape
-    if kind == "unrelated":
-        f.write(rng.integers(0, 1 << 16, rows * width, dtype=np.uint16).tobytes())
-        return
-    draw = _exponents if kind == "scale" else _values
-    for start in range(0, rows, CHUNK_ROWS):
-        f.write(draw(rng, min(CHUNK_ROWS, rows - start) * width).tobytes())
