@@ -75,12 +75,20 @@ class Config:
     host_calls: int = 300
     command: str | None = None  # the command line that asked for the run, for the report's header
 
+    @property
+    def num_rows(self) -> int:
+        """The synthetic table's rows: the whole rows of ``row_bytes`` in ``size``."""
+        return self.size // self.row_bytes
+
+    def table_bytes(self, layout: ShardLayout | None) -> int:
+        """The bytes of the table benched: DIR's (``layout``), else the synthetic table's."""
+        return layout.nbytes if layout is not None else self.num_rows * self.row_bytes
+
 
 def table_path(cfg: Config) -> str:
     """Where the synthetic table of ``cfg`` lives in the cache folder."""
-    num_rows = cfg.size // cfg.row_bytes
     kind = "engram" if cfg.model == ENGRAM_MODEL else "fp8"
-    return os.path.join(envs.PLE_UM_CACHE_DIR, f"bench-{kind}-{num_rows}x{cfg.row_bytes}-{cfg.shards}")
+    return os.path.join(envs.PLE_UM_CACHE_DIR, f"bench-{kind}-{cfg.num_rows}x{cfg.row_bytes}-{cfg.shards}")
 
 
 def _table_written(path: str) -> bool:
@@ -100,14 +108,14 @@ def default_table(cfg: Config, progress: bool = True) -> str:
     shutil.rmtree(tmp, ignore_errors=True)  # a run killed while writing (nothing else removes it)
     try:
         if cfg.model == ENGRAM_MODEL:
-            rows = cfg.size // cfg.row_bytes
+            rows = cfg.num_rows
             write_engram_checkpoint(
                 tmp, tables={ENGRAM_LAYER: rows}, head_dim=ENGRAM_HEAD_DIM, seed=cfg.seed, write_back=True
             )
         else:
             write_checkpoint(
                 tmp,
-                num_rows=cfg.size // cfg.row_bytes,
+                num_rows=cfg.num_rows,
                 row_dim=cfg.row_bytes,
                 dtype="F8_E4M3",
                 shards=cfg.shards,
@@ -166,8 +174,7 @@ def _existing_parent(path: str) -> str:
 def largest_file_bytes(cfg: Config) -> int:
     """The largest file of the synthetic table: the shards are split into TABLE_FILES contiguous
     runs, as ``write_checkpoint`` splits them (the header and the scale add a few KiB)."""
-    num_rows = cfg.size // cfg.row_bytes
-    per_shard = -(-num_rows // cfg.shards)
+    per_shard = -(-cfg.num_rows // cfg.shards)
     most_shards = -(-cfg.shards // min(cfg.shards, TABLE_FILES))
     return most_shards * per_shard * cfg.row_bytes + (64 << 10)
 
@@ -178,7 +185,7 @@ def check_disk(cfg: Config) -> None:
     path = table_path(cfg)
     if _table_written(path):
         return
-    table_bytes = (cfg.size // cfg.row_bytes) * cfg.row_bytes
+    table_bytes = cfg.table_bytes(None)
     where = _existing_parent(path)
     free = shutil.disk_usage(where).free
     if table_bytes + DISK_MARGIN_BYTES > free:
@@ -325,7 +332,7 @@ def check_fits(
     from ple_um.access.probe import mem_available
     from ple_um.bench import serving
 
-    table_bytes = layout.nbytes if layout is not None else (cfg.size // cfg.row_bytes) * cfg.row_bytes
+    table_bytes = cfg.table_bytes(layout)
     row_bytes = layout.row_bytes if layout is not None else cfg.row_bytes
     if layout is None:
         check_disk(cfg)

@@ -280,7 +280,7 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
         device = resolve_device(args.device)
     except ValueError as exc:
         raise CliError(f"--device: {exc}", EXIT_USAGE) from None
-    table_bytes = layout.nbytes if layout is not None else (cfg.size // cfg.row_bytes) * cfg.row_bytes
+    table_bytes = cfg.table_bytes(layout)
     ple_um.probe(device, table_bytes=table_bytes)  # ModeUnavailableError: a mode forced where it cannot work
     _check_modes(args, device, table_bytes)
     cuda = device.type == "cuda"
