@@ -16,9 +16,10 @@ import argparse
 import logging
 import os
 import sys
+from functools import partial
 
 from ple_um.cli import bench, checkpoint, machine
-from ple_um.cli.arguments import Parser, sub_parser_class
+from ple_um.cli.arguments import Parser, why_not
 from ple_um.cli.output import (
     EXIT_BROKEN_PIPE,
     EXIT_INCOMPLETE,
@@ -50,7 +51,7 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
     p = Parser(prog="ple-um", description=__doc__, json_errors=json_errors)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (also after the verb)")
     p.add_argument("--version", action="version", version=f"ple-um {__version__}")
-    sub = p.add_subparsers(dest="verb", required=True, parser_class=sub_parser_class(json_errors))
+    sub = p.add_subparsers(dest="verb", required=True, parser_class=partial(Parser, json_errors=json_errors))
     bench.add_parser(sub)
     machine.add_parsers(sub)
     checkpoint.add_parsers(sub)
@@ -60,11 +61,8 @@ def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
 def _forced_mode(args: argparse.Namespace, exc) -> str:
     """A forced mode this machine cannot run: who forced it, why not, and the modes it can run."""
     from ple_um import envs
-    from ple_um.access.capabilities import read_capabilities
-    from ple_um.access.probe import ALL_MODES, pin_budget, reason_if_unsatisfied
 
-    caps = read_capabilities(getattr(args, "device", None))
-    usable = [m for m in ALL_MODES if reason_if_unsatisfied(m, caps, None, pin_budget()) is None]
+    usable = [m for m, why in why_not(getattr(args, "device", None)).items() if why is None]
     forced = envs.KNOBS["PLE_UM_MODE"].raw()
     who = f"{forced[0]}={forced[1]}: " if forced else ""
     return f"{who}{exc}; this machine can run: {', '.join(usable)}"
@@ -77,7 +75,7 @@ def _quiet_stdout() -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from ple_um import envs
-    from ple_um.errors import KnobError, ModeUnavailableError
+    from ple_um.errors import CheckpointError, KnobError, ModeUnavailableError
 
     try:
         if args.knobs != ():  # the knobs this verb reads (None: every one), checked before any work
@@ -87,6 +85,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return code
     except KnobError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    except CheckpointError as exc:  # DIR's table (a synthetic one is written valid)
+        raise CliError(str(exc), EXIT_INVALID) from None
     except ModeUnavailableError as exc:
         raise CliError(_forced_mode(args, exc), EXIT_USAGE) from None
 

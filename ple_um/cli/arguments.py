@@ -38,25 +38,21 @@ class Parser(argparse.ArgumentParser):
         self.json_errors = json_errors
 
     def error(self, message: str):
-        verb = self.prog.removeprefix("ple-um").strip() or None
-        hint = "" if self.json_errors else f" (see {self.prog} --help)"
-        raise SystemExit(report(verb, self.json_errors, message + hint, EXIT_USAGE))
+        self.refuse(self.prog.removeprefix("ple-um").strip() or None, message)
 
     def parse_args(self, args=None, namespace=None):
         """As argparse's, but arguments no parser took are refused naming the verb they followed
         (argparse reports them from the top parser, which knows no verb)."""
         found, extras = self.parse_known_args(args, namespace)
         if extras:
-            verb = getattr(found, "verb", None)
-            prog = f"{self.prog} {verb}" if verb else self.prog
-            hint = "" if self.json_errors else f" (see {prog} --help)"
-            message = f"unrecognized arguments: {' '.join(extras)}{hint}"
-            raise SystemExit(report(verb, self.json_errors, message, EXIT_USAGE))
+            self.refuse(getattr(found, "verb", None), f"unrecognized arguments: {' '.join(extras)}")
         return found
 
-
-def sub_parser_class(json_errors: bool):
-    return partial(Parser, json_errors=json_errors)
+    def refuse(self, verb: str | None, message: str):
+        """Exit 2 with ``message``, said the CLI's way, and where to look for the verb's options."""
+        prog = f"ple-um {verb}" if verb else "ple-um"
+        hint = "" if self.json_errors else f" (see {prog} --help)"
+        raise SystemExit(report(verb, self.json_errors, message + hint, EXIT_USAGE))
 
 
 # -- argument types -------------------------------------------------------------------------------
@@ -79,12 +75,20 @@ def nonzero_size(text: str) -> int:
     return value
 
 
-def sizes(text: str) -> tuple[int, ...]:
-    """One byte count or several, comma-separated, each at least 1 byte."""
-    found = tuple(nonzero_size(x) for x in items(text))
-    if not found:
-        raise argparse.ArgumentTypeError("no sizes given")
-    return found
+def listed(convert, none_given: str):
+    """An argument type: a comma-separated list of ``convert``'s values, at least one."""
+
+    def parse(text: str) -> tuple:
+        found = tuple(convert(item) for item in items(text))
+        if not found:
+            raise argparse.ArgumentTypeError(none_given)
+        return found
+
+    return parse
+
+
+# One byte count or several, each at least 1 byte.
+sizes = listed(nonzero_size, "no sizes given")
 
 
 def whole(text: str, low: int) -> int:
@@ -101,11 +105,7 @@ positive = partial(whole, low=1)
 count = partial(whole, low=0)
 
 
-def rows(text: str) -> tuple[int, ...]:
-    found = tuple(positive(x) for x in items(text))
-    if not found:
-        raise argparse.ArgumentTypeError("no batch sizes given")
-    return found
+rows = listed(positive, "no batch sizes given")
 
 
 def _number(text: str, low: float, high: float, low_open: bool, expected: str) -> float:
@@ -129,29 +129,26 @@ def seconds(text: str) -> float:
     return _number(text, 0, 86400, False, "expected seconds from 0 to 86400")
 
 
-def milliseconds(text: str) -> tuple[float, ...]:
-    """Durations in milliseconds, comma-separated, each above 0 and at most 10 s."""
-    found = tuple(
-        _number(item, 0, 10000, True, "expected milliseconds above 0 and at most 10000")
-        for item in items(text)
-    )
-    if not found:
-        raise argparse.ArgumentTypeError("no durations given")
-    return found
+# Durations in milliseconds, each above 0 and at most 10 s.
+milliseconds = listed(
+    partial(
+        _number, low=0, high=1e4, low_open=True, expected="expected milliseconds above 0 and at most 10000"
+    ),
+    "no durations given",
+)
+
+
+def _mode(text: str) -> str:
+    """An access mode, any case (as PLE_UM_MODE takes it)."""
+    if text.lower() not in MODES:
+        raise argparse.ArgumentTypeError(
+            f"{text.lower()!r} is not a ple-um mode: expected a comma-separated list of {', '.join(MODES)}"
+        )
+    return text.lower()
 
 
 def modes(text: str) -> tuple[str, ...]:
-    """Access modes, any case (as PLE_UM_MODE takes them)."""
-    found = tuple(m.lower() for m in items(text))
-    if not found:
-        raise argparse.ArgumentTypeError(
-            f"no mode given: expected a comma-separated list of {', '.join(MODES)}"
-        )
-    for m in found:
-        if m not in MODES:
-            raise argparse.ArgumentTypeError(
-                f"{m!r} is not a ple-um mode: expected a comma-separated list of {', '.join(MODES)}"
-            )
+    found = listed(_mode, f"no mode given: expected a comma-separated list of {', '.join(MODES)}")(text)
     if len(set(found)) != len(found):
         raise argparse.ArgumentTypeError(f"a mode is named twice in {text!r}")
     return found
@@ -203,12 +200,14 @@ def checkpoint_dir(path: str) -> str:
 
 
 def one_layer(path: str, layer: int | None) -> None:
-    """For the verbs that serve one layer: where --layer is missing and the checkpoint has several,
-    or --layer names one it does not have, CliError (exit 2) naming the layers it has and the flag
-    (the library's message names its ``layer=``)."""
+    """For the verbs that serve one layer, ``path`` checked as ``checkpoint_dir`` does; then where
+    --layer is missing and the checkpoint has several, or --layer names one it does not have,
+    CliError (exit 2) naming the layers it has and the flag (the library's message names its
+    ``layer=``)."""
     from ple_um.checkpoint import find_layers
     from ple_um.errors import CheckpointError
 
+    checkpoint_dir(path)
     try:
         layers = find_layers(os.path.abspath(path))
     except CheckpointError:
@@ -241,15 +240,39 @@ def output_file(flag: str, path: str) -> None:
         raise CliError(f"{flag} {path}: the file is not writable", EXIT_USAGE)
 
 
-def add_common(
-    parser: argparse.ArgumentParser, json_help: str = "print the answer as one JSON object"
-) -> None:
-    """The options every verb takes: -v (also after the verb) and --json."""
+def why_not(device, table_bytes: int | None = None, pinned: bool = True) -> dict[str, str | None]:
+    """Each access mode with why this machine cannot run it (None: it can), for a table of
+    ``table_bytes`` (None: any size); ``pinned``: whether the pin budget applies."""
+    from ple_um.access.capabilities import read_capabilities
+    from ple_um.access.probe import ALL_MODES, pin_budget, reason_if_unsatisfied
+
+    caps, budget = read_capabilities(device), pin_budget() if pinned else None
+    return {m: reason_if_unsatisfied(m, caps, table_bytes, budget) for m in ALL_MODES}
+
+
+def add_verb(
+    sub, name: str, func, help: str, description: str, knobs, json_help="print the answer as one JSON object"
+):
+    """A verb's parser, with the options every verb takes: -v (also after the verb) and --json.
+    ``knobs``: the environment knobs it reads, checked before it runs (None: every one)."""
+    parser = sub.add_parser(name, help=help, description=description)
     parser.add_argument(
         "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level"
     )
     parser.add_argument("--json", action="store_true", help=json_help)
+    parser.set_defaults(func=func, knobs=knobs)
+    return parser
 
 
-def add_layer(parser: argparse.ArgumentParser, default_help: str = "the only one") -> None:
-    parser.add_argument("--layer", type=count, default=None, help=f"PLE layer (default: {default_help})")
+def add_dir(
+    parser, help: str = "checkpoint directory", optional: bool = False, layer_default: str = "the only one"
+) -> None:
+    """DIR (``optional``: a verb that works without one) and --layer."""
+    parser.add_argument("dir", help=help, **({"nargs": "?", "default": None} if optional else {}))
+    parser.add_argument("--layer", type=count, default=None, help=f"PLE layer (default: {layer_default})")
+
+
+def add_device(parser) -> None:
+    parser.add_argument(
+        "--device", type=device, default=None, help="cpu, cuda or cuda:N (default: the current GPU)"
+    )

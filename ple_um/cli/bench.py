@@ -34,13 +34,10 @@ fit the free disk, or a run that does not fit the memory, is refused before anyt
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser(
-        "bench", help="compare every lookup path on this machine, side by side", description=DESCRIPTION
-    )
-    b.add_argument(
-        "dir", nargs="?", default=None, help="checkpoint dir (default: a cached synthetic FP8 table)"
-    )
-    a.add_layer(b)
+    help = "compare every lookup path on this machine, side by side"
+    json_help = "print the results as one JSON object on stdout (progress and the report go to stderr)"
+    b = a.add_verb(sub, "bench", run, help, DESCRIPTION, knobs=None, json_help=json_help)
+    a.add_dir(b, "checkpoint dir (default: a cached synthetic FP8 table)", optional=True)
     b.add_argument(
         "--model",
         choices=MODELS,
@@ -91,9 +88,7 @@ def add_parser(sub) -> None:
         default=4,
         help="rounds the timed calls are split into; each times every path in turn",
     )
-    b.add_argument(
-        "--device", type=a.device, default=None, help="cpu, cuda or cuda:N (default: the current GPU)"
-    )
+    a.add_device(b)
     b.add_argument(
         "--processes",
         type=a.count,
@@ -101,7 +96,6 @@ def add_parser(sub) -> None:
         help="N >= 1: also open the table in N processes, one after the other, and report the host memory "
         "each takes (0: off)",
     )
-    a.add_common(b, "print the results as one JSON object on stdout (progress and the report go to stderr)")
     b.add_argument("--json-file", default=None, metavar="PATH", help="write the results as JSON to PATH")
     b.add_argument(
         "--plot",
@@ -112,7 +106,6 @@ def add_parser(sub) -> None:
     )
     _add_steady_options(b)
     b.add_argument("--quiet", action="store_true", help="progress lines to stderr")
-    b.set_defaults(func=run, knobs=None)
 
 
 def _add_steady_options(b) -> None:
@@ -177,7 +170,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _check_table(args: argparse.Namespace):
     """The synthetic table's arguments, or the directory's table; its layout when it exists."""
     from ple_um.checkpoint import read_engram_layout, read_layout
-    from ple_um.errors import CheckpointError
 
     if args.warmup is not None and not (args.memory_limit or args.serving):
         raise CliError("--warmup times the steady state of --memory-limit or --serving: give one", EXIT_USAGE)
@@ -191,13 +183,8 @@ def _check_table(args: argparse.Namespace):
         )
     engram = _check_model(args)
     if args.dir is not None:
-        a.checkpoint_dir(args.dir)
-        if not engram:
-            a.one_layer(args.dir, args.layer)
-        try:
-            return (read_engram_layout if engram else read_layout)(args.dir, args.layer)
-        except CheckpointError as exc:
-            raise CliError(str(exc), EXIT_INVALID) from None
+        a.checkpoint_dir(args.dir) if engram else a.one_layer(args.dir, args.layer)
+        return (read_engram_layout if engram else read_layout)(args.dir, args.layer)
     if args.layer is not None:
         raise CliError("--layer needs DIR: the synthetic table has one layer", EXIT_USAGE)
     num_rows = args.size // args.row_bytes
@@ -250,18 +237,13 @@ def _check_serving(args: argparse.Namespace) -> None:
 def _check_modes(args: argparse.Namespace, device, table_bytes: int) -> None:
     """Every mode --modes names must run here: one that cannot would measure nothing (exit 2,
     naming it, why, and the modes this machine can run)."""
-    from ple_um.access.capabilities import read_capabilities
-    from ple_um.access.probe import ALL_MODES, pin_budget, reason_if_unsatisfied
-
     if not args.modes:
         return
-    caps = read_capabilities(device)
     # Under --memory-limit the table is never pinned: the pin budget does not apply.
-    size, budget = (None, None) if args.memory_limit else (table_bytes, pin_budget())
-    why = {m: reason_if_unsatisfied(m, caps, size, budget) for m in ALL_MODES}
+    why = a.why_not(device, None if args.memory_limit else table_bytes, pinned=not args.memory_limit)
     refused = [f"{m} ({why[m]})" for m in args.modes if why[m] is not None]
     if refused:
-        usable = ", ".join(m for m in ALL_MODES if why[m] is None)
+        usable = ", ".join(m for m, reason in why.items() if reason is None)
         raise CliError(
             f"--modes: this machine cannot run {'; '.join(refused)}; it can run: {usable}", EXIT_USAGE
         )
@@ -347,8 +329,6 @@ def _write(args: argparse.Namespace, result: dict, plot, say) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ple_um.errors import CheckpointError
-
     _check_outputs(args)
     layout = _check_table(args)
     cfg = _config(args, getattr(args, "argv", None))
@@ -360,21 +340,18 @@ def run(args: argparse.Namespace) -> int:
     from ple_um.bench.config import STEP_MS, WARMUP_S
 
     warmup = WARMUP_S if args.warmup is None else args.warmup
-    try:
-        if args.serving:
-            limits = args.memory_limit or ()
-            result = serving_run.run(cfg, args.step_ms or STEP_MS, limits, log=log, warmup_s=warmup)
-            text, draw = report.format_serving(result), plot.plot_serving
-        elif args.memory_limit:
-            result = cold.run(cfg, args.memory_limit, log=log, warmup_s=warmup)
-            text, draw = report.format_cold(result), plot.plot_limits
-        else:
-            result = runner.run(cfg, log=log)
-            text, draw = report.format_table(result, cfg.rows), lambda r, path: plot.plot(r, cfg.rows, path)
-        say(text)
-        _write(args, result, draw, say)
-    except CheckpointError as exc:  # the directory's table (the synthetic one is written valid)
-        raise CliError(str(exc), EXIT_INVALID) from None
+    if args.serving:
+        limits = args.memory_limit or ()
+        result = serving_run.run(cfg, args.step_ms or STEP_MS, limits, log=log, warmup_s=warmup)
+        text, draw = report.format_serving(result), plot.plot_serving
+    elif args.memory_limit:
+        result = cold.run(cfg, args.memory_limit, log=log, warmup_s=warmup)
+        text, draw = report.format_cold(result), plot.plot_limits
+    else:
+        result = runner.run(cfg, log=log)
+        text, draw = report.format_table(result, cfg.rows), lambda r, path: plot.plot(r, cfg.rows, path)
+    say(text)
+    _write(args, result, draw, say)
     missing = report.unmeasured(result, args.modes)
     if missing:
         raise CliError(

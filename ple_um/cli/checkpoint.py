@@ -38,26 +38,16 @@ the table's own first pages, or other processes' memory, to hold the rest."""
 
 
 def add_parsers(sub) -> None:
-    ins = sub.add_parser(
-        "inspect", help="a checkpoint's PLE tables and a full validation verdict", description=INSPECT
-    )
-    ins.add_argument("dir", help="checkpoint directory")
-    a.add_layer(ins, "every layer found")
+    help = "a checkpoint's PLE tables and a full validation verdict"
+    ins = a.add_verb(sub, "inspect", inspect, help, INSPECT, knobs=())
+    a.add_dir(ins, layer_default="every layer found")
     ins.add_argument("--shards", action="store_true", help="list every shard")
-    a.add_common(ins)
-    ins.set_defaults(func=inspect, knobs=())
 
-    res = sub.add_parser(
-        "residency", help="how much of the table is in the page cache now (mincore)", description=RESIDENCY
-    )
-    res.add_argument("dir", help="checkpoint directory")
-    a.add_layer(res)
-    a.add_common(res)
-    res.set_defaults(func=residency, knobs=ROW_CACHE_KNOBS)
+    help = "how much of the table is in the page cache now (mincore)"
+    a.add_dir(a.add_verb(sub, "residency", residency, help, RESIDENCY, knobs=ROW_CACHE_KNOBS))
 
-    pw = sub.add_parser("prewarm", help="read the table into the page cache", description=PREWARM)
-    pw.add_argument("dir", help="checkpoint directory")
-    a.add_layer(pw)
+    pw = a.add_verb(sub, "prewarm", prewarm, "read the table into the page cache", PREWARM, knobs=())
+    a.add_dir(pw)
     pw.add_argument(
         "--fraction", type=a.fraction, default=1.0, help="prewarm the first F of each file (0 < F <= 1)"
     )
@@ -70,8 +60,6 @@ def add_parsers(sub) -> None:
     )
     pw.add_argument("--workers", type=a.positive, default=8, help="parallel readers")
     pw.add_argument("--quiet", action="store_true", help="no progress bar")
-    a.add_common(pw)
-    pw.set_defaults(func=prewarm, knobs=())
 
 
 def _table_lines(t: dict, shards: bool) -> list[str]:
@@ -108,18 +96,15 @@ def inspect(args: argparse.Namespace) -> int:
         return EXIT_OK if result["valid"] else EXIT_INVALID
     layers = result["layers"]
     found = ", ".join(map(str, layers)) if layers else "none"
-    emit(f"checkpoint: {result['directory']}")
-    emit(f"PLE layers with shards: {found}")
+    emit(f"checkpoint: {result['directory']}", f"PLE layers with shards: {found}")
     for t in result["tables"]:
-        for line in _table_lines(t, args.shards):
-            emit(line)
+        emit(*_table_lines(t, args.shards))
     if result["valid"]:
         emit("verdict: sound")
         return EXIT_OK
     problems = result["problems"] or ["no PLE table found"]
     emit(f"verdict: INVALID, {len(problems)} problem{'s' if len(problems) != 1 else ''}:")
-    for p in problems:
-        emit(f"  - {p}")
+    emit(*(f"  - {p}" for p in problems))
     return EXIT_INVALID
 
 
@@ -141,27 +126,16 @@ def _residency_lines(r: dict) -> list[str]:
 
 def residency(args: argparse.Namespace) -> int:
     from ple_um import operating
-    from ple_um.errors import CheckpointError
 
-    a.checkpoint_dir(args.dir)
     a.one_layer(args.dir, args.layer)
-    try:
-        result = operating.residency(args.dir, args.layer)
-    except CheckpointError as exc:
-        raise CliError(str(exc), EXIT_INVALID) from None
-    if args.json:
-        emit_json(result)
-    else:
-        for line in _residency_lines(result):
-            emit(line)
+    result = operating.residency(args.dir, args.layer)
+    emit_json(result) if args.json else emit(*_residency_lines(result))
     return EXIT_OK
 
 
 def prewarm(args: argparse.Namespace) -> int:
     from ple_um import metrics, operating
-    from ple_um.errors import CheckpointError
 
-    a.checkpoint_dir(args.dir)
     a.one_layer(args.dir, args.layer)
     bar = None if args.quiet else (lambda total, desc: metrics.progress(total, desc, min_bytes=0))
     try:
@@ -176,8 +150,6 @@ def prewarm(args: argparse.Namespace) -> int:
         )
     except operating.PrewarmRefused as exc:
         raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
-    except CheckpointError as exc:
-        raise CliError(str(exc), EXIT_INVALID) from None
     if args.json:
         emit_json(result)
         return EXIT_OK
@@ -186,10 +158,8 @@ def prewarm(args: argparse.Namespace) -> int:
     emit(
         f"prewarmed {format_bytes(result['read_bytes'])} ({100 * result['fraction']:.3g}% of each file) "
         f"of layer {result['layer']} in {result['seconds']:.2f} s{rate}"
-        + (" (forced past the limit)" if result["forced"] else "")
-    )
-    emit(
+        + (" (forced past the limit)" if result["forced"] else ""),
         f"resident: {format_bytes(before['resident_bytes'])} -> {format_bytes(after['resident_bytes'])} of "
-        f"{format_bytes(after['bytes'])} ({100 * before['fraction']:.1f}% -> {100 * after['fraction']:.1f}%)"
+        f"{format_bytes(after['bytes'])} ({100 * before['fraction']:.1f}% -> {100 * after['fraction']:.1f}%)",
     )
     return EXIT_OK

@@ -23,46 +23,32 @@ and the command exits 2."""
 
 
 def add_parsers(sub) -> None:
-    pr = sub.add_parser(
-        "probe", help="the device's capabilities and the mode auto would choose", description=PROBE
-    )
-    pr.add_argument(
-        "dir",
-        nargs="?",
-        default=None,
-        help="checkpoint dir: make the chosen mode's first read of its table as an open does (from the "
+    help = "the device's capabilities and the mode auto would choose"
+    pr = a.add_verb(sub, "probe", probe, help, PROBE, knobs=None)
+    a.add_dir(
+        pr,
+        "checkpoint dir: make the chosen mode's first read of its table as an open does (from the "
         "cached verdict, or in a child process)",
+        optional=True,
     )
-    a.add_layer(pr)
     pr.add_argument("--recheck", action="store_true", help="with DIR: run the first-read child again")
-    pr.add_argument(
-        "--device", type=a.device, default=None, help="cpu, cuda or cuda:N (default: the current GPU)"
-    )
-    a.add_common(pr)
-    pr.set_defaults(func=probe, knobs=None)
-
-    kn = sub.add_parser(
-        "knobs", help="every environment knob: default, alias, current setting", description=KNOBS
-    )
-    a.add_common(kn)
-    kn.set_defaults(func=knobs, knobs=())
+    a.add_device(pr)
+    help = "every environment knob: default, alias, current setting"
+    a.add_verb(sub, "knobs", knobs, help, KNOBS, knobs=())
 
 
 def probe(args: argparse.Namespace) -> int:
     import ple_um
-    from ple_um.errors import CheckpointError, ModeUnavailableError
+    from ple_um.errors import ModeUnavailableError
 
     if args.recheck and args.dir is None:
         raise CliError("--recheck needs DIR: the check reads the table's own files", EXIT_USAGE)
     if args.dir is not None:
-        a.checkpoint_dir(args.dir)
         a.one_layer(args.dir, args.layer)
     elif args.layer is not None:
         raise CliError("--layer needs DIR: it picks a layer of that checkpoint", EXIT_USAGE)
     try:
         report = ple_um.probe(args.device, path=args.dir, layer=args.layer, recheck=args.recheck)
-    except CheckpointError as exc:
-        raise CliError(str(exc), EXIT_INVALID) from None
     except ModeUnavailableError as exc:
         if not exc.reason.startswith("FirstReadRejected"):
             raise  # a mode forced where the machine cannot run it: bad input, exit 2 (main)
@@ -81,9 +67,7 @@ def probe(args: argparse.Namespace) -> int:
     if serving is not None:
         touch = ", a page touch before each kernel" if serving.touch else ""
         emit(f"decode lookups: {serving.path}{touch} ({serving.why})")
-    emit("capabilities:")
-    for key, value in report.capabilities.items():
-        emit(f"  {key}: {value}")
+    emit("capabilities:", *(f"  {key}: {value}" for key, value in report.capabilities.items()))
     if report.pin_budget is not None:
         emit(f"pin budget: {format_bytes(report.pin_budget)}")
     return EXIT_OK

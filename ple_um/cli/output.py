@@ -39,10 +39,10 @@ class OutputError(OSError):
     """stdout could not be written (a full disk, a closed file other than a pipe)."""
 
 
-def emit(text: str = "") -> None:
-    """A line of the verb's answer on stdout."""
+def emit(*lines: str) -> None:
+    """Lines of the verb's answer on stdout (none: an empty line)."""
     try:
-        print(text)
+        print("\n".join(lines))
     except BrokenPipeError:
         raise
     except OSError as exc:
