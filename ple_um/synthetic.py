@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, read_layout
 from ple_um.checkpoint.scan import INDEX_FILE
+from ple_um.checkpoint.shard_layout import FP8_DTYPES, NVFP4_STORAGE, STORAGE_DTYPES
 
 PREFIX = "model.language_model."
 CHUNK_BYTES = 64 << 20
@@ -49,12 +50,8 @@ _DTYPE_NAMES = {
     "float16": "F16",
     "nvfp4": "NVFP4",
 }
-_TORCH_DTYPES = {
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-}
+# The torch dtypes of the tables it writes -> safetensors dtype name (NVFP4 is named, its U8 not).
+_TORCH_DTYPES = {dt: name for name, dt in STORAGE_DTYPES.items() if name != NVFP4_STORAGE}
 _ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1}
 
 
@@ -222,7 +219,7 @@ def _plan_files(
     """Each file's name and tensors, in the order they are written: contiguous runs of shards per
     file (an NVFP4 shard's block scales beside it), the small tensors in the last file."""
     nvfp4 = name == "NVFP4"
-    storage = "U8" if nvfp4 else name
+    storage = NVFP4_STORAGE if nvfp4 else name
     width = row_dim // 2 if nvfp4 else row_dim  # elements of the shard tensor per row
     plans: list[tuple[str, list[Tensor]]] = []
     for k, group in enumerate(np.array_split(np.arange(len(rows)), files)):
@@ -239,7 +236,7 @@ def _plan_files(
             ]
         if k == files - 1:
             tensors.append(Tensor(UNRELATED_NAME, "BF16", [8, row_dim], "unrelated"))
-            if name in ("F8_E4M3", "F8_E5M2"):
+            if name in FP8_DTYPES:
                 tensors.append(Tensor(scale_name(layer), "F32", [], "scale"))
             elif nvfp4:
                 tensors.append(Tensor(global_scale_name(layer), "F32", [], "scale"))
