@@ -8,7 +8,18 @@ import os
 import shlex
 import sys
 
-from ple_um.bench.config import ENGRAM_MODEL, ENGRAM_ROW_BYTES, MODELS, PLE_MODEL, Config
+from ple_um.bench.config import (
+    COLD_ROWS,
+    DEFAULT_ROWS,
+    ENGRAM_MODEL,
+    ENGRAM_ROW_BYTES,
+    MODELS,
+    PLE_MODEL,
+    SERVING_STEPS,
+    STEP_MS,
+    WARMUP_S,
+    Config,
+)
 from ple_um.cli import arguments as a
 from ple_um.cli.output import (
     EXIT_INCOMPLETE,
@@ -31,6 +42,11 @@ Qwen3.8-Flash-Next's once into PLE_UM_CACHE_DIR (--model deepseek-v41: an Engram
 DeepSeek-V4.1's, against plain torch and vLLM's stock pinned Engram storage); a table that does not
 fit the free disk, or a run that does not fit the memory, is refused before anything is written
 (exit 3)."""
+
+
+def _listing(values) -> str:
+    """Figures as the command line takes them: ``5,20,50``."""
+    return ",".join(f"{v:g}" for v in values)
 
 
 def add_parser(sub) -> None:
@@ -57,8 +73,8 @@ def add_parser(sub) -> None:
         "--rows",
         type=a.rows,
         default=None,
-        help="batch sizes, comma-separated (default: 16,1024,16384,131072; with --memory-limit "
-        "16,1024,16384)",
+        help=f"batch sizes, comma-separated (default: {_listing(DEFAULT_ROWS)}; with --memory-limit "
+        f"{_listing(COLD_ROWS)})",
     )
     b.add_argument(
         "--modes",
@@ -80,7 +96,8 @@ def add_parser(sub) -> None:
         "--repeats",
         type=a.positive,
         default=None,
-        help="timed calls per measurement (default 20; with --serving: timed steps per figure, default 50)",
+        help=f"timed calls per measurement (default {Config.repeats}; with --serving: timed steps per "
+        f"figure, default {SERVING_STEPS})",
     )
     b.add_argument(
         "--rounds",
@@ -126,14 +143,15 @@ def _add_steady_options(b) -> None:
         default=None,
         metavar="SECONDS",
         help="with --memory-limit or --serving: seconds of lookups (of steps) before the steady state is "
-        "timed, so that the row cache and the page cache fill as a server's would (default 5; at least 10 "
-        "calls)",
+        f"timed, so that the row cache and the page cache fill as a server's would (default {WARMUP_S:g}; at "
+        "least 10 calls)",
     )
     b.add_argument(
         "--serving",
         action="store_true",
         help="the serving loop (needs a CUDA device): a decode step of fixed GPU work (--step-ms) whose "
-        "lookups (64 tokens x 16 rows, and a prefill chunk of 2048 tokens x 16 rows, fresh ids every step) "
+        f"lookups ({Config.decode_tokens} tokens x {Config.heads} rows, and a prefill chunk of "
+        f"{Config.prefill_tokens} tokens x {Config.heads} rows, fresh ids every step) "
         "are forked onto a side stream at its start and joined at its end, the whole step one CUDA graph; "
         "each step time against the same loop with the table resident in GPU memory and with no lookup, "
         "with the row cache's hit rates; with --memory-limit also under each limit. --modes picks the "
@@ -144,7 +162,8 @@ def _add_steady_options(b) -> None:
         type=a.milliseconds,
         default=None,
         metavar="MS[,MS...]",
-        help="with --serving: the GPU work of a step in milliseconds, a figure each (default 5,20,50)",
+        help="with --serving: the GPU work of a step in milliseconds, a figure each "
+        f"(default {_listing(STEP_MS)})",
     )
 
 
@@ -281,8 +300,6 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
 
 
 def _config(args: argparse.Namespace, argv: list[str] | None):
-    from ple_um.bench.config import COLD_ROWS, DEFAULT_ROWS, SERVING_STEPS
-
     rows = args.rows or (COLD_ROWS if args.memory_limit else DEFAULT_ROWS)
     return Config(
         directory=args.dir,
@@ -337,7 +354,6 @@ def run(args: argparse.Namespace) -> int:
     say = to_stderr if args.json else emit
     log = to_stderr if args.quiet or args.json else emit
     from ple_um.bench import cold, plot, report, runner, serving_run
-    from ple_um.bench.config import STEP_MS, WARMUP_S
 
     warmup = WARMUP_S if args.warmup is None else args.warmup
     if args.serving:
