@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import ple_um
 from ple_um import envs
+from ple_um.access.probe import ALL_MODES
 from ple_um.bench.ids import IdDistribution, parse_ids
 from ple_um.checkpoint import MXFP8_BLOCK, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import PleUmError
@@ -79,6 +80,11 @@ class Config:
     def num_rows(self) -> int:
         """The synthetic table's rows: the whole rows of ``row_bytes`` in ``size``."""
         return self.size // self.row_bytes
+
+    def run_modes(self, cuda: bool) -> tuple[str, ...]:
+        """The ple-um modes the side-by-side run times: those asked for, else every mode on a GPU and
+        cpu without one."""
+        return self.modes or (ALL_MODES if cuda else ("cpu",))
 
     def table_bytes(self, layout: ShardLayout | None) -> int:
         """The bytes of the table benched: DIR's (``layout``), else the synthetic table's."""

@@ -26,7 +26,6 @@ import triton
 import ple_um
 from ple_um import units
 from ple_um.access.capabilities import resolve_device
-from ple_um.access.probe import ALL_MODES
 from ple_um.bench import contenders as known
 from ple_um.bench.calls import DecodeStep, KernelOnly, lookup_call
 from ple_um.bench.config import Config, bench_layout, open_ple_um
@@ -114,7 +113,7 @@ def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device
 def _contenders(cfg: Config, layout: ShardLayout, device: torch.device, result: dict) -> dict:
     """name -> a function that opens that contender, in the order the tables list them."""
     cuda = device.type == "cuda"
-    modes = cfg.modes or (ALL_MODES if cuda else ("cpu",))
+    modes = cfg.run_modes(cuda)
     makers: dict[str, Callable[[], object]] = {}
     if layout.is_nvfp4:
         # The anchor, vllm_ple_mmap's CPU gather and the pinned-host kernel read raw rows, and

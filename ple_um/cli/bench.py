@@ -188,16 +188,17 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _check_table(args: argparse.Namespace):
     """The synthetic table's arguments, or the directory's table; its layout when it exists."""
+    from ple_um.bench.cold import COLD_MODES
     from ple_um.checkpoint import read_engram_layout, read_layout
 
     if args.warmup is not None and not (args.memory_limit or args.serving):
         raise CliError("--warmup times the steady state of --memory-limit or --serving: give one", EXIT_USAGE)
     _check_serving(args)
-    held = [m for m in args.modes or () if m not in ("cpu", "ats")]
+    held = [m for m in args.modes or () if m not in COLD_MODES]
     if args.memory_limit and held:
         raise CliError(
-            f"--memory-limit runs only the modes that read the table where it lies (cpu, ats): --modes "
-            f"{','.join(held)} holds it in memory",
+            "--memory-limit runs only the modes that read the table where it lies "
+            f"({', '.join(COLD_MODES)}): --modes {','.join(held)} holds it in memory",
             EXIT_USAGE,
         )
     engram = _check_model(args)
@@ -293,8 +294,7 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
         )
     gpu_free = torch.cuda.mem_get_info(device)[0] if cuda else None
     try:
-        modes = cfg.modes or (a.MODES if cuda else ("cpu",))
-        config.check_fits(cfg, layout, modes, cuda, args.serving, args.memory_limit, gpu_free)
+        config.check_fits(cfg, layout, cfg.run_modes(cuda), cuda, args.serving, args.memory_limit, gpu_free)
     except config.BenchRefused as exc:
         raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
 
