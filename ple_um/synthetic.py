@@ -205,9 +205,9 @@ def write_checkpoint(
         total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="write", disable=not progress
     )
     with bar, ThreadPoolExecutor(workers, thread_name_prefix="ple-um-write") as pool:
-        for file_name, tensors in plans:
-            _write_file(os.path.join(directory, file_name), tensors, seed, bar, pool, write_back)
-            weight_map.update({t.name: file_name for t in tensors})
+        for name_in_dir, tensors in plans:
+            _write_file(os.path.join(directory, name_in_dir), tensors, seed, bar, pool, write_back)
+            weight_map.update({t.name: name_in_dir for t in tensors})
 
     write_index(directory, weight_map, total_bytes)
     return read_layout(directory, layer)
