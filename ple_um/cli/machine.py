@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ple_um.cli import arguments as a
-from ple_um.cli.output import EXIT_INVALID, EXIT_OK, EXIT_USAGE, CliError, emit, emit_json, to_stderr
+from ple_um.cli.output import EXIT_INVALID, EXIT_OK, EXIT_USAGE, CliError, emit, emit_json
 from ple_um.units import format_bytes
 
 PROBE = """\
@@ -78,21 +78,18 @@ def knobs(args: argparse.Namespace) -> int:
 
     rows = envs.describe()
     bad = [r["name"] for r in rows if r["invalid"]]
-    summary = None
-    if bad:
-        summary = (
-            f"{len(bad)} knob{'s are' if len(bad) > 1 else ' is'} set to a value it does not take: "
-            f"{', '.join(bad)}"
-        )
+    summary = f"{len(bad)} knob{'s are' if len(bad) > 1 else ' is'} set to a value it does not take: "
+    summary += ", ".join(bad)
+    if args.json and bad:  # the error's object carries the knobs
+        raise CliError(summary, EXIT_USAGE, knobs=rows)
     if args.json:
-        emit_json({"knobs": rows, **({"error": summary} if summary else {})})
-        return EXIT_USAGE if bad else EXIT_OK
+        emit_json({"knobs": rows})
+        return EXIT_OK
     for r in rows:
         aliases = f" (alias {', '.join(r['aliases'])})" if r["aliases"] else ""
         now = f"; set: {r['set']}" if r["set"] else ""
         mark = f"\n    INVALID: {r['invalid']}" if r["invalid"] else ""
         emit(f"{r['name']}{aliases} = {r['default']!r}{now}{mark}\n    {r['doc']}")
-    if summary:
-        to_stderr(f"ple-um knobs: error: {summary} (marked INVALID above)")
-        return EXIT_USAGE
+    if bad:
+        raise CliError(f"{summary} (marked INVALID above)", EXIT_USAGE)
     return EXIT_OK
