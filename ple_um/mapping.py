@@ -11,12 +11,10 @@ methods. Failures carry the errno text and the file name.
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import mmap
 import os
 import stat
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,33 +27,18 @@ from ple_um.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 PAGE = residency.PAGE
-MADV_NORMAL, MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 0, 1, 3, 4
-MADV_POPULATE_READ = 22  # Linux 5.14+
-_ADVICE = {"normal": MADV_NORMAL, "random": MADV_RANDOM, "willneed": MADV_WILLNEED}
+MADV_POPULATE_READ = 22  # Linux 5.14+ (Python's mmap names it from 3.13)
+_ADVICE = {"normal": mmap.MADV_NORMAL, "random": mmap.MADV_RANDOM, "willneed": mmap.MADV_WILLNEED}
 # The share of a table's bytes that may be out of the page cache for it to count as resident at
 # open (no row cache with the defaults): one reclaimed page must not send a table that fits in
 # memory to a row cache whose misses bypass the page cache that holds the rest.
 RESIDENT_SLACK = 0.01
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = residency._libc  # mincore and madvise (the row cache's and the fit check's too)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]  # the row cache's too
 _MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _errno_text() -> str:
-    code = ctypes.get_errno()
-    return f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
 
 
 @dataclass
@@ -74,20 +57,6 @@ class MappedRegion:
     def array(self) -> np.ndarray:
         """A uint8 view of the whole mapping (read-only memory: a write through it faults)."""
         return np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.addr))
-
-    def resident_pages(self, first: int = 0, count: int | None = None) -> np.ndarray:
-        """uint8, one per page of pages ``[first, first + count)`` of the mapping (default: to its
-        end): 1 where the page is in the page cache (mincore); OSError naming the file where mincore
-        fails. Whole-mapping readings go a window at a time: ``resident_count``, ``resident_runs``."""
-        return residency.resident_pages(self, first, count)
-
-    def resident_count(self) -> int:
-        """Pages of the mapping in the page cache (``residency.resident_count``: bounded memory)."""
-        return residency.resident_count(self)
-
-    def resident_runs(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The runs of resident pages, a window at a time (``residency.resident_runs``)."""
-        return residency.resident_runs(self)
 
 
 @dataclass(frozen=True)
@@ -172,7 +141,7 @@ class MappedShards:
             length = end - aligned
             addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, aligned)
             if addr in (None, _MAP_FAILED):
-                raise CheckpointError(f"mmap of {length} bytes failed: {_errno_text()}", path=path)
+                raise CheckpointError(f"mmap of {length} bytes failed: {residency.errno_text()}", path=path)
         except BaseException:
             os.close(fd)
             raise
@@ -213,7 +182,7 @@ class MappedShards:
         self._check_open()
         for r in self.regions:
             if _libc.madvise(r.addr, r.length, _ADVICE[kind]) != 0:
-                logger.warning("madvise(%s) failed on %s: %s", kind, r.path, _errno_text())
+                logger.warning("madvise(%s) failed on %s: %s", kind, r.path, residency.errno_text())
 
     def populate(self, fraction: float = 1.0, workers: int = 8, progress=None) -> int:
         """Bring the first ``fraction`` of each mapping into the page cache; returns bytes asked for.
@@ -258,7 +227,7 @@ class MappedShards:
             for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
                 length = min(b * PAGE, r.length) - a * PAGE
                 if _libc.madvise(r.addr + a * PAGE, length, MADV_POPULATE_READ) != 0:
-                    logger.debug("MADV_POPULATE_READ failed on %s: %s", r.path, _errno_text())
+                    logger.debug("MADV_POPULATE_READ failed on %s: %s", r.path, residency.errno_text())
                     return total
                 total += length
         return total
@@ -300,7 +269,7 @@ class MappedShards:
         self._check_open()
         out = []
         for r in self.regions:
-            resident = r.resident_count()
+            resident = residency.resident_count(r)
             out.append((r.path, min(resident * PAGE, r.length), r.length))
         return out
 
@@ -338,7 +307,7 @@ class MappedShards:
         self._closed = True
         for r in reversed(self.regions):
             if _libc.munmap(r.addr, r.length) != 0:
-                logger.warning("munmap failed on %s: %s", r.path, _errno_text())
+                logger.warning("munmap failed on %s: %s", r.path, residency.errno_text())
             os.close(r.fd)
         self.regions.clear()
         self.owned.clear()

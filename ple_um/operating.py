@@ -7,9 +7,7 @@ Everything here works on the files alone (headers, mmaps, mincore): no device, n
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
-import mmap
 import os
 import time
 from collections.abc import Callable
@@ -17,16 +15,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ple_um.access.probe import mem_available
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.checkpoint.layout import find_layers, validate
 from ple_um.errors import PleUmError
 from ple_um.mapping import MappedShards
+from ple_um.residency import PAGE, mincore, resident_pages
 from ple_um.units import format_bytes
-
-PAGE = mmap.PAGESIZE
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 class PrewarmRefused(PleUmError, RuntimeError):
@@ -38,12 +33,14 @@ def describe_layout(layout: ShardLayout) -> dict:
     """A sound layer's table as plain data: shape, dtype, bytes, scale, every shard and file."""
     files: dict[str, dict] = {}
     shards = []
+
+    def entry(path: str) -> dict:
+        name = os.path.basename(path)
+        return files.setdefault(name, {"file": name, "shards": [], "bytes": 0})
+
     scale_bytes = layout.row_dim // layout.block_size if layout.is_nvfp4 else 0
     for spec in layout.block_scales:  # NVFP4: each shard's block scales, in the file that holds them
-        entry = files.setdefault(
-            os.path.basename(spec.path), {"file": os.path.basename(spec.path), "shards": [], "bytes": 0}
-        )
-        entry["bytes"] += spec.rows * scale_bytes
+        entry(spec.path)["bytes"] += spec.rows * scale_bytes
     for spec in layout.shards:
         nbytes = spec.rows * layout.row_bytes
         shards.append(
@@ -56,11 +53,8 @@ def describe_layout(layout: ShardLayout) -> dict:
                 "bytes": nbytes,
             }
         )
-        entry = files.setdefault(
-            os.path.basename(spec.path), {"file": os.path.basename(spec.path), "shards": [], "bytes": 0}
-        )
-        entry["shards"].append(spec.index)
-        entry["bytes"] += nbytes
+        entry(spec.path)["shards"].append(spec.index)
+        entry(spec.path)["bytes"] += nbytes
     return {
         "layer": layout.layer,
         "dtype": layout.dtype_name,
@@ -130,12 +124,8 @@ def resident_bytes(addr: int, length: int) -> int:
         return 0
     first = addr - addr % PAGE
     end = addr + length
-    pages = (end - first + PAGE - 1) // PAGE
-    vec = (ctypes.c_ubyte * pages)()
-    if _libc.mincore(first, end - first, vec) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"mincore failed: {os.strerror(code)}")
-    present = (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
+    present = mincore(first, end - first, f"the range at {addr:#x}").astype(bool)
+    pages = present.size
     covered = np.full(pages, PAGE, dtype=np.int64)
     covered[0] -= addr - first
     covered[-1] -= pages * PAGE - (end - first)
@@ -174,7 +164,7 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray, *, whole_files: bool |
     # from its first to its last is.
     seen = None
     if whole_files:
-        seen = [np.concatenate([[0], np.cumsum(r.resident_pages(), dtype=np.int64)]) for r in mapping.regions]
+        seen = [np.concatenate([[0], np.cumsum(resident_pages(r), dtype=np.int64)]) for r in mapping.regions]
     out = np.zeros(ids.shape, dtype=bool)
     shard = ids // per_shard
     for index, owned in mapping.owned.items():
@@ -198,15 +188,10 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray, *, whole_files: bool |
 def _rows_resident(region, starts: np.ndarray, rb: int) -> np.ndarray:
     """Whether every page of each row (``rb`` bytes at ``start`` in the mapped ``region``) is in the
     page cache: one mincore over each row's own pages; OSError naming the file where it fails."""
-    vec = np.zeros((rb + 2 * PAGE - 1) // PAGE, dtype=np.uint8)
     found = np.zeros(starts.shape, dtype=bool)
     for k, start in enumerate(starts.tolist()):
         first = (region.addr + start) // PAGE * PAGE
-        length = region.addr + start + rb - first
-        if _libc.mincore(first, length, vec.ctypes.data) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"mincore failed on {region.path}: {os.strerror(code)}")
-        found[k] = bool((vec[: (length + PAGE - 1) // PAGE] & 1).all())
+        found[k] = bool(mincore(first, region.addr + start + rb - first, region.path).all())
     return found
 
 
@@ -225,10 +210,9 @@ def residency(directory: str, layer: int | None = None) -> dict:
             scale_mapping = stack.enter_context(MappedShards(layout.scale_layout()))
             scales = _residency(scale_mapping)
             result["block_scales"] = {k: scales[k] for k in ("shards", "files", "total")}
-            for key in ("bytes", "resident_bytes"):
-                result["total"][key] += scales["total"][key]
-            total = result["total"]
-            total["fraction"] = total["resident_bytes"] / total["bytes"] if total["bytes"] else 1.0
+            result["total"] = _totals(
+                (t["bytes"], t["resident_bytes"]) for t in (result["total"], scales["total"])
+            )
         result["row_cache"] = row_cache_plan(mapping, scale_mapping)
     return result
 
@@ -269,26 +253,17 @@ def _residency(mapping: MappedShards) -> dict:
         {"file": os.path.basename(path), "mapped_bytes": mapped, "resident_bytes": resident}
         for path, resident, mapped in mapping.residency()
     ]
-    total = sum(s.bytes for s in shards)
-    resident = sum(s.resident_bytes for s in shards)
     return {
         "directory": mapping.layout.directory,
         "layer": mapping.layout.layer,
         "page_size": PAGE,
         "shards": [{**asdict(s), "fraction": s.fraction} for s in shards],
         "files": files,
-        "total": {"bytes": total, "resident_bytes": resident, "fraction": resident / total if total else 1.0},
+        "total": _totals((s.bytes, s.resident_bytes) for s in shards),
     }
 
 
 # -- prewarm -------------------------------------------------------------------------------------
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (0 when unreadable)."""
-    from ple_um.access.probe import mem_available as read
-
-    return read()
-
-
 def prewarm(
     directory: str,
     layer: int | None = None,
@@ -381,9 +356,14 @@ def fraction_that_fits(mappings: list[MappedShards], fraction: float, allowed: i
     return None
 
 
+def _totals(parts) -> dict:
+    """The bytes, resident bytes and resident fraction of (bytes, resident bytes) ``parts`` together."""
+    size = resident = 0
+    for nbytes, in_memory in parts:
+        size, resident = size + nbytes, resident + in_memory
+    return {"bytes": size, "resident_bytes": resident, "fraction": resident / size if size else 1.0}
+
+
 def _total(mappings: list[MappedShards]) -> dict:
     """The residency totals of several mappings together (a table's rows and block scales)."""
-    totals = [_residency(m)["total"] for m in mappings]
-    size = sum(t["bytes"] for t in totals)
-    resident = sum(t["resident_bytes"] for t in totals)
-    return {"bytes": size, "resident_bytes": resident, "fraction": resident / size if size else 1.0}
+    return _totals((t["bytes"], t["resident_bytes"]) for t in (_residency(m)["total"] for m in mappings))

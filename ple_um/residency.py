@@ -6,7 +6,7 @@ time, and a window whose file range has no cached page at all (``cachestat``, Li
 only the cached pages) is not asked: a huge sparse table costs bounded memory and little time.
 A region is anything with ``addr``, ``length``, ``fd``, ``file_offset`` and ``path`` (the
 ``MappedRegion`` of ``ple_um.mapping``). ``evict_pages`` is the one way ple-um, its tools and its
-tests drop a file's pages from memory.
+tests drop a file's pages from memory; ``mincore`` the one way they ask which pages are in it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ PAGE = mmap.PAGESIZE
 # Pages per window (1 GiB of a mapping, a 256 KiB vector).
 RESIDENCY_WINDOW = 1 << 18
 
+# The C library's calls on memory ranges: mapping.py adds mmap and munmap to the same handle.
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -57,17 +58,27 @@ def cached_pages(fd: int, offset: int, length: int) -> int | None:
     return int(out.nr_cache)
 
 
+def errno_text() -> str:
+    """The C library's last error (``use_errno``) as "ENOMEM: Cannot allocate memory"."""
+    code = ctypes.get_errno()
+    return f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+
+
+def mincore(addr: int, length: int, where: str) -> np.ndarray:
+    """uint8, one per page of ``[addr, addr + length)`` (``addr`` page-aligned, inside a live
+    mapping): 1 where the page is in the page cache; OSError naming ``where`` where mincore fails."""
+    vec = np.zeros(max(0, (length + PAGE - 1) // PAGE), dtype=np.uint8)
+    if length > 0 and _libc.mincore(addr, length, vec.ctypes.data) != 0:
+        raise OSError(ctypes.get_errno(), f"mincore failed on {where}: {errno_text()}")
+    return vec & 1
+
+
 def resident_pages(region, first: int = 0, count: int | None = None) -> np.ndarray:
     """uint8, one per page of pages ``[first, first + count)`` of the mapping (default: to its end):
     1 where the page is in the page cache (mincore); OSError naming the file where mincore fails."""
     count = _pages(region) - first if count is None else min(count, _pages(region) - first)
-    vec = np.zeros(max(count, 0), dtype=np.uint8)
-    length = min(count * PAGE, region.length - first * PAGE)
-    if count > 0 and _libc.mincore(region.addr + first * PAGE, length, vec.ctypes.data) != 0:
-        code = ctypes.get_errno()
-        text = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
-        raise OSError(code, f"mincore failed on {region.path}: {text}")
-    return vec & 1
+    length = min(count * PAGE, region.length - first * PAGE) if count > 0 else 0
+    return mincore(region.addr + first * PAGE, length, region.path)
 
 
 def _cached(region, first: int) -> int | None:
@@ -112,8 +123,8 @@ def evict_pages(files: Iterable[str], regions: Iterable = (), write_back: bool =
     the file where madvise fails."""
     for region in regions:
         if _libc.madvise(region.addr, region.length, mmap.MADV_DONTNEED) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"madvise(MADV_DONTNEED) failed on {region.path}: {os.strerror(code)}")
+            why = f"madvise(MADV_DONTNEED) failed on {region.path}: {errno_text()}"
+            raise OSError(ctypes.get_errno(), why)
     for path in files:
         evict_file_pages(path, write_back=write_back)
 

@@ -294,12 +294,14 @@ def test_residency_read_in_windows_matches_one_mincore(evictable, monkeypatch):
                 page += length + 2
         finally:
             os.close(fd)
-        whole = region.resident_pages()
+        whole = residency.resident_pages(region)
         if whole.sum() < 28:
             pytest.skip("pages read did not stay in the page cache")
-        windowed = [run for starts, ends in region.resident_runs() for run in zip(starts, ends, strict=True)]
+        windowed = [
+            run for starts, ends in residency.resident_runs(region) for run in zip(starts, ends, strict=True)
+        ]
         assert sorted(windowed) == _runs(whole) and len(_runs(whole)) >= 7
-        assert region.resident_count() == int(whole.sum())
+        assert residency.resident_count(region) == int(whole.sum())
         ((_, resident_bytes, _),) = m.residency()
         assert resident_bytes == min(int(whole.sum()) * PAGE, region.length)
         runs = _runs(whole)
@@ -381,7 +383,7 @@ def test_evicting_pages_unmaps_them_here_then_drops_them_from_the_page_cache(evi
         assert resident(m) == m.mapped_bytes
         half = (region.file_offset + region.length // 2) // PAGE * PAGE
         residency.evict_file_pages(region.path, half)  # from there to the end
-        pages = region.resident_pages()
+        pages = residency.resident_pages(region)
         first_dropped = (half - region.file_offset) // PAGE
         assert pages[:first_dropped].all() and pages[first_dropped:].sum() <= 2
 

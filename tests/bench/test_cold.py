@@ -23,6 +23,7 @@ from ple_um.bench.memlimit import MemoryLimit
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
+from ple_um.residency import resident_pages
 from ple_um.units import format_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -105,7 +106,7 @@ def test_a_row_over_several_pages_is_resident_only_with_every_page(make_checkpoi
                 os.pread(fd, 1, page * PAGE)
             ids = np.array([row])
             region = mapping.regions[0]  # the file from file_offset on, as mincore sees it
-            pages = region.resident_pages()[first - region.file_offset // PAGE :][: last - first + 1]
+            pages = resident_pages(region)[first - region.file_offset // PAGE :][: last - first + 1]
             assert pages[0] and pages[-1]
             if pages[1:-1].any():
                 pytest.skip("the page cache brought in the pages between (readahead despite RANDOM)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import mmap
 import os
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ from helpers.reference import drop_page_cache, reference_rows
 from helpers.rowcopy_jobs import boundary_ids, make_job
 
 import ple_um
-from ple_um import envs
+from ple_um import envs, residency
 from ple_um.access import memory
 from ple_um.errors import KnobError
 from ple_um.lookup import native_build, rowcopy
@@ -33,7 +34,7 @@ from ple_um.lookup.host import misses
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
 from ple_um.lookup.host.misses import plan
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, WAYS, RowCache, slots_for
-from ple_um.mapping import MADV_DONTNEED, PAGE, MappedShards, _libc
+from ple_um.mapping import PAGE, MappedShards, _libc
 from ple_um.residency import evict_file_pages, evict_pages
 
 STRATEGIES = ["uring", "threads"]
@@ -79,7 +80,7 @@ def evict(mapping: MappedShards, layout) -> None:
 
 
 def resident_pages(mapping: MappedShards) -> int:
-    return sum(int(r.resident_pages().sum()) for r in mapping.regions)
+    return sum(int(residency.resident_pages(r).sum()) for r in mapping.regions)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -663,7 +664,7 @@ def test_the_page_touch_asks_for_the_missing_pages_at_once(lib, make_checkpoint,
             ids = torch.from_numpy(rng.choice(4096, 60, replace=False))
             run(lib, [rowcopy.Rows(mapping, reader=reader)], ids, [], rowcopy.Counts(), touch=True)
             region = mapping.regions[0]
-            pages = region.resident_pages()
+            pages = residency.resident_pages(region)
             base = mapping.shard_base(0) - region.addr
             for i in ids.tolist():
                 assert pages[(base + i * layout.row_bytes) // PAGE], i
@@ -708,7 +709,7 @@ def test_a_table_a_page_short_of_resident_is_copied_from_the_mapping(lib, make_c
         mapping.populate()
         first = mapping.regions[0]  # then one page out of this process and the page cache
         assert first.length > 2 * PAGE and first.file_offset % PAGE == 0
-        assert _libc.madvise(first.addr + PAGE, PAGE, MADV_DONTNEED) == 0
+        assert _libc.madvise(first.addr + PAGE, PAGE, mmap.MADV_DONTNEED) == 0
         evict_file_pages(first.path, first.file_offset + PAGE, PAGE)
         resident = sum(r for _, r, _ in mapping.residency())
         mapped = sum(m for _, _, m in mapping.residency())
