@@ -14,6 +14,8 @@ The object owns the registrations, device copies and prefetcher it made and rele
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ple_um import envs
@@ -104,13 +106,10 @@ class ModeAccess:
                 mapping.advise(advice)
 
     def _register(self, mapping: MappedShards) -> RegisteredMapping:
-        if self._progress is None:
-            registration = RegisteredMapping(mapping, self.device)
-        else:
-            with self._progress(mapping.mapped_bytes, "ple-um register") as advance:
-                registration = RegisteredMapping(mapping, self.device, progress=advance)
-        self.registrations.append(registration)
-        return registration
+        report = self._progress or (lambda total, what: contextlib.nullcontext())
+        with report(mapping.mapped_bytes, "ple-um register") as advance:
+            self.registrations.append(RegisteredMapping(mapping, self.device, progress=advance))
+        return self.registrations[-1]
 
     def _bases(self, mapping: MappedShards, cuda: bool) -> list[int]:
         """Per-shard addresses the kernel reads ``mapping`` through in this GPU mode."""

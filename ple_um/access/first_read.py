@@ -31,11 +31,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ple_um import envs
+from ple_um import envs, file_lock
 from ple_um.access import verdict_cache
 from ple_um.access.capabilities import DeviceCapabilities
 from ple_um.access.probe import ProbeReport
@@ -112,17 +112,7 @@ class FirstReadVerdict:
         return f"first read: {self._what()} passed in a child process{where} ({self._origin()})"
 
     def as_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "status": self.status,
-            "source": self.source,
-            "reason": self.reason,
-            "direct_read": self.direct_read,
-            "path": self.path,
-            "checked_at": self.checked_at,
-            "child_seconds": self.child_seconds,
-            "key": dict(self.key),
-        }
+        return asdict(self)
 
 
 # -- the sample and the child ----------------------------------------------------------------------
@@ -294,8 +284,11 @@ def first_read_verdict(
         if record is not None:
             return _from_record(mode, record, path, "cache")
     timeout = envs.PLE_UM_FIRST_READ_TIMEOUT
-    with verdict_cache.exclusive(path, timeout + 30) as held:
-        if held and not recheck:
+    # Ranks that start at once run one child: the others wait for its verdict (or go on without the lock).
+    with file_lock.held(path + ".lock", timeout + 30) as why:
+        if why is not None:
+            logger.warning("ple-um: the first-read verdict's lock is not held (%s); going on without it", why)
+        elif not recheck:
             # Another process may have run the child while this one waited for the lock.
             record = verdict_cache.read_verdict(path, key)
             if record is not None:

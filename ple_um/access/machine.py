@@ -73,18 +73,20 @@ _lock = threading.Lock()
 _stack: list[tuple[DeviceCapabilities | None, HostRegistration | None]] = []
 
 
+def _innermost(part: int):
+    """Part ``part`` (0: capabilities, 1: registration) of the innermost machine that injects it."""
+    with _lock:
+        return next((entry[part] for entry in reversed(_stack) if entry[part] is not None), None)
+
+
 def capabilities(device: str | int | torch.device | None = None) -> DeviceCapabilities:
     """The capabilities of ``device``: the injected machine's (for every device), else read."""
-    with _lock:
-        injected = next((caps for caps, _ in reversed(_stack) if caps is not None), None)
-    return injected if injected is not None else read_capabilities(device)
+    return _innermost(0) or read_capabilities(device)
 
 
 def registration() -> HostRegistration:
     """The host-registration calls: the injected machine's, else CUDA's."""
-    with _lock:
-        injected = next((calls for _, calls in reversed(_stack) if calls is not None), None)
-    return injected if injected is not None else CUDA_REGISTRATION
+    return _innermost(1) or CUDA_REGISTRATION
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ software, serving each GPU fault on a host page).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ple_um import envs
 from ple_um.access.capabilities import DeviceCapabilities
@@ -58,14 +58,11 @@ class ProbeReport:
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "reasons": dict(self.reasons),
-            "capabilities": dict(self.capabilities),
-            "pin_budget": self.pin_budget,
-            "direct_read": self.direct_read,
-            "first_read": [verdict.as_dict() for verdict in self.first_read],
-        }
+        return asdict(self)  # the first-read verdicts as their dicts too
+
+
+def _unknown(mode: str) -> ValueError:
+    return ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
 
 
 def mem_available() -> int:
@@ -142,7 +139,7 @@ def reason_if_unsatisfied(
         if not (caps.cuda or caps.host_is_device):
             return "no CUDA device"
         return None
-    raise ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
+    raise _unknown(mode)
 
 
 def decide(
@@ -156,7 +153,7 @@ def decide(
     """Pick a mode for ``caps``. ``mode`` other than auto is forced: it must pass its gate or this
     raises ModeUnavailableError. ``exclude`` maps modes already rejected (a failed self-test) to why."""
     if mode != "auto" and mode not in ALL_MODES:
-        raise ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
+        raise _unknown(mode)
     exclude = dict(exclude or {})
     reasons: dict[str, str] = {}
     for m in ALL_MODES:
@@ -205,5 +202,5 @@ def comes_first(chosen: str, other: str, caps: DeviceCapabilities) -> str:
 def requested_mode(mode: str) -> str:
     """The mode to use: an explicit argument wins; with "auto" the PLE_UM_MODE knob may force one."""
     if mode not in ("auto", *ALL_MODES):
-        raise ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
+        raise _unknown(mode)
     return envs.PLE_UM_MODE if mode == "auto" else mode

@@ -12,6 +12,7 @@ are the machine's (``ple_um.access.machine.registration()``: CUDA's, or an injec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -47,7 +48,7 @@ class RegisteredMapping:
         self._closed = False
         t0 = time.perf_counter()
         try:
-            with torch.cuda.device(device) if device.type == "cuda" else _null():
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 for region in mapping.regions:
                     try:
                         calls.register(region.addr, region.length)
@@ -85,11 +86,3 @@ class RegisteredMapping:
         for addr in reversed(self._registered):
             self._unregister(addr)
         self._registered.clear()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -9,8 +9,8 @@ its folder is safe and it is a regular file of this user's that no one else can 
 it parses as a record of this format and version, for this very key (machine, driver, kernel,
 filesystem, ple-um version), with a verdict, a reason for a rejection and a time. Anything else is
 ignored with a warning, never trusted: the mode's first read is checked again by its child. Writes
-go to a private temporary file (0600) renamed over the old one (atomic), under an exclusive lock
-that also makes ranks starting at once run one child between them.
+go to a private temporary file (0600) renamed over the old one (atomic), under the verdict's
+``file_lock`` (``PATH.lock``), which also makes ranks starting at once run one child between them.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import os
 import platform
 import socket
 import tempfile
-from collections.abc import Iterator
 
-from ple_um import cache_folder, envs, file_lock
+from ple_um import cache_folder, envs
 from ple_um.access.capabilities import DeviceCapabilities
 from ple_um.access.probe import direct_read
 from ple_um.version import __version__
@@ -174,17 +173,6 @@ def write_verdict(path: str, record: dict) -> bool:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         return False
-
-
-@contextlib.contextmanager
-def exclusive(path: str, wait: float) -> Iterator[bool]:
-    """Hold the lock of ``path``'s verdict (``path.lock``, ``file_lock.held``) for at most ``wait``
-    seconds of waiting: ranks that start at once run one child. Yields whether the lock is held;
-    where it cannot be had the caller goes on without it."""
-    with file_lock.held(path + ".lock", wait) as why:
-        if why is not None:
-            logger.warning("ple-um: the first-read verdict's lock is not held (%s); going on without it", why)
-        yield why is None
 
 
 def machine_key(key: dict) -> dict:
