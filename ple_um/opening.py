@@ -23,6 +23,7 @@ import logging
 import operator
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -155,12 +156,7 @@ def open_table(
     strict: bool | None = None,
 ) -> MappedTable:
     """Open one PLE layer's table from the checkpoint directory ``path`` (see docs/DESIGN.md)."""
-    t0 = time.perf_counter()
-    # A knob set to a value it does not take is an error here, not a rejected mode (PLE_UM_MODE:
-    # read by requested_mode, and only when no mode is given).
-    envs.check(skip=("PLE_UM_MODE",))
-    forced = requested_mode(mode)
-    return _open(read_layout(os.fspath(path), layer), rows, forced, device, strict, t0)
+    return _open(lambda: read_layout(os.fspath(path), layer), rows, mode, device, strict)
 
 
 def open_engram_table(
@@ -177,13 +173,17 @@ def open_engram_table(
     None: the only one) from the checkpoint directory ``path``, checked against ``geometry`` where
     given; ``rows``: the owned rows (a rank's heads: ``geometry.head_rows``). Its rows decode as
     MXFP8 (``lookup`` with a float out) or come raw with their E8M0 scales (``lookup_packed``)."""
+    return _open(lambda: read_engram_layout(os.fspath(path), layer, geometry), rows, mode, device, strict)
+
+
+def _open(read: Callable[[], ShardLayout], rows, mode: str, device, strict: bool | None) -> MappedTable:
+    """The table of the layout ``read`` returns, once the knobs are checked: a knob set to a value it
+    does not take is an error here, not a rejected mode (PLE_UM_MODE: read by requested_mode, and
+    only when no mode is given)."""
     t0 = time.perf_counter()
     envs.check(skip=("PLE_UM_MODE",))
     forced = requested_mode(mode)
-    return _open(read_engram_layout(os.fspath(path), layer, geometry), rows, forced, device, strict, t0)
-
-
-def _open(layout: ShardLayout, rows, forced: str, device, strict: bool | None, t0: float) -> MappedTable:
+    layout = read()
     owned = _owned_rows(rows, layout.num_rows)
     dev = resolve_device(device)
     caps = machine.capabilities(dev)
