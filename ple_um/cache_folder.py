@@ -11,7 +11,7 @@ or a link makes an open hang, read without end, or create a file where the link 
   owned by this user that no one else can write (``private_folder``);
 - a file in them is opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only when it is a regular
   file owned by this user that no one else can write (``open_private``); a read is bounded
-  (``read_private``).
+  (``read_private``); a write replaces the file whole (``write_private``).
 
 Each check that fails raises ``UnsafeCacheError`` saying what is wrong; the callers then ignore
 what they found (a verdict is rechecked, a library rebuilt, a lock gone without) and say so. The
@@ -21,9 +21,11 @@ how several users share a machine (one cache folder each).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import tempfile
 
 
 class UnsafeCacheError(OSError):
@@ -149,3 +151,21 @@ def read_private(path: str, limit: int) -> bytes:
     if len(data) > limit:
         raise UnsafeCacheError(f"{path} is larger than the {limit} bytes it may be")
     return data
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Put ``data`` at ``path`` atomically: written to a temporary file of mode 0600 in the same
+    folder (made or checked by ``private_folder``), synced, renamed over the old one, so that a
+    reader sees the old file or the new one, never a part. OSError (UnsafeCacheError for a folder
+    that is not safe) where it cannot; the temporary file is gone then."""
+    fd, tmp = tempfile.mkstemp(dir=private_folder(os.path.dirname(path)), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

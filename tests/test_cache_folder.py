@@ -156,6 +156,24 @@ def test_a_bounded_read_stops_past_its_bound(tmp_path):
         cache_folder.read_private(str(tmp_path / "zero"), 100)
 
 
+def test_a_private_write_replaces_the_file_whole_and_only_in_a_safe_folder(tmp_path):
+    path = tmp_path / "cache" / "f.json"
+    cache_folder.write_private(str(path), b"old")
+    cache_folder.write_private(str(path), b"new")
+    assert path.read_bytes() == b"new" and mode_of(path) == 0o600 and mode_of(path.parent) == 0o700
+    assert sorted(os.listdir(path.parent)) == ["f.json"]  # no temporary file left
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)
+    with pytest.raises(cache_folder.UnsafeCacheError, match="can be written by others"):
+        cache_folder.write_private(str(open_folder / "f.json"), b"x")
+    assert os.listdir(open_folder) == []
+    os.symlink("/nonexistent-target", open_folder / "link")
+    open_folder.chmod(0o700)
+    cache_folder.write_private(str(open_folder / "link"), b"y")  # the link is replaced, not followed
+    assert not os.path.islink(open_folder / "link") and (open_folder / "link").read_bytes() == b"y"
+
+
 def test_bench_refuses_a_cache_dir_that_is_a_file_before_any_work(tmp_path, capsys, monkeypatch):
     """`ple-um bench` keeps its table in the cache folder: one that names a file is refused with the
     other knobs (exit 2, the variable named), never a bare "Not a directory" mid-run."""

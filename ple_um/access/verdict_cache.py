@@ -15,7 +15,6 @@ go to a private temporary file (0600) renamed over the old one (atomic), under t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -24,7 +23,6 @@ import logging
 import os
 import platform
 import socket
-import tempfile
 
 from ple_um import cache_folder, envs
 from ple_um.access.capabilities import DeviceCapabilities
@@ -153,25 +151,14 @@ def read_verdict(path: str, key: dict | None) -> dict | None:
 
 
 def write_verdict(path: str, record: dict) -> bool:
-    """Store ``record`` at ``path`` atomically (a temporary file of mode 0600 in the same folder,
-    renamed over the old one): a reader sees the old file or the new one, never a part. False (and
-    a warning) when the folder cannot be written or is not safe (``cache_folder``): the verdict then
-    holds for this process only."""
-    tmp = None
+    """Store ``record`` at ``path`` atomically (``cache_folder.write_private``): a reader sees the
+    old file or the new one, never a part. False (and a warning) when the folder cannot be written
+    or is not safe (``cache_folder``): the verdict then holds for this process only."""
     try:
-        cache_folder.private_folder(os.path.dirname(path))
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        cache_folder.write_private(path, json.dumps(record, indent=1, sort_keys=True).encode())
         return True
     except OSError as exc:
         logger.warning("ple-um: cannot cache the first-read verdict in %s: %s", path, exc)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         return False
 
 
