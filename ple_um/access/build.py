@@ -10,19 +10,39 @@ its mappings will be read (``PLE_UM_MADVISE``), and the modes whose rows stay pa
 
 The object owns the registrations, device copies and prefetcher it made and releases them in
 ``close()``, in reverse order; the mappings stay the caller's.
+
+The pieces it holds are here too. ``RegisteredMapping``: cudaHostRegister(Mapped | ReadOnly |
+Portable) over every mapped region. On a discrete GPU without ATS (an H200 in an x86 host, say)
+registration pins the range and gives the GPU a device pointer to it: the kernel reads rows over
+PCIe, no copy, no GPU memory. A ``PROT_READ`` mapping needs the ReadOnly flag (with the default
+flags the driver refuses a read-only range with cudaErrorInvalidValue). On ATS systems the same
+call only populates the pages (it does not pin), which the ats mode may use. The calls are the
+machine's (``ple_um.access.machine.registration()``: CUDA's, or an injected machine's).
+
+``PagePrefetcher``: CPU threads that fault in the pages a coming lookup will read. Under ATS the
+GPU's faults on file pages that are not resident are served one page at a time by the OS, which
+is slow; touching the rows from CPU threads first (in parallel, many faults in flight) makes the
+GPU's reads hit resident pages. A hint only: lookups are correct without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from ple_um import envs
-from ple_um.access.prefetch import PagePrefetcher
-from ple_um.access.registration import RegisteredMapping
+from ple_um.access.machine import HostRegistration, RegistrationError, registration
 from ple_um.checkpoint import ShardLayout
 from ple_um.mapping import MappedShards
+
+logger = logging.getLogger(__name__)
 
 GPU_MODES = ("ats", "registered", "device")
 
@@ -159,3 +179,108 @@ class ModeAccess:
             self.registrations[-1].close()
             self.registrations.pop()
         self.device_copies = []
+
+
+class RegisteredMapping:
+    """The CUDA registrations of a MappedShards' regions and the device base of each shard. It
+    owns them: a failure part-way releases the earlier ones.
+
+    ``calls``: the registration calls (default: the machine's, read when it is built)."""
+
+    def __init__(
+        self,
+        mapping: MappedShards,
+        device: torch.device,
+        *,
+        calls: HostRegistration | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        calls = calls or registration()
+        self.mapping = mapping
+        self.device = device
+        self._unregister = calls.unregister
+        self._registered: list[int] = []
+        self.device_addrs: list[int] = []
+        self.registered_bytes = 0
+        self._closed = False
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                for region in mapping.regions:
+                    try:
+                        calls.register(region.addr, region.length)
+                    except RegistrationError as exc:
+                        raise RegistrationError(f"{exc} for {region.path}") from None
+                    self._registered.append(region.addr)
+                    self.registered_bytes += region.length
+                    self.device_addrs.append(calls.device_pointer(region.addr))
+                    if progress is not None:
+                        progress(region.length)
+        except BaseException:
+            self.close()
+            raise
+        self.seconds = time.perf_counter() - t0
+
+    def device_bases(self) -> list[int]:
+        """Per shard: the device address of its local row 0 (0 for shards with no owned rows)."""
+        bases = []
+        for index in range(self.mapping.layout.parts):
+            owned = self.mapping.owned.get(index)
+            if owned is None:
+                bases.append(0)
+                continue
+            region = self.mapping.regions[owned.region]
+            host_base = self.mapping.shard_base(index)
+            bases.append(self.device_addrs[owned.region] + (host_base - region.addr))
+        return bases
+
+    def close(self) -> None:
+        """Unregister; idempotent. The caller has waited for every kernel that reads the pages
+        (``table.release_mode``)."""
+        if self._closed:
+            return
+        self._closed = True
+        for addr in reversed(self._registered):
+            self._unregister(addr)
+        self._registered.clear()
+
+
+class PagePrefetcher:
+    """Touches rows of a MappedShards from a small thread pool; owns the threads."""
+
+    def __init__(self, mapping: MappedShards, threads: int = 4) -> None:
+        self.mapping = mapping
+        self.threads = max(1, threads)
+        self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="ple-um-prefetch")
+
+    def submit(self, ids, touch=None) -> Future:
+        """Start touching the rows of ``ids`` (CPU tensor or array of global ids); returns a Future
+        of the number of distinct rows touched. Each id goes to one thread once (an id asked for
+        twice would otherwise be read twice, by two threads at once). ``touch(ids) -> rows``: what a
+        thread does with its part of them (default: fault in their pages, ``MappedShards.touch_rows``)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().to("cpu").numpy()
+        flat = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
+        parts = np.array_split(flat, min(self.threads, max(1, flat.size // 256)))
+        futures = [self.pool.submit(touch or self.mapping.touch_rows, p) for p in parts]
+        done: Future = Future()
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def finish(_f) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                done.set_exception(errors[0])
+            else:
+                done.set_result(sum(f.result() for f in futures))
+
+        for f in futures:
+            f.add_done_callback(finish)
+        return done
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

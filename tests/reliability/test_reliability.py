@@ -37,8 +37,9 @@ from helpers.reference import maps_of, reference_rows
 import ple_um
 import ple_um.table
 from ple_um import dropped, ops
+from ple_um.access.build import RegisteredMapping
 from ple_um.access.capabilities import triton_interpreter
-from ple_um.access.registration import RegisteredMapping, RegistrationError
+from ple_um.access.machine import RegistrationError
 from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError, ModeUnavailableError, TableClosedError
 from ple_um.mapping import MappedShards
