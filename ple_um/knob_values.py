@@ -12,12 +12,14 @@ from typing import Any
 from ple_um import cache_folder
 from ple_um.errors import KnobError
 
+OFF = ("0", "false", "no", "off", "")  # what turns a boolean off, and a list of modes too
+
 
 def boolean(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
-    if value in ("0", "false", "no", "off", ""):
+    if value in OFF:
         return False
     raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
@@ -27,7 +29,7 @@ def modes_list(*allowed: str) -> Callable[[str], tuple[str, ...]]:
 
     def parse(text: str) -> tuple[str, ...]:
         value = text.strip().lower()
-        if value in ("", "0", "off", "none", "false", "no"):
+        if value in (*OFF, "none"):
             return ()
         modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
         if any(m not in allowed for m in modes):
@@ -79,17 +81,12 @@ def auto_or(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
     return parse_auto
 
 
-def directory(text: str) -> str:
-    if not text.strip():
-        raise ValueError("expected a directory, got an empty value")
-    return text
-
-
 def cache_directory(text: str) -> str:
     """A folder ple-um may trust with what it caches: one that is there is a folder (not a link)
     owned by this user that no one else can write; one that is not there can be made
     (``cache_folder``)."""
-    directory(text)
+    if not text.strip():
+        raise ValueError("expected a directory, got an empty value")
     why = cache_folder.why_unusable(text)
     if why is not None:
         raise ValueError(f"expected a folder of this user's that no one else can write: {why}")
