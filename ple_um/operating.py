@@ -309,14 +309,8 @@ def prewarm(
             )
         before = _total(mappings)
         t0 = time.perf_counter()
-        read = 0
-        if progress is None:
-            for m in mappings:
-                read += m.populate(fraction, workers=workers)
-        else:
-            with progress(requested, "prewarm") as advance:
-                for m in mappings:
-                    read += m.populate(fraction, workers=workers, progress=advance)
+        with (progress or (lambda total, what: contextlib.nullcontext()))(requested, "prewarm") as advance:
+            read = sum(m.populate(fraction, workers=workers, progress=advance) for m in mappings)
         seconds = time.perf_counter() - t0
         after = _total(mappings)
     return {

@@ -55,10 +55,6 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _cuda_device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def resolve_device(device: str | int | torch.device | None) -> torch.device:
     """None -> the current CUDA device, or the CPU when there is none. A device this machine cannot
     use (a name torch does not know, CUDA where there is none, an index past the last GPU) raises
@@ -125,7 +121,7 @@ def read_capabilities(device: str | int | torch.device | None = None) -> DeviceC
         return DeviceCapabilities(
             cuda=False, device=str(dev), name="cpu", host_is_device=triton_interpreter()
         )
-    index = _cuda_device_index(dev)
+    index = dev.index  # resolve_device names a CUDA device's index
     errors: list[str] = []
     values: dict[str, bool] = {}
     try:

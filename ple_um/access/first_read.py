@@ -174,21 +174,19 @@ def run_child(
         "device": str(device),
         "windows": [list(w) for w in windows],
     }
-    env = dict(os.environ)
-    env.update(
-        {
-            # The child is the check: it does not check itself, and does nothing a server does at
-            # open beyond the mode's own set-up (no bulk calibration, self-test, prewarm, metrics).
-            "PLE_UM_FIRST_READ_CHECK": "off",
-            "PLE_UM_SELF_TEST_ROWS": "0",
-            "PLE_UM_BULK_ROWS": "0",
-            "PLE_UM_PREWARM": "0",
-            "PLE_UM_PROMETHEUS": "0",
-            "PLE_UM_STATS_SEC": "0",
-            "PLE_UM_METRICS_SEC": "0",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    env = {
+        **os.environ,
+        # The child is the check: it does not check itself, and does nothing a server does at open
+        # beyond the mode's own set-up (no bulk calibration, self-test, prewarm, metrics).
+        "PLE_UM_FIRST_READ_CHECK": "off",
+        "PLE_UM_SELF_TEST_ROWS": "0",
+        "PLE_UM_BULK_ROWS": "0",
+        "PLE_UM_PREWARM": "0",
+        "PLE_UM_PROMETHEUS": "0",
+        "PLE_UM_STATS_SEC": "0",
+        "PLE_UM_METRICS_SEC": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("PLE_UM_MODE", None)
     t0 = time.perf_counter()
     try:
