@@ -32,33 +32,29 @@ class UnsafeCacheError(OSError):
     """A cache folder or file that is not what ple-um may trust (the message says why)."""
 
 
+_KINDS = {
+    stat.S_IFDIR: "a folder",
+    stat.S_IFREG: "a regular file",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
 def _why_unsafe(st: os.stat_result, kind: str) -> str | None:
-    """Why a file of ``st`` cannot be trusted as a ``kind`` ("folder" or "file"), or None."""
-    is_kind = stat.S_ISDIR(st.st_mode) if kind == "folder" else stat.S_ISREG(st.st_mode)
+    """Why a file of ``st`` cannot be trusted as a ``kind`` ("folder" or "regular file"), or None."""
+    found = _KINDS.get(stat.S_IFMT(st.st_mode), "an unknown kind of file")
     if stat.S_ISLNK(st.st_mode):
         return "is a symbolic link"
-    if not is_kind:
-        return f"is not a {'folder' if kind == 'folder' else 'regular file'} ({_kind_of(st.st_mode)})"
+    if found != f"a {kind}":
+        return f"is not a {kind} ({found})"
     if st.st_uid != os.geteuid():
         return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
     if st.st_mode & 0o022:
         return f"can be written by others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
-
-
-def _kind_of(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISLNK, "a symbolic link"),
-    ):
-        if test(mode):
-            return name
-    return "an unknown kind of file"
 
 
 def why_unusable(path: str) -> str | None:
@@ -126,7 +122,7 @@ def open_private(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW: the last part of the path is a symbolic link
             raise UnsafeCacheError(f"{path} is a symbolic link") from None
         raise UnsafeCacheError(f"{path}: {exc.strerror or exc}") from None
-    why = _why_unsafe(os.fstat(fd), "file")
+    why = _why_unsafe(os.fstat(fd), "regular file")
     if why is not None:
         os.close(fd)
         raise UnsafeCacheError(f"{path} {why}")
