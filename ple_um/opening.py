@@ -69,7 +69,9 @@ def _select_mode(
         access = paths = knob_error = None
         try:
             verdict = first_read.first_read_verdict(report.mode, caps, layout, rows, device, recheck=recheck)
-            first_read.check(report, verdict)
+            report.first_read = [verdict]
+            if not verdict.passed:  # now, or as the cached verdict says
+                raise first_read.FirstReadRejected(verdict)
             if mappings is None:
                 return report, None, None
             access = ModeAccess(

@@ -277,20 +277,20 @@ def first_read_verdict(
         return FirstReadVerdict(mode=mode, status="not needed", reason=skip)
     key = verdict_cache.verdict_key(caps, mode, layout.files)
     path = verdict_cache.verdict_path(key)
-    if not recheck:
-        record = verdict_cache.read_verdict(path, key)
-        if record is not None:
-            return _from_record(mode, record, path, "cache")
+
+    def cached() -> FirstReadVerdict | None:
+        record = None if recheck else verdict_cache.read_verdict(path, key)
+        return None if record is None else _from_record(mode, record, path, "cache")
+
+    if (found := cached()) is not None:
+        return found
     timeout = envs.PLE_UM_FIRST_READ_TIMEOUT
     # Ranks that start at once run one child: the others wait for its verdict (or go on without the lock).
     with file_lock.held(path + ".lock", timeout + 30) as why:
         if why is not None:
             logger.warning("ple-um: the first-read verdict's lock is not held (%s); going on without it", why)
-        elif not recheck:
-            # Another process may have run the child while this one waited for the lock.
-            record = verdict_cache.read_verdict(path, key)
-            if record is not None:
-                return _from_record(mode, record, path, "cache")
+        elif (found := cached()) is not None:  # another process ran the child while this one waited
+            return found
         windows = sample_windows(layout, rows)
         logger.info("ple-um: checking the %s mode's first read in a child process (rows %s)", mode, windows)
         outcome = run_child(layout, windows, mode, device, timeout)
@@ -313,15 +313,6 @@ def first_read_verdict(
     verdict = _from_record(mode, record, path if stored else None, "child")
     (logger.info if outcome.passed else logger.warning)("ple-um: %s", verdict.describe())
     return verdict
-
-
-def check(report: ProbeReport, verdict: FirstReadVerdict) -> None:
-    """What ``open_table`` does with ``first_read_verdict``'s answer for ``report.mode``: sets
-    ``report.first_read`` and raises FirstReadRejected when the mode's first read failed in a child
-    (now or before)."""
-    report.first_read = [verdict]
-    if not verdict.passed:
-        raise FirstReadRejected(verdict)
 
 
 def cached_verdicts(report: ProbeReport, caps: DeviceCapabilities) -> list[FirstReadVerdict]:
