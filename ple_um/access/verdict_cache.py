@@ -135,19 +135,17 @@ def read_verdict(path: str, key: dict | None) -> dict | None:
     try:
         cache_folder.check_folder(os.path.dirname(path))
         record = json.loads(cache_folder.read_private(path, MAX_BYTES).decode("utf-8"))
+        why = _why_untrusted(record, key)
     except FileNotFoundError:
         return None
     except cache_folder.UnsafeCacheError as exc:
-        logger.warning("ple-um: ignoring the first-read verdict file %s: not trusted: %s", path, exc)
-        return None
+        why = f"not trusted: {exc}"
     except (OSError, ValueError) as exc:
-        logger.warning("ple-um: ignoring the first-read verdict file %s: unreadable: %s", path, exc)
-        return None
-    why = _why_untrusted(record, key)
-    if why is not None:
-        logger.warning("ple-um: ignoring the first-read verdict file %s: %s", path, why)
-        return None
-    return record
+        why = f"unreadable: {exc}"
+    if why is None:
+        return record
+    logger.warning("ple-um: ignoring the first-read verdict file %s: %s", path, why)
+    return None
 
 
 def write_verdict(path: str, record: dict) -> bool:
