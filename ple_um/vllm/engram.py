@@ -2,7 +2,7 @@
 
 vLLM builds every Engram layer's table through one factory, ``Engram._create_embedding``
 (``vllm.models.deepseek_v41.common.engram``). ``apply()`` (called by the plugin's ``register``)
-replaces that class attribute, keeping the original on the class under ``_ple_um_original``; the
+replaces that class attribute (``patch.replace``, which keeps the original on the class); the
 replacement reads PLE_UM each time a layer is built and, with it set, builds
 ``MappedEngramEmbedding``: a ``ParallelEngramEmbedding`` that holds no copy of the table. Its
 parameters are empty; their weight loader checks the tensor vLLM hands over (name, shape, dtype:
@@ -44,12 +44,12 @@ from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry
 from ple_um.errors import CheckpointError
 from ple_um.opening import open_engram_table
 from ple_um.served import ServedTable
+from ple_um.vllm.patch import replace
 from ple_um.vllm.source import TableSource
 
 logger = init_logger("vllm.ple_um.engram")
 
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
-ORIGINAL = "_ple_um_original"
 
 
 class EngramLayoutError(ValueError):
@@ -59,24 +59,13 @@ class EngramLayoutError(ValueError):
 def apply() -> list[str]:
     """Patch ``Engram._create_embedding``; returns what was patched now (empty when it already was)."""
     module = importlib.import_module(ENGRAM_MODULE)
-    cls = module.Engram
-    if ORIGINAL in cls.__dict__:
+    original = module.Engram.__dict__["_create_embedding"]
+    if not replace(module.Engram, {"_create_embedding": _patched_create_embedding(original)}):
         return []
-    original = cls.__dict__["_create_embedding"]
-    cls._create_embedding = _patched_create_embedding(module, original)
-    setattr(cls, ORIGINAL, {"_create_embedding": original})
     return [f"{ENGRAM_MODULE}.Engram._create_embedding"]
 
 
-def unpatch(module) -> None:
-    """Restore the stock factory (for tests)."""
-    original = module.Engram.__dict__.get(ORIGINAL)
-    if original is not None:
-        module.Engram._create_embedding = original["_create_embedding"]
-        delattr(module.Engram, ORIGINAL)
-
-
-def _patched_create_embedding(module, original):
+def _patched_create_embedding(original):
     @functools.wraps(original)
     def _create_embedding(self, layout, layer_hash_index: int):
         if not envs.PLE_UM:

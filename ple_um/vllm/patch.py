@@ -1,7 +1,8 @@
 """The patch the plugin applies to vLLM 0.33 when PLE_UM=1: Qwen4Exp PLE layers get the ple-um backend.
 
-vLLM symbols it replaces (class attributes; the originals are kept on the class under
-``_ple_um_original``, which also makes a second application a no-op):
+vLLM symbols it replaces (class attributes, by ``replace``: the originals are kept on the class
+under ``_ple_um_original``, which also makes a second application a no-op; ``restore`` puts them
+back):
 
 - ``Qwen4ExpNGramEmbedding.__init__`` (``vllm.models.qwen4_exp.nvidia.ngram_embedding``, or
   ``vllm.models.qwen4_exp.amd.ple_layer`` on ROCm): runs the stock constructor while that module's
@@ -32,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from types import ModuleType
 
 import torch
+import vllm
 from vllm.logger import init_logger
 
 from ple_um import envs
@@ -71,13 +73,26 @@ def apply() -> list[str]:
     return patched
 
 
-def _vllm_version() -> str:
-    try:
-        import vllm
+def replace(cls: type, methods: dict) -> bool:
+    """Set ``methods`` (name: new attribute) on ``cls``, keeping the class's own originals under
+    ``ORIGINAL`` (None for one it inherits); False, changing nothing, when ``cls`` was patched."""
+    if ORIGINAL in cls.__dict__:
+        return False
+    setattr(cls, ORIGINAL, {name: cls.__dict__.get(name) for name in methods})
+    for name, value in methods.items():
+        setattr(cls, name, value)
+    return True
 
-        return vllm.__version__
-    except Exception:  # noqa: BLE001 - only for a message
-        return "unknown"
+
+def restore(cls: type) -> None:
+    """Undo ``replace`` on ``cls`` (for tests); nothing when it is not patched."""
+    for name, value in cls.__dict__.get(ORIGINAL, {}).items():
+        if value is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, value)
+    if ORIGINAL in cls.__dict__:
+        delattr(cls, ORIGINAL)
 
 
 def patch_ngram_class(module: ModuleType) -> bool:
@@ -85,31 +100,17 @@ def patch_ngram_class(module: ModuleType) -> bool:
     missing = [n for n in (NGRAM_CLASS, *STOCK_BACKENDS) if not hasattr(module, n)]
     if missing:
         raise RuntimeError(
-            f"ple-um: {module.__name__} has no {', '.join(missing)}: vLLM {_vllm_version()} is not the "
+            f"ple-um: {module.__name__} has no {', '.join(missing)}: vLLM {vllm.__version__} is not the "
             "layout ple-um patches (vLLM 0.33). Unset PLE_UM (and VLLM_PLE_MMAP)."
         )
     cls = getattr(module, NGRAM_CLASS)
-    if ORIGINAL in cls.__dict__:
-        return False
-    original = {"__init__": cls.__init__, "load_weights": cls.load_weights}
-    cls.__init__ = _patched_init(module, original["__init__"])
-    cls.load_weights = _patched_load_weights(original["load_weights"])
+    methods = {
+        "__init__": _patched_init(module, cls.__init__),
+        "load_weights": _patched_load_weights(cls.load_weights),
+    }
     if "start_prefetch" in cls.__dict__:
-        original["start_prefetch"] = cls.start_prefetch
-        cls.start_prefetch = early.start_prefetch_hook(cls.start_prefetch)
-    setattr(cls, ORIGINAL, original)
-    return True
-
-
-def unpatch_ngram_class(module: ModuleType) -> None:
-    """Restore the stock methods (for tests)."""
-    cls = getattr(module, NGRAM_CLASS)
-    original = cls.__dict__.get(ORIGINAL)
-    if original is None:
-        return
-    for name, value in original.items():
-        setattr(cls, name, value)
-    delattr(cls, ORIGINAL)
+        methods["start_prefetch"] = early.start_prefetch_hook(cls.start_prefetch)
+    return replace(cls, methods)
 
 
 def _patched_init(module: ModuleType, original):
@@ -130,7 +131,7 @@ def _patched_init(module: ModuleType, original):
         if not isinstance(backend, Qwen4ExpPLEMappedEmbedding):
             raise RuntimeError(
                 f"ple-um: {module.__name__}.{NGRAM_CLASS} built {type(backend).__name__}, not the ple-um "
-                f"backend: vLLM {_vllm_version()} selects its backend differently than vLLM 0.33"
+                f"backend: vLLM {vllm.__version__} selects its backend differently than vLLM 0.33"
             )
         backend.split_ngram_parts = int(self.split_ngram_parts)
         if not hasattr(type(self), "start_prefetch"):
@@ -190,13 +191,14 @@ def _patch_model_classes(ngram_module: ModuleType) -> None:
         cls = getattr(model_module, name, None)
         if cls is None or ORIGINAL in cls.__dict__:
             continue
-        original = {
-            "load_weights": cls.__dict__.get("load_weights"),
-            "is_unused_checkpoint_weight": cls.__dict__.get("is_unused_checkpoint_weight"),
-        }
-        cls.load_weights = _model_load_weights(cls.load_weights)
-        cls.is_unused_checkpoint_weight = _model_is_unused(getattr(cls, "is_unused_checkpoint_weight", None))
-        setattr(cls, ORIGINAL, original)
+        unused = getattr(cls, "is_unused_checkpoint_weight", None)
+        replace(
+            cls,
+            {
+                "load_weights": _model_load_weights(cls.load_weights),
+                "is_unused_checkpoint_weight": _model_is_unused(unused),
+            },
+        )
         logger.debug("ple-um: patched %s.%s", model_module.__name__, name)
 
 

@@ -140,7 +140,7 @@ def test_rocm_layer_never_allocates_the_prefetch_machinery(world, patched, table
     """ROCm's layer never prefetches: its forward leaves the buffer and the side stream unmade."""
     from vllm.models.qwen4_exp.amd import ple_layer
 
-    from ple_um.vllm.patch import patch_ngram_class, unpatch_ngram_class
+    from ple_um.vllm.patch import patch_ngram_class, restore
 
     patch_ngram_class(ple_layer)
     try:
@@ -154,7 +154,7 @@ def test_rocm_layer_never_allocates_the_prefetch_machinery(world, patched, table
         assert backend.overlapped.buffer is None and backend.overlapped.side.stream is None
         backend.close_table()
     finally:
-        unpatch_ngram_class(ple_layer)
+        restore(ple_layer.Qwen4ExpNGramEmbedding)
 
 
 # vLLM: test_ngram_prefetch_ids_outlive_start_prefetch

@@ -48,6 +48,7 @@ def engram_world(module, world, monkeypatch, table_dir, checkpoint):
     from vllm.config import DeviceConfig, EngramConfig, VllmConfig, set_current_vllm_config
 
     from ple_um.vllm import engram
+    from ple_um.vllm.patch import restore
 
     props = types.SimpleNamespace(multi_processor_count=8)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: props)
@@ -59,7 +60,7 @@ def engram_world(module, world, monkeypatch, table_dir, checkpoint):
     object.__setattr__(config, "engram_config", EngramConfig(cpu_offload=False))
     with set_current_vllm_config(config):
         yield module
-    engram.unpatch(module)
+    restore(module.Engram)
 
 
 def _tensors(path, layer):

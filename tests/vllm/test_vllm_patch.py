@@ -73,7 +73,7 @@ def test_amd_variant_matches_stock(world, table_dir, tmp_path):
     from vllm.models.qwen4_exp.amd import ple_layer
 
     from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
-    from ple_um.vllm.patch import patch_ngram_class, unpatch_ngram_class
+    from ple_um.vllm.patch import patch_ngram_class, restore
 
     patch_ngram_class(ple_layer)
     try:
@@ -94,7 +94,7 @@ def test_amd_variant_matches_stock(world, table_dir, tmp_path):
         assert h.same_bits(*outputs) and outputs[0].any()
         mapped.ngram_embedding.close_table()
     finally:
-        unpatch_ngram_class(ple_layer)
+        restore(ple_layer.Qwen4ExpNGramEmbedding)
 
 
 def test_rocm_layer_takes_no_prefetch_hook(world, patched, monkeypatch):
@@ -103,7 +103,7 @@ def test_rocm_layer_takes_no_prefetch_hook(world, patched, monkeypatch):
     declares none, and the layer calls its forward; the NVIDIA layer keeps the hook."""
     from vllm.models.qwen4_exp.amd import ple_layer
 
-    from ple_um.vllm.patch import patch_ngram_class, unpatch_ngram_class
+    from ple_um.vllm.patch import patch_ngram_class, restore
 
     monkeypatch.setenv("PLE_UM_OVERLAP", "1")
     config = h.text_config(fp8=True)
@@ -112,4 +112,4 @@ def test_rocm_layer_takes_no_prefetch_hook(world, patched, monkeypatch):
     try:
         assert not h.build_amd(config, ple_um_on=True).ngram_embedding.supports_prefetch
     finally:
-        unpatch_ngram_class(ple_layer)
+        restore(ple_layer.Qwen4ExpNGramEmbedding)
