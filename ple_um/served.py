@@ -15,7 +15,7 @@ open, and how it calls a lookup, stays in its plugin (``ple_um.vllm``, ``ple_um.
 - ``compare_shard``: a shard a load delivers in memory compared with the mapped bytes, since the
   table is served read-only (``ReloadMismatchError``).
 - ``SideLookups`` and ``StepGroup``: the side stream the early lookups of a step are queued on, with
-  a mark per layer, and the bookkeeping of which layers' starts of a step were taken early.
+  a mark per layer, and which layers' starts of a step were taken early (and its log line).
 
 Imports nothing from vLLM or SGLang.
 """
@@ -273,10 +273,10 @@ class SideLookups:
 
 
 class StepGroup:
-    """The PLE layers of one model whose starts of a step are taken together, by the first layer's:
-    ``taken`` answers a later layer's own start, ``took`` records the early start of a step (its
-    inputs ``step``, compared by identity: the engines hand every layer the same objects in one
-    forward, and holding them keeps another forward's from taking their identity)."""
+    """The PLE layers of one model whose starts of a step are taken together, by the first layer's
+    (``PLE_UM_EARLY_LOOKUPS``): ``start`` answers each layer's start; a step is its inputs, compared
+    by identity (the engines hand every layer the same objects in one forward, and holding them
+    keeps another forward's from taking their identity)."""
 
     def __init__(self, layers: list) -> None:
         self.layers = list(layers)
@@ -285,21 +285,33 @@ class StepGroup:
         self.step: tuple | None = None
         self.pending: set[int] = set()
 
-    def position(self, layer) -> int | None:
-        """``layer``'s position in the group, or None for a layer outside it."""
-        return next((i for i, member in enumerate(self.layers) if member is layer), None)
-
-    def taken(self, position: int, step: tuple) -> bool:
-        """Whether the start of the layer at ``position`` for ``step`` was already taken early."""
-        same = self.step is not None and all(a is b for a, b in zip(self.step, step, strict=True))
-        if position not in self.pending or not same:
+    def start(self, layer, step: tuple, start_from: Callable[[list], bool]) -> bool:
+        """The engine's start of ``layer``'s lookup for ``step``: True when it is taken, by an earlier
+        layer's start of the step or now, where ``start_from`` started ``layer``'s and every later
+        layer's; False when the caller runs the stock start (a layer outside the group, early
+        lookups off, or ``start_from`` declined)."""
+        position = next((i for i, member in enumerate(self.layers) if member is layer), None)
+        if position is None:
             return False
-        self.pending.discard(position)
-        if not self.pending:
-            self.step = None  # the step's last start: its inputs are not held past it
+        same = self.step is not None and all(a is b for a, b in zip(self.step, step, strict=True))
+        if same and position in self.pending:
+            self.pending.discard(position)
+            if not self.pending:
+                self.step = None  # the step's last start: its inputs are not held past it
+            return True
+        if envs.PLE_UM_EARLY_LOOKUPS == "off" or not start_from(self.layers[position:]):
+            return False
+        self.step, self.pending = step, set(range(position + 1, len(self.layers)))
         return True
 
-    def took(self, position: int, step: tuple) -> None:
-        """The layer at ``position`` started every later layer's work of ``step`` with its own."""
-        self.step = step
-        self.pending = set(range(position + 1, len(self.layers)))
+    def announce(self, logger: logging.Logger, how: str, buffers: str) -> None:
+        """Log the group at INFO: ``how`` the step's lookups run, ``buffers`` the memory they write."""
+        logger.info(
+            "ple-um: early lookups %s (PLE_UM_EARLY_LOOKUPS): the first of %d PLE layers' start_prefetch "
+            "starts all %d lookups of a step, %s; their rows go to the layers' own prefetch buffers, %s",
+            envs.PLE_UM_EARLY_LOOKUPS,
+            len(self.layers),
+            len(self.layers),
+            how,
+            buffers,
+        )

@@ -6,7 +6,7 @@ decoder layer ahead of each PLE layer, which computes that layer's n-gram ids fr
 the rows there into the layer's own buffer, and leaves them for the layer's forward, which joins
 that stream. The ids depend only on the step's batch and the layer's hash configuration, so the
 whole step's exist before layer 0 runs. ``link`` groups a model's PLE layers served by ple-um
-(``EarlyLookups``, when the model is built: ``hooks``); with ``PLE_UM_EARLY_LOOKUPS`` the group's
+(a ``StepGroup``, when the model is built: ``hooks``); with ``PLE_UM_EARLY_LOOKUPS`` the group's
 first layer's ``start_prefetch`` runs SGLang's own ``start_prefetch`` of every later PLE layer too,
 each on its layer's stream into its layer's buffers, and a later layer's own call in the same forward
 (the same batch) finds its lookup started and returns. Each layer's forward joins only its own
@@ -25,40 +25,12 @@ import logging
 
 from torch import nn
 
-from ple_um import envs
 from ple_um.served import StepGroup
 from ple_um.units import format_bytes
 
 logger = logging.getLogger("ple_um.sglang")
 
 _BF16_BYTES = 2  # SGLang's prefetch buffers hold bf16 rows
-
-
-class EarlyLookups(StepGroup):
-    """The PLE layers (``Qwen4ExpPLELayer``) of one model served by ple-um, in the model's order,
-    whose prefetches of a step start together; a step is its batch objects (SGLang hands every
-    layer the same ones in one forward; a breakable graph's replay refills its holder with a new
-    batch)."""
-
-    def bytes_per_token(self) -> int:
-        return sum(layer.ple_embed_dim * _BF16_BYTES for layer in self.layers)
-
-    def start(self, original, layer: nn.Module, batch, forward_batch) -> bool:
-        """SGLang's ``start_prefetch`` of ``layer`` (``original``, the stock method): True when its
-        prefetch is started here (now, with every later layer's, or by an earlier layer of this
-        forward); False when the caller runs the stock one alone."""
-        position = self.position(layer)
-        if position is None:
-            return False
-        step = (batch, forward_batch)
-        if self.taken(position, step):
-            return True
-        if envs.PLE_UM_EARLY_LOOKUPS == "off" or batch is None:
-            return False
-        for member in self.layers[position:]:
-            original(member, batch=batch, forward_batch=forward_batch)
-        self.took(position, step)
-        return True
 
 
 def ple_um_layers(model: nn.Module) -> list[nn.Module]:
@@ -74,23 +46,17 @@ def ple_um_layers(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def link(layers: list[nn.Module]) -> EarlyLookups | None:
+def link(layers: list[nn.Module]) -> StepGroup | None:
     """Group ``layers`` (PLE layers of one model, in its order) for early lookups and log it; None
-    for no layer."""
+    for no layer. A step is its batch objects (SGLang hands every layer the same ones in one
+    forward; a breakable graph's replay refills its holder with a new batch)."""
     if not layers:
         return None
-    group = EarlyLookups(layers)
+    group = StepGroup(layers)
     for layer in layers:
         layer._ple_um_early = group
-    logger.info(
-        "ple-um: early lookups %s (PLE_UM_EARLY_LOOKUPS): the first of %d PLE layers' start_prefetch "
-        "starts all %d prefetches of a step, each on its layer's stream; their rows go to the layers' "
-        "own prefetch buffers, %s a token in all",
-        envs.PLE_UM_EARLY_LOOKUPS,
-        len(layers),
-        len(layers),
-        format_bytes(group.bytes_per_token()),
-    )
+    per_token = sum(layer.ple_embed_dim * _BF16_BYTES for layer in layers)
+    group.announce(logger, "each on its layer's stream", f"{format_bytes(per_token)} a token in all")
     return group
 
 
@@ -98,7 +64,13 @@ def start_prefetch(original, self, batch=None, forward_batch=None, **kwargs) -> 
     """``Qwen4ExpPLELayer.start_prefetch`` (AROUND): the layer's group starts it (and the step's
     later PLE layers') where it may, else the stock method runs."""
     group = getattr(self, "_ple_um_early", None)
-    if kwargs or group is None or not group.start(original, self, batch, forward_batch):
+
+    def start_from(members: list[nn.Module]) -> bool:
+        for member in members:
+            original(member, batch=batch, forward_batch=forward_batch)
+        return True
+
+    if kwargs or batch is None or group is None or not group.start(self, (batch, forward_batch), start_from):
         original(self, batch=batch, forward_batch=forward_batch, **kwargs)
 
 

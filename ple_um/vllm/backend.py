@@ -112,7 +112,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         self.overlapped = OverlappedLookups(
             prefix, max_total_tokens * self.etp_data_parallel_size, embedding_dim
         )
-        # The model's ple-um layers whose lookups of a step start together (``early.link``).
+        # The model's ple-um layers whose lookups of a step start together (``early.link_model``).
         self.early = None
         # Shard tensors (NVFP4: rows and block scales alike) delivered as file views: not read; and
         # delivered in memory: compared with the mapped bytes.

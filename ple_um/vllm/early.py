@@ -12,7 +12,7 @@ reads have the whole step's compute to hide behind, the first one's what they ha
 
 The rows land in each layer's own prefetch buffer (allocated by the first eager step, sized for
 vLLM's ``max_num_batched_tokens``), so early lookups take no memory beyond what the layers hold
-anyway; ``link`` logs the buffers' total. A later layer's ``start_prefetch`` in the same forward
+anyway; ``link_model`` logs the buffers' total. A later layer's ``start_prefetch`` in the same forward
 (the same input tensors) finds its lookup started and returns. Everything is stream work: a FULL
 CUDA graph captures the fork, the lookups and every join.
 
@@ -55,28 +55,17 @@ class EarlyLookups(StepGroup):
             total += backend.overlapped.rows * per_row
         return total
 
-    def start(
+    def start_from(
         self,
-        layer: nn.Module,
         input_ids: torch.Tensor,
         query_start_loc: torch.Tensor,
         ngram_context: torch.Tensor,
+        members: list[nn.Module],
     ) -> bool:
-        """vLLM's ``start_prefetch`` of ``layer``: True when its lookup is started here (now, with
-        every later layer's, or already by an earlier layer of this forward); False when the caller
-        runs the stock one (not a member; early lookups off, or ``auto`` where they cannot fork)."""
-        position = self.position(layer)
-        if position is None:
-            return False
-        step = (input_ids, query_start_loc, ngram_context)
-        if self.taken(position, step):
-            return True
-        mode = envs.PLE_UM_EARLY_LOOKUPS
-        if mode == "off":
-            return False
-        members = self.layers[position:]
+        """Start the lookups of ``members`` (a layer and the later ones) for a step, each layer's ids
+        computed as vLLM does; False, starting nothing, under ``auto`` where they cannot all fork."""
         fork = all(member.ngram_embedding.may_fork(input_ids) for member in members)
-        if mode == "auto" and not fork:
+        if envs.PLE_UM_EARLY_LOOKUPS == "auto" and not fork:
             return False
         prepared = []
         for member in members:
@@ -85,7 +74,6 @@ class EarlyLookups(StepGroup):
             )
             prepared.append((member.ngram_embedding, ids))
         self._queue(prepared, fork)
-        self.took(position, step)
         return True
 
     def _queue(self, prepared: list[tuple[Qwen4ExpPLEMappedEmbedding, torch.Tensor]], fork: bool) -> None:
@@ -107,48 +95,34 @@ class EarlyLookups(StepGroup):
             backend.overlapped.start(out, ids, join, ngram_ids.shape[0])
 
 
-def ple_um_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's n-gram embeddings served by ple-um with vLLM's prefetch hook, in layer order."""
-    found = [
+def link_model(model: nn.Module) -> EarlyLookups | None:
+    """Group the model's n-gram embeddings served by ple-um with vLLM's prefetch hook, in layer
+    order, for early lookups (called once the model is loaded); the group they already share is
+    kept (graphs may have captured its side stream). Logs the group and its buffers' total when it
+    is new. None for no layer."""
+    layers = [
         module
         for module in model.modules()
         if isinstance(getattr(module, "ngram_embedding", None), Qwen4ExpPLEMappedEmbedding)
         and module.ngram_embedding.supports_prefetch
         and hasattr(module, "_prefetch_ids")
     ]
-    return sorted(found, key=lambda module: layer_index(module.ngram_embedding.prefix))
-
-
-def link(layers: list[nn.Module]) -> EarlyLookups | None:
-    """Group ``layers`` (n-gram embeddings of one model, in the model's order) for early lookups;
-    the group they already share is kept (graphs may have captured its side stream). Logs the
-    group and its buffers' total when it is new. None for no layer."""
     if not layers:
         return None
+    layers.sort(key=lambda module: layer_index(module.ngram_embedding.prefix))
     group = layers[0].ngram_embedding.early
     if group is not None and group.layers == layers and all(m.ngram_embedding.early is group for m in layers):
         return group
     group = EarlyLookups(layers)
     for layer in layers:
         layer.ngram_embedding.early = group
-    first = layers[0].ngram_embedding
-    logger.info(
-        "ple-um: early lookups %s (PLE_UM_EARLY_LOOKUPS): the first of %d PLE layers' start_prefetch "
-        "starts all %d lookups of a step on a side stream, each joined by its layer; their rows go to "
-        "the layers' own prefetch buffers, %s in all (%d tokens x %d heads a layer)",
-        envs.PLE_UM_EARLY_LOOKUPS,
-        len(layers),
-        len(layers),
-        format_bytes(group.buffer_bytes()),
-        first.overlapped.rows,
-        layers[0].ngram_heads,
+    group.announce(
+        logger,
+        "on a side stream, each joined by its layer",
+        f"{format_bytes(group.buffer_bytes())} in all ({layers[0].ngram_embedding.overlapped.rows} tokens "
+        f"x {layers[0].ngram_heads} heads a layer)",
     )
     return group
-
-
-def link_model(model: nn.Module) -> EarlyLookups | None:
-    """``link`` the model's ple-um PLE layers (called once the model is loaded)."""
-    return link(ple_um_layers(model))
 
 
 def start_prefetch_hook(original):
@@ -158,7 +132,8 @@ def start_prefetch_hook(original):
     @functools.wraps(original)
     def start_prefetch(self, input_ids, query_start_loc, ngram_context) -> None:
         group = getattr(self.ngram_embedding, "early", None)
-        if group is None or not group.start(self, input_ids, query_start_loc, ngram_context):
+        step = (input_ids, query_start_loc, ngram_context)
+        if group is None or not group.start(self, step, functools.partial(group.start_from, *step)):
             original(self, input_ids, query_start_loc, ngram_context)
 
     return start_prefetch
