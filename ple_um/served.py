@@ -12,8 +12,9 @@ open, and how it calls a lookup, stays in its plugin (``ple_um.vllm``, ``ple_um.
   probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
 - ``ServedLayer``: what an engine's layer class gets from its ``ServedTable`` (the table, its rows,
   its ``extra_repr``, closing it).
-- ``compare_shard``: a shard a load delivers in memory compared with the mapped bytes, since the
-  table is served read-only (``ReloadMismatchError``).
+- ``compare_shard``: a shard (or NVFP4's global scale) a load delivers in memory compared with the
+  mapped bytes, since the table is served read-only (``ReloadMismatchError``); ``ServedTable.check_scale``
+  the global scale the engine loaded; ``host_lookup_refused`` a table the engine's graphs cannot hold.
 - ``SideLookups`` and ``StepGroup``: the side stream the early lookups of a step are queued on, with
   a mark per layer, and which layers' starts of a step were taken early (and its log line).
 
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ple_um import envs
-from ple_um.errors import PleUmError
+from ple_um.errors import CheckpointError, PleUmError
 from ple_um.lookup.streams import own_stream
 from ple_um.opening import open_table
 from ple_um.table import MappedTable
@@ -75,6 +76,26 @@ class ServedTable:
         """The open table when it was opened from ``directory``, else None (none open, or another
         directory: the caller opens one)."""
         return self.table if self.table is not None and self.directory == directory else None
+
+    def require(self, prefix: str, why: str) -> MappedTable:
+        """The open table, or RuntimeError naming the layer (``prefix``) and ``why`` none is open."""
+        if self.table is None:
+            raise RuntimeError(f"{prefix}: the table is not open: {why}")
+        return self.table
+
+    def check_scale(self, prefix: str, name: str, loaded: torch.Tensor, expected: torch.Tensor) -> None:
+        """The global scale ``name`` the engine loaded (``loaded``, float32) must be the open table's
+        (``expected``, as the engine holds it): PLE_UM_DIR may name another checkpoint's table."""
+        if torch.equal(loaded, expected):
+            return
+        table = self.table
+        raise CheckpointError(
+            f"{prefix}: {self.engine} loaded {name} {loaded.tolist()} but the mapped table's scale is "
+            f"{table.scale} ({table.layout.dtype_name}): the table in the checkpoint directory does not "
+            "belong to this checkpoint (PLE_UM_DIR?)",
+            path=table.layout.directory,
+            tensor=table.layout.scale_tensor,
+        )
 
     def note_lookup(self, ids: torch.Tensor) -> None:
         """A lookup of ``ids`` is queued: when a graph captures it, the graphs hold the table."""
@@ -182,10 +203,7 @@ class ServedLayer:
         )
 
     def require_table(self) -> MappedTable:
-        table = self.served.table
-        if table is None:
-            raise RuntimeError(f"{self.prefix}: the PLE table is not open: {self.NOT_OPEN}")
-        return table
+        return self.served.require(self.prefix, self.NOT_OPEN)
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""
@@ -198,23 +216,48 @@ class ServedLayer:
         return f"rows=[{start}, {end}) of {self.org_vocab_size}, row_dim={self.embedding_dim}, {state}"
 
 
+def host_lookup_refused(prefix: str, table: MappedTable, why: str, flags: str) -> RuntimeError:
+    """The error for a table that is not capture-safe (the cpu mode without its C row copy: its lookup
+    waits for the device) where the engine's CUDA graphs cannot hold it: ``why`` not, and ``flags``,
+    the engine's flags that work."""
+    return RuntimeError(
+        f"ple-um serves {prefix} in the {table.mode} mode without its host node ({table.row_reads}): the "
+        f"lookup waits for the device; {why}. Make the C row copy available (a working C compiler, "
+        f"PLE_UM_ROWCOPY=1), {flags}, or make a GPU mode available (why not: {table.report.reasons})"
+    )
+
+
 def compare_shard(
     prefix: str, table: MappedTable, index: int, tensor: torch.Tensor, kind: str = "weight"
 ) -> None:
-    """The rows of checkpoint tensor ``shard_<index>.<kind>`` (``weight``: the rows; ``weight_scale``:
-    NVFP4's block scales) that ``table`` maps, delivered in memory by a load, must equal the mapped
-    bytes (NVFP4: through ``lookup_packed``); ReloadMismatchError names the first row that differs,
-    the file and the tensor."""
+    """Checkpoint tensor ``shard_<index>.<kind>``, delivered in memory by a load, must equal what
+    ``table`` maps: ``weight`` the rows and ``weight_scale`` NVFP4's block scales (this rank's rows
+    of them; NVFP4 through ``lookup_packed``), ``weight_scale_2`` NVFP4's global scale (``index``
+    -1). ReloadMismatchError names the first row that differs, the file and the tensor."""
     layout = table.layout
+    if kind == "weight_scale_2":
+        given = tensor.detach().float().cpu().reshape(-1)
+        if not layout.is_nvfp4 or not torch.equal(given, torch.full_like(given, layout.scale)):
+            raise _differs(
+                prefix, f"the global scale {given.tolist()}", layout.directory, layout.scale_tensor
+            )
+        return
+    if kind == "weight_scale" and not layout.is_nvfp4:
+        raise _differs(prefix, f"NVFP4 block scales of shard {index}", layout.directory, None)
+    if not 0 <= index < layout.parts:
+        raise CheckpointError(
+            f"{prefix}: shard index {index} is outside the table's {layout.parts} shards",
+            tensor=f"shard_{index}.{kind}",
+        )
     if kind == "weight":
-        spec, stored, what = layout.shards[index], table.dtype, ""
+        spec, stored, what = layout.shards[index], table.dtype, f"shard {index}"
     else:
-        spec, stored, what = layout.block_scales[index], torch.float8_e4m3fn, " block scales"
+        spec, stored, what = layout.block_scales[index], torch.float8_e4m3fn, f"shard {index} block scales"
     if tensor.dim() != 2 or tensor.shape[0] != spec.rows or tensor.dtype != stored:
         raise ReloadMismatchError(
-            f"{prefix}: shard {index}{what} was delivered as {tensor.dtype} {tuple(tensor.shape)}, but the "
-            f"table in {spec.path} ({spec.tensor}) is {stored} with {spec.rows} rows; ple-um serves the "
-            "checkpoint files read-only"
+            f"{prefix}: {what} was delivered as {tensor.dtype} {tuple(tensor.shape)}, but the table in "
+            f"{spec.path} ({spec.tensor}) is {stored} with {spec.rows} rows; ple-um serves the checkpoint "
+            "files read-only"
         )
     start = layout.shard_start(index)
     row_start, row_end = table.rows
@@ -228,12 +271,15 @@ def compare_shard(
         given = tensor[a - start : b - start].to(table.device).contiguous().view(torch.uint8)
         if not torch.equal(mapped, given):
             row = a + int((mapped != given).any(dim=1).nonzero()[0])
-            raise ReloadMismatchError(
-                f"{prefix}: shard {index}{what} delivered in memory differs from the mapped checkpoint at "
-                f"row {row} (file {spec.path}, tensor {spec.tensor}). ple-um serves the table read-only "
-                "from the checkpoint files: write the new table to a checkpoint directory and reload from "
-                "that path, or unset PLE_UM to keep the table in memory"
-            )
+            raise _differs(prefix, f"{what} at row {row}", spec.path, spec.tensor)
+
+
+def _differs(prefix: str, what: str, path: str | None, tensor: str | None) -> ReloadMismatchError:
+    return ReloadMismatchError(
+        f"{prefix}: {what} delivered in memory differs from the mapped checkpoint (file {path}, tensor "
+        f"{tensor}). ple-um serves the table read-only from the checkpoint files: write the new table to "
+        "a checkpoint directory and reload from that path, or unset PLE_UM to keep the table in memory"
+    )
 
 
 class SideLookups:

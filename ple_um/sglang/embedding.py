@@ -30,8 +30,7 @@ from torch import nn
 
 from ple_um import MappedTable, envs
 from ple_um.checkpoint import ShardLayout, check_shape, read_layout
-from ple_um.errors import CheckpointError
-from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, compare_shard
+from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, compare_shard, host_lookup_refused
 from ple_um.sglang.source import table_directory
 
 NOT_APPLIED = (
@@ -139,11 +138,11 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
         except ValueError:  # no server arguments published (a layer built outside a server)
             disabled = False
         if not disabled:
-            raise RuntimeError(
-                f"ple-um serves {self.prefix} in the {table.mode} mode without its host node "
-                f"({table.row_reads}): the lookup waits for the device, which a CUDA graph cannot capture. "
-                "Make the C row copy available (a working C compiler, PLE_UM_ROWCOPY=1), start SGLang with "
-                f"--disable-cuda-graph, or make a GPU mode available (why not: {table.report.reasons})"
+            raise host_lookup_refused(
+                self.prefix,
+                table,
+                "which a CUDA graph cannot capture",
+                "start SGLang with --disable-cuda-graph",
             )
 
     def finish_load(self) -> None:
@@ -154,42 +153,15 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
             expected = torch.ones_like(loaded)  # nothing to multiply: the rows are served as decoded / stored
         else:  # SGLang holds the FP8 scale as bf16 (`_load_qwen4_exp_ple_buffer`)
             expected = torch.full_like(loaded, table.scale).to(self.weight_scale.dtype).float()
-        if not torch.equal(loaded, expected):
-            raise CheckpointError(
-                f"{self.prefix}: SGLang loaded weight_scale {loaded.tolist()} but the mapped table's "
-                f"scale is {table.scale if table.scale is not None else 'none'} ({table.layout.dtype_name}): "
-                "the table in the checkpoint directory does not belong to this checkpoint (PLE_UM_DIR?)",
-                path=table.layout.directory,
-                tensor=table.layout.scale_tensor,
-            )
+        self.served.check_scale(self.prefix, "weight_scale", loaded, expected)
 
     def receive_shard(self, index: int, kind: str, tensor: torch.Tensor) -> None:
         """A table tensor a load delivered (``shard_<index>.weight``, NVFP4's ``shard_<index>.weight_scale``
         or ``weight_scale_2`` with ``index`` -1), compared with the mapped files, never copied: the
         table is read-only. A difference raises ReloadMismatchError."""
         table = self.ensure_table()
-        layout = table.layout
         self.shards_compared += 1
-        if kind == "weight_scale_2":
-            given = tensor.detach().float().cpu().reshape(-1)
-            if not layout.is_nvfp4 or not torch.equal(given, torch.full_like(given, layout.scale)):
-                self._mismatch(f"the global scale {given.tolist()}", layout.directory, layout.scale_tensor)
-            return
-        if kind == "weight_scale" and not layout.is_nvfp4:
-            self._mismatch(f"NVFP4 block scales of shard {index}", layout.directory, None)
-        if not 0 <= index < layout.parts:
-            raise CheckpointError(
-                f"{self.prefix}: shard index {index} is outside the table's {layout.parts} shards",
-                tensor=f"shard_{index}.{kind}",
-            )
         compare_shard(self.prefix, table, index, tensor, kind)
-
-    def _mismatch(self, what: str, path: str | None, tensor: str | None) -> None:
-        raise ReloadMismatchError(
-            f"{self.prefix}: a load delivered {what} in memory, which differs from the mapped checkpoint "
-            f"(file {path}, tensor {tensor}). ple-um serves the table read-only from the checkpoint files: "
-            "write the new table to a checkpoint directory and load from that path, or unset PLE_UM"
-        )
 
     def prefetch_stream(self, stream):
         """The side stream SGLang's PLE layer queues ``start_prefetch`` on: with PLE_UM_OVERLAP (the

@@ -190,7 +190,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         with the layer and with the loaded global scale (FP8 weight_scale, NVFP4 weight_scale_2)."""
         self.ensure_table()
         name = "weight_scale_2" if self.is_nvfp4 else "weight_scale"
-        loading.check_scale(self.prefix, self.served.table, name, getattr(self, name, None))
+        loading.check_scale(self.served, self.prefix, name, getattr(self, name, None))
 
     def ensure_table(self) -> MappedTable:
         """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""

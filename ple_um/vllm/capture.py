@@ -29,6 +29,7 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from ple_um import MappedTable
+from ple_um.served import host_lookup_refused
 
 if TYPE_CHECKING:
     from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
@@ -82,11 +83,10 @@ def check_cudagraph_mode(prefix: str, table: MappedTable, vllm_config) -> None:
         if mode.has_full_cudagraphs()
         else f"cudagraph_mode={mode.name} without VLLM_USE_BREAKABLE_CUDAGRAPH=1 has no eager breaks"
     )
-    raise RuntimeError(
-        f"ple-um serves {prefix} in the {table.mode} mode without its host node "
-        f"({table.row_reads}): the lookup waits for the device and needs an eager break in the CUDA "
-        f"graph; {why}. Make the C row copy available (a working C compiler, PLE_UM_ROWCOPY=1), "
+    raise host_lookup_refused(
+        prefix,
+        table,
+        f"it needs an eager break in the CUDA graph; {why}",
         "or start vLLM with -cc.cudagraph_mode=PIECEWISE and VLLM_USE_BREAKABLE_CUDAGRAPH=1 "
-        "(or -cc.cudagraph_mode=NONE), "
-        f"or make a GPU mode available (why not: {table.report.reasons})"
+        "(or -cc.cudagraph_mode=NONE)",
     )

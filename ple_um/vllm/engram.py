@@ -178,12 +178,7 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         """This rank's heads of ``indices`` [T, n_hash_cols] (global row ids) into ``out``
         [T, local heads, dim] (BF16), queued on the current stream; ``background`` (vLLM's hint to
         leave SMs free) does not apply to ple-um's lookup."""
-        table = self.served.table
-        if table is None:
-            raise RuntimeError(
-                f"ple-um: {self.prefix}: the table is not open: "
-                "the checkpoint's Engram tensors were never loaded"
-            )
+        table = self.served.require(self.prefix, "the checkpoint's Engram tensors were never loaded")
         if out.dtype == torch.uint8:
             raise EngramLayoutError(f"ple-um: {self.prefix}: packed lookups serve only vLLM's DP exchange")
         if indices.shape[0] == 0:

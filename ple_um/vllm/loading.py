@@ -27,9 +27,9 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLENvFp4EmbeddingMethod,
 )
 
-from ple_um import MappedTable
 from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, check_shape
 from ple_um.errors import CheckpointError
+from ple_um.served import ServedTable
 
 NVFP4_HINT = (
     "an NVFP4 table needs ple_embedding_dtype='nvfp4' in the model's text config (or a ModelOpt "
@@ -191,19 +191,13 @@ def _check_layout_dtype(expected: ExpectedTable, layout: ShardLayout, where: dic
     )
 
 
-def check_scale(prefix: str, table: MappedTable | None, name: str, scale: torch.Tensor | None) -> None:
+def check_scale(served: ServedTable, prefix: str, name: str, scale: torch.Tensor | None) -> None:
     """The global scale vLLM loaded (``name``: FP8 weight_scale, NVFP4 weight_scale_2) must be the
-    mapped table's own (PLE_UM_DIR could name another table). A scale vLLM has not loaded yet (its
+    served table's own (PLE_UM_DIR could name another table). A scale vLLM has not loaded yet (its
     sentinel) is left to vLLM's own check, which reports a scale the checkpoint lacks."""
+    table = served.table
     if table is None or table.scale is None or scale is None or scale.device.type == "meta":
         return
     loaded = scale.detach().float().cpu().reshape(-1)
-    if bool((loaded == torch.finfo(torch.float32).min).any()):
-        return
-    if not torch.equal(loaded, torch.full_like(loaded, table.scale)):
-        raise CheckpointError(
-            f"{prefix}: vLLM loaded {name} {loaded.tolist()} but the mapped table's scale is "
-            f"{table.scale}: PLE_UM_DIR names a table that does not belong to this checkpoint",
-            path=table.layout.directory,
-            tensor=table.layout.scale_tensor,
-        )
+    if not bool((loaded == torch.finfo(torch.float32).min).any()):
+        served.check_scale(prefix, name, loaded, torch.full_like(loaded, table.scale))

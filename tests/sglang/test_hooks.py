@@ -33,7 +33,7 @@ def test_ple_um_builds_its_table_whatever_the_offload_flag(offload, sglang_world
     assert table.prefix == f"model.layers.{tiny.layer}.ple.ple_embedding.ngram_embedding"
     assert table.weight.shape == (0, 8) and table.weight.device.type == "cpu"
     assert table.owned_rows == (0, tiny.rows) and table.table is None
-    with pytest.raises(RuntimeError, match="the PLE table is not open"):
+    with pytest.raises(RuntimeError, match="the table is not open: the model.s load_weights has not run"):
         table.gather(torch.zeros(2, 4, dtype=torch.long))
 
 
