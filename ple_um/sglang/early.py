@@ -6,7 +6,7 @@ decoder layer ahead of each PLE layer, which computes that layer's n-gram ids fr
 the rows there into the layer's own buffer, and leaves them for the layer's forward, which joins
 that stream. The ids depend only on the step's batch and the layer's hash configuration, so the
 whole step's exist before layer 0 runs. ``link`` groups a model's PLE layers served by ple-um
-(a ``StepGroup``, when the model is built: ``hooks``); with ``PLE_UM_EARLY_LOOKUPS`` the group's
+(a ``StepGroup``, when the model is built: ``plugin``); with ``PLE_UM_EARLY_LOOKUPS`` the group's
 first layer's ``start_prefetch`` runs SGLang's own ``start_prefetch`` of every later PLE layer too,
 each on its layer's stream into its layer's buffers, and a later layer's own call in the same forward
 (the same batch) finds its lookup started and returns. Each layer's forward joins only its own

@@ -3,7 +3,7 @@
 SGLang 0.5.23 builds a PLE layer's n-gram embedding on the meta device and, when
 ``ple_offload_embedding`` is on, wraps it in ``Qwen4ExpPinnedHostEmbedding``, which copies the table
 into pinned host memory (or rewrites it into a file of its own). The plugin replaces that class by
-this subclass and turns the offload on for every PLE layer built under PLE_UM=1 (``hooks``).
+this subclass and turns the offload on for every PLE layer built under PLE_UM=1 (``plugin``).
 
 It keeps the surface SGLang's PLE layer calls. ``allocate_output`` and ``reduce`` are the stock
 ones (bf16 rows; the tensor-parallel all-reduce, or the attention-TP one under

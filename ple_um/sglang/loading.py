@@ -1,6 +1,6 @@
 """Loading a Qwen4Exp model whose PLE tables ple-um serves: the shard tensors are never read.
 
-Two hooks (registered by ``hooks``):
+Two hooks (registered by ``plugin``):
 
 - ``weights_iterator`` wraps ``DefaultModelLoader._get_weights_iterator``, through which SGLang's
   default loader, a layered load and ``update_weights_from_disk`` get their weights. For a Qwen4Exp
