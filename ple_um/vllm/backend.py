@@ -50,7 +50,7 @@ from ple_um.errors import CheckpointError
 from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, capturing, compare_shard, layer_index
 from ple_um.vllm import capture, loading
 from ple_um.vllm.loading import ExpectedTable
-from ple_um.vllm.overlap import OverlappedLookups
+from ple_um.vllm.overlap import OverlappedLookups, queue_lookups
 from ple_um.vllm.source import TableSource, file_backing
 
 __all__ = ["Qwen4ExpPLEMappedEmbedding", "ReloadMismatchError"]
@@ -264,13 +264,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         the current one where ``capture.overlap_may_fork`` allows (a FULL graph captures the fork),
         else on the current stream; ``finalize_prefetch`` joins it."""
         ids, out = self.prepare_lookup(ngram_ids)
-        if self.may_fork(ids):
-            with self.overlapped.on_side_stream(ids.device) as join:
-                self.queue_lookup(ids, out)
-            self.overlapped.start(out, ids, join, ngram_ids.shape[0])
-        else:
-            self.queue_lookup(ids, out)
-            self.overlapped.start(out, ids, None, ngram_ids.shape[0])
+        queue_lookups(self.overlapped.side, [(self, ids, out, ngram_ids.shape[0])], self.may_fork(ids))
 
     def prepare_lookup(self, ngram_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A new overlapped lookup of ``ngram_ids`` [tokens, heads]: the ids of the data-parallel ranks that

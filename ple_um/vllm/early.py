@@ -34,6 +34,7 @@ from ple_um import envs
 from ple_um.served import SideLookups, StepGroup, layer_index
 from ple_um.units import format_bytes
 from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
+from ple_um.vllm.overlap import queue_lookups
 
 logger = init_logger("vllm.ple_um.early")
 
@@ -67,32 +68,15 @@ class EarlyLookups(StepGroup):
         fork = all(member.ngram_embedding.may_fork(input_ids) for member in members)
         if envs.PLE_UM_EARLY_LOOKUPS == "auto" and not fork:
             return False
-        prepared = []
+        started = []
         for member in members:
-            ids = member.compute_ngram_ids(
+            ngram_ids = member.compute_ngram_ids(
                 input_ids, query_start_loc, ngram_context, output=member._prefetch_ids[: input_ids.numel()]
             )
-            prepared.append((member.ngram_embedding, ids))
-        self._queue(prepared, fork)
+            backend = member.ngram_embedding
+            started.append((backend, *backend.prepare_lookup(ngram_ids), ngram_ids.shape[0]))
+        queue_lookups(self.side, started, fork)
         return True
-
-    def _queue(self, prepared: list[tuple[Qwen4ExpPLEMappedEmbedding, torch.Tensor]], fork: bool) -> None:
-        started = [
-            (backend, *backend.prepare_lookup(ngram_ids), ngram_ids) for backend, ngram_ids in prepared
-        ]
-        if not fork:
-            for backend, ids, out, ngram_ids in started:
-                backend.queue_lookup(ids, out)
-                backend.overlapped.start(out, ids, None, ngram_ids.shape[0])
-            return
-        device = started[0][1].device
-        with self.side.fork(device):
-            for backend, ids, out, _ in started:
-                backend.queue_lookup(ids, out)
-                self.side.mark(backend)
-        for backend, ids, out, ngram_ids in started:
-            join = functools.partial(self.side.join, backend, device)
-            backend.overlapped.start(out, ids, join, ngram_ids.shape[0])
 
 
 def link_model(model: nn.Module) -> EarlyLookups | None:

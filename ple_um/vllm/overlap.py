@@ -4,15 +4,14 @@ Qwen4Exp's model calls the layer's ``start_prefetch`` one decoder layer ahead an
 ``finalize_prefetch`` in its forward. ``OverlappedLookups`` holds what lies between the two: the
 buffer the lookups write into (allocated by the first, eager call), the side stream they may be
 queued on (``capture.overlap_may_fork`` decides), and the started lookups whose ids must stay
-referenced until the side stream is joined. A lookup started early, by the step's first PLE layer
-(``early``), is queued on that group's side stream and carries its own join.
+referenced until the side stream is joined. ``queue_lookups`` queues a layer's lookup, or those a
+step's first PLE layer starts early (``early``) on that group's side stream, each with its own join.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -64,14 +63,6 @@ class OverlappedLookups:
             )
         return buffer[:rows]
 
-    @contextlib.contextmanager
-    def on_side_stream(self, device: torch.device) -> Iterator[Callable[[], None]]:
-        """Work queued inside runs on the side stream, forked from the current stream here (a FULL
-        graph captures the fork); yields how the current stream joins that work."""
-        with self.side.fork(device):
-            yield functools.partial(self.side.join, self, device)
-            self.side.mark(self)
-
     def start(
         self, out: torch.Tensor, ids: torch.Tensor, join: Callable[[], None] | None, tokens: int
     ) -> None:
@@ -96,3 +87,21 @@ class OverlappedLookups:
                 f"{tokens}"
             )
         return rows
+
+
+def queue_lookups(side: SideLookups, started: list[tuple], fork: bool) -> None:
+    """Queue each ``(backend, ids, out, tokens)`` lookup of ``started`` (``ids`` into ``out``, its
+    prefetch buffer's rows, for ``tokens`` local tokens) and record it as the backend's start: where
+    ``fork``, on ``side``'s stream forked from the current one (a FULL graph captures the fork), each
+    marked and joined by its own backend; else on the current stream, in order."""
+    device = started[0][1].device
+    if fork:
+        with side.fork(device):
+            for backend, ids, out, _ in started:
+                backend.queue_lookup(ids, out)
+                side.mark(backend)
+    for backend, ids, out, tokens in started:
+        if not fork:
+            backend.queue_lookup(ids, out)
+        join = functools.partial(side.join, backend, device) if fork else None
+        backend.overlapped.start(out, ids, join, tokens)
