@@ -40,7 +40,6 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEEmbedding,
-    Qwen4ExpPLEEmbeddingMethod,
     Qwen4ExpPLENvFp4EmbeddingMethod,
 )
 
@@ -67,30 +66,13 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     """This rank's rows of a Qwen4Exp PLE table, read from the checkpoint files through ple-um."""
 
     def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        *,
-        params_dtype: torch.dtype,
-        padding_size: int,
-        prefix: str,
-        embedding_method: Qwen4ExpPLEEmbeddingMethod,
-        num_ngram_heads: int = 1,
-        max_total_tokens: int = 0,
-        data_parallel_rank: int = 0,
-        reduce_results: bool = True,
+        self, num_embeddings: int, embedding_dim: int, *, prefix: str, max_total_tokens: int = 0, **kwargs
     ) -> None:
+        """vLLM's ``Qwen4ExpPLEEmbedding`` constructor, its keyword arguments passed on as vLLM's backend
+        selection gives them (params_dtype, padding_size, embedding_method, num_ngram_heads,
+        data_parallel_rank, reduce_results)."""
         super().__init__(
-            num_embeddings,
-            embedding_dim,
-            params_dtype=params_dtype,
-            padding_size=padding_size,
-            prefix=prefix,
-            embedding_method=embedding_method,
-            num_ngram_heads=num_ngram_heads,
-            max_total_tokens=max_total_tokens,
-            data_parallel_rank=data_parallel_rank,
-            reduce_results=reduce_results,
+            num_embeddings, embedding_dim, prefix=prefix, max_total_tokens=max_total_tokens, **kwargs
         )
         self.layer = layer_index(prefix)
         # Set by the patched Qwen4ExpNGramEmbedding right after construction.
@@ -280,14 +262,6 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         if self.served.table is None and self._dummy:
             return ids.is_cuda and not capture.segments_end_before_join()
         return capture.overlap_may_fork(ids, self.require_table())
-
-    def queue_lookup(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """The lookup of ``ids`` into ``out``, queued on the current stream (zero rows for a dummy
-        load before any table is open)."""
-        if self.served.table is None and self._dummy:
-            self._zero_rows(ids, out)
-        else:
-            self.lookup_rows(ids, out)
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """Join the side stream and return the rows of the last ``start_prefetch``, combined across

@@ -98,10 +98,10 @@ def queue_lookups(side: SideLookups, started: list[tuple], fork: bool) -> None:
     if fork:
         with side.fork(device):
             for backend, ids, out, _ in started:
-                backend.queue_lookup(ids, out)
+                backend.lookup_rows(ids, out)
                 side.mark(backend)
     for backend, ids, out, tokens in started:
         if not fork:
-            backend.queue_lookup(ids, out)
+            backend.lookup_rows(ids, out)
         join = functools.partial(side.join, backend, device) if fork else None
         backend.overlapped.start(out, ids, join, tokens)
