@@ -243,7 +243,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     # -- vLLM's prefetch hook -------------------------------------------------------------------
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Queue this layer's lookup for ``ngram_ids`` [tokens, heads] on a side stream forked from
-        the current one where ``capture.overlap_may_fork`` allows (a FULL graph captures the fork),
+        the current one where ``may_fork`` allows (a FULL graph captures the fork),
         else on the current stream; ``finalize_prefetch`` joins it."""
         ids, out = self.prepare_lookup(ngram_ids)
         queue_lookups(self.overlapped.side, [(self, ids, out, ngram_ids.shape[0])], self.may_fork(ids))
@@ -257,11 +257,13 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         return ids, self.overlapped.out(ids.shape[0], ids, self.lookup_dtype, fixed=self.served.captured)
 
     def may_fork(self, ids: torch.Tensor) -> bool:
-        """Whether this layer's lookup of ``ids`` may be queued on a side stream
-        (``capture.overlap_may_fork``; the zero rows of a dummy load as the lookup would be)."""
-        if self.served.table is None and self._dummy:
-            return ids.is_cuda and not capture.segments_end_before_join()
-        return capture.overlap_may_fork(ids, self.require_table())
+        """Whether this layer's lookup of ``ids`` may be queued on a side stream: on a CUDA device, for
+        a capture-safe table (the zero rows of a dummy load are), outside a graph segment that ends
+        before the join (``capture.segments_end_before_join``). Otherwise the lookup runs on the
+        current stream (a CPU device; the host path's eager break; a segment that ends before the
+        join, which captures the lookup into it)."""
+        safe = (self.served.table is None and self._dummy) or self.require_table().capture_safe
+        return ids.is_cuda and safe and not capture.segments_end_before_join()
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """Join the side stream and return the rows of the last ``start_prefetch``, combined across

@@ -1,9 +1,9 @@
 """The CUDA-graph rules of the vLLM layer: where a lookup may run while vLLM captures graphs.
 
-- ``segments_end_before_join`` and ``overlap_may_fork``: whether ``start_prefetch`` may queue its
-  lookup on a side stream. It may in eager calls and in FULL captures (the graph captures the fork
-  and the join); it may not in vLLM's breakable piecewise captures, where an attention op ends the
-  graph segment between ``start_prefetch`` and ``finalize_prefetch`` (a fork left unjoined at a
+- ``segments_end_before_join``: whether ``start_prefetch`` may queue its lookup on a side stream
+  (the backend's ``may_fork``). It may in eager calls and in FULL captures (the graph captures the
+  fork and the join); it may not in vLLM's breakable piecewise captures, where an attention op ends
+  the graph segment between ``start_prefetch`` and ``finalize_prefetch`` (a fork left unjoined at a
   segment's end is a CUDA error), nor for a table that is not capture-safe.
 - ``host_lookup``: the lookup of a table that is not capture-safe (the cpu mode without its C row
   copy), run in an eager break of vLLM's piecewise capture.
@@ -47,14 +47,6 @@ def segments_end_before_join() -> bool:
     if is_forward_context_available():
         return get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.FULL
     return True
-
-
-def overlap_may_fork(ids: torch.Tensor, table: MappedTable) -> bool:
-    """Whether ``start_prefetch`` queues the lookup of ``ids`` on a side stream: on a CUDA device,
-    for a capture-safe table, outside a graph segment that ends before the join. Otherwise the
-    lookup runs on the current stream (a CPU device; the host path's eager break; a segment that
-    ends before the join, which captures the lookup into it)."""
-    return ids.is_cuda and table.capture_safe and not segments_end_before_join()
 
 
 @eager_break_during_capture

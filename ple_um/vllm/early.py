@@ -17,7 +17,7 @@ anyway; ``link_model`` logs the buffers' total. A later layer's ``start_prefetch
 CUDA graph captures the fork, the lookups and every join.
 
 ``PLE_UM_EARLY_LOOKUPS``: ``auto`` where every lookup may go on a side stream
-(``capture.overlap_may_fork``: a CUDA device, capture-safe tables, not vLLM's piecewise capture,
+(the backend's ``may_fork``: a CUDA device, capture-safe tables, not vLLM's piecewise capture,
 where graph segments end between a start and its finalize); ``on`` also where they cannot (they then
 run in order on the current stream at the first layer); ``off``: each layer one decoder layer ahead.
 """

@@ -3,7 +3,7 @@
 Qwen4Exp's model calls the layer's ``start_prefetch`` one decoder layer ahead and
 ``finalize_prefetch`` in its forward. ``OverlappedLookups`` holds what lies between the two: the
 buffer the lookups write into (allocated by the first, eager call), the side stream they may be
-queued on (``capture.overlap_may_fork`` decides), and the started lookups whose ids must stay
+queued on (the backend's ``may_fork`` decides), and the started lookups whose ids must stay
 referenced until the side stream is joined. ``queue_lookups`` queues a layer's lookup, or those a
 step's first PLE layer starts early (``early``) on that group's side stream, each with its own join.
 """
