@@ -54,23 +54,14 @@ _LAYER_SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.(weight|weight_scale)
 _CHECKPOINT_SHARD = re.compile(r"(?:^|\.)ple_embedding\.ngram_embedding\.shard_\d+\.weight(?:_scale)?$")
 
 
-def ngram_module_names() -> tuple[str, ...]:
-    """The module defining the Qwen4ExpNGramEmbedding vLLM uses on this platform (as vLLM picks it)."""
+def apply() -> list[str]:
+    """Patch the Qwen4ExpNGramEmbedding vLLM uses on this platform (as vLLM picks it); returns the
+    class patched now (empty when already patched)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_rocm():
-        return ("vllm.models.qwen4_exp.amd.ple_layer",)
-    return ("vllm.models.qwen4_exp.nvidia.ngram_embedding",)
-
-
-def apply() -> list[str]:
-    """Patch this platform's Qwen4ExpNGramEmbedding; returns the classes patched now (empty when
-    already patched)."""
-    patched = []
-    for name in ngram_module_names():
-        if patch_ngram_class(importlib.import_module(name)):
-            patched.append(f"{name}.{NGRAM_CLASS}")
-    return patched
+    layer = "amd.ple_layer" if current_platform.is_rocm() else "nvidia.ngram_embedding"
+    name = f"vllm.models.qwen4_exp.{layer}"
+    return [f"{name}.{NGRAM_CLASS}"] if patch_ngram_class(importlib.import_module(name)) else []
 
 
 def replace(cls: type, methods: dict) -> bool:
