@@ -48,7 +48,6 @@ from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError
 from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, capturing, compare_shard, layer_index
 from ple_um.vllm import capture, loading
-from ple_um.vllm.loading import ExpectedTable
 from ple_um.vllm.overlap import OverlappedLookups, queue_lookups
 from ple_um.vllm.source import TableSource, file_backing
 
@@ -58,8 +57,6 @@ __all__ = ["Qwen4ExpPLEMappedEmbedding", "ReloadMismatchError"]
 logger = init_logger("vllm.ple_um.backend")
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# NVFP4 tables split their block scales into shards like the rows (vLLM's load_weights).
-_NVFP4_SHARDED = ("weight", "weight_scale")
 
 
 class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
@@ -120,21 +117,6 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     def is_nvfp4(self) -> bool:
         return isinstance(self.embedding_method, Qwen4ExpPLENvFp4EmbeddingMethod)
 
-    def expected_table(self) -> ExpectedTable:
-        """The table this layer was built for (``split_ngram_parts`` set by the patch)."""
-        if self.split_ngram_parts is None:
-            raise RuntimeError(f"{self.prefix}: split_ngram_parts was not set (is the vLLM patch applied?)")
-        names = _NVFP4_SHARDED if self.is_nvfp4 else ("weight",)
-        return ExpectedTable(
-            prefix=self.prefix,
-            num_rows=self.org_vocab_size,
-            row_dim=self.embedding_dim,
-            parts=self.split_ngram_parts,
-            method=self.embedding_method,
-            shards={name: (getattr(self, name).shape[1], getattr(self, name).dtype) for name in names},
-            rows=self.owned_rows,
-        )
-
     # -- loading ------------------------------------------------------------------------------
     def receive_shard(self, index: int, tensor: torch.Tensor, name: str = "weight") -> None:
         """Take checkpoint tensor ``shard_<index>.<name>`` from a load instead of copying it: the rows
@@ -145,9 +127,8 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         reload from an iterator, a weight sync) is compared with the bytes this rank maps; a
         difference raises ReloadMismatchError, since the table is read-only.
         """
-        expected = self.expected_table()
         backing = file_backing(tensor)
-        loading.check_shard(expected, index, tensor, name, backing)
+        loading.check_shard(self, index, tensor, name, backing)
         if backing is not None and self.source.is_table_file(backing[0]):
             self.shards_skipped += 1
             return
@@ -187,7 +168,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
                     "or restart vLLM on the checkpoint"
                 )
             # A table that does not fit the layer is rejected before anything is mapped or pinned.
-            loading.check_layout(self.expected_table(), read_layout(directory, self.layer))
+            loading.check_layout(self, read_layout(directory, self.layer))
 
         def check(table: MappedTable) -> None:
             if table.device != self._device:

@@ -3,7 +3,7 @@ table.
 
 ``Qwen4ExpNGramEmbedding.load_weights`` (patched, ``ple_um.vllm.patch``) hands each shard tensor of
 the checkpoint (``shard_<i>.weight``; for NVFP4 also ``shard_<i>.weight_scale``, the block scales)
-to the layer instead of copying it. The layer describes itself as an ``ExpectedTable`` and asks:
+to the layer instead of copying it. The layer (its method, parameters, sizes) asks:
 
 - ``check_shard``: is the tensor of the kind, shape and dtype the layer's embedding method loads
   (vLLM's own shape check, and an NVFP4 checkpoint under another method or the reverse refused
@@ -18,18 +18,17 @@ maps (``served.compare_shard``); a view of a table file on disk is not read at a
 
 from __future__ import annotations
 
-import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
-from vllm.models.qwen4_exp.common.ngram_embedding import (
-    Qwen4ExpPLEEmbeddingMethod,
-    Qwen4ExpPLEFp8EmbeddingMethod,
-    Qwen4ExpPLENvFp4EmbeddingMethod,
-)
+from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEFp8EmbeddingMethod
 
 from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, check_shape
 from ple_um.errors import CheckpointError
 from ple_um.served import ServedTable
+
+if TYPE_CHECKING:
+    from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
 
 NVFP4_HINT = (
     "an NVFP4 table needs ple_embedding_dtype='nvfp4' in the model's text config (or a ModelOpt "
@@ -37,97 +36,85 @@ NVFP4_HINT = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class ExpectedTable:
-    """The table a layer was built for, as vLLM built it.
+def _parts(layer: Qwen4ExpPLEMappedEmbedding) -> int:
+    """The layer's ``split_ngram_parts`` (set by the patch)."""
+    if layer.split_ngram_parts is None:
+        raise RuntimeError(f"{layer.prefix}: split_ngram_parts was not set (is the vLLM patch applied?)")
+    return layer.split_ngram_parts
 
-    ``shards`` maps each parameter the checkpoint splits into ``shard_<i>.<name>`` tensors (as
-    stock loads them: ``weight``, and NVFP4's ``weight_scale``) to the parameter's (width, dtype),
-    which the files must have. ``rows``: this rank's global row range.
-    """
 
-    prefix: str
-    num_rows: int
-    row_dim: int
-    parts: int
-    method: Qwen4ExpPLEEmbeddingMethod
-    shards: dict[str, tuple[int, torch.dtype]]
-    rows: tuple[int, int]
+def _sharded(layer: Qwen4ExpPLEMappedEmbedding) -> dict[str, tuple[int, torch.dtype]]:
+    """Each parameter the checkpoint splits into ``shard_<i>.<name>`` tensors (as stock loads them:
+    ``weight``, and NVFP4's ``weight_scale``) with its (width, dtype), which the files must have."""
+    names = ("weight", "weight_scale") if layer.is_nvfp4 else ("weight",)
+    return {name: (getattr(layer, name).shape[1], getattr(layer, name).dtype) for name in names}
 
-    @property
-    def is_nvfp4(self) -> bool:
-        return isinstance(self.method, Qwen4ExpPLENvFp4EmbeddingMethod)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """The storage dtype the embedding method chose (NVFP4: uint8, the packed rows)."""
-        return self.shards["weight"][1]
-
-    @property
-    def method_name(self) -> str:
-        return type(self.method).__name__
-
-    def rows_per_shard(self) -> int:
-        return -(-self.num_rows // self.parts)
-
-    def shard_rows(self, index: int) -> int:
-        per_shard = self.rows_per_shard()
-        return max(0, min(per_shard, self.num_rows - index * per_shard))
-
-    def width_meaning(self, name: str) -> str:
-        head_dim = self.row_dim
-        if not self.is_nvfp4:
-            return f"the layer's n-gram head_dim {head_dim}"
-        if name == "weight":
-            return f"{head_dim // 2}, the packed bytes of the layer's n-gram head_dim {head_dim} (2 a byte)"
-        return (
-            f"{head_dim // NVFP4_BLOCK}, the block scales of the layer's n-gram head_dim {head_dim} "
-            f"(1 per {NVFP4_BLOCK})"
-        )
+def _width_meaning(layer: Qwen4ExpPLEMappedEmbedding, name: str) -> str:
+    head_dim = layer.embedding_dim
+    if not layer.is_nvfp4:
+        return f"the layer's n-gram head_dim {head_dim}"
+    if name == "weight":
+        return f"{head_dim // 2}, the packed bytes of the layer's n-gram head_dim {head_dim} (2 a byte)"
+    return (
+        f"{head_dim // NVFP4_BLOCK}, the block scales of the layer's n-gram head_dim {head_dim} "
+        f"(1 per {NVFP4_BLOCK})"
+    )
 
 
 def check_shard(
-    expected: ExpectedTable, index: int, tensor: torch.Tensor, name: str, backing: tuple[str, int] | None
+    layer: Qwen4ExpPLEMappedEmbedding,
+    index: int,
+    tensor: torch.Tensor,
+    name: str,
+    backing: tuple[str, int] | None,
 ) -> None:
     """Shard tensor ``shard_<index>.<name>`` (``backing``: the file it is a view of, if any) must be
     one the layer's embedding method loads, of the shape vLLM's loader requires."""
-    parts = expected.parts
+    parts, num_rows = _parts(layer), layer.org_vocab_size
     if not 0 <= index < parts:
         raise ValueError(
-            f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({expected.prefix})"
+            f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({layer.prefix})"
         )
-    _check_shard_kind(expected, index, tensor, name, backing)
-    rows = expected.shard_rows(index)
-    width = expected.shards[name][0]  # as stock: the parameter's width
+    sharded = _sharded(layer)
+    _check_shard_kind(layer, sharded, index, tensor, name, backing)
+    per_shard = -(-num_rows // parts)
+    rows = max(0, min(per_shard, num_rows - index * per_shard))
+    width = sharded[name][0]  # as stock: the parameter's width
     if tuple(tensor.shape) != (rows, width):
         if tensor.dim() == 2 and tensor.shape[-1] != width:
-            what = f"row width {tensor.shape[-1]} != {expected.width_meaning(name)}"
+            what = f"row width {tensor.shape[-1]} != {_width_meaning(layer, name)}"
         else:
             what = (
                 f"{tensor.shape[0] if tensor.dim() else 0} rows, expected {rows} "
-                f"(ceil({expected.num_rows} rows / {parts} parts) per shard)"
+                f"(ceil({num_rows} rows / {parts} parts) per shard)"
             )
         raise ValueError(
             f"Shape mismatch for PLE embedding shard {index}{'' if name == 'weight' else ' ' + name} of "
-            f"{expected.prefix}: got {tuple(tensor.shape)}, expected {(rows, width)}: {what}"
+            f"{layer.prefix}: got {tuple(tensor.shape)}, expected {(rows, width)}: {what}"
         )
 
 
 def _check_shard_kind(
-    expected: ExpectedTable, index: int, tensor: torch.Tensor, name: str, backing: tuple[str, int] | None
+    layer: Qwen4ExpPLEMappedEmbedding,
+    sharded: dict[str, tuple[int, torch.dtype]],
+    index: int,
+    tensor: torch.Tensor,
+    name: str,
+    backing: tuple[str, int] | None,
 ) -> None:
     """The delivered tensor must be of the kind the layer's embedding method loads: an NVFP4
     checkpoint under an FP8 or 16-bit method, or the reverse, fails here naming the cure."""
     where = {"path": backing[0] if backing else None, "tensor": f"ngram_embedding.shard_{index}.{name}"}
-    method, prefix = expected.method_name, expected.prefix
-    if name not in expected.shards:
+    method, prefix = type(layer.embedding_method).__name__, layer.prefix
+    if name not in sharded:
         raise CheckpointError(
             f"{prefix}: the checkpoint splits NVFP4 block scales into shards (shard_<i>.{name}), "
-            f"but the layer's {method} serves {expected.dtype} rows: {NVFP4_HINT}",
+            f"but the layer's {method} serves {layer.weight.dtype} rows: {NVFP4_HINT}",
             **where,
         )
-    dtype = expected.shards[name][1]
-    if expected.is_nvfp4 and tensor.dtype != dtype:
+    dtype = sharded[name][1]
+    if layer.is_nvfp4 and tensor.dtype != dtype:
         # Stock refuses it too: a cast would silently reinterpret packed E2M1 bytes.
         raise CheckpointError(
             f"{prefix}: NVFP4 PLE shard {index} {name} requires {dtype}, got {tensor.dtype}: "
@@ -135,7 +122,7 @@ def _check_shard_kind(
             "config) but the checkpoint's table is not NVFP4: configure the layer for the table's dtype",
             **where,
         )
-    if not expected.is_nvfp4 and tensor.dtype == torch.uint8:
+    if not layer.is_nvfp4 and tensor.dtype == torch.uint8:
         raise CheckpointError(
             f"{prefix}: shard {index} holds packed NVFP4 rows (uint8), but the layer's {method} "
             f"serves {dtype} rows: {NVFP4_HINT}",
@@ -143,21 +130,23 @@ def _check_shard_kind(
         )
 
 
-def check_layout(expected: ExpectedTable, layout: ShardLayout) -> None:
+def check_layout(layer: Qwen4ExpPLEMappedEmbedding, layout: ShardLayout) -> None:
     """The checkpoint's table must be the one this layer was built for."""
-    prefix = expected.prefix
-    check_shape(layout, prefix, row_dim=expected.row_dim, num_rows=expected.num_rows, parts=expected.parts)
+    prefix = layer.prefix
+    check_shape(
+        layout, prefix, row_dim=layer.embedding_dim, num_rows=layer.org_vocab_size, parts=_parts(layer)
+    )
     first = layout.shards[0]
     where = {"path": first.path, "tensor": first.tensor}
-    _check_layout_dtype(expected, layout, where)
-    if isinstance(expected.method, Qwen4ExpPLEFp8EmbeddingMethod) and layout.scale is None:
+    _check_layout_dtype(layer, layout, where)
+    if isinstance(layer.embedding_method, Qwen4ExpPLEFp8EmbeddingMethod) and layout.scale is None:
         raise CheckpointError(f"{prefix}: the FP8 table has no ngram_embedding.weight_scale", **where)
-    if expected.is_nvfp4 and layout.scale is None:
+    if layer.is_nvfp4 and layout.scale is None:
         raise CheckpointError(
             f"{prefix}: the NVFP4 table has no ngram_embedding.weight_scale_2 (its global scale)",
             **where,
         )
-    if expected.is_nvfp4 and len(layout.block_scales) != layout.parts:
+    if layer.is_nvfp4 and len(layout.block_scales) != layout.parts:
         raise CheckpointError(
             f"{prefix}: the NVFP4 table has block scales (ngram_embedding.shard_<i>.weight_scale) "
             f"for {len(layout.block_scales)} of its {layout.parts} shards",
@@ -165,14 +154,15 @@ def check_layout(expected: ExpectedTable, layout: ShardLayout) -> None:
         )
 
 
-def _check_layout_dtype(expected: ExpectedTable, layout: ShardLayout, where: dict) -> None:
-    """The table's storage must be the one the layer's embedding method serves."""
-    stored = expected.dtype
-    if layout.is_nvfp4 == expected.is_nvfp4 and layout.dtype == stored:
+def _check_layout_dtype(layer: Qwen4ExpPLEMappedEmbedding, layout: ShardLayout, where: dict) -> None:
+    """The table's storage must be the one the layer's embedding method serves (NVFP4: uint8, the
+    packed rows)."""
+    stored = layer.weight.dtype
+    if layout.is_nvfp4 == layer.is_nvfp4 and layout.dtype == stored:
         return
     if layout.is_nvfp4:
         serves, hint = f"{stored} rows", NVFP4_HINT
-    elif expected.is_nvfp4:
+    elif layer.is_nvfp4:
         serves = "NVFP4 (packed E2M1 rows with E4M3 block scales)"
         hint = (
             "the layer is NVFP4 (ple_embedding_dtype='nvfp4' or its quantization config) but the "
@@ -185,8 +175,8 @@ def _check_layout_dtype(expected: ExpectedTable, layout: ShardLayout, where: dic
             "a 16-bit table the model dtype"
         )
     raise CheckpointError(
-        f"{expected.prefix}: the table is stored as {layout.dtype_name} ({layout.dtype}), but the "
-        f"layer's {expected.method_name} serves {serves}: {hint}",
+        f"{layer.prefix}: the table is stored as {layout.dtype_name} ({layout.dtype}), but the "
+        f"layer's {type(layer.embedding_method).__name__} serves {serves}: {hint}",
         **where,
     )
 
