@@ -35,16 +35,11 @@ from ple_um.sglang.source import note_model_folder, table_directory, table_tenso
 MODEL_CLASS = "Qwen4ExpForConditionalGeneration"
 
 
-def _serves(source) -> bool:
-    """Whether this weight source is a Qwen4Exp model's checkpoint loaded under PLE_UM=1."""
-    model_config = getattr(source, "model_config", None)
-    architectures = getattr(getattr(model_config, "hf_config", None), "architectures", None) or ()
-    return bool(envs.PLE_UM) and MODEL_CLASS in architectures
-
-
 def weights_iterator(original, loader, source, *, resolved_source=None, **kwargs):
     """The AROUND hook of ``DefaultModelLoader._get_weights_iterator`` (see the module's docstring)."""
-    if not _serves(source):
+    model_config = getattr(source, "model_config", None)
+    architectures = getattr(getattr(model_config, "hf_config", None), "architectures", None) or ()
+    if not envs.PLE_UM or MODEL_CLASS not in architectures:  # not a Qwen4Exp model under PLE_UM=1
         return original(loader, source, resolved_source=resolved_source, **kwargs)
     if not applied():  # stock tables would get no rows
         raise RuntimeError(NOT_APPLIED)
@@ -92,14 +87,10 @@ def _mixed_files(loader, source, paths: list[str]) -> Iterator[tuple[str, torch.
     return ((source.prefix + name, tensor) for name, tensor in tensors())
 
 
-def served_layers(model) -> dict[int, tuple[str, PleUmHostEmbedding]]:
-    """The model's ple-um tables by decoder layer, with their module names."""
-    return {m.layer: (name, m) for name, m in model.named_modules() if isinstance(m, PleUmHostEmbedding)}
-
-
 def load_weights(original, model, weights: Iterable[tuple[str, torch.Tensor]]):
     """The AROUND hook of ``Qwen4ExpForConditionalGeneration.load_weights`` (see the module's docstring)."""
-    served = served_layers(model)
+    # The model's ple-um tables by decoder layer, with their module names.
+    served = {m.layer: (name, m) for name, m in model.named_modules() if isinstance(m, PleUmHostEmbedding)}
     if envs.PLE_UM and any(
         isinstance(m, Qwen4ExpNGramEmbedding) and not isinstance(m.ngram_embedding, PleUmHostEmbedding)
         for m in model.modules()

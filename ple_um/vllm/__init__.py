@@ -12,10 +12,12 @@ Which file holds what, in the order a load and a step reach them:
 - ``loading``: the table a layer expects, and the checks that what vLLM loads is that table.
 - ``capture``: vLLM's CUDA-graph rules (when the prefetch forks a side stream, the eager break of a
   table that is not capture-safe, the graph modes refused).
-- ``prefetch``: the buffer, side stream and started lookups between ``start_prefetch`` and
+- ``overlap``: the buffer, side stream and started lookups between ``start_prefetch`` and
   ``finalize_prefetch``.
+- ``early``: a step's lookups started together by its first PLE layer.
+- ``engram``: DeepSeek-V4.1's Engram tables.
 
 What the SGLang plugin shares with this one (the served table, the opens a capture forbids, shard
-comparison, the early lookups' side stream) is ``ple_um.served``. Importing this package imports
-nothing from vLLM; its modules other than ``plugin`` and ``source`` do.
+and scale comparison, the early lookups' side stream and starts) is ``ple_um.served``. Importing
+this package imports nothing from vLLM; its modules other than ``plugin`` and ``source`` do.
 """
