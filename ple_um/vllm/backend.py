@@ -204,12 +204,16 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         self.zeros_captured = self.zeros_captured or capturing(ids)
         return out.zero_()
 
-    def _reduce(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """Sum the partial rows of the embedding-parallel group (each row has one owner): FP8 as
-        int8 bytes, decoded NVFP4 and 16-bit rows as they are, as the stock backends do."""
-        if embeddings.dtype in _FP8:
-            return self.parallel_group.all_reduce(embeddings.view(torch.int8)).view(embeddings.dtype)
-        return self.parallel_group.all_reduce(embeddings)
+    def _combine(self, rows: torch.Tensor, tokens: int, slot_offset: int) -> torch.Tensor:
+        """This rank's ``tokens`` rows of ``rows`` (the lookup of the data-parallel ranks' gathered
+        ids), summed across the embedding-parallel group when ``reduce_results`` (each row has one
+        owner): FP8 as int8 bytes, decoded NVFP4 and 16-bit rows as they are, as the stock backends do."""
+        if self.reduce_results and self.tp_size > 1:
+            if rows.dtype in _FP8:
+                rows = self.parallel_group.all_reduce(rows.view(torch.int8)).view(rows.dtype)
+            else:
+                rows = self.parallel_group.all_reduce(rows)
+        return self._select_embeddings(rows, tokens, slot_offset)
 
     def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
         """Rows for ``ngram_ids`` [tokens, heads], combined across the ranks that share the table."""
@@ -217,15 +221,13 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         ids = self._gather_dp_ids(ngram_ids, slot_size)
         rows = torch.empty((*ids.shape, self.embedding_dim), dtype=self.lookup_dtype, device=ids.device)
         self.lookup_rows(ids, rows)
-        if self.reduce_results and self.tp_size > 1:
-            rows = self._reduce(rows)
-        return self._select_embeddings(rows, ngram_ids.shape[0], slot_offset)
+        return self._combine(rows, ngram_ids.shape[0], slot_offset)
 
     # -- vLLM's prefetch hook -------------------------------------------------------------------
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Queue this layer's lookup for ``ngram_ids`` [tokens, heads] on a side stream forked from
-        the current one where ``may_fork`` allows (a FULL graph captures the fork),
-        else on the current stream; ``finalize_prefetch`` joins it."""
+        the current one where ``may_fork`` allows (a FULL graph captures the fork), else on the
+        current stream; ``finalize_prefetch`` joins it."""
         ids, out = self.prepare_lookup(ngram_ids)
         queue_lookups(self.overlapped.side, [(self, ids, out, ngram_ids.shape[0])], self.may_fork(ids))
 
@@ -253,10 +255,8 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         result in it, are the next start_prefetch's to overwrite)."""
         rows = self.overlapped.join(total_tokens)
         slot_size, slot_offset = self._get_dp_gather_slot(total_tokens)
-        rows = rows[: slot_size * self.etp_data_parallel_size]
-        if self.reduce_results and self.tp_size > 1:
-            rows = self._reduce(rows)
-        rows = self._select_embeddings(rows, total_tokens, slot_offset).flatten(-2)
+        rows = self._combine(rows[: slot_size * self.etp_data_parallel_size], total_tokens, slot_offset)
+        rows = rows.flatten(-2)
         out = rows.new_empty(rows.shape)
         out.copy_(rows)
         return out
