@@ -28,8 +28,9 @@ class OverlappedLookups:
         self.row_dim = row_dim
         self.buffer: torch.Tensor | None = None
         self.side = SideLookups()
-        # The last start: (rows it writes, the ids it reads, how the current stream joins it, or
-        # None where it was queued on the current stream, tokens).
+        # The last start (``queue_lookups``): (rows it writes, the ids it reads, how the current
+        # stream joins it, or None where it was queued on the current stream, local tokens). The ids
+        # stay referenced until the join: their memory is not reused while a side stream reads it.
         self.started: tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None, int] | None = None
         self.unjoined: list[tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None, int]] = []
 
@@ -62,14 +63,6 @@ class OverlappedLookups:
                 f"{(rows, *width)}"
             )
         return buffer[:rows]
-
-    def start(
-        self, out: torch.Tensor, ids: torch.Tensor, join: Callable[[], None] | None, tokens: int
-    ) -> None:
-        """Record the lookup of ``ids`` into ``out`` for ``tokens`` local tokens; ``join`` makes the
-        current stream wait for it (None: it was queued on the current stream). The ids stay
-        referenced until the join: their memory is not reused while a side stream reads it."""
-        self.started = (out, ids, join, tokens)
 
     def join(self, total_tokens: int) -> torch.Tensor:
         """The rows of the last start, the side stream joined into the current one."""
@@ -104,4 +97,4 @@ def queue_lookups(side: SideLookups, started: list[tuple], fork: bool) -> None:
         if not fork:
             backend.lookup_rows(ids, out)
         join = functools.partial(side.join, backend, device) if fork else None
-        backend.overlapped.start(out, ids, join, tokens)
+        backend.overlapped.started = (out, ids, join, tokens)
