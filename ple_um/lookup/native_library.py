@@ -94,18 +94,6 @@ def open_library(
     return lib, None
 
 
-def _read_fd(fd: int) -> bytes:
-    parts, read = [], 0
-    while chunk := os.read(fd, 1 << 20):
-        read += len(chunk)
-        if read > MAX_LIBRARY_BYTES:
-            raise cache_folder.UnsafeCacheError(
-                f"larger than the {MAX_LIBRARY_BYTES} bytes a row copy may be"
-            )
-        parts.append(chunk)
-    return b"".join(parts)
-
-
 def _open_bytes(
     data: bytes, folder: Path, declare: Declare, name: str
 ) -> tuple[ctypes.CDLL | None, str | None]:
@@ -127,20 +115,16 @@ def _load_checked(target: Path, declare: Declare) -> tuple[ctypes.CDLL | None, s
     """The library at ``target`` once checked (module docstring, 2), or None and why it was refused
     (None and None: there is none)."""
     try:
-        fd = cache_folder.open_private(str(target))
-    except FileNotFoundError:
-        return None, None
+        data = cache_folder.read_private(str(target), MAX_LIBRARY_BYTES)
+        recorded = cache_folder.read_private(f"{target}.sha256", 64).decode(errors="replace").strip()
+    except FileNotFoundError as exc:
+        if exc.filename == str(target):
+            return None, None
+        return None, f"{target} has no {target.name}.sha256 recorded by its build"
     except cache_folder.UnsafeCacheError as exc:
         return None, str(exc)
-    try:
-        recorded = cache_folder.read_private(f"{target}.sha256", 64).decode(errors="replace").strip()
-        data = _read_fd(fd)
-    except FileNotFoundError:
-        return None, f"{target} has no {target.name}.sha256 recorded by its build"
     except OSError as exc:
         return None, f"{target}: {exc}"
-    finally:
-        os.close(fd)
     if hashlib.sha256(data).hexdigest() != recorded:
         return None, f"{target}'s bytes are not those its build recorded in {target.name}.sha256"
     return _open_bytes(data, target.parent, declare, str(target))
@@ -156,18 +140,6 @@ def _target(cache_dir: str, cc: str) -> Path:
         " ".join((cc, *native_build.COMPILE_FLAGS, *native_build.LINK_FLAGS, platform.machine())).encode()
     )
     return Path(cache_dir) / "native" / f"rowcopy-{digest.hexdigest()[:16]}.so"
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _build(cache_dir: str, cc: str, declare: Declare) -> tuple[ctypes.CDLL | None, str]:
@@ -193,12 +165,8 @@ def _build(cache_dir: str, cc: str, declare: Declare) -> tuple[ctypes.CDLL | Non
             )
             if done.returncode != 0:
                 return None, f"compiling {native_build.NATIVE} with {cc} failed: {done.stderr.strip()[-500:]}"
-            fd = cache_folder.open_private(str(built))
-            try:
-                data = _read_fd(fd)
-            finally:
-                os.close(fd)
-            _write_private(Path(f"{target}.sha256"), hashlib.sha256(data).hexdigest().encode())
+            data = cache_folder.read_private(str(built), MAX_LIBRARY_BYTES)
+            cache_folder.write_private(f"{target}.sha256", hashlib.sha256(data).hexdigest().encode())
             os.replace(built, target)  # atomic: another process may build the same file at once
         lib, why = _open_bytes(data, target.parent, declare, str(target))
     except (OSError, subprocess.SubprocessError) as exc:
