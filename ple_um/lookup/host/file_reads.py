@@ -97,21 +97,22 @@ class FileReader:
         self._lib = None
         self.align = 0
         try:
-            by_region: dict[int, int] = {}
-            aligns = set()
-            for index, owned in mapping.owned.items():
+            # region index -> (our descriptor of its file, its O_DIRECT block size or None)
+            by_region: dict[int, tuple[int, int | None]] = {}
+            for owned in mapping.owned.values():
                 region = mapping.regions[owned.region]
                 if owned.region not in by_region:
-                    fd, align = self._reopen(region.fd, region.st_size, direct)
-                    by_region[owned.region] = fd
-                    aligns.add(align)
-                self.fds[index] = by_region[owned.region]
-                self.offsets[index] = layout.shards[index].offset
-            # Every file read the same way: O_DIRECT with the widest block any needs, or plainly.
+                    by_region[owned.region] = self._reopen(region.fd, region.st_size, direct)
+            # Every file read the same way: O_DIRECT with the widest block any needs, or plainly
+            # (some file refuses O_DIRECT: every file reopened plainly, one kind of read per table).
+            aligns = {align for _, align in by_region.values()}
             if direct and aligns and None not in aligns:
                 self.align = max(aligns)
             elif direct:
-                self._reopen_all_plain(mapping, by_region)
+                by_region = {r: self._reopen(mapping.regions[r].fd, 0, False) for r in by_region}
+            for index, owned in mapping.owned.items():
+                self.fds[index] = by_region[owned.region][0]
+                self.offsets[index] = layout.shards[index].offset
         except BaseException:
             self.close()
             raise
@@ -147,16 +148,6 @@ class FileReader:
         mine = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._open.append(mine)
         return mine, None
-
-    def _reopen_all_plain(self, mapping: MappedShards, by_region: dict[int, int]) -> None:
-        """Some file refuses O_DIRECT: every file is read plainly (one kind of read per table)."""
-        plain = {}
-        for region_index in by_region:
-            fd = os.open(f"/proc/self/fd/{mapping.regions[region_index].fd}", os.O_RDONLY | os.O_CLOEXEC)
-            self._open.append(fd)
-            plain[region_index] = fd
-        for index, owned in mapping.owned.items():
-            self.fds[index] = plain[owned.region]
 
     @property
     def reading(self) -> str:
