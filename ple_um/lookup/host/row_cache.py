@@ -47,19 +47,24 @@ def _populate(base: int, memory: mmap.mmap, nbytes: int) -> None:
     view[:: mmap.PAGESIZE] = 0
 
 
-def _layout(slots: int, row_bytes: int, follower: bool) -> list[tuple[str, int]]:
-    """The arrays of a cache of ``slots`` slots, in bytes (rowcache.c's struct ple_cache); a
-    follower's are its rows alone."""
-    if follower:
-        return [("data", slots * row_bytes)]
-    return [
-        ("tags", 4 * slots),
-        ("heads", rowcopy.CACHE_SET_HEAD * (slots // WAYS)),
-        ("clock", 16),
-        ("data", slots * row_bytes),
-        ("sketch", 64 * _sketch_blocks(slots)),
-        ("door", 8 * _door_words(slots)),
-    ]
+def _layout(slots: int, row_bytes: int, follower: bool) -> tuple[dict[str, int], int]:
+    """Where the arrays of a cache of ``slots`` slots lie in its memory (rowcache.c's struct
+    ple_cache; a follower's are its rows alone), each rounded up to 64 bytes, and the bytes of
+    them all."""
+    sizes = [("data", slots * row_bytes)]
+    if not follower:
+        sizes = [
+            ("tags", 4 * slots),
+            ("heads", rowcopy.CACHE_SET_HEAD * (slots // WAYS)),
+            ("clock", 16),
+            *sizes,
+            ("sketch", 64 * _sketch_blocks(slots)),
+            ("door", 8 * _door_words(slots)),
+        ]
+    offsets, end = {}, 0
+    for name, n in sizes:
+        offsets[name], end = end, end + -(-n // 64) * 64
+    return offsets, end
 
 
 def _sketch_blocks(slots: int) -> int:
@@ -73,7 +78,7 @@ def _door_words(slots: int) -> int:
 def nbytes_for(slots: int, row_bytes: int, *, follower: bool = False) -> int:
     """The bytes a cache of ``slots`` slots for rows of ``row_bytes`` allocates (each array rounded
     up to 64 bytes): what ``RowCache.nbytes`` is."""
-    return sum(-(-n // 64) * 64 for _, n in _layout(slots, row_bytes, follower))
+    return _layout(slots, row_bytes, follower)[1]
 
 
 def slots_for(capacity: int, row_bytes: int, *, block_scales: int = 0) -> int:
@@ -117,17 +122,12 @@ class RowCache:
         if follows is not None and (follows.slots, follows.policy) != (slots, policy):
             raise ValueError("a row cache follows a cache of as many slots and the same policy")
         self.slots, self.row_bytes, self.policy = slots, row_bytes, policy
-        layout = _layout(slots, row_bytes, follows is not None)
-        self.nbytes = nbytes_for(slots, row_bytes, follower=follows is not None)
+        offsets, self.nbytes = _layout(slots, row_bytes, follows is not None)
         self._memory = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
         _libc.madvise(base, self.nbytes, MADV_HUGEPAGE)  # a hint: fewer TLB misses where it is taken
         _populate(base, self._memory, self.nbytes)
-        at, self._base = {}, base
-        offset = 0
-        for name, n in layout:
-            at[name] = base + offset
-            offset += -(-n // 64) * 64
+        at, self._base = {name: base + offset for name, offset in offsets.items()}, base
         if policy == "lru" and follows is None:  # every other starting state is zero (empty tags...)
             heads = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * sets)).from_address(at["heads"]))
             heads.reshape(sets, 2)[:, 1] = LRU_FRESH
