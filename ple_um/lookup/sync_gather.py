@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ple_um.lookup.counts import path_counts
+from ple_um.lookup.counts import PHASES, path_counts
 from ple_um.lookup.mxfp8 import decode_staged
 from ple_um.mapping import MappedShards
 
@@ -73,7 +73,7 @@ class SyncGather:
         self.sources = [self.rows] + ([MappedRows(scale_mapping)] if scale_mapping is not None else [])
         self.row_reads = f"torch.index_select, synchronous ({why})"
         self.counts = {"rows": 0, "out_of_range": 0, "lookups": 0}
-        self.phases = {"gather": 0.0, "stage": 0.0, "wait": 0.0}
+        self.phases = dict.fromkeys(PHASES, 0.0)
         self.metrics = None  # the table's LookupMetrics, fed at each lookup (set once it serves)
         self._lock = threading.Lock()
 
@@ -133,10 +133,7 @@ class SyncGather:
 
     def reset_counts(self) -> None:
         with self._lock:
-            for key in self.counts:
-                self.counts[key] = 0
-            for key in self.phases:
-                self.phases[key] = 0.0
+            self.counts, self.phases = dict.fromkeys(self.counts, 0), dict.fromkeys(PHASES, 0.0)
 
     def close(self) -> None:
         """Drop the views of the mappings (the table unmaps them once its lookups have finished)."""
