@@ -15,16 +15,12 @@ from ple_um.checkpoint import MXFP8_BLOCK
 from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize
 
 
-def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 bytes -> float32 scales of the same shape (``e << 23`` as float32 bits)."""
-    return (exponents.to(torch.int32) << 23).view(torch.float32)
-
-
 def decode_mxfp8(values: torch.Tensor, exponents: torch.Tensor, out: torch.Tensor) -> None:
     """``values`` uint8/E4M3 [n, D], ``exponents`` uint8 [n, D/32] -> ``out`` [n, D] (any float)."""
     n, dim = out.shape
     rows = values.reshape(n, dim // MXFP8_BLOCK, MXFP8_BLOCK).view(torch.float8_e4m3fn).float()
-    out.copy_((rows * e8m0_scales(exponents.reshape(n, -1)).unsqueeze(-1)).view(n, dim))
+    scales = (exponents.reshape(n, -1).to(torch.int32) << 23).view(torch.float32)  # E8M0: e << 23 as bits
+    out.copy_((rows * scales.unsqueeze(-1)).view(n, dim))
 
 
 def decode_staged(
