@@ -46,11 +46,6 @@ def source_digest(folder: Path = NATIVE, defines: tuple[str, ...] = ()) -> str:
     return digest.hexdigest()[:32]
 
 
-def define_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
-    """The ``-D`` flags of ``flags``, which change what is compiled and so the digest."""
-    return tuple(flag for flag in flags if flag.startswith("-D"))
-
-
 def digest_define(folder: Path = NATIVE, defines: tuple[str, ...] = ()) -> str:
     return f'-DPLE_SOURCE_DIGEST="{source_digest(folder, defines)}"'
 
@@ -58,6 +53,6 @@ def digest_define(folder: Path = NATIVE, defines: tuple[str, ...] = ()) -> str:
 def command(cc: str, output: str, *, werror: bool, extra: tuple[str, ...] = ()) -> list[str]:
     """The command that compiles and links every source into the library ``output``; the ``-D``
     flags of ``extra`` go into its digest, so that only ``open_library`` told them accepts it."""
-    digest = digest_define(defines=define_flags(extra))
+    digest = digest_define(defines=tuple(flag for flag in extra if flag.startswith("-D")))
     flags = (*COMPILE_FLAGS, *(("-Werror",) if werror else ()), digest, *extra)
     return [cc, *flags, *LINK_FLAGS, "-o", output, *map(str, sources())]
