@@ -172,9 +172,6 @@ class FitWatch(Ticker):
         self.checks = 0
         self._lock = threading.Lock()  # one check at a time (the thread's, a caller's)
 
-    def tick(self) -> None:
-        self.check()
-
     def tick_failed(self, exc: Exception) -> None:
         # A failed check keeps what serves.
         logger.warning("ple-um: the fit check failed (%s: %s); the path stays", type(exc).__name__, exc)
@@ -211,6 +208,8 @@ class FitWatch(Ticker):
             paths.set_serving(nxt)
             logger.info("ple-um: decode-sized lookups of %s: %s", self.mappings[0].layout.directory, nxt.why)
             return True
+
+    tick = check  # the thread's check is the one a caller can make now
 
     def close(self) -> None:
         super().close()
