@@ -4,7 +4,9 @@ the GPU modes' kernel (``ple_um/kernels/gather_block_scaled.py``) decodes them w
 A value is ``float32(e4m3) * scale``, the scale's float32 bits being the E8M0 byte shifted into the
 exponent field (``e << 23``: ``e = 0`` a zero scale, ``e = 255`` an infinite one), cast to the
 output dtype: the arithmetic of vLLM 0.33's own Engram lookup, so the results agree bit for bit.
-Every op here can be captured in a CUDA graph.
+Every op here can be captured in a CUDA graph. ``decode_staged`` turns any host-gathered rows into
+what a lookup returns: MXFP8 rows decoded here, NVFP4 rows by ``nvfp4.py``, FP8 and 16-bit rows
+dequantized (``float32(row) * scale``, cast).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ple_um.checkpoint import MXFP8_BLOCK
-from ple_um.lookup.nvfp4 import decode_nvfp4, dequantize
+from ple_um.lookup.nvfp4 import decode_nvfp4
 
 
 def decode_mxfp8(values: torch.Tensor, exponents: torch.Tensor, out: torch.Tensor) -> None:
@@ -27,11 +29,12 @@ def decode_staged(
     storage: torch.dtype, staged: list[torch.Tensor], global_scale: torch.Tensor | None, out: torch.Tensor
 ) -> None:
     """Raw rows gathered on the host (``staged``: uint8 [n, row bytes], and a block-scaled table's
-    block scales) into the float ``out``: rows alone dequantized (``nvfp4.dequantize``); with block
-    scales, MXFP8 when the rows are stored as E4M3, else NVFP4 (packed bytes, with its global
-    scale)."""
+    block scales) into the float ``out``: rows alone dequantized (``float32(row)``, times
+    ``global_scale`` where there is one, cast); with block scales, MXFP8 when the rows are stored as
+    E4M3, else NVFP4 (packed bytes, with its global scale)."""
     if len(staged) == 1:
-        dequantize(staged[0], storage, global_scale, out)
+        rows = staged[0].view(storage).float()
+        out.copy_(rows * global_scale if global_scale is not None else rows)
     elif storage == torch.float8_e4m3fn:
         decode_mxfp8(*staged, out)
     else:

@@ -1,6 +1,5 @@
-"""Host-gathered rows turned into what a lookup returns, with torch ops on the device: FP8 and 16-bit
-rows dequantized (``float32(row) * scale``, cast), NVFP4 rows decoded (the GPU modes' kernels do the
-same arithmetic while they gather).
+"""Host-gathered NVFP4 rows decoded with torch ops on the device (the GPU modes' kernels do the same
+arithmetic while they gather).
 
 An NVFP4 value is ``e2m1 * (block_scale * global_scale)`` in float32, cast to the output dtype: the
 arithmetic of vLLM 0.33's own NVFP4 decoder, so the results agree bit for bit. Every op here can be
@@ -27,15 +26,6 @@ def e2m1_values(device: torch.device) -> torch.Tensor:
         if values is None:
             values = _on_device[device] = _E2M1.to(device)
         return values
-
-
-def dequantize(
-    raw: torch.Tensor, storage: torch.dtype, scale: torch.Tensor | None, out: torch.Tensor
-) -> None:
-    """Raw rows (uint8 [n, row_bytes]) of dtype ``storage`` into the float ``out`` [n, row_dim]:
-    ``float32(row) * scale`` (``scale``: float32 [1], or None) cast to out's dtype."""
-    rows = raw.view(storage).float()
-    out.copy_(rows * scale if scale is not None else rows)
 
 
 def decode_nvfp4(
