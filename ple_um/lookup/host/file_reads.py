@@ -169,10 +169,6 @@ class FileReader:
             log.warning("ple-um: reading %s: %s", self.where, why)
         return why
 
-    def describe(self) -> str:
-        kind = f"O_DIRECT, {self.align}-byte blocks" if self.direct else "through the page cache"
-        return f"{self.reading} ({kind}), {self.depth} in flight"
-
     def close(self) -> None:
         """Close the descriptors and let go of the reader threads (the caller has made sure no row
         copy reads through them). Idempotent."""
