@@ -82,7 +82,12 @@ class RowsStruct(ctypes.Structure):
     """rowcopy.h's ple_rows_t."""
 
     _fields_ = [
-        *((name, ctypes.c_int64) for name in ("shards", "per_shard", "num_rows", "lo", "hi", "rb")),
+        ("shards", ctypes.c_int64),
+        ("per_shard", ctypes.c_int64),
+        ("num_rows", ctypes.c_int64),
+        ("lo", ctypes.c_int64),
+        ("hi", ctypes.c_int64),
+        ("rb", ctypes.c_int64),
         ("bases", ctypes.c_void_p),
         ("first", ctypes.c_void_p),
         ("end", ctypes.c_void_p),
@@ -97,7 +102,10 @@ class ReaderStruct(ctypes.Structure):
     _fields_ = [
         ("fds", ctypes.c_void_p),
         ("offsets", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in ("align", "strategy", "depth", "resident_check")),
+        ("align", ctypes.c_int32),
+        ("strategy", ctypes.c_int32),
+        ("depth", ctypes.c_int32),
+        ("resident_check", ctypes.c_int32),
         ("failed", ctypes.c_void_p),
     ]
 
@@ -136,7 +144,11 @@ class LookupStruct(ctypes.Structure):
         ("ids", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("counts", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in ("id_kind", "touch", "threads", "inline_rows", "busy")),
+        ("id_kind", ctypes.c_int32),
+        ("touch", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("inline_rows", ctypes.c_int32),
+        ("busy", ctypes.c_int32),
         ("seq", ctypes.c_uint32),
         ("ready", ctypes.c_void_p),
         ("done", ctypes.c_void_p),
