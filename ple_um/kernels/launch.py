@@ -62,8 +62,7 @@ def why_not_direct(kernel) -> str | None:
 def current_stream(device: int) -> int:
     """The handle of CUDA device ``device``'s current stream, through torch's private call (what
     Triton's own launcher reads): the public ``torch.cuda.current_stream(device).cuda_stream``
-    builds a Stream object per call, a host cost of the size a direct launch, and the host path's
-    queuing of an eager lookup, exist to remove."""
+    builds a Stream object per call, a host cost of the size a direct launch exists to remove."""
     return torch._C._cuda_getCurrentRawStream(device)
 
 

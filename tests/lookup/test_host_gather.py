@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ple_um.lookup import rowcopy
-from ple_um.lookup.host import cuda
+from ple_um.lookup.host import cuda, signal_check
 from ple_um.lookup.host.cuda import RING, HostNodeError, StreamState, check_pending
 from ple_um.mapping import MappedShards
 
@@ -148,17 +148,17 @@ def test_the_signals_check_never_leaves_a_stream_waiting_unsaid(monkeypatch, see
     write, the stream is released by the device's own write on another stream and the dispatcher is
     not used (the word kept: the stream may still read it); where nothing releases it, HostNodeError
     says so and how to run instead, rather than a hang at the next synchronize."""
-    monkeypatch.setattr(cuda, "_stranded", [])
+    monkeypatch.setattr(signal_check, "_stranded", [])
     word = torch.zeros(cuda.SIGNAL_BYTES // 4, dtype=torch.int32)
     driver = _SignalsDriver(word, sees_host=sees_host, sees_device=sees_device)
     if reason == "stays blocked":
         with pytest.raises(cuda.StreamBlockedError, match="stays blocked.*PLE_UM_DISPATCHER=0"):
-            cuda.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
+            signal_check.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
     else:
-        said = cuda.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
+        said = signal_check.round_trip(driver, 1, word, lambda: 2, timeout=0.2)
         assert reason in said and (said == "") == (reason == "")
     assert int(word[0]) == 7 and int(word[cuda.DONE_AT // 4]) == 1
-    assert (cuda._stranded == [word]) == (not sees_host)
+    assert (signal_check._stranded == [word]) == (not sees_host)
 
 
 def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice(monkeypatch):
@@ -168,12 +168,12 @@ def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice
         calls.append(device)
         raise cuda.StreamBlockedError("a stream ... stays blocked")
 
-    monkeypatch.setattr(cuda, "_verdicts", {})
-    monkeypatch.setattr(cuda, "_check", check)
+    monkeypatch.setattr(signal_check, "_verdicts", {})
+    monkeypatch.setattr(signal_check, "_check", check)
     device = torch.device("cuda", 3)
     for _ in range(2):
         with pytest.raises(HostNodeError, match="stays blocked"):
-            cuda.signals_work(object(), device)
+            signal_check.signals_work(object(), device)
     assert calls == [device]
 
 

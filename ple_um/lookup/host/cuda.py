@@ -21,16 +21,18 @@ word, written by the stream (``cuStreamWriteValue32``) once the lookup's ids are
 and its done word, written by the dispatcher once the rows are staged; the stream's copy of the
 rows waits for it (``cuStreamWaitValue32``, greater-or-equal, compared cyclically as CUDA does). A
 lookup's number (``seq``) is what both words carry. Whether a device's streams see the host's
-writes is checked once per device at open (``signals_work``). A stream that never sees them would
-wait for ever, and so would every later synchronize of the device; so the check releases such a
-stream by the device's own write on another stream, and where even that fails it raises
-``StreamBlockedError`` rather than leave a hang behind.
+writes is checked once per device at open (``signal_check.py``).
+
+The stream a lookup is queued on is torch's current one (``current_stream``); every call on it goes
+through ``CudaDriver``, the host path's one binding to the driver. ple-um's own streams (a chunked
+lookup's side stream) and the relaxed capture mode are made through the CUDA runtime in
+``lookup/streams.py``, shared with code outside the host path (the stats reporter, the prefetch
+stream, the release of a dropped table); the pinned buffers and words are torch tensors.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 import time
 
@@ -38,9 +40,7 @@ import torch
 
 from ple_um.errors import PleUmError
 from ple_um.lookup import rowcopy
-from ple_um.lookup.streams import own_stream, relaxed_capture_mode
-
-log = logging.getLogger(__name__)
+from ple_um.lookup.streams import relaxed_capture_mode
 
 _PTR, _I32, _U32, _U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint64
 _SIGNATURES = {
@@ -70,6 +70,11 @@ CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
 
 class HostNodeError(PleUmError, RuntimeError):
     """The CUDA driver refused a call of the host path (the message names the call and the error)."""
+
+
+class StreamBlockedError(HostNodeError):
+    """A stream of this device waits for ever (the signals' check at open): nothing may synchronize
+    the device after it, so the open gives up without releasing through the device."""
 
 
 class CudaDriver:
@@ -169,21 +174,17 @@ class CudaDriver:
         self.lib.cuEventDestroy_v2(event)
 
 
+def current_stream(device: int) -> int:
+    """The raw handle of CUDA device ``device``'s current stream, the one a lookup is queued on:
+    torch's private call (what Triton's own launcher reads), since the public
+    ``torch.cuda.current_stream(device).cuda_stream`` builds a Stream object per call, a host cost
+    of the size the queuing of an eager lookup is kept to."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 # A ring slot's words: its ready word at the slot's start, its done word a cache line further (the
 # stream writes one, the dispatcher the other).
 SIGNAL_BYTES, DONE_AT = 128, 64
-# Seconds the open-time check waits for a stream to see a write.
-SIGNAL_TIMEOUT = 5.0
-# The check's verdict per device index: "" (works), a reason (use host nodes), or the error.
-_verdicts: dict[int, str | BaseException] = {}
-# Pinned words a blocked stream may still wait on: never freed (freed memory could be handed out
-# and written again, releasing or corrupting the wait).
-_stranded: list[torch.Tensor] = []
-
-
-class StreamBlockedError(HostNodeError):
-    """A stream of this device waits for ever (the signals' check at open): nothing may synchronize
-    the device after it, so the open gives up without releasing through the device."""
 
 
 def arm(ready: int, seq: int) -> None:
@@ -204,82 +205,6 @@ def signalled(job) -> bool:
         return False
     done = ctypes.c_uint32.from_address(job.done).value
     return ((done - job.seq) & 0xFFFFFFFF) < 1 << 31
-
-
-def signals_work(driver: CudaDriver, device: torch.device) -> str | None:
-    """None when stream memory operations work on ``device`` as the dispatcher uses them (checked
-    once per device), else why not. Raises StreamBlockedError, at every call, for a device whose
-    check left a stream blocked."""
-    known = _verdicts.get(device.index)
-    if known is None:
-        try:
-            known = _check(driver, device)
-        except StreamBlockedError as exc:
-            known = exc
-        _verdicts[device.index] = known
-    if isinstance(known, BaseException):
-        raise known
-    return known or None
-
-
-def _check(driver: CudaDriver, device: torch.device) -> str:
-    if not driver.mem_ops:
-        return "this driver has no cuStreamWriteValue32_v2 / cuStreamWaitValue32_v2"
-    try:
-        driver.ensure_context(device.index)
-        word = torch.zeros(SIGNAL_BYTES // 4, dtype=torch.int32, pin_memory=True)  # one slot's words
-        stream = own_stream(device).cuda_stream
-    except Exception as exc:  # noqa: BLE001 - any failure means: use host nodes
-        return f"stream memory operations failed: {exc}"
-    return round_trip(driver, stream, word, lambda: own_stream(device).cuda_stream)
-
-
-def round_trip(driver, stream: int, word: torch.Tensor, other_stream, timeout: float | None = None) -> str:
-    """The check itself, on ``stream`` with one slot's words in ``word`` (pinned): the stream
-    writes the ready word, then waits for the done word, which this thread sets. A stream that
-    never sees the write still waits: the word is kept for the life of the process, and the same
-    write is made from the device on ``other_stream()`` to release it. Where even that does not
-    release it, StreamBlockedError (logged first). "" when it works, else why not."""
-    timeout = SIGNAL_TIMEOUT if timeout is None else timeout
-    done = DONE_AT // 4
-    try:
-        address = driver.device_pointer(word.data_ptr())
-        driver.write_value(stream, address, 7)
-        driver.wait_value(stream, address + DONE_AT, 1)
-        time.sleep(1e-3)
-        word[done] = 1  # as the dispatcher signals a lookup done
-        rc = _settle(driver, stream, timeout)
-        if rc == CUDA_ERROR_NOT_READY:
-            _stranded.append(word)
-            driver.write_value(other_stream(), address + DONE_AT, 1)
-            released = _settle(driver, stream, timeout) == CUDA_SUCCESS
-    except Exception as exc:  # noqa: BLE001 - any failure means: use host nodes
-        return f"stream memory operations failed: {exc}"
-    if rc == CUDA_ERROR_NOT_READY and not released:
-        why = (
-            "a stream waiting on pinned memory saw neither this thread's write nor the device's "
-            f"own within {2 * timeout:g} s: it stays blocked, so any synchronize of this "
-            "device will hang. Run with PLE_UM_DISPATCHER=0 (eager lookups as host nodes; this "
-            "check is then not made)"
-        )
-        log.error("ple-um: %s", why)
-        raise StreamBlockedError(why)
-    if rc == CUDA_ERROR_NOT_READY:
-        return "a stream waiting on pinned memory never saw this thread's write"
-    if rc != CUDA_SUCCESS:
-        return f"a stream waiting on pinned memory: {driver.error_name(rc)} after this thread's write"
-    if int(word[0]) != 7:
-        return f"a stream's write of pinned memory did not arrive (read {int(word[0])})"
-    return ""
-
-
-def _settle(driver, stream: int, timeout: float) -> int:
-    """The stream's query code once it is no longer busy, or CUDA_ERROR_NOT_READY after
-    ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while (rc := driver.query(stream)) == CUDA_ERROR_NOT_READY and time.monotonic() < deadline:
-        time.sleep(1e-4)
-    return rc
 
 
 # Job structs per stream's ring: lookups queued ahead of their row copies before a caller waits.

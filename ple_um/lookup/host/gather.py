@@ -39,11 +39,11 @@ import time
 import torch
 
 from ple_um import envs
-from ple_um.kernels.launch import current_stream
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.host import cuda
 from ple_um.lookup.host.misses import MissPlan, RowSources
+from ple_um.lookup.host.signal_check import signals_work
 from ple_um.lookup.mxfp8 import decode_staged
 from ple_um.lookup.nvfp4 import e2m1_values
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
@@ -124,7 +124,7 @@ class HostGather:
             elif not lib.ple_dispatch_start():
                 why = "the dispatcher thread could not be started"
             else:
-                why = cuda.signals_work(self._driver, device)
+                why = signals_work(self._driver, device)
             self.dispatcher = why is None
             eager = "by the dispatcher thread" if self.dispatcher else f"as host nodes ({why})"
             self.row_reads += f"; eager lookups {eager}"
@@ -183,7 +183,7 @@ class HostGather:
                 return self._lookup(ids, outs, raw)
         t0 = time.perf_counter()
         self._driver.ensure_context(self.index)
-        stream = current_stream(self.index)
+        stream = cuda.current_stream(self.index)
         capturing = torch.cuda.is_current_stream_capturing()
         state = self._state(stream)
         if raw:
