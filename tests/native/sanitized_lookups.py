@@ -5,7 +5,7 @@ sanitizer runtime is preloaded): ``python sanitized_lookups.py LIBRARY CHECKPOIN
 What runs in C: the row copy (rowcopy.c) over a mapping and through a row cache small enough to
 evict all the time (rowcache.c, its slots rewritten while other threads copy them), the reader of
 misses (reader.c: io_uring where this kernel gives a ring, and its threads), the pool's workers
-(pool.c) splitting each lookup, and the dispatcher thread (dispatcher.c) running posted lookups at
+(pool.c) splitting each lookup, and the dispatcher thread (rowcopy.c) running posted lookups at
 the same time as the ones this thread runs. One Python thread: the threads that race are the C
 code's own (Python's, not built for the sanitizer, would be reported without the GIL's ordering).
 Every row is checked against the reference read from the files; the exit code is 0 only when all

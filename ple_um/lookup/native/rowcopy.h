@@ -2,9 +2,10 @@
  * into a staging buffer, by id, in batch order. ple_um/lookup/rowcopy.py compiles the files into
  * one library and loads it with ctypes (no Python headers).
  *
- *   rowcopy.c     one lookup's rows (ple_lookup_run: the whole of a lookup's host work)
+ *   rowcopy.c     one lookup job: its rows, and who runs it (ple_lookup_run, the host function
+ *                 and the direct call; the dispatcher, the thread that runs eager lookups,
+ *                 signalled through pinned memory)
  *   pool.c        the worker threads that split a big lookup
- *   dispatcher.c  the thread that runs eager lookups, signalled through pinned memory
  *   rowcache.c    hot rows kept at row granularity in memory the table owns
  *   reader.c      rows not in memory read from the files many at a time (uring.c: through io_uring)
  *
