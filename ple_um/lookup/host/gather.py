@@ -18,7 +18,7 @@ Who runs the row copy (three strategies, one per case):
   callback thread and back that a host node costs (docs/lab/PERF_NOTES.md). Where stream memory
   operations do not work (checked once per device) or ``PLE_UM_DISPATCHER=0``, eager lookups are
   host nodes too.
-- No CUDA device: the row copy called directly (``_lookup_here``; ctypes releases the GIL).
+- No CUDA device: the row copy called directly (``run_here``; ctypes releases the GIL).
 
 Every strategy fills the same job structs (``_fill``). The two on a CUDA device (host nodes, the
 dispatcher) queue the same driver copies of the ids and the rows (``_ids_in``, ``_rows_out``) and
@@ -134,22 +134,50 @@ class HostGather:
         return self.sources.stats()
 
     # -- what a lookup asks ------------------------------------------------------------------
-    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Rows of flat ``ids`` (on the device, contiguous; any integer dtype) into ``out`` [n,
-        row_dim] (contiguous): raw rows when out has the storage dtype (an NVFP4 table's packed
-        bytes: [n, row_bytes]), else dequantized or decoded. Queued on the current stream; no
-        host sync."""
-        return self._lookup(ids, [out])
+    def gather(self, ids: torch.Tensor, *outs: torch.Tensor, raw: bool | None = None) -> torch.Tensor | None:
+        """Rows of flat ``ids`` (on the device, contiguous; any integer dtype) into ``outs``: one
+        ``out`` [n, row_dim] (contiguous), raw rows when it has the storage dtype (an NVFP4 table's
+        packed bytes: [n, row_bytes]), else dequantized or decoded; an NVFP4 or MXFP8 table's raw
+        rows and block scales (``gather_packed``); none for the page touch (``touch``). Queued on
+        the current stream, no host sync; without a CUDA device the row copy runs on this thread
+        (ctypes releases the GIL), rows straight into ``out`` when raw. Returns the first output."""
+        n, out = ids.numel(), outs[0] if outs else None
+        if self.sources.readers:  # an earlier lookup's ring failure, logged once
+            self.sources.note_fallback()
+        if raw is None:
+            raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
+        if n == 0:
+            return out
+        if self.cuda and torch.cuda.current_device() != self.index:  # the driver calls need its context
+            with torch.cuda.device(self.index):
+                return self.gather(ids, *outs, raw=raw)
+        t0 = time.perf_counter()
+        if raw:
+            targets = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
+        else:
+            targets = [torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes]
+        if self.cuda:
+            capturing = self._queue(ids, targets)
+        elif ids.device.type != "cpu":
+            raise ValueError(f"ids are on {ids.device}; a table on the CPU takes host ids")
+        else:
+            self.run_here(ids.contiguous(), targets, self.counts)
+        if not raw:
+            decode_staged(self.storage, targets, self.scale, out)
+        if self.cuda and not capturing and outs:
+            with self._lock:
+                self.enqueue_seconds += time.perf_counter() - t0
+        return out
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
         """NVFP4: the packed rows (uint8 [n, row_bytes]) and block scales (uint8 [n, D/16]) of ``ids``."""
-        self._lookup(ids, [packed, scales], raw=True)
+        self.gather(ids, packed, scales, raw=True)
 
     def touch(self, ids: torch.Tensor) -> None:
         """Queue a row copy that reads one byte of every page of the rows of ``ids`` and copies
         nothing (the ats mode's prefetch: the pages are in memory before the kernel queued after
         it reads them)."""
-        self._lookup(ids, [], raw=True)
+        self.gather(ids, raw=True)
 
     # -- one lookup --------------------------------------------------------------------------
     def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int]) -> None:
@@ -167,67 +195,38 @@ class HostGather:
         for k, address in enumerate(dst):
             job.dst[k] = address
 
-    def _lookup(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool | None = None) -> torch.Tensor:
-        """The rows of ``ids`` into ``outs`` (the rows, and an NVFP4 table's block scales; none for
-        the page touch), queued on the current stream."""
-        n, out = ids.numel(), outs[0] if outs else None
-        self.sources.note_fallback()  # an earlier lookup's ring failure, logged once
-        if raw is None:
-            raw = out.dtype == self.storage or (self.block_scales is not None and out.dtype == torch.uint8)
-        if n == 0:
-            return out
-        if not self.cuda:
-            return self._lookup_here(ids, outs, raw)
-        if torch.cuda.current_device() != self.index:  # the driver calls need its context current
-            with torch.cuda.device(self.index):
-                return self._lookup(ids, outs, raw)
-        t0 = time.perf_counter()
+    def _queue(self, ids: torch.Tensor, targets: list[torch.Tensor]) -> bool:
+        """Fill the lookup's job structs and queue its work on the current stream by the strategy
+        that serves it (the module docstring); ``targets`` empty: the page touch, no copy out.
+        Whether the stream is capturing."""
         self._driver.ensure_context(self.index)
         stream = cuda.current_stream(self.index)
         capturing = torch.cuda.is_current_stream_capturing()
         state = self._state(stream)
-        if raw:
-            targets = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
-        else:
-            targets = raws = [
-                torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes
-            ]
-        with state.lock:
-            self._queue(state, stream, ids, targets, capturing)
-        if not raw:
-            decode_staged(self.storage, raws, self.scale, out)
-        if not capturing and outs:
-            with self._lock:
-                self.enqueue_seconds += time.perf_counter() - t0
-        return out
-
-    def _queue(
-        self, state: cuda.StreamState, stream: int, ids: torch.Tensor, targets, capturing: bool
-    ) -> None:
-        """Fill the lookup's job structs and queue its work on ``stream`` by the strategy that
-        serves it (the module docstring); ``targets`` empty: the page touch, no copy out."""
         n = ids.numel()
         kind, size = rowcopy.ID_KINDS[ids.dtype], ids.element_size()
         pieces = chunks(n) if targets else [(0, n)]
-        bufs = state.buffers_for(n, capturing, self.row_bytes, self._driver)
-        slots = [] if capturing else [state.slot(self._driver) for _ in pieces]
-        jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.ring[k] for k in slots]
-        for job, (a, b) in zip(jobs, pieces, strict=True):
-            dst = [p + a * rb for p, rb in bufs.staging_ptrs] if targets else []
-            self._fill(job, bufs.ids_ptr + a * size, kind, b - a, dst)
-        if not capturing and self.dispatcher:
-            self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
-        elif len(pieces) == 1:
-            self._ids_in(stream, bufs, ids)
-            if not capturing and n > rowcopy.INLINE_ROWS:
-                self.pool.wake()
-            self._launch(stream, jobs[0])
-            self._rows_out(stream, bufs, targets, 0, n)
-        else:
-            self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
-        if capturing:  # a graph may replay them at any time: kept as long as this
-            with self._lock:
-                self._captured.append((*jobs, bufs))
+        with state.lock:
+            bufs = state.buffers_for(n, capturing, self.row_bytes, self._driver)
+            slots = [] if capturing else [state.slot(self._driver) for _ in pieces]
+            jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.ring[k] for k in slots]
+            for job, (a, b) in zip(jobs, pieces, strict=True):
+                dst = [p + a * rb for p, rb in bufs.staging_ptrs] if targets else []
+                self._fill(job, bufs.ids_ptr + a * size, kind, b - a, dst)
+            if not capturing and self.dispatcher:
+                self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
+            elif len(pieces) == 1:
+                self._ids_in(stream, bufs, ids)
+                if not capturing and n > rowcopy.INLINE_ROWS:
+                    self.pool.wake()
+                self._launch(stream, jobs[0])
+                self._rows_out(stream, bufs, targets, 0, n)
+            else:
+                self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
+            if capturing:  # a graph may replay them at any time: kept as long as this
+                with self._lock:
+                    self._captured.append((*jobs, bufs))
+        return capturing
 
     def _dispatched(self, state, stream, bufs, ids, slots, pieces, targets) -> None:
         """An eager lookup through the dispatcher thread, all on the caller's stream: the ids' copy
@@ -307,21 +306,6 @@ class HostGather:
         except BaseException:
             job.busy = 0
             raise
-
-    def _lookup_here(self, ids: torch.Tensor, outs: list[torch.Tensor], raw: bool) -> torch.Tensor:
-        """No CUDA: the row copy called directly (ctypes releases the GIL), rows straight into
-        ``out`` when raw."""
-        n = ids.numel()
-        if ids.device.type != "cpu":
-            raise ValueError(f"ids are on {ids.device}; a table on the CPU takes host ids")
-        if raw:
-            staging = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
-        else:
-            staging = [torch.empty((n, rb), dtype=torch.uint8) for rb in self.row_bytes]
-        self.run_here(ids.contiguous(), staging, self.counts)
-        if not raw:
-            decode_staged(self.storage, staging, self.scale, outs[0])
-        return outs[0] if outs else None
 
     def run_here(self, ids: torch.Tensor, staging: list[torch.Tensor], counts: rowcopy.Counts) -> None:
         """The row copy of host ``ids`` (contiguous) into ``staging`` (contiguous uint8, none for the
