@@ -4,7 +4,9 @@ to the host (it waits for the device: not capture-safe), reads each shard's owne
 mapping with ``torch.index_select`` (zeros for the ids it does not own), copies the rows to the
 device and, for a float output, dequantizes or decodes them there (``nvfp4.py``, ``mxfp8.py``). An
 NVFP4 or MXFP8 table's block scales are read the same way from their own mapping. A big lookup goes
-a chunk of ids at a time (``PLE_UM_CPU_CHUNK``), so that its staging and decoding stay bounded.
+a chunk of ids at a time (``PLE_UM_CPU_CHUNK``), so that its staging and decoding stay bounded. An
+owned id whose row lies outside its shard's mapping is a zero row counted as broken, as the C row
+copy gives and counts it.
 
 Wherever the C row copy builds, the host path is ``host.gather.HostGather`` instead: stream-ordered,
 no host sync, capture-safe.
@@ -35,17 +37,24 @@ class MappedRows:
             index: (index * layout.rows_per_shard + shard.lo, torch.from_numpy(mapping.shard_rows(index)))
             for index, shard in mapping.owned.items()
         }
+        self._unmapped = torch.empty((0, self.row_bytes), dtype=torch.uint8)  # a shard with no view
 
-    def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows [n, row_bytes] of int64 host ``ids``: zeros where an id is not owned."""
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The rows [n, row_bytes] of int64 host ``ids``, zeros where an id is not owned, and the
+        number of broken rows: owned ids whose row lies outside their shard's mapping (a shard not
+        mapped, a row past its mapped rows), zero rows too, as the C row copy gives and counts them."""
         rows = torch.zeros((ids.numel(), self.row_bytes), dtype=torch.uint8)
         owned = (ids >= self.owned[0]) & (ids < self.owned[1])
         shard = torch.where(owned, ids // self.rows_per_shard, -1)
+        broken = 0
         for index in torch.unique(shard[owned]).tolist():
             at = torch.nonzero(shard == index).squeeze(1)
-            first, view = self.shards[index]
-            rows.index_copy_(0, at, torch.index_select(view, 0, ids[at] - first))
-        return rows
+            first, view = self.shards.get(index, (0, self._unmapped))
+            local = ids[at] - first
+            inside = (local >= 0) & (local < view.shape[0])
+            broken += at.numel() - int(inside.sum())
+            rows.index_copy_(0, at[inside], torch.index_select(view, 0, local[inside]))
+        return rows, broken
 
 
 class SyncGather:
@@ -72,7 +81,7 @@ class SyncGather:
         self.rows = MappedRows(mapping)
         self.sources = [self.rows] + ([MappedRows(scale_mapping)] if scale_mapping is not None else [])
         self.row_reads = f"torch.index_select, synchronous ({why})"
-        self.counts = {"rows": 0, "out_of_range": 0, "lookups": 0}
+        self.counts = {"rows": 0, "out_of_range": 0, "broken": 0, "lookups": 0}
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.metrics = None  # the table's LookupMetrics, fed at each lookup (set once it serves)
         self._lock = threading.Lock()
@@ -103,11 +112,15 @@ class SyncGather:
         host_ids = ids.to(device="cpu", dtype=torch.int64)
         wait = time.perf_counter() - t0
         sources = self.sources if raw is None else self.sources[: len(raw)]
-        gather = 0.0
+        gather, broken = 0.0, 0
         for a in range(0, n, self.chunk):
             b = min(a + self.chunk, n)
             tr = time.perf_counter()
-            staged = [source.read(host_ids[a:b]) for source in sources]
+            staged = []
+            for source in sources:
+                rows, lost = source.read(host_ids[a:b])
+                staged.append(rows)
+                broken += lost
             gather += time.perf_counter() - tr
             if raw is None:
                 decode_staged(self.storage, [s.to(self.device) for s in staged], self.scale, decoded[a:b])
@@ -120,6 +133,7 @@ class SyncGather:
         with self._lock:  # lookups from several threads: += is not atomic
             self.counts["rows"] += n
             self.counts["out_of_range"] += bad
+            self.counts["broken"] += broken
             self.counts["lookups"] += 1
             for key, value in phases.items():
                 self.phases[key] += value

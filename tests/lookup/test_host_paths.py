@@ -8,7 +8,9 @@ scales through both.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,8 +19,11 @@ from helpers.mxfp8 import reference_mxfp8
 from helpers.reference import reference_nvfp4, reference_rows
 
 import ple_um
+from ple_um import envs
+from ple_um.lookup import rowcopy
 from ple_um.lookup.host.gather import HostGather
 from ple_um.lookup.sync_gather import SyncGather
+from ple_um.mapping import MappedShards
 from ple_um.synthetic import write_checkpoint
 from ple_um.synthetic_engram import write_engram_checkpoint
 
@@ -157,3 +162,89 @@ def test_block_scaled_rows_and_scales(tmp_path, monkeypatch, rng, poison, kind, 
         oob = int(((ids < 0) | (ids >= layout.num_rows)).sum())
         stats = table.stats()
         assert (stats["rows"], stats["out_of_range"]) == (4 * ids.size, 4 * oob)
+
+
+def _break_map(mapping, layout, lost_shard: int, cut_shard: int, late_shard: int) -> None:
+    """Make ``mapping``'s shard map lack rows it owns, as both host paths then read it: shard
+    ``lost_shard`` not mapped, ``cut_shard`` only its first 10 owned rows, ``late_shard`` all but
+    its first 5 owned rows (its address moved with them)."""
+    owned = mapping.owned
+    del owned[lost_shard]
+    owned[cut_shard] = replace(owned[cut_shard], hi=owned[cut_shard].lo + 10)
+    late = owned[late_shard]
+    owned[late_shard] = replace(late, lo=late.lo + 5, addr=late.addr + 5 * layout.row_bytes)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_a_broken_shard_map_gives_the_same_zero_rows_and_counts_on_both_paths(
+    make_checkpoint, rng, poison, kind
+):
+    """An owned id whose row lies outside its shard's mapping is a zero row counted as broken: the
+    synchronous path gives and counts exactly what the C row copy does (rows and block scales each
+    counted), never an IndexError; every other row is the files' bytes. Outputs poisoned first."""
+    lib, why = rowcopy.load(envs.PLE_UM_CACHE_DIR)
+    assert lib is not None, why
+    layout = make_checkpoint(num_rows=500, row_dim=32, dtype=kind, shards=7, seed=int(rng.integers(1 << 30)))
+    S = layout.rows_per_shard
+    owned = (S - 3, 6 * S + 2)
+    edges = [k * S + d for k in range(layout.parts + 1) for d in (-1, 0, 1, 5, 9, 10)]
+    ids_np = rng.permutation(np.concatenate([edges, rng.integers(-5, layout.num_rows + 5, 3000)]))
+    ids = torch.from_numpy(ids_np)
+    local = ids - (ids // S) * S
+    lost = (ids >= owned[0]) & (ids < owned[1])
+    lost &= (ids // S == 2) | ((ids // S == 3) & (local >= 10)) | ((ids // S == 4) & (local < 5))
+    assert lost.any() and not lost.all()
+    block_scaled = kind == "nvfp4"
+    scale_layout = layout.scale_layout() if block_scaled else None
+    with contextlib.ExitStack() as stack:
+        mapping = stack.enter_context(MappedShards(layout, owned))
+        scale_mapping = stack.enter_context(MappedShards(scale_layout, owned)) if block_scaled else None
+        for each in (mapping, scale_mapping):
+            if each is not None:
+                _break_map(each, each.layout, 2, 3, 4)
+        common = {"storage": layout.dtype, "scale": None, "scale_mapping": scale_mapping}
+        paths = {
+            "C": HostGather(lib, mapping, torch.device("cpu"), threads=3, **common),
+            "sync": SyncGather(mapping, torch.device("cpu"), chunk=700, why="the test", **common),
+        }
+        stack.callback(lambda: [path.close() for path in paths.values()])
+        outs, counts = {}, {}
+        for name, path in paths.items():
+            if block_scaled:
+                packed = poison(torch.empty((ids.numel(), layout.row_bytes), dtype=torch.uint8))
+                scales = poison(torch.empty((ids.numel(), scale_layout.row_bytes), dtype=torch.uint8))
+                path.gather_packed(ids, packed, scales)
+                outs[name] = [packed, scales]
+            else:
+                raw = poison(torch.empty((ids.numel(), layout.row_dim), dtype=layout.dtype))
+                decoded = poison(torch.empty((ids.numel(), layout.row_dim), dtype=torch.float32))
+                path.gather(ids, raw)
+                path.gather(ids, decoded)
+                outs[name] = [raw.view(torch.uint8), decoded]
+            read = path.read_counts()
+            counts[name] = (read["rows"], read["out_of_range"], read["broken"])
+        for c_out, sync_out in zip(outs["C"], outs["sync"], strict=True):
+            assert torch.equal(c_out.view(torch.uint8), sync_out.view(torch.uint8))
+        outside = int(((ids < 0) | (ids >= layout.num_rows)).sum())
+        lookups = 1 if block_scaled else 2
+        per_id = 2 if block_scaled else 1  # an NVFP4 id's row and its block scales, each counted
+        assert (
+            counts["sync"]
+            == counts["C"]
+            == (
+                lookups * ids.numel(),
+                lookups * outside,
+                lookups * per_id * int(lost.sum()),
+            )
+        )
+        kept = ids_np[~lost.numpy()]
+        rows = outs["C"][0]
+        assert not rows[lost].any() and np.array_equal(
+            rows[~lost].numpy(), reference_rows(layout, kept, owned)
+        )
+        if block_scaled:
+            scales = outs["C"][1]
+            assert not scales[lost].any()
+            assert np.array_equal(scales[~lost].numpy(), reference_rows(scale_layout, kept, owned))
+        else:  # the decoded rows: float32 of the raw ones, zeros where they are lost
+            assert torch.equal(outs["C"][1], rows.view(layout.dtype).float())
