@@ -152,8 +152,8 @@ class HostGather:
             with torch.cuda.device(self.index):
                 return self.gather(ids, *outs, raw=raw)
         t0 = time.perf_counter()
-        if raw:
-            targets = [o.view(torch.uint8).view(n, o.shape[-1] * o.element_size()) for o in outs]
+        if raw:  # the rows' bytes go straight into the outputs, read only by address
+            targets = list(outs)
         else:
             targets = [torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes]
         if self.cuda:
@@ -308,8 +308,8 @@ class HostGather:
             raise
 
     def run_here(self, ids: torch.Tensor, staging: list[torch.Tensor], counts: rowcopy.Counts) -> None:
-        """The row copy of host ``ids`` (contiguous) into ``staging`` (contiguous uint8, none for the
-        page touch), run on this thread, counted in ``counts``."""
+        """The row copy of host ``ids`` (contiguous) into ``staging`` (contiguous, a row's bytes a
+        row, read by address; none for the page touch), run on this thread, counted in ``counts``."""
         job, dst = rowcopy.LookupStruct(), [s.data_ptr() for s in staging]
         self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], ids.numel(), dst)
         job.counts = counts.address
