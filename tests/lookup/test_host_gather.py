@@ -2,7 +2,8 @@
 host node has run; while the caller waits, a stream in error or a node that never ran ends the wait
 with HostNodeError instead of a hang. The CUDA driver's answers are injected (a CPU machine has no
 driver); the job's flag is cleared by the real C row copy, as a host node clears it. Also the
-dispatcher's signals check at open, and the context calls a thread new to CUDA makes first."""
+dispatcher's signals check at open (``host.signal_check``), and the context calls a thread new to
+CUDA makes first."""
 
 from __future__ import annotations
 
