@@ -29,19 +29,21 @@ ROW_COPY_FUNCTIONS = (
 )
 # What the host path's cold read crosses with no Python of it running: the job struct's ctypes mirror.
 MIRROR = "ple_um/lookup/rowcopy.py"
+_COMPREHENSIONS = frozenset(("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"))
 
 
-def python_files_crossed(call: Callable[[], object]) -> set[str]:
-    """The package files (relative to the repository) with a Python function that ran during
-    ``call()`` on this thread, from its entry to its return."""
-    seen: set[str] = set()
+def python_functions_crossed(call: Callable[[], object]) -> set[tuple[str, str]]:
+    """The package's Python functions that ran during ``call()`` on this thread, from its entry to
+    its return: (file relative to the repository, qualified name). Comprehensions are no functions
+    of their own (Python 3.12 runs them inline)."""
+    seen: set[tuple[str, str]] = set()
     prefix = str(PACKAGE) + os.sep
 
     def profile(frame, event, arg) -> None:
         if event == "call":
             path = os.path.realpath(frame.f_code.co_filename)
-            if path.startswith(prefix):
-                seen.add(str(Path(path).relative_to(ROOT)))
+            if path.startswith(prefix) and frame.f_code.co_name not in _COMPREHENSIONS:
+                seen.add((str(Path(path).relative_to(ROOT)), frame.f_code.co_qualname))
 
     sys.setprofile(profile)
     try:
@@ -49,6 +51,11 @@ def python_files_crossed(call: Callable[[], object]) -> set[str]:
     finally:
         sys.setprofile(None)
     return seen
+
+
+def python_files_crossed(call: Callable[[], object]) -> set[str]:
+    """The package files with a Python function that ran during ``call()`` on this thread."""
+    return {path for path, _ in python_functions_crossed(call)}
 
 
 def c_files_defining(names=ROW_COPY_FUNCTIONS) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.hot_path import MIRROR, c_files_defining, python_files_crossed
+from helpers.hot_path import MIRROR, c_files_defining, python_functions_crossed
 
 import ple_um
 from ple_um.lookup.host.gather import HostGather
@@ -28,6 +28,23 @@ def test_the_row_copy_and_every_way_it_runs_are_one_c_file():
     assert c_files_defining() == ROW_COPY_C
 
 
+# The direct call's Python, function by function: a new hop (a function that only forwards its
+# arguments, say) fails here even within these files.
+DIRECT_CALLS = {
+    ("ple_um/table.py", "MappedTable.lookup"),
+    ("ple_um/table.py", "MappedTable._enter"),
+    ("ple_um/table.py", "MappedTable._out"),
+    ("ple_um/table.py", "MappedTable._leave"),
+    ("ple_um/lookup/paths.py", "check_args"),
+    ("ple_um/lookup/paths.py", "check_ids"),
+    ("ple_um/lookup/paths.py", "LookupPaths.route"),
+    ("ple_um/lookup/host/gather.py", "HostGather.gather"),
+    ("ple_um/lookup/host/gather.py", "HostGather.run_here"),
+    ("ple_um/lookup/host/gather.py", "HostGather._fill"),
+}
+DECODE_CALLS = {("ple_um/lookup/mxfp8.py", "decode_staged")}
+
+
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["raw", "dequantized"])
 def test_an_eager_cpu_lookup_crosses_these_files_and_no_more(make_checkpoint, rng, check_rows, out_dtype):
     layout = make_checkpoint(
@@ -39,7 +56,9 @@ def test_an_eager_cpu_lookup_crosses_these_files_and_no_more(make_checkpoint, rn
         assert isinstance(table.paths.host, HostGather), table.row_reads  # the C row copy, called directly
         table.lookup(ids, out_dtype=out_dtype)  # the warm-up
         got = []
-        crossed = python_files_crossed(lambda: got.append(table.lookup(ids, out_dtype=out_dtype)))
+        calls = python_functions_crossed(lambda: got.append(table.lookup(ids, out_dtype=out_dtype)))
         check_rows(got[0], layout, ids, rows=rows)
+    assert calls == DIRECT_CALLS | (DECODE_CALLS if out_dtype is not None else set())
+    crossed = {path for path, _ in calls}
     assert crossed == DIRECT | (DECODE if out_dtype is not None else set())
     assert len(crossed | {MIRROR} | ROW_COPY_C) <= HOST_PATH_FILES
