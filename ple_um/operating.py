@@ -10,8 +10,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -103,20 +102,6 @@ def inspect(directory: str, layer: int | None = None) -> dict:
 
 
 # -- residency -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ShardResidency:
-    """How many of a shard's owned bytes are in the page cache."""
-
-    index: int
-    file: str
-    bytes: int
-    resident_bytes: int
-
-    @property
-    def fraction(self) -> float:
-        return self.resident_bytes / self.bytes if self.bytes else 1.0
-
-
 def resident_bytes(addr: int, length: int) -> int:
     """Bytes of ``[addr, addr + length)`` (inside a live mapping) whose pages are in the page cache,
     by mincore; pages the range only partly covers count for the part it covers."""
@@ -130,19 +115,6 @@ def resident_bytes(addr: int, length: int) -> int:
     covered[0] -= addr - first
     covered[-1] -= pages * PAGE - (end - first)
     return int(covered[present].sum())
-
-
-def shard_residency(mapping: MappedShards) -> list[ShardResidency]:
-    """Per owned shard of an open mapping, its resident bytes (mincore over its rows)."""
-    rb = mapping.layout.row_bytes
-    out = []
-    for index, owned in sorted(mapping.owned.items()):
-        region = mapping.regions[owned.region]
-        nbytes = owned.rows * rb
-        out.append(
-            ShardResidency(index, os.path.basename(region.path), nbytes, resident_bytes(owned.addr, nbytes))
-        )
-    return out
 
 
 # resident_rows asks mincore about each row's own pages while the rows are fewer than the mapping's
@@ -201,23 +173,17 @@ def residency(directory: str, layer: int | None = None) -> dict:
 
     Maps the table read-only, asks mincore, unmaps; reads no data (so it does not change what it
     measures)."""
-    layout = read_layout(directory, layer)
-    with contextlib.ExitStack() as stack:
-        mapping = stack.enter_context(MappedShards(layout))
-        result = _residency(mapping)
-        scale_mapping = None
-        if layout.is_nvfp4:  # the block scales are a table of their own, mapped beside the rows
-            scale_mapping = stack.enter_context(MappedShards(layout.scale_layout()))
-            scales = _residency(scale_mapping)
+    with _mapped(read_layout(directory, layer)) as mappings:
+        result = _residency(mappings[0])
+        if len(mappings) > 1:  # the block scales are a table of their own, mapped beside the rows
+            scales = _residency(mappings[1])
             result["block_scales"] = {k: scales[k] for k in ("shards", "files", "total")}
-            result["total"] = _totals(
-                (t["bytes"], t["resident_bytes"]) for t in (result["total"], scales["total"])
-            )
-        result["row_cache"] = row_cache_plan(mapping, scale_mapping)
+            result["total"] = _totals([result["total"], scales["total"]])
+        result["row_cache"] = row_cache_plan(*mappings)
     return result
 
 
-def row_cache_plan(mapping: MappedShards, scale_mapping: MappedShards | None) -> dict:
+def row_cache_plan(mapping: MappedShards, scale_mapping: MappedShards | None = None) -> dict:
     """The row cache and the reader of misses the host path of a table opened now, under these
     knobs, would take (``lookup.host.misses.plan``). A serving process's own cache lives in that
     process: its ``stats()["row_cache"]``, stats line and ``vllm:ple_um_row_cache_*`` metrics."""
@@ -248,7 +214,17 @@ def row_cache_plan(mapping: MappedShards, scale_mapping: MappedShards | None) ->
 
 
 def _residency(mapping: MappedShards) -> dict:
-    shards = shard_residency(mapping)
+    """Per owned shard (mincore over its rows), per mapped file and in total, the bytes of
+    ``mapping`` in the page cache."""
+    rb = mapping.layout.row_bytes
+    shards = [
+        {
+            "index": index,
+            "file": os.path.basename(mapping.regions[owned.region].path),
+            **_share(owned.rows * rb, resident_bytes(owned.addr, owned.rows * rb)),
+        }
+        for index, owned in sorted(mapping.owned.items())
+    ]
     files = [
         {"file": os.path.basename(path), "mapped_bytes": mapped, "resident_bytes": resident}
         for path, resident, mapped in mapping.residency()
@@ -257,10 +233,19 @@ def _residency(mapping: MappedShards) -> dict:
         "directory": mapping.layout.directory,
         "layer": mapping.layout.layer,
         "page_size": PAGE,
-        "shards": [{**asdict(s), "fraction": s.fraction} for s in shards],
+        "shards": shards,
         "files": files,
-        "total": _totals((s.bytes, s.resident_bytes) for s in shards),
+        "total": _totals(shards),
     }
+
+
+@contextlib.contextmanager
+def _mapped(layout: ShardLayout) -> Iterator[list[MappedShards]]:
+    """The table's rows mapped read-only, and an NVFP4 table's block scales beside them (every lookup
+    reads both); unmapped when the block ends."""
+    layouts = [layout, layout.scale_layout()] if layout.is_nvfp4 else [layout]
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(MappedShards(each)) for each in layouts]
 
 
 # -- prewarm -------------------------------------------------------------------------------------
@@ -286,10 +271,7 @@ def prewarm(
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     layout = read_layout(directory, layer)
-    # The rows, and an NVFP4 table's block scales beside them (every lookup reads both).
-    layouts = [layout, layout.scale_layout()] if layout.is_nvfp4 else [layout]
-    with contextlib.ExitStack() as stack:
-        mappings = [stack.enter_context(MappedShards(each)) for each in layouts]
+    with _mapped(layout) as mappings:
         requested = _requested(mappings, fraction)
         memory = available()
         allowed = memory if limit is None else int(limit)
@@ -350,14 +332,15 @@ def fraction_that_fits(mappings: list[MappedShards], fraction: float, allowed: i
     return None
 
 
-def _totals(parts) -> dict:
-    """The bytes, resident bytes and resident fraction of (bytes, resident bytes) ``parts`` together."""
-    size = resident = 0
-    for nbytes, in_memory in parts:
-        size, resident = size + nbytes, resident + in_memory
-    return {"bytes": size, "resident_bytes": resident, "fraction": resident / size if size else 1.0}
+def _share(nbytes: int, resident: int) -> dict:
+    return {"bytes": nbytes, "resident_bytes": resident, "fraction": resident / nbytes if nbytes else 1.0}
+
+
+def _totals(parts: list[dict]) -> dict:
+    """The bytes, resident bytes and resident fraction of ``parts`` (shards, tables) together."""
+    return _share(sum(p["bytes"] for p in parts), sum(p["resident_bytes"] for p in parts))
 
 
 def _total(mappings: list[MappedShards]) -> dict:
     """The residency totals of several mappings together (a table's rows and block scales)."""
-    return _totals((t["bytes"], t["resident_bytes"]) for t in (_residency(m)["total"] for m in mappings))
+    return _totals([_residency(m)["total"] for m in mappings])
