@@ -21,7 +21,7 @@ from ple_um import _testing
 from ple_um.access.first_read import MARK, STAGES
 from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
 from ple_um.residency import evict_file_pages
-from ple_um.verify import read_file_rows
+from ple_um.verify import rows_differ
 
 _now = {"stage": "import"}  # the child's stage, for the reason of an error it reports
 
@@ -75,10 +75,9 @@ def _child_main(spec: dict) -> int:
     engram = spec.get("engram", False)  # a DeepSeek-V4.1 Engram table, not a PLE one
     layout = (read_engram_layout if engram else read_layout)(spec["directory"], spec["layer"])
     opener = open_engram_table if engram else open_table
-    parts = [layout, layout.scale_layout()] if layout.has_block_scales else [layout]
     rows = 0
     for lo, hi in spec["windows"]:
-        for part in parts:
+        for part in [layout, layout.scale_layout()] if layout.has_block_scales else [layout]:
             _evict(part, (lo, hi))
         _say("stage", "open")
         with opener(
@@ -100,13 +99,8 @@ def _child_main(spec: dict) -> int:
         _say("stage", "compare")
         if fault == "corrupt":
             got[got.shape[0] // 2, 0] ^= 0x5A
-        expect = np.concatenate([read_file_rows(part, ids_np, (lo, hi)) for part in parts], axis=1)
-        if not np.array_equal(got, expect):
-            bad = np.flatnonzero((got != expect).any(axis=1))
-            reason = (
-                f"{bad.size} of {ids_np.size} sample rows read through the kernel differ from the file "
-                f"(first: row {int(ids_np[bad[0]])})"
-            )
+        reason = rows_differ(layout, ids_np, got, (lo, hi), how=" read through the kernel")
+        if reason is not None:
             _say("result", json.dumps({"passed": False, "reason": reason}))
             return 0
         rows += ids_np.size

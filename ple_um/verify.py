@@ -5,7 +5,7 @@
 - ``calibrate_bulk``: in the ``ats`` and ``registered`` modes, the batch size from which the host
   path is faster than the kernel, measured on random owned ids (``PLE_UM_BULK_ROWS=auto``).
 - ``read_file_rows``: rows read with ``pread`` through descriptors of its own, the reference both
-  the self-test and the first-read child compare with.
+  the self-test and the first-read child compare with (``rows_differ``).
 """
 
 from __future__ import annotations
@@ -70,20 +70,28 @@ def self_test(paths, mapping: MappedShards, count: int) -> str | None:
         return None  # self-test disabled (PLE_UM_SELF_TEST_ROWS=0) or nothing owned
     layout = mapping.layout
     ids_np = sample_ids(mapping, count)
-    expect = read_file_rows(layout, ids_np)
     ids = torch.from_numpy(ids_np).to(paths.device)
     if not layout.has_block_scales:
         raw = torch.empty((ids_np.size, layout.row_dim), dtype=layout.dtype, device=paths.device)
         got = paths.route(ids, raw).view(torch.uint8).reshape(ids_np.size, -1)
     else:  # NVFP4, MXFP8: the packed rows and the block scales, side by side
         got = torch.cat(paths.packed(ids), dim=1)
-        expect = np.concatenate([expect, read_file_rows(layout.scale_layout(), ids_np)], axis=1)
-    got = got.cpu().numpy()
-    if not np.array_equal(got, expect):
-        bad = np.flatnonzero((got != expect).any(axis=1))
-        first = ids_np[bad[0]]
-        return f"self-test: {bad.size} of {ids_np.size} sample rows differ from the file (first: {first})"
-    return None
+    why = rows_differ(layout, ids_np, got.cpu().numpy())
+    return None if why is None else f"self-test: {why}"
+
+
+def rows_differ(
+    layout: ShardLayout, ids: np.ndarray, got: np.ndarray, window=None, how: str = ""
+) -> str | None:
+    """None when ``got`` (uint8, a row a id: its bytes, then its block scales' where the table has
+    them) holds what the files do (zeros for ids outside ``window``, when given), else how many of
+    the sample rows (read ``how``) differ and the first that does."""
+    parts = [layout, layout.scale_layout()] if layout.has_block_scales else [layout]
+    expect = np.concatenate([read_file_rows(part, ids, window) for part in parts], axis=1)
+    if np.array_equal(got, expect):
+        return None
+    bad = np.flatnonzero((got != expect).any(axis=1))
+    return f"{bad.size} of {ids.size} sample rows{how} differ from the file (first: row {int(ids[bad[0]])})"
 
 
 def calibrate_bulk(paths, rows: tuple[int, int], sizes=CALIBRATION_SIZES, repeats: int = 3) -> dict:

@@ -118,7 +118,7 @@ def test_bulk_sized_cpu_lookup(nvfp4, rng, monkeypatch):
     assert torch.equal(got, reference_nvfp4(nvfp4, ids, out_dtype=torch.float32))
 
 
-ROW_0_DIFFERS = r"self-test: 1 of \d+ sample rows differ from the file \(first: 0\)"
+ROW_0_DIFFERS = r"self-test: 1 of \d+ sample rows differ from the file \(first: row 0\)"
 
 
 def test_self_test_covers_both_tensors(nvfp4):
