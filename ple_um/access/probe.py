@@ -105,41 +105,35 @@ def reason_if_unsatisfied(
     mode: str, caps: DeviceCapabilities, table_bytes: int | None, budget: int | None
 ) -> str | None:
     """None when ``mode`` can serve a table of ``table_bytes`` on this device, else why not."""
-    if mode == "ats":
-        if caps.host_is_device:
-            return None
-        if not caps.cuda:
-            return "no CUDA device"
-        if direct_read(caps) is None:
-            return (
-                "the device reports neither PageableMemoryAccessUsesHostPageTables (ATS) nor "
-                "PageableMemoryAccess (HMM): it cannot dereference an mmap's host address"
-            )
+    if mode not in ALL_MODES:
+        raise _unknown(mode)
+    # The cpu mode reads on the host; where the host is the device (the interpreter) so do the
+    # others, but for registration, which needs CUDA.
+    if mode == "cpu" or caps.host_is_device and mode != "registered":
         return None
-    if mode == "registered":
-        if not caps.cuda:
-            return "no CUDA device"
-        if not caps.host_register_supported:
-            return "the device does not support cudaHostRegister (HostRegisterSupported = 0)"
-        if not caps.read_only_host_register_supported:
-            return (
-                "the device does not support read-only host registration "
-                "(ReadOnlyHostRegisterSupported = 0), which a PROT_READ file mapping needs"
-            )
-        if table_bytes is not None and budget is not None and table_bytes > budget:
-            return (
-                f"the table ({format_bytes(table_bytes)}) is larger than the pin budget "
-                f"({format_bytes(budget)}); "
-                "raise PLE_UM_PIN_BUDGET or PLE_UM_PIN_FRACTION to allow it"
-            )
+    if not caps.cuda:
+        return "no CUDA device"
+    if mode == "ats" and direct_read(caps) is None:
+        return (
+            "the device reports neither PageableMemoryAccessUsesHostPageTables (ATS) nor "
+            "PageableMemoryAccess (HMM): it cannot dereference an mmap's host address"
+        )
+    if mode != "registered":
         return None
-    if mode == "cpu":
-        return None
-    if mode == "device":
-        if not (caps.cuda or caps.host_is_device):
-            return "no CUDA device"
-        return None
-    raise _unknown(mode)
+    if not caps.host_register_supported:
+        return "the device does not support cudaHostRegister (HostRegisterSupported = 0)"
+    if not caps.read_only_host_register_supported:
+        return (
+            "the device does not support read-only host registration "
+            "(ReadOnlyHostRegisterSupported = 0), which a PROT_READ file mapping needs"
+        )
+    if table_bytes is not None and budget is not None and table_bytes > budget:
+        return (
+            f"the table ({format_bytes(table_bytes)}) is larger than the pin budget "
+            f"({format_bytes(budget)}); "
+            "raise PLE_UM_PIN_BUDGET or PLE_UM_PIN_FRACTION to allow it"
+        )
+    return None
 
 
 def decide(
