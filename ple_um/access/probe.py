@@ -148,31 +148,25 @@ def decide(
     raises ModeUnavailableError. ``exclude`` maps modes already rejected (a failed self-test) to why."""
     if mode != "auto" and mode not in ALL_MODES:
         raise _unknown(mode)
-    exclude = dict(exclude or {})
+    exclude = exclude or {}
     reasons: dict[str, str] = {}
     for m in ALL_MODES:
         why = exclude.get(m) or reason_if_unsatisfied(m, caps, table_bytes, budget)
         if why is not None:
             reasons[m] = why
-    if mode != "auto":
-        if mode in reasons:
-            raise ModeUnavailableError(mode, reasons[mode])
-        chosen = mode
-    else:
+    if mode == "auto":
         chosen = next((m for m in auto_order(caps) if m not in reasons), None)
         if chosen is None:
             raise ModeUnavailableError(
                 "auto", "every mode was rejected: " + "; ".join(f"{m}: {why}" for m, why in reasons.items())
             )
-    for m in ALL_MODES:
+    elif mode in reasons:
+        raise ModeUnavailableError(mode, reasons[mode])
+    else:
+        chosen = mode
+    for m in ALL_MODES:  # the modes that would have worked: why not them
         if m != chosen and m not in reasons:
-            if m == "device" and mode == "auto":
-                reasons[m] = "explicit only: it copies the whole table into GPU memory"
-            elif mode != "auto":
-                reasons[m] = f"{chosen} was asked for"
-            else:
-                reasons[m] = comes_first(chosen, m, caps)
-    reasons.pop(chosen, None)
+            reasons[m] = comes_first(chosen, m, caps) if mode == "auto" else f"{chosen} was asked for"
     return ProbeReport(
         mode=chosen,
         reasons=reasons,
@@ -183,7 +177,10 @@ def decide(
 
 
 def comes_first(chosen: str, other: str, caps: DeviceCapabilities) -> str:
-    """Why ``auto`` did not take ``other``, which would have worked: ``chosen`` is tried before it."""
+    """Why ``auto`` did not take ``other``, which would have worked: ``chosen`` is tried before it, or
+    ``other`` is ``device``, which ``auto`` never takes."""
+    if other == "device":
+        return "explicit only: it copies the whole table into GPU memory"
     if (chosen, other) == ("registered", "ats") and direct_read(caps) == HMM_DIRECT_READ:
         return (
             "registered comes first on HMM: registration maps every page for the GPU at open, "
