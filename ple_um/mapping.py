@@ -22,7 +22,7 @@ import numpy as np
 
 from ple_um import residency
 from ple_um.checkpoint import FileIdentity, ShardLayout, check_identity
-from ple_um.errors import CheckpointError
+from ple_um.errors import CheckpointError, TableClosedError
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +91,13 @@ class MappedShards:
             raise
 
     # -- set-up ---------------------------------------------------------------------------
-    def _owned_local(self, index: int, shard_rows: int) -> tuple[int, int]:
-        first = self.layout.shard_start(index)
-        lo = max(self.row_start - first, 0)
-        hi = min(self.row_end - first, shard_rows)
-        return lo, max(lo, hi)
-
     def _map(self) -> None:
         rb = self.layout.row_bytes
         by_file: dict[str, list[tuple[int, int, int, int]]] = {}
         identity: dict[str, FileIdentity] = {}
-        for spec in self.layout.shards:
-            lo, hi = self._owned_local(spec.index, spec.rows)
+        for spec in self.layout.shards:  # each shard's owned local rows [lo, hi)
+            first = self.layout.shard_start(spec.index)
+            lo, hi = max(self.row_start - first, 0), min(self.row_end - first, spec.rows)
             if hi > lo:
                 by_file.setdefault(spec.path, []).append((spec.index, spec.offset, lo, hi))
                 identity.setdefault(spec.path, spec.identity)  # one header read per file
@@ -236,10 +231,8 @@ class MappedShards:
         """Whether the mappings are in the page cache now (mincore), all but at most ``slack`` of
         their bytes: the few pages the kernel has reclaimed come back at their first touch, so such
         a table is served as a resident one."""
-        resident = mapped = 0
-        for _, r, m in self.residency():
-            resident, mapped = resident + r, mapped + m
-        return resident >= (1 - slack) * mapped
+        found = self.residency()
+        return sum(r for _, r, _ in found) >= (1 - slack) * sum(m for _, _, m in found)
 
     def touch_rows(self, ids: np.ndarray) -> int:
         """Fault in the pages of the given owned global rows (first and last byte of each row);
@@ -296,8 +289,6 @@ class MappedShards:
 
     def _check_open(self) -> None:
         if self._closed:
-            from ple_um.errors import TableClosedError
-
             raise TableClosedError("the mapping is closed")
 
     def close(self) -> None:

@@ -288,10 +288,9 @@ def _start_serving(access: ModeAccess, paths: LookupPaths, rows: tuple[int, int]
             calibration = verify.calibrate_bulk(paths, rows)
         else:
             paths.bulk_rows = int(knob)
-    mappings = [m for m in (access.mapping, access.scale_mapping) if m is not None]
     if envs.PLE_UM_PREWARM:
-        with metrics.progress(sum(m.mapped_bytes for m in mappings), "ple-um prewarm") as advance:
-            for each in mappings:
+        with metrics.progress(sum(m.mapped_bytes for m in access.mappings), "ple-um prewarm") as advance:
+            for each in access.mappings:
                 each.populate(progress=advance)
     paths.reset_counts()  # the self-test's and the calibration's rows were not lookups
     if paths.fit is not None:

@@ -114,7 +114,9 @@ class ModeAccess:
             self.close()
             raise
 
-    def _mappings(self) -> list[MappedShards]:
+    @property
+    def mappings(self) -> list[MappedShards]:
+        """The rows' mapping, and the block scales' where the table has them."""
         return [m for m in (self.mapping, self.scale_mapping) if m is not None]
 
     def _advise(self) -> None:
@@ -122,7 +124,7 @@ class ModeAccess:
         if advice == "auto":
             advice = "random" if self.mode in ("cpu", "ats") else "normal"
         if advice != "none":
-            for mapping in self._mappings():
+            for mapping in self.mappings:
                 mapping.advise(advice)
 
     def _register(self, mapping: MappedShards) -> RegisteredMapping:
@@ -146,7 +148,7 @@ class ModeAccess:
     def map_resident(self) -> int:
         """Map the pages of the table already in the page cache into this process (the host path's
         reads then take no minor faults); the bytes mapped."""
-        self.mapped_resident = sum(m.map_resident() for m in self._mappings())
+        self.mapped_resident = sum(m.map_resident() for m in self.mappings)
         return self.mapped_resident
 
     @property
