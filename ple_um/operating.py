@@ -148,23 +148,14 @@ def resident_rows(mapping: MappedShards, ids: np.ndarray, *, whole_files: bool |
         region = mapping.regions[owned.region]
         start = owned.addr - region.addr + (local - owned.lo) * rb
         pick, start = pick[inside], start[inside]
-        if seen is None:
-            out[pick] = _rows_resident(region, start, rb)
-            continue
         first, last = start // PAGE, (start + rb - 1) // PAGE
-        count = seen[owned.region]
-        out[pick] = count[last + 1] - count[first] == last - first + 1
+        if seen is None:  # one mincore over each row's own pages (OSError naming the file)
+            pages = zip(first.tolist(), (last - first + 1).tolist(), strict=True)
+            out[pick] = [resident_pages(region, at, n).all() for at, n in pages]
+        else:
+            count = seen[owned.region]
+            out[pick] = count[last + 1] - count[first] == last - first + 1
     return out
-
-
-def _rows_resident(region, starts: np.ndarray, rb: int) -> np.ndarray:
-    """Whether every page of each row (``rb`` bytes at ``start`` in the mapped ``region``) is in the
-    page cache: one mincore over each row's own pages; OSError naming the file where it fails."""
-    found = np.zeros(starts.shape, dtype=bool)
-    for k, start in enumerate(starts.tolist()):
-        first = (region.addr + start) // PAGE * PAGE
-        found[k] = bool(mincore(first, region.addr + start + rb - first, region.path).all())
-    return found
 
 
 def residency(directory: str, layer: int | None = None) -> dict:
