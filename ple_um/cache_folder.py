@@ -11,7 +11,8 @@ or a link makes an open hang, read without end, or create a file where the link 
   owned by this user that no one else can write (``private_folder``);
 - a file in them is opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only when it is a regular
   file owned by this user that no one else can write (``open_private``); a read is bounded
-  (``read_private``); a write replaces the file whole (``write_private``).
+  (``read_private``); a write replaces the file whole (``write_private``); a lock is an ``flock``
+  on such a file, waited for a bounded time (``locked``).
 
 Each check that fails raises ``UnsafeCacheError`` saying what is wrong; the callers then ignore
 what they found (a verdict is rechecked, a library rebuilt, a lock gone without) and say so. The
@@ -23,9 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
 import tempfile
+import time
+from collections.abc import Iterator
+
+POLL_S = 0.02  # between tries for a lock another process holds
 
 
 class UnsafeCacheError(OSError):
@@ -165,3 +171,39 @@ def write_private(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def locked(path: str, wait: float) -> Iterator[str | None]:
+    """Hold an ``flock`` on ``path`` (``open_private``; made, with its folder, where it is not) while
+    the block runs, having waited at most ``wait`` seconds for it: an advisory lock between the
+    processes of one machine. Processes that start at once (tensor-parallel ranks, data-parallel
+    replicas, several servers) take turns with it at what each would otherwise do at the same moment:
+    the first read's child (``access.first_read``) and the sizing of a row cache
+    (``lookup.host.misses``). Yields None when it is held, else why not (the file cannot be opened,
+    or another process held it all along): the caller goes on without it. The kernel releases the
+    lock when its holder's file is closed, however the process ends."""
+    try:
+        private_folder(os.path.dirname(path) or ".")
+        fd = open_private(path, os.O_RDONLY | os.O_CREAT, 0o600)
+    except UnsafeCacheError as exc:
+        yield f"cannot open {path}: {exc}"
+        return
+    except OSError as exc:
+        yield f"cannot open {path}: {exc.strerror or exc}"
+        return
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                why = None
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    why = f"{path} still held by another process after {wait:.0f} s"
+                    break
+                time.sleep(POLL_S)
+        yield why
+    finally:
+        os.close(fd)  # releases the lock

@@ -3,6 +3,7 @@ user's and no one else can write it; its files are opened without following a li
 blocking, and used only when they are regular files of this user's. A lock that is a FIFO does not
 hang an open (checked in a child, killed at a timeout), a lock that is a dangling link does not make
 its target, and PLE_UM_CACHE_DIR naming a file or an unsafe folder is refused with the other knobs.
+A lock has one holder at a time, a bounded wait, and a reason where it is not held.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
-from ple_um import cache_folder, envs, file_lock
+from ple_um import cache_folder, envs
 from ple_um.errors import KnobError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +34,7 @@ def test_folders_and_lock_files_are_made_private(tmp_path):
     old = os.umask(0o002)  # a lax umask: the modes must not depend on it
     try:
         path = tmp_path / "cache" / "deep" / "x.lock"
-        with file_lock.held(str(path), 1.0) as why:
+        with cache_folder.locked(str(path), 1.0) as why:
             assert why is None
         assert mode_of(tmp_path / "cache") == 0o700 and mode_of(tmp_path / "cache" / "deep") == 0o700
         assert mode_of(path) == 0o600
@@ -54,7 +57,7 @@ def test_a_lock_that_is_not_a_private_regular_file_is_not_used(tmp_path, kind):
     else:
         path.write_text("")
         path.chmod(0o664)
-    with file_lock.held(str(path), 0.2) as why:
+    with cache_folder.locked(str(path), 0.2) as why:
         assert why is not None and why.startswith(f"cannot open {path}: ")
     assert os.path.exists(target) == (kind == "link to a file")  # a dangling link's target is not made
     if kind != "link to a file":
@@ -66,7 +69,7 @@ def test_a_lock_of_another_user_is_not_used(tmp_path):
     path = tmp_path / "x.lock"
     path.write_text("")
     os.chown(path, NOBODY, NOBODY)
-    with file_lock.held(str(path), 0.2) as why:
+    with cache_folder.locked(str(path), 0.2) as why:
         assert f"owned by uid {NOBODY}" in why
 
 
@@ -185,3 +188,49 @@ def test_bench_refuses_a_cache_dir_that_is_a_file_before_any_work(tmp_path, caps
     code, out, err = run(capsys, "bench", "--size", "1MiB")
     assert code == 2 and out == ""
     assert f"environment variable PLE_UM_CACHE_DIR={str(blocker)!r}" in err and "is not a folder" in err
+
+
+# -- the lock: one holder at a time, a bounded wait, and a reason where it is not held -----------
+def test_one_holder_at_a_time_and_a_bounded_wait(tmp_path):
+    path = str(tmp_path / "deep" / "folder" / "x.lock")  # the folder is made
+    with cache_folder.locked(path, 1.0) as why:
+        assert why is None
+        found = []
+
+        def second():
+            t0 = time.monotonic()
+            with cache_folder.locked(path, 0.3) as other:
+                found.append((other, time.monotonic() - t0))
+
+        worker = threading.Thread(target=second)
+        worker.start()
+        worker.join(10)
+        ((other, waited),) = found
+        assert other == f"{path} still held by another process after 0 s" and 0.3 <= waited < 5
+    with cache_folder.locked(path, 0.0) as why:  # released with the block
+        assert why is None
+
+
+def test_the_lock_waited_for_is_taken_once_released(tmp_path):
+    path = str(tmp_path / "x.lock")
+    taken = []
+
+    def waiter():
+        with cache_folder.locked(path, 10.0) as why:
+            taken.append((why, time.monotonic()))
+
+    with cache_folder.locked(path, 1.0):
+        worker = threading.Thread(target=waiter)
+        worker.start()
+        time.sleep(0.3)
+        released = time.monotonic()
+    worker.join(10)
+    ((why, at),) = taken
+    assert why is None and at >= released
+
+
+def test_a_file_that_cannot_be_made_is_said(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with cache_folder.locked(str(blocker / "x.lock"), 1.0) as why:
+        assert why.startswith(f"cannot open {blocker / 'x.lock'}: ")

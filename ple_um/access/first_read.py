@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ple_um import envs, file_lock
+from ple_um import cache_folder, envs
 from ple_um.access import verdict_cache
 from ple_um.access.capabilities import DeviceCapabilities
 from ple_um.access.probe import ProbeReport
@@ -286,7 +286,7 @@ def first_read_verdict(
         return found
     timeout = envs.PLE_UM_FIRST_READ_TIMEOUT
     # Ranks that start at once run one child: the others wait for its verdict (or go on without the lock).
-    with file_lock.held(path + ".lock", timeout + 30) as why:
+    with cache_folder.locked(path + ".lock", timeout + 30) as why:
         if why is not None:
             logger.warning("ple-um: the first-read verdict's lock is not held (%s); going on without it", why)
         elif (found := cached()) is not None:  # another process ran the child while this one waited

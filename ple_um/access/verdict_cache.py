@@ -9,8 +9,9 @@ its folder is safe and it is a regular file of this user's that no one else can 
 it parses as a record of this format and version, for this very key (machine, driver, kernel,
 filesystem, ple-um version), with a verdict, a reason for a rejection and a time. Anything else is
 ignored with a warning, never trusted: the mode's first read is checked again by its child. Writes
-go to a private temporary file (0600) renamed over the old one (atomic), under the verdict's
-``file_lock`` (``PATH.lock``), which also makes ranks starting at once run one child between them.
+go to a private temporary file (0600) renamed over the old one (atomic), under the verdict's lock
+(``cache_folder.locked``, ``PATH.lock``), which also makes ranks starting at once run one child
+between them.
 """
 
 from __future__ import annotations

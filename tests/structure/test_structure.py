@@ -24,7 +24,6 @@ LAYERS = (
         "ple_um.version",
         "ple_um.cache_folder",
         "ple_um.knob_values",
-        "ple_um.file_lock",
         "ple_um.ticker",
     ),
     ("ple_um.envs", "ple_um._testing"),

@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ple_um import envs, file_lock
+from ple_um import cache_folder, envs
 from ple_um.access import memory
 from ple_um.errors import KnobError
 from ple_um.lookup import rowcopy
@@ -67,11 +67,11 @@ def one_sizing_at_a_time(wait_s: float = SIZING_WAIT_S) -> Iterator[None]:
     memory limit) then size theirs one after another, each from the memory the ones before it left,
     instead of all from the same room, which together they would take several times over (the
     limit's OOM killer ends one of them). The lock is ``PLE_UM_CACHE_DIR/row-cache.lock``
-    (``file_lock.held``): the processes of one user's deployment share it. Where it cannot be had
+    (``cache_folder.locked``): the processes of one user's deployment share it. Where it cannot be had
     (no such file can be made, or another process holds it past ``wait_s``), the cache is sized
     without it, and a warning says so."""
     path = os.path.join(envs.PLE_UM_CACHE_DIR, "row-cache.lock")
-    with file_lock.held(path, wait_s) as why:
+    with cache_folder.locked(path, wait_s) as why:
         if why is not None:
             log.warning("row cache sized without its lock (%s): processes opening at once may oversize", why)
         yield
