@@ -224,17 +224,14 @@ class RegisteredMapping:
         self.seconds = time.perf_counter() - t0
 
     def device_bases(self) -> list[int]:
-        """Per shard: the device address of its local row 0 (0 for shards with no owned rows)."""
-        bases = []
-        for index in range(self.mapping.layout.parts):
-            owned = self.mapping.owned.get(index)
-            if owned is None:
-                bases.append(0)
-                continue
-            region = self.mapping.regions[owned.region]
-            host_base = self.mapping.shard_base(index)
-            bases.append(self.device_addrs[owned.region] + (host_base - region.addr))
-        return bases
+        """Per shard: the device address of its local row 0 (0 for shards with no owned rows), its
+        host address moved as far as its file's registration moves the mapping."""
+        shift = [dev - r.addr for dev, r in zip(self.device_addrs, self.mapping.regions, strict=True)]
+        owned = self.mapping.owned
+        return [
+            self.mapping.shard_base(i) + shift[owned[i].region] if i in owned else 0
+            for i in range(self.mapping.layout.parts)
+        ]
 
     def close(self) -> None:
         """Unregister; idempotent. The caller has waited for every kernel that reads the pages
