@@ -79,12 +79,7 @@ def inspect(directory: str, layer: int | None = None) -> dict:
     layer found) its table."""
     directory = os.path.abspath(directory)
     layers = find_layers(directory, strict=False)  # validate() below lists what cannot be read
-    if layer is not None:
-        targets: list[int | None] = [layer]
-    elif layers:
-        targets = list(layers)
-    else:
-        targets = [None]
+    targets: list[int | None] = [layer] if layer is not None else list(layers or ()) or [None]
     problems: list[str] = []
     tables = []
     for at in targets:
