@@ -33,7 +33,7 @@ HMM_ORDER = ("registered", "ats", "cpu")
 ATS_DIRECT_READ = "hardware coherent (ATS)"
 HMM_DIRECT_READ = "HMM"
 INTERPRETER_DIRECT_READ = "Triton interpreter: the host is the device"
-ALL_MODES = ("ats", "registered", "cpu", "device")
+ALL_MODES = tuple(m for m in envs.MODES if m != "auto")  # the modes a table can be served in
 
 
 @dataclass
