@@ -186,18 +186,14 @@ def locked(path: str, wait: float) -> Iterator[str | None]:
     try:
         private_folder(os.path.dirname(path) or ".")
         fd = open_private(path, os.O_RDONLY | os.O_CREAT, 0o600)
-    except UnsafeCacheError as exc:
-        yield f"cannot open {path}: {exc}"
-        return
-    except OSError as exc:
+    except OSError as exc:  # UnsafeCacheError among them, whose message says why
         yield f"cannot open {path}: {exc.strerror or exc}"
         return
     try:
-        deadline = time.monotonic() + wait
+        deadline, why = time.monotonic() + wait, None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                why = None
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
