@@ -1,5 +1,5 @@
 """What a table tells its operator while it serves; none of it may ever fail a lookup (a failure
-is logged once and swallowed, ``failures``).
+is logged once and swallowed, ``counters.warn_once``).
 
 - ``counters``: the process's Prometheus counters and gauges (``METRICS``: names, and the aliases
   the earlier CPU-gather patches exported) and ``LookupMetrics``, one table's feed into them,

@@ -14,20 +14,33 @@ to the table's ``stats()`` with ``absorb``.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
 
 from ple_um import envs
 from ple_um.lookup.counts import PHASES
-from ple_um.metrics.failures import logger, warn_once
 from ple_um.metrics.stats_line import CACHE_COUNTED, FIGURES, figures
 
-# The counters absorb brings up to a table's stats(): metric key -> its key in the stats line's
-# ``figures`` (the row cache's ``cache_*`` counts are the metrics' ``row_cache_*``; the phases'
-# sum is the lookup seconds).
-ABSORBED = {key: key for key in (*FIGURES, *PHASES, "lookup_seconds")}
-ABSORBED |= {f"row_{key}": key for key in CACHE_COUNTED}
+# One logger for the whole of ple_um.metrics: the stats line and every metrics warning come under
+# the name an operator filters on, whichever module writes them.
+logger = logging.getLogger("ple_um.metrics")
+_warned: set[str] = set()
+
+# The counters absorb brings up to a table's stats(), by the keys ``figures`` gives them (the
+# phases' sum is the lookup seconds).
+ABSORBED = (*FIGURES, *PHASES, "lookup_seconds", *CACHE_COUNTED)
+
+
+def warn_once(key: str, message: str, *args) -> None:
+    """The one rule of every metric: it never fails the caller. A failure of kind ``key`` is logged
+    the first time it happens in this process, then swallowed, so a broken exporter or reader costs
+    a line in the log and nothing else."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    logger.warning("ple-um metrics: " + message, *args)
 
 
 @dataclass(frozen=True)
@@ -249,16 +262,20 @@ class LookupMetrics:
             self._ready = True
         return self._children
 
-    def _feed(self, values: dict[str, float], *, gauges: bool = False) -> None:
+    def _feed(self, what: str, values: dict[str, float], *, gauges: bool = False) -> None:
         """Raise this mode's counters named in ``values`` by them (a 0 leaves one as it is), or, with
-        ``gauges``, set its gauges to them; nothing where there are no metrics."""
-        children = self._metrics()
-        for key, value in values.items() if children is not None else ():
-            for child in children[key]:
-                if gauges:
-                    child.set(value)
-                elif value:
-                    child.inc(value)
+        ``gauges``, set its gauges to them; nothing where there are no metrics. A failure is
+        ``warn_once``'s of kind ``what``: metrics never fail a lookup."""
+        try:
+            children = self._metrics()
+            for key, value in values.items() if children is not None else ():
+                for child in children[key]:
+                    if gauges:
+                        child.set(value)
+                    elif value:
+                        child.inc(value)
+        except Exception as exc:  # noqa: BLE001 - metrics must never fail a lookup
+            warn_once(what, what + " failed (counters may be short): %s: %s", type(exc).__name__, exc)
 
     def observe(
         self,
@@ -275,16 +292,14 @@ class LookupMetrics:
             counted = {"lookups": 1, "rows": rows, "bytes": nbytes, "out_of_range": out_of_range}
             spent = {key: (phases or {}).get(key, 0.0) for key in PHASES}
             seconds = sum(spent.values()) if seconds is None else seconds
-            self._feed({**(counted if self.host_counted else {}), **spent, "lookup_seconds": seconds})
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a lookup
             warn_once("observe", "observe failed (counters may be short): %s: %s", type(exc).__name__, exc)
+            return
+        self._feed("observe", {**(counted if self.host_counted else {}), **spent, "lookup_seconds": seconds})
 
     def registration(self, seconds: float) -> None:
         """Count the seconds spent registering the mapping with CUDA."""
-        try:
-            self._feed({"registration": seconds})
-        except Exception as exc:  # noqa: BLE001
-            warn_once("registration", "registration failed: %s: %s", type(exc).__name__, exc)
+        self._feed("registration", {"registration": seconds})
 
     def absorb(self, stats: dict) -> None:
         """Bring the counters up to a table's cumulative ``stats()`` (lookups, rows, bytes,
@@ -297,17 +312,15 @@ class LookupMetrics:
             now = figures(stats)
             now["lookup_seconds"] = sum(now[key] for key in PHASES)
             with self._absorb_lock:
-                rise = {key: max(0.0, now[field] - self._absorbed[key]) for key, field in ABSORBED.items()}
-                self._absorbed = {key: now[field] for key, field in ABSORBED.items()}
-            self._feed(rise)
+                rise = {key: max(0.0, now[key] - self._absorbed[key]) for key in ABSORBED}
+                self._absorbed = {key: now[key] for key in ABSORBED}
         except Exception as exc:  # noqa: BLE001
             warn_once("absorb", "absorb failed: %s: %s", type(exc).__name__, exc)
+            return
+        self._feed("absorb", rise)
 
     def set_gauges(self, values: dict[str, int]) -> None:
         """Set this mode's gauges named in ``values`` for this process (the page cache's
         ``resident_bytes`` and ``mapped_bytes``, the row cache's ``row_cache_rows`` and
         ``row_cache_bytes`` in RAM)."""
-        try:
-            self._feed(values, gauges=True)
-        except Exception as exc:  # noqa: BLE001
-            warn_once("gauge", "gauge failed: %s: %s", type(exc).__name__, exc)
+        self._feed("gauge", values, gauges=True)

@@ -18,13 +18,12 @@ import torch
 from ple_um import envs
 from ple_um.errors import TableClosedError
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
-from ple_um.metrics.counters import LookupMetrics, prometheus
-from ple_um.metrics.failures import logger, warn_once
+from ple_um.metrics.counters import LookupMetrics, logger, prometheus, warn_once
 from ple_um.metrics.stats_line import CACHE_HELD, figures, format_line
 from ple_um.ticker import Ticker
 
-# The gauges a mode's watches add up to: their ``resident`` (bytes resident, mapped), then ``cache``.
-_GAUGES = ("resident_bytes", "mapped_bytes", "row_cache_rows", "row_cache_bytes")
+# The gauges a mode's watches add up to: the page cache's (bytes resident, mapped), the row cache's.
+_GAUGES = ("resident_bytes", "mapped_bytes", *CACHE_HELD)
 
 
 @dataclass(eq=False)
@@ -39,8 +38,8 @@ class Watch:
     device: object
     mode: str | None = field(init=False, default=None)  # the metrics' mode, else what its stats() names
     last: dict[str, float] | None = None  # figures at the previous tick
-    resident: tuple[int, int] = (0, 0)
-    cache: tuple[int, int] = (0, 0)  # the row cache's rows and bytes in RAM, at the last reading
+    # The page cache's and the row cache's figures at the last reading, under the gauges' keys.
+    gauges: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_GAUGES, 0))
     closed: bool = False
 
     def __post_init__(self) -> None:
@@ -57,7 +56,7 @@ class Watch:
             self.metrics.absorb(stats)
         now = figures(stats)
         self.mode = self.mode or str(stats.get("mode", "?"))
-        self.cache = (int(now["cache_rows"]), int(now["cache_resident"]))
+        self.gauges.update({key: int(now[key]) for key in CACHE_HELD})
         if self.last is not None:
             acc = window.setdefault(self.mode, dict.fromkeys(now, 0.0))
             for key, value in now.items():
@@ -156,7 +155,16 @@ class StatsReporter(Ticker):
         stream = self._stream(watch.device)
         if stream is None:
             return watch.stats()
-        with _relaxed_capture_mode(), torch.cuda.stream(stream):
+        # The relaxed mode lets this thread copy from the device while another thread captures a
+        # CUDA graph: vLLM's start-up captures would fail whenever a tick landed inside one. The copy
+        # runs on the reporter's own stream, which the capture does not record. Without the relaxed
+        # mode (no cuda-python) the read goes on in the default mode, warned once.
+        relaxed = relaxed_capture_mode(
+            lambda exc: warn_once(
+                "capture-mode", "cannot relax the capture mode: %s: %s", type(exc).__name__, exc
+            )
+        )
+        with relaxed, torch.cuda.stream(stream):
             return watch.stats()
 
     def _stream(self, device):
@@ -204,11 +212,12 @@ class StatsReporter(Ticker):
                 if watch.residency is not None:
                     try:
                         parts = list(watch.residency())
-                        watch.resident = (sum(p[1] for p in parts), sum(p[2] for p in parts))
+                        watch.gauges["resident_bytes"] = sum(p[1] for p in parts)
+                        watch.gauges["mapped_bytes"] = sum(p[2] for p in parts)
                     except Exception as exc:  # noqa: BLE001
                         warn_once("residency", "cannot read residency: %s: %s", type(exc).__name__, exc)
-                    resident += watch.resident[0]
-                    mapped += watch.resident[1]
+                    resident += watch.gauges["resident_bytes"]
+                    mapped += watch.gauges["mapped_bytes"]
             self._set_gauges()
             line = format_line(window, elapsed, resident, mapped)
         if line is not None and self.log:
@@ -224,7 +233,7 @@ class StatsReporter(Ticker):
             if watch.metrics is None or watch.residency is None:
                 continue
             _, gauges = by_mode.setdefault(watch.mode, (watch.metrics, dict.fromkeys(_GAUGES, 0)))
-            for key, value in zip(_GAUGES, (*watch.resident, *watch.cache), strict=True):
+            for key, value in watch.gauges.items():
                 gauges[key] += value
         for metrics, gauges in by_mode.values():
             metrics.set_gauges(gauges)
@@ -236,18 +245,6 @@ class StatsReporter(Ticker):
     # -- the thread (Ticker's start and close; close leaves the watches as they are) -----------
     def tick_failed(self, exc: Exception) -> None:
         warn_once("tick", "stats tick failed: %s: %s", type(exc).__name__, exc)
-
-
-def _relaxed_capture_mode():
-    """Let this thread copy from the device while another thread captures a CUDA graph: vLLM's
-    start-up captures would fail whenever a tick landed inside one. The copy runs on the
-    reporter's own stream, which the capture does not record. Without the relaxed mode (no
-    cuda-python) the read goes on in the default mode, warned once."""
-    return relaxed_capture_mode(
-        lambda exc: warn_once(
-            "capture-mode", "cannot relax the capture mode: %s: %s", type(exc).__name__, exc
-        )
-    )
 
 
 _lock = threading.Lock()

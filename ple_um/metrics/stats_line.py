@@ -16,14 +16,16 @@ from ple_um.lookup.counts import PHASES
 from ple_um.units import format_bytes
 
 FIGURES = ("lookups", "rows", "bytes", "out_of_range", "file_reads", "file_read_seconds")
-# From stats()["row_cache"]: counted (the window shows what they rose by) and held (what they are).
-CACHE_COUNTED = {"cache_hits": "hits", "cache_misses": "misses", "cache_evictions": "evictions"}
-CACHE_HELD = {"cache_rows": "rows", "cache_resident": "resident_bytes"}
+# From stats()["row_cache"], under the keys of the metrics they feed: counted (the window shows what
+# they rose by) and held (what the cache holds now).
+CACHE_COUNTED = {"row_cache_hits": "hits", "row_cache_misses": "misses", "row_cache_evictions": "evictions"}
+CACHE_HELD = {"row_cache_rows": "rows", "row_cache_bytes": "resident_bytes"}
 
 
 def figures(stats: dict) -> dict[str, float]:
     """The cumulative figures of a ``stats()`` dict that the stats line shows and the counters
-    absorb (and, under ``CACHE_HELD``'s keys, what its row cache holds now)."""
+    absorb, each under its metric's key (and, under ``CACHE_HELD``'s keys, what its row cache holds
+    now)."""
     out = {key: float(stats.get(key, 0)) for key in FIGURES}
     phases = stats.get("phase_seconds") or {}
     for key in PHASES:
@@ -54,12 +56,12 @@ def format_line(
                 f"{per}; phases ms: gather {f['gather'] * 1e3:.1f}, "
                 f"stage {f['stage'] * 1e3:.1f}, gpu-wait {f['wait'] * 1e3:.1f}"
             )
-        asked = f.get("cache_hits", 0) + f.get("cache_misses", 0)
-        if asked or f.get("cache_rows"):
-            rate = f"{100.0 * f['cache_hits'] / asked:.1f}% hits" if asked else "no lookups"
+        asked = f.get("row_cache_hits", 0) + f.get("row_cache_misses", 0)
+        if asked or f.get("row_cache_rows"):
+            rate = f"{100.0 * f['row_cache_hits'] / asked:.1f}% hits" if asked else "no lookups"
             text += (
-                f"; row cache: {rate}, {f['cache_rows'] / 1e6:.2f} M rows in "
-                f"{format_bytes(f.get('cache_resident', 0))}"
+                f"; row cache: {rate}, {f['row_cache_rows'] / 1e6:.2f} M rows in "
+                f"{format_bytes(f.get('row_cache_bytes', 0))}"
             )
         if f.get("file_reads"):
             text += f"; {f['file_reads']:.0f} file reads ({f.get('file_read_seconds', 0) * 1e3:.1f} ms)"

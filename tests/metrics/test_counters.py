@@ -13,7 +13,7 @@ import torch
 
 import ple_um
 from ple_um import metrics
-from ple_um.metrics import failures
+from ple_um.metrics import counters as counters_module
 
 prometheus_client = pytest.importorskip("prometheus_client")
 REGISTRY = prometheus_client.REGISTRY
@@ -143,7 +143,7 @@ def test_registration_seconds():
 
 def test_metrics_never_fail_a_lookup(make_checkpoint, caplog, monkeypatch):
     layout = make_checkpoint()
-    monkeypatch.setattr(failures, "_warned", set())  # as in a fresh process: nothing warned yet
+    monkeypatch.setattr(counters_module, "_warned", set())  # as in a fresh process: nothing warned yet
     feed = metrics.LookupMetrics("cpu")
     with caplog.at_level(logging.WARNING, logger="ple_um.metrics"):
         for _ in range(3):

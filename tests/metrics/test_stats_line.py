@@ -10,8 +10,8 @@ from ple_um.metrics.stats_line import figures, format_line
 
 def window(**figures: float) -> dict[str, float]:
     base = dict.fromkeys(("lookups", "rows", "bytes", "out_of_range", "gather", "stage", "wait"), 0.0)
-    base |= dict.fromkeys(("file_reads", "file_read_seconds", "cache_hits", "cache_misses"), 0.0)
-    base |= dict.fromkeys(("cache_evictions", "cache_rows", "cache_resident"), 0.0)
+    base |= dict.fromkeys(("file_reads", "file_read_seconds", "row_cache_hits", "row_cache_misses"), 0.0)
+    base |= dict.fromkeys(("row_cache_evictions", "row_cache_rows", "row_cache_bytes"), 0.0)
     return base | figures
 
 
@@ -73,10 +73,10 @@ def test_figures_of_a_stats_dict():
         out_of_range=1,
         gather=0.5,
         **read,
-        cache_hits=90,
-        cache_misses=10,
-        cache_rows=40,
-        cache_resident=4096,
+        row_cache_hits=90,
+        row_cache_misses=10,
+        row_cache_rows=40,
+        row_cache_bytes=4096,
     )
     assert figures({**stats, "row_cache": None}) == figures(stats)  # a table without a cache
 
@@ -87,12 +87,12 @@ def test_the_row_cache_in_the_line():
         rows=16000,
         bytes=2_560_000,
         gather=0.02,
-        cache_hits=15400,
-        cache_misses=600,
+        row_cache_hits=15400,
+        row_cache_misses=600,
         file_reads=580,
         file_read_seconds=0.0021,
-        cache_rows=6_100_000,
-        cache_resident=int(1.02 * (1 << 30)),
+        row_cache_rows=6_100_000,
+        row_cache_bytes=int(1.02 * (1 << 30)),
     )
     line = format_line({"cpu": cpu}, 10.0, 0, 0)
     assert "; row cache: 96.2% hits, 6.10 M rows in 1.02 GiB; 580 file reads (2.1 ms)" in line
