@@ -83,10 +83,12 @@ class ServedTable:
             raise RuntimeError(f"{prefix}: the table is not open: {why}")
         return self.table
 
-    def check_scale(self, prefix: str, name: str, loaded: torch.Tensor, expected: torch.Tensor) -> None:
-        """The global scale ``name`` the engine loaded (``loaded``, float32) must be the open table's
-        (``expected``, as the engine holds it): PLE_UM_DIR may name another checkpoint's table."""
-        if torch.equal(loaded, expected):
+    def check_scale(self, prefix: str, name: str, scale: torch.Tensor, expected: float) -> None:
+        """The global scale ``name`` the engine loaded (``scale``, in the dtype it holds it in) must be
+        ``expected`` in that dtype (the open table's scale, or 1 where the engine multiplies by none):
+        PLE_UM_DIR may name another checkpoint's table."""
+        loaded = scale.detach().float().cpu().reshape(-1)
+        if torch.equal(loaded, torch.full_like(loaded, expected).to(scale.dtype).float()):
             return
         table = self.table
         raise CheckpointError(
@@ -171,6 +173,8 @@ class ServedLayer:
     served: ServedTable
     prefix: str
     layer: int  # the decoder layer whose table the checkpoint names (``layers.<L>.ple``)
+    shards_compared = 0  # table tensors a load delivered in memory, compared with the files
+    ensure_table: Callable[[], MappedTable]  # the engine's: open the table, or remap it
 
     @property
     def table(self) -> MappedTable | None:
@@ -204,6 +208,14 @@ class ServedLayer:
 
     def require_table(self) -> MappedTable:
         return self.served.require(self.prefix, self.NOT_OPEN)
+
+    def compare_delivered(self, index: int, tensor: torch.Tensor, kind: str) -> None:
+        """A table tensor a load delivered in memory (``compare_shard``'s ``index`` and ``kind``),
+        compared with the mapped files of the table, opened if need be (``ensure_table``), never
+        copied: the table is read-only. A difference raises ReloadMismatchError."""
+        table = self.ensure_table()
+        self.shards_compared += 1
+        compare_shard(self.prefix, table, index, tensor, kind)
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""

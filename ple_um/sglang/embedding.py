@@ -30,7 +30,7 @@ from torch import nn
 
 from ple_um import MappedTable, envs
 from ple_um.checkpoint import ShardLayout, check_shape, read_layout
-from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, compare_shard, host_lookup_refused
+from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, host_lookup_refused
 from ple_um.sglang.source import table_directory
 
 NOT_APPLIED = (
@@ -87,7 +87,6 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
         self.layer: int | None = None
         self.split_ngram_parts: int | None = None
         self.served = ServedTable(logger, "SGLang")
-        self.shards_compared = 0
 
     def bind(self, *, prefix: str, layer: int, split_ngram_parts: int) -> None:
         """Where this table is in the model and the checkpoint: the module prefix, the decoder layer
@@ -148,20 +147,10 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
     def finish_load(self) -> None:
         """After a load: the table is open and agrees with the global scale SGLang loaded."""
         table = self.ensure_table()
-        loaded = self.weight_scale.detach().float().cpu().reshape(-1)
-        if table.layout.is_nvfp4 or table.scale is None:
-            expected = torch.ones_like(loaded)  # nothing to multiply: the rows are served as decoded / stored
-        else:  # SGLang holds the FP8 scale as bf16 (`_load_qwen4_exp_ple_buffer`)
-            expected = torch.full_like(loaded, table.scale).to(self.weight_scale.dtype).float()
-        self.served.check_scale(self.prefix, "weight_scale", loaded, expected)
-
-    def receive_shard(self, index: int, kind: str, tensor: torch.Tensor) -> None:
-        """A table tensor a load delivered (``shard_<index>.weight``, NVFP4's ``shard_<index>.weight_scale``
-        or ``weight_scale_2`` with ``index`` -1), compared with the mapped files, never copied: the
-        table is read-only. A difference raises ReloadMismatchError."""
-        table = self.ensure_table()
-        self.shards_compared += 1
-        compare_shard(self.prefix, table, index, tensor, kind)
+        # SGLang holds the FP8 scale as bf16 (`_load_qwen4_exp_ple_buffer`); NVFP4 rows are served
+        # decoded and 16-bit ones as stored: nothing to multiply, 1.
+        scale = 1.0 if table.layout.is_nvfp4 or table.scale is None else table.scale
+        self.served.check_scale(self.prefix, "weight_scale", self.weight_scale, scale)
 
     def prefetch_stream(self, stream):
         """The side stream SGLang's PLE layer queues ``start_prefetch`` on: with PLE_UM_OVERLAP (the

@@ -13,7 +13,7 @@ Two hooks (registered by ``plugin``):
   drops touch a table's bytes.
 - ``load_weights`` wraps ``Qwen4ExpForConditionalGeneration.load_weights``: a table tensor that
   still arrives (a loader that does not go through the iterator above, ``update_weights_from_tensor``)
-  goes to its layer's ``receive_shard``, which compares it with the mapped files instead of copying
+  goes to its layer's ``compare_delivered``, which compares it with the mapped files instead of copying
   it; once SGLang's own method has loaded the rest (the FP8 ``weight_scale`` among it), each
   ple-um layer opens its table (``finish_load``).
 """
@@ -109,7 +109,7 @@ def load_weights(original, model, weights: Iterable[tuple[str, torch.Tensor]]):
             if layer is None:
                 yield name, tensor  # not a table's, or a layer outside this pipeline stage (stock skips it)
             else:
-                layer[1].receive_shard(found[1], found[2], tensor)
+                layer[1].compare_delivered(found[1], tensor, found[2])
 
     loaded = original(model, others())
     for _, layer in served.values():

@@ -13,31 +13,27 @@ Imports nothing from SGLang.
 from __future__ import annotations
 
 import os
-import re
 
-from ple_um.checkpoint import directory_from_knob
+from ple_um.checkpoint import directory_from_knob, ple_match
 from ple_um.errors import CheckpointError
 
-# A PLE table's tensors as the checkpoint names them (model.language_model.layers.<L>...) and as
-# SGLang's load_weights renames them (model.layers.<L>...): group 1 the decoder layer, then either
-# the shard index and "weight" (rows) or "weight_scale" (NVFP4 block scales), or "weight_scale_2".
-_TABLE_TENSOR = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.ple\.ple_embedding\.ngram_embedding\."
-    r"(?:shard_(\d+)\.(weight|weight_scale)|(weight_scale_2))\Z"
-)
+# The tensors of ``ple_match`` that ple-um reads from the files itself, by the suffix SGLang (and
+# ``served.compare_shard``) names them with; not the FP8 ``weight_scale``, which SGLang loads.
+_SUFFIX = {"shard": "weight", "block_scale": "weight_scale", "global_scale": "weight_scale_2"}
 
 _model_folder: str | None = None
 
 
 def table_tensor(name: str) -> tuple[int, int, str] | None:
-    """(decoder layer, shard index or -1, kind) when ``name`` is a PLE table's tensor, else None; kind is
-    ``weight``, ``weight_scale`` (NVFP4 block scales) or ``weight_scale_2`` (NVFP4 global scale)."""
-    found = _TABLE_TENSOR.search(name)
-    if found is None:
+    """(decoder layer, shard index or -1, kind) when ``name`` is a PLE table's tensor, as the checkpoint
+    names it (model.language_model.layers.<L>...) or SGLang's load_weights renames it
+    (model.layers.<L>...), else None; kind is ``weight``, ``weight_scale`` (NVFP4 block scales) or
+    ``weight_scale_2`` (NVFP4 global scale)."""
+    found = ple_match(name)
+    if found is None or found[1] not in _SUFFIX:
         return None
-    if found.group(4):
-        return int(found.group(1)), -1, "weight_scale_2"
-    return int(found.group(1)), int(found.group(2)), found.group(3)
+    layer, kind, index = found
+    return layer, -1 if index is None else index, _SUFFIX[kind]
 
 
 def note_model_folder(folder: str) -> None:

@@ -46,7 +46,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 from ple_um import MappedTable, envs
 from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError
-from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, capturing, compare_shard, layer_index
+from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, capturing, layer_index
 from ple_um.vllm import capture, loading
 from ple_um.vllm.overlap import OverlappedLookups, queue_lookups
 from ple_um.vllm.source import TableSource, file_backing
@@ -93,10 +93,9 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         )
         # The model's ple-um layers whose lookups of a step start together (``early.link_model``).
         self.early = None
-        # Shard tensors (NVFP4: rows and block scales alike) delivered as file views: not read; and
-        # delivered in memory: compared with the mapped bytes.
+        # Shard tensors (NVFP4: rows and block scales alike) delivered as file views: not read (those
+        # delivered in memory are ``shards_compared``).
         self.shards_skipped = 0
-        self.shards_compared = 0
 
     def allocate_embedding_weight(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
@@ -132,9 +131,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         if backing is not None and self.source.is_table_file(backing[0]):
             self.shards_skipped += 1
             return
-        table = self.ensure_table()
-        self.shards_compared += 1
-        compare_shard(self.prefix, table, index, tensor, name)
+        self.compare_delivered(index, tensor, name)
 
     def check_headers(self) -> None:
         """Check the headers of the table's files, unless they are open already or not there yet (a
@@ -151,9 +148,15 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     def finish_load(self) -> None:
         """After a load: the table is open (remapped if the checkpoint directory changed) and agrees
         with the layer and with the loaded global scale (FP8 weight_scale, NVFP4 weight_scale_2)."""
-        self.ensure_table()
+        table = self.ensure_table()
         name = "weight_scale_2" if self.is_nvfp4 else "weight_scale"
-        loading.check_scale(self.served, self.prefix, name, getattr(self, name, None))
+        scale = getattr(self, name, None)
+        # A scale vLLM has not loaded yet (on the meta device, or its sentinel) is left to vLLM's own
+        # check, which reports a scale the checkpoint lacks.
+        if table.scale is None or scale is None or scale.device.type == "meta":
+            return
+        if not bool((scale.detach().float() == torch.finfo(torch.float32).min).any()):
+            self.served.check_scale(self.prefix, name, scale, table.scale)
 
     def ensure_table(self) -> MappedTable:
         """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""

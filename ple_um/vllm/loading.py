@@ -10,7 +10,6 @@ to the layer instead of copying it. The layer (its method, parameters, sizes) as
   naming the cure)?
 - ``check_layout``: the checkpoint's table (its headers) fits the layer: row width, row count,
   shard count, storage dtype, the global scale and NVFP4's block scales present.
-- ``check_scale``: the global scale vLLM loaded is the mapped table's own.
 
 A tensor in memory (a reload from an iterator, a weight sync) must then equal the bytes this rank
 maps (``served.compare_shard``); a view of a table file on disk is not read at all (``source``).
@@ -25,7 +24,6 @@ from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEFp8Embedding
 
 from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, check_shape
 from ple_um.errors import CheckpointError
-from ple_um.served import ServedTable
 
 if TYPE_CHECKING:
     from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
@@ -179,15 +177,3 @@ def _check_layout_dtype(layer: Qwen4ExpPLEMappedEmbedding, layout: ShardLayout, 
         f"layer's {type(layer.embedding_method).__name__} serves {serves}: {hint}",
         **where,
     )
-
-
-def check_scale(served: ServedTable, prefix: str, name: str, scale: torch.Tensor | None) -> None:
-    """The global scale vLLM loaded (``name``: FP8 weight_scale, NVFP4 weight_scale_2) must be the
-    served table's own (PLE_UM_DIR could name another table). A scale vLLM has not loaded yet (its
-    sentinel) is left to vLLM's own check, which reports a scale the checkpoint lacks."""
-    table = served.table
-    if table is None or table.scale is None or scale is None or scale.device.type == "meta":
-        return
-    loaded = scale.detach().float().cpu().reshape(-1)
-    if not bool((loaded == torch.finfo(torch.float32).min).any()):
-        served.check_scale(prefix, name, loaded, torch.full_like(loaded, table.scale))

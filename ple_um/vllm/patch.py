@@ -37,6 +37,7 @@ import vllm
 from vllm.logger import init_logger
 
 from ple_um import envs
+from ple_um.checkpoint import ple_match
 from ple_um.errors import CheckpointError
 from ple_um.vllm import early
 from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
@@ -51,7 +52,6 @@ ORIGINAL = "_ple_um_original"
 # Names as Qwen4ExpNGramEmbedding.load_weights sees them, and as the checkpoint spells them: the
 # rows (.weight) and an NVFP4 table's block scales (.weight_scale) of each shard.
 _LAYER_SHARD = re.compile(r"^ngram_embedding\.shard_(\d+)\.(weight|weight_scale)$")
-_CHECKPOINT_SHARD = re.compile(r"(?:^|\.)ple_embedding\.ngram_embedding\.shard_\d+\.weight(?:_scale)?$")
 
 
 def apply() -> list[str]:
@@ -211,7 +211,8 @@ def _model_load_weights(original):
 def _model_is_unused(original):
     def is_unused_checkpoint_weight(self, name: str) -> bool:
         """Shard tensors of ple-um layers are served from the files, never loaded."""
-        if _CHECKPOINT_SHARD.search(name) and _backends(self):
+        found = ple_match(name)
+        if found is not None and found[1] in ("shard", "block_scale") and _backends(self):
             return True
         return bool(original(self, name)) if original is not None else False
 
