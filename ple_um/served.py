@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from collections.abc import Callable, Iterator
 
@@ -45,6 +46,30 @@ _COMPARE_ROWS = 1 << 16
 
 class ReloadMismatchError(PleUmError, ValueError):
     """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
+
+
+def table_directory(model_folder: Callable[[list[str]], str | None]) -> str:
+    """The real path of the local directory that holds the PLE table: the one ``PLE_UM_DIR`` (alias
+    ``VLLM_PLE_MMAP_DIR``) names, else the engine's local folder of the model, ``model_folder(tried)``
+    (None where there is none, having added to ``tried`` why not). CheckpointError naming the
+    variable where it names no directory, or saying what was tried. Nothing is downloaded here."""
+    directory = envs.PLE_UM_DIR
+    if directory and not os.path.isdir(directory):
+        found = envs.KNOBS["PLE_UM_DIR"].raw()
+        raise CheckpointError(
+            f"{found[0] if found else 'PLE_UM_DIR'}={directory!r} is not a directory: point it at the "
+            "directory holding the checkpoint's *.safetensors files with the PLE shard tensors"
+        )
+    tried = ["PLE_UM_DIR (alias VLLM_PLE_MMAP_DIR): unset"]
+    directory = directory or model_folder(tried)
+    if not directory:
+        raise CheckpointError(
+            "cannot find the checkpoint directory of the PLE table. Tried: "
+            + "; ".join(tried)
+            + ". Set PLE_UM_DIR to the directory holding the *.safetensors files with the "
+            "...ple_embedding.ngram_embedding.shard_<i>.weight tensors."
+        )
+    return os.path.realpath(directory)
 
 
 def capturing(ids: torch.Tensor) -> bool:

@@ -9,9 +9,6 @@ few bytes are read, never table data.
 
 from __future__ import annotations
 
-import os
-
-from ple_um import envs
 from ple_um.checkpoint.problems import Problems
 from ple_um.checkpoint.scan import scan
 from ple_um.checkpoint.shard_layout import ShardLayout
@@ -78,20 +75,3 @@ def check_shape(layout: ShardLayout, prefix: str, *, row_dim: int, num_rows: int
             f"split_ngram_parts={parts}",
             **where,
         )
-
-
-def directory_from_knob() -> str | None:
-    """The checkpoint directory ``PLE_UM_DIR`` (or its alias) names, None where it is unset;
-    CheckpointError naming the variable where it is not a directory. The engines' plugins look here
-    first, then where their model was loaded from."""
-    override = envs.PLE_UM_DIR
-    if not override:
-        return None
-    if os.path.isdir(override):
-        return override
-    found = envs.KNOBS["PLE_UM_DIR"].raw()
-    var = found[0] if found else "PLE_UM_DIR"
-    raise CheckpointError(
-        f"{var}={override!r} is not a directory: point it at the directory holding the checkpoint's "
-        "*.safetensors files with the PLE shard tensors"
-    )

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 
-from ple_um.checkpoint import directory_from_knob, ple_match
-from ple_um.errors import CheckpointError
+from ple_um import served
+from ple_um.checkpoint import ple_match
 
 # The tensors of ``ple_match`` that ple-um reads from the files itself, by the suffix SGLang (and
 # ``served.compare_shard``) names them with; not the FP8 ``weight_scale``, which SGLang loads.
@@ -43,15 +43,15 @@ def note_model_folder(folder: str) -> None:
 
 
 def table_directory() -> str:
-    """The local directory that holds the PLE table, or CheckpointError saying what was tried."""
-    override = directory_from_knob()
-    if override is not None:
-        return os.path.realpath(override)
-    if _model_folder is not None:
+    """The real path of the local directory that holds the PLE table (``served.table_directory``:
+    PLE_UM_DIR first, then the folder noted), or CheckpointError saying what was tried."""
+
+    def model_folder(tried: list[str]) -> str | None:
+        if _model_folder is None:
+            tried.append(
+                "SGLang's safetensors loader has not resolved the model's folder (the model was loaded "
+                "another way)"
+            )
         return _model_folder
-    raise CheckpointError(
-        "cannot find the checkpoint directory of the PLE table: PLE_UM_DIR is unset and SGLang's "
-        "safetensors loader has not resolved the model's folder (the model was loaded another way). "
-        "Set PLE_UM_DIR to the directory holding the *.safetensors files with the "
-        "...ple_embedding.ngram_embedding.shard_<i>.weight tensors"
-    )
+
+    return served.table_directory(model_folder)

@@ -5,9 +5,9 @@ Questions the vLLM backend asks and nothing else in ple-um does (this module imp
 vLLM; it reads vLLM's config objects by attribute):
 
 - ``resolve_table_dir``: which local directory holds the PLE shard files. ``PLE_UM_DIR`` (alias
-  ``VLLM_PLE_MMAP_DIR``) first, then the model path when it is a local directory, then the local
-  Hugging Face cache snapshot when the model is a repo id. Nothing is downloaded here: vLLM has
-  already fetched the snapshot by the time weights are loaded.
+  ``VLLM_PLE_MMAP_DIR``) first (``served.table_directory``), then the model path when it is a local
+  directory, then the local Hugging Face cache snapshot when the model is a repo id. Nothing is
+  downloaded here: vLLM has already fetched the snapshot by the time weights are loaded.
 - ``TableSource``: one layer's answer, kept while vLLM's config and the knob stay the same, with
   the set of ``*.safetensors`` files in that directory.
 - ``file_backing``: whether a tensor handed to ``load_weights`` lies in a file mapping of this
@@ -22,38 +22,34 @@ import os
 import torch
 
 from ple_um import envs
-from ple_um.checkpoint import directory_from_knob
 from ple_um.errors import CheckpointError
+from ple_um.served import table_directory
 
 
 def resolve_table_dir(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str:
-    """The local directory that holds the PLE table, or CheckpointError saying what was tried.
+    """The real path of the local directory that holds the PLE table (``served.table_directory``:
+    PLE_UM_DIR first), else CheckpointError saying what was tried.
 
     ``model``, ``revision`` and ``download_dir`` are vLLM's ``model_config.model``,
     ``model_config.revision`` and ``load_config.download_dir`` (the Hugging Face cache directory
     vLLM downloads into; None is the default cache).
     """
-    tried: list[str] = []
-    override = directory_from_knob()
-    if override is not None:
-        return os.path.abspath(override)
-    tried.append("PLE_UM_DIR (alias VLLM_PLE_MMAP_DIR): unset")
-    if not model:
-        tried.append("the model path: vLLM has no model config")
-    elif os.path.isdir(model):
-        return os.path.abspath(model)
-    else:
+
+    def model_folder(tried: list[str]) -> str | None:
+        if not model:
+            tried.append("the model path: vLLM has no model config")
+            return None
+        if os.path.isdir(model):
+            return model
         tried.append(f"the model path {model!r}: not a local directory")
         snapshot, why = _hf_snapshot(model, revision, download_dir)
-        if snapshot is not None:
-            return snapshot
-        tried.append(f"the Hugging Face cache snapshot of {model!r} at revision {revision or 'main'}: {why}")
-    raise CheckpointError(
-        "cannot find the checkpoint directory of the PLE table. Tried: "
-        + "; ".join(tried)
-        + ". Set PLE_UM_DIR to the directory holding the *.safetensors files with the "
-        "...ple_embedding.ngram_embedding.shard_<i>.weight tensors."
-    )
+        if snapshot is None:
+            tried.append(
+                f"the Hugging Face cache snapshot of {model!r} at revision {revision or 'main'}: {why}"
+            )
+        return snapshot
+
+    return table_directory(model_folder)
 
 
 class TableSource:
@@ -81,7 +77,7 @@ class TableSource:
         if key != self._key:
             # The real path, for the PLE layers and Engram alike: two spellings of one checkpoint (a
             # symlink, say) are one table, not a reason to remap it.
-            directory = os.path.realpath(resolve_table_dir(model, revision, download_dir))
+            directory = resolve_table_dir(model, revision, download_dir)
             try:
                 names = os.listdir(directory)
             except OSError as exc:

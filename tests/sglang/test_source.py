@@ -32,7 +32,7 @@ def test_table_tensor(name, found):
 
 def test_table_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(source, "_model_folder", None)
-    with pytest.raises(CheckpointError, match="PLE_UM_DIR is unset"):
+    with pytest.raises(CheckpointError, match="PLE_UM_DIR .*unset.*has not resolved the model.s folder"):
         source.table_directory()
     source.note_model_folder(str(tmp_path))
     assert source.table_directory() == os.path.realpath(tmp_path)
