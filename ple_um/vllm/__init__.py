@@ -7,11 +7,11 @@ Which file holds what, in the order a load and a step reach them:
 - ``patch``: the vLLM symbols replaced, so that vLLM's own backend selection builds ours and its
   ``load_weights`` hands the shard tensors over instead of copying them.
 - ``backend``: the layer itself, ``Qwen4ExpPLEMappedEmbedding`` (storage, opening the table, the
-  lookup, the reduce across ranks, vLLM's prefetch hook).
+  lookup, the reduce across ranks, vLLM's prefetch hook), and vLLM's CUDA-graph rules (when the
+  prefetch forks a side stream, the eager break of a table that is not capture-safe, the graph
+  modes refused).
 - ``source``: which directory holds the table, and whether a delivered tensor is a view of a file.
 - ``loading``: the table a layer expects, and the checks that what vLLM loads is that table.
-- ``capture``: vLLM's CUDA-graph rules (when the prefetch forks a side stream, the eager break of a
-  table that is not capture-safe, the graph modes refused).
 - ``overlap``: the buffer, side stream and started lookups between ``start_prefetch`` and
   ``finalize_prefetch``.
 - ``early``: a step's lookups started together by its first PLE layer.

@@ -20,8 +20,15 @@ does: the model calls ``start_prefetch`` one decoder layer ahead, which queues t
 stream forked from the current one, and ``finalize_prefetch`` joins that stream back and reduces
 (``prefetch``). Both are plain stream operations, so a FULL CUDA graph captures the fork, the
 lookup and the join, and the host gather of the cpu mode (a CUDA host node) runs while the GPU
-computes the layer before. Where the lookup may fork, and where it runs in an eager break, is
-``capture``'s to say. Once the model is loaded its ple-um layers are linked (``early``): the step's
+computes the layer before. Where the lookup may fork, and where it runs in an eager break, are
+vLLM's CUDA-graph rules, at the end of this file: the side stream is forked in eager calls and FULL
+captures, never in vLLM's breakable piecewise captures, where an attention op ends a graph segment
+between ``start_prefetch`` and ``finalize_prefetch`` (``segments_end_before_join``); a table that is
+not capture-safe is looked up in an eager break of a piecewise capture (``host_lookup``), and refused
+at load under a graph mode without eager breaks (``check_cudagraph_mode``). What a capture fixes for
+good (a lookup of the open table, the zero rows of ``--load-format dummy``) the layer's
+``ServedTable`` and ``zeros_captured`` note, and refuse the opens that would leave the graphs
+replaying stale work. Once the model is loaded its ple-um layers are linked (``early``): the step's
 first PLE layer's ``start_prefetch`` then queues every PLE layer's lookup at once
 (``PLE_UM_EARLY_LOOKUPS``), each into its layer's own prefetch buffer, each joined by its layer.
 ROCm's layer has no prefetch wiring, and there the backend declares no hook (``patch``).
@@ -36,7 +43,13 @@ is not read; a tensor in memory is compared with the mapped bytes (``loading``);
 from __future__ import annotations
 
 import torch
-from vllm.config import get_current_vllm_config
+from vllm.compilation.breakable_cudagraph import (
+    BreakableCUDAGraphCapture,
+    eager_break_during_capture,
+    is_breakable_cudagraph_enabled,
+)
+from vllm.config import CUDAGraphMode, get_current_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEEmbedding,
@@ -46,8 +59,15 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 from ple_um import MappedTable, envs
 from ple_um.checkpoint import read_layout
 from ple_um.errors import CheckpointError
-from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, capturing, layer_index
-from ple_um.vllm import capture, loading
+from ple_um.served import (
+    ReloadMismatchError,
+    ServedLayer,
+    ServedTable,
+    capturing,
+    host_lookup_refused,
+    layer_index,
+)
+from ple_um.vllm import loading
 from ple_um.vllm.overlap import OverlappedLookups, queue_lookups
 from ple_um.vllm.source import TableSource, file_backing
 
@@ -176,7 +196,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         def check(table: MappedTable) -> None:
             if table.device != self._device:
                 raise RuntimeError(f"{self.prefix}: the table opened on {table.device}, not {self._device}")
-            capture.check_cudagraph_mode(self.prefix, table, self._vllm_config)
+            check_cudagraph_mode(self.prefix, table, self._vllm_config)
 
         return self.serve_table(directory, self._device, fits=fits, check=check)
 
@@ -198,7 +218,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
             self.served.note_lookup(ids)
             table.lookup(ids, out=out)
         else:
-            capture.host_lookup(self, ids, out)
+            host_lookup(self, ids, out)
         return out
 
     def _zero_rows(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -245,11 +265,11 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     def may_fork(self, ids: torch.Tensor) -> bool:
         """Whether this layer's lookup of ``ids`` may be queued on a side stream: on a CUDA device, for
         a capture-safe table (the zero rows of a dummy load are), outside a graph segment that ends
-        before the join (``capture.segments_end_before_join``). Otherwise the lookup runs on the
+        before the join (``segments_end_before_join``). Otherwise the lookup runs on the
         current stream (a CPU device; the host path's eager break; a segment that ends before the
         join, which captures the lookup into it)."""
         safe = (self.served.table is None and self._dummy) or self.require_table().capture_safe
-        return ids.is_cuda and safe and not capture.segments_end_before_join()
+        return ids.is_cuda and safe and not segments_end_before_join()
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """Join the side stream and return the rows of the last ``start_prefetch``, combined across
@@ -263,3 +283,53 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         out = rows.new_empty(rows.shape)
         out.copy_(rows)
         return out
+
+
+# -- vLLM's CUDA-graph rules: where a lookup may run while vLLM captures graphs ------------------
+def segments_end_before_join() -> bool:
+    """Whether vLLM is capturing a breakable CUDA graph in a mode other than FULL (its PIECEWISE
+    captures): then each attention op ends a graph segment, some between ``start_prefetch`` and
+    ``finalize_prefetch`` (the model starts layer L+1's lookup before layer L runs), and a side
+    stream forked in one segment and joined in a later one would leave the first capture unjoined,
+    a CUDA error. The same test vLLM's ``eager_break_during_capture`` makes."""
+    capture = BreakableCUDAGraphCapture.current()
+    if capture is None or not capture._capturing:
+        return False
+    if is_forward_context_available():
+        return get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.FULL
+    return True
+
+
+@eager_break_during_capture
+def host_lookup(embedding: Qwen4ExpPLEMappedEmbedding, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """The lookup of a table that is not capture-safe (the cpu mode without its C row copy): host
+    work that waits for the device, so a piecewise CUDA graph capture runs it in an eager break
+    (replayed with the same ``ids`` and ``out`` buffers)."""
+    embedding.require_table().lookup(ids, out=out)
+
+
+def check_cudagraph_mode(prefix: str, table: MappedTable, vllm_config) -> None:
+    """A lookup that is not capture-safe (the cpu mode without its C row copy: it waits for the
+    device) can only live in an eager break of a piecewise graph: RuntimeError under any other
+    graph mode vLLM is configured for."""
+    if table.capture_safe:
+        return
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    breakable = is_breakable_cudagraph_enabled()
+    if breakable and not mode.has_full_cudagraphs():
+        return
+    why = (
+        f"cudagraph_mode={mode.name} captures FULL graphs, where an eager break cannot run"
+        if mode.has_full_cudagraphs()
+        else f"cudagraph_mode={mode.name} without VLLM_USE_BREAKABLE_CUDAGRAPH=1 has no eager breaks"
+    )
+    raise host_lookup_refused(
+        prefix,
+        table,
+        f"it needs an eager break in the CUDA graph; {why}",
+        "or start vLLM with -cc.cudagraph_mode=PIECEWISE and VLLM_USE_BREAKABLE_CUDAGRAPH=1 "
+        "(or -cc.cudagraph_mode=NONE)",
+    )

@@ -1,4 +1,4 @@
-"""The CUDA-graph rules (``ple_um.vllm.capture``). With its host node (the C row copy, the default)
+"""The CUDA-graph rules (``ple_um.vllm.backend``). With its host node (the C row copy, the default)
 the cpu mode is capture-safe: every graph mode is accepted and the lookup never becomes an eager
 break. Without it (PLE_UM_ROWCOPY=0, or no C compiler) its lookup waits for the device and runs in
 vLLM's eager break, and a graph mode that cannot break fails at start-up naming the flags to use.
@@ -151,7 +151,7 @@ def test_breakable_piecewise_capture_keeps_the_lookup_in_its_segment(monkeypatch
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
     from vllm.config import CUDAGraphMode
 
-    from ple_um.vllm import capture as rules
+    from ple_um.vllm import backend as rules
 
     assert not rules.segments_end_before_join()  # no capture
     capture = BreakableCUDAGraphCapture()
