@@ -1,10 +1,10 @@
 """Checkpoint layer: safetensors headers -> a validated ShardLayout of one PLE layer's table.
 
 ``layout`` holds the entry points; below it ``scan`` reads the directory (index, files, headers
-through ``safetensors``, where the ``safetensors`` package judges them, and ``files``), ``naming``
-knows the tensors' names, ``validation`` checks them (``global_scale`` reads a table's scale),
-and ``shard_layout`` is the data model and the storage formats (``NVFP4_BLOCK``: the values per
-NVFP4 block scale).
+through ``safetensors``, where the ``safetensors`` package judges them, and ``files``) and holds
+``Problems``, where every check reports, ``naming`` knows the tensors' names, ``validation`` checks
+them (a table's global scale read among them), and ``shard_layout`` is the data model and the
+storage formats (``NVFP4_BLOCK``: the values per NVFP4 block scale).
 ``engram`` reads a DeepSeek-V4.1 Engram table (MXFP8, one unsplit shard) into the same ShardLayout,
 checked against the config's geometry (``engram_geometry``).
 """

@@ -18,9 +18,8 @@ import os
 
 from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.naming import engram_match
-from ple_um.checkpoint.problems import Problems, refusal
 from ple_um.checkpoint.safetensors import TensorEntry
-from ple_um.checkpoint.scan import LayerTensors, Scan, scan
+from ple_um.checkpoint.scan import LayerTensors, Problems, Scan, refusal, scan
 from ple_um.checkpoint.shard_layout import MXFP8, MXFP8_BLOCK, STORAGE_DTYPES, ShardLayout
 from ple_um.checkpoint.validation import shard_specs
 from ple_um.errors import CheckpointError

@@ -2,15 +2,14 @@
 or list every problem that keeps a checkpoint from serving.
 
 The work is done below: ``scan`` (the index, the files, their headers), ``validation`` (the checks,
-in one order for both ``read_layout`` and ``validate``; ``global_scale`` reads a table's scale),
+in one order for both ``read_layout`` and ``validate``, a table's global scale read among them),
 with the names of ``naming`` and the data model of ``shard_layout``. Only headers and the scales'
 few bytes are read, never table data.
 """
 
 from __future__ import annotations
 
-from ple_um.checkpoint.problems import Problems
-from ple_um.checkpoint.scan import scan
+from ple_um.checkpoint.scan import Problems, scan
 from ple_um.checkpoint.shard_layout import ShardLayout
 from ple_um.checkpoint.validation import analyze
 from ple_um.errors import CheckpointError

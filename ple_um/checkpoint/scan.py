@@ -3,9 +3,9 @@
 ``naming`` says which tensors those are: ``ple_match`` (a PLE table, the default) or
 ``engram_match`` (an Engram table: its rows as shard 0, its E8M0 scales as shard 0's block scales).
 
-Only headers are read. With an index, only the files it names for table tensors are opened, so a
-broken file that holds none of them does not stop the table; every index entry is still checked
-to stay inside the checkpoint directory.
+Every check of the checkpoint reports to a ``Problems``. Only headers are read. With an index, only
+the files it names for table tensors are opened, so a broken file that holds none of them does not
+stop the table; every index entry is still checked to stay inside the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -17,11 +17,46 @@ from dataclasses import dataclass, field
 
 from ple_um.checkpoint.files import read_json_file
 from ple_um.checkpoint.naming import ple_match
-from ple_um.checkpoint.problems import Problems
 from ple_um.checkpoint.safetensors import MAX_HEADER_BYTES, SafetensorsHeader, TensorEntry, read_header
 from ple_um.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def refusal(entry: TensorEntry, message: str) -> CheckpointError:
+    """A CheckpointError of ``message`` naming ``entry``'s file and tensor."""
+    return CheckpointError(message, path=entry.path, tensor=entry.name)
+
+
+class Problems:
+    """Where the checkpoint's checks report. A strict one raises each problem as it is reported
+    (``read_layout`` stops at the first); a lenient one keeps them in ``found`` (``validate``, for
+    ``ple-um inspect``, lists every one, found by the very same checks in the same order)."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.found: list[CheckpointError] = []
+
+    def add(self, error: CheckpointError) -> None:
+        if self.strict:
+            raise error
+        self.found.append(error)
+
+    def report(self, message: str, *, path: str | None = None, tensor: str | None = None) -> None:
+        self.add(CheckpointError(message, path=path, tensor=tensor))
+
+    def about(self, entry: TensorEntry, message: str) -> bool:
+        """Report ``message`` naming ``entry``'s file and tensor; False, the verdict of the check."""
+        self.add(refusal(entry, message))
+        return False
+
+    def first(self, entries: list[TensorEntry], what: str) -> TensorEntry:
+        """The first of ``entries`` (tensors found for one place, by file then name); every further
+        one is reported as ``what``, naming the first."""
+        first, *others = sorted(entries, key=lambda e: (e.path, e.name))
+        for other in others:
+            self.about(other, f"{what}: also tensor {first.name} in {first.path}")
+        return first
 
 
 # A tensor's name -> (layer, kind, shard index or None) when it is a table tensor, else None.

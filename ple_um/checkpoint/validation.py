@@ -1,31 +1,36 @@
-"""The checks that turn a scan's PLE tensors into a ShardLayout: one tensor per shard index, one
-dtype and row width, every index present, rows in the ceil layout, and the scales each dtype needs
-(FP8: one global scale; NVFP4: per-shard E4M3 block scales of the right shape and one global
-scale). Every problem goes to a ``Problems``: the first raises (read_layout), or all are listed
-(validate), in the same order either way.
+"""The checks that turn a scan's PLE tensors into a ShardLayout: one tensor per shard index, one dtype
+and row width, every index present, rows in the ceil layout, and the scales each dtype needs (FP8:
+one global scale; NVFP4: per-shard E4M3 block scales of the right shape and one global scale). A
+global scale is the one tensor that holds it (FP8's ``weight_scale``, NVFP4's ``weight_scale_2``),
+of a scale dtype and shape ``[]`` or ``[1]``, its value read from the file (only its few bytes) and
+checked to be a finite non-zero number. Every problem goes to a ``Problems``: the first raises
+(read_layout), or all are listed (validate), in the same order either way.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import operator
+import struct
 from collections.abc import Container
 
-from ple_um.checkpoint.global_scale import read_scale
+from ple_um.checkpoint.files import read_bytes
 from ple_um.checkpoint.naming import block_scale_name, global_scale_name, rows_name, scale_name
-from ple_um.checkpoint.problems import Problems
 from ple_um.checkpoint.safetensors import TensorEntry
-from ple_um.checkpoint.scan import LayerTensors, Scan, scan
+from ple_um.checkpoint.scan import LayerTensors, Problems, Scan, scan
 from ple_um.checkpoint.shard_layout import (
     FP8_DTYPES,
     NVFP4,
     NVFP4_BLOCK,
     NVFP4_SCALE_DTYPE,
     NVFP4_STORAGE,
+    SCALE_DTYPES,
     STORAGE_DTYPES,
     ShardLayout,
     ShardSpec,
 )
+from ple_um.errors import CheckpointError
 
 # Tensors of one layer whose file is reported already, as (kind, shard index or None): see Scan.lost.
 _Lost = Container[tuple[str, int | None]]
@@ -211,6 +216,52 @@ def _check_ceil(
             )
             sound = False
     return total, per_shard, sound
+
+
+def read_scale(
+    scales: list[TensorEntry],
+    expected: str,
+    path: str,
+    missing: str,
+    problems: Problems,
+    *,
+    noun: str = "scale",
+    lost: bool = False,
+) -> tuple[float, str] | None:
+    """A table's global scale (value, tensor name), or None when absent or unsound (reported).
+
+    ``missing`` is the message when there is none, naming the ``expected`` tensor and the shard
+    file ``path``; ``noun`` names the scale in the other messages (the FP8 "scale", NVFP4's
+    "global scale"); ``lost``: the file that should hold it is reported already.
+    """
+    if not scales:
+        if not lost:
+            problems.report(missing, path=path, tensor=expected)
+        return None
+    first = problems.first(scales, f"duplicate {noun}")
+    if len(scales) > 1:
+        return None
+    if first.dtype not in SCALE_DTYPES:
+        problems.about(first, f"{noun} dtype {first.dtype} is not one of {', '.join(SCALE_DTYPES)}")
+        return None
+    if first.shape not in ((), (1,)):
+        problems.about(first, f"{noun} shape {list(first.shape)} is not [] or [1]")
+        return None
+    try:
+        raw = read_bytes(first.path, first.start, first.nbytes, first.identity)
+    except CheckpointError as e:
+        problems.report(f"cannot read the {noun}: {e}", tensor=first.name)
+        return None
+    if first.dtype == "F32":
+        (value,) = struct.unpack("<f", raw)
+    elif first.dtype == "F16":
+        (value,) = struct.unpack("<e", raw)
+    else:  # BF16: the high half of an F32
+        (value,) = struct.unpack("<f", b"\0\0" + raw)
+    if not math.isfinite(value) or value == 0.0:
+        problems.about(first, f"{noun} is {value}, expected a finite non-zero number")
+        return None
+    return value, first.name
 
 
 def _check_scales(
