@@ -12,19 +12,15 @@ is logged once and swallowed, ``counters.warn_once``).
 - ``progress_bars``: ``progress(total_bytes, description)``, a bar over long work.
 """
 
-from ple_um.metrics.counters import METRICS, PHASES, LookupMetrics, MetricSpec, prometheus
+from ple_um.metrics.counters import METRICS, PHASES, LookupMetrics, prometheus
 from ple_um.metrics.progress_bars import progress
-from ple_um.metrics.reporter import StatsReporter, Watch, reporter, watch
-from ple_um.metrics.stats_line import format_line
+from ple_um.metrics.reporter import StatsReporter, reporter, watch
 
 __all__ = [
     "METRICS",
     "PHASES",
     "LookupMetrics",
-    "MetricSpec",
     "StatsReporter",
-    "Watch",
-    "format_line",
     "progress",
     "prometheus",
     "reporter",
