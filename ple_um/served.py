@@ -2,23 +2,23 @@
 
 The vLLM backend and the SGLang embedding each hold one table per layer: this rank's rows of the
 checkpoint's table, opened when the weights are loaded and opened again when a later load names
-another checkpoint directory. What they share is here; what each engine checks before and after an
-open, and how it calls a lookup, stays in its plugin (``ple_um.vllm``, ``ple_um.sglang``).
+another checkpoint directory. What they share is here, importing nothing from vLLM or SGLang; what
+each engine checks before and after an open, and how it calls a lookup, stays in its plugin
+(``ple_um.vllm``, ``ple_um.sglang``).
 
+- ``table_directory``: the checkpoint directory, ``PLE_UM_DIR``'s or else the engine's folder of the model.
 - ``ServedTable``: the open table and its directory; a new table checked before it replaces the
   old one (closed when a check refuses it), the old one closed as soon as the new one serves
   (``MappedTable.close`` waits for the lookups already under way); the CUDA graphs that captured a
   lookup of it (they hold its mapping, so a remap is refused); the open's log line, at INFO with the
   probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
 - ``ServedLayer``: what an engine's layer class gets from its ``ServedTable`` (the table, its rows,
-  its ``extra_repr``, closing it).
+  its ``extra_repr``, a delivered tensor compared, closing it).
 - ``compare_shard``: a shard (or NVFP4's global scale) a load delivers in memory compared with the
   mapped bytes, since the table is served read-only (``ReloadMismatchError``); ``ServedTable.check_scale``
   the global scale the engine loaded; ``host_lookup_refused`` a table the engine's graphs cannot hold.
 - ``SideLookups`` and ``StepGroup``: the side stream the early lookups of a step are queued on, with
   a mark per layer, and which layers' starts of a step were taken early (and its log line).
-
-Imports nothing from vLLM or SGLang.
 """
 
 from __future__ import annotations
