@@ -19,7 +19,7 @@ from ple_um.access.capabilities import read_capabilities, resolve_device
 from ple_um.access.probe import reason_if_unsatisfied
 from ple_um.bench import storage
 from ple_um.bench.cold_child import table_files
-from ple_um.bench.config import WARMUP_S, Config, bench_layout, child_request
+from ple_um.bench.config import Config, bench_layout, child_request
 from ple_um.bench.memlimit import ROW_CACHE_KNOB, Hierarchy, run_limited
 from ple_um.bench.runner import run_header
 from ple_um.checkpoint import ShardLayout
@@ -46,8 +46,8 @@ def cold_modes(asked: tuple[str, ...] | None, device: torch.device) -> tuple[tup
     return tuple(chosen), left_out
 
 
-def _describe(cfg: Config, layout: ShardLayout, device: torch.device, warmup_s: float) -> dict:
-    cuda = device.type == "cuda"
+def _describe(cfg: Config, layout: ShardLayout, device: torch.device) -> dict:
+    cuda, warmup_s = device.type == "cuda", cfg.warmup_s
     return {
         **run_header(cfg, layout, device),
         "method": {
@@ -66,25 +66,20 @@ def _describe(cfg: Config, layout: ShardLayout, device: torch.device, warmup_s: 
 
 
 def run(
-    cfg: Config,
-    limits: tuple[int, ...],
-    log: Callable[[str], None] = print,
-    *,
-    warmup_s: float = WARMUP_S,
-    hierarchy: tuple[Hierarchy | None, str] | None = None,
+    cfg: Config, log: Callable[[str], None] = print, hierarchy: tuple[Hierarchy | None, str] | None = None
 ) -> dict:
-    """The figures for every limit in ``limits`` (``hierarchy``: as ``memlimit.run_limited``)."""
+    """The figures for every limit in ``cfg.memory_limits`` (``hierarchy``: as ``memlimit.run_limited``)."""
     device = resolve_device(cfg.device)
     layout = bench_layout(cfg)
     modes, left_out = cold_modes(cfg.modes, device)
-    result = _describe(cfg, layout, device, warmup_s)
+    result = _describe(cfg, layout, device)
     result["left_out"] = left_out
     log(f"table: {format_bytes(layout.nbytes)} in {layout.parts} shards ({layout.directory})")
     log(f"modes: {', '.join(modes) or 'none'}")
     log("storage: random reads from the table's files ...")
     result["storage"] = storage.ceiling(table_files(layout))
-    request = child_request(cfg, layout, device, modes, warmup_s) | {"rows": list(cfg.rows)}
-    result["limits"] = run_limited(limits, request, "ple_um.bench.cold_child", log, hierarchy)
+    request = child_request(cfg, layout, device, modes) | {"rows": list(cfg.rows)}
+    result["limits"] = run_limited(cfg.memory_limits, request, "ple_um.bench.cold_child", log, hierarchy)
     vs_ceiling(result)
     return result
 

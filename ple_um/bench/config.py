@@ -63,7 +63,6 @@ class Config:
     rows: tuple[int, ...] = DEFAULT_ROWS
     modes: tuple[str, ...] | None = None
     ids: tuple[IdDistribution, ...] = parse_ids("uniform")
-    ids_text: str | None = None  # ``ids`` as given (the cold bench's child parses it again)
     repeats: int = 20
     warmup: int = 3
     rounds: int = 4
@@ -74,7 +73,17 @@ class Config:
     processes: int = 0
     seed: int = 0
     host_calls: int = 300
+    memory_limits: tuple[int, ...] = ()  # the run under memory limits (``cold.py``), one child a limit
+    serving: bool = False  # the serving loop (``serving_run.py``), under each of ``memory_limits`` too
+    step_ms: tuple[float, ...] = STEP_MS  # the serving loop's GPU work per step, a figure each
+    warmup_s: float = WARMUP_S  # the steady state's warm-up, under a limit or in the serving loop
     command: str | None = None  # the command line that asked for the run, for the report's header
+
+    @property
+    def kind(self) -> str:
+        """Which of the three runs ``cfg`` asks for (``report.format_report`` and ``plot.draw`` read
+        it from the result): ``serving``, ``memory-limit`` or ``side-by-side``."""
+        return "serving" if self.serving else "memory-limit" if self.memory_limits else "side-by-side"
 
     @property
     def num_rows(self) -> int:
@@ -153,18 +162,18 @@ def open_ple_um(layout: ShardLayout, device, mode: str = "auto") -> ple_um.Mappe
     return opener(layout.directory, layer=layout.layer, mode=mode, device=device)
 
 
-def child_request(cfg: Config, layout: ShardLayout, device, modes, warmup_s: float) -> dict:
+def child_request(cfg: Config, layout: ShardLayout, device, modes) -> dict:
     """What every child under a memory limit is asked (``memlimit.run_limited``): the table, the
-    device, the modes, the ids (as given: the child parses them again), the timed calls, the
+    device, the modes, the ids (their names, which the child parses again), the timed calls, the
     warm-up's seconds and the seed."""
     return {
         "directory": layout.directory,
         "layer": layout.layer,
         "device": str(device),
         "modes": list(modes),
-        "ids": cfg.ids_text or ",".join(dist.name for dist in cfg.ids),
+        "ids": ",".join(dist.name for dist in cfg.ids),
         "repeats": cfg.repeats,
-        "warmup_s": warmup_s,
+        "warmup_s": cfg.warmup_s,
         "seed": cfg.seed,
     }
 
@@ -323,26 +332,18 @@ def check_limits(
         )
 
 
-def check_fits(
-    cfg: Config,
-    layout: ShardLayout | None,
-    modes: tuple[str, ...],
-    cuda: bool,
-    serving_loop: bool,
-    limits: tuple[int, ...] | None,
-    gpu_free: int | None,
-) -> None:
+def check_fits(cfg: Config, layout: ShardLayout | None, cuda: bool, gpu_free: int | None) -> None:
     """Refuse (BenchRefused) a run that does not fit this machine: the synthetic table (``layout``
     None; else DIR's table) the disk, a memory limit its child, the run's peak the memory free (the
-    table's copies and the largest batch's buffers, every contender's of ``modes``)."""
+    table's copies and the largest batch's buffers, every contender's of ``cfg.run_modes``)."""
     from ple_um.access.probe import mem_available
     from ple_um.bench import serving
 
-    table_bytes = cfg.table_bytes(layout)
+    table_bytes, limits = cfg.table_bytes(layout), cfg.memory_limits
     row_bytes = layout.row_bytes if layout is not None else cfg.row_bytes
     if layout is None:
         check_disk(cfg)
-    if serving_loop:
+    if cfg.serving:
         sizes = (cfg.decode_tokens * cfg.heads, cfg.prefill_tokens * cfg.heads)
         if limits:
             check_limits(limits, sizes, row_bytes, serving.POOL_STEPS, cuda)
@@ -352,6 +353,7 @@ def check_fits(
         needed = child_memory(cfg.rows, row_bytes, cfg.repeats, cuda)
     else:
         nvfp4, engram = layout is not None and layout.is_nvfp4, cfg.model == ENGRAM_MODEL
+        modes = cfg.run_modes(cuda)
         needed = memory_needed(table_bytes, cuda, modes, nvfp4=nvfp4, processes=cfg.processes)
         paths = path_count(modes, cuda, nvfp4, seeds=not engram)
         if engram:  # every contender decodes to bf16

@@ -77,7 +77,9 @@ def _time_axes(ax, result: dict, title: str, xlabel: str, ylabel: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
-def plot(result: dict, rows: tuple[int, ...], path: str) -> None:
+def plot_lookups(result: dict, path: str) -> None:
+    """The side-by-side run: median time per batch size, one line per path and id distribution."""
+    rows = result["method"]["rows"]
     fig, ax = _pyplot().subplots(figsize=(8, 5))
     colors: dict[str, str] = {}
     for i, dist in enumerate(result["ids"]):
@@ -175,3 +177,8 @@ def plot_serving(result: dict, path: str) -> None:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")
     _save(fig, path)
+
+
+def draw(result: dict, path: str) -> None:
+    """The plot of any run, by its ``kind``."""
+    {"serving": plot_serving, "memory-limit": plot_limits}.get(result["kind"], plot_lookups)(result, path)

@@ -96,7 +96,7 @@ def header(result: dict) -> list[str]:
     return lines
 
 
-def _lookup_tables(result: dict, rows: tuple[int, ...]) -> list[str]:
+def _lookup_tables(result: dict, rows: list[int]) -> list[str]:
     host = result["method"]["host_overhead"]
     lines: list[str] = []
     for dist in result["ids"]:
@@ -148,8 +148,9 @@ def _memory_tables(result: dict) -> list[str]:
     return lines
 
 
-def format_table(result: dict, rows: tuple[int, ...]) -> str:
+def format_table(result: dict) -> str:
     """The whole printed report of a side-by-side run."""
+    rows = result["method"]["rows"]
     lines = header(result) + _lookup_tables(result, rows) + _decode_table(result) + _memory_tables(result)
     return "\n".join(lines)
 
@@ -337,6 +338,11 @@ def format_serving(result: dict) -> str:
         cells = [[dist, *(step_cell(rows.get(n)) for n in names)] for dist, rows in alone.items()]
         lines += ["", *_table(["ids", *(f"{n} (no GPU work), ms" for n in names)], cells)]
     return "\n".join(lines)
+
+
+def format_report(result: dict) -> str:
+    """The whole printed report of any run, by its ``kind``."""
+    return {"serving": format_serving, "memory-limit": format_cold}.get(result["kind"], format_table)(result)
 
 
 def write_atomically(path: str, write) -> None:

@@ -57,10 +57,11 @@ def versions() -> dict:
 
 
 def run_header(cfg: Config, layout: ShardLayout, device: torch.device) -> dict:
-    """What every bench result opens with: when, the command, the machine, the versions, the table,
-    the id distributions."""
+    """What every bench result opens with: which run (``Config.kind``), when, the command, the
+    machine, the versions, the table, the id distributions."""
     cuda = device.type == "cuda"
     return {
+        "kind": cfg.kind,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "command": cfg.command,
         "host": platform.node(),
@@ -88,10 +89,10 @@ def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device
     cuda = device.type == "cuda"
     return {
         **run_header(cfg, layout, device),
-        "torch": torch.__version__,
         "probe": report.as_dict(),
         "anchor": {"name": ANCHOR, "memory": "GPU memory" if cuda else "host memory (no CUDA device)"},
         "method": {
+            "rows": list(cfg.rows),
             "timed_calls": cfg.repeats,
             "rounds": max(1, min(cfg.rounds, cfg.repeats)),
             "warmup_calls": cfg.warmup,

@@ -25,7 +25,7 @@ import torch
 from ple_um.access.capabilities import resolve_device
 from ple_um.bench import serving
 from ple_um.bench.cold_child import drop_table_pages, table_files
-from ple_um.bench.config import STEP_MS, WARMUP_S, Config, bench_layout, child_request, open_ple_um
+from ple_um.bench.config import Config, bench_layout, child_request, open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main, run_limited
 from ple_um.bench.runner import run_header
@@ -138,32 +138,25 @@ def serve(request: dict, log: Callable[[str], None] = _say) -> dict:
     return out
 
 
-def run(
-    cfg: Config,
-    step_ms=STEP_MS,
-    limits: tuple[int, ...] = (),
-    log: Callable[[str], None] = print,
-    *,
-    warmup_s: float = WARMUP_S,
-    hierarchy=None,
-) -> dict:
-    """The serving loop's figures: this process's configurations, then each limit's in a child."""
+def run(cfg: Config, log: Callable[[str], None] = print, hierarchy=None) -> dict:
+    """The serving loop's figures: this process's configurations, then each of ``cfg.memory_limits``'
+    in a child (``hierarchy``: as ``memlimit.run_limited``)."""
     device = resolve_device(cfg.device)
     layout = bench_layout(cfg)
-    request = child_request(cfg, layout, device, cfg.modes or ("cpu",), warmup_s) | {
-        "step_ms": [float(ms) for ms in step_ms],
+    request = child_request(cfg, layout, device, cfg.modes or ("cpu",)) | {
+        "step_ms": [float(ms) for ms in cfg.step_ms],
         "decode_tokens": cfg.decode_tokens,
         "prefill_tokens": cfg.prefill_tokens,
         "heads": cfg.heads,
         "baselines": True,
     }
-    result = {**run_header(cfg, layout, device), "kind": "serving", "method": method(request, device)}
+    result = {**run_header(cfg, layout, device), "method": method(request, device)}
     log(f"table: {format_bytes(layout.nbytes)} in {layout.parts} shards ({layout.directory})")
     result.update(serve(request, log))
     # Each child runs the served modes alone, with the parent's matmul counts.
     cal = result["calibration"]
     child = request | {"baselines": False, "matmuls": cal["matmuls"], "matmul_size": cal["matmul_size"]}
-    result["limits"] = run_limited(limits, child, "ple_um.bench.serving_run", log, hierarchy)
+    result["limits"] = run_limited(cfg.memory_limits, child, "ple_um.bench.serving_run", log, hierarchy)
     for entry in result["limits"].values():
         merge(result, entry)
     ratios(result)

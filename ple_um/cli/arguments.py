@@ -154,24 +154,16 @@ def modes(text: str) -> tuple[str, ...]:
     return found
 
 
-class IdsArg(tuple):
-    """The id distributions parsed, with ``text``, what was given (a child process parses it again)."""
-
-    text: str
-
-
-def ids(text: str) -> IdsArg:
+def ids(text: str) -> tuple:
     from ple_um.bench.ids import parse_ids
 
     listed = items(text)
     if not listed:
         raise argparse.ArgumentTypeError("no id distribution given")
     try:
-        parsed = IdsArg(parse_ids(",".join(listed)))
+        return parse_ids(",".join(listed))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    parsed.text = ",".join(listed)
-    return parsed
 
 
 def device(text: str) -> str:

@@ -294,7 +294,7 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
         )
     gpu_free = torch.cuda.mem_get_info(device)[0] if cuda else None
     try:
-        config.check_fits(cfg, layout, cfg.run_modes(cuda), cuda, args.serving, args.memory_limit, gpu_free)
+        config.check_fits(cfg, layout, cuda, gpu_free)
     except config.BenchRefused as exc:
         raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
 
@@ -311,18 +311,21 @@ def _config(args: argparse.Namespace, argv: list[str] | None):
         rows=rows,
         modes=args.modes,
         ids=args.ids,
-        ids_text=getattr(args.ids, "text", None),
         repeats=args.repeats or (SERVING_STEPS if args.serving else Config.repeats),
         rounds=args.rounds,
         device=args.device,
         processes=args.processes,
+        memory_limits=args.memory_limit or (),
+        serving=args.serving,
+        step_ms=args.step_ms or STEP_MS,
+        warmup_s=WARMUP_S if args.warmup is None else args.warmup,
         command=shlex.join(["ple-um", *(sys.argv[1:] if argv is None else argv)]),
     )
 
 
-def _write(args: argparse.Namespace, result: dict, plot, say) -> None:
+def _write(args: argparse.Namespace, result: dict, say) -> None:
     """The JSON and the plot, each written whole or not at all; then where they went."""
-    from ple_um.bench import report
+    from ple_um.bench import plot, report
 
     written = []
     try:
@@ -330,7 +333,7 @@ def _write(args: argparse.Namespace, result: dict, plot, say) -> None:
             report.write_json(result, args.json_file)
             written.append(f"results (JSON): {os.path.abspath(args.json_file)}")
         if args.plot:
-            plot(result, args.plot)
+            plot.draw(result, args.plot)
             written.append(f"plot: {os.path.abspath(args.plot)}")
     except (OSError, ValueError) as exc:
         # The results go with the error (under --json in its object), so that no run is lost.
@@ -353,21 +356,11 @@ def run(args: argparse.Namespace) -> int:
     # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
     say = to_stderr if args.json else emit
     log = to_stderr if args.quiet or args.json else emit
-    from ple_um.bench import cold, plot, report, runner, serving_run
+    from ple_um.bench import cold, report, runner, serving_run
 
-    warmup = WARMUP_S if args.warmup is None else args.warmup
-    if args.serving:
-        limits = args.memory_limit or ()
-        result = serving_run.run(cfg, args.step_ms or STEP_MS, limits, log=log, warmup_s=warmup)
-        text, draw = report.format_serving(result), plot.plot_serving
-    elif args.memory_limit:
-        result = cold.run(cfg, args.memory_limit, log=log, warmup_s=warmup)
-        text, draw = report.format_cold(result), plot.plot_limits
-    else:
-        result = runner.run(cfg, log=log)
-        text, draw = report.format_table(result, cfg.rows), lambda r, path: plot.plot(r, cfg.rows, path)
-    say(text)
-    _write(args, result, draw, say)
+    result = {"serving": serving_run, "memory-limit": cold}.get(cfg.kind, runner).run(cfg, log=log)
+    say(report.format_report(result))
+    _write(args, result, say)
     missing = report.unmeasured(result, args.modes)
     if missing:
         raise CliError(

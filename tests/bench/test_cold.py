@@ -162,9 +162,9 @@ def test_the_knobs_the_bench_sets_are_ple_ums(make_checkpoint, monkeypatch):
 def _run(make_checkpoint, hierarchy, limits, dtype="fp8"):
     layout = make_checkpoint(num_rows=30000, row_dim=160, dtype=dtype, shards=8, files=4)
     cfg = Config(directory=layout.directory, rows=(16, 256), ids=parse_ids("uniform,zipf:1.1"), repeats=3)
-    cfg.modes, cfg.device = ("cpu",), "cpu"
+    cfg.modes, cfg.device, cfg.memory_limits, cfg.warmup_s = ("cpu",), "cpu", limits, 0.2
     lines: list[str] = []
-    result = cold.run(cfg, limits, log=lines.append, warmup_s=0.2, hierarchy=hierarchy)
+    result = cold.run(cfg, log=lines.append, hierarchy=hierarchy)
     return layout, result, lines
 
 
@@ -233,7 +233,7 @@ def test_a_run_under_a_real_memory_cgroup(make_checkpoint):
     assert entry["how"].startswith("cgroup v") and 0 < entry["peak_bytes"] <= 768 << 20
     assert entry["status"]["RssAnon"].endswith("kB")
     assert any(line.startswith("memory limit 768.00 MiB: cgroup v") for line in lines)
-    text = report.format_cold(result)
+    text = report.format_report(result)
     steady = entry["modes"]["cpu"]["zipf:1.1"]["16"]["steady"]
     share = f"{100 * steady['row_cache_hits']:.1f}%" if row_cache else "-"
     assert (
@@ -258,16 +258,16 @@ def test_a_run_where_no_cgroup_can_be_made_says_so(make_checkpoint, tmp_path, dt
         assert entry["row_cache_knob"] == f"PLE_UM_ROW_CACHE={entry['bytes']}"
         held = min(entry["bytes"], layout.num_rows * (layout.row_bytes + SLOT_OVERHEAD))  # at most the table
         assert f"a row cache of {format_bytes(held)}" in entry["modes"]["cpu"]["row_reads"]
-    text = report.format_cold(result)
+    text = report.format_report(result)
     assert "memory limit 1.00 GiB: not enforced: injected: no memory controller" in text
     assert "the page cache is the machine's here: only ple-um's row cache is held to the limit" in text
     assert text.count("| ple-um cpu (eager) | 256 |") == 4  # 2 limits x 2 id distributions
     alone = next(iter(result["limits"].values()))["modes"]["cpu"]["uniform"]["256"]["steady_page_cache"]
     assert f"| {report.cell(alone, rate=False)} | {100 * alone['page_cache_hits']:.1f}% |" in text
     assert "page cache only: steady us [p10-p90] | its page cache hits |" in text
-    from ple_um.bench.plot import plot_limits
+    from ple_um.bench.plot import draw
 
-    plot_limits(result, str(tmp_path / "limits.png"))
+    draw(result, str(tmp_path / "limits.png"))
     assert (tmp_path / "limits.png").read_bytes().startswith(b"\x89PNG")
     assert storage.ceiling_us(result["storage"], 1024) > 0
 
@@ -282,4 +282,4 @@ def test_a_child_killed_by_its_limit_is_said_so(make_checkpoint):
     _, result, _ = _run(make_checkpoint, None, (32 << 20,))
     (entry,) = result["limits"].values()
     assert "OOM killer" in entry["failed"] and "modes" not in entry
-    assert "no figures: the child was killed (SIGKILL)" in report.format_cold(result)
+    assert "no figures: the child was killed (SIGKILL)" in report.format_report(result)

@@ -43,7 +43,8 @@ def _result() -> dict:
         "probe": {"mode": "cpu"},
         "ids": {d: {} for d in ids},
         "anchor": {"name": runner.ANCHOR, "memory": "host memory (no CUDA device)"},
-        "method": {"host_overhead": {"calls": 300, "rows": 16}},
+        "kind": "side-by-side",
+        "method": {"rows": [16], "host_overhead": {"calls": 300, "rows": 16}},
         "contenders": {
             runner.ANCHOR: "the anchor",
             "ple-um cpu": "ple-um's cpu mode",
@@ -84,7 +85,7 @@ def _result() -> dict:
 
 
 def test_the_header_says_when_where_with_what_and_how():
-    lines = report.format_table(_result(), (16,)).splitlines()
+    lines = report.format_report(_result()).splitlines()
     assert lines[0] == "ple-um bench, 2026-12-01 10:00:00 +0000: ple-um bench --rows 16"
     assert lines[1] == "device: CPU (2 cores) on box; ple-um 0.1.0, torch 2.14, vllm not installed"
     assert lines[2] == "table: 1.00 GiB, 160 B rows, 8 shards (F8_E4M3, layer 1, /t); auto mode: cpu"
@@ -102,7 +103,7 @@ def test_the_header_says_when_where_with_what_and_how():
 def test_cells_show_the_spread_rates_and_ratios():
     result = _result()
     runner.ratios(result)
-    text = report.format_table(result, (16,))
+    text = report.format_report(result)
     assert "lookups, uniform ids" in text and "lookups, zipf:1.1 ids" in text
     assert text.count("| path | 16 rows | host: us per call, 300 x 16 rows back to back |") == 2
     # p90/p10 = 3.3: noisy; a rate of 12 KB/s is not 0.00 GB/s.
@@ -118,7 +119,9 @@ def test_cells_show_the_spread_rates_and_ratios():
 
 
 def test_a_skipped_row_has_every_column():
-    text = report.format_table(_result(), (16, 1024))
+    result = _result()
+    result["method"]["rows"] = [16, 1024]
+    text = report.format_report(result)
     head = next(line for line in text.splitlines() if line.startswith("| path |"))
     row = next(line for line in text.splitlines() if line.startswith("| ple-um ats |"))
     assert row == "| ple-um ats | skipped: ModeUnavailableError: no ATS | - | - |"

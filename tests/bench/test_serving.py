@@ -18,7 +18,7 @@ import ple_um
 from ple_um.bench import report, serving, serving_run
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
-from ple_um.bench.plot import plot_serving
+from ple_um.bench.plot import draw
 from ple_um.synthetic import write_checkpoint
 
 
@@ -87,10 +87,12 @@ def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(sma
     ratios computed from the run's own medians, the report's table, the JSON and a PNG."""
     path, layout = small_table
     ids = parse_ids("uniform,zipf:1.1")
-    cfg = Config(directory=path, ids=ids, ids_text="uniform,zipf:1.1", repeats=3, device="cpu")
+    cfg = Config(
+        directory=path, ids=ids, repeats=3, device="cpu", serving=True, step_ms=(1.0, 2.0), warmup_s=0.0
+    )
     cfg.decode_tokens, cfg.prefill_tokens, cfg.heads = 4, 8, 4
     lines: list[str] = []
-    result = serving_run.run(cfg, (1.0, 2.0), (), log=lines.append, warmup_s=0.0)
+    result = serving_run.run(cfg, log=lines.append)
     assert result["kind"] == "serving" and set(result["calibration"]["matmuls"]) == {"1", "2"}
     assert result["method"]["lookups"] == {
         "decode": {"ids": 16, "tokens": 4, "rows_per_token": 4},
@@ -113,12 +115,12 @@ def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(sma
                     )
             assert 0 <= rows["cpu"]["page_cache_hits"] <= 1
     assert set(result["lookups_alone"]["uniform"]) == {"lookups alone, cpu"}
-    text = report.format_serving(result)
+    text = report.format_report(result)
     assert "| GPU work | ids | no PLE |" in text and "| 2 ms | zipf:1.1 |" in text
     assert "  cpu: ple-um's cpu mode, the table where it lies" in text
     json.loads(json.dumps(result, default=str))
     png = tmp_path / "serving.png"
-    plot_serving(result, str(png))
+    draw(result, str(png))
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
@@ -126,11 +128,12 @@ def test_a_limited_childs_figures_are_merged_beside_the_parents(small_table):
     """A child under a memory limit (here without a cgroup: the row cache's knob holds it) runs the
     served modes only, with the parent's matmul counts; its figures land beside the parent's."""
     path, layout = small_table
-    cfg = Config(directory=path, ids=parse_ids("uniform"), ids_text="uniform", repeats=2, device="cpu")
-    cfg.decode_tokens, cfg.prefill_tokens, cfg.heads = 2, 4, 4
-    result = serving_run.run(
-        cfg, (1.0,), (768 << 20,), log=lambda line: None, warmup_s=0.0, hierarchy=(None, "none in this test")
+    cfg = Config(
+        directory=path, ids=parse_ids("uniform"), repeats=2, device="cpu", serving=True, step_ms=(1.0,)
     )
+    cfg.decode_tokens, cfg.prefill_tokens, cfg.heads = 2, 4, 4
+    cfg.memory_limits, cfg.warmup_s = (768 << 20,), 0.0
+    result = serving_run.run(cfg, log=lambda line: None, hierarchy=(None, "none in this test"))
     (limit,) = result["limits"].values()
     assert limit["enforced"] is False and "failed" not in limit, limit
     rows = result["steps"]["1"]["uniform"]

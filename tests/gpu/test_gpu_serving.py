@@ -74,12 +74,15 @@ def test_the_serving_run_end_to_end(tables, device):
     cfg = Config(
         directory=layout.directory,
         ids=parse_ids("uniform,trace"),
-        ids_text="uniform,trace",
         repeats=10,
         device=str(device),
+        memory_limits=(2 << 30,),
+        serving=True,
+        step_ms=(2.0, 5.0),
+        warmup_s=0.5,
     )
     cfg.prefill_tokens = 256
-    result = serving_run.run(cfg, (2.0, 5.0), (2 << 30,), log=print, warmup_s=0.5)
+    result = serving_run.run(cfg, log=print)
     assert "CUDA graph" in result["method"]["timing"]
     assert not [name for name, c in result["configs"].items() if "skipped" in c], result["configs"]
     (limit,) = result["limits"].values()
