@@ -30,6 +30,11 @@ WARMUP_S = 5.0
 # when --repeats is not given.
 STEP_MS = (5.0, 20.0, 50.0)
 SERVING_STEPS = 50
+# The square matmuls the serving loop's GPU work is made of: bf16, this many rows and columns (about
+# 0.2 ms each on an H200; a step of 5 ms is some 25 of them).
+MATMUL_SIZE = 4096
+# The serving loop's steps timed between two refills of its id pool (and one device sync).
+POOL_STEPS = 32
 # Host memory a run holds besides the table and its copies: the interpreter, torch, the id sets
 # drawn ahead and the outputs of the largest batch.
 RUN_OVERHEAD_BYTES = 1 << 30
@@ -74,7 +79,7 @@ class Config:
     seed: int = 0
     host_calls: int = 300
     memory_limits: tuple[int, ...] = ()  # the run under memory limits (``cold.py``), one child a limit
-    serving: bool = False  # the serving loop (``serving_run.py``), under each of ``memory_limits`` too
+    serving: bool = False  # the serving loop (``serving.py``), under each of ``memory_limits`` too
     step_ms: tuple[float, ...] = STEP_MS  # the serving loop's GPU work per step, a figure each
     warmup_s: float = WARMUP_S  # the steady state's warm-up, under a limit or in the serving loop
     command: str | None = None  # the command line that asked for the run, for the report's header
@@ -299,17 +304,15 @@ def child_memory(rows: tuple[int, ...], row_bytes: int, repeats: int, cuda: bool
 
 def serving_memory(table_bytes: int, sizes: tuple[int, ...], row_bytes: int, limited: bool) -> dict:
     """Bytes the serving loop holds, by kind of memory: on the GPU the resident table's copy, the id
-    pools (``serving.POOL_STEPS`` batches of every lookup), the lookups' outputs and the GPU work's
+    pools (POOL_STEPS batches of every lookup), the lookups' outputs and the GPU work's
     matrices; on the host the run itself, and its child process under --memory-limit."""
-    from ple_um.bench import serving
-
     host = {"the run itself": RUN_OVERHEAD_BYTES}
     if limited:
         host["the child process under --memory-limit"] = CHILD_BASE_BYTES[True]
     gpu = {
         "the resident table's copy (device mode)": table_bytes,
-        "the id pools and the lookups' outputs": sum(sizes) * (serving.POOL_STEPS * 8 + 8 + 2 * row_bytes),
-        "the GPU work's matrices": 3 * serving.MATMUL_SIZE**2 * 2,
+        "the id pools and the lookups' outputs": sum(sizes) * (POOL_STEPS * 8 + 8 + 2 * row_bytes),
+        "the GPU work's matrices": 3 * MATMUL_SIZE**2 * 2,
     }
     return {"host": host, "gpu": gpu}
 
@@ -337,7 +340,6 @@ def check_fits(cfg: Config, layout: ShardLayout | None, cuda: bool, gpu_free: in
     None; else DIR's table) the disk, a memory limit its child, the run's peak the memory free (the
     table's copies and the largest batch's buffers, every contender's of ``cfg.run_modes``)."""
     from ple_um.access.probe import mem_available
-    from ple_um.bench import serving
 
     table_bytes, limits = cfg.table_bytes(layout), cfg.memory_limits
     row_bytes = layout.row_bytes if layout is not None else cfg.row_bytes
@@ -346,7 +348,7 @@ def check_fits(cfg: Config, layout: ShardLayout | None, cuda: bool, gpu_free: in
     if cfg.serving:
         sizes = (cfg.decode_tokens * cfg.heads, cfg.prefill_tokens * cfg.heads)
         if limits:
-            check_limits(limits, sizes, row_bytes, serving.POOL_STEPS, cuda)
+            check_limits(limits, sizes, row_bytes, POOL_STEPS, cuda)
         needed = serving_memory(table_bytes, sizes, row_bytes, bool(limits))
     elif limits:  # the bench under a limit holds no copy of the table: its child's batches
         check_limits(limits, cfg.rows, row_bytes, cfg.repeats, cuda)

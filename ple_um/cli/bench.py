@@ -356,9 +356,9 @@ def run(args: argparse.Namespace) -> int:
     # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
     say = to_stderr if args.json else emit
     log = to_stderr if args.quiet or args.json else emit
-    from ple_um.bench import cold, report, runner, serving_run
+    from ple_um.bench import cold, report, runner, serving
 
-    result = {"serving": serving_run, "memory-limit": cold}.get(cfg.kind, runner).run(cfg, log=log)
+    result = {"serving": serving, "memory-limit": cold}.get(cfg.kind, runner).run(cfg, log=log)
     say(report.format_report(result))
     _write(args, result, say)
     missing = report.unmeasured(result, args.modes)

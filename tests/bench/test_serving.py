@@ -15,7 +15,7 @@ from helpers.cli import run
 from helpers.reference import reference_rows
 
 import ple_um
-from ple_um.bench import report, serving, serving_run
+from ple_um.bench import report, serving
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.plot import draw
@@ -83,7 +83,7 @@ def test_every_step_looks_up_its_own_ids_exactly(small_table):
 
 
 def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(small_table, tmp_path):
-    """serving_run.run on the CPU: every configuration at every step time and id distribution, the
+    """serving.run on the CPU: every configuration at every step time and id distribution, the
     ratios computed from the run's own medians, the report's table, the JSON and a PNG."""
     path, layout = small_table
     ids = parse_ids("uniform,zipf:1.1")
@@ -92,7 +92,7 @@ def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(sma
     )
     cfg.decode_tokens, cfg.prefill_tokens, cfg.heads = 4, 8, 4
     lines: list[str] = []
-    result = serving_run.run(cfg, log=lines.append)
+    result = serving.run(cfg, log=lines.append)
     assert result["kind"] == "serving" and set(result["calibration"]["matmuls"]) == {"1", "2"}
     assert result["method"]["lookups"] == {
         "decode": {"ids": 16, "tokens": 4, "rows_per_token": 4},
@@ -133,7 +133,7 @@ def test_a_limited_childs_figures_are_merged_beside_the_parents(small_table):
     )
     cfg.decode_tokens, cfg.prefill_tokens, cfg.heads = 2, 4, 4
     cfg.memory_limits, cfg.warmup_s = (768 << 20,), 0.0
-    result = serving_run.run(cfg, log=lambda line: None, hierarchy=(None, "none in this test"))
+    result = serving.run(cfg, log=lambda line: None, hierarchy=(None, "none in this test"))
     (limit,) = result["limits"].values()
     assert limit["enforced"] is False and "failed" not in limit, limit
     rows = result["steps"]["1"]["uniform"]
@@ -157,7 +157,7 @@ def test_merge_keeps_the_limits_own_fields():
         "configs": {"cpu under 1 B": {"mode": "cpu"}},
         "steps": {"5": {"uniform": {"cpu under 1 B": {"median_us": 2}}}},
     }
-    serving_run.merge(result, child)
+    serving.merge(result, child)
     assert child == {"bytes": 1, "how": "h"}
     assert set(result["steps"]["5"]["uniform"]) == {"cpu", "cpu under 1 B"}
     assert list(result["configs"]) == ["cpu", "cpu under 1 B"]

@@ -18,7 +18,7 @@ from helpers.cli import REPO
 from helpers.reference import reference_rows
 
 import ple_um
-from ple_um.bench import serving, serving_run
+from ple_um.bench import serving
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 
@@ -82,7 +82,7 @@ def test_the_serving_run_end_to_end(tables, device):
         warmup_s=0.5,
     )
     cfg.prefill_tokens = 256
-    result = serving_run.run(cfg, log=print)
+    result = serving.run(cfg, log=print)
     assert "CUDA graph" in result["method"]["timing"]
     assert not [name for name, c in result["configs"].items() if "skipped" in c], result["configs"]
     (limit,) = result["limits"].values()
