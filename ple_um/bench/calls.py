@@ -45,25 +45,20 @@ def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, result
 
 
-def is_table(impl) -> bool:
-    """Whether ``impl`` is ple-um's (``lookup(ids, out=...)``) rather than a contender's
-    (``lookup(ids, out)`` into raw bytes)."""
-    return isinstance(impl, (ple_um.MappedTable, KernelOnly))
-
-
-def lookup_buffer(layout: ShardLayout, n: int, device: torch.device) -> torch.Tensor:
-    """Where a block-scaled (NVFP4, MXFP8) lookup decodes to: bf16 rows."""
-    return torch.empty((n, layout.row_dim), dtype=torch.bfloat16, device=device)
+def lookup_output(impl, layout: ShardLayout, n: int, device: torch.device) -> torch.Tensor:
+    """Where ``impl`` looks ``n`` rows up to: the decoded rows of a block-scaled (NVFP4, MXFP8)
+    table in bf16, else the raw rows, in the storage dtype for ple-um's tables and as bytes for a
+    contender's."""
+    if layout.has_block_scales:
+        return torch.empty((n, layout.row_dim), dtype=torch.bfloat16, device=device)
+    out = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
+    return out.view(layout.dtype) if isinstance(impl, (ple_um.MappedTable, KernelOnly)) else out
 
 
 def lookup_call(impl, ids, layout: ShardLayout, n: int, device: torch.device) -> Callable[[int], object]:
-    """fn(k): one lookup of ``ids[k]`` (n ids) by ``impl`` into an output allocated here, once: the
-    decoded rows of a block-scaled table, else the raw rows (in the storage dtype for ple-um's)."""
-    if layout.has_block_scales:
-        out = lookup_buffer(layout, n, device)
-    else:
-        out = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=device)
-        out = out.view(layout.dtype) if is_table(impl) else out
+    """fn(k): one lookup of ``ids[k]`` (n ids) by ``impl`` into an output allocated here, once
+    (``lookup_output``)."""
+    out = lookup_output(impl, layout, n, device)
     return lambda k: impl.lookup(ids[k], out=out)
 
 
@@ -79,10 +74,8 @@ class DecodeStep:
         self.impl, self.layout, self.T, self.H = impl, layout, tokens, heads
         self.proj = torch.randn(layout.row_dim, 64, dtype=torch.bfloat16, device=device) / 16
         self.ids = torch.zeros((tokens * heads,), dtype=torch.int64, device=device)
-        self.raw = torch.empty((tokens * heads, layout.row_bytes), dtype=torch.uint8, device=device)
+        self.out = lookup_output(impl, layout, tokens * heads, device)
         self.scale = torch.tensor(layout.scale or 1.0, dtype=torch.float32, device=device)
-        self.is_table = is_table(impl)
-        self.decoded = lookup_buffer(layout, tokens * heads, device) if layout.has_block_scales else None
         self.capture_safe = bool(getattr(impl, "capture_safe", False))
         self.graph = None
         self.graph_ok = False
@@ -99,16 +92,10 @@ class DecodeStep:
         self.graph_ok = ok
 
     def step(self) -> torch.Tensor:
-        layout, impl = self.layout, self.impl
-        if self.decoded is not None:  # NVFP4, MXFP8: the lookup decodes
-            impl.lookup(self.ids, out=self.decoded)
-            rows = self.decoded
-        else:
-            if self.is_table:
-                impl.lookup(self.ids, out=self.raw.view(layout.dtype))
-            else:
-                impl.lookup(self.ids, self.raw)
-            rows = (self.raw.view(layout.dtype).float() * self.scale).to(torch.bfloat16)
+        self.impl.lookup(self.ids, out=self.out)
+        rows = self.out  # NVFP4, MXFP8: the lookup decodes; else the raw rows, dequantized here
+        if not self.layout.has_block_scales:
+            rows = (rows.view(self.layout.dtype).float() * self.scale).to(torch.bfloat16)
         return (rows @ self.proj).view(self.T, self.H, -1).sum(1)
 
     def eager(self, ids: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ def test_the_bench_calls_decode_into_bf16_for_every_contender(engram, rng):
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
     step = DecodeStep(anchor, engram, CPU, 4, 16, [ids[0]])
     assert step.graph is None and step.eager(ids[0]).shape == (4, 64)
-    assert torch.equal(step.decoded.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(step.out.view(torch.int16), want.view(torch.int16))
 
 
 def test_each_engram_contender_says_what_it_is():
