@@ -9,9 +9,8 @@ import os
 from functools import partial
 
 from ple_um import units
+from ple_um.access.probe import ALL_MODES as MODES
 from ple_um.cli.output import EXIT_INVALID, EXIT_USAGE, CliError, report
-
-MODES = ("ats", "registered", "cpu", "device")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -236,10 +235,10 @@ def why_not(device, table_bytes: int | None = None, pinned: bool = True) -> dict
     """Each access mode with why this machine cannot run it (None: it can), for a table of
     ``table_bytes`` (None: any size); ``pinned``: whether the pin budget applies."""
     from ple_um.access.capabilities import read_capabilities
-    from ple_um.access.probe import ALL_MODES, pin_budget, reason_if_unsatisfied
+    from ple_um.access.probe import pin_budget, reason_if_unsatisfied
 
     caps, budget = read_capabilities(device), pin_budget() if pinned else None
-    return {m: reason_if_unsatisfied(m, caps, table_bytes, budget) for m in ALL_MODES}
+    return {m: reason_if_unsatisfied(m, caps, table_bytes, budget) for m in MODES}
 
 
 def add_verb(
