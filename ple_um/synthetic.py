@@ -36,18 +36,10 @@ CHUNK_BYTES = 64 << 20
 
 # Accepted spellings (lower case) -> safetensors dtype name.
 _DTYPE_NAMES = {
-    "f8_e4m3": "F8_E4M3",
-    "fp8": "F8_E4M3",
-    "fp8_e4m3": "F8_E4M3",
-    "float8_e4m3fn": "F8_E4M3",
-    "f8_e5m2": "F8_E5M2",
-    "fp8_e5m2": "F8_E5M2",
-    "float8_e5m2": "F8_E5M2",
-    "bf16": "BF16",
-    "bfloat16": "BF16",
-    "f16": "F16",
-    "fp16": "F16",
-    "float16": "F16",
+    **dict.fromkeys(("f8_e4m3", "fp8", "fp8_e4m3", "float8_e4m3fn"), "F8_E4M3"),
+    **dict.fromkeys(("f8_e5m2", "fp8_e5m2", "float8_e5m2"), "F8_E5M2"),
+    **dict.fromkeys(("bf16", "bfloat16"), "BF16"),
+    **dict.fromkeys(("f16", "fp16", "float16"), "F16"),
     "nvfp4": "NVFP4",
 }
 # The torch dtypes of the tables it writes -> safetensors dtype name (NVFP4 is named, its U8 not).
