@@ -34,6 +34,8 @@ from ple_um.kernels.gather_block_scaled import gather_block_scaled
 from ple_um.lookup.mxfp8 import decode_mxfp8
 
 VLLM_ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+# The anchor every path's times are divided by: no ple-um code at all (TorchResident).
+ANCHOR = "torch index_select"
 
 
 @triton.jit
@@ -299,9 +301,9 @@ ENGRAM_STAND_IN = "vllm-like pinned-host (stand-in)"
 # What each contender that is not a ple-um mode is, by (name, on an Engram table); ``{memory}``:
 # where the anchor's copy lies.
 CONTENDER_LINES = {
-    ("torch index_select", True): "the anchor, plain torch: the table and its E8M0 scales copied into "
+    (ANCHOR, True): "the anchor, plain torch: the table and its E8M0 scales copied into "
     "torch tensors in {memory}, rows and scales gathered by torch.index_select, decoded to bf16 by torch ops",
-    ("torch index_select", False): "the anchor, no ple-um code: the table copied into one torch tensor in "
+    (ANCHOR, False): "the anchor, no ple-um code: the table copied into one torch tensor in "
     "{memory}, rows gathered by torch.index_select",
     ("vllm pinned-host", True): "vLLM 0.33's stock Engram storage (cpu_offload): rows and scales copied "
     "into private pinned host memory (per process), read and decoded by vLLM's own _engram_lookup_kernel",

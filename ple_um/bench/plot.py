@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 
+from ple_um.bench.contenders import ANCHOR
 from ple_um.bench.report import write_atomically
-from ple_um.bench.runner import ANCHOR
+from ple_um.bench.serving import NO_PLE, RESIDENT
 from ple_um.units import format_bytes
 
 LINESTYLES = ("-", "--", ":", "-.")
@@ -153,7 +154,7 @@ def plot_serving(result: dict, path: str) -> None:
     groups = [(ms, dist, rows) for ms, by_dist in result["steps"].items() for dist, rows in by_dist.items()]
     width = 0.8 / max(1, len(names))
     fig, ax = _pyplot().subplots(figsize=(max(6, 1.2 * len(groups) * max(1, len(names)) ** 0.5 + 3), 5))
-    fixed = {"no PLE": "0.6", "resident": "black"}
+    fixed = {NO_PLE: "0.6", RESIDENT: "black"}
     for j, name in enumerate(names):
         xs, ys, low, high = [], [], [], []
         for i, (_, _, rows) in enumerate(groups):
@@ -166,7 +167,7 @@ def plot_serving(result: dict, path: str) -> None:
             high.append((row["p90_us"] - row["median_us"]) / 1e3)
         bars = ax.bar(xs, ys, width, yerr=[low, high], capsize=2, label=name, color=fixed.get(name))
         ratios = [rows[name].get("vs_resident") for _, _, rows in groups if name in rows]
-        labels = [f"{r:.2f}x" if r is not None and name != "resident" else "" for r in ratios]
+        labels = [f"{r:.2f}x" if r is not None and name != RESIDENT else "" for r in ratios]
         ax.bar_label(bars, labels=labels, fontsize="x-small", padding=2)
     ax.set_xticks(range(len(groups)), [f"{ms} ms GPU work\n{dist}" for ms, dist, _ in groups])
     ax.set_ylabel("step time, median (ms)")

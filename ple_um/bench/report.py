@@ -24,6 +24,7 @@ import json
 import os
 import tempfile
 
+from ple_um.bench.serving import NO_PLE, RESIDENT
 from ple_um.bench.timing import NOISY_SPREAD, noisy
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.units import format_bytes
@@ -256,8 +257,8 @@ def format_cold(result: dict) -> str:
 
 # The serving loop's baselines, in words.
 WHAT = {
-    "no PLE": "the GPU work alone: the step without any lookup",
-    "resident": "the table copied into GPU memory (ple-um's device mode): the lookups' best case",
+    NO_PLE: "the GPU work alone: the step without any lookup",
+    RESIDENT: "the table copied into GPU memory (ple-um's device mode): the lookups' best case",
 }
 
 

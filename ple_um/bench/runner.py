@@ -29,13 +29,11 @@ from ple_um.access.capabilities import resolve_device
 from ple_um.bench import contenders as known
 from ple_um.bench.calls import DecodeStep, KernelOnly, lookup_call
 from ple_um.bench.config import Config, bench_layout, open_ple_um
+from ple_um.bench.contenders import ANCHOR
 from ple_um.bench.footprint import processes, read_cache, startup
 from ple_um.bench.ids import IdDistribution
 from ple_um.bench.timing import HOST_ROWS, SETTLE_S, Timer, host_summary, summary
 from ple_um.checkpoint import ShardLayout
-
-# The anchor every path's times are divided by: no ple-um code at all (contenders.TorchResident).
-ANCHOR = "torch index_select"
 
 
 def versions() -> dict:
