@@ -44,8 +44,8 @@ import torch
 
 import ple_um
 from ple_um import operating, units
-from ple_um.bench.calls import capture
 from ple_um.bench.ids import parse_ids
+from ple_um.bench.timing import capture
 from ple_um.checkpoint import read_layout
 from ple_um.residency import evict_pages
 

@@ -27,11 +27,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ple_um.bench.calls import capture
 from ple_um.bench.config import open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main
-from ple_um.bench.timing import Timer, hit_rate, row_cache_counts, summary
+from ple_um.bench.timing import Timer, capture, hit_rate, row_cache_counts, summary
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import MappedShards

@@ -77,7 +77,7 @@ class Config:
     device: str | None = None
     processes: int = 0
     seed: int = 0
-    host_calls: int = 300
+    host_calls: int = 300  # the host-overhead figure's back-to-back calls (of timing.HOST_ROWS rows)
     memory_limits: tuple[int, ...] = ()  # the run under memory limits (``cold.py``), one child a limit
     serving: bool = False  # the serving loop (``serving.py``), under each of ``memory_limits`` too
     step_ms: tuple[float, ...] = STEP_MS  # the serving loop's GPU work per step, a figure each

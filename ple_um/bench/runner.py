@@ -27,7 +27,7 @@ import ple_um
 from ple_um import units
 from ple_um.access.capabilities import resolve_device
 from ple_um.bench import contenders as known
-from ple_um.bench.calls import DecodeStep, KernelOnly, lookup_call
+from ple_um.bench import timing
 from ple_um.bench.config import Config, bench_layout, open_ple_um
 from ple_um.bench.contenders import ANCHOR
 from ple_um.bench.footprint import processes, read_cache, startup
@@ -162,7 +162,7 @@ def _open(
             if impl.mode in ("ats", "registered") and cuda:
                 # The same table with the GPU kernel for every batch size (no CPU bulk path).
                 only = f"{name} kernel-only"
-                impls[only] = KernelOnly(impl)
+                impls[only] = timing.KernelOnly(impl)
                 result["lookup"][only] = {"mode": impl.mode, "bulk_rows": None}
                 result["contenders"][only] = known.describe(only, memory, layout.is_mxfp8)
     return impls
@@ -189,7 +189,7 @@ def _time_lookups(cfg, layout, device, impls, ids: _Ids, dist, timer: Timer, res
     distribution. Each path gets its own fresh ids: none reads rows another has just cached."""
     for n in cfg.rows:
         fns = {
-            name: lookup_call(impl, ids.sets(dist, n, cfg.repeats + cfg.warmup), layout, n, device)
+            name: timing.lookup_call(impl, ids.sets(dist, n, cfg.repeats + cfg.warmup), layout, n, device)
             for name, impl in impls.items()
         }
         times = timer.side_by_side(fns, cfg.repeats, cfg.warmup, cfg.rounds)
@@ -200,7 +200,7 @@ def _time_lookups(cfg, layout, device, impls, ids: _Ids, dist, timer: Timer, res
         del fns, times
     sets = timer.back_to_back_sets(cfg.host_calls, cfg.rounds)
     fns = {
-        name: lookup_call(impl, ids.block(dist, HOST_ROWS, sets), layout, HOST_ROWS, device)
+        name: timing.lookup_call(impl, ids.block(dist, HOST_ROWS, sets), layout, HOST_ROWS, device)
         for name, impl in impls.items()
     }
     for name, per_call in timer.back_to_back(fns, cfg.host_calls, cfg.rounds).items():
@@ -213,7 +213,7 @@ def _time_decode(cfg, layout, device, impls, ids: _Ids, timer: Timer, result) ->
     n = cfg.decode_tokens * cfg.heads
     check = ids.sets(cfg.ids[0], n, 3)
     steps = {
-        name: DecodeStep(impl, layout, device, cfg.decode_tokens, cfg.heads, check)
+        name: timing.DecodeStep(impl, layout, device, cfg.decode_tokens, cfg.heads, check)
         for name, impl in impls.items()
     }
     nbytes = n * read_bytes(layout)

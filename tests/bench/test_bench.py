@@ -13,7 +13,6 @@ from helpers.reference import reference_rows
 
 import ple_um
 from ple_um.bench import runner
-from ple_um.bench.calls import DecodeStep, KernelOnly
 from ple_um.bench.contenders import TorchResident, describe
 from ple_um.bench.ids import (
     HASH_MULTIPLIER,
@@ -22,6 +21,7 @@ from ple_um.bench.ids import (
     parse_ids,
     zipf_ngrams,
 )
+from ple_um.bench.timing import DecodeStep, KernelOnly
 
 
 # -- the anchor ----------------------------------------------------------------------------------

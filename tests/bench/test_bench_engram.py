@@ -16,8 +16,8 @@ from helpers.vllm_engram import as_on_a_gpu, engram_module
 
 from ple_um.access.capabilities import triton_interpreter
 from ple_um.bench import config
-from ple_um.bench.calls import DecodeStep, lookup_call
 from ple_um.bench.contenders import ENGRAM_STAND_IN, TorchResident, VllmEngramPinned, describe
+from ple_um.bench.timing import DecodeStep, lookup_call
 from ple_um.synthetic_engram import write_engram_checkpoint
 
 CPU = torch.device("cpu")
