@@ -30,7 +30,7 @@ import torch
 from ple_um.bench.config import open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main
-from ple_um.bench.timing import Timer, capture, hit_rate, row_cache_counts, summary
+from ple_um.bench.timing import Timer, capture, row_cache_hits, summary
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import MappedShards
@@ -136,7 +136,7 @@ def _timed(call: _Lookup, draws, table, probe: MappedShards, timer: Timer, drop_
     row = summary(times, nbytes)
     row["page_cache_hits"] = float(np.mean(resident))
     after = table.stats()
-    row["row_cache_hits"] = hit_rate(row_cache_counts(before), row_cache_counts(after))
+    row["row_cache_hits"] = row_cache_hits(before, after)
     reads_before = _reads(table, before)
     if reads_before is not None:
         reads, waited = (b - a for a, b in zip(reads_before, _reads(table, after), strict=True))
@@ -152,7 +152,7 @@ def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> 
     rows already in the page cache, first and last, and the row cache's hit rate over the warm-up
     say whether it settled."""
     t0, calls, shares = time.perf_counter(), 0, []
-    before = row_cache_counts(call.table.stats())
+    before = call.table.stats()
     n = call.ids.numel()
     while calls < 10 or time.perf_counter() - t0 < seconds:
         ids = dist.draw(rng, layout.num_rows, n)
@@ -168,7 +168,7 @@ def _warm_up(call: _Lookup, dist, rng, layout, probe, timer, seconds: float) -> 
         "seconds": time.perf_counter() - t0,
         "first_hits": shares[0],
         "last_hits": shares[-1],
-        "row_cache_hits": hit_rate(before, row_cache_counts(call.table.stats())),
+        "row_cache_hits": row_cache_hits(before, call.table.stats()),
     }
 
 

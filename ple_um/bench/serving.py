@@ -40,7 +40,7 @@ from ple_um.bench.config import MATMUL_SIZE, POOL_STEPS, Config, bench_layout, c
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main, run_limited
 from ple_um.bench.runner import run_header
-from ple_um.bench.timing import capture, hit_rate, row_cache_counts, spread
+from ple_um.bench.timing import capture, row_cache_hits, spread
 from ple_um.checkpoint import read_layout
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
@@ -209,10 +209,11 @@ def measure(step: ServingStep, pool: IdPool, steps: int, warmup_s: float, reside
     microseconds), the row cache's hit rate over them (None: no row cache), and ``resident``'s
     share of the last step's rows in the page cache (None where not asked)."""
     warm = warm_up(step, pool, warmup_s)
-    counts = (lambda: row_cache_counts(step.table.stats())) if step.table is not None else (lambda: None)
-    before = counts()
+    stats = step.table.stats if step.table is not None else dict
+    before = stats()
     times = time_steps(step, pool, steps)
-    row = spread(times) | {"calls": len(times), "warmup": warm, "row_cache_hits": hit_rate(before, counts())}
+    row = spread(times) | {"calls": len(times), "warmup": warm}
+    row["row_cache_hits"] = row_cache_hits(before, stats())
     if resident is not None and step.inputs:
         ids = np.concatenate([t.cpu().numpy() for t in step.inputs.values()])
         row["page_cache_hits"] = float(resident(ids).mean())

@@ -123,18 +123,12 @@ def host_summary(per_call: list[float], calls: int) -> dict:
     return {**spread(per_call), "rounds_us": rounds_us, "calls": calls, "rows": HOST_ROWS}
 
 
-def row_cache_counts(stats: dict) -> tuple[int, int] | None:
-    """The row cache's hits and misses in a table's ``stats()``, or None where it has none."""
-    found = stats.get("row_cache")
-    return (int(found["hits"]), int(found["misses"])) if found else None
-
-
-def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """hits / (hits + misses) between two readings of ``row_cache_counts`` (None: no cache, or no
-    row asked of it)."""
-    if before is None or after is None:
+def row_cache_hits(before: dict, after: dict) -> float | None:
+    """The row cache's hits / (hits + misses) between two of a table's ``stats()`` (None: it has no
+    row cache, or no row was asked of it)."""
+    if not before.get("row_cache") or not after.get("row_cache"):
         return None
-    hits, misses = after[0] - before[0], after[1] - before[1]
+    hits, misses = (int(after["row_cache"][k]) - int(before["row_cache"][k]) for k in ("hits", "misses"))
     return hits / (hits + misses) if hits + misses else None
 
 
