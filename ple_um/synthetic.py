@@ -33,6 +33,8 @@ from ple_um.checkpoint.shard_layout import FP8_DTYPES, NVFP4_STORAGE, STORAGE_DT
 
 PREFIX = "model.language_model."
 CHUNK_BYTES = 64 << 20
+# The files a table's shards are split over unless ``files`` is given: at most this many.
+MAX_FILES = 4
 
 # Accepted spellings (lower case) -> safetensors dtype name.
 _DTYPE_NAMES = {
@@ -180,7 +182,7 @@ def write_checkpoint(
     layer = _check_int("layer", layer, 0)
     seed = _check_int("seed", seed, 0)
     workers = _check_int("workers", workers, 1)
-    files = min(shards, 4) if files is None else _check_int("files", files, 1)
+    files = min(shards, MAX_FILES) if files is None else _check_int("files", files, 1)
     if files > shards:
         raise ValueError(f"files ({files}) must not exceed shards ({shards}): each file holds at least one")
     name = dtype_name(dtype)

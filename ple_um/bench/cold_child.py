@@ -30,7 +30,7 @@ import torch
 from ple_um.bench.config import open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main
-from ple_um.bench.timing import Timer, capture, row_cache_hits, summary
+from ple_um.bench.timing import Timer, capture, lookup_output, row_cache_hits, summary
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import MappedShards
@@ -89,8 +89,7 @@ class _Lookup:
     def __init__(self, table, layout: ShardLayout, n: int, device: torch.device, graph: bool) -> None:
         self.table, self.device = table, device
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        dtype = torch.bfloat16 if layout.is_nvfp4 else layout.dtype  # raw rows; NVFP4's decoded
-        self.out = torch.empty((n, layout.row_dim), dtype=dtype, device=device)
+        self.out = lookup_output(table, layout, n, device)
         self.graph = capture(self.call)[0] if graph else None
 
     def call(self) -> None:

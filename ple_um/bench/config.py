@@ -17,7 +17,7 @@ from ple_um.access.probe import ALL_MODES
 from ple_um.bench.ids import IdDistribution, parse_ids
 from ple_um.checkpoint import MXFP8_BLOCK, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import PleUmError
-from ple_um.synthetic import write_checkpoint
+from ple_um.synthetic import MAX_FILES, write_checkpoint
 from ple_um.synthetic_engram import write_engram_checkpoint
 from ple_um.units import format_bytes
 
@@ -38,9 +38,6 @@ POOL_STEPS = 32
 # Host memory a run holds besides the table and its copies: the interpreter, torch, the id sets
 # drawn ahead and the outputs of the largest batch.
 RUN_OVERHEAD_BYTES = 1 << 30
-# The synthetic table's files are written into at most this many files (``write_checkpoint``'s
-# default split).
-TABLE_FILES = 4
 # Free disk kept beside a written table, so that the bench never fills the filesystem.
 DISK_MARGIN_BYTES = 256 << 20
 # The models whose table shape the bench knows: Qwen3.8-Flash-Next's PLE table (its row width and
@@ -192,10 +189,10 @@ def _existing_parent(path: str) -> str:
 
 
 def largest_file_bytes(cfg: Config) -> int:
-    """The largest file of the synthetic table: the shards are split into TABLE_FILES contiguous
-    runs, as ``write_checkpoint`` splits them (the header and the scale add a few KiB)."""
+    """The largest file of the synthetic table: the shards are split into ``synthetic.MAX_FILES``
+    contiguous runs, as ``write_checkpoint`` splits them (the header and the scale add a few KiB)."""
     per_shard = -(-cfg.num_rows // cfg.shards)
-    most_shards = -(-cfg.shards // min(cfg.shards, TABLE_FILES))
+    most_shards = -(-cfg.shards // min(cfg.shards, MAX_FILES))
     return most_shards * per_shard * cfg.row_bytes + (64 << 10)
 
 
