@@ -12,6 +12,7 @@ import torch
 from ple_um.access.probe import mem_available
 from ple_um.bench.config import open_ple_um
 from ple_um.bench.contenders import VllmPinnedHost
+from ple_um.bench.memlimit import memory_status
 from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
 from ple_um.residency import evict_pages
 
@@ -26,11 +27,7 @@ def read_cache(layout: ShardLayout) -> None:
 
 def rss_anon() -> int:
     """This process's anonymous resident bytes (RssAnon), 0 when unreadable."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return int(memory_status().get("RssAnon", "0 kB").split()[0]) * 1024
 
 
 def startup(layout: ShardLayout, device: torch.device) -> dict:

@@ -321,12 +321,16 @@ def run_limited(
     return entries
 
 
+def memory_status() -> dict[str, str]:
+    """This process's peak and anonymous memory, as ``/proc/self/status`` says them (``VmHWM``,
+    ``RssAnon``: ``"123 kB"``)."""
+    with open("/proc/self/status") as f:
+        return {k: v.strip() for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "RssAnon")}
+
+
 def child_main(serve: Callable[[dict], dict]) -> None:
     """A child's side of ``run_child``: the request from stdin, ``serve(request)``'s figures with
-    this process's peak and anonymous memory (``/proc/self/status``) as JSON on stdout."""
+    ``memory_status()`` as JSON on stdout."""
     out = serve(json.load(sys.stdin))
-    with open("/proc/self/status") as f:
-        out["status"] = {
-            k: v.strip() for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "RssAnon")
-        }
+    out["status"] = memory_status()
     json.dump(out, sys.stdout)
