@@ -32,7 +32,6 @@ from ple_um.bench.config import Config, bench_layout, open_ple_um
 from ple_um.bench.contenders import ANCHOR
 from ple_um.bench.footprint import processes, read_cache, startup
 from ple_um.bench.ids import IdDistribution
-from ple_um.bench.timing import HOST_ROWS, SETTLE_S, Timer, host_summary, summary
 from ple_um.checkpoint import ShardLayout
 
 
@@ -94,11 +93,11 @@ def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device
             "timed_calls": cfg.repeats,
             "rounds": max(1, min(cfg.rounds, cfg.repeats)),
             "warmup_calls": cfg.warmup,
-            "settle_s": SETTLE_S,
+            "settle_s": timing.SETTLE_S,
             "clock": "CUDA events" if cuda else "perf_counter",
             "host_overhead": {
                 "calls": cfg.host_calls,
-                "rows": HOST_ROWS,
+                "rows": timing.HOST_ROWS,
                 "clock": "perf_counter around the calls, one device sync at the end",
             },
         },
@@ -184,7 +183,7 @@ class _Ids:
         return torch.from_numpy(drawn).view(count, n).to(self.device)
 
 
-def _time_lookups(cfg, layout, device, impls, ids: _Ids, dist, timer: Timer, result, log) -> None:
+def _time_lookups(cfg, layout, device, impls, ids: _Ids, dist, timer: timing.Timer, result, log) -> None:
     """Lookups side by side at every batch size, then the host-overhead burst, for one id
     distribution. Each path gets its own fresh ids: none reads rows another has just cached."""
     for n in cfg.rows:
@@ -194,21 +193,23 @@ def _time_lookups(cfg, layout, device, impls, ids: _Ids, dist, timer: Timer, res
         }
         times = timer.side_by_side(fns, cfg.repeats, cfg.warmup, cfg.rounds)
         for name, t in times.items():
-            row = summary(t, n * read_bytes(layout))
+            row = timing.summary(t, n * read_bytes(layout))
             result["lookup"][name].setdefault(dist.name, {})[str(n)] = row
             log(f"{name:30s} {n:>8d} rows  {row['median_us']:10.1f} us")
         del fns, times
     sets = timer.back_to_back_sets(cfg.host_calls, cfg.rounds)
     fns = {
-        name: timing.lookup_call(impl, ids.block(dist, HOST_ROWS, sets), layout, HOST_ROWS, device)
+        name: timing.lookup_call(
+            impl, ids.block(dist, timing.HOST_ROWS, sets), layout, timing.HOST_ROWS, device
+        )
         for name, impl in impls.items()
     }
     for name, per_call in timer.back_to_back(fns, cfg.host_calls, cfg.rounds).items():
-        host = result["lookup"][name][dist.name]["host"] = host_summary(per_call, cfg.host_calls)
+        host = result["lookup"][name][dist.name]["host"] = timing.host_summary(per_call, cfg.host_calls)
         log(f"{name:30s} host {host['median_us']:10.1f} us per call, {cfg.host_calls} back to back")
 
 
-def _time_decode(cfg, layout, device, impls, ids: _Ids, timer: Timer, result) -> None:
+def _time_decode(cfg, layout, device, impls, ids: _Ids, timer: timing.Timer, result) -> None:
     """The decode step of every contender, eager and graph-replayed, side by side."""
     n = cfg.decode_tokens * cfg.heads
     check = ids.sets(cfg.ids[0], n, 3)
@@ -230,7 +231,7 @@ def _time_decode(cfg, layout, device, impls, ids: _Ids, timer: Timer, result) ->
             cfg.rounds,
         )
         for name in steps:
-            result["decode_step"][name][dist.name] = {"eager": summary(eager[name], nbytes)}
+            result["decode_step"][name][dist.name] = {"eager": timing.summary(eager[name], nbytes)}
         graphs = {
             name: (lambda k, st=st, s=sets[name]: st.replay(s[k]))
             for name, st in steps.items()
@@ -238,7 +239,7 @@ def _time_decode(cfg, layout, device, impls, ids: _Ids, timer: Timer, result) ->
         }
         if graphs:
             for name, t in timer.side_by_side(graphs, cfg.repeats, cfg.warmup, cfg.rounds).items():
-                result["decode_step"][name][dist.name]["graph"] = summary(t, nbytes)
+                result["decode_step"][name][dist.name]["graph"] = timing.summary(t, nbytes)
 
 
 def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
@@ -261,7 +262,7 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
     if layout.is_nvfp4:
         log("NVFP4 table: ple-um decodes rows to bf16; the raw-row contenders (and the anchor) are left out")
     read_cache(layout)
-    timer, ids = Timer(device), _Ids(layout, device, cfg.seed)
+    timer, ids = timing.Timer(device), _Ids(layout, device, cfg.seed)
     impls = _open(_contenders(cfg, layout, device, result), layout, device, result, log)
     try:
         for dist in cfg.ids:
