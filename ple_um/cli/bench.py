@@ -254,14 +254,15 @@ def _check_serving(args: argparse.Namespace) -> None:
             )
 
 
-def _check_modes(args: argparse.Namespace, device, table_bytes: int) -> None:
+def _check_modes(cfg: Config, device, table_bytes: int) -> None:
     """Every mode --modes names must run here: one that cannot would measure nothing (exit 2,
     naming it, why, and the modes this machine can run)."""
-    if not args.modes:
+    if not cfg.modes:
         return
     # Under --memory-limit the table is never pinned: the pin budget does not apply.
-    why = a.why_not(device, None if args.memory_limit else table_bytes, pinned=not args.memory_limit)
-    refused = [f"{m} ({why[m]})" for m in args.modes if why[m] is not None]
+    limited = bool(cfg.memory_limits)
+    why = a.why_not(device, None if limited else table_bytes, pinned=not limited)
+    refused = [f"{m} ({why[m]})" for m in cfg.modes if why[m] is not None]
     if refused:
         usable = ", ".join(m for m, reason in why.items() if reason is None)
         raise CliError(
@@ -269,7 +270,7 @@ def _check_modes(args: argparse.Namespace, device, table_bytes: int) -> None:
         )
 
 
-def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
+def _check_machine(cfg: Config, layout) -> None:
     """The device, a mode forced by PLE_UM_MODE, the modes asked for, and whether the run fits this
     machine (``config.check_fits``: exit 3 where it does not)."""
     import torch
@@ -279,14 +280,14 @@ def _check_machine(args: argparse.Namespace, cfg, layout) -> None:
     from ple_um.bench import config
 
     try:
-        device = resolve_device(args.device)
+        device = resolve_device(cfg.device)
     except ValueError as exc:
         raise CliError(f"--device: {exc}", EXIT_USAGE) from None
     table_bytes = cfg.table_bytes(layout)
     ple_um.probe(device, table_bytes=table_bytes)  # ModeUnavailableError: a mode forced where it cannot work
-    _check_modes(args, device, table_bytes)
+    _check_modes(cfg, device, table_bytes)
     cuda = device.type == "cuda"
-    if args.serving and not cuda:
+    if cfg.serving and not cuda:
         raise CliError(
             f"--serving times a decode loop captured in CUDA graphs: {device} is not a CUDA device"
             + ("" if torch.cuda.is_available() else " (torch.cuda.is_available() is False)"),
@@ -323,8 +324,9 @@ def _config(args: argparse.Namespace, argv: list[str] | None):
     )
 
 
-def _write(args: argparse.Namespace, result: dict, say) -> None:
-    """The JSON and the plot, each written whole or not at all; then where they went."""
+def _write(args: argparse.Namespace, result: dict, say, missing: list[str]) -> None:
+    """The JSON and the plot, each written whole or not at all; then where they went. Under --json
+    the results go to stdout unless ``missing`` (``report.unmeasured``): the error carries them."""
     from ple_um.bench import plot, report
 
     written = []
@@ -340,7 +342,7 @@ def _write(args: argparse.Namespace, result: dict, say) -> None:
         for line in written:
             say(line)
         raise CliError(f"the results could not be written: {exc}", EXIT_INVALID, results=result) from None
-    if args.json and not report.unmeasured(result, args.modes):  # else the error's object carries them
+    if args.json and not missing:
         emit_json(result)
     for line in written or [
         "results: not written to a file (--json-file PATH writes them, --plot FILE plots them)"
@@ -352,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     layout = _check_table(args)
     cfg = _config(args, getattr(args, "argv", None))
-    _check_machine(args, cfg, layout)
+    _check_machine(cfg, layout)
     # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
     say = to_stderr if args.json else emit
     log = to_stderr if args.quiet or args.json else emit
@@ -360,8 +362,8 @@ def run(args: argparse.Namespace) -> int:
 
     result = {"serving": serving, "memory-limit": cold}.get(cfg.kind, runner).run(cfg, log=log)
     say(report.format_report(result))
-    _write(args, result, say)
-    missing = report.unmeasured(result, args.modes)
+    missing = report.unmeasured(result, cfg.modes)
+    _write(args, result, say, missing)
     if missing:
         raise CliError(
             "the run could not measure what was asked: " + "; ".join(missing), EXIT_INCOMPLETE, results=result
