@@ -88,6 +88,13 @@ class Config:
         return "serving" if self.serving else "memory-limit" if self.memory_limits else "side-by-side"
 
     @property
+    def serving_lookups(self) -> dict[str, int]:
+        """The serving loop's lookups, ids a step: a decode step's and a prefill chunk's (none when
+        it has 0 tokens)."""
+        sizes = {"decode": self.decode_tokens * self.heads, "prefill": self.prefill_tokens * self.heads}
+        return {name: n for name, n in sizes.items() if n > 0}
+
+    @property
     def num_rows(self) -> int:
         """The synthetic table's rows: the whole rows of ``row_bytes`` in ``size``."""
         return self.size // self.row_bytes
@@ -343,7 +350,7 @@ def check_fits(cfg: Config, layout: ShardLayout | None, cuda: bool, gpu_free: in
     if layout is None:
         check_disk(cfg)
     if cfg.serving:
-        sizes = (cfg.decode_tokens * cfg.heads, cfg.prefill_tokens * cfg.heads)
+        sizes = tuple(cfg.serving_lookups.values())
         if limits:
             check_limits(limits, sizes, row_bytes, POOL_STEPS, cuda)
         needed = serving_memory(table_bytes, sizes, row_bytes, bool(limits))

@@ -229,13 +229,6 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def lookup_sizes(request: dict) -> dict[str, int]:
-    """The step's lookups: ids of a decode step and of a prefill chunk (none when 0 tokens)."""
-    heads = request["heads"]
-    sizes = {"decode": request["decode_tokens"] * heads, "prefill": request["prefill_tokens"] * heads}
-    return {name: n for name, n in sizes.items() if n > 0}
-
-
 def calibrate(work: GpuWork, step_ms, device, log) -> dict:
     """Matmuls per step for each target: from the time of one matmul (eager, after a warm-up), then
     corrected once by the captured step's own median (``refine``)."""
@@ -283,7 +276,7 @@ def _config(name, mode, with_work, layout, request, work, counts, probe, device,
             entry.update(
                 capture_safe=table.capture_safe, row_cache=table.stats().get("row_cache") is not None
             )
-        sizes = lookup_sizes(request) if table is not None else {}
+        sizes = request["lookups"] if table is not None else {}
         dtype = torch.bfloat16 if layout.is_nvfp4 else layout.dtype
         resident = (lambda ids: resident_rows(probe, ids)) if table is not None and mode != "device" else None
         for ms in (f"{float(ms):g}" for ms in request["step_ms"]) if with_work else [None]:
@@ -333,8 +326,7 @@ def run(cfg: Config, log: Callable[[str], None] = print, hierarchy=None) -> dict
     layout = bench_layout(cfg)
     request = child_request(cfg, layout, device, cfg.modes or ("cpu",)) | {
         "step_ms": [float(ms) for ms in cfg.step_ms],
-        "decode_tokens": cfg.decode_tokens,
-        "prefill_tokens": cfg.prefill_tokens,
+        "lookups": cfg.serving_lookups,
         "heads": cfg.heads,
         "baselines": True,
     }
@@ -364,14 +356,13 @@ def merge(result: dict, child: dict) -> None:
 
 
 def method(request: dict, device: torch.device) -> dict:
-    sizes = lookup_sizes(request)
     cuda = device.type == "cuda"
     return {
         "step": "a chain of bf16 matmuls (the GPU work) on the step's stream; the step's lookups "
         "forked onto a side stream at its start and joined at its end",
         "lookups": {
             name: {"ids": n, "tokens": n // request["heads"], "rows_per_token": request["heads"]}
-            for name, n in sizes.items()
+            for name, n in request["lookups"].items()
         },
         "timing": "the whole step captured in one CUDA graph, replays queued back to back, CUDA "
         "events around each"
