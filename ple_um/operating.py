@@ -19,7 +19,7 @@ from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.checkpoint.layout import find_layers, validate
 from ple_um.errors import PleUmError
 from ple_um.mapping import MappedShards
-from ple_um.residency import PAGE, mincore, resident_pages
+from ple_um.residency import PAGE, resident_bytes, resident_pages
 from ple_um.units import format_bytes
 
 
@@ -97,21 +97,6 @@ def inspect(directory: str, layer: int | None = None) -> dict:
 
 
 # -- residency -----------------------------------------------------------------------------------
-def resident_bytes(addr: int, length: int) -> int:
-    """Bytes of ``[addr, addr + length)`` (inside a live mapping) whose pages are in the page cache,
-    by mincore; pages the range only partly covers count for the part it covers."""
-    if length <= 0:
-        return 0
-    first = addr - addr % PAGE
-    end = addr + length
-    present = mincore(first, end - first, f"the range at {addr:#x}").astype(bool)
-    pages = present.size
-    covered = np.full(pages, PAGE, dtype=np.int64)
-    covered[0] -= addr - first
-    covered[-1] -= pages * PAGE - (end - first)
-    return int(covered[present].sum())
-
-
 # resident_rows asks mincore about each row's own pages while the rows are fewer than the mapping's
 # pages over this, and about whole files otherwise.
 ROW_BY_ROW = 64
@@ -200,17 +185,14 @@ def row_cache_plan(mapping: MappedShards, scale_mapping: MappedShards | None = N
 
 
 def _residency(mapping: MappedShards) -> dict:
-    """Per owned shard (mincore over its rows), per mapped file and in total, the bytes of
+    """Per owned shard (mincore over its rows, a window at a time), per mapped file and in total, the bytes of
     ``mapping`` in the page cache."""
     rb = mapping.layout.row_bytes
-    shards = [
-        {
-            "index": index,
-            "file": os.path.basename(mapping.regions[owned.region].path),
-            **_share(owned.rows * rb, resident_bytes(owned.addr, owned.rows * rb)),
-        }
-        for index, owned in sorted(mapping.owned.items())
-    ]
+    shards = []
+    for index, owned in sorted(mapping.owned.items()):
+        path = mapping.regions[owned.region].path
+        resident = resident_bytes(owned.addr, owned.rows * rb, path)
+        shards.append({"index": index, "file": os.path.basename(path), **_share(owned.rows * rb, resident)})
     files = [
         {"file": os.path.basename(path), "mapped_bytes": mapped, "resident_bytes": resident}
         for path, resident, mapped in mapping.residency()

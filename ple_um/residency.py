@@ -6,7 +6,8 @@ time, and a window whose file range has no cached page at all (``cachestat``, Li
 only the cached pages) is not asked: a huge sparse table costs bounded memory and little time.
 A region is anything with ``addr``, ``length``, ``fd``, ``file_offset`` and ``path`` (the
 ``MappedRegion`` of ``ple_um.mapping``). ``evict_pages`` is the one way ple-um, its tools and its
-tests drop a file's pages from memory; ``mincore`` the one way they ask which pages are in it.
+tests drop a file's pages from memory; ``mincore`` the one way they ask which pages are in it
+(``resident_bytes``: of any address range, in the same windows).
 """
 
 from __future__ import annotations
@@ -127,6 +128,22 @@ def evict_pages(files: Iterable[str], regions: Iterable = (), write_back: bool =
             raise OSError(ctypes.get_errno(), why)
     for path in files:
         evict_file_pages(path, write_back=write_back)
+
+
+def resident_bytes(addr: int, length: int, where: str | None = None) -> int:
+    """Bytes of ``[addr, addr + length)`` (inside a live mapping) whose pages are in the page cache,
+    asked of mincore a window of ``RESIDENCY_WINDOW`` pages at a time (bounded memory however long
+    the range); pages the range only partly covers count for the part it covers. OSError naming
+    ``where`` (else the address) where mincore fails."""
+    where = where or f"the range at {addr:#x}"
+    end, total = addr + length, 0
+    for start in range(addr - addr % PAGE, end, RESIDENCY_WINDOW * PAGE):
+        stop = min(start + RESIDENCY_WINDOW * PAGE, end)
+        present = mincore(start, stop - start, where)
+        # The first page may start before addr, the last end after the range.
+        total += int(np.count_nonzero(present)) * PAGE
+        total -= int(present[0]) * max(0, addr - start) + int(present[-1]) * (-stop % PAGE)
+    return total
 
 
 def resident_count(region) -> int:

@@ -302,6 +302,16 @@ def test_residency_read_in_windows_matches_one_mincore(evictable, monkeypatch):
         ]
         assert sorted(windowed) == _runs(whole) and len(_runs(whole)) >= 7
         assert residency.resident_count(region) == int(whole.sum())
+        # Any byte range, pages cut at both ends, asked of mincore in windows of 3 pages at most.
+        asked = []
+        mincore = residency.mincore
+        monkeypatch.setattr(residency, "mincore", lambda a, n, where: asked.append(n) or mincore(a, n, where))
+        for start, length in ((0, region.length), (PAGE // 3, 11 * PAGE), (5 * PAGE + 7, 9 * PAGE - 20)):
+            pages = np.arange(whole.size) * PAGE
+            overlap = np.clip(np.minimum(pages + PAGE, start + length) - np.maximum(pages, start), 0, None)
+            want = int(overlap[whole.astype(bool)].sum())
+            assert residency.resident_bytes(region.addr + start, length, region.path) == want > 0
+        assert asked and max(asked) <= 3 * PAGE
         ((_, resident_bytes, _),) = m.residency()
         assert resident_bytes == min(int(whole.sum()) * PAGE, region.length)
         runs = _runs(whole)

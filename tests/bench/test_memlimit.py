@@ -16,8 +16,7 @@ import pytest
 from helpers.cli import fs_type
 
 from ple_um.bench.memlimit import Hierarchy, MemoryLimit, find_hierarchy
-from ple_um.operating import resident_bytes
-from ple_um.residency import evict_file_pages
+from ple_um.residency import evict_file_pages, resident_bytes
 
 MiB = 1 << 20
 
