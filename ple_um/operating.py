@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ple_um.access.probe import mem_available
+from ple_um.access.memory import mem_available
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.checkpoint.layout import find_layers, validate
 from ple_um.errors import PleUmError

@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import os
 
-from ple_um.access.probe import mem_available
 from ple_um.units import format_bytes
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 when unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _read_int(path: str) -> int | None:

@@ -18,6 +18,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from ple_um import envs
+from ple_um.access import memory
 from ple_um.access.capabilities import DeviceCapabilities
 from ple_um.errors import ModeUnavailableError
 from ple_um.units import format_bytes
@@ -65,24 +66,12 @@ def _unknown(mode: str) -> ValueError:
     return ValueError(f"unknown access mode {mode!r}; expected one of auto, {', '.join(ALL_MODES)}")
 
 
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (0 when unreadable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def pin_budget() -> int:
     """Most bytes the registered mode may pin: PLE_UM_PIN_BUDGET, else a fraction of MemAvailable."""
     explicit = envs.PLE_UM_PIN_BUDGET
     if explicit is not None:
         return int(explicit)
-    return int(mem_available() * envs.PLE_UM_PIN_FRACTION)
+    return int(memory.mem_available() * envs.PLE_UM_PIN_FRACTION)
 
 
 def direct_read(caps: DeviceCapabilities) -> str | None:

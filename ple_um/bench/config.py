@@ -343,7 +343,7 @@ def check_fits(cfg: Config, layout: ShardLayout | None, cuda: bool, gpu_free: in
     """Refuse (BenchRefused) a run that does not fit this machine: the synthetic table (``layout``
     None; else DIR's table) the disk, a memory limit its child, the run's peak the memory free (the
     table's copies and the largest batch's buffers, every contender's of ``cfg.run_modes``)."""
-    from ple_um.access.probe import mem_available
+    from ple_um.access.memory import mem_available
 
     table_bytes, limits = cfg.table_bytes(layout), cfg.memory_limits
     row_bytes = layout.row_bytes if layout is not None else cfg.row_bytes

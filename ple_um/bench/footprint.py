@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ple_um.access.probe import mem_available
+from ple_um.access.memory import mem_available
 from ple_um.bench.config import open_ple_um
 from ple_um.bench.contenders import VllmPinnedHost
 from ple_um.bench.memlimit import memory_status

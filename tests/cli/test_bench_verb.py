@@ -20,7 +20,8 @@ import torch
 from helpers.cli import REPO, run, run_cli, run_json, two_layer_checkpoint
 
 from ple_um import cli
-from ple_um.access.probe import ALL_MODES, mem_available
+from ple_um.access.memory import mem_available
+from ple_um.access.probe import ALL_MODES
 from ple_um.synthetic_engram import write_engram_checkpoint
 
 BENCH_REFUSALS = [

@@ -270,6 +270,7 @@ def test_the_cpu_mode_gains_a_row_cache_when_the_table_stops_fitting(
 def test_the_decision_can_be_forced(table_files, machine, memory_left, monkeypatch, rng, poison, knob, path):
     monkeypatch.setenv("PLE_UM_FIT", knob)
     memory_left.machine = 1 * MiB if knob == "fits" else 64 << 30  # the other way round from auto
+    monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1GiB")  # not a fraction of the 1 MiB: registered opens
     machine(H200)
     layout = table_files
     with ple_um.open_table(layout.directory, mode="registered", rows=OWNED) as table:
