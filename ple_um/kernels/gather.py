@@ -244,7 +244,7 @@ def gather_rows(
         *constexprs,
     )
     kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
-    launch = launch or DirectLaunch.plain(_gather_kernel)
+    launch = launch or DirectLaunch(_gather_kernel, direct=False)
     compiled = launch(kind, triton.cdiv(n, rows_per_program), args, num_warps)
     if compiled is not None and on_compiled is not None:
         on_compiled(compiled, args)

@@ -119,6 +119,6 @@ def gather_block_scaled(
     geometry = (row_start, row_end, num_rows, rows_per_shard, row_dim)
     args = (row_bases, scale_bases, ids, target, counters, scale, n, *geometry, *constexprs)
     kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
-    launch = launch or DirectLaunch.plain(_gather_block_scaled_kernel)
+    launch = launch or DirectLaunch(_gather_block_scaled_kernel, direct=False)
     launch(kind, triton.cdiv(n, rows_per_program), args, num_warps)
     return out

@@ -28,26 +28,17 @@ from ple_um import envs
 _VERSIONS = ((3, 6), (3, 7), (3, 8))
 
 
-def _hook_active(hook) -> bool:
-    """A launch hook is set: Triton 3.6+ keeps them in a HookChain, which is never None but empty
-    until a profiler adds one (so a chain counts as set only when it holds a call: read as set, it
-    would keep every call off the direct launch); older Triton used None."""
-    if hook is None:
-        return False
-    calls = getattr(hook, "calls", None)
-    return bool(calls) if calls is not None else True
-
-
 def hooks_set() -> bool:
-    """Whether a Triton launch hook is set (a profiler's): then every call goes through Triton's launch."""
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
-    if runtime is None:
-        return False
-    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+    """Whether a Triton launch hook is set (a profiler's): then every call goes through Triton's
+    launch. Triton 3.6+ keeps the hooks in a HookChain, which is never None but empty until a
+    profiler adds one (so a chain counts as set only when it holds a call: read as set, it would
+    keep every call off the direct launch); older Triton used None."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook) if runtime is not None else ()
+    return any(hook is not None and bool(getattr(hook, "calls", True)) for hook in hooks)
 
 
-def why_not_direct(kernel) -> str | None:
+def _why_not_direct(kernel) -> str | None:
     """None when ``kernel`` can be launched directly here, else why not."""
     if not isinstance(kernel, JITFunction):
         return "the kernel is interpreted (TRITON_INTERPRET)"
@@ -59,7 +50,7 @@ def why_not_direct(kernel) -> str | None:
     return None
 
 
-def current_stream(device: int) -> int:
+def _current_stream(device: int) -> int:
     """The handle of CUDA device ``device``'s current stream, through torch's private call (what
     Triton's own launcher reads): the public ``torch.cuda.current_stream(device).cuda_stream``
     builds a Stream object per call, a host cost of the size a direct launch exists to remove."""
@@ -71,17 +62,13 @@ class DirectLaunch:
 
     One instance per set of fixed arguments: every call must pass the same values for every
     argument that ``kind`` does not describe, except the three the kernel never specializes on (a
-    table makes one instance per kernel and per kind of rows it reads)."""
+    table makes one instance per kernel and per kind of rows it reads). ``direct=False``: Triton's
+    own launch at every call (for callers without fixed arguments)."""
 
     def __init__(self, kernel, *, direct: bool = True) -> None:
         self.kernel = kernel
-        self.why_not = why_not_direct(kernel) if direct else "a one-off launch"
+        self.why_not = _why_not_direct(kernel) if direct else "a one-off launch"
         self._compiled: dict[tuple, object] = {}
-
-    @classmethod
-    def plain(cls, kernel) -> DirectLaunch:
-        """Triton's own launch at every call (for callers without fixed arguments)."""
-        return cls(kernel, direct=False)
 
     def __call__(self, kind: tuple, grid: int, args: tuple, num_warps: int):
         """Launch ``grid`` programs with ``args`` (every kernel argument, in signature order,
@@ -98,7 +85,7 @@ class DirectLaunch:
             if compiled is not None:
                 self._compiled[key] = compiled
             return compiled
-        stream = current_stream(device)
+        stream = _current_stream(device)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
         return compiled
 
@@ -114,7 +101,7 @@ def bind(compiled, args: tuple, *, ids_at: int, n_at: int, rows_per_program: int
     fixed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     head, middle, tail = fixed[:ids_at], fixed[ids_at + 2 : n_at], fixed[n_at + 1 :]
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    stream_of, device = current_stream, torch.cuda.current_device()
+    stream_of, device = _current_stream, torch.cuda.current_device()
 
     def launch(ids_ptr: int, out_ptr: int, n: int) -> None:
         grid = (n + rows_per_program - 1) // rows_per_program

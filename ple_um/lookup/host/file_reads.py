@@ -33,7 +33,6 @@ from ple_um.mapping import MappedShards
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "uring", "threads", "mmap")
 _ALIGNMENTS = (512, 4096)
 # rowcopy.h's RING_*: the call a table's ring failed in.
 RING_CALLS = {1: "io_uring_setup", 2: "io_uring_enter", 3: "its read buffers"}
