@@ -34,7 +34,7 @@ _ADVICE = {"normal": mmap.MADV_NORMAL, "random": mmap.MADV_RANDOM, "willneed": m
 # memory to a row cache whose misses bypass the page cache that holds the rest.
 RESIDENT_SLACK = 0.01
 
-_libc = residency._libc  # mincore and madvise (the row cache's and the fit check's too)
+_libc = residency._libc  # mincore and madvise (the row cache's madvise too)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

@@ -37,7 +37,8 @@ import numpy as np
 from ple_um import envs
 from ple_um.access import memory
 from ple_um.checkpoint import ShardLayout
-from ple_um.mapping import PAGE, MappedShards, _libc
+from ple_um.mapping import PAGE, MappedShards
+from ple_um.residency import resident_pages
 from ple_um.ticker import Ticker
 
 logger = logging.getLogger(__name__)
@@ -98,13 +99,9 @@ def resident_bytes(mappings: list[MappedShards], rng: np.random.Generator | None
     ends = np.cumsum(pages)
     picks = np.sort(rng.integers(0, total, SAMPLE_PAGES))
     which = np.searchsorted(ends, picks, side="right")
-    vec = np.zeros(1, dtype=np.uint8)
     found = 0
     for k, page in zip(which.tolist(), picks.tolist(), strict=True):
-        region = regions[k]
-        local = page - (int(ends[k]) - int(pages[k]))
-        if _libc.mincore(region.addr + local * PAGE, 1, vec.ctypes.data) == 0:
-            found += int(vec[0] & 1)
+        found += int(resident_pages(regions[k], page - (int(ends[k]) - int(pages[k])), 1)[0])
     mapped = sum(r.length for r in regions)
     return int(mapped * found / SAMPLE_PAGES), False
 

@@ -20,6 +20,7 @@ import mmap
 
 import numpy as np
 
+from ple_um import residency
 from ple_um.lookup import rowcopy
 from ple_um.mapping import _libc
 
@@ -154,11 +155,12 @@ class RowCache:
 
     def resident_bytes(self) -> int:
         """Bytes of the cache's memory that are in RAM now (mincore: pages it has written)."""
-        pages = -(-self.nbytes // mmap.PAGESIZE)
-        vec = np.zeros(pages, dtype=np.uint8)
-        if self._memory is None or _libc.mincore(self._base, self.nbytes, vec.ctypes.data) != 0:
+        if self._memory is None:
             return 0
-        return int((vec & 1).sum()) * mmap.PAGESIZE
+        try:
+            return residency.resident_bytes(self._base, self.nbytes, "a row cache")
+        except OSError:  # closed meanwhile
+            return 0
 
     def stats(self) -> dict:
         """hits, misses, evictions, rows (held now), bytes (the memory it owns), resident_bytes (of
