@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ple_um.kernels.launch import DirectLaunch
+from ple_um.kernels.launch import DirectLaunch, bind
 
 # Storage element formats, as the kernel's STORAGE constexpr.
 E4M3, E5M2, BF16, F16 = 0, 1, 2, 3
@@ -197,7 +197,7 @@ def gather_rows(
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
     launch: DirectLaunch | None = None,
-    on_compiled=None,
+    on_bound=None,
 ) -> torch.Tensor:
     """Gather ``ids`` (flat, contiguous) into ``out`` ([n, row_dim], contiguous).
 
@@ -205,9 +205,9 @@ def gather_rows(
     (``scale``: a float32 tensor of one element, read on the device; only when given) cast to its
     dtype. ``base_align`` is a byte alignment every base address and row start honours (the widest
     word the table allows). ``launch``: a table's DirectLaunch of this kernel (else Triton's own
-    launch); ``on_compiled(compiled, args)`` is called with the compiled kernel where it may be
-    launched directly (ple_um/kernels/launch.py ``bind``: ids at 1, out at 2, n at 4). No allocation, no
-    host sync."""
+    launch); ``on_bound(launch)`` is given, where the compiled kernel may be launched directly, a
+    launcher of it bound to this call's fixed arguments (``launch.bind``). No allocation, no host
+    sync."""
     n = ids.numel()
     if n == 0:
         return out
@@ -246,6 +246,6 @@ def gather_rows(
     kind = (ids.dtype, target.dtype, n >= 1 << 31, *constexprs)
     launch = launch or DirectLaunch(_gather_kernel, direct=False)
     compiled = launch(kind, triton.cdiv(n, rows_per_program), args, num_warps)
-    if compiled is not None and on_compiled is not None:
-        on_compiled(compiled, args)
+    if compiled is not None and on_bound is not None:
+        on_bound(bind(compiled, args, ids_at=1, n_at=4, rows_per_program=rows_per_program))
     return out

@@ -10,13 +10,15 @@ through its compiled handle (``ple_um.kernels.launch``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ple_um.checkpoint import ShardLayout
 from ple_um.kernels import DirectLaunch, gather_block_scaled, gather_rows
-from ple_um.kernels.gather import ROWS_PER_PROGRAM, _gather_kernel
+from ple_um.kernels.gather import _gather_kernel
 from ple_um.kernels.gather_block_scaled import _gather_block_scaled_kernel
-from ple_um.kernels.launch import bind, hooks_set
+from ple_um.kernels.launch import hooks_set
 from ple_um.lookup.counts import path_counts
 
 _BIG = 1 << 31  # batches this big take 64-bit sizes: another compiled kernel
@@ -87,11 +89,6 @@ class GpuGather:
         """Triton's launch (the first call of a kind, another device)."""
         layout = self.layout
         keep = self.device.type != "cuda" or torch.cuda.current_device() == self._index
-
-        def on_compiled(compiled, args):
-            if keep:
-                self._bound[key] = bind(compiled, args, ids_at=1, n_at=4, rows_per_program=ROWS_PER_PROGRAM)
-
         # Decoded rows: DirectLaunch launches them directly after the first call, with no bound launcher.
         if self.scale_bases is not None and out.dtype in _FLOATS:
             # NVFP4 has a global scale (the layout's), MXFP8 none.
@@ -111,7 +108,7 @@ class GpuGather:
             base_align=self.base_align,
             scale=self.scale if out.dtype != layout.dtype else None,
             launch=self._rows,
-            on_compiled=on_compiled,
+            on_bound=functools.partial(self._bound.__setitem__, key) if keep else None,
         )
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
