@@ -15,10 +15,9 @@ import functools
 import torch
 
 from ple_um.checkpoint import ShardLayout
-from ple_um.kernels import DirectLaunch, gather_block_scaled, gather_rows
-from ple_um.kernels.gather import _gather_kernel
-from ple_um.kernels.gather_block_scaled import _gather_block_scaled_kernel
-from ple_um.kernels.launch import hooks_set
+from ple_um.kernels.gather import _gather_kernel, gather_rows
+from ple_um.kernels.gather_block_scaled import _gather_block_scaled_kernel, gather_block_scaled
+from ple_um.kernels.launch import DirectLaunch, hooks_set
 from ple_um.lookup.counts import path_counts
 
 _BIG = 1 << 31  # batches this big take 64-bit sizes: another compiled kernel

@@ -149,9 +149,10 @@ def _build(cache_dir: str, cc: str, declare: Declare) -> tuple[ctypes.CDLL | Non
         cache_folder.private_folder(str(target.parent))
     except cache_folder.UnsafeCacheError as exc:
         return None, f"not compiling the row copy into an unsafe folder: {exc}"
+    what = f"C row copy ({target.name}, built with {cc})"
     lib, refused = _load_checked(target, declare)
     if lib is not None:
-        return lib, f"C row copy ({target.name}, built with {cc})"
+        return lib, what
     if refused is not None:
         logger.warning("ple-um: not loading the row copy found in the cache: %s; compiling it again", refused)
     try:
@@ -171,9 +172,7 @@ def _build(cache_dir: str, cc: str, declare: Declare) -> tuple[ctypes.CDLL | Non
         lib, why = _open_bytes(data, target.parent, declare, str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"compiling {native_build.NATIVE} with {cc} into {target.parent} failed: {exc}"
-    if lib is None:
-        return None, why
-    return lib, f"C row copy ({target.name}, built with {cc})"
+    return (lib, what) if lib is not None else (None, why)
 
 
 def find(cache_dir: str, declare: Declare) -> tuple[ctypes.CDLL | None, str]:
