@@ -30,7 +30,7 @@ from ple_um import envs, residency
 from ple_um.access import memory
 from ple_um.errors import KnobError
 from ple_um.lookup import native_build, rowcopy
-from ple_um.lookup.host import misses
+from ple_um.lookup.host import misses, row_cache
 from ple_um.lookup.host.file_reads import FileReader, choose_strategy
 from ple_um.lookup.host.misses import plan
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD, WAYS, RowCache, slots_for
@@ -589,6 +589,33 @@ def test_a_slot_s_tag_is_its_whole_id(lib, make_checkpoint, rng, poison):
             reader.close()
 
 
+def test_a_plan_sizes_an_nvfp4_tables_two_caches_together(lib, make_checkpoint, monkeypatch):
+    """The plan's slots are those of the rows' cache and the block scales' follower together, and
+    what the row sources build: a size that holds one set of rows alone but not with their block
+    scales is no row cache, said so in the plan."""
+    monkeypatch.setenv("PLE_UM_FILE_READS", "threads")  # misses read, even from a resident table
+    layout = make_checkpoint(num_rows=5000, row_dim=160, dtype="nvfp4", shards=4)
+    scales = layout.scale_layout()
+    one_set = row_cache.nbytes_for(WAYS, layout.row_bytes)
+    assert slots_for(one_set, layout.row_bytes) == WAYS  # the rows alone would have a cache
+    assert slots_for(one_set, layout.row_bytes, block_scales=scales.row_bytes) == 0
+    with MappedShards(layout) as mapping, MappedShards(scales) as scale_mapping:
+        for size, cached in ((1 << 20, True), (one_set, False)):
+            monkeypatch.setenv("PLE_UM_ROW_CACHE", str(size))
+            planned = plan(lib, mapping, scale_mapping, spills=True)
+            sources = misses.RowSources(mapping, scale_mapping, planned, rowcopy.Counts())
+            try:
+                caches = [sources.rows.cache, sources.block_scales.cache]
+                if cached:
+                    assert {c.slots for c in caches} == {planned.slots} and planned.slots > 0
+                    assert sum(len(c._memory) for c in caches) <= planned.cache_bytes
+                else:
+                    assert caches == [None, None] and planned.slots == planned.cache_bytes == 0
+                    assert "holds not one set of rows" in planned.why
+            finally:
+                sources.close()
+
+
 @pytest.mark.parametrize("capacity", [1 << 20, 64 << 20])
 def test_a_cache_takes_at_most_eight_bytes_beside_each_row(make_checkpoint, capacity):
     """Issue 43's bound, from the memory the caches really map (not from SLOT_OVERHEAD): the bytes
@@ -597,17 +624,18 @@ def test_a_cache_takes_at_most_eight_bytes_beside_each_row(make_checkpoint, capa
     two caches of as many slots, the scales' following the rows' admission); the budget is kept."""
     fp8 = make_checkpoint(num_rows=5000, row_dim=160, dtype="fp8", shards=4)  # the plan sizes the cache
     nvfp4 = make_checkpoint(num_rows=5000, row_dim=160, dtype="nvfp4", shards=4)
-    plan = misses.MissPlan(
-        cache_bytes=capacity,
-        policy="tinylfu",
-        strategy="mmap",
-        direct=False,
-        depth=1,
-        resident_check=False,
-        why="a test's",
-    )
     for layout in (fp8, nvfp4):
         scales = layout.scale_layout() if layout.is_nvfp4 else None
+        plan = misses.MissPlan(
+            cache_bytes=capacity,
+            slots=slots_for(capacity, layout.row_bytes, block_scales=scales.row_bytes if scales else 0),
+            policy="tinylfu",
+            strategy="mmap",
+            direct=False,
+            depth=1,
+            resident_check=False,
+            why="a test's",
+        )
         with (
             MappedShards(layout) as mapping,
             MappedShards(scales) if scales else contextlib.nullcontext() as scale_mapping,

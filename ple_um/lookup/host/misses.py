@@ -43,11 +43,13 @@ SIZING_WAIT_S = 120.0
 
 @dataclass(frozen=True)
 class MissPlan:
-    """``cache_bytes`` of row cache (0: none) with ``policy``; misses read by ``strategy``
+    """``cache_bytes`` of row cache (0: none) in ``slots`` slots (``row_cache.slots_for``; an NVFP4
+    table's block scales in a second cache of as many) with ``policy``; misses read by ``strategy``
     (uring, threads, mmap), O_DIRECT when ``direct``, ``depth`` in flight; ``resident_check``:
     without a cache, only rows whose pages are not resident are read. ``why``: in words."""
 
     cache_bytes: int
+    slots: int
     policy: str
     strategy: str
     direct: bool
@@ -77,13 +79,6 @@ def one_sizing_at_a_time(wait_s: float = SIZING_WAIT_S) -> Iterator[None]:
         yield
 
 
-def _owned_bytes(mappings: list[MappedShards]) -> int:
-    """What a cache holding every owned row takes (the rows and the slots' words; an NVFP4 table's
-    block scales, in a cache that follows the rows', their bytes alone)."""
-    rows = mappings[0].owned_bytes // mappings[0].layout.row_bytes
-    return rows * SLOT_OVERHEAD + sum(m.owned_bytes for m in mappings)
-
-
 def _sized(asked: int, owned: int) -> int:
     """An explicit ``PLE_UM_ROW_CACHE``: at most what the owned rows need (more would hold nothing
     more). KnobError when that does not fit the memory this process can still take: the cache is
@@ -103,22 +98,25 @@ def _sized(asked: int, owned: int) -> int:
 def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool) -> MissPlan | None:
     """The plan for this table's host path, or None: rows copied from the mapping as they are.
     ``spills``: the owned rows do not fit the memory this process may use (``lookup.fit``)."""
-    mappings = [m for m in (mapping, scale_mapping) if m is not None]
     if not mapping.owned:
         return None
     knob, reads_knob = envs.PLE_UM_ROW_CACHE, envs.PLE_UM_FILE_READS
-    resident = all(m.resident() for m in mappings)
+    resident = all(m.resident() for m in (mapping, scale_mapping) if m is not None)
+    row_bytes = mapping.layout.row_bytes
+    scales = scale_mapping.layout.row_bytes if scale_mapping is not None else 0
+    # What a cache holding every owned row takes: the rows, the slots' words, the block scales.
+    owned = mapping.owned_bytes // row_bytes * (row_bytes + SLOT_OVERHEAD + scales)
     if knob == "auto":
         if not spills:
             cache, said = 0, "no row cache (the owned rows fit in memory)"
         else:
-            room = int(memory.available() * envs.PLE_UM_ROW_CACHE_FRACTION)
-            cache = min(room, _owned_bytes(mappings))
+            cache = min(int(memory.available() * envs.PLE_UM_ROW_CACHE_FRACTION), owned)
             said = f"a row cache of {format_bytes(cache)} (the owned rows do not fit in memory)"
     else:
-        cache = _sized(int(knob), _owned_bytes(mappings))
+        cache = _sized(int(knob), owned)
         said = f"a row cache of {format_bytes(cache)}" if cache else "no row cache (PLE_UM_ROW_CACHE=0)"
-    if cache and slots_for(cache, mapping.layout.row_bytes) == 0:
+    slots = slots_for(cache, row_bytes, block_scales=scales)
+    if cache and slots == 0:
         cache, said = 0, f"no row cache ({format_bytes(cache)} holds not one set of rows)"
     if cache == 0 and resident and reads_knob == "auto":
         return None
@@ -128,6 +126,7 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spil
     why = f"{said}; misses read by {how}" + (", O_DIRECT where the files allow it" if direct else "")
     return MissPlan(
         cache_bytes=cache,
+        slots=slots,
         policy=envs.PLE_UM_ROW_CACHE_POLICY,
         strategy=strategy,
         direct=direct,
@@ -151,10 +150,8 @@ class RowSources:
         self._owned: list[RowCache | FileReader] = []
         self.readers: list[FileReader] = []
         try:
-            slots = 0
-            if plan is not None:  # an NVFP4 table's block scales: a cache of as many slots follows the rows'
-                scales = scale_mapping.layout.row_bytes if scale_mapping is not None else 0
-                slots = slots_for(plan.cache_bytes, mapping.layout.row_bytes, block_scales=scales)
+            # An NVFP4 table's block scales: a cache of as many slots follows the rows'.
+            slots = plan.slots if plan is not None else 0
             self.rows = self._sources(mapping, slots, counts)
             self.block_scales = (
                 self._sources(scale_mapping, slots, rowcopy.Counts(), follows=self.rows.cache)
