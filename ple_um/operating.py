@@ -37,9 +37,8 @@ def describe_layout(layout: ShardLayout) -> dict:
         name = os.path.basename(path)
         return files.setdefault(name, {"file": name, "shards": [], "bytes": 0})
 
-    scale_bytes = layout.row_dim // layout.block_size if layout.is_nvfp4 else 0
-    for spec in layout.block_scales:  # NVFP4: each shard's block scales, in the file that holds them
-        entry(spec.path)["bytes"] += spec.rows * scale_bytes
+    for spec in layout.block_scales:  # each shard's block scales, in the file that holds them
+        entry(spec.path)["bytes"] += spec.rows * (layout.row_dim // layout.block_size)
     for spec in layout.shards:
         nbytes = spec.rows * layout.row_bytes
         shards.append(
@@ -209,9 +208,9 @@ def _residency(mapping: MappedShards) -> dict:
 
 @contextlib.contextmanager
 def _mapped(layout: ShardLayout) -> Iterator[list[MappedShards]]:
-    """The table's rows mapped read-only, and an NVFP4 table's block scales beside them (every lookup
-    reads both); unmapped when the block ends."""
-    layouts = [layout, layout.scale_layout()] if layout.is_nvfp4 else [layout]
+    """The table's rows mapped read-only, and a block-scaled table's block scales beside them (every
+    lookup reads both); unmapped when the block ends."""
+    layouts = [layout, layout.scale_layout()] if layout.has_block_scales else [layout]
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(MappedShards(each)) for each in layouts]
 

@@ -219,7 +219,7 @@ def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
     (``ple-um probe DIR``): its files mapped, not read, to measure the fit."""
     with contextlib.ExitStack() as stack:
         mappings = [stack.enter_context(MappedShards(layout))]
-        if layout.is_nvfp4:
+        if layout.has_block_scales:
             mappings.append(stack.enter_context(MappedShards(layout.scale_layout())))
         owned = sum(m.mapped_bytes for m in mappings)
         verdict = measure(mappings, pinned=owned if mode == "registered" else 0)

@@ -15,9 +15,13 @@ from helpers.reference import reference_rows
 from helpers.vllm_engram import engram_module
 
 import ple_um
+from ple_um import operating
 from ple_um.kernels.gather_block_scaled import gather_block_scaled
+from ple_um.lookup import fit
 from ple_um.lookup.mxfp8 import decode_mxfp8
+from ple_um.mapping import MappedShards
 from ple_um.synthetic_engram import write_engram_checkpoint
+from ple_um.units import format_bytes
 
 MODES = ("ats", "device", "cpu")
 OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -203,3 +207,15 @@ def test_a_ranks_heads_through_the_row_cache_and_the_reader(tmp_path, rng, monke
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
         stats = table.stats()
         assert stats["row_cache"]["hits"] > 0 and stats["file_reads"] > 0
+
+
+def test_the_files_alone_count_an_engram_tables_block_scales(engram):
+    """The table ``ple-um inspect`` describes and the fit ``ple-um probe`` measures at open hold the
+    E8M0 block scales beside the E4M3 rows (every lookup reads both)."""
+    both = engram.num_rows * (engram.row_bytes + engram.row_dim // engram.block_size)
+    described = operating.describe_layout(engram)
+    assert sum(f["bytes"] for f in described["files"]) == both == engram.nbytes
+    with MappedShards(engram) as rows, MappedShards(engram.scale_layout()) as scales:
+        mapped = sum(r.length for m in (rows, scales) for r in m.regions)
+    serving = fit.at_open(engram, "cpu", cuda=False)
+    assert f"the owned rows ({format_bytes(mapped)}," in serving.why, serving.why
