@@ -2,10 +2,10 @@
 
 The ats, registered and device modes differ only in where the per-shard base addresses come from
 (the mmap's host addresses, the registration's device pointers, or a device allocation); the
-kernel receives them as one int64 tensor and reads rows through them. An NVFP4 table has a second
-set of bases, for its block scales. The gather owns its device tensors (bases, counters, scale) and
-its launches: none is allocated per call, and after the first call of a kind the kernel is launched
-through its compiled handle (``ple_um.kernels.launch``).
+kernel receives them as one int64 tensor and reads rows through them. A block-scaled table (NVFP4,
+MXFP8) has a second set of bases, for its block scales. The gather owns its device tensors (bases,
+counters, scale) and its launches: none is allocated per call, and after the first call of a kind
+the kernel is launched through its compiled handle (``ple_um.kernels.launch``).
 """
 
 from __future__ import annotations

@@ -69,11 +69,11 @@ def choose_strategy(lib: ctypes.CDLL, asked: str) -> tuple[str, str]:
 
 
 class FileReader:
-    """The reads of ``mapping``'s owned rows (a table's rows, or an NVFP4 table's block scales):
-    ``strategy`` (uring, threads, mmap), ``direct`` (O_DIRECT where the files allow it), ``depth``
-    reads in flight per reading thread, ``resident_check``: without a row cache, rows whose pages
-    are resident are copied from the mapping and only the others read. ``lib``: the row copy whose
-    reader threads this reader holds while it is open (None: it holds none)."""
+    """The reads of ``mapping``'s owned rows (a table's rows, or a block-scaled table's block
+    scales): ``strategy`` (uring, threads, mmap), ``direct`` (O_DIRECT where the files allow it),
+    ``depth`` reads in flight per reading thread, ``resident_check``: without a row cache, rows
+    whose pages are resident are copied from the mapping and only the others read. ``lib``: the row
+    copy whose reader threads this reader holds while it is open (None: it holds none)."""
 
     def __init__(
         self,

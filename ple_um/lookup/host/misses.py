@@ -15,7 +15,7 @@
 A table that fits and is fully resident at open gets neither: its lookups copy straight from the
 mapping, and the pages it loses later are faulted back in (a table that fits but is not resident:
 no cache, its misses read through the page cache, which keeps them). ``RowSources`` builds what the
-plan says for a table's rows (and an NVFP4 table's block scales) and owns it.
+plan says for a table's rows (and a block-scaled table's block scales) and owns it.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ SIZING_WAIT_S = 120.0
 
 @dataclass(frozen=True)
 class MissPlan:
-    """``cache_bytes`` of row cache (0: none) in ``slots`` slots (``row_cache.slots_for``; an NVFP4
-    table's block scales in a second cache of as many) with ``policy``; misses read by ``strategy``
-    (uring, threads, mmap), O_DIRECT when ``direct``, ``depth`` in flight; ``resident_check``:
-    without a cache, only rows whose pages are not resident are read. ``why``: in words."""
+    """``cache_bytes`` of row cache (0: none) in ``slots`` slots (``row_cache.slots_for``; a
+    block-scaled table's block scales in a second cache of as many) with ``policy``; misses read by
+    ``strategy`` (uring, threads, mmap), O_DIRECT when ``direct``, ``depth`` in flight;
+    ``resident_check``: without a cache, only rows whose pages are not resident are read. ``why``:
+    in words."""
 
     cache_bytes: int
     slots: int
@@ -137,11 +138,11 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spil
 
 
 class RowSources:
-    """The C code's view of a table's rows and of an NVFP4 table's block scales (``rowcopy.Rows``),
-    each with the row cache and reader ``plan`` gives it (an NVFP4 table's cache split into two of
-    as many slots, the block scales' following the rows' admission and counted apart: a lookup
-    asks both for each id). Owns the caches and readers (which hold ``lib``'s reader threads);
-    ``close()`` once no row copy can use them."""
+    """The C code's view of a table's rows and of a block-scaled table's block scales
+    (``rowcopy.Rows``), each with the row cache and reader ``plan`` gives it (a block-scaled table's
+    cache split into two of as many slots, the block scales' following the rows' admission and
+    counted apart: a lookup asks both for each id). Owns the caches and readers (which hold
+    ``lib``'s reader threads); ``close()`` once no row copy can use them."""
 
     def __init__(
         self, mapping: MappedShards, scale_mapping: MappedShards | None, plan, counts, lib=None
@@ -150,7 +151,7 @@ class RowSources:
         self._owned: list[RowCache | FileReader] = []
         self.readers: list[FileReader] = []
         try:
-            # An NVFP4 table's block scales: a cache of as many slots follows the rows'.
+            # A block-scaled table's block scales: a cache of as many slots follows the rows'.
             slots = plan.slots if plan is not None else 0
             self.rows = self._sources(mapping, slots, counts)
             self.block_scales = (

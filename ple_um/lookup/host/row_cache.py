@@ -32,7 +32,7 @@ SKETCH_COUNTERS_PER_SLOT = 2
 DOOR_BITS_PER_SLOT = 16
 # Bytes a slot takes beside its row's: its tag (4), its share of its set's head, of the sketch and
 # of the doorkeeper (each array is also rounded up to 64 bytes: nbytes_for is the exact figure).
-# A follower's slot (an NVFP4 table's block scales) is its bytes alone: the rest is its rows' cache's.
+# A follower's slot (a table's block scales) is its bytes alone: the rest is its rows' cache's.
 SLOT_OVERHEAD = 4 + rowcopy.CACHE_SET_HEAD // WAYS + SKETCH_COUNTERS_PER_SLOT // 2 + DOOR_BITS_PER_SLOT // 8
 LRU_FRESH = 0xFEDCBA9876543210  # a set's LRU word before any use: way w of rank w (rowcache.c)
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
@@ -84,8 +84,8 @@ def nbytes_for(slots: int, row_bytes: int, *, follower: bool = False) -> int:
 
 def slots_for(capacity: int, row_bytes: int, *, block_scales: int = 0) -> int:
     """The slots a cache of ``capacity`` bytes has: sets of WAYS slots (0 when not even one set
-    fits). With ``block_scales`` (an NVFP4 table's scale bytes a row), the slots of each of two
-    caches of as many slots that fit together: the rows' and a follower for the block scales."""
+    fits). With ``block_scales`` (a block-scaled table's scale bytes a row), the slots of each of
+    two caches of as many slots that fit together: the rows' and a follower for the block scales."""
 
     def size(slots: int) -> int:
         scales = nbytes_for(slots, block_scales, follower=True) if block_scales else 0
@@ -101,10 +101,10 @@ def slots_for(capacity: int, row_bytes: int, *, block_scales: int = 0) -> int:
 class RowCache:
     """A row cache of ``slots`` slots (a multiple of WAYS) for rows of ``row_bytes``; hits, misses,
     insertions and evictions are added to ``counts`` (the host gather's ``rowcopy.Counts``). With
-    ``follows`` (an NVFP4 table's rows' cache, of as many slots, asked for the same ids just before
-    this one), this cache holds another part of the rows that cache holds (its block scales): the
-    tags, set heads and policy are that cache's, which must outlive this one; only hits and misses
-    are counted here."""
+    ``follows`` (a block-scaled table's rows' cache, of as many slots, asked for the same ids just
+    before this one), this cache holds another part of the rows that cache holds (its block scales):
+    the tags, set heads and policy are that cache's, which must outlive this one; only hits and
+    misses are counted here."""
 
     def __init__(
         self,
