@@ -32,10 +32,12 @@ def hooks_set() -> bool:
     """Whether a Triton launch hook is set (a profiler's): then every call goes through Triton's
     launch. Triton 3.6+ keeps the hooks in a HookChain, which is never None but empty until a
     profiler adds one (so a chain counts as set only when it holds a call: read as set, it would
-    keep every call off the direct launch); older Triton used None."""
+    keep every call off the direct launch); older Triton used None or the hook itself."""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook) if runtime is not None else ()
-    return any(hook is not None and bool(getattr(hook, "calls", True)) for hook in hooks)
+    if runtime is None:
+        return False
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 def _why_not_direct(kernel) -> str | None:
