@@ -126,9 +126,7 @@ def row_probabilities(
     """
     s = _zipf_exponent(dist)
     if num_rows < 1 or exact_ranks < 1 or chunk < 1:
-        raise ValueError(
-            f"need num_rows, exact_ranks and chunk >= 1, got {num_rows}, {exact_ranks}, {chunk}"
-        )
+        raise ValueError(f"need num_rows, exact_ranks and chunk >= 1, got {num_rows}, {exact_ranks}, {chunk}")
     head_ranks = min(exact_ranks, dist.space)
     mass = np.zeros(num_rows)
     head = 0.0
@@ -142,6 +140,7 @@ def row_probabilities(
     mass += tail / (head + tail) / num_rows
     return mass
 
+
 def tail_share(dist: IdDistribution, exact_ranks: int = 1 << 30) -> float:
     """The share of the draws that ``row_probabilities(dist, n, exact_ranks)`` spreads evenly over the
     rows: the ranks past ``exact_ranks`` (0 when the space holds no more)."""
@@ -153,6 +152,7 @@ def tail_share(dist: IdDistribution, exact_ranks: int = 1 << 30) -> float:
         s, first + 1, dist.space
     )
     return zipf_mass(s, exact_ranks + 1, dist.space) / total
+
 
 def _zipf_exponent(dist: IdDistribution) -> float:
     if dist.s is None:

@@ -113,5 +113,3 @@ def test_trace_of_refuses_tokens_outside_the_vocabulary(ngram_hash):
         trace_of([({"name": "x"}, [1, 248320])], ngram_hash, {})
     with pytest.raises(ValueError, match="no request"):
         trace_of([({"name": "x"}, [])], ngram_hash, {})
-
-
