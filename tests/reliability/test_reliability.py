@@ -339,9 +339,9 @@ def test_a_file_swapped_between_header_and_mapping_is_refused(layout, mode, rewr
 
 def test_a_file_swapped_before_its_scale_is_read_is_refused(layout, monkeypatch):
     """The global scale's bytes come from the file whose header named them, too."""
-    from ple_um.checkpoint import global_scale
+    from ple_um.checkpoint import validation
 
-    read_bytes = global_scale.read_bytes
+    read_bytes = validation.read_bytes
 
     def swap_then_read(path, offset, length, *identity):
         with open(path, "rb") as f:
@@ -352,7 +352,7 @@ def test_a_file_swapped_before_its_scale_is_read_is_refused(layout, monkeypatch)
         os.replace(path + ".new", path)
         return read_bytes(path, offset, length, *identity)
 
-    monkeypatch.setattr(global_scale, "read_bytes", swap_then_read)
+    monkeypatch.setattr(validation, "read_bytes", swap_then_read)
     with pytest.raises(CheckpointError, match=r"cannot read the scale: .*changed after its header was read"):
         read_layout(layout.directory)
 
