@@ -31,7 +31,7 @@ import triton.language as tl
 from ple_um.checkpoint import ShardLayout
 from ple_um.checkpoint.shard_layout import MXFP8
 from ple_um.kernels.gather_block_scaled import gather_block_scaled
-from ple_um.lookup.mxfp8 import decode_mxfp8
+from ple_um.lookup.decode import decode_mxfp8
 
 VLLM_ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 # The anchor every path's times are divided by: no ple-um code at all (TorchResident).

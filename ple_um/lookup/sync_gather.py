@@ -2,7 +2,7 @@
 compiler, or ``PLE_UM_ROWCOPY=0``). It does the plain thing, synchronously: a lookup brings its ids
 to the host (it waits for the device: not capture-safe), reads each shard's owned rows from the
 mapping with ``torch.index_select`` (zeros for the ids it does not own), copies the rows to the
-device and, for a float output, dequantizes or decodes them there (``nvfp4.py``, ``mxfp8.py``). An
+device and, for a float output, dequantizes or decodes them there (``decode.py``). An
 NVFP4 or MXFP8 table's block scales are read the same way from their own mapping. A big lookup goes
 a chunk of ids at a time (``PLE_UM_CPU_CHUNK``), so that its staging and decoding stay bounded. An
 owned id whose row lies outside its shard's mapping is a zero row counted as broken, as the C row
@@ -20,7 +20,7 @@ import time
 import torch
 
 from ple_um.lookup.counts import PHASES, path_counts
-from ple_um.lookup.mxfp8 import decode_staged
+from ple_um.lookup.decode import decode_staged
 from ple_um.mapping import MappedShards
 
 

@@ -21,7 +21,7 @@ from helpers.reference import reference_rows
 import ple_um
 from ple_um.checkpoint import EngramGeometry
 from ple_um.kernels.gather_block_scaled import gather_block_scaled
-from ple_um.lookup.mxfp8 import decode_mxfp8
+from ple_um.lookup.decode import decode_mxfp8
 from ple_um.residency import evict_pages
 from ple_um.synthetic_engram import write_engram_checkpoint
 

@@ -22,7 +22,7 @@ EAGER_ON_CUDA = {
     "ple_um/lookup/host/gather.py",
     "ple_um/lookup/host/cuda.py",
 }
-DECODE = {"ple_um/lookup/mxfp8.py"}  # a float output: the staged rows dequantized on the device
+DECODE = {"ple_um/lookup/decode.py"}  # a float output: the staged rows dequantized on the device
 ROW_COPY_C = {"ple_um/lookup/native/rowcopy.c"}
 
 

@@ -18,7 +18,7 @@ import ple_um
 from ple_um import operating
 from ple_um.kernels.gather_block_scaled import gather_block_scaled
 from ple_um.lookup import fit
-from ple_um.lookup.mxfp8 import decode_mxfp8
+from ple_um.lookup.decode import decode_mxfp8
 from ple_um.mapping import MappedShards
 from ple_um.synthetic_engram import write_engram_checkpoint
 from ple_um.units import format_bytes

@@ -19,7 +19,7 @@ HOST_PATH_FILES = 6
 # The direct call: the table (its checks), the routing (the argument checks), the host path.
 DIRECT = {"ple_um/table.py", "ple_um/lookup/paths.py", "ple_um/lookup/host/gather.py"}
 # A float output: the staged rows dequantized (``decode_staged``).
-DECODE = {"ple_um/lookup/mxfp8.py"}
+DECODE = {"ple_um/lookup/decode.py"}
 # The row copy in C and every way it is run (the host function, the direct call, the dispatcher).
 ROW_COPY_C = {"ple_um/lookup/native/rowcopy.c"}
 
@@ -42,7 +42,7 @@ DIRECT_CALLS = {
     ("ple_um/lookup/host/gather.py", "HostGather.run_here"),
     ("ple_um/lookup/host/gather.py", "HostGather._fill"),
 }
-DECODE_CALLS = {("ple_um/lookup/mxfp8.py", "decode_staged")}
+DECODE_CALLS = {("ple_um/lookup/decode.py", "decode_staged")}
 
 
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["raw", "dequantized"])

@@ -41,11 +41,10 @@ import torch
 from ple_um import envs
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
+from ple_um.lookup.decode import decode_staged, e2m1_values
 from ple_um.lookup.host import cuda
 from ple_um.lookup.host.misses import MissPlan, RowSources
 from ple_um.lookup.host.signal_check import signals_work
-from ple_um.lookup.mxfp8 import decode_staged
-from ple_um.lookup.nvfp4 import e2m1_values
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
 from ple_um.mapping import MappedShards
 
