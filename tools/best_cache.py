@@ -42,13 +42,13 @@ from cache_bound import (  # noqa: E402
 )
 from cache_sim import PAGE_BYTES  # noqa: E402
 
-from ple_um.bench.config import Config  # noqa: E402
+from ple_um.bench.config import ROW_BYTES  # noqa: E402
 from ple_um.bench.ids import IdDistribution, parse_ids  # noqa: E402
 from ple_um.lookup.host.row_cache import slots_for  # noqa: E402
 from ple_um.units import format_bytes, parse_size  # noqa: E402
 
 # The table of `ple-um bench --memory-limit 3GiB --size 12GiB`: 12 GiB of the bench's rows.
-DEFAULT_TABLE_ROWS = (12 << 30) // Config.row_bytes
+DEFAULT_TABLE_ROWS = (12 << 30) // ROW_BYTES
 # About the row cache `auto` sizes for that bench's 3 GiB limit on the H200 host; the page caches:
 # the same bytes, and 2.5 GiB.
 DEFAULT_CACHE = "1.30GiB"
@@ -62,7 +62,7 @@ def measure(
     page_caches: list[int],
     *,
     batch: int,
-    row_bytes: int = Config.row_bytes,
+    row_bytes: int = ROW_BYTES,
     page_bytes: int = PAGE_BYTES,
     reads_per_s: float | None = None,
     exact_ranks: int = 1 << 30,
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "--reads-per-s", type=float, help="the storage's random reads a second, for the time column"
     )
     parser.add_argument("--batch", type=int, default=1024, help="rows per lookup")
-    parser.add_argument("--row-bytes", type=int, default=Config.row_bytes, help="bytes of a table row")
+    parser.add_argument("--row-bytes", type=int, default=ROW_BYTES, help="bytes of a table row")
     parser.add_argument("--page-bytes", type=int, default=PAGE_BYTES, help="bytes of a page")
     parser.add_argument("--exact-ranks", type=int, default=1 << 30, help="n-gram ranks hashed one by one")
     parser.add_argument("--json-file", help="write the results here")

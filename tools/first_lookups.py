@@ -24,13 +24,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from cache_sim import seen_before  # noqa: E402
 
-from ple_um.bench.config import Config  # noqa: E402
+from ple_um.bench.config import ROW_BYTES  # noqa: E402
 from ple_um.bench.ids import IdDistribution, parse_ids  # noqa: E402
 from ple_um.lookup.host.row_cache import SLOT_OVERHEAD  # noqa: E402
 from ple_um.units import format_bytes  # noqa: E402
 
 # The table of `ple-um bench --memory-limit 3GiB --size 12GiB`: 12 GiB of the bench's rows.
-DEFAULT_TABLE_ROWS = (12 << 30) // Config.row_bytes
+DEFAULT_TABLE_ROWS = (12 << 30) // ROW_BYTES
 
 
 def measure(table_rows: int, dist: IdDistribution, batch: int, at: list[int], window: int, seed: int) -> dict:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table_rows < 1 or args.batch < 1 or args.window < 1 or min(at) < 0:
         parser.error("--table-rows, --batch and --window must be at least 1, --at at least 0")
     result = measure(args.table_rows, dists[0], args.batch, at, args.window, args.seed)
-    slot = Config.row_bytes + SLOT_OVERHEAD
+    slot = ROW_BYTES + SLOT_OVERHEAD
     print(f"{args.ids} over {args.table_rows} rows, {args.batch} a lookup; a cache of no bound:")
     print(
         "| rows looked up before | hits over the next rows | distinct rows by then | their row-cache bytes |"

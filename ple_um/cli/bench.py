@@ -7,15 +7,17 @@ import argparse
 import os
 import shlex
 import sys
+from dataclasses import fields
 
+from ple_um.bench import config
 from ple_um.bench.config import (
     COLD_ROWS,
     DEFAULT_ROWS,
-    ENGRAM_MODEL,
-    ENGRAM_ROW_BYTES,
     MODELS,
-    PLE_MODEL,
+    REPEATS,
+    ROW_BYTES,
     SERVING_STEPS,
+    SHARDS,
     STEP_MS,
     WARMUP_S,
     Config,
@@ -50,6 +52,8 @@ def _listing(values) -> str:
 
 
 def add_parser(sub) -> None:
+    """The bench's options, each named as the Config field it sets (``Config``: the run they ask
+    for, its defaults and the options that do not go together)."""
     help = "compare every lookup path on this machine, side by side"
     json_help = "print the results as one JSON object on stdout (progress and the report go to stderr)"
     b = a.add_verb(sub, "bench", run, help, DESCRIPTION, knobs=None, json_help=json_help)
@@ -57,14 +61,14 @@ def add_parser(sub) -> None:
     b.add_argument(
         "--model",
         choices=MODELS,
-        default=PLE_MODEL,
+        default=Config.model,
         help="the table's kind: a PLE table (Qwen3.8-Flash-Next's) or an Engram table (DeepSeek-V4.1's: "
         "FP8 rows of 256 values, 8 E8M0 scale bytes each, one unsplit tensor), DIR's or synthetic",
     )
     b.add_argument("--size", type=a.nonzero_size, default="2GiB", help="synthetic table size")
     for flag, what, default in (
-        ("--row-bytes", "row width in bytes", Config.row_bytes),
-        ("--shards", "shard count", Config.shards),
+        ("--row-bytes", "row width in bytes", ROW_BYTES),
+        ("--shards", "shard count", SHARDS),
     ):
         b.add_argument(
             flag, type=a.positive, default=None, help=f"synthetic PLE table {what} (default: {default})"
@@ -96,20 +100,20 @@ def add_parser(sub) -> None:
         "--repeats",
         type=a.positive,
         default=None,
-        help=f"timed calls per measurement (default {Config.repeats}; with --serving: timed steps per "
+        help=f"timed calls per measurement (default {REPEATS}; with --serving: timed steps per "
         f"figure, default {SERVING_STEPS})",
     )
     b.add_argument(
         "--rounds",
         type=a.positive,
-        default=4,
+        default=Config.rounds,
         help="rounds the timed calls are split into; each times every path in turn",
     )
     a.add_device(b)
     b.add_argument(
         "--processes",
         type=a.count,
-        default=0,
+        default=Config.processes,
         help="N >= 1: also open the table in N processes, one after the other, and report the host memory "
         "each takes (0: off)",
     )
@@ -129,6 +133,7 @@ def _add_steady_options(b) -> None:
     """The options of the bench's steady states: under memory limits, and the serving loop."""
     b.add_argument(
         "--memory-limit",
+        dest="memory_limits",
         type=a.sizes,
         default=None,
         metavar="SIZE[,SIZE...]",
@@ -139,6 +144,7 @@ def _add_steady_options(b) -> None:
     )
     b.add_argument(
         "--warmup",
+        dest="warmup_s",
         type=a.seconds,
         default=None,
         metavar="SECONDS",
@@ -186,72 +192,34 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise CliError("--plot and --json-file name the same file", EXIT_USAGE)
 
 
-def _check_table(args: argparse.Namespace):
-    """The synthetic table's arguments, or the directory's table; its layout when it exists."""
+def _config(args: argparse.Namespace) -> Config:
+    """The run the options ask for: every option that names a Config field, DIR and the command
+    line; options that do not go together refused (exit 2), a mode that holds the table in memory
+    under --memory-limit too."""
     from ple_um.bench.cold import COLD_MODES
-    from ple_um.checkpoint import read_engram_layout, read_layout
 
-    if args.warmup is not None and not (args.memory_limit or args.serving):
-        raise CliError("--warmup times the steady state of --memory-limit or --serving: give one", EXIT_USAGE)
-    _check_serving(args)
-    held = [m for m in args.modes or () if m not in COLD_MODES]
-    if args.memory_limit and held:
+    given = {f.name: getattr(args, f.name) for f in fields(Config) if hasattr(args, f.name)}
+    command = shlex.join(["ple-um", *getattr(args, "argv", sys.argv[1:])])
+    try:
+        cfg = Config(**given, directory=args.dir, command=command)
+    except config.BenchUsageError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    held = [m for m in cfg.modes or () if m not in COLD_MODES]
+    if cfg.memory_limits and held:
         raise CliError(
             "--memory-limit runs only the modes that read the table where it lies "
             f"({', '.join(COLD_MODES)}): --modes {','.join(held)} holds it in memory",
             EXIT_USAGE,
         )
-    engram = _check_model(args)
-    if args.dir is not None:
-        a.checkpoint_dir(args.dir) if engram else a.one_layer(args.dir, args.layer)
-        return (read_engram_layout if engram else read_layout)(args.dir, args.layer)
-    if args.layer is not None:
-        raise CliError("--layer needs DIR: the synthetic table has one layer", EXIT_USAGE)
-    num_rows = args.size // args.row_bytes
-    if num_rows < 1:
-        raise CliError(
-            f"--size {args.size} B holds no row of {args.row_bytes} B (--row-bytes): give at least that",
-            EXIT_USAGE,
-        )
-    if args.shards > num_rows:
-        raise CliError(
-            f"--shards {args.shards} is more than the {num_rows} rows of --size {args.size} B", EXIT_USAGE
-        )
-    return None
+    return cfg
 
 
-def _check_model(args: argparse.Namespace) -> bool:
-    """--row-bytes and --shards set to the synthetic table's (an Engram table's are the model's, and
-    the options of a PLE table's bench refused for one); whether the table is an Engram table."""
-    if args.model != ENGRAM_MODEL:
-        args.row_bytes, args.shards = args.row_bytes or Config.row_bytes, args.shards or Config.shards
-        return False
-    pairs = ("--row-bytes", args.row_bytes), ("--shards", args.shards), ("--memory-limit", args.memory_limit)
-    for flag, given in (*pairs, ("--serving", args.serving)):
-        if given:
-            raise CliError(
-                f"{flag} is a PLE table's option: an Engram table (--model {ENGRAM_MODEL}) is one unsplit "
-                f"tensor of {ENGRAM_ROW_BYTES} B rows (256 FP8 values, 8 E8M0 scale bytes) whose lookups the "
-                "bench times side by side",
-                EXIT_USAGE,
-            )
-    args.row_bytes, args.shards = ENGRAM_ROW_BYTES, 1
-    return True
-
-
-def _check_serving(args: argparse.Namespace) -> None:
-    """The options that belong to --serving alone, and those it does not take."""
-    if not args.serving:
-        if args.step_ms is not None:
-            raise CliError("--step-ms sets the GPU work of --serving's steps: give --serving too", EXIT_USAGE)
-        return
-    for flag, given in (("--rows", args.rows), ("--processes", args.processes)):
-        if given:
-            raise CliError(
-                f"{flag} is not a --serving option: the serving loop's lookups are a decode step's and a "
-                "prefill chunk's, in one process (and a child per --memory-limit)",
-                EXIT_USAGE,
-            )
+def _layout(cfg: Config):
+    """DIR's table checked and its layout read; None for the synthetic table (not written yet)."""
+    if cfg.directory is None:
+        return None
+    a.checkpoint_dir(cfg.directory) if cfg.engram else a.one_layer(cfg.directory, cfg.layer)
+    return config.bench_layout(cfg)
 
 
 def _check_modes(cfg: Config, device, table_bytes: int) -> None:
@@ -272,12 +240,12 @@ def _check_modes(cfg: Config, device, table_bytes: int) -> None:
 
 def _check_machine(cfg: Config, layout) -> None:
     """The device, a mode forced by PLE_UM_MODE, the modes asked for, and whether the run fits this
-    machine (``config.check_fits``: exit 3 where it does not)."""
+    machine (``sizing.check_fits``: exit 3 where it does not)."""
     import torch
 
     import ple_um
     from ple_um.access.capabilities import resolve_device
-    from ple_um.bench import config
+    from ple_um.bench import sizing
 
     try:
         device = resolve_device(cfg.device)
@@ -295,33 +263,9 @@ def _check_machine(cfg: Config, layout) -> None:
         )
     gpu_free = torch.cuda.mem_get_info(device)[0] if cuda else None
     try:
-        config.check_fits(cfg, layout, cuda, gpu_free)
-    except config.BenchRefused as exc:
+        sizing.check_fits(cfg, layout, cuda, gpu_free)
+    except sizing.BenchRefused as exc:
         raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
-
-
-def _config(args: argparse.Namespace, argv: list[str] | None):
-    rows = args.rows or (COLD_ROWS if args.memory_limit else DEFAULT_ROWS)
-    return Config(
-        directory=args.dir,
-        layer=args.layer,
-        size=args.size,
-        row_bytes=args.row_bytes,
-        shards=args.shards,
-        model=args.model,
-        rows=rows,
-        modes=args.modes,
-        ids=args.ids,
-        repeats=args.repeats or (SERVING_STEPS if args.serving else Config.repeats),
-        rounds=args.rounds,
-        device=args.device,
-        processes=args.processes,
-        memory_limits=args.memory_limit or (),
-        serving=args.serving,
-        step_ms=args.step_ms or STEP_MS,
-        warmup_s=WARMUP_S if args.warmup is None else args.warmup,
-        command=shlex.join(["ple-um", *(sys.argv[1:] if argv is None else argv)]),
-    )
 
 
 def _write(args: argparse.Namespace, result: dict, say, missing: list[str]) -> None:
@@ -352,8 +296,8 @@ def _write(args: argparse.Namespace, result: dict, say, missing: list[str]) -> N
 
 def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
-    layout = _check_table(args)
-    cfg = _config(args, getattr(args, "argv", None))
+    cfg = _config(args)
+    layout = _layout(cfg)
     _check_machine(cfg, layout)
     # Under --json, stdout holds the JSON object alone: progress lines and the report go to stderr.
     say = to_stderr if args.json else emit

@@ -1,5 +1,6 @@
-"""The bench's table and its fit to the machine: the synthetic table written once, a partial one
-never left or used, the largest file's size as written, the memory a run holds."""
+"""The bench's run and its table: the defaults each kind of run takes for the options not given,
+options that do not go together refused by the Config itself; the synthetic table written once, a
+partial one never left or used."""
 
 from __future__ import annotations
 
@@ -8,7 +9,37 @@ import os
 import pytest
 
 from ple_um.bench import config
-from ple_um.units import format_bytes
+
+
+def test_options_not_given_take_the_default_of_their_run():
+    side = config.Config()
+    assert side.kind == "side-by-side"
+    assert (side.row_bytes, side.shards, side.rows, side.repeats) == (160, 128, config.DEFAULT_ROWS, 20)
+    assert (side.step_ms, side.warmup_s, side.memory_limits) == (config.STEP_MS, config.WARMUP_S, ())
+    limited = config.Config(memory_limits=(1 << 30,), warmup_s=0.0)
+    assert (limited.rows, limited.warmup_s, limited.kind) == (config.COLD_ROWS, 0.0, "memory-limit")
+    serving = config.Config(serving=True, step_ms=(3.0,))
+    assert (serving.repeats, serving.step_ms, serving.kind) == (config.SERVING_STEPS, (3.0,), "serving")
+    engram = config.Config(model=config.ENGRAM_MODEL, rows=(16,), repeats=2)
+    assert (engram.row_bytes, engram.shards, engram.rows, engram.repeats) == (264, 1, (16,), 2)
+    assert config.Config(directory="/d", layer=3, size=100).layer == 3  # DIR's table: its own checks
+
+
+@pytest.mark.parametrize(
+    "given,message",
+    [
+        ({"warmup_s": 1.0}, "--warmup times the steady state of --memory-limit or --serving: give one"),
+        ({"step_ms": (5.0,)}, "--step-ms sets the GPU work of --serving's steps: give --serving too"),
+        ({"serving": True, "rows": (16,)}, "--rows is not a --serving option"),
+        ({"model": config.ENGRAM_MODEL, "shards": 1}, "--shards is a PLE table's option"),
+        ({"layer": 3}, "--layer needs DIR: the synthetic table has one layer"),
+        ({"size": 100}, "--size 100 B holds no row of 160 B (--row-bytes): give at least that"),
+    ],
+)
+def test_options_that_do_not_go_together_are_refused_by_the_config(given, message):
+    with pytest.raises(config.BenchUsageError) as info:
+        config.Config(**given)
+    assert message in str(info.value)
 
 
 def test_the_table_is_written_once_and_a_stale_partial_one_is_replaced(tmp_path, monkeypatch):
@@ -25,59 +56,3 @@ def test_the_table_is_written_once_and_a_stale_partial_one_is_replaced(tmp_path,
     stamp = os.stat(os.path.join(path, files[0])).st_mtime_ns
     assert config.default_table(cfg, progress=False) == path  # already written: not again
     assert os.stat(os.path.join(path, files[0])).st_mtime_ns == stamp
-
-
-@pytest.mark.parametrize("size,shards", [(1 << 20, 8), (3 << 20, 7), (1 << 20, 2), (5 << 20, 128)])
-def test_largest_file_bytes_covers_the_largest_file_written(tmp_path, monkeypatch, size, shards):
-    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path))
-    cfg = config.Config(size=size, shards=shards)
-    path = config.default_table(cfg, progress=False)
-    largest = max(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
-    assert largest <= config.largest_file_bytes(cfg) <= largest + (64 << 10)
-
-
-def test_check_disk_passes_a_table_that_fits_and_one_already_written(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "not" / "yet"))
-    config.check_disk(config.Config(size=1 << 20, shards=8))  # the nearest folder that exists is asked
-    with pytest.raises(config.BenchRefused, match="does not fit the free disk of"):
-        config.check_disk(config.Config(size=1 << 62, shards=8))
-
-
-def test_memory_needed_names_what_holds_it():
-    T = 10 << 30
-    cpu = config.memory_needed(T, cuda=False, modes=("cpu",))
-    assert cpu["host"] == {
-        "the table in the page cache": T,
-        "the run itself": config.RUN_OVERHEAD_BYTES,
-        "the torch anchor's copy": T,
-    }
-    assert cpu["gpu"] == {}
-    gpu = config.memory_needed(T, cuda=True, modes=("registered", "device"))
-    assert gpu["host"]["vllm pinned-host's copy"] == T and "the torch anchor's copy" not in gpu["host"]
-    assert gpu["gpu"] == {"the torch anchor's copy": T, "the device mode's copy": T}
-    assert config.memory_needed(T, cuda=True, modes=("cpu",))["gpu"] == {"the torch anchor's copy": T}
-    assert config.memory_needed(T, cuda=True, modes=("cpu",), processes=3)["host"] == {
-        "the table in the page cache": T,
-        "the run itself": config.RUN_OVERHEAD_BYTES,
-        "vllm pinned-host's copies in 3 processes": 3 * T,
-    }
-    assert config.memory_needed(T, cuda=False, modes=("cpu",), processes=3) == cpu
-    nvfp4 = config.memory_needed(T, cuda=True, modes=("cpu",), nvfp4=True)
-    assert nvfp4["gpu"] == {} and set(nvfp4["host"]) == {"the table in the page cache", "the run itself"}
-
-
-def test_check_memory_refuses_with_the_figures():
-    T = 4 << 30
-    needed = config.memory_needed(T, cuda=True, modes=("device",))
-    config.check_memory(needed, host_available=2 * T + config.RUN_OVERHEAD_BYTES, gpu_free=2 * T)
-    with pytest.raises(config.BenchRefused) as info:
-        config.check_memory(needed, host_available=2 * T, gpu_free=None)
-    total = format_bytes(2 * T + config.RUN_OVERHEAD_BYTES)
-    assert str(info.value).startswith(
-        f"the run would hold {total} of host memory (the table in the page cache"
-    )
-    assert f"more than MemAvailable ({format_bytes(2 * T)})" in str(info.value)
-    with pytest.raises(
-        config.BenchRefused, match=r"of gpu memory .* more than the GPU's free memory \(4.00 GiB\)"
-    ):
-        config.check_memory(needed, host_available=1 << 40, gpu_free=T)

@@ -15,7 +15,7 @@ from helpers.mxfp8 import reference_mxfp8
 from helpers.vllm_engram import as_on_a_gpu, engram_module
 
 from ple_um.access.capabilities import triton_interpreter
-from ple_um.bench import config
+from ple_um.bench import config, sizing
 from ple_um.bench.contenders import ENGRAM_STAND_IN, TorchResident, VllmEngramPinned, describe
 from ple_um.bench.timing import DecodeStep, lookup_call
 from ple_um.synthetic_engram import write_engram_checkpoint
@@ -112,13 +112,13 @@ def test_each_engram_contender_says_what_it_is():
 
 def test_the_synthetic_engram_table_is_written_once_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path))
-    cfg = config.Config(size=1 << 20, row_bytes=config.ENGRAM_ROW_BYTES, shards=1, model=config.ENGRAM_MODEL)
+    cfg = config.Config(size=1 << 20, model=config.ENGRAM_MODEL)
     layout = config.bench_layout(cfg)
     rows = (1 << 20) // 264
     assert layout.is_mxfp8 and (layout.layer, layout.num_rows, layout.row_dim) == (1, rows, 256)
     assert layout.nbytes == rows * 264 and layout.directory == config.table_path(cfg)
     assert os.path.basename(layout.directory) == f"bench-engram-{rows}x264-1"
-    assert config.largest_file_bytes(cfg) >= os.path.getsize(layout.files[0])
+    assert sizing.largest_file_bytes(cfg) >= os.path.getsize(layout.files[0])
     written = os.path.getmtime(layout.files[0])
     assert config.bench_layout(cfg) == layout and os.path.getmtime(layout.files[0]) == written
     values = np.fromfile(layout.files[0], dtype=np.uint8)

@@ -19,7 +19,7 @@ from helpers.cli import REPO, run, run_json, two_layer_checkpoint
 
 import ple_um
 from ple_um import cli
-from ple_um.bench import config
+from ple_um.bench import sizing
 from ple_um.bench.memlimit import find_hierarchy
 from ple_um.bench.report import unmeasured
 from ple_um.version import __version__
@@ -39,16 +39,16 @@ def test_a_batch_larger_than_the_memory_is_refused_naming_rows(capsys, tmp_path,
 
 
 def test_the_batches_counted_are_the_largest_batchs():
-    needed = config.add_batches(config.memory_needed(1 << 20, False, ("cpu",)), (16, 1000), 160, 23, 3, False)
+    needed = sizing.add_batches(sizing.memory_needed(1 << 20, False, ("cpu",)), (16, 1000), 160, 23, 3, False)
     host = needed["host"]
     assert host["--rows 1000: the ids drawn ahead (3 paths x 23 calls)"] == 3 * 23 * 1000 * 8
     assert host["--rows 1000: the outputs (3 paths)"] == 3 * 1000 * 160
     assert host["--rows 1000: a call's rows gathered on the host"] == 1000 * 168 + 32 * 1000
-    on_gpu = config.add_batches(config.memory_needed(1 << 20, True, ("cpu",)), (1000,), 160, 23, 4, True)
+    on_gpu = sizing.add_batches(sizing.memory_needed(1 << 20, True, ("cpu",)), (1000,), 160, 23, 4, True)
     assert on_gpu["gpu"]["--rows 1000: the outputs (4 paths)"] == 4 * 1000 * 160
-    assert config.path_count(("cpu",), False, False) == 3  # the anchor, ple-um cpu, the seeds
-    assert config.path_count(("ats", "registered", "cpu", "device"), True, False) == 9
-    assert config.path_count(("cpu",), True, True) == 1  # NVFP4: ple-um alone
+    assert sizing.path_count(("cpu",), False, False) == 3  # the anchor, ple-um cpu, the seeds
+    assert sizing.path_count(("ats", "registered", "cpu", "device"), True, False) == 9
+    assert sizing.path_count(("cpu",), True, True) == 1  # NVFP4: ple-um alone
 
 
 def test_a_memory_limit_smaller_than_its_child_is_refused(capsys, tmp_path, monkeypatch):

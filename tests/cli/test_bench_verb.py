@@ -107,12 +107,12 @@ def test_bench_refuses_bad_arguments_before_it_runs(capsys, tmp_path, monkeypatc
 
 def test_list_options_take_empty_items_and_any_case_alike():
     parser = cli.build_parser()
-    assert parser.parse_args(["bench", "--memory-limit", "1GiB,,2GiB,"]).memory_limit == (1 << 30, 2 << 30)
+    assert parser.parse_args(["bench", "--memory-limit", "1GiB,,2GiB,"]).memory_limits == (1 << 30, 2 << 30)
     args = parser.parse_args(["bench", "--modes", "CPU,", "--rows", "16,,1024,", "--ids", "uniform,"])
     assert args.modes == ("cpu",) and args.rows == (16, 1024) and [d.name for d in args.ids] == ["uniform"]
     assert parser.parse_args(["bench", "--modes", " Device , cpu"]).modes == ("device", "cpu")
     defaults = parser.parse_args(["bench"])
-    assert defaults.size == 2 << 30 and defaults.rows is None and defaults.memory_limit is None
+    assert defaults.size == 2 << 30 and defaults.rows is None and defaults.memory_limits is None
 
 
 def test_a_table_larger_than_the_disk_is_refused_with_the_figures(tmp_path):
