@@ -31,7 +31,9 @@ from ple_um.units import format_bytes
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    """A markdown table: its head, the separator, one line per row of cells."""
+    """A markdown table: its head, the separator, one line per row of cells, a short row (a path
+    skipped, with why) filled out with ``-``."""
+    rows = [cells + ["-"] * (len(head) - len(cells)) for cells in rows]
     return [f"| {' | '.join(cells)} |" for cells in [head, ["---"] * len(head), *rows]]
 
 
@@ -106,7 +108,7 @@ def _lookup_tables(result: dict, rows: list[int]) -> list[str]:
         cells = []
         for name, entry in result["lookup"].items():
             if "skipped" in entry:
-                cells.append([name, f"skipped: {entry['skipped']}"] + ["-"] * len(rows))
+                cells.append([name, f"skipped: {entry['skipped']}"])
                 continue
             mine = entry.get(dist, {})
             cells.append([name, *(cell(mine.get(str(n))) for n in rows), cell(mine.get("host"), rate=False)])
@@ -139,7 +141,7 @@ def _memory_tables(result: dict) -> list[str]:
     lines = ["", *_table(["open", "mode", "seconds", "GPU bytes", "anon RSS added", "pinned bytes"], opens)]
     if result.get("processes"):
         cells = [
-            [kind, f"skipped: {p['skipped']}", "-"]
+            [kind, f"skipped: {p['skipped']}"]
             if "skipped" in p
             else [kind, p["mode"], ", ".join(format_bytes(d) for d in p["mem_available_drop_bytes"])]
             for kind, p in result["processes"].items()
@@ -212,7 +214,7 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
         cells = []
         for mode, runs in entry["modes"].items():
             if "skipped" in runs:
-                cells.append([f"ple-um {mode}", f"skipped: {runs['skipped']}"] + ["-"] * 8)
+                cells.append([f"ple-um {mode}", f"skipped: {runs['skipped']}"])
                 continue
             for n, row in runs.get(dist, {}).items():
                 cold, steady, alone = row["cold"], row["steady"], row.get("steady_page_cache")
@@ -223,7 +225,7 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
                     + [_share(steady.get("row_cache_hits"))]
                     # The steady state without the row cache (``-`` where the steady table had
                     # none, so that run is the page cache's already).
-                    + ([cell(alone, rate=False), _share(alone["page_cache_hits"])] if alone else ["-", "-"])
+                    + ([cell(alone, rate=False), _share(alone["page_cache_hits"])] if alone else [])
                 )
         lines += _table(head, cells)
     return lines
@@ -312,8 +314,8 @@ def _serving_header(result: dict) -> list[str]:
         if "failed" in limit:
             lines.append(f"    failed: {limit['failed']}")
     lines.append(
-        "cells: median step ms [p10-p90, 'noisy' where p90/p10 > 2] (x the resident table's step, "
-        "row-cache hit rate or the share of the last step's rows in the page cache)"
+        f"cells: median step ms [p10-p90, 'noisy' where p90/p10 > {NOISY_SPREAD:g}] (x the resident "
+        "table's step, row-cache hit rate or the share of the last step's rows in the page cache)"
     )
     return lines
 
