@@ -224,22 +224,17 @@ def _time_decode(cfg, layout, device, impls, ids: _Ids, timer: timing.Timer, res
             result["decode_step"][name]["graph_replay_equals_eager"] = st.graph_ok
     for dist in cfg.ids:
         sets = {name: ids.sets(dist, n, cfg.repeats + cfg.warmup) for name in steps}
-        eager = timer.side_by_side(
-            {name: (lambda k, st=st, s=sets[name]: st.eager(s[k])) for name, st in steps.items()},
-            cfg.repeats,
-            cfg.warmup,
-            cfg.rounds,
-        )
-        for name in steps:
-            result["decode_step"][name][dist.name] = {"eager": timing.summary(eager[name], nbytes)}
-        graphs = {
-            name: (lambda k, st=st, s=sets[name]: st.replay(s[k]))
-            for name, st in steps.items()
-            if st.graph is not None
+        # Every step eagerly, then the captured ones replayed: each kind side by side.
+        calls = {
+            "eager": {name: st.eager for name, st in steps.items()},
+            "graph": {name: st.replay for name, st in steps.items() if st.graph is not None},
         }
-        if graphs:
-            for name, t in timer.side_by_side(graphs, cfg.repeats, cfg.warmup, cfg.rounds).items():
-                result["decode_step"][name][dist.name]["graph"] = timing.summary(t, nbytes)
+        for kind, by_name in calls.items():
+            fns = {name: (lambda k, f=f, s=sets[name]: f(s[k])) for name, f in by_name.items()}
+            # No graph: no CUDA, or no contender capture-safe.
+            times = timer.side_by_side(fns, cfg.repeats, cfg.warmup, cfg.rounds) if fns else {}
+            for name, t in times.items():
+                result["decode_step"][name].setdefault(dist.name, {})[kind] = timing.summary(t, nbytes)
 
 
 def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
