@@ -82,12 +82,8 @@ def memory_needed(
     if not nvfp4:
         if cuda:
             copies = max(1, processes)
-            what = (
-                "vllm pinned-host's copy"
-                if copies == 1
-                else f"vllm pinned-host's copies in {copies} processes"
-            )
-            host[what] = copies * table_bytes
+            what = "copy" if copies == 1 else f"copies in {copies} processes"
+            host[f"vllm pinned-host's {what}"] = copies * table_bytes
             gpu["the torch anchor's copy"] = table_bytes
         else:
             host["the torch anchor's copy"] = table_bytes
