@@ -27,6 +27,7 @@ from ple_um import dropped, metrics, ops, verify
 from ple_um.access.build import ModeAccess
 from ple_um.access.probe import ProbeReport
 from ple_um.errors import TableClosedError
+from ple_um.kernels.launch import current_stream
 from ple_um.lookup.paths import FLOAT_OUT, LookupPaths, check_args, check_ids
 from ple_um.lookup.streams import wait_for_streams
 from ple_um.mapping import MappedShards
@@ -84,11 +85,9 @@ class MappedTable:
         # another thread captures a graph (close() waits for the device: graphs replayed anywhere).
         self._streams: set[int] = set()
         # The current stream's raw handle through torch's private call, as the paths read it
-        # (``lookup.host.cuda.current_stream`` says why), bound here: no Python call per lookup.
+        # (``kernels.launch.current_stream`` says why), bound here: no Python call per lookup.
         self._stream_of = (
-            functools.partial(torch._C._cuda_getCurrentRawStream, self.device.index)
-            if self.device.type == "cuda"
-            else None
+            functools.partial(current_stream, self.device.index) if self.device.type == "cuda" else None
         )
         self._close_lock = threading.Lock()
         self._closing = False

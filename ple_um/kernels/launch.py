@@ -52,11 +52,15 @@ def _why_not_direct(kernel) -> str | None:
     return None
 
 
-def _current_stream(device: int) -> int:
-    """The handle of CUDA device ``device``'s current stream, through torch's private call (what
-    Triton's own launcher reads): the public ``torch.cuda.current_stream(device).cuda_stream``
-    builds a Stream object per call, a host cost of the size a direct launch exists to remove."""
-    return torch._C._cuda_getCurrentRawStream(device)
+# ``current_stream(device)``: the raw handle of CUDA device ``device``'s current stream, the one a
+# kernel is launched on and an eager host-path lookup queued on. torch's private call (what Triton's
+# own launcher reads), since the public ``torch.cuda.current_stream(device).cuda_stream`` builds a
+# Stream object per call, a host cost of the size a direct launch and an eager lookup's queuing are
+# kept to. The builtin itself, bound once: a call costs no Python frame. A torch built without CUDA
+# lacks it (and has no stream to give): the public call stands in, and says so when called.
+current_stream = getattr(
+    torch._C, "_cuda_getCurrentRawStream", lambda device: torch.cuda.current_stream(device).cuda_stream
+)
 
 
 class DirectLaunch:
@@ -87,7 +91,7 @@ class DirectLaunch:
             if compiled is not None:
                 self._compiled[key] = compiled
             return compiled
-        stream = _current_stream(device)
+        stream = current_stream(device)
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
         return compiled
 
@@ -103,7 +107,7 @@ def bind(compiled, args: tuple, *, ids_at: int, n_at: int, rows_per_program: int
     fixed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     head, middle, tail = fixed[:ids_at], fixed[ids_at + 2 : n_at], fixed[n_at + 1 :]
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    stream_of, device = _current_stream, torch.cuda.current_device()
+    stream_of, device = current_stream, torch.cuda.current_device()
 
     def launch(ids_ptr: int, out_ptr: int, n: int) -> None:
         grid = (n + rows_per_program - 1) // rows_per_program

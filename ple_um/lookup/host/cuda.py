@@ -23,11 +23,12 @@ rows waits for it (``cuStreamWaitValue32``, greater-or-equal, compared cyclicall
 lookup's number (``seq``) is what both words carry. Whether a device's streams see the host's
 writes is checked once per device at open (``signal_check.py``).
 
-The stream a lookup is queued on is torch's current one (``current_stream``); every call on it goes
-through ``CudaDriver``, the host path's one binding to the driver. ple-um's own streams (a chunked
-lookup's side stream) and the relaxed capture mode are made through the CUDA runtime in
-``lookup/streams.py``, shared with code outside the host path (the stats reporter, the prefetch
-stream, the release of a dropped table); the pinned buffers and words are torch tensors.
+The stream a lookup is queued on is torch's current one (``kernels.launch.current_stream``, which the
+kernel's launcher reads too); every call on it goes through ``CudaDriver``, the host path's one
+binding to the driver. ple-um's own streams (a chunked lookup's side stream) and the relaxed capture
+mode are made through the CUDA runtime in ``lookup/streams.py``, shared with code outside the host
+path (the stats reporter, the prefetch stream, the release of a dropped table); the pinned buffers
+and words are torch tensors.
 """
 
 from __future__ import annotations
@@ -172,14 +173,6 @@ class CudaDriver:
 
     def destroy(self, event: int) -> None:
         self.lib.cuEventDestroy_v2(event)
-
-
-def current_stream(device: int) -> int:
-    """The raw handle of CUDA device ``device``'s current stream, the one a lookup is queued on:
-    torch's private call (what Triton's own launcher reads), since the public
-    ``torch.cuda.current_stream(device).cuda_stream`` builds a Stream object per call, a host cost
-    of the size the queuing of an eager lookup is kept to."""
-    return torch._C._cuda_getCurrentRawStream(device)
 
 
 # A ring slot's words: its ready word at the slot's start, its done word a cache line further (the

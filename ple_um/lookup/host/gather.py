@@ -39,6 +39,7 @@ import time
 import torch
 
 from ple_um import envs
+from ple_um.kernels.launch import current_stream
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.decode import decode_staged, e2m1_values
@@ -199,7 +200,7 @@ class HostGather:
         that serves it (the module docstring); ``targets`` empty: the page touch, no copy out.
         Whether the stream is capturing."""
         self._driver.ensure_context(self.index)
-        stream = cuda.current_stream(self.index)
+        stream = current_stream(self.index)
         capturing = torch.cuda.is_current_stream_capturing()
         state = self._state(stream)
         n = ids.numel()
