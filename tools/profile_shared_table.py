@@ -2,7 +2,7 @@
 process's own row cache costs and gives, against the page cache they share.
 
 Each process of a run looks up the same table at once (the bench's steady state,
-``ple_um.bench.cold_child.timed_runs``, in this script run with ``--child``: a warm-up, then the
+``ple_um.bench.cold.timed_runs``, in this script run with ``--child``: a warm-up, then the
 timed calls, fresh ids of its own), all of them in one memory cgroup (``ple_um.bench.memlimit``).
 Two runs per limit and process count, the table's pages dropped before each:
 - ``row cache``: the tables opened as not fitting in memory (``PLE_UM_FIT=spills``, whatever their
@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from ple_um import units
-from ple_um.bench.cold_child import drop_table_pages, open_with, table_files, timed_runs
+from ple_um.bench.cold import drop_table_pages, open_with, table_files, timed_runs
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import MemoryLimit, child_main, find_hierarchy
 from ple_um.checkpoint import read_layout

@@ -11,7 +11,7 @@ not at all.
   in the row cache (``-`` where the table has none), and where it has one the steady state again
   without it, the page cache alone under the same limit; beside the cold figure, the reads a cold
   call made from the files and, where one thread made them, how long it waited for them. The cold
-  calls' table has no row cache (``bench/cold_child.py``).
+  calls' table has no row cache (``bench/cold.py``).
 - ``format_serving``: the serving loop: what each configuration is, one table of step times (a row
   per GPU work and id distribution, a column per configuration, every cell its median with the
   p10-p90 spread, its ratio to the resident table's step and its row-cache hit rate), and the

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ple_um.access.capabilities import resolve_device
-from ple_um.bench.cold_child import drop_table_pages, table_files
+from ple_um.bench.cold import drop_table_pages, table_files
 from ple_um.bench.config import MATMUL_SIZE, POOL_STEPS, Config, bench_layout, child_request, open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main, run_limited

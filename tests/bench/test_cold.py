@@ -16,7 +16,7 @@ from helpers.cli import fs_type
 
 from ple_um import envs
 from ple_um.bench import cold, report, storage
-from ple_um.bench.cold_child import PAGE_CACHE_KNOBS, cold_knobs, drop_table_pages, own_mappings
+from ple_um.bench.cold import PAGE_CACHE_KNOBS, cold_knobs, drop_table_pages, own_mappings
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import MemoryLimit
