@@ -285,7 +285,7 @@ def engram_geometry(rows: int):
     """The geometry (``EngramGeometry``) of a DeepSeek-V4.1-shaped table of ``rows`` rows: 8 hash
     heads whose prime-sized ranges fill it but for a few hundred rows; ValueError for a table too
     small to hold them."""
-    from ple_um.checkpoint import EngramGeometry
+    from engram_config import geometry_from_config
 
     heads = ENGRAM_ORDERS * ENGRAM_HEADS
     vocab = rows // heads - 256  # the primes lie just above it: 8 ranges a little longer than vocab
@@ -299,7 +299,7 @@ def engram_geometry(rows: int):
         "engram_head_dim": ENGRAM_DIM,
         "engram_vocab_size": vocab,
     }
-    return EngramGeometry.from_config(config)
+    return geometry_from_config(config)
 
 
 def prepare_engram(args, who: str) -> str | None:

@@ -9,11 +9,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from engram_config import geometry_from_config
 from helpers.reference import reference_rows, safetensors_table, write_raw, write_safetensors
-from helpers.vllm_engram import engram_module
 
 from ple_um.checkpoint.engram import find_engram_layers, read_engram_layout
-from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.errors import CheckpointError
 from ple_um.synthetic_engram import FILE_NAME, scale_name, weight_name, write_engram_checkpoint
 
@@ -57,7 +56,7 @@ def test_u8_scales_are_accepted_as_e8m0_bytes(tmp_path):
 
 
 def test_geometry_matches_the_tables_and_maps_heads_to_rows(tmp_path):
-    geometry = EngramGeometry.from_config(TINY)
+    geometry = geometry_from_config(TINY)
     sizes = geometry.head_sizes
     assert len(sizes) == 2 and all(len(s) == 8 for s in sizes)
     flat = [p for s in sizes for p in s]
@@ -67,14 +66,6 @@ def test_geometry_matches_the_tables_and_maps_heads_to_rows(tmp_path):
     assert geometry.head_rows(3, 2, 4) == (sum(sizes[1][:2]), sum(sizes[1][:4]))
     write_engram_checkpoint(tmp_path, tables={1: 2700, 3: 3100}, head_dim=64)
     assert read_engram_layout(tmp_path, 3, geometry).num_rows == 3100
-
-
-def test_geometry_equals_vllms_engram_layout():
-    engram = engram_module()
-    config = type("Config", (), dict(TINY, engram_compressed_vocab_size=100, engram_pad_token_id=0))
-    theirs = engram.EngramLayout(config)
-    ours = EngramGeometry.from_config(TINY)
-    assert ours.head_sizes == tuple(tuple(p for order in layer for p in order) for layer in theirs.primes)
 
 
 @pytest.mark.parametrize(
@@ -89,15 +80,8 @@ def test_a_table_the_config_does_not_describe_is_refused(tmp_path, change, messa
     write_engram_checkpoint(tmp_path, tables={1: 2700, 3: 3100}, head_dim=64)
     config = dict(TINY, **change)
     with pytest.raises(CheckpointError, match=message) as info:
-        read_engram_layout(tmp_path, 3, EngramGeometry.from_config(config))
+        read_engram_layout(tmp_path, 3, geometry_from_config(config))
     assert info.value.tensor == weight_name(3) and info.value.path.endswith(".safetensors")
-
-
-def test_a_config_whose_heads_do_not_fit_is_refused():
-    with pytest.raises(ValueError, match="hash heads need"):
-        EngramGeometry.from_config(dict(TINY, engram_num_embeddings=[100, 3100]))
-    with pytest.raises(ValueError, match="engram_head_dim"):
-        EngramGeometry.from_config({k: v for k, v in TINY.items() if k != "engram_head_dim"})
 
 
 def _table(path, *, rows=40, dim=64, dtype="F8_E4M3", scale_dtype="F8_E8M0", scale_shape=None, name=1):
@@ -200,9 +184,9 @@ def test_released_geometry_layout_only(tmp_path):
         "engram_head_dim": 256,
         "engram_vocab_size": 16_000_000,
     }
-    probe = EngramGeometry.from_config(dict(released, engram_num_embeddings=[1 << 40, 1 << 40]))
+    probe = geometry_from_config(dict(released, engram_num_embeddings=[1 << 40, 1 << 40]))
     rows = [sum(s) for s in probe.head_sizes]
-    geometry = EngramGeometry.from_config(dict(released, engram_num_embeddings=rows))
+    geometry = geometry_from_config(dict(released, engram_num_embeddings=rows))
     assert all(383_000_000 < r < 385_000_000 for r in rows)
     write_engram_checkpoint(tmp_path, tables=dict(zip((1, 14), rows, strict=True)), head_dim=256, sparse=True)
     for layer, count in zip((1, 14), rows, strict=True):

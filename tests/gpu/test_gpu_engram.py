@@ -14,12 +14,12 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from engram_config import geometry_from_config
 from helpers.cgroup import run_limited
 from helpers.mxfp8 import engram_ids, graph_replays_differ, reference_mxfp8
 from helpers.reference import reference_rows
 
 import ple_um
-from ple_um.checkpoint import EngramGeometry
 from ple_um.kernels.gather_block_scaled import gather_block_scaled
 from ple_um.lookup.decode import decode_mxfp8
 from ple_um.residency import evict_pages
@@ -38,9 +38,9 @@ CONFIG = {
 @pytest.fixture(scope="module")
 def engram(tmp_path_factory):
     """One Engram layer of 24 prime-sized heads (about 480 000 rows, 127 MB), and its geometry."""
-    probe = EngramGeometry.from_config(dict(CONFIG, engram_num_embeddings=[1 << 40]))
+    probe = geometry_from_config(dict(CONFIG, engram_num_embeddings=[1 << 40]))
     rows = sum(probe.head_sizes[0])
-    geometry = EngramGeometry.from_config(dict(CONFIG, engram_num_embeddings=[rows]))
+    geometry = geometry_from_config(dict(CONFIG, engram_num_embeddings=[rows]))
     seed = int.from_bytes(os.urandom(3), "little")
     print(f"Engram table seed {seed}")
     path = tmp_path_factory.mktemp("engram")
@@ -197,7 +197,7 @@ CHILD = textwrap.dedent(
         fd = os.open({path!r}, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-    geometry = EngramGeometry.from_config({config!r})
+    geometry = {geometry!r}
     rows = geometry.head_rows(1, 0, 24)  # every head: the whole table, 127 MB
     rng = np.random.default_rng({seed})
     ids_for = lambda n: engram_ids({num_rows}, rows, n, rng)
@@ -238,7 +238,6 @@ def test_a_table_larger_than_its_memory_cgroup(engram, mode, rng, device):
     fit), its rows through the row cache and the reader of misses, eager and in graph replays with
     new ids, every element equal to the files'."""
     layout, geometry = engram
-    config = dict(CONFIG, engram_num_embeddings=[layout.num_rows])
     seed, tests = int(rng.integers(1 << 30)), os.path.dirname(os.path.dirname(__file__))
     result = run_limited(
         "ple-um-engram",
@@ -248,7 +247,7 @@ def test_a_table_larger_than_its_memory_cgroup(engram, mode, rng, device):
             mode=mode,
             v2=v2,
             path=layout.shards[0].path,
-            config=config,
+            geometry=geometry,
             seed=seed,
             num_rows=layout.num_rows,
             directory=layout.directory,

@@ -177,7 +177,7 @@ def test_a_ranks_heads_through_the_row_cache_and_the_reader(tmp_path, rng, monke
     """TP2's rank 1 of a layer whose 8 heads own prime ranges: only its heads' rows are mapped, and
     the cpu mode's row cache (rows of 64 B with 2 B of scales beside them) and reader of misses
     give the files' rows and nothing outside them."""
-    from ple_um.checkpoint import EngramGeometry
+    from engram_config import geometry_from_config
 
     config = {
         "engram_layer_ids": [3],
@@ -187,7 +187,7 @@ def test_a_ranks_heads_through_the_row_cache_and_the_reader(tmp_path, rng, monke
         "engram_vocab_size": 300,
         "engram_num_embeddings": [2700],
     }
-    geometry = EngramGeometry.from_config(config)
+    geometry = geometry_from_config(config)
     layout = write_engram_checkpoint(
         tmp_path, tables={3: 2700}, head_dim=64, seed=int(rng.integers(1 << 30))
     )[3]
