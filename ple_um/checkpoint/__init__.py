@@ -9,7 +9,7 @@ storage formats (``NVFP4_BLOCK``: the values per NVFP4 block scale).
 checked against the config's geometry (``engram_geometry``).
 """
 
-from ple_um.checkpoint.engram import find_engram_layers, read_engram_layout
+from ple_um.checkpoint.engram import read_engram_layout
 from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.files import FileIdentity, check_identity
 from ple_um.checkpoint.layout import check_shape, find_layers, read_layout, validate
@@ -25,7 +25,6 @@ __all__ = [
     "ShardSpec",
     "check_identity",
     "check_shape",
-    "find_engram_layers",
     "find_layers",
     "ple_match",
     "read_engram_layout",

@@ -1,6 +1,6 @@
-"""DeepSeek-V4.1's Engram tables in a checkpoint: find the layers that have one, read one layer's
-table as a ShardLayout (one unsplit shard, MXFP8: E4M3 rows and E8M0 block scales), checked against
-the model's config where given.
+"""DeepSeek-V4.1's Engram tables in a checkpoint: one layer's table read as a ShardLayout (one
+unsplit shard, MXFP8: E4M3 rows and E8M0 block scales), checked against the model's geometry where
+given.
 
 The tensors, under any prefix: ``...layers.<L>.engram.embed.weight`` (F8_E4M3 ``[rows, D]``) and
 ``...layers.<L>.engram.embed.scale`` (one E8M0 exponent per 32 values: F8_E8M0 or U8
@@ -19,7 +19,7 @@ import os
 from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.naming import engram_match
 from ple_um.checkpoint.safetensors import TensorEntry
-from ple_um.checkpoint.scan import LayerTensors, Problems, Scan, refusal, scan
+from ple_um.checkpoint.scan import LayerTensors, Problems, refusal, scan
 from ple_um.checkpoint.shard_layout import MXFP8, MXFP8_BLOCK, STORAGE_DTYPES, ShardLayout
 from ple_um.checkpoint.validation import shard_specs
 from ple_um.errors import CheckpointError
@@ -27,19 +27,7 @@ from ple_um.errors import CheckpointError
 ROW_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F8_E8M0", "U8")
 
-__all__ = ["EngramGeometry", "find_engram_layers", "read_engram_layout"]
-
-
-def _scan(directory: str, layer: int | None) -> Scan:
-    """Every Engram tensor (of ``layer`` when given) the headers hold; the first problem raises."""
-    found = scan(directory, layer, Problems(strict=True), engram_match)
-    assert found is not None  # a strict Problems raises instead of returning nothing
-    return found
-
-
-def find_engram_layers(directory: str | os.PathLike) -> list[int]:
-    """The model layer ids that have an Engram table's rows in the checkpoint (headers only)."""
-    return sorted(_scan(os.path.abspath(os.fspath(directory)), None).layers)
+__all__ = ["EngramGeometry", "read_engram_layout"]
 
 
 def _one(entries: list[TensorEntry], what: str, expected: str, where: TensorEntry | None) -> TensorEntry:
@@ -120,7 +108,9 @@ def read_engram_layout(
     directory = os.path.abspath(os.fspath(directory))
     if layer is not None:
         layer = operator.index(layer)  # TypeError for a str or a float, as for any index
-    found = _scan(directory, layer)
+    # Every Engram tensor (of ``layer`` when given) the headers hold; the first problem raises.
+    found = scan(directory, layer, Problems(strict=True), engram_match)
+    assert found is not None  # a strict Problems raises instead of returning nothing
     listed = ", ".join(map(str, sorted(found.layers))) or "none"
     if layer is None and len(found.layers) != 1:
         raise CheckpointError(f"Engram tables of layers {listed} in {directory}; pass layer= to pick one")

@@ -12,7 +12,7 @@ import torch
 from engram_config import geometry_from_config
 from helpers.reference import reference_rows, safetensors_table, write_raw, write_safetensors
 
-from ple_um.checkpoint.engram import find_engram_layers, read_engram_layout
+from ple_um.checkpoint.engram import read_engram_layout
 from ple_um.errors import CheckpointError
 from ple_um.synthetic_engram import FILE_NAME, scale_name, weight_name, write_engram_checkpoint
 
@@ -28,7 +28,9 @@ TINY = {
 
 def test_layout_of_a_synthetic_table_matches_the_safetensors_package(tmp_path):
     layouts = write_engram_checkpoint(tmp_path, tables={1: 1000, 14: 777}, head_dim=64, seed=3)
-    assert find_engram_layers(tmp_path) == [1, 14]
+    with pytest.raises(CheckpointError, match="Engram tables of layers 1, 14 in "):
+        read_engram_layout(tmp_path)  # both layers found: one must be picked
+    assert read_engram_layout(tmp_path, 1) == layouts[1]
     layout = read_engram_layout(tmp_path, 14)
     assert layout == layouts[14]
     assert (layout.dtype_name, layout.dtype, layout.row_dim, layout.row_bytes) == (
