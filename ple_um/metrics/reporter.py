@@ -6,11 +6,10 @@ there, on the reporter's own CUDA stream, never in a lookup.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,7 +71,7 @@ class StatsReporter(Ticker):
     out-of-range ids, the host path's phase milliseconds, the row cache's hits and file reads, and
     how much of the mapped table is in the page cache. A window without lookups or rows logs
     nothing; ``log=False`` logs no line at all (the reporter then only feeds Prometheus). ``tick()``
-    does one pass (tests call it directly); ``hold()`` pauses ticks."""
+    does one pass (tests call it directly)."""
 
     thread_name = "ple-um-stats"
 
@@ -93,7 +92,6 @@ class StatsReporter(Ticker):
         self._gauged: dict[str, LookupMetrics] = {}  # the modes whose page-cache gauges were set
         self._retired: dict[str, dict[str, float]] = {}  # figures of watches closed mid-window
         self._lock = threading.RLock()  # one tick at a time; add/remove wait for it
-        self._held = 0
         self._window_start = clock()
         self._streams: dict = {}
 
@@ -135,17 +133,6 @@ class StatsReporter(Ticker):
                 warn_once("read", "cannot read a table's stats: %s: %s", type(exc).__name__, exc)
             if watch in self.watches:
                 self.watches.remove(watch)
-
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """No tick runs inside this block (and one in progress finishes before it starts)."""
-        with self._lock:
-            self._held += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._held -= 1
 
     # -- one pass --------------------------------------------------------------------------
     def _read(self, watch: Watch) -> dict:
@@ -189,10 +176,8 @@ class StatsReporter(Ticker):
 
     def tick(self) -> str | None:
         """Read every watched table, feed Prometheus, and emit the line of the window that ends
-        now; returns it (None when nothing happened in the window or ticks are held)."""
+        now; returns it (None when nothing happened in the window)."""
         with self._lock:
-            if self._held:
-                return None
             now = self.clock()
             elapsed = max(now - self._window_start, 1e-9)
             self._window_start = now

@@ -113,17 +113,6 @@ def test_a_failed_read_skips_one_tick(make_checkpoint):
         assert "1 lookups, 7 rows" in reporter.tick()
 
 
-def test_hold_pauses_ticks(make_checkpoint):
-    layout = make_checkpoint()
-    reporter = metrics.StatsReporter(30, emit=lambda line: None)
-    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
-        reporter.add(table.stats)
-        table.lookup(torch.arange(5))
-        with reporter.hold():
-            assert reporter.tick() is None
-        assert "5 rows" in reporter.tick()
-
-
 def test_the_page_cache_gauges_fall_to_zero_when_a_modes_last_table_closes(make_checkpoint, clock):
     """`count by (mode) (vllm:ple_um_mapped_bytes)` must not keep reporting a closed table's mode."""
     layout = make_checkpoint(num_rows=4000, row_dim=40, shards=4)
