@@ -1,8 +1,8 @@
 """The patch the plugin applies to vLLM 0.33 when PLE_UM=1: Qwen4Exp PLE layers get the ple-um backend.
 
 vLLM symbols it replaces (class attributes, by ``replace``: the originals are kept on the class
-under ``_ple_um_original``, which also makes a second application a no-op; ``restore`` puts them
-back):
+under ``_ple_um_original``, which also makes a second application a no-op; the tests' ``restore``
+puts them back):
 
 - ``Qwen4ExpNGramEmbedding.__init__`` (``vllm.models.qwen4_exp.nvidia.ngram_embedding``, or
   ``vllm.models.qwen4_exp.amd.ple_layer`` on ROCm): runs the stock constructor while that module's
@@ -73,17 +73,6 @@ def replace(cls: type, methods: dict) -> bool:
     for name, value in methods.items():
         setattr(cls, name, value)
     return True
-
-
-def restore(cls: type) -> None:
-    """Undo ``replace`` on ``cls`` (for tests); nothing when it is not patched."""
-    for name, value in cls.__dict__.get(ORIGINAL, {}).items():
-        if value is None:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, value)
-    if ORIGINAL in cls.__dict__:
-        delattr(cls, ORIGINAL)
 
 
 def patch_ngram_class(module: ModuleType) -> bool:

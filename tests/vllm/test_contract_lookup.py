@@ -138,9 +138,10 @@ def test_prefetch_buffer_is_allocated_lazily(loaded):
 # vLLM: test_amd_pinned_embedding_prefetch_machinery_is_lazy
 def test_rocm_layer_never_allocates_the_prefetch_machinery(world, patched, table_dir, tmp_path):
     """ROCm's layer never prefetches: its forward leaves the buffer and the side stream unmade."""
+    from helpers.vllm_patch import restore
     from vllm.models.qwen4_exp.amd import ple_layer
 
-    from ple_um.vllm.patch import patch_ngram_class, restore
+    from ple_um.vllm.patch import patch_ngram_class
 
     patch_ngram_class(ple_layer)
     try:

@@ -45,10 +45,10 @@ def checkpoint(tmp_path_factory):
 def engram_world(module, world, monkeypatch, table_dir, checkpoint):
     """The session's gloo world with an EngramConfig, the checkpoint as PLE_UM_DIR, and the CUDA
     device vLLM's constructor asks for (its SM count) injected."""
+    from helpers.vllm_patch import restore
     from vllm.config import DeviceConfig, EngramConfig, VllmConfig, set_current_vllm_config
 
     from ple_um.vllm import engram
-    from ple_um.vllm.patch import restore
 
     props = types.SimpleNamespace(multi_processor_count=8)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: props)
@@ -141,6 +141,7 @@ def test_a_tensor_of_the_wrong_shape_is_refused(engram_world, monkeypatch, check
 
 
 def test_unsupported_parallel_layouts_are_refused_at_build(engram_world, monkeypatch):
+
     from ple_um.vllm import engram
     from ple_um.vllm.engram import EngramLayoutError
 

@@ -70,10 +70,11 @@ def test_model_load_opens_tables_never_given_weights(world, patched, table_dir, 
 def test_amd_variant_matches_stock(world, table_dir, tmp_path):
     """The ROCm Qwen4ExpNGramEmbedding (another constructor signature) takes the same patch; its
     lookup op copies the backend's rows into a params_dtype buffer, then the layer dequantizes."""
+    from helpers.vllm_patch import restore
     from vllm.models.qwen4_exp.amd import ple_layer
 
     from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
-    from ple_um.vllm.patch import patch_ngram_class, restore
+    from ple_um.vllm.patch import patch_ngram_class
 
     patch_ngram_class(ple_layer)
     try:
@@ -101,9 +102,10 @@ def test_rocm_layer_takes_no_prefetch_hook(world, patched, monkeypatch):
     """ROCm's Qwen4ExpNGramEmbedding has no prefetch wiring and sends a backend that declares the hook
     down the pinned backend's branch (sync_lookup, which this backend lacks): there the backend
     declares none, and the layer calls its forward; the NVIDIA layer keeps the hook."""
+    from helpers.vllm_patch import restore
     from vllm.models.qwen4_exp.amd import ple_layer
 
-    from ple_um.vllm.patch import patch_ngram_class, restore
+    from ple_um.vllm.patch import patch_ngram_class
 
     monkeypatch.setenv("PLE_UM_OVERLAP", "1")
     config = h.text_config(fp8=True)
