@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ngram_hash import NGramHash, trace_of  # noqa: E402
+from ngram_hash import NGramHash, request_of, trace_of  # noqa: E402
 
 from ple_um import envs  # noqa: E402
 from ple_um.bench.trace import FORMAT, Trace  # noqa: E402
@@ -142,12 +142,12 @@ def windows(trace: Trace, picks: list[tuple[int, int, int]]) -> Trace:
     context_len = trace.context.shape[1]
     tokens, rows, offsets, contexts, requests = [], [], [0], [], []
     for q, start, length in picks:
-        req = trace.request_tokens(q)
+        req, req_rows = request_of(trace, q)
         if not (0 <= start and length > 0 and start + length <= req.size):
             raise ValueError(f"window {start}+{length} lies outside request {q} of {req.size} tokens")
         before = np.concatenate([trace.context[q], req[:start]])[-context_len:]
         tokens.append(req[start : start + length])
-        rows.append(trace.request_rows(q)[start : start + length])
+        rows.append(req_rows[start : start + length])
         offsets.append(offsets[-1] + length)
         contexts.append(before)
         name = dict(trace.description.get("requests", [{}] * trace.num_requests)[q])

@@ -184,3 +184,9 @@ def trace_of(requests, ngram_hash: NGramHash, description: dict) -> Trace:
     )
     trace.description["figures"] = trace.figures()
     return trace
+
+
+def request_of(trace: Trace, q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Request ``q`` of ``trace``: its tokens and their rows (``trace_of``'s inverse for one request)."""
+    at = slice(trace.offsets[q], trace.offsets[q + 1])
+    return trace.tokens[at], trace.rows[at]

@@ -84,12 +84,6 @@ class Trace:
     def request_lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def request_tokens(self, q: int) -> np.ndarray:
-        return self.tokens[self.offsets[q] : self.offsets[q + 1]]
-
-    def request_rows(self, q: int) -> np.ndarray:
-        return self.rows[self.offsets[q] : self.offsets[q + 1]]
-
     def figures(self) -> dict:
         """Tokens, requests, lookups, distinct rows: the figures a description carries."""
         lookups = self.rows.size

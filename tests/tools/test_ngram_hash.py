@@ -47,9 +47,12 @@ def test_the_sample_rows_are_vllms_own_hash_of_its_tokens(sample, ngram_hash):
     and each window's context."""
     assert ngram_hash.total_rows == sample.total_rows == RELEASED_ROWS
     assert ngram_hash.describe()["values"] == sample.description["config"]["values"]
+    from ngram_hash import request_of
+
     for q in range(sample.num_requests):
-        got = ngram_hash.rows(sample.request_tokens(q), sample.context[q])
-        np.testing.assert_array_equal(got, sample.request_rows(q).astype(np.int64), err_msg=f"window {q}")
+        tokens, rows = request_of(sample, q)
+        got = ngram_hash.rows(tokens, sample.context[q])
+        np.testing.assert_array_equal(got, rows.astype(np.int64), err_msg=f"window {q}")
 
 
 @pytest.mark.vllm
@@ -75,7 +78,7 @@ def test_trace_of_hashes_each_request_from_its_start_as_a_server_does(ngram_hash
     and one token at a time with the context vLLM's model state gives (the tokens before, eos
     before the start)."""
     import torch
-    from ngram_hash import trace_of
+    from ngram_hash import request_of, trace_of
 
     rng = np.random.default_rng(3)
     lengths = [1, 2, 120, 37, 3, 90, 64]
@@ -93,7 +96,7 @@ def test_trace_of_hashes_each_request_from_its_start_as_a_server_does(ngram_hash
     ).numpy()
     np.testing.assert_array_equal(trace.rows.astype(np.int64), packed)
     for q, (_, ids) in enumerate(requests):
-        want = trace.request_rows(q).astype(np.int64)
+        want = request_of(trace, q)[1].astype(np.int64)
         for chunk in (1, int(rng.integers(2, 50))):
             got = []
             for s in range(0, ids.size, chunk):
