@@ -37,14 +37,6 @@ def on_drop(owner: object, state: dict, release: Callable[[dict], None], *, cuda
     return finalizer
 
 
-def drain(timeout: float | None = None) -> bool:
-    """Wait until everything dropped before this call is released; False where ``timeout`` passed."""
-    _start()
-    done = threading.Event()
-    _QUEUE.put(done)
-    return done.wait(timeout)
-
-
 def _start() -> None:
     global _thread, _pid
     with _LOCK:
@@ -58,9 +50,6 @@ def _start() -> None:
 def _run() -> None:
     while True:
         item = _QUEUE.get()
-        if isinstance(item, threading.Event):
-            item.set()
-            continue
         state, release, cuda = item
         del item
         try:

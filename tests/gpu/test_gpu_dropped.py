@@ -11,10 +11,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.dropped_tables import drain
 from helpers.reference import maps_of, reference_rows
 
 import ple_um
-from ple_um import dropped, ops
+from ple_um import ops
 from ple_um.errors import TableClosedError
 
 
@@ -35,7 +36,7 @@ def test_a_dropped_cuda_table_is_released(tables, device, mode):
     out = table.lookup(ids)  # queued: the release waits for it before it unmaps
     del table
     gc.collect()
-    assert dropped.drain(60) and _released(layout.files)
+    assert drain(60) and _released(layout.files)
     want = reference_rows(layout, np.arange(1000))
     assert np.array_equal(out.view(torch.uint8).cpu().numpy().reshape(1000, -1), want.reshape(1000, -1))
     with pytest.raises(TableClosedError):
@@ -59,7 +60,7 @@ def test_a_table_dropped_during_another_tables_capture_breaks_nothing(tables, de
                 table.lookup(ids, out=out)
                 del victim
                 gc.collect()
-                assert dropped.drain(60)  # released on its own thread while this capture runs
+                assert drain(60)  # released on its own thread while this capture runs
         assert _released(other.files)
         for _ in range(3):
             fresh = rng.integers(0, captured.num_rows, 512)

@@ -31,6 +31,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.dropped_tables import drain
 from helpers.machines import GH200, H200, InjectedRegistration
 from helpers.reference import maps_of, reference_rows
 
@@ -155,7 +156,7 @@ def test_auto_falls_back_to_cpu_when_registration_fails(layout, machine, call, c
         assert table.stats()["pinned_bytes"] == 0
         # The rejected try, now garbage, releases nothing of the mappings it shared with this table.
         gc.collect()
-        assert dropped.drain(60)
+        assert drain(60)
         assert not table.mapping.closed
         check_rows(table.lookup(all_ids(layout)), layout, all_ids(layout))
 
@@ -580,7 +581,7 @@ def test_a_table_that_fails_to_finish_is_released_once(layout, monkeypatch, fail
     assert not any(f.alive for f in finalizers), "a release is left for the half-made table"
     del caught
     gc.collect()
-    assert dropped.drain(60)
+    assert drain(60)
     assert len(releases) == 1
     nothing_left(layout, before)
 
