@@ -331,12 +331,6 @@ def check(skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> No
             knob.value()
 
 
-def problems(only: tuple[str, ...] | None = None) -> list[str]:
-    """The message of every knob (or of those in ``only``) set to a value it does not take."""
-    found = (knob.problem() for name, knob in KNOBS.items() if only is None or name in only)
-    return [why for why in found if why is not None]
-
-
 def describe() -> list[dict[str, Any]]:
     """Every knob as a dict (name, aliases, default, doc, current value text, and ``invalid``: why
     that value is not taken, or None), for docs and the CLI."""

@@ -115,7 +115,8 @@ def test_a_cache_dir_that_is_not_a_private_folder_is_refused_with_the_knobs(tmp_
     with pytest.raises(KnobError, match="PLE_UM_CACHE_DIR=") as raised:
         envs.check()
     assert str(path) in str(raised.value)
-    assert any("PLE_UM_CACHE_DIR" in why for why in envs.problems())
+    rows = {row["name"]: row for row in envs.describe()}
+    assert "PLE_UM_CACHE_DIR" in rows["PLE_UM_CACHE_DIR"]["invalid"]
 
 
 @AS_ROOT
