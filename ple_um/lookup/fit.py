@@ -190,6 +190,11 @@ class FitWatch(Ticker):
             cache_wanted = not verdict.fits and envs.PLE_UM_ROW_CACHE == "auto"
             if nxt.path == "host" and (host is None or cache_wanted and host.rows.cache is None):
                 built = self.host_for(True)
+                if built is not None and host is not None and built.rows.cache is None:
+                    # No room for a row cache now: the host path there is goes on serving (one
+                    # adopted each check would hold its files and buffers until the table closes).
+                    built.close()
+                    built = None
                 if built is not None:
                     paths.adopt(built)
                     if cpu:

@@ -266,6 +266,30 @@ def test_the_cpu_mode_gains_a_row_cache_when_the_table_stops_fitting(
         assert not table.paths.fit.check()  # nothing changes while it still does not fit
 
 
+@pytest.mark.parametrize("caps", [None, GH200], ids=["cpu", "ats"])
+def test_a_check_with_no_room_for_a_row_cache_builds_no_host_path_again_and_again(
+    table_files, caps, machine, memory_left, rng, poison
+):
+    """The table stops fitting while its memory cgroup is full (the page cache it read fills the
+    limit): no room for a row cache. The checks keep what serves (the cpu mode's host path; a GPU
+    mode's one host path, built once), never a host path more each check, which would hold its
+    descriptors and buffers until the table closes."""
+    layout = table_files
+    if caps is not None:
+        machine(caps)
+    mode, device = ("cpu", "cpu") if caps is None else ("ats", None)
+    with ple_um.open_table(layout.directory, mode=mode, device=device, rows=OWNED) as table:
+        paths = table.paths
+        memory_left.machine, memory_left.group = 1 * MiB, 0
+        evict(table)
+        for _ in range(6):
+            paths.fit.check()
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and serving["switches"] == (0 if caps is None else 1), serving
+        assert len(paths._hosts()) == 1 and "a row cache of" not in paths.row_reads, paths.row_reads
+        decode_lookups(table, layout, rng, poison, 8)
+
+
 @pytest.mark.parametrize(("knob", "path"), [("spills", "host"), ("fits", "kernel")])
 def test_the_decision_can_be_forced(table_files, machine, memory_left, monkeypatch, rng, poison, knob, path):
     monkeypatch.setenv("PLE_UM_FIT", knob)

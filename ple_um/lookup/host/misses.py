@@ -117,7 +117,7 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spil
         cache = _sized(int(knob), owned)
         said = f"a row cache of {format_bytes(cache)}" if cache else "no row cache (PLE_UM_ROW_CACHE=0)"
     slots = slots_for(cache, row_bytes, block_scales=scales)
-    if cache and slots == 0:
+    if slots == 0 and (cache or spills and knob == "auto"):  # no memory left, or too little for a set
         cache, said = 0, f"no row cache ({format_bytes(cache)} holds not one set of rows)"
     if cache == 0 and resident and reads_knob == "auto":
         return None
