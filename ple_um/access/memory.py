@@ -3,10 +3,13 @@ and decides whether a table's owned rows fit (``fits``: the path of decode-sized
 
 Two limits can bind: the machine's (``MemAvailable`` in ``/proc/meminfo``: free memory plus what
 the kernel can reclaim) and the memory cgroup the process runs in (cgroup v2's ``memory.max`` less
-``memory.current``, or v1's ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``, for the
+``memory.current``, or v1's ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``, plus the
+group's page cache the kernel can take back, its file LRU lists in ``memory.stat``, for the
 process's group and every group above it). The smaller is what is left. A container or a batch
 system's memory limit is a cgroup's, so a limit there is seen even where ``MemAvailable`` shows
-the whole machine.
+the whole machine. A group's usage counts the page cache its processes read (the model's weights,
+the table itself), which fills it up to its limit and which the kernel reclaims as MemAvailable
+says it would: without it a group that read more files than its limit would seem to have no room.
 """
 
 from __future__ import annotations
@@ -62,9 +65,29 @@ def _groups(proc_cgroup: str, root: str) -> list[tuple[str, str]]:
     return found
 
 
-def cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> int | None:
-    """Bytes this process's memory cgroups let it take still (the tightest of them), or None
-    where no group has a limit. ``proc_cgroup`` names the groups, ``root`` is where they are."""
+def _reclaimable(folder: str, version: str) -> int:
+    """The group's page cache the kernel can take back: its file LRU lists, its groups below
+    included (v2's ``memory.stat`` counts them; v1's ``total_`` lines); 0 where unreadable."""
+    prefix = "" if version == "v2" else "total_"
+    found = 0
+    try:
+        with open(f"{folder}/memory.stat") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name in (f"{prefix}active_file", f"{prefix}inactive_file") and value.strip().isdigit():
+                    found += int(value)
+    except OSError:
+        return 0
+    return found
+
+
+def cgroup_headroom(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT, *, resident: int = 0
+) -> int | None:
+    """Bytes this process's memory cgroups let it take still (the tightest of them): each group's
+    limit less its usage, plus its page cache the kernel can take back, less ``resident`` of that
+    (a table's own pages in memory, which a caller counts apart); None where no group has a limit.
+    ``proc_cgroup`` names the groups, ``root`` is where they are."""
     best = None
     for folder, version in _groups(proc_cgroup, root):
         if version == "v2":
@@ -74,7 +97,7 @@ def cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_R
             used = _read_int(f"{folder}/memory.usage_in_bytes")
         if limit is None or used is None or limit >= 1 << 60:  # v1 says "no limit" with a huge number
             continue
-        room = max(0, limit - used)
+        room = max(0, limit - used) + max(0, _reclaimable(folder, version) - resident)
         best = room if best is None else min(best, room)
     return best
 
@@ -95,8 +118,9 @@ def fits(owned: int, resident: int, pinned: int = 0) -> tuple[bool, str]:
     Two terms, both must hold. The machine: the whole table within MemAvailable plus its pinned
     bytes (MemAvailable already counts the table's evictable page cache as memory the kernel can
     take back, but not pinned pages). Each memory cgroup with a limit: the bytes not yet in memory
-    within its room (its usage already counts the table's pages charged to it)."""
-    machine, group = mem_available(), cgroup_headroom()
+    within its room (its usage already counts the table's pages charged to it, so its page cache
+    counts as room less the table's resident pages, which may be among it)."""
+    machine, group = mem_available(), cgroup_headroom(resident=resident)
     missing = max(0, owned - resident)
     terms = []
     ok = True

@@ -9,6 +9,7 @@ poisoned, shard edges, ids outside the owned range and the table included.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import textwrap
@@ -26,6 +27,7 @@ import ple_um
 from ple_um.access import memory
 from ple_um.lookup import fit
 from ple_um.lookup.fit import Verdict, choose
+from ple_um.mapping import PAGE
 from ple_um.residency import evict_pages
 
 MiB = 1 << 20
@@ -115,6 +117,40 @@ def test_fit_counts_machine_memory_the_cgroups_room_and_the_tables_own_pages(mem
     assert memory.fits(50 * MiB, 40 * MiB)[0] and not memory.fits(50 * MiB, 39 * MiB)[0]
     ok, why = memory.fits(50 * MiB, 0)
     assert not ok and "do not fit" in why and "10.00 MiB" in why and "MemAvailable 100.00 MiB" in why
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_cgroups_room_counts_the_page_cache_it_can_take_back(tmp_path, monkeypatch, version):
+    """A group at its limit, 3 GiB of it page cache on its file lists (v1: the hierarchical
+    ``total_`` lines, not the group's own): 3 GiB of room; the table's own resident pages, which
+    may be among that page cache, are not counted twice by the fit."""
+    GiB = 1 << 30
+    group = tmp_path / "cgroup" / ("memory" if version == "v1" else "") / "pod"
+    group.mkdir(parents=True)
+    limit, usage = (
+        ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        if version == "v1"
+        else ("memory.max", "memory.current")
+    )
+    (group / limit).write_text(str(6 * GiB))
+    (group / usage).write_text(str(6 * GiB))
+    prefix = "total_" if version == "v1" else ""
+    stat = [f"anon {3 * GiB}", f"{prefix}active_file {GiB}", f"{prefix}inactive_file {2 * GiB}"]
+    if version == "v1":
+        stat += [f"active_file {GiB // 4}", f"inactive_file {GiB // 4}"]  # the group's own: not these
+    (group / "memory.stat").write_text("\n".join(stat) + "\n")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("4:memory:/pod\n" if version == "v1" else "0::/pod\n")
+    room = functools.partial(memory.cgroup_headroom, str(proc), str(tmp_path / "cgroup"))
+    assert room() == 3 * GiB and room(resident=GiB) == 2 * GiB and room(resident=4 * GiB) == 0
+    monkeypatch.setattr(memory, "cgroup_headroom", room)
+    monkeypatch.setattr(memory, "mem_available", lambda: 64 * GiB)
+    assert memory.available() == 3 * GiB
+    # 3 GiB of the group's is anonymous: a 3 GiB table fits, resident or not, a larger one does not.
+    assert (
+        memory.fits(3 * GiB, 0)[0] and memory.fits(3 * GiB, 2 * GiB)[0] and memory.fits(3 * GiB, 3 * GiB)[0]
+    )
+    assert not memory.fits(3 * GiB + PAGE, 0)[0] and not memory.fits(3 * GiB + PAGE, 2 * GiB)[0]
 
 
 def _verdict(fits: bool, margin: bool, share: float, exact: bool = False) -> Verdict:
@@ -324,6 +360,10 @@ CHILD = textwrap.dedent(
     usage = read("memory.current") if {v2} else read("memory.usage_in_bytes")
     with open(os.path.join(group, "memory.max" if {v2} else "memory.limit_in_bytes"), "w") as f:
         f.write(str(usage + (24 << 20)))
+    if {filler!r}:  # another file read first: its page cache fills the group up to its limit
+        with open({filler!r}, "rb") as f:
+            while f.read(1 << 20):
+                pass
     rng = np.random.default_rng({seed})
     with injected_machine(GH200), ple_um.open_table({directory!r}, mode="ats") as table:
         serving = table.stats()["serving"]
@@ -342,18 +382,37 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_a_table_over_a_real_cgroups_limit_is_served_on_the_host_path(make_checkpoint, tmp_path, rng):
+@pytest.mark.parametrize("filled", [False, True], ids=["empty", "filled-by-another-file"])
+def test_a_table_over_a_real_cgroups_limit_is_served_on_the_host_path(make_checkpoint, tmp_path, rng, filled):
+    """Also where another file read before the open filled the group's page cache up to its limit
+    (a server's model weights): that page cache is room the kernel takes back, and the row cache
+    is sized from it (a quarter of the limit's 24 MiB at least), not from the few bytes left."""
     rows, dim = 400_000, 160  # 61 MiB
     layout = make_checkpoint(
         num_rows=rows, row_dim=dim, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
     )
     drop_page_cache(layout)
+    filler = ""
+    if filled:
+        filler = str(tmp_path / "weights.bin")
+        with open(filler, "wb") as f:
+            f.write(os.urandom(48 * MiB))
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # read by the child, charged there
     seed = int(rng.integers(1 << 30))
     tests = os.path.dirname(os.path.dirname(__file__))
     result = run_limited(
         "ple-um-fit",
         lambda group, v2: CHILD.format(
-            tests=tests, group=group, v2=v2, seed=seed, directory=layout.directory, rows=rows, dim=dim
+            tests=tests,
+            group=group,
+            v2=v2,
+            seed=seed,
+            directory=layout.directory,
+            rows=rows,
+            dim=dim,
+            filler=filler,
         ),
         env={**os.environ, "TRITON_INTERPRET": "1"},
     )
@@ -364,3 +423,4 @@ def test_a_table_over_a_real_cgroups_limit_is_served_on_the_host_path(make_check
     assert result["bad"] == 0
     assert stats["host_lookups"] == 64 and stats["kernel_rows"] == 0
     assert stats["row_cache"]["hits"] > 0 and stats["file_reads"] > 0, stats
+    assert stats["row_cache"]["bytes"] >= 6 * MiB, stats["row_cache"]
