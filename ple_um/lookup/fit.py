@@ -228,8 +228,9 @@ def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
             mappings.append(stack.enter_context(MappedShards(layout.scale_layout())))
         owned = sum(m.mapped_bytes for m in mappings)
         verdict = measure(mappings, pinned=owned if mode == "registered" else 0)
-    if mode == "cpu":
-        cache = "with a row cache" if not verdict.fits else "no row cache"
+    if mode == "cpu":  # a row cache as host/misses.py plans one: by the fit, or as the knob sizes it
+        knob = envs.PLE_UM_ROW_CACHE
+        cache = "with a row cache" if (not verdict.fits if knob == "auto" else knob > 0) else "no row cache"
         return Serving("host", False, f"{verdict.why}: the cpu mode's host path, {cache}")
     if mode == "device":
         return Serving("kernel", False, "the device mode: the rows are in GPU memory")

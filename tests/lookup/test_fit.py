@@ -341,6 +341,21 @@ def test_the_decision_can_be_forced(table_files, machine, memory_left, monkeypat
         assert kernel == (8 * 16 if path == "kernel" else 0)
 
 
+@pytest.mark.parametrize("spills", [False, True], ids=["fits", "spills"])
+@pytest.mark.parametrize("knob", [None, "0", "512KiB"], ids=["auto", "none", "sized"])
+def test_the_probe_of_a_table_says_what_its_open_serves(table_files, memory_left, monkeypatch, spills, knob):
+    """``fit.at_open`` (``ple-um probe DIR``) says whether the cpu mode's host path has a row cache as
+    the open then builds it: by the fit under ``PLE_UM_ROW_CACHE=auto``, as the knob says else."""
+    if knob is not None:
+        monkeypatch.setenv("PLE_UM_ROW_CACHE", knob)
+    memory_left.machine = 1 * MiB if spills else 64 << 30
+    said = fit.at_open(table_files, "cpu", cuda=False)
+    with ple_um.open_table(table_files.directory, mode="cpu", device="cpu") as table:
+        cached = table.stats()["row_cache"] is not None
+    assert cached == (knob == "512KiB" or knob is None and spills)
+    assert ("with a row cache" in said.why) == cached and ("no row cache" in said.why) != cached, said.why
+
+
 # -- a real memory cgroup ------------------------------------------------------------------------------
 CHILD = textwrap.dedent(
     """
