@@ -118,6 +118,34 @@ def test_a_broken_shard_map_zeroes_and_counts_the_rows_it_lacks(lib, make_checkp
         check_rows(out[~lost].view(layout.dtype), layout, ids[~lost])
 
 
+def test_the_touch_of_a_block_scaled_table_brings_in_its_block_scales_too(make_checkpoint, rng):
+    """The ats mode's page touch is queued so that the kernel after it takes no page fault: the
+    kernel reads an NVFP4 row's block scales (their own tensor, their own mapping) beside its
+    bytes, so the touch brings both pages in (the host path's ``touch``, run on this thread)."""
+    import ple_um
+    from ple_um.residency import evict_pages
+
+    layout = make_checkpoint(num_rows=8192, row_dim=512, dtype="nvfp4", shards=2, files=1)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+        mappings = (table.mapping, table.scale_mapping)
+        for m in mappings:
+            m.advise("random")  # no readahead: only the pages touched come in
+            evict_pages(m.layout.files, m.regions)
+        ids = rng.choice(layout.num_rows, 40, replace=False)
+        table.paths.row_copy.touch(torch.from_numpy(ids))
+        for m in mappings:
+            (region,) = m.regions
+            vec = np.zeros((region.length + PAGE - 1) // PAGE, dtype=np.uint8)
+            from ple_um.mapping import _libc
+
+            assert _libc.mincore(region.addr, region.length, vec.ctypes.data) == 0
+            rb = m.layout.row_bytes
+            for i in ids.tolist():
+                shard, local = divmod(i, m.layout.rows_per_shard)
+                at = m.shard_base(shard) - region.addr + local * rb
+                assert vec[at // PAGE] & 1 and vec[(at + rb - 1) // PAGE] & 1, (m.layout.dtype_name, i)
+
+
 def test_touch_brings_the_pages_in_and_writes_nothing(lib, make_checkpoint, rng):
     # 4096 rows of 256 B in one file: 16 rows a page.
     layout = make_checkpoint(num_rows=4096, row_dim=256, dtype="fp8", shards=2, files=1)

@@ -174,18 +174,18 @@ class HostGather:
         self.gather(ids, packed, scales, raw=True)
 
     def touch(self, ids: torch.Tensor) -> None:
-        """Queue a row copy that reads one byte of every page of the rows of ``ids`` and copies
-        nothing (the ats mode's prefetch: the pages are in memory before the kernel queued after
-        it reads them)."""
+        """Queue a row copy that reads one byte of every page of the rows of ``ids`` (and of their
+        block scales) and copies nothing (the ats mode's prefetch: the pages are in memory before
+        the kernel queued after it reads them)."""
         self.gather(ids, raw=True)
 
     # -- one lookup --------------------------------------------------------------------------
     def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int]) -> None:
         """Point ``job`` at ``n`` ids of kind ``kind`` at ``ids_ptr``, their rows to ``dst`` (no
         destination: the page touch)."""
-        touch = not dst
+        touch = not dst  # the pages of the rows and of their block scales: the kernel reads both
         job.tables[0] = self.rows.address
-        job.tables[1] = self.block_scales.address if self.block_scales is not None and not touch else None
+        job.tables[1] = self.block_scales.address if self.block_scales is not None else None
         job.ids, job.n = ids_ptr, n
         job.counts = self.counts.address
         job.id_kind = kind

@@ -164,10 +164,9 @@ static tally_t copy_table(const ple_lookup_t *q, int k, int64_t a, int64_t b) {
     return copy_cold(q, t, q->dst[k], a, b);
 }
 
-/* Bring every page of each owned row [a, b) of the lookup's first table into memory. With a
- * reader, the pages not resident are asked for together first (reader.c). */
-static tally_t touch_rows(const ple_lookup_t *q, int64_t a, int64_t b) {
-    const ple_rows_t *t = q->tables[0];
+/* Bring every page of each owned row [a, b) of table t into memory. With a reader, the pages not
+ * resident are asked for together first (reader.c). */
+static tally_t touch_table(const ple_lookup_t *q, const ple_rows_t *t, int64_t a, int64_t b) {
     tally_t n = {0, 0};
     ple_miss_t rows[WINDOW];
     volatile uint8_t sink = 0;
@@ -193,6 +192,14 @@ static tally_t touch_rows(const ple_lookup_t *q, int64_t a, int64_t b) {
         }
     }
     (void)sink;
+    return n;
+}
+
+/* The touch of rows [a, b) of every table the kernel reads (the rows, a block-scaled table's block
+ * scales); the tally counts the rows' ids once, as a copy does. */
+static tally_t touch_rows(const ple_lookup_t *q, int64_t a, int64_t b) {
+    tally_t n = touch_table(q, q->tables[0], a, b);
+    if (q->tables[1]) n.broken += touch_table(q, q->tables[1], a, b).broken;
     return n;
 }
 

@@ -86,8 +86,8 @@ typedef struct {
 
 /* One lookup: what cuLaunchHostFunc hands to ple_lookup_run. ids are of kind id_kind (0 int64,
  * 1 int32, 2 int16, 3 int8, 4 uint8). dst[k] receives n rows of tables[k] (tables[1] may be NULL).
- * With touch set, nothing is copied: every 4 KiB page of each owned row is brought into memory, so
- * that the pages are there before a GPU kernel reads the rows. busy is set by the caller when it
+ * With touch set, nothing is copied: every 4 KiB page of each owned row of each table is brought
+ * into memory, so that the pages are there before a GPU kernel reads the rows (and block scales). busy is set by the caller when it
  * queues the lookup and cleared here, last, when the lookup is done. */
 typedef struct ple_lookup {
     const ple_rows_t *tables[2];
