@@ -190,7 +190,7 @@ class FitWatch(Ticker):
             cache_wanted = not verdict.fits and envs.PLE_UM_ROW_CACHE == "auto"
             if nxt.path == "host" and (host is None or cache_wanted and host.rows.cache is None):
                 built = self.host_for(True)
-                if built is not None and host is not None and built.rows.cache is None:
+                if built is not None and host is not None and not _gains(built, host):
                     # No room for a row cache now: the host path there is goes on serving (one
                     # adopted each check would hold its files and buffers until the table closes).
                     built.close()
@@ -198,8 +198,9 @@ class FitWatch(Ticker):
                 if built is not None:
                     paths.adopt(built)
                     if cpu:
+                        what = "with a row cache" if built.rows.cache is not None else "reading its misses"
                         nxt = Serving(
-                            "host", False, f"{verdict.why}: the host path, with a row cache", now.switches + 1
+                            "host", False, f"{verdict.why}: the host path, {what}", now.switches + 1
                         )
             if nxt.path == "host" and paths.row_copy is None:
                 nxt = Serving(
@@ -217,6 +218,12 @@ class FitWatch(Ticker):
         super().close()
         with self._lock:  # a check another thread runs has finished
             pass
+
+
+def _gains(built, host) -> bool:
+    """Whether host path ``built`` has what ``host`` lacks: a row cache, or a reader of misses (a
+    table resident at open has none: its pages lost since would be faulted in one at a time)."""
+    return built.rows.cache is not None or built.rows.reader is not None and host.rows.reader is None
 
 
 def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:

@@ -307,22 +307,26 @@ def test_a_check_with_no_room_for_a_row_cache_builds_no_host_path_again_and_agai
     table_files, caps, machine, memory_left, rng, poison
 ):
     """The table stops fitting while its memory cgroup is full (the page cache it read fills the
-    limit): no room for a row cache. The checks keep what serves (the cpu mode's host path; a GPU
-    mode's one host path, built once), never a host path more each check, which would hold its
-    descriptors and buffers until the table closes."""
+    limit): no room for a row cache. The checks build a host path once where the one there is lacks
+    a reader of misses (the cpu mode's, of a table resident at open) or where there is none (a GPU
+    mode's), and then keep it: never a host path more each check, which would hold its descriptors
+    and buffers until the table closes."""
     layout = table_files
     if caps is not None:
         machine(caps)
     mode, device = ("cpu", "cpu") if caps is None else ("ats", None)
     with ple_um.open_table(layout.directory, mode=mode, device=device, rows=OWNED) as table:
         paths = table.paths
+        had = paths.row_copy is not None and paths.row_copy.rows.reader is not None
         memory_left.machine, memory_left.group = 1 * MiB, 0
         evict(table)
-        for _ in range(6):
-            paths.fit.check()
+        changed = [paths.fit.check() for _ in range(6)]
+        assert changed == [not had] + [False] * 5, changed
         serving = table.stats()["serving"]
-        assert serving["path"] == "host" and serving["switches"] == (0 if caps is None else 1), serving
-        assert len(paths._hosts()) == 1 and "a row cache of" not in paths.row_reads, paths.row_reads
+        assert serving["path"] == "host" and serving["switches"] == int(not had), serving
+        assert "with a row cache" not in serving["why"] and table.stats()["row_cache"] is None, serving
+        assert len(paths._hosts()) == 1 + int(caps is None and not had), paths.row_reads
+        assert paths.row_copy.rows.reader is not None and "a row cache of" not in paths.row_reads
         decode_lookups(table, layout, rng, poison, 8)
 
 
