@@ -2,7 +2,8 @@
 
 The modes: cpu (the host gather: the C row copy where it builds, called directly on the CPU
 device; lookups of a few ids and of 20 000, those also on the synchronous path), ats and device
-(the kernel under the Triton interpreter) and registered (the kernel reading through injected
+(the kernel under the Triton interpreter), ats serving a table over its memory (its host path, with
+a row cache) and registered (the kernel reading through injected
 "device pointers": see tests/reliability/test_reliability.py). The documented results (README, DESIGN.md):
 
 - ids outside ``[0, num_rows)``: zero rows, counted in ``stats()["out_of_range"]``; IndexError
@@ -33,7 +34,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
 ]
 
-MODES = ["cpu", "ats", "device", "registered"]
+# ats-spilled: the ats mode serving a table over its memory (PLE_UM_FIT=spills): every lookup on its
+# host path, with a row cache, as on a GX10 whose table does not fit.
+MODES = ["cpu", "ats", "ats-spilled", "device", "registered"]
 ID_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
 N = 120  # rows of the table
 OWNED = (20, 61)  # an owned range that starts and ends inside shards (S = 24)
@@ -51,12 +54,18 @@ def layout(tmp_path_factory):
 
 
 @pytest.fixture
-def open_in(machine, layout):
-    """``open_in(mode, **kw)``: the table in ``mode`` on the CPU; registered through the injected H200."""
+def open_in(machine, layout, monkeypatch):
+    """``open_in(mode, **kw)``: the table in ``mode`` on the CPU; registered through the injected H200;
+    ats-spilled: ats, its decode-sized lookups on the host path."""
 
     def open_(mode: str, **kwargs):
         if mode == "registered":
             machine()
+        if mode == "ats-spilled":
+            monkeypatch.setenv("PLE_UM_FIT", "spills")
+            table = ple_um.open_table(layout.directory, mode="ats", device="cpu", **kwargs)
+            assert table.stats()["serving"]["path"] == "host" and table.stats()["row_cache"] is not None
+            return table
         return ple_um.open_table(layout.directory, mode=mode, device="cpu", **kwargs)
 
     return open_
