@@ -752,6 +752,40 @@ def test_a_table_a_page_short_of_resident_is_copied_from_the_mapping(lib, make_c
         assert cold_plan is not None and cold_plan.reads and cold_plan.cache_bytes == 0
 
 
+def test_a_row_over_two_pages_with_a_page_out_is_read_not_faulted(lib, make_checkpoint, rng):
+    """Without a row cache, a miss whose pages are all resident is copied from the mapping and the
+    others are read: a row of 8 KiB at an unaligned offset lies on three pages, and one whose last
+    page alone is out is read from the file (one read counted), exact, not faulted in."""
+    layout = make_checkpoint(
+        num_rows=64, row_dim=4096, dtype="bf16", shards=1, seed=int(rng.integers(1 << 30))
+    )
+    rb = layout.row_bytes
+    with MappedShards(layout) as mapping:
+        r = int(rng.integers(1, 63))
+        at = mapping.shard_base(0) + r * rb
+        first, last = at // PAGE, (at + rb - 1) // PAGE
+        if last - first != 2:
+            pytest.skip("the rows start on a page boundary here: none lies on three pages")
+        evict(mapping, layout)
+        mapping.advise("random")  # a fault reads its page alone: the row's first two pages in, not the last
+        for page in (first, first + 1):
+            ctypes.c_uint8.from_address(page * PAGE).value  # noqa: B018 - the read faults the page in
+        vec = np.zeros(3, dtype=np.uint8)
+        assert _libc.mincore(first * PAGE, 3 * PAGE, vec.ctypes.data) == 0
+        if vec.tolist() != [1, 1, 0]:
+            pytest.skip(f"the pages could not be set up so ({vec.tolist()}): a file system that keeps them")
+        reader = FileReader(mapping, strategy="threads", direct=False, depth=4, resident_check=True, lib=lib)
+        try:
+            rows, counts = rowcopy.Rows(mapping, reader=reader), rowcopy.Counts()
+            ids = torch.tensor([r], dtype=torch.int64)
+            out = torch.full((1, rb), 0xAB, dtype=torch.uint8)
+            got = run(lib, [rows], ids, [out], counts)
+            assert np.array_equal(out.numpy(), reference_rows(layout, ids.numpy()))
+            assert got["file_reads"] == 1 and got["broken"] == 0, got
+        finally:
+            reader.close()
+
+
 def test_uring_asked_where_no_ring_can_be_made_takes_threads():
     class NoRing:
         def ple_uring_works(self):

@@ -294,12 +294,17 @@ tally_t ple_read_misses(const ple_rows_t *t, ple_miss_t *misses, int64_t n, uint
     return read_all(t, misses, n, dst, counts);
 }
 
+/* Whether every page of the rb bytes at row is resident (a row of any size: 64 pages a call). */
 int ple_resident(const uint8_t *row, int64_t rb) {
     uintptr_t first = (uintptr_t)row & ~(uintptr_t)(PAGE - 1), last = ((uintptr_t)row + (uintptr_t)rb - 1) & ~(uintptr_t)(PAGE - 1);
-    unsigned char vec[2] = {0, 0};
-    size_t pages = last > first ? 2 : 1;
-    if (mincore((void *)first, pages * PAGE, vec) != 0) return 0;
-    return (vec[0] & 1) && (pages == 1 || (vec[1] & 1));
+    unsigned char vec[64];
+    for (uintptr_t at = first; at <= last; at += sizeof vec * PAGE) {
+        size_t pages = (last - at) / PAGE + 1 < sizeof vec ? (last - at) / PAGE + 1 : sizeof vec;
+        if (mincore((void *)at, pages * PAGE, vec) != 0) return 0;
+        for (size_t k = 0; k < pages; k++)
+            if (!(vec[k] & 1)) return 0;
+    }
+    return 1;
 }
 
 /* The pages of `rows` not in memory asked for at once (MADV_WILLNEED: the kernel reads them ahead
