@@ -70,7 +70,9 @@ def start_prefetch(original, self, batch=None, forward_batch=None, **kwargs) -> 
             original(member, batch=batch, forward_batch=forward_batch)
         return True
 
-    if kwargs or batch is None or group is None or not group.start(self, (batch, forward_batch), start_from):
+    # An idle rank (no batch) starts early too: under DP attention each start gathers the ids across
+    # the ranks, a collective every rank must call in the same order as the busy ones.
+    if kwargs or group is None or not group.start(self, (batch, forward_batch), start_from):
         original(self, batch=batch, forward_batch=forward_batch, **kwargs)
 
 

@@ -176,3 +176,67 @@ def test_a_step_begun_again_midway(ple_layers, file_rows, rng, monkeypatch):
         ids = ple.ple_embedding.compute_ngram_ids(new)
         assert torch.equal(got, file_rows(layout).to(torch.bfloat16)[ids].flatten(-2))
     _step(layers, layouts, file_rows, _decode_batch(rng, 11), early=True)
+
+
+@pytest.fixture
+def dp_gathers(ple_layers, monkeypatch):
+    """The layers gather their ids across DP-attention ranks (``gather_dp_tokens``), as under
+    ``--enable-dp-attention``; SGLang's two collectives are stood in for by one rank of two (the
+    other rank's ``OTHER`` tokens, its ids fixed) and record, in order, which of them ran."""
+    from sglang.srt.models import qwen4_exp
+
+    layers, _ = ple_layers
+    calls: list[str] = []
+    other = torch.arange(OTHER * layers[0].ple_embedding.ngram_heads).reshape(OTHER, -1) % 50
+
+    def gather(global_ids, local_ids, forward_batch) -> None:
+        calls.append("gather")
+        global_ids[: local_ids.shape[0]] = local_ids
+        global_ids[local_ids.shape[0] :] = other
+
+    def scatter(local, global_rows, forward_batch) -> None:
+        calls.append("scatter")
+        local.copy_(global_rows[: local.shape[0]])
+
+    monkeypatch.setattr(qwen4_exp, "dp_gather_replicate", gather)
+    monkeypatch.setattr(qwen4_exp, "dp_scatter", scatter)
+    for ple in layers:
+        ple.ple_embedding.gather_dp_tokens = True
+    return calls
+
+
+OTHER = 5  # tokens of the other DP-attention rank
+
+
+def _dp_step(layers, batch, tokens: int) -> None:
+    """One forward on a rank whose batch is ``batch`` (None: an idle rank): each PLE layer's start,
+    then its forward (which joins its prefetch)."""
+    forward_batch = SimpleNamespace(
+        global_dp_buffer_len=tokens + OTHER, input_ids=torch.zeros(tokens, dtype=torch.long)
+    )
+    for index, ple in enumerate(layers):
+        ple.start_prefetch(batch=batch, forward_batch=forward_batch)
+        if batch is None:
+            ple.forward_idle(forward_batch)
+        else:
+            ple._consume_prefetched_embeddings(forward_batch)
+        assert ple._prefetch_state is None, index
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_an_idle_dp_rank_calls_the_collectives_of_a_busy_one(ple_layers, dp_gathers, rng, monkeypatch, mode):
+    """Under DP attention every rank gathers the step's ids (a collective) at each PLE layer's start,
+    an idle rank (no batch) too; the ranks must call them in the same order, or they wait on each
+    other for ever. An idle rank takes its starts early exactly when a busy one does."""
+    from ple_um.sglang import early
+
+    monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", mode)
+    layers, _ = ple_layers
+    early.link(layers)
+    orders = []
+    for batch, tokens in ((_decode_batch(rng, 6), 6), (None, 0), (_decode_batch(rng, 4), 4), (None, 0)):
+        dp_gathers.clear()
+        _dp_step(layers, batch, tokens)
+        orders.append(list(dp_gathers))
+    step = ["gather"] * 3 + ["scatter"] * 3 if mode == "auto" else ["gather", "scatter"] * 3
+    assert orders == [step] * 4, orders
