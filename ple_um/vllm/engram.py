@@ -45,7 +45,7 @@ from ple_um.errors import CheckpointError
 from ple_um.opening import open_engram_table
 from ple_um.served import ServedTable
 from ple_um.vllm.patch import replace
-from ple_um.vllm.source import TableSource
+from ple_um.vllm.source import TableSource, file_backing
 
 logger = init_logger("vllm.ple_um.engram")
 
@@ -143,15 +143,18 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
 
     def _receive(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """vLLM's weight loader for both parameters: the tensor's shape and dtype are checked
-        (metadata: its data is never read), and once rows and scales are both in, the table opens."""
+        (metadata: its data is never read; the file it is a view of named where it is one), and
+        once rows and scales are both in, the table opens."""
         scales = param is self.weight_scale_inv
         expect = (self.num_embeddings, self.dim // MXFP8_BLOCK if scales else self.dim)
         dtypes = (torch.uint8, torch.float8_e8m0fnu) if scales else (torch.float8_e4m3fn,)
         what = "weight_scale_inv" if scales else "weight"
         if tuple(loaded.shape) != expect or loaded.dtype not in dtypes:
+            backing = file_backing(loaded)
             raise CheckpointError(
                 f"ple-um: {self.prefix}: the checkpoint's {what} is {loaded.dtype} {list(loaded.shape)}, "
                 f"the layer expects {' or '.join(map(str, dtypes))} {list(expect)}",
+                path=backing[0] if backing else None,
                 tensor=f"layers.{self.layer_id}.engram.embed.{'scale' if scales else 'weight'}",
             )
         self._received.add(what)

@@ -68,14 +68,16 @@ def check_shard(
     backing: tuple[str, int] | None,
 ) -> None:
     """Shard tensor ``shard_<index>.<name>`` (``backing``: the file it is a view of, if any) must be
-    one the layer's embedding method loads, of the shape vLLM's loader requires."""
+    one the layer's embedding method loads, of the shape vLLM's loader requires: else a
+    CheckpointError (a ValueError, as stock raises) naming the file and the tensor."""
     parts, num_rows = _parts(layer), layer.org_vocab_size
+    where = {"path": backing[0] if backing else None, "tensor": f"ngram_embedding.shard_{index}.{name}"}
     if not 0 <= index < parts:
-        raise ValueError(
-            f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({layer.prefix})"
+        raise CheckpointError(
+            f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({layer.prefix})", **where
         )
     sharded = _sharded(layer)
-    _check_shard_kind(layer, sharded, index, tensor, name, backing)
+    _check_shard_kind(layer, sharded, index, tensor, name, where)
     per_shard = -(-num_rows // parts)
     rows = max(0, min(per_shard, num_rows - index * per_shard))
     width = sharded[name][0]  # as stock: the parameter's width
@@ -87,9 +89,10 @@ def check_shard(
                 f"{tensor.shape[0] if tensor.dim() else 0} rows, expected {rows} "
                 f"(ceil({num_rows} rows / {parts} parts) per shard)"
             )
-        raise ValueError(
+        raise CheckpointError(
             f"Shape mismatch for PLE embedding shard {index}{'' if name == 'weight' else ' ' + name} of "
-            f"{layer.prefix}: got {tuple(tensor.shape)}, expected {(rows, width)}: {what}"
+            f"{layer.prefix}: got {tuple(tensor.shape)}, expected {(rows, width)}: {what}",
+            **where,
         )
 
 
@@ -99,11 +102,11 @@ def _check_shard_kind(
     index: int,
     tensor: torch.Tensor,
     name: str,
-    backing: tuple[str, int] | None,
+    where: dict,
 ) -> None:
     """The delivered tensor must be of the kind the layer's embedding method loads: an NVFP4
-    checkpoint under an FP8 or 16-bit method, or the reverse, fails here naming the cure."""
-    where = {"path": backing[0] if backing else None, "tensor": f"ngram_embedding.shard_{index}.{name}"}
+    checkpoint under an FP8 or 16-bit method, or the reverse, fails here naming the cure (and
+    ``where``: the file and the tensor)."""
     method, prefix = type(layer.embedding_method).__name__, layer.prefix
     if name not in sharded:
         raise CheckpointError(

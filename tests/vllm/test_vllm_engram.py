@@ -136,6 +136,16 @@ def test_a_tensor_of_the_wrong_shape_is_refused(engram_world, monkeypatch, check
     with pytest.raises(CheckpointError, match="the layer expects .* \\[2700, 64\\]") as info:
         ours.weight.weight_loader(ours.weight, weight)
     assert info.value.tensor == "layers.2.engram.embed.weight"
+    # As vLLM's safetensors iterator delivers it (a view of the file): the file is named too.
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    from ple_um.synthetic_engram import FILE_NAME, weight_name
+
+    path = str(checkpoint / FILE_NAME)
+    view = dict(safetensors_weights_iterator([path], False))[weight_name(LAYERS[1])]
+    with pytest.raises(CheckpointError, match="the layer expects") as info:
+        ours.weight.weight_loader(ours.weight, view)
+    assert info.value.path == os.path.realpath(path), str(info.value)
     with pytest.raises(RuntimeError, match="the table is not open"):
         ours(torch.zeros((1, 8), dtype=torch.int32))
 

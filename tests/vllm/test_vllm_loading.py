@@ -122,17 +122,25 @@ def test_reload_from_memory_is_compared(world, patched, table_dir, tmp_path, dty
 def test_wrong_row_width(world, patched, table_dir, tmp_path, table_elsewhere, dtype):
     """Rows of half the layer's head_dim (FP8: 4 of 8; NVFP4: 16 of 32 values): rejected when vLLM
     delivers the shards (shape check, as stock does) and when PLE_UM_DIR names the table (layout
-    check)."""
+    check), by a CheckpointError naming the file and the tensor."""
     config = h.text_config(dtype=dtype)
     right = h.write_table(tmp_path / "right", config)
     wrong = h.write_table(tmp_path / "wrong", config, row_dim=h.head_dim(config) // 2)
     table_dir(wrong.directory)
     module = h.build(config, ple_um_on=True)
     source = right.directory if table_elsewhere else wrong.directory
-    error = ple_um.CheckpointError if table_elsewhere else ValueError
-    with pytest.raises(error, match="row width|head_dim"):
+    with pytest.raises(ple_um.CheckpointError, match="row width|head_dim") as info:
         h.load(module, source)
+    _names_a_file_and_shard(info.value, wrong)
     assert module.ngram_embedding.table is None
+
+
+def _names_a_file_and_shard(error: ple_um.CheckpointError, layout) -> None:
+    """The error names one of ``layout``'s files and a shard tensor."""
+    assert error.path is not None and os.path.realpath(error.path) in {
+        os.path.realpath(spec.path) for spec in (*layout.shards, *layout.block_scales)
+    }, str(error)
+    assert error.tensor is not None and "shard_" in error.tensor, str(error)
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
@@ -144,9 +152,9 @@ def test_wrong_row_count(world, patched, table_dir, tmp_path, table_elsewhere, d
     table_dir(wrong.directory)
     module = h.build(config, ple_um_on=True)
     source = right.directory if table_elsewhere else wrong.directory
-    error = ple_um.CheckpointError if table_elsewhere else ValueError
-    with pytest.raises(error, match="rows"):
+    with pytest.raises(ple_um.CheckpointError, match="rows") as info:
         h.load(module, source)
+    _names_a_file_and_shard(info.value, wrong)
     assert module.ngram_embedding.table is None
 
 
