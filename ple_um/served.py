@@ -387,14 +387,14 @@ class StepGroup:
         self.step, self.pending = step, set(range(position + 1, len(self.layers)))
         return True
 
-    def announce(self, logger: logging.Logger, how: str, buffers: str) -> None:
-        """Log the group at INFO: ``how`` the step's lookups run, ``buffers`` the memory they write."""
-        logger.info(
-            "ple-um: early lookups %s (PLE_UM_EARLY_LOOKUPS): the first of %d PLE layers' start_prefetch "
-            "starts all %d lookups of a step, %s; their rows go to the layers' own prefetch buffers, %s",
-            envs.PLE_UM_EARLY_LOOKUPS,
-            len(self.layers),
-            len(self.layers),
-            how,
-            buffers,
-        )
+    def announce(self, logger: logging.Logger, how: str, buffers: str, why_not: str | None = None) -> None:
+        """Log the group at INFO: ``how`` the step's lookups run, ``buffers`` the memory they write;
+        or why its starts are not taken early (``why_not``, the engine's reason, or the knob off)."""
+        mode, count = envs.PLE_UM_EARLY_LOOKUPS, len(self.layers)
+        if why_not or mode == "off":
+            line = "ple-um: early lookups not taken (%s): each of the %d PLE layers looks its own rows up"
+            logger.info(line, why_not or "PLE_UM_EARLY_LOOKUPS=off", count)
+            return
+        line = "ple-um: early lookups %s (PLE_UM_EARLY_LOOKUPS): the first of %d PLE layers' start_prefetch "
+        line += "starts all %d lookups of a step, %s; their rows go to the layers' own prefetch buffers, %s"
+        logger.info(line, mode, count, count, how, buffers)

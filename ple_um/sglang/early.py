@@ -56,7 +56,9 @@ def link(layers: list[nn.Module]) -> StepGroup | None:
     for layer in layers:
         layer._ple_um_early = group
     per_token = sum(layer.ple_embed_dim * _BF16_BYTES for layer in layers)
-    group.announce(logger, "each on its layer's stream", f"{format_bytes(per_token)} a token in all")
+    streamless = all(layer._prefetch_stream is None for layer in layers)  # each looks up in its forward
+    why_not = "no prefetch stream: PLE_UM_OVERLAP=0 or not a CUDA device" if streamless else None
+    group.announce(logger, "each on its layer's stream", f"{format_bytes(per_token)} a token in all", why_not)
     return group
 
 

@@ -240,3 +240,25 @@ def test_an_idle_dp_rank_calls_the_collectives_of_a_busy_one(ple_layers, dp_gath
         orders.append(list(dp_gathers))
     step = ["gather"] * 3 + ["scatter"] * 3 if mode == "auto" else ["gather", "scatter"] * 3
     assert orders == [step] * 4, orders
+
+
+@pytest.mark.parametrize("why", ["off", "no stream"])
+def test_the_log_line_says_when_starts_are_not_taken_early(ple_layers, monkeypatch, caplog, why):
+    """PLE_UM_EARLY_LOOKUPS=off, or layers without a prefetch stream (PLE_UM_OVERLAP=0, a CPU device:
+    each looks its rows up in its forward): the group's log line says the starts are not taken
+    early, never that the first layer starts them all."""
+    import logging
+
+    from ple_um.sglang import early
+
+    monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", "off" if why == "off" else "on")
+    layers, _ = ple_layers
+    if why == "no stream":
+        for ple in layers:
+            monkeypatch.setattr(ple, "_prefetch_stream", None)
+    monkeypatch.setattr(early.logger, "propagate", True)
+    with caplog.at_level(logging.INFO, logger=early.logger.name):
+        early.link(layers)
+    lines = [r.getMessage() for r in caplog.records if "early lookups" in r.getMessage()]
+    assert len(lines) == 1 and "not taken" in lines[0] and "starts all" not in lines[0], lines
+    assert ("PLE_UM_EARLY_LOOKUPS=off" if why == "off" else "no prefetch stream") in lines[0], lines

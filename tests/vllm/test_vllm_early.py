@@ -197,3 +197,19 @@ def test_captured_early_lookups_are_tracked(three_layers, monkeypatch):
             mapped[0].start_prefetch(ids, query_start_loc, ngram_context)
     assert all(m.ngram_embedding.served.captured for m in mapped)
     _step(stock, mapped, layouts, 12, 20, early=True)
+
+
+def test_the_log_line_says_when_starts_are_not_taken_early(three_layers, monkeypatch, caplog):
+    """PLE_UM_EARLY_LOOKUPS=off: the group's log line says each layer starts its own lookup, never
+    that the first layer starts them all (which it does not: ``_step`` checks it)."""
+    from ple_um.vllm import early
+
+    monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", "off")
+    monkeypatch.setattr(early.logger, "propagate", True)  # vLLM may route it elsewhere
+    stock, mapped, layouts = three_layers("fp8")
+    with caplog.at_level(logging.INFO, logger=early.logger.name):
+        early.link_model(_Model(mapped))
+    lines = [r.getMessage() for r in caplog.records if "early lookups" in r.getMessage()]
+    assert len(lines) == 1 and "not taken" in lines[0] and "PLE_UM_EARLY_LOOKUPS=off" in lines[0], lines
+    assert "starts all" not in lines[0], lines
+    _step(stock, mapped, layouts, 13, 20, early=False)
