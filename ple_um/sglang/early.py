@@ -10,8 +10,10 @@ whole step's exist before layer 0 runs. ``link`` groups a model's PLE layers ser
 first layer's ``start_prefetch`` runs SGLang's own ``start_prefetch`` of every later PLE layer too,
 each on its layer's stream into its layer's buffers, and a later layer's own call in the same forward
 (the same batch) finds its lookup started and returns. Each layer's forward joins only its own
-stream, as stock. A FULL CUDA graph captures every fork and every join; SGLang's breakable graphs run
-the prefetch in an eager break, where the first layer's break starts them all.
+stream, as stock. An idle rank (no batch) starts its layers' prefetches the same way: under DP
+attention each one gathers the ids across the ranks, which must call it in the same order. A FULL
+CUDA graph captures every fork and every join; SGLang's breakable graphs run the prefetch in an
+eager break, where the first layer's break starts them all.
 
 The rows go where SGLang's stock prefetch puts them (each layer's eager buffer, and one buffer per
 captured batch size), so early lookups take no memory beyond those; ``link`` logs their size a token.
