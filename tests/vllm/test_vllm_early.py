@@ -155,17 +155,12 @@ def test_buffers_bounded_and_logged(three_layers, monkeypatch, caplog):
     """The group's log line states the prefetch buffers' total (tokens x heads x head_dim in the
     lookup dtype, a layer), which is what the layers hold after steps up to vLLM's token budget."""
     from ple_um.units import format_bytes
-    from ple_um.vllm import early
 
-    monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", "on")
-    monkeypatch.setattr(early.logger, "propagate", True)  # vLLM may route it elsewhere
     stock, mapped, layouts = three_layers("fp8")
-    with caplog.at_level(logging.INFO, logger=early.logger.name):
-        early.link_model(_Model(mapped))
-    lines = [r.getMessage() for r in caplog.records if "early lookups" in r.getMessage()]
+    line = _group_line(mapped, "on", monkeypatch, caplog)
     heads, head_dim = mapped[0].ngram_heads, mapped[0].ngram_embedding.embedding_dim
     expected = len(LAYERS) * MAX_TOKENS * heads * head_dim  # FP8: a byte an element
-    assert len(lines) == 1 and f"{format_bytes(expected)} in all" in lines[0], lines
+    assert f"{format_bytes(expected)} in all" in line, line
     for seed, tokens in ((8, MAX_TOKENS), (9, 5)):
         _step(stock, mapped, layouts, seed, tokens, early=True)
     held = [m.ngram_embedding.overlapped.buffer for m in mapped]
@@ -202,14 +197,20 @@ def test_captured_early_lookups_are_tracked(three_layers, monkeypatch):
 def test_the_log_line_says_when_starts_are_not_taken_early(three_layers, monkeypatch, caplog):
     """PLE_UM_EARLY_LOOKUPS=off: the group's log line says each layer starts its own lookup, never
     that the first layer starts them all (which it does not: ``_step`` checks it)."""
+    stock, mapped, layouts = three_layers("fp8")
+    line = _group_line(mapped, "off", monkeypatch, caplog)
+    assert "not taken" in line and "PLE_UM_EARLY_LOOKUPS=off" in line and "starts all" not in line, line
+    _step(stock, mapped, layouts, 13, 20, early=False)
+
+
+def _group_line(mapped, mode: str, monkeypatch, caplog) -> str:
+    """The one log line of the group ``link_model`` makes of ``mapped``, PLE_UM_EARLY_LOOKUPS=``mode``."""
     from ple_um.vllm import early
 
-    monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", "off")
+    monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", mode)
     monkeypatch.setattr(early.logger, "propagate", True)  # vLLM may route it elsewhere
-    stock, mapped, layouts = three_layers("fp8")
     with caplog.at_level(logging.INFO, logger=early.logger.name):
         early.link_model(_Model(mapped))
     lines = [r.getMessage() for r in caplog.records if "early lookups" in r.getMessage()]
-    assert len(lines) == 1 and "not taken" in lines[0] and "PLE_UM_EARLY_LOOKUPS=off" in lines[0], lines
-    assert "starts all" not in lines[0], lines
-    _step(stock, mapped, layouts, 13, 20, early=False)
+    assert len(lines) == 1, lines
+    return lines[0]
