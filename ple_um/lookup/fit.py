@@ -18,7 +18,9 @@ The rule (docs/OPERATING.md, "Memory"):
   ``1 - FIT_MARGIN`` of its size to spare; the touch starts when more than ``TOUCH_FROM`` of the
   sampled pages are out and stops when none is. A switch is a flag the next lookup reads: work
   already queued on a stream stays ordered before it, and a graph captured before keeps what it
-  captured (every path a table ever had stays alive until it closes).
+  captured (every path a table ever had stays alive until it closes). The touch alone also
+  reaches such graphs: under ``auto`` a captured kernel lookup always holds a touch that runs
+  only while its table's word says so (``LookupPaths.touch_live``).
 Where the host path that serves a table that stopped fitting has no row cache (the table fit at
 open), ``FitWatch`` builds one on its own thread (a new host path, sized from the memory left
 then) and switches once it is ready; the old path stays for the graphs that captured it.
@@ -241,5 +243,12 @@ def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
         return Serving("host", False, f"{verdict.why}: the cpu mode's host path, {cache}")
     if mode == "device":
         return Serving("kernel", False, "the device mode: the rows are in GPU memory")
-    knob = envs.PLE_UM_ATS_PREFETCH if cuda else "off"
-    return choose(None, verdict, touch_knob=knob, touch_here=mode == "ats" and cuda)
+    knob, here = touch_setting(mode, cuda=cuda)
+    return choose(None, verdict, touch_knob=knob, touch_here=here)
+
+
+def touch_setting(mode: str, *, cuda: bool) -> tuple[str, bool]:
+    """``PLE_UM_ATS_PREFETCH`` as it applies to ``mode`` on a CUDA device or not, and whether its
+    ``auto`` touches there (the ats mode on a GPU). The touch serves a GPU: on the CPU (the
+    interpreter) the kernel reads the mapping itself."""
+    return (envs.PLE_UM_ATS_PREFETCH if cuda else "off"), mode == "ats" and cuda

@@ -12,8 +12,10 @@ every lookup while the table's owned rows do not fit the memory this process may
 (``decode_on_host``), and, in the ``ats`` mode while a table that fits is not all in memory, for a
 page touch queued before each kernel (``PLE_UM_ATS_PREFETCH``). ``lookup.fit`` decides which at
 open and again while the table serves (``serving``); ``LookupPaths.route`` sends each lookup
-down the one that serves it. Every path reports the same counts (``read_counts``), so the table adds
-them up without asking which path it holds.
+down the one that serves it. Under ``auto`` a captured kernel lookup holds the touch whatever was
+decided then, a touch that runs only while ``touch_live`` says so when it runs: replays of a graph
+captured while the table was resident touch once it is evicted. Every path reports the same
+counts (``read_counts``), so the table adds them up without asking which path it holds.
 
 Before it is routed, a lookup's arguments are checked (``check_args``: ``lookup``, ``lookup_packed``
 and the torch ops), each failure a TypeError or ValueError saying what to pass.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import threading
 
+import numpy as np
 import torch
 
 from ple_um import envs
@@ -85,7 +88,9 @@ class LookupPaths:
     or None (cpu mode); ``host``: the host path, or None; ``bulk_rows``: GPU-mode lookups of at
     least this many ids take the host path (None: never); ``decode_on_host``: every lookup takes the
     host path; ``touch_pages``: a page touch on the host path is queued before each kernel;
-    ``serving``: which of them and why
+    ``touch_live``: under ``PLE_UM_ATS_PREFETCH=auto`` in the ats mode on a GPU, the word (one
+    int32, read by the touch's row copy when it runs) saying whether a kernel's pages are to be
+    touched now, else None; ``serving``: which of them and why
     (``fit.Serving``), kept by ``fit`` (``FitWatch``, or None where nothing is decided again);
     ``capture_safe``: every lookup is stream-ordered work; ``row_reads``: how rows are read, in
     words, for the open's log line. A host path replaced (``adopt``) stays until ``close``: graphs
@@ -107,7 +112,7 @@ class LookupPaths:
         self.touch_pages = False
         self.decode_on_host = gpu is None
         self.serving = fit.Serving("host" if gpu is None else "kernel", False, "")
-        self.touches = 0  # page touches queued (eager and captured calls; not graph replays)
+        self.touch_live: np.ndarray | None = None
         self.fit: fit.FitWatch | None = None
         self.capture_safe = not isinstance(host, SyncGather)
         self._retired: list[HostGather] = []
@@ -120,14 +125,17 @@ class LookupPaths:
         self.serving = serving
         self.touch_pages = serving.touch and self.host is not None
         self.decode_on_host = serving.path == "host"
+        if self.touch_live is not None:  # graphs captured on the kernel run it also on the host path
+            self.touch_live[0] = serving.touch or self.decode_on_host
 
     def route(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The one routing of a lookup: contiguous ``ids`` on the table's device into contiguous ``out``
         (the kernel reads both by address, the host path flat): the host path while ``decode_on_host``
-        (``lookup.fit``) or for ``bulk_rows`` ids or more; with ``touch_pages`` a page touch first."""
+        (``lookup.fit``) or for ``bulk_rows`` ids or more; with ``touch_pages`` a page touch first,
+        and with ``touch_live`` one in every capture (run while its word says so)."""
         n = ids.numel()
         if not self.decode_on_host and (self.bulk_rows is None or n < self.bulk_rows):
-            if self.touch_pages:
+            if self.touch_pages or self._live_capture():
                 self.touch(ids.view(-1))
             return self.gpu.gather(ids, out)
         self.host.gather(ids.view(-1), out.view(n, out.shape[-1]))
@@ -141,10 +149,15 @@ class LookupPaths:
         (self.host if self.decode_on_host else self.gpu).gather_packed(ids, packed, scales)
         return packed, scales
 
+    def _live_capture(self) -> bool:
+        """Whether this lookup is captured where captures hold the live touch."""
+        live = self.touch_live is not None and self.host is not None
+        return live and torch.cuda.is_current_stream_capturing()
+
     def touch(self, ids: torch.Tensor) -> None:
-        """Queue the page touch of flat ``ids``' rows on the host path (before the kernel's lookup)."""
-        self.touches += 1
-        self.host.touch(ids)
+        """Queue the page touch of flat ``ids``' rows on the host path (before the kernel's lookup),
+        through ``touch_live`` where there is one."""
+        self.host.touch(ids, live=self.touch_live)
 
     def adopt(self, host: HostGather) -> None:
         """Serve the next lookups on the host path through ``host`` (one with a row cache the old
@@ -214,12 +227,13 @@ class LookupPaths:
         for path in (self.gpu, *self._hosts()):
             if path is not None:
                 path.reset_counts()
-        self.touches = 0
 
     def serving_stats(self) -> dict:
-        """What serves the decode-sized lookups (``fit.Serving.as_dict``), and the fit checks made."""
+        """What serves the decode-sized lookups (``fit.Serving.as_dict``, with the page touches the
+        host paths ran: eager and replayed), and the fit checks made."""
+        touches = sum(h.counts.read()["touches"] for h in self._hosts() if isinstance(h, HostGather))
         return {
-            **self.serving.as_dict(self.touches),
+            **self.serving.as_dict(touches),
             "checks": self.fit.checks if self.fit is not None else 0,
         }
 
@@ -257,9 +271,7 @@ def build_paths(
     mappings = [m for m in (mapping, scale_mapping) if m is not None]
     verdict = fit.measure(mappings, pinned=access.pinned_bytes)
     host_for = _host_builder(access, layout, scale, lib, why)
-    # The touch serves a GPU; on the CPU (the interpreter) the kernel reads the mapping itself.
-    touch_knob = envs.PLE_UM_ATS_PREFETCH if device.type == "cuda" else "off"
-    touch_here = mode == "ats" and device.type == "cuda"
+    touch_knob, touch_here = fit.touch_setting(mode, cuda=device.type == "cuda")
     if mode == "cpu":
         if lib is not None:
             host = host_for(not verdict.fits)
@@ -277,11 +289,13 @@ def build_paths(
         paths.set_serving(fit.Serving("host", False, f"{verdict.why}: the cpu mode's host path"))
     else:
         paths = LookupPaths(layout, device, _kernel(access, layout, rows, scale), None, "the GPU kernel only")
+        if touch_here and touch_knob == "auto":
+            paths.touch_live = np.zeros(1, dtype=np.int32)
         serving = fit.choose(None, verdict, touch_knob=touch_knob, touch_here=touch_here)
-        # The host path serves big lookups on a GPU, the page touch, or every lookup (spilled).
-        needed = (
-            device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0 or serving.touch or serving.path == "host"
-        )
+        # The host path serves big lookups on a GPU, the page touch (under auto: every capture's),
+        # or every lookup (spilled).
+        bulk = device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0
+        needed = bulk or serving.touch or paths.touch_live is not None or serving.path == "host"
         if lib is not None and needed:
             paths.host = host_for(serving.path == "host")
         if serving.path == "host" and paths.host is None:

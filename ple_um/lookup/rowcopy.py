@@ -32,7 +32,7 @@ from ple_um.lookup import native_library
 from ple_um.mapping import MappedShards
 
 # abi.c's PLE_ABI_VERSION: the interface the declarations below are written for.
-ABI_VERSION = 3
+ABI_VERSION = 4
 # The functions called through ctypes: name, argument types, result type.
 SIGNATURES = (
     ("ple_abi_version", [], ctypes.c_int64),
@@ -68,6 +68,7 @@ COUNTS = (
     "cache_evictions",
     "file_reads",
     "read_ns",
+    "touches",
 )
 # rowcopy.h's ways of reading the rows a lookup misses.
 READ_STRATEGIES = {"mmap": 0, "uring": 1, "threads": 2}
@@ -144,6 +145,7 @@ class LookupStruct(ctypes.Structure):
         ("ids", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("counts", ctypes.c_void_p),
+        ("live", ctypes.c_void_p),
         ("id_kind", ctypes.c_int32),
         ("touch", ctypes.c_int32),
         ("threads", ctypes.c_int32),

@@ -3,7 +3,8 @@ cpu modes, a table that fits at open, a CUDA graph captured, then a forced "does
 (``access.memory.fits`` replaced, the check run here): the switch takes effect between lookups; a
 graph captured before keeps its path, one captured after takes the host path with a row cache, and
 both replay exactly with new ids, as do eager lookups. Every output poisoned first and compared
-with the rows read from the files.
+with the rows read from the files. And the live page touch's host node, replayed while its word
+flips.
 """
 
 from __future__ import annotations
@@ -86,3 +87,41 @@ def test_graphs_captured_before_and_after_a_switch_both_replay_exactly(
         if mode == "registered":  # the graph captured before still ran the kernel, and only it
             assert table.paths.gpu.read_counts()["rows"] == kernel_rows + 6 * n
             assert stats["serving"]["page_touches"] == 0
+
+
+def test_a_captured_page_touch_reads_its_word_at_each_replay(make_checkpoint, rng, device):
+    """The ats mode's live touch (``LookupPaths.touch_live``) as a CUDA graph replays it: the host
+    node of a touch captured once, replayed with new ids while its word is flipped, the table's
+    pages dropped before each replay. Clear: none of the rows' pages comes in and no touch is
+    counted; set: every one comes in, counted. The ats mode itself needs ATS (not on an H200): the
+    touch is the host path's, the same in every mode, here the cpu mode's on this GPU."""
+    from helpers.rowcopy_jobs import rows_in_memory
+
+    from ple_um.residency import evict_pages
+
+    layout = make_checkpoint(num_rows=16384, row_dim=256, dtype="fp8", shards=3, files=1)
+    with ple_um.open_table(layout.directory, mode="cpu", device=device) as table:
+        host, mapping = table.paths.row_copy, table.mapping
+        mapping.advise("random")  # no readahead: only the pages touched come in
+        live = np.ones(1, dtype=np.int32)
+        ids = torch.zeros(64, dtype=torch.int64, device=device)
+        host.touch(ids, live=live)  # warm: buffers made outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            host.touch(ids, live=live)
+        touches = host.counts.read()["touches"]
+        for word in (0, 1, 0, 0, 1):
+            ids_np = rng.choice(layout.num_rows, 64, replace=False)
+            ids.copy_(torch.from_numpy(ids_np))
+            torch.cuda.synchronize()
+            evict_pages(layout.files, mapping.regions)
+            assert not any(rows_in_memory(mapping, ids_np)), "the pages were not dropped"
+            live[0] = word
+            graph.replay()
+            torch.cuda.synchronize()
+            touches += word
+            inside = rows_in_memory(mapping, ids_np)
+            assert all(inside) if word else not any(inside), (word, inside)
+            assert host.counts.read()["touches"] == touches
+        assert table.stats()["serving"]["page_touches"] == touches

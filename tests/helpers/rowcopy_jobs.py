@@ -9,10 +9,15 @@ import signal
 import numpy as np
 
 from ple_um.lookup import rowcopy
+from ple_um.mapping import PAGE
+from ple_um.residency import mincore
 
 
-def make_job(tables, ids, dsts, counts, *, threads=1, inline_rows=2048, touch=False) -> rowcopy.LookupStruct:
-    """A job struct for one lookup of ``ids`` (its busy flag up, as a caller queues it)."""
+def make_job(
+    tables, ids, dsts, counts, *, threads=1, inline_rows=2048, touch=False, live=None
+) -> rowcopy.LookupStruct:
+    """A job struct for one lookup of ``ids`` (its busy flag up, as a caller queues it); ``live``:
+    a touch's word (a one-int32 array), read when the job runs."""
     job = rowcopy.LookupStruct()
     job.tables[0] = tables[0].address
     job.tables[1] = tables[1].address if len(tables) > 1 else None
@@ -22,7 +27,21 @@ def make_job(tables, ids, dsts, counts, *, threads=1, inline_rows=2048, touch=Fa
     job.counts = counts.address
     job.id_kind = rowcopy.ID_KINDS[ids.dtype]
     job.touch, job.threads, job.inline_rows, job.busy = int(touch), threads, inline_rows, 1
+    job.live = live.ctypes.data if live is not None else None
     return job
+
+
+def rows_in_memory(mapping, ids) -> list[bool]:
+    """Per id of ``ids`` (global, owned by ``mapping``, a MappedShards of one file): whether the first
+    and the last page of its row are in the page cache (mincore)."""
+    (region,) = mapping.regions
+    present = mincore(region.addr, region.length, region.path)
+    layout, inside = mapping.layout, []
+    for i in ids.tolist():
+        shard, local = divmod(i, layout.rows_per_shard)
+        at = mapping.shard_base(shard) - region.addr + local * layout.row_bytes
+        inside.append(bool(present[at // PAGE] and present[(at + layout.row_bytes - 1) // PAGE]))
+    return inside
 
 
 def boundary_ids(layout, rng, n: int, owned) -> np.ndarray:

@@ -284,6 +284,83 @@ def test_an_eviction_after_open_switches_to_the_host_path_and_back(
         assert table.paths.gpu.read_counts()["rows"] == kernel_rows + 4 * 16
 
 
+class Capture:
+    """``torch.cuda.is_current_stream_capturing`` as the test sets it (``on``); the host path's
+    page touches as they are queued (``queued``: each one's live word), then run."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.on, self.queued = False, []
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.on)
+
+    def spy(self, host) -> None:
+        touch = host.touch
+
+        def queued(ids, live=None):
+            self.queued.append(live)
+            touch(ids, live=live)
+
+        host.touch = queued
+
+
+@pytest.mark.parametrize("knob", ["auto", "off", "on"])
+def test_a_captured_kernel_lookup_holds_a_live_page_touch(
+    table_files, machine, memory_left, monkeypatch, rng, poison, knob
+):
+    """The ats mode on a GPU (the injected GH200, whose kernel the interpreter runs, standing for
+    its GPU: ``fit.touch_setting`` told the device is one), ``PLE_UM_ATS_PREFETCH=auto``: a lookup
+    captured on the kernel queues the page touch whatever serves then, through the table's word;
+    an eager one only while the touch is on. The word follows the fit checks: clear while the
+    table is all in memory, set once it is evicted and while it is served on the host path (a
+    graph captured on the kernel still runs it). ``off``: no touch; ``on``: always, no word."""
+    monkeypatch.setenv("PLE_UM_ATS_PREFETCH", knob)
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    on_gpu = fit.touch_setting
+    monkeypatch.setattr(fit, "touch_setting", lambda mode, cuda: on_gpu(mode, cuda=True))
+    capture = Capture(monkeypatch)
+    layout = table_files
+    machine(GH200)
+    with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
+        paths = table.paths
+        table.mapping.populate()
+        paths.fit.check()  # all in memory: the touch is off (on: always on)
+        assert paths.serving.path == "kernel" and paths.serving.touch == (knob == "on")
+        live = paths.touch_live
+        assert (live is not None) == (knob == "auto") and (live is None or live[0] == 0)
+        if paths.host is None:  # off: none for big lookups on the CPU, which a GPU's open builds
+            paths.adopt(paths.fit.host_for(False))
+        capture.spy(paths.host)
+        decode_lookups(table, layout, rng, poison, 2)  # eager
+        assert capture.queued == {"auto": [], "off": [], "on": [None, None]}[knob]
+        capture.on = True
+        decode_lookups(table, layout, rng, poison, 2)  # captured
+        capture.on = False
+        assert capture.queued == {"auto": [live, live], "off": [], "on": [None] * 4}[knob]
+        # Run at once here (no CUDA): the live ones with their word clear touched nothing.
+        assert table.stats()["serving"]["page_touches"] == {"auto": 0, "off": 0, "on": 4}[knob]
+        if knob != "auto":
+            return
+        # Evicted: the next check sets the word; a captured touch runs now.
+        evict(table)
+        assert paths.fit.check() and paths.serving.touch and live[0] == 1
+        capture.on = True
+        decode_lookups(table, layout, rng, poison, 1)
+        capture.on = False
+        assert capture.queued[-1] is live and table.stats()["serving"]["page_touches"] == 1
+        # Memory short: the host path serves; the word stays set for graphs captured on the kernel.
+        memory_left.machine = 1 * MiB
+        assert paths.fit.check() and paths.serving.path == "host" and live[0] == 1
+        capture.spy(paths.host)  # the host path built for it, with a row cache
+        queued = len(capture.queued)
+        capture.on = True
+        decode_lookups(table, layout, rng, poison, 2)  # captured on the host path: no touch
+        capture.on = False
+        assert len(capture.queued) == queued
+        # Back in memory and fitting: the kernel, the word clear again.
+        memory_left.machine = 64 << 30
+        table.mapping.populate()
+        assert paths.fit.check() and paths.serving.path == "kernel" and live[0] == 0
+
+
 def test_the_cpu_mode_gains_a_row_cache_when_the_table_stops_fitting(
     table_files, memory_left, monkeypatch, rng, poison
 ):

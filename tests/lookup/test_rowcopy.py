@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 from helpers.reference import drop_page_cache
-from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job
+from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job, rows_in_memory
 
+import ple_um
 from ple_um.lookup import rowcopy
 from ple_um.lookup.host.gather import HostGather
 from ple_um.lookup.sync_gather import SyncGather
@@ -171,6 +172,51 @@ def test_touch_brings_the_pages_in_and_writes_nothing(lib, make_checkpoint, rng)
             assert vec[addr // PAGE] & 1 and vec[(addr + rb - 1) // PAGE] & 1
         got = counts.read()
         assert (got["rows"], got["out_of_range"], got["lookups"]) == (0, 0, 0) and base >= 0
+
+
+@pytest.mark.parametrize("threads,inline_rows", [(1, 2048), (3, 0)], ids=["inline", "pooled"])
+def test_a_live_touch_runs_only_while_its_word_is_set(lib, make_checkpoint, rng, threads, inline_rows):
+    """The job of a captured touch is the same job at every replay: it reads its table's word each
+    time it runs. Clear: no page comes in and nothing is counted; set: every page of the rows comes
+    in and the touch is counted; the word flipped between runs of that one job, the table's pages
+    dropped before each (the direct call, as the driver runs a host node)."""
+    from ple_um.residency import evict_pages
+
+    # 4096 rows of 256 B in one file: 16 rows a page.
+    layout = make_checkpoint(num_rows=4096, row_dim=256, dtype="fp8", shards=2, files=1)
+    with MappedShards(layout, (0, layout.num_rows)) as mapping:
+        mapping.advise("random")  # no readahead: only the pages touched come in
+        rows, counts = rowcopy.Rows(mapping), rowcopy.Counts()
+        ids = torch.from_numpy(rng.choice(4096, 40, replace=False))
+        live = np.zeros(1, dtype=np.int32)
+        threads = rowcopy.Pool(lib, threads).threads
+        job = make_job(
+            [rows], ids, [], counts, touch=True, live=live, threads=threads, inline_rows=inline_rows
+        )
+        touches = 0
+        for word in (0, 1, 0, 1, 1, 0):
+            evict_pages(layout.files, mapping.regions)
+            assert not any(rows_in_memory(mapping, ids)), "the pages were not dropped"
+            live[0], job.busy = word, 1
+            lib.ple_lookup_run(ctypes.addressof(job))
+            assert job.busy == 0  # cleared either way: the ring slot or the graph's node is free
+            touches += word
+            inside = rows_in_memory(mapping, ids)
+            assert all(inside) if word else not any(inside), (word, inside)
+            got = counts.read()
+            assert got["touches"] == touches and (got["ns"] > 0) == (touches > 0), (word, got)
+            assert (got["rows"], got["lookups"]) == (0, 0)
+        # The host path's touch (called directly here: no CUDA) takes the same word.
+        with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
+            host = table.paths.row_copy
+            before = host.counts.read()["touches"]
+            for word in (0, 1):
+                evict_pages(layout.files, [*mapping.regions, *table.mapping.regions])
+                live[0] = word
+                host.touch(ids, live=live)
+                inside = rows_in_memory(mapping, ids)
+                assert all(inside) if word else not any(inside), (word, inside)
+            assert host.counts.read()["touches"] - before == 1
 
 
 def test_lookups_from_several_threads_each_get_their_rows(lib, make_checkpoint, rng, check_rows):

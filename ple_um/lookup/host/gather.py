@@ -36,6 +36,7 @@ import ctypes
 import threading
 import time
 
+import numpy as np
 import torch
 
 from ple_um import envs
@@ -134,13 +135,16 @@ class HostGather:
         return self.sources.stats()
 
     # -- what a lookup asks ------------------------------------------------------------------
-    def gather(self, ids: torch.Tensor, *outs: torch.Tensor, raw: bool | None = None) -> torch.Tensor | None:
+    def gather(
+        self, ids: torch.Tensor, *outs: torch.Tensor, raw: bool | None = None, live: np.ndarray | None = None
+    ) -> torch.Tensor | None:
         """Rows of flat ``ids`` (on the device, contiguous; any integer dtype) into ``outs``: one
         ``out`` [n, row_dim] (contiguous), raw rows when it has the storage dtype (an NVFP4 table's
         packed bytes: [n, row_bytes]), else dequantized or decoded; an NVFP4 or MXFP8 table's raw
         rows and block scales (``gather_packed``); none for the page touch (``touch``). Queued on
         the current stream, no host sync; without a CUDA device the row copy runs on this thread
-        (ctypes releases the GIL), rows straight into ``out`` when raw. Returns the first output."""
+        (ctypes releases the GIL), rows straight into ``out`` when raw. ``live``: the page touch's
+        word (``touch``). Returns the first output."""
         n, out = ids.numel(), outs[0] if outs else None
         if self.sources.readers:  # an earlier lookup's ring failure, logged once
             self.sources.note_fallback()
@@ -157,11 +161,11 @@ class HostGather:
         else:
             targets = [torch.empty((n, rb), dtype=torch.uint8, device=self.device) for rb in self.row_bytes]
         if self.cuda:
-            capturing = self._queue(ids, targets)
+            capturing = self._queue(ids, targets, live)
         elif ids.device.type != "cpu":
             raise ValueError(f"ids are on {ids.device}; a table on the CPU takes host ids")
         else:
-            self.run_here(ids.contiguous(), targets, self.counts)
+            self.run_here(ids.contiguous(), targets, self.counts, live)
         if not raw:
             decode_staged(self.storage, targets, self.scale, out)
         if self.cuda and not capturing and outs:
@@ -173,16 +177,18 @@ class HostGather:
         """NVFP4: the packed rows (uint8 [n, row_bytes]) and block scales (uint8 [n, D/16]) of ``ids``."""
         self.gather(ids, packed, scales, raw=True)
 
-    def touch(self, ids: torch.Tensor) -> None:
+    def touch(self, ids: torch.Tensor, live: np.ndarray | None = None) -> None:
         """Queue a row copy that reads one byte of every page of the rows of ``ids`` (and of their
         block scales) and copies nothing (the ats mode's prefetch: the pages are in memory before
-        the kernel queued after it reads them)."""
-        self.gather(ids, raw=True)
+        the kernel queued after it reads them). ``live``: a one-int32 array the caller owns and
+        keeps until ``close``; the touch then runs only while it is non-zero when the row copy
+        runs (a graph's replays read it then), else every time."""
+        self.gather(ids, raw=True, live=live)
 
     # -- one lookup --------------------------------------------------------------------------
-    def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int]) -> None:
+    def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int], live=None) -> None:
         """Point ``job`` at ``n`` ids of kind ``kind`` at ``ids_ptr``, their rows to ``dst`` (no
-        destination: the page touch)."""
+        destination: the page touch, run while ``live`` is non-zero where given)."""
         touch = not dst  # the pages of the rows and of their block scales: the kernel reads both
         job.tables[0] = self.rows.address
         job.tables[1] = self.block_scales.address if self.block_scales is not None else None
@@ -190,15 +196,16 @@ class HostGather:
         job.counts = self.counts.address
         job.id_kind = kind
         job.touch = int(touch)
+        job.live = live.ctypes.data if touch and live is not None else None
         job.threads = self.threads
         job.inline_rows = rowcopy.INLINE_ROWS
         for k, address in enumerate(dst):
             job.dst[k] = address
 
-    def _queue(self, ids: torch.Tensor, targets: list[torch.Tensor]) -> bool:
+    def _queue(self, ids: torch.Tensor, targets: list[torch.Tensor], live) -> bool:
         """Fill the lookup's job structs and queue its work on the current stream by the strategy
-        that serves it (the module docstring); ``targets`` empty: the page touch, no copy out.
-        Whether the stream is capturing."""
+        that serves it (the module docstring); ``targets`` empty: the page touch, no copy out
+        (``live``: its word). Whether the stream is capturing."""
         self._driver.ensure_context(self.index)
         stream = current_stream(self.index)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -212,7 +219,7 @@ class HostGather:
             jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.ring[k] for k in slots]
             for job, (a, b) in zip(jobs, pieces, strict=True):
                 dst = [p + a * rb for p, rb in bufs.staging_ptrs] if targets else []
-                self._fill(job, bufs.ids_ptr + a * size, kind, b - a, dst)
+                self._fill(job, bufs.ids_ptr + a * size, kind, b - a, dst, live)
             if not capturing and self.dispatcher:
                 self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
             elif len(pieces) == 1:
@@ -225,7 +232,7 @@ class HostGather:
                 self._chunked(state, stream, bufs, ids, jobs, pieces, targets, capturing)
             if capturing:  # a graph may replay them at any time: kept as long as this
                 with self._lock:
-                    self._captured.append((*jobs, bufs))
+                    self._captured.append((*jobs, bufs, live))
         return capturing
 
     def _dispatched(self, state, stream, bufs, ids, slots, pieces, targets) -> None:
@@ -307,11 +314,14 @@ class HostGather:
             job.busy = 0
             raise
 
-    def run_here(self, ids: torch.Tensor, staging: list[torch.Tensor], counts: rowcopy.Counts) -> None:
+    def run_here(
+        self, ids: torch.Tensor, staging: list[torch.Tensor], counts: rowcopy.Counts, live=None
+    ) -> None:
         """The row copy of host ``ids`` (contiguous) into ``staging`` (contiguous, a row's bytes a
-        row, read by address; none for the page touch), run on this thread, counted in ``counts``."""
+        row, read by address; none for the page touch, with its ``live`` word), run on this
+        thread, counted in ``counts``."""
         job, dst = rowcopy.LookupStruct(), [s.data_ptr() for s in staging]
-        self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], ids.numel(), dst)
+        self._fill(job, ids.data_ptr(), rowcopy.ID_KINDS[ids.dtype], ids.numel(), dst, live)
         job.counts = counts.address
         self.lib.ple_lookup_run(ctypes.addressof(job))
 

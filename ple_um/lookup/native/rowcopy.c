@@ -211,8 +211,10 @@ tally_t ple_run_rows(const ple_lookup_t *q, int64_t a, int64_t b) {
     return n;
 }
 
-/* One lookup's rows and counters (all but its busy flag). */
+/* One lookup's rows and counters (all but its busy flag). A live touch whose word is clear does
+ * nothing and counts nothing. */
 void ple_run_lookup(ple_lookup_t *q) {
+    if (q->touch && q->live && !__atomic_load_n(q->live, __ATOMIC_ACQUIRE)) return;
     long t0 = now_ns();
     tally_t n = {0, 0};
     if (q->n > 0) {
@@ -224,6 +226,8 @@ void ple_run_lookup(ple_lookup_t *q) {
         count(c, C_ROWS, q->n);
         count(c, C_OUT_OF_TABLE, n.outside);
         count(c, C_LOOKUPS, 1);
+    } else {
+        count(c, C_TOUCHES, 1);
     }
     count(c, C_BROKEN, n.broken);
     count(c, C_NS, now_ns() - t0);

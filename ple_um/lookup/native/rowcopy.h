@@ -42,6 +42,7 @@ enum {
     C_CACHE_EVICTIONS,
     C_FILE_READS, /* rows read from the files by the reader (not faulted in through the mapping) */
     C_READ_NS,    /* nanoseconds spent waiting for those reads */
+    C_TOUCHES,    /* page touches run (a live touch whose word was clear is not) */
     C_COUNT
 };
 
@@ -87,14 +88,17 @@ typedef struct {
 /* One lookup: what cuLaunchHostFunc hands to ple_lookup_run. ids are of kind id_kind (0 int64,
  * 1 int32, 2 int16, 3 int8, 4 uint8). dst[k] receives n rows of tables[k] (tables[1] may be NULL).
  * With touch set, nothing is copied: every 4 KiB page of each owned row of each table is brought
- * into memory, so that the pages are there before a GPU kernel reads the rows (and block scales). busy is set by the caller when it
- * queues the lookup and cleared here, last, when the lookup is done. */
+ * into memory, so that the pages are there before a GPU kernel reads the rows (and block scales);
+ * with live set too, only while *live is non-zero when the job runs (a word its table writes as
+ * its residency changes: a graph's replays follow it). busy is set by the caller when it queues
+ * the lookup and cleared here, last, when the lookup is done. */
 typedef struct ple_lookup {
     const ple_rows_t *tables[2];
     uint8_t *dst[2];
     const void *ids;
     int64_t n;
     int64_t *counts;
+    const volatile int32_t *live;
     int32_t id_kind;
     int32_t touch;
     int32_t threads;     /* > 1: the pool may help */
