@@ -155,7 +155,8 @@ KNOBS: dict[str, Knob] = {
             "auto",
             "ats mode: a host node queued before the kernel touches the pages of the lookup's rows "
             "(auto = while the table fits but is not fully resident, decided at open and at each fit "
-            "check; on = always, in the ats and registered modes)",
+            "check; a lookup captured on the kernel always holds the touch, and each replay runs it "
+            "only while so decided then; on = always, in the ats and registered modes)",
         ),
         Knob(
             "PLE_UM_FIT",
