@@ -36,9 +36,12 @@ class OverlappedLookups:
 
     def begin(self) -> None:
         """A new start. One never finalized (a forward that raised in between) keeps its ids
-        referenced until the next join, since the side stream may not have read them yet."""
+        referenced until the next join, since the side stream may not have read them yet; it is no
+        longer the last start, so a finalize after this start raised refuses instead of serving
+        the older step's rows."""
         if self.started is not None:
             self.unjoined.append(self.started)
+            self.started = None
 
     def out(self, rows: int, ids: torch.Tensor, dtype: torch.dtype, *, fixed: bool) -> torch.Tensor:
         """The first ``rows`` rows of the buffer ([rows, heads, row_dim] in ``dtype``), allocated at

@@ -151,6 +151,36 @@ def test_a_step_begun_again_midway(three_layers, monkeypatch):
     _step(stock, mapped, layouts, 7, 30, early=True)
 
 
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_start_that_raised_serves_no_rows(three_layers, monkeypatch, mode):
+    """A step started but never finalized (its forward raised), then a start of the next step (as
+    many tokens) whose lookup raised (a failed read): a finalize that still follows refuses, never
+    handing out the older step's rows; the next whole step is stock's, bit for bit."""
+    from ple_um.vllm import early
+
+    monkeypatch.setenv("PLE_UM_EARLY_LOOKUPS", mode)
+    stock, mapped, layouts = three_layers("fp8")
+    early.link_model(_Model(mapped))
+    backend = mapped[0].ngram_embedding
+    old, new = h.inputs(14, tokens=30), h.inputs(15, tokens=30)
+    with torch.no_grad():
+        mapped[0].start_prefetch(*old)  # its forward never comes
+        assert backend.overlapped.started is not None
+
+        def failed_read(ids, out):
+            raise OSError("read failed")
+
+        with monkeypatch.context() as m:
+            m.setattr(backend, "lookup_rows", failed_read)
+            with pytest.raises(OSError, match="read failed"):
+                mapped[0].start_prefetch(*new)
+        with pytest.raises(RuntimeError, match="requires a prior start_prefetch"):
+            mapped[0](None, *new)
+        with pytest.raises(RuntimeError, match="requires a prior start_prefetch"):
+            backend.finalize_prefetch(30)
+    _step(stock, mapped, layouts, 16, 30, early=mode == "on")
+
+
 def test_buffers_bounded_and_logged(three_layers, monkeypatch, caplog):
     """The group's log line states the prefetch buffers' total (tokens x heads x head_dim in the
     lookup dtype, a layer), which is what the layers hold after steps up to vLLM's token budget."""
