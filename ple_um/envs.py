@@ -271,7 +271,7 @@ KNOBS: dict[str, Knob] = {
             "host path: bytes of hot rows kept at row granularity in memory the table owns; auto = "
             "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table is not in the page cache at "
             "open (else none); a size is capped at what the owned rows need and refused past the "
-            "memory left; 0 = none",
+            "memory left (a fit check's later build cuts it to PLE_UM_ROW_CACHE_FRACTION of that); 0 = none",
         ),
         Knob(
             "PLE_UM_ROW_CACHE_FRACTION",

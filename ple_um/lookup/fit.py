@@ -139,9 +139,15 @@ def choose(now: Serving | None, verdict: Verdict, *, touch_knob: str, touch_here
         why = f"{verdict.why}: the kernel" + (", a page touch before it (not all in memory)" if touch else "")
         return Serving("kernel", touch, why, switches + int(on_host))
     if on_host:
-        return Serving("host", False, now.why, switches)
-    why = f"{verdict.why}: the host path (row cache, reads of misses)"
-    return Serving("host", False, why, switches + int(now is not None))
+        return now
+    # The caller adds what the host path has (``host_words``): it is built after this choice.
+    return Serving("host", False, f"{verdict.why}: the host path", switches + int(now is not None))
+
+
+def host_words(host) -> str:
+    """What host path ``host`` (a ``HostGather``) reads rows with: its row cache, or none, and its
+    reader of misses, as ``misses.plan`` said when it was built."""
+    return host.misses.why if host.misses is not None else "no row cache, rows copied from the mapping"
 
 
 class FitWatch(Ticker):
@@ -191,7 +197,9 @@ class FitWatch(Ticker):
             host = paths.row_copy
             cache_wanted = not verdict.fits and envs.PLE_UM_ROW_CACHE == "auto"
             if nxt.path == "host" and (host is None or cache_wanted and host.rows.cache is None):
-                built = self.host_for(True)
+                # Built while the table serves: an explicit PLE_UM_ROW_CACHE past the memory left
+                # is cut to it (no open is there to refuse it), said once, in the switch's why.
+                built = self.host_for(True, cut=True)
                 if built is not None and host is not None and not _gains(built, host):
                     # No room for a row cache now: the host path there is goes on serving (one
                     # adopted each check would hold its files and buffers until the table closes).
@@ -200,14 +208,13 @@ class FitWatch(Ticker):
                 if built is not None:
                     paths.adopt(built)
                     if cpu:
-                        what = "with a row cache" if built.rows.cache is not None else "reading its misses"
-                        nxt = Serving(
-                            "host", False, f"{verdict.why}: the host path, {what}", now.switches + 1
-                        )
+                        nxt = Serving("host", False, f"{verdict.why}: the host path", now.switches + 1)
             if nxt.path == "host" and paths.row_copy is None:
                 nxt = Serving(
                     now.path, now.touch, f"{verdict.why}, but no host path can be built here", now.switches
                 )
+            elif nxt.path == "host" and nxt is not now:
+                nxt = Serving("host", False, f"{nxt.why}, {host_words(paths.row_copy)}", nxt.switches)
             if (nxt.path, nxt.touch, nxt.switches) == (now.path, now.touch, now.switches):
                 return False
             paths.set_serving(nxt)
@@ -237,14 +244,16 @@ def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
             mappings.append(stack.enter_context(MappedShards(layout.scale_layout())))
         owned = sum(m.mapped_bytes for m in mappings)
         verdict = measure(mappings, pinned=owned if mode == "registered" else 0)
-    if mode == "cpu":  # a row cache as host/misses.py plans one: by the fit, or as the knob sizes it
-        knob = envs.PLE_UM_ROW_CACHE
-        cache = "with a row cache" if (not verdict.fits if knob == "auto" else knob > 0) else "no row cache"
+    # A host path's row cache as host/misses.py plans one: by the fit, or as the knob sizes it.
+    knob = envs.PLE_UM_ROW_CACHE
+    cache = "with a row cache" if (not verdict.fits if knob == "auto" else knob > 0) else "no row cache"
+    if mode == "cpu":
         return Serving("host", False, f"{verdict.why}: the cpu mode's host path, {cache}")
     if mode == "device":
         return Serving("kernel", False, "the device mode: the rows are in GPU memory")
     knob, here = touch_setting(mode, cuda=cuda)
-    return choose(None, verdict, touch_knob=knob, touch_here=here)
+    serving = choose(None, verdict, touch_knob=knob, touch_here=here)
+    return Serving("host", False, f"{serving.why}, {cache}") if serving.path == "host" else serving
 
 
 def touch_setting(mode: str, *, cuda: bool) -> tuple[str, bool]:

@@ -300,6 +300,8 @@ def build_paths(
             paths.host = host_for(serving.path == "host")
         if serving.path == "host" and paths.host is None:
             serving = fit.Serving("kernel", False, f"{verdict.why}, but there is no host path here: {why}")
+        elif serving.path == "host":
+            serving = fit.Serving("host", False, f"{serving.why}, {fit.host_words(paths.host)}")
         paths.set_serving(serving)
         if paths.decode_on_host:
             paths.row_reads = f"{paths.host.row_reads}, every lookup (the kernel while the rows fit)"
@@ -334,10 +336,11 @@ def _kernel(access: ModeAccess, layout: ShardLayout, rows: tuple[int, int], scal
 
 
 def _host_builder(access: ModeAccess, layout: ShardLayout, scale, lib, why: str):
-    """``host_for(spills)``: a new host path through the C row copy ``lib`` for ``access``'s table,
-    with the row cache and reader of misses ``misses.plan`` gives it (a row cache when ``spills``)."""
+    """``host_for(spills, cut=False)``: a new host path through the C row copy ``lib`` for
+    ``access``'s table, with the row cache and reader of misses ``misses.plan`` gives it (a row cache
+    when ``spills``; ``cut``: built while the table serves)."""
 
-    def host_for(spills: bool) -> HostGather:
+    def host_for(spills: bool, cut: bool = False) -> HostGather:
         with misses.one_sizing_at_a_time():  # sized from the memory left and faulted in, then let go
             return HostGather(
                 lib,
@@ -348,7 +351,7 @@ def _host_builder(access: ModeAccess, layout: ShardLayout, scale, lib, why: str)
                 threads=envs.PLE_UM_CPU_THREADS,
                 scale_mapping=access.scale_mapping,
                 built=why,
-                misses=misses.plan(lib, access.mapping, access.scale_mapping, spills=spills),
+                misses=misses.plan(lib, access.mapping, access.scale_mapping, spills=spills, cut=cut),
             )
 
     return host_for

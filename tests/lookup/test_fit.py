@@ -270,6 +270,7 @@ def test_an_eviction_after_open_switches_to_the_host_path_and_back(
         evict(table)
         serving = wait_for(table, "host")
         assert serving["switches"] == 1 and serving["page_touches"] == 0 and "do not fit" in serving["why"]
+        assert "a row cache of" in serving["why"], serving
         host_before = table.stats()["host_lookups"]
         decode_lookups(table, layout, rng, poison, 32)
         stats = table.stats()
@@ -401,10 +402,62 @@ def test_a_check_with_no_room_for_a_row_cache_builds_no_host_path_again_and_agai
         assert changed == [not had] + [False] * 5, changed
         serving = table.stats()["serving"]
         assert serving["path"] == "host" and serving["switches"] == int(not had), serving
-        assert "with a row cache" not in serving["why"] and table.stats()["row_cache"] is None, serving
+        assert "no row cache" in serving["why"] and table.stats()["row_cache"] is None, serving
         assert len(paths._hosts()) == 1 + int(caps is None and not had), paths.row_reads
         assert paths.row_copy.rows.reader is not None and "a row cache of" not in paths.row_reads
         decode_lookups(table, layout, rng, poison, 8)
+
+
+def test_a_row_cache_sized_past_the_memory_left_is_cut_when_a_check_builds_it(
+    table_files, machine, memory_left, monkeypatch, rng, poison, caplog
+):
+    """An explicit PLE_UM_ROW_CACHE past the memory left once the table stops fitting after open:
+    no open is there to refuse it, so the check builds the host path with the share
+    ``PLE_UM_ROW_CACHE=auto`` takes of that memory, says so once (its log line, the serving's why)
+    and switches; later checks raise nothing, change nothing and log nothing. Every lookup exact."""
+    from ple_um.units import format_bytes
+
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "2MiB")  # the owned rows' cache needs 2.6 MiB
+    machine(GH200)
+    layout = table_files
+    caplog.set_level(logging.INFO, logger=fit.logger.name)
+    with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
+        paths = table.paths
+        assert paths.serving.path == "kernel" and paths.row_copy is None
+        memory_left.machine, memory_left.group = 1 * MiB, None
+        evict(table)
+        assert [paths.fit.check() for _ in range(5)] == [True] + [False] * 4
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and serving["switches"] == 1, serving
+        cut = int(MiB * 0.5)  # PLE_UM_ROW_CACHE_FRACTION's default of the 1 MiB left
+        said = f"a row cache of {format_bytes(cut)} (PLE_UM_ROW_CACHE='2MiB' asks 2.00 MiB, past the 1.00 MiB"
+        assert said in serving["why"], serving
+        lines = [r.getMessage() for r in caplog.records if r.name == fit.logger.name]
+        assert lines == [f"ple-um: decode-sized lookups of {layout.directory}: {serving['why']}"], lines
+        assert 0 < table.stats()["row_cache"]["bytes"] <= cut
+        decode_lookups(table, layout, rng, poison, 16)
+        assert table.stats()["host_lookups"] == 16 and paths.gpu.read_counts()["rows"] == 0
+
+
+@pytest.mark.parametrize("knob", [None, "0"], ids=["auto", "none"])
+def test_a_spilled_gpu_mode_says_what_its_host_path_has(table_files, machine, memory_left, monkeypatch, knob):
+    """A table over its memory in the ats mode: the serving's why (and the probe's) says the host
+    path has a row cache where one is built, and no row cache under PLE_UM_ROW_CACHE=0."""
+    if knob is not None:
+        monkeypatch.setenv("PLE_UM_ROW_CACHE", knob)
+    memory_left.machine = 1 * MiB
+    machine(GH200)
+    said = fit.at_open(table_files, "ats", cuda=False)
+    with ple_um.open_table(table_files.directory, mode="ats", rows=OWNED) as table:
+        serving, cache = table.stats()["serving"], table.stats()["row_cache"]
+    assert serving["path"] == "host" and said.path == "host", (serving, said)
+    if knob == "0":
+        assert cache is None and "no row cache" in serving["why"], serving
+        assert "a row cache of" not in serving["why"] and said.why.endswith(": the host path, no row cache")
+    else:
+        assert cache is not None and "no row cache" not in serving["why"], serving
+        assert "a row cache of" in serving["why"], serving
+        assert said.why.endswith(": the host path, with a row cache"), said.why
 
 
 @pytest.mark.parametrize(("knob", "path"), [("spills", "host"), ("fits", "kernel")])

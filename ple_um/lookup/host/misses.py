@@ -80,25 +80,35 @@ def one_sizing_at_a_time(wait_s: float = SIZING_WAIT_S) -> Iterator[None]:
         yield
 
 
-def _sized(asked: int, owned: int) -> int:
+def _sized(asked: int, owned: int, *, cut: bool) -> tuple[int, str]:
     """An explicit ``PLE_UM_ROW_CACHE``: at most what the owned rows need (more would hold nothing
-    more). KnobError when that does not fit the memory this process can still take: the cache is
-    faulted in at open, so a size past it would end the process, not the open."""
+    more), and the words for it. KnobError when that does not fit the memory this process can still
+    take: the cache is faulted in at open, so a size past it would end the process, not the open.
+    ``cut``: no open to refuse (a fit check builds it while the table serves): cut to the share
+    ``PLE_UM_ROW_CACHE=auto`` would take of that memory, and said so."""
     cache = min(asked, owned)
     room = memory.available()
-    if cache > room:
-        var, text = envs.KNOBS["PLE_UM_ROW_CACHE"].raw() or ("PLE_UM_ROW_CACHE", str(asked))
+    if cache <= room:
+        said = f"a row cache of {format_bytes(cache)}" if cache else "no row cache (PLE_UM_ROW_CACHE=0)"
+        return cache, said
+    var, text = envs.KNOBS["PLE_UM_ROW_CACHE"].raw() or ("PLE_UM_ROW_CACHE", str(asked))
+    if not cut:
         raise KnobError(
-            f"environment variable {var}={text!r}: a row cache of "
-            f"{format_bytes(cache)} does not fit the {format_bytes(room)} this process can still take "
-            "(MemAvailable and its memory cgroup's room); set a smaller size, auto, or 0"
+            f"environment variable {var}={text!r}: a row cache of {format_bytes(cache)} does not fit the "
+            f"{format_bytes(room)} this process can still take (MemAvailable and its memory cgroup's "
+            "room); set a smaller size, auto, or 0"
         )
-    return cache
+    past = f"{var}={text!r} asks {format_bytes(cache)}, past the {format_bytes(room)} this process can take"
+    cache = int(room * envs.PLE_UM_ROW_CACHE_FRACTION)
+    return cache, f"a row cache of {format_bytes(cache)} ({past}: PLE_UM_ROW_CACHE_FRACTION of it)"
 
 
-def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool) -> MissPlan | None:
+def plan(
+    lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool, cut: bool = False
+) -> MissPlan | None:
     """The plan for this table's host path, or None: rows copied from the mapping as they are.
-    ``spills``: the owned rows do not fit the memory this process may use (``lookup.fit``)."""
+    ``spills``: the owned rows do not fit the memory this process may use (``lookup.fit``); ``cut``:
+    built while the table serves, an explicit size past the memory left cut to it (``_sized``)."""
     if not mapping.owned:
         return None
     knob, reads_knob = envs.PLE_UM_ROW_CACHE, envs.PLE_UM_FILE_READS
@@ -114,8 +124,7 @@ def plan(lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spil
             cache = min(int(memory.available() * envs.PLE_UM_ROW_CACHE_FRACTION), owned)
             said = f"a row cache of {format_bytes(cache)} (the owned rows do not fit in memory)"
     else:
-        cache = _sized(int(knob), owned)
-        said = f"a row cache of {format_bytes(cache)}" if cache else "no row cache (PLE_UM_ROW_CACHE=0)"
+        cache, said = _sized(int(knob), owned, cut=cut)
     slots = slots_for(cache, row_bytes, block_scales=scales)
     if slots == 0 and (cache or spills and knob == "auto"):  # no memory left, or too little for a set
         cache, said = 0, f"no row cache ({format_bytes(cache)} holds not one set of rows)"
