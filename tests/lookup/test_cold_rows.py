@@ -16,6 +16,7 @@ import mmap
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -784,6 +785,78 @@ def test_a_row_over_two_pages_with_a_page_out_is_read_not_faulted(lib, make_chec
             assert got["file_reads"] == 1 and got["broken"] == 0, got
         finally:
             reader.close()
+
+
+FSTAT_CHILD = """
+import os, sys
+import numpy as np, torch
+import ple_um
+from helpers.reference import reference_rows
+
+directory, lookups = sys.argv[1], int(sys.argv[2])
+with ple_um.open_table(directory, mode="cpu", device="cpu") as table:
+    table.mapping.populate()
+    plan = table.paths.host.misses
+    assert plan.resident_check and plan.cache_bytes == 0 and plan.strategy == "threads", plan
+    layout, rng = table.layout, np.random.default_rng(3)
+    per = layout.rows_per_shard
+    planned = [
+        np.concatenate([rng.integers(s * per, (s + 1) * per, 30) for s in range(len(layout.shards))])
+        for _ in range(lookups)
+    ]
+    expected = [reference_rows(layout, ids) for ids in planned]
+    with open(os.path.join(directory, "lookups-begin"), "w"):
+        pass
+    outs = [table.lookup(torch.from_numpy(ids)) for ids in planned]
+    with open(os.path.join(directory, "lookups-end"), "w"):
+        pass
+    for out, want in zip(outs, expected):
+        assert np.array_equal(out.view(torch.uint8).numpy(), want)
+print("exact")
+"""
+
+
+def test_a_resident_copy_asks_each_file_its_size_once_a_chunk(make_checkpoint, tmp_path):
+    """Without a row cache, a resident row is copied only where its file holds it just before and
+    just after (reader.c): each file's size is asked (an fstat) once before a chunk's copies and
+    once after, for a table of 12 files as for one of 2. Counted from outside by strace, in a child
+    whose lookups of 360 ids (30 a file, one chunk each) are every one exact."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("no strace to count the fstat calls with")
+    layout = make_checkpoint(num_rows=12 * 200, row_dim=64, dtype="fp8", shards=12, files=12, seed=11)
+    assert len(set(layout.files)) == 12
+    lookups, trace = 3, tmp_path / "trace"
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests]),
+        "PLE_UM_ROW_CACHE": "0",
+        "PLE_UM_FILE_READS": "threads",
+        "PLE_UM_CPU_THREADS": "1",
+        "PLE_UM_FIT_CHECK_SEC": "3600",
+    }
+    command = [strace, "-f", "-y", "-qq", "-o", str(trace), "-e", "trace=fstat,newfstatat,openat"]
+    done = subprocess.run(
+        [*command, sys.executable, "-c", FSTAT_CHILD, str(layout.directory), str(lookups)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0 and "ptrace" in done.stderr:
+        pytest.skip(f"strace cannot trace here: {done.stderr.strip()[-300:]}")
+    assert done.returncode == 0 and "exact" in done.stdout, done.stderr[-3000:]
+    lines = trace.read_text().splitlines()
+    begin = next(k for k, line in enumerate(lines) if "lookups-begin" in line)
+    end = next(k for k, line in enumerate(lines) if "lookups-end" in line)
+    asked = {os.path.realpath(path): 0 for path in layout.files}
+    for line in lines[begin:end]:
+        if "fstat" in line and "resumed>" not in line:
+            for path in asked:
+                if f"<{path}>" in line:
+                    asked[path] += 1
+    assert asked == {path: 2 * lookups for path in asked}, asked
 
 
 def test_uring_asked_where_no_ring_can_be_made_takes_threads():

@@ -229,18 +229,24 @@ static tally_t read_all(const ple_rows_t *t, ple_miss_t *misses, int64_t n, uint
     return out;
 }
 
-/* The sizes of the files a chunk's rows lie in, each read once (an fstat), when first asked. */
+/* The sizes of the files a chunk's rows lie in, each file's read once (an fstat), when first asked:
+ * kept per shard (-1: not asked yet), a shard whose file another shard asked for already taking
+ * its size. sizes: t->shards entries, or NULL (no memory for them): an fstat at each ask. */
 typedef struct {
-    int fds[8], known;
-    int64_t sizes[8];
+    int64_t *sizes;
 } file_sizes_t;
 
-static int64_t file_size(file_sizes_t *f, int fd) {
-    for (int k = 0; k < f->known; k++)
-        if (f->fds[k] == fd) return f->sizes[k];
-    struct stat st;
-    int64_t size = fstat(fd, &st) == 0 ? (int64_t)st.st_size : INT64_MAX;
-    if (f->known < 8) f->fds[f->known] = fd, f->sizes[f->known++] = size;
+static int64_t file_size(const ple_rows_t *t, file_sizes_t *f, int64_t shard) {
+    const int32_t *fds = t->reader->fds;
+    int64_t *sizes = f->sizes, size = -1;
+    if (sizes != NULL && sizes[shard] >= 0) return sizes[shard];
+    for (int64_t s = 0; sizes != NULL && s < t->shards && size < 0; s++)
+        if (fds[s] == fds[shard]) size = sizes[s];
+    if (size < 0) {
+        struct stat st;
+        size = fstat(fds[shard], &st) == 0 ? (int64_t)st.st_size : INT64_MAX;
+    }
+    if (sizes != NULL) sizes[shard] = size;
     return size;
 }
 
@@ -248,7 +254,20 @@ static int64_t file_size(file_sizes_t *f, int fd) {
 static int in_file(const ple_rows_t *t, const ple_miss_t *m, file_sizes_t *f) {
     int64_t offset;
     int fd = row_at(t, m->id, &offset);
-    return fd < 0 || offset + t->rb <= file_size(f, fd);
+    return fd < 0 || offset + t->rb <= file_size(t, f, m->id / t->per_shard);
+}
+
+/* Room for n file sizes, per thread (grown, never freed: threads that read are long-lived), or NULL
+ * where there is no memory for them. */
+static int64_t *size_room(int64_t n) {
+    static __thread int64_t *room;
+    static __thread int64_t size;
+    if (size < n) {
+        int64_t *grown = realloc(room, (size_t)n * sizeof *grown);
+        if (grown == NULL) return NULL;
+        room = grown, size = n;
+    }
+    return room;
 }
 
 /* A table without a row cache: the misses whose pages are resident copied from the mapping, the
@@ -261,9 +280,11 @@ static tally_t read_unless_resident(const ple_rows_t *t, ple_miss_t *misses, int
     tally_t out = {0, 0};
     ple_miss_t reads[CHUNK];
     int16_t from[CHUNK], copied[CHUNK];
+    int64_t *sizes = size_room(2 * t->shards); /* a chunk's sizes before and after its copies */
     for (int64_t a = 0; a < n; a += CHUNK) {
         int64_t b = a + CHUNK < n ? a + CHUNK : n, r = 0, c = 0;
-        file_sizes_t before = {.known = 0}, after = {.known = 0};
+        for (int64_t k = 0; sizes != NULL && k < 2 * t->shards; k++) sizes[k] = -1;
+        file_sizes_t before = {sizes}, after = {sizes != NULL ? sizes + t->shards : NULL};
         for (int64_t k = a; k < b; k++) {
             if (ple_resident(misses[k].mapped, t->rb) && in_file(t, &misses[k], &before)) {
                 memcpy(dst + misses[k].pos * t->rb, misses[k].mapped, (size_t)t->rb);
