@@ -112,6 +112,8 @@ def read_engram_layout(
     found = scan(directory, layer, Problems(strict=True), engram_match)
     assert found is not None  # a strict Problems raises instead of returning nothing
     listed = ", ".join(map(str, sorted(found.layers))) or "none"
+    if layer is None and not found.layers:
+        raise CheckpointError(f"no Engram table was found in {directory}")
     if layer is None and len(found.layers) != 1:
         raise CheckpointError(f"Engram tables of layers {listed} in {directory}; pass layer= to pick one")
     if layer is None:

@@ -5,6 +5,7 @@ file and the tensor."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -144,6 +145,16 @@ def test_missing_scales_duplicates_and_absent_layers_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="Engram tables of layers 1, 5 .*pass layer="):
         read_engram_layout(tmp_path / "two")
     assert read_engram_layout(tmp_path / "two", 5).num_rows == 4
+
+
+def test_a_checkpoint_without_an_engram_table_says_so(tmp_path):
+    """A folder with no Engram table (other tensors, or no file at all) is refused as such, not as
+    a choice of layers to make."""
+    (tmp_path / "empty").mkdir()
+    write_safetensors(tmp_path / "a.safetensors", {"lm_head.weight": ("BF16", [2, 4], bytes(16))})
+    for folder in (tmp_path, tmp_path / "empty"):
+        with pytest.raises(CheckpointError, match=re.escape(f"no Engram table was found in {folder}") + "$"):
+            read_engram_layout(folder)
 
 
 def test_headers_safetensors_refuses_are_refused(tmp_path):
