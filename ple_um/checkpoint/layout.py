@@ -9,20 +9,22 @@ few bytes are read, never table data.
 
 from __future__ import annotations
 
+from ple_um.checkpoint.naming import engram_match, ple_match
 from ple_um.checkpoint.scan import Problems, scan
 from ple_um.checkpoint.shard_layout import ShardLayout
 from ple_um.checkpoint.validation import analyze
 from ple_um.errors import CheckpointError
 
 
-def find_layers(directory: str, *, strict: bool = True) -> list[int] | None:
-    """PLE layer indices that have shard tensors in the checkpoint at ``directory``.
+def find_layers(directory: str, *, strict: bool = True, engram: bool = False) -> list[int] | None:
+    """PLE layer indices that have shard tensors in the checkpoint at ``directory`` (``engram``:
+    the layers that have an Engram table's rows).
 
     Reads only headers; raises CheckpointError when the directory or a header cannot be read.
     ``strict=False``: the layers seen in the headers that can be read and in the index, None when
     nothing can be read (for `ple-um inspect`, whose verdict lists why).
     """
-    found = scan(directory, None, Problems(strict=strict))
+    found = scan(directory, None, Problems(strict=strict), engram_match if engram else ple_match)
     assert found is not None or not strict  # a strict Problems raises instead of returning nothing
     return None if found is None else sorted(found.layers)
 

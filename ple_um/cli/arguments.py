@@ -190,32 +190,35 @@ def checkpoint_dir(path: str) -> str:
     return path
 
 
-def one_layer(path: str, layer: int | None) -> None:
+def one_layer(path: str, layer: int | None, engram: bool = False) -> None:
     """For the verbs that serve one layer, ``path`` checked as ``checkpoint_dir`` does; then where
     --layer is missing and the checkpoint has several, or --layer names one it does not have,
     CliError (exit 2) naming the layers it has and the flag (the library's message names its
-    ``layer=``)."""
+    ``layer=``). ``engram``: the layers of Engram tables (``bench --model deepseek-v41``)."""
     from ple_um.checkpoint import find_layers
     from ple_um.errors import CheckpointError
 
     checkpoint_dir(path)
     try:
-        layers = find_layers(os.path.abspath(path))
+        layers = find_layers(os.path.abspath(path), engram=engram)
     except CheckpointError:
         return  # the verb reports why the checkpoint cannot be read
+    found = ", ".join(map(str, layers))
+    kind, having = ("Engram table", "one") if engram else ("PLE shards", "shards")
     if layer is not None:
         if layers and layer not in layers:
-            found = ", ".join(map(str, layers))
             raise CliError(
-                f"--layer {layer}: no PLE shards of layer {layer} in {path}; layers with shards: {found}",
+                f"--layer {layer}: no {kind} of layer {layer} in {path}; layers with {having}: {found}",
                 EXIT_USAGE,
             )
         return
     if len(layers) >= 2:
-        found = ", ".join(map(str, layers))
-        raise CliError(
-            f"several PLE layers have shards in {path}: {found}; pass --layer to pick one", EXIT_USAGE
+        several = (
+            f"several Engram tables in {path}: layers"
+            if engram
+            else f"several PLE layers have shards in {path}:"
         )
+        raise CliError(f"{several} {found}; pass --layer to pick one", EXIT_USAGE)
 
 
 def output_file(flag: str, path: str) -> None:

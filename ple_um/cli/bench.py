@@ -218,7 +218,7 @@ def _layout(cfg: Config):
     """DIR's table checked and its layout read; None for the synthetic table (not written yet)."""
     if cfg.directory is None:
         return None
-    a.checkpoint_dir(cfg.directory) if cfg.engram else a.one_layer(cfg.directory, cfg.layer)
+    a.one_layer(cfg.directory, cfg.layer, engram=cfg.engram)
     return config.bench_layout(cfg)
 
 

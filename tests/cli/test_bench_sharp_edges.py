@@ -22,6 +22,7 @@ from ple_um import cli
 from ple_um.bench import sizing
 from ple_um.bench.memlimit import find_hierarchy
 from ple_um.bench.report import unmeasured
+from ple_um.synthetic_engram import write_engram_checkpoint
 from ple_um.version import __version__
 
 SMALL = ["--size", "1MiB", "--shards", "4", "--device", "cpu"]
@@ -234,6 +235,23 @@ def test_an_unknown_argument_after_a_verb_names_the_verb(capsys):
 def test_version(capsys):
     code, out, err = run(capsys, "--version")
     assert code == 0 and out == f"ple-um {__version__}\n" and err == ""
+
+
+def test_an_engram_layer_missing_or_not_picked_exits_2_naming_the_flag(capsys, tmp_path):
+    """`bench --model deepseek-v41 DIR` as for a PLE table: an Engram checkpoint of several layers
+    needs --layer, and a --layer it lacks is refused naming the flag and the layers it has."""
+    write_engram_checkpoint(tmp_path, tables={1: 8, 3: 8}, head_dim=256)
+    engram = ["bench", str(tmp_path), "--model", "deepseek-v41", "--device", "cpu"]
+    code, out, err = run(capsys, *engram)
+    assert code == cli.EXIT_USAGE and out == ""
+    assert err.splitlines() == [
+        f"ple-um bench: error: several Engram tables in {tmp_path}: layers 1, 3; pass --layer to pick one"
+    ]
+    code, out, err = run(capsys, *engram, "--layer", "7")
+    assert code == cli.EXIT_USAGE and out == ""
+    assert err.splitlines() == [
+        f"ple-um bench: error: --layer 7: no Engram table of layer 7 in {tmp_path}; layers with one: 1, 3"
+    ]
 
 
 @pytest.mark.parametrize("verb", ["bench", "probe", "residency", "prewarm"])

@@ -305,7 +305,7 @@ def test_bench_of_an_engram_table_end_to_end(capsys, tmp_path, monkeypatch):
     assert list(result["processes"]) == ["ple-um"]  # no pinned copy without CUDA
     assert len(result["processes"]["ple-um"]["mem_available_drop_bytes"]) == 1
     code, out, err = run(capsys, "bench", str(tmp_path / "two"), *argv[:2], *argv[4:])
-    assert code == cli.EXIT_INVALID and "Engram tables of layers 1, 14" in err and "pass layer=" in err
+    assert code == cli.EXIT_USAGE and "several Engram tables in" in err and "1, 14; pass --layer" in err
 
 
 def _console_script() -> str:
