@@ -180,6 +180,17 @@ def device(text: str) -> str:
 
 
 # -- checks made before a verb works ---------------------------------------------------------------
+def resolved(device: str | None):
+    """--device as the torch.device a verb runs on, or CliError (exit 2) saying why this machine
+    has no such device (the probe without DIR reports it instead)."""
+    from ple_um.access.capabilities import resolve_device
+
+    try:
+        return resolve_device(device)
+    except ValueError as exc:
+        raise CliError(f"--device: {exc}", EXIT_USAGE) from None
+
+
 def checkpoint_dir(path: str) -> str:
     """``path`` as a checkpoint directory, or CliError (exit 1): it does not exist, or is a file."""
     hint = " (--json prints the results, --json-file PATH writes them)" if path.endswith(".json") else ""

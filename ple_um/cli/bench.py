@@ -244,13 +244,9 @@ def _check_machine(cfg: Config, layout) -> None:
     import torch
 
     import ple_um
-    from ple_um.access.capabilities import resolve_device
     from ple_um.bench import sizing
 
-    try:
-        device = resolve_device(cfg.device)
-    except ValueError as exc:
-        raise CliError(f"--device: {exc}", EXIT_USAGE) from None
+    device = a.resolved(cfg.device)
     table_bytes = cfg.table_bytes(layout)
     ple_um.probe(device, table_bytes=table_bytes)  # ModeUnavailableError: a mode forced where it cannot work
     _check_modes(cfg, device, table_bytes)

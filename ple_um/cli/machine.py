@@ -45,6 +45,7 @@ def probe(args: argparse.Namespace) -> int:
         raise CliError("--recheck needs DIR: the check reads the table's own files", EXIT_USAGE)
     if args.dir is not None:
         a.one_layer(args.dir, args.layer)
+        a.resolved(args.device)  # the first read runs on it
     elif args.layer is not None:
         raise CliError("--layer needs DIR: it picks a layer of that checkpoint", EXIT_USAGE)
     try:

@@ -35,6 +35,17 @@ def test_probe_of_a_cuda_device_on_a_machine_without_one(capsys):
         assert code == 0 and out.startswith("mode: cpu") and "no CUDA device here" in out
 
 
+def test_probe_of_a_table_on_a_device_this_machine_lacks_exits_2(capsys, table_dir):
+    """With DIR the first read runs on --device: one this machine does not have (no CUDA here, or
+    an index past its last GPU) is refused naming the flag, not a traceback."""
+    directory, _ = table_dir
+    code, out, err = run(capsys, "probe", directory, "--device", "cuda:99")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith("ple-um probe: error: --device: device 'cuda:99': ")
+    code, data = run_json(capsys, "probe", directory, "--device", "cuda:99")
+    assert code == 2 and data["error"].startswith("--device: device 'cuda:99': ")
+
+
 def test_probe_of_a_device_that_is_no_device(capsys):
     code, out, err = run(capsys, "probe", "--device", "bogus")
     assert code == 2 and out == ""
