@@ -104,13 +104,21 @@ class Scan:
         return match if layer is None or match[0] == layer else None
 
 
+def why_no_directory(path: str) -> str:
+    """Why ``path``, which is no directory, is none: what is there instead."""
+    if os.path.exists(path):
+        return "is not a directory"
+    if os.path.islink(path):
+        return "is a symbolic link that leads nowhere (its target is missing, or a loop)"
+    return "does not exist"
+
+
 def scan(directory: str, layer: int | None, problems: Problems, match: Match = ple_match) -> Scan | None:
     """Read the headers of the files that may hold the table tensors ``match`` finds (of ``layer``
     when given); None when the directory or its index cannot be read (reported)."""
     directory = os.path.abspath(directory)
     if not os.path.isdir(directory):
-        what = "is not a directory" if os.path.exists(directory) else "does not exist"
-        problems.report(f"checkpoint directory {directory} {what}")
+        problems.report(f"checkpoint directory {directory} {why_no_directory(directory)}")
         return None
 
     index_path = os.path.join(directory, INDEX_FILE)

@@ -192,12 +192,12 @@ def resolved(device: str | None):
 
 
 def checkpoint_dir(path: str) -> str:
-    """``path`` as a checkpoint directory, or CliError (exit 1): it does not exist, or is a file."""
+    """``path`` as a checkpoint directory, or CliError (exit 1) saying what is there instead."""
+    from ple_um.checkpoint.scan import why_no_directory
+
     hint = " (--json prints the results, --json-file PATH writes them)" if path.endswith(".json") else ""
-    if not os.path.exists(path):
-        raise CliError(f"checkpoint directory {path} does not exist{hint}", EXIT_INVALID)
     if not os.path.isdir(path):
-        raise CliError(f"checkpoint directory {path} is not a directory{hint}", EXIT_INVALID)
+        raise CliError(f"checkpoint directory {path} {why_no_directory(path)}{hint}", EXIT_INVALID)
     return path
 
 

@@ -34,6 +34,11 @@ def test_directory_problems(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     raises(str(a_file), r"is not a directory")
+    # A link that leads nowhere is named as one, not as a directory that does not exist.
+    os.symlink("nope", tmp_path / "dangling")
+    os.symlink("loop", tmp_path / "loop")
+    for link in ("dangling", "loop"):
+        raises(str(tmp_path / link), rf"checkpoint directory .*{link} is a symbolic link that leads nowhere")
 
 
 def test_index_picks_the_files(tmp_path):

@@ -89,6 +89,17 @@ def test_a_missing_directory_as_typed(tmp_path):
     ]
 
 
+def test_a_symbolic_link_that_leads_nowhere_is_named_so(capsys, tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink("loop", loop)
+    code, out, err = run(capsys, "inspect", str(loop))
+    assert code == 1 and out == ""
+    assert err.splitlines() == [
+        f"ple-um inspect: error: checkpoint directory {loop} is a symbolic link that leads nowhere "
+        "(its target is missing, or a loop)"
+    ]
+
+
 @pytest.mark.parametrize("verb", DIR_VERBS)
 def test_a_file_given_as_the_directory(capsys, tmp_path, verb):
     a_file = tmp_path / "file"
