@@ -84,13 +84,14 @@ def auto_or(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
 def cache_directory(text: str) -> str:
     """A folder ple-um may trust with what it caches: one that is there is a folder (not a link)
     owned by this user that no one else can write; one that is not there can be made
-    (``cache_folder``)."""
+    (``cache_folder``). A leading ``~`` is the home folder, where no shell expanded it."""
     if not text.strip():
         raise ValueError("expected a directory, got an empty value")
-    why = cache_folder.why_unusable(text)
+    path = os.path.expanduser(text)
+    why = cache_folder.why_unusable(path)
     if why is not None:
         raise ValueError(f"expected a folder of this user's that no one else can write: {why}")
-    return text
+    return path
 
 
 def choice(*allowed: str) -> Callable[[str], str]:

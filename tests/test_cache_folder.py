@@ -149,6 +149,18 @@ def test_a_private_folder_that_is_there_or_not_is_taken(tmp_path, monkeypatch):
     envs.check()
 
 
+def test_a_cache_dir_under_home_written_with_a_tilde_is_there(tmp_path, monkeypatch):
+    """``~`` is the home folder, as the default spells it, where no shell expanded it (a systemd
+    unit, a container's environment): not a folder named ``~`` in the working directory."""
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", "~/cache")
+    assert envs.PLE_UM_CACHE_DIR == str(tmp_path / "home" / "cache")
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", "~")
+    assert envs.PLE_UM_CACHE_DIR == str(tmp_path / "home")
+
+
 def test_a_bounded_read_stops_past_its_bound(tmp_path):
     path = tmp_path / "big"
     path.write_bytes(b"x" * 5000)
