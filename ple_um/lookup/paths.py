@@ -135,7 +135,7 @@ class LookupPaths:
         and with ``touch_live`` one in every capture (run while its word says so)."""
         n = ids.numel()
         if not self.decode_on_host and (self.bulk_rows is None or n < self.bulk_rows):
-            if self.touch_pages or self._live_capture():
+            if self.touch_pages or self.touch_live is not None and self._live_capture():
                 self.touch(ids.view(-1))
             return self.gpu.gather(ids, out)
         self.host.gather(ids.view(-1), out.view(n, out.shape[-1]))
@@ -150,9 +150,9 @@ class LookupPaths:
         return packed, scales
 
     def _live_capture(self) -> bool:
-        """Whether this lookup is captured where captures hold the live touch."""
-        live = self.touch_live is not None and self.host is not None
-        return live and torch.cuda.is_current_stream_capturing()
+        """With a ``touch_live`` word: whether this lookup is captured with the host path there to
+        hold the touch (asked only where there is a word: no cost to the other modes' kernel)."""
+        return self.host is not None and torch.cuda.is_current_stream_capturing()
 
     def touch(self, ids: torch.Tensor) -> None:
         """Queue the page touch of flat ``ids``' rows on the host path (before the kernel's lookup),
