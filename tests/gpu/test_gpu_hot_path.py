@@ -1,7 +1,8 @@
 """The host path's length on a CUDA device, measured as ``tests/structure/test_hot_path.py`` measures
 the direct call: an eager ``cpu``-mode lookup through the dispatcher thread and through a host node,
-after a warm-up lookup, crosses exactly these Python files, and with the job struct's ctypes mirror
-and the C file of the row copy at most ``HOST_PATH_FILES`` (docs/DESIGN.md, "The hot path of one
+after a warm-up lookup, crosses exactly these Python files, and up to the row copy (a float output's
+dequantization comes after it), with the job struct's ctypes mirror and the C file of the row copy,
+at most ``HOST_PATH_FILES`` (docs/DESIGN.md, "The hot path of one
 lookup")."""
 
 from __future__ import annotations
@@ -44,4 +45,5 @@ def test_an_eager_cpu_lookup_on_a_gpu_crosses_these_files(
         torch.cuda.synchronize()
         check_rows(got[0], layout, ids)
     assert crossed == EAGER_ON_CUDA | (DECODE if out_dtype is not None else set())
-    assert len(crossed | {MIRROR} | ROW_COPY_C) <= HOST_PATH_FILES
+    # To the C row copy; a float output's dequantization runs after it (docs/DESIGN.md).
+    assert len((crossed - DECODE) | {MIRROR} | ROW_COPY_C) <= HOST_PATH_FILES

@@ -61,4 +61,5 @@ def test_an_eager_cpu_lookup_crosses_these_files_and_no_more(make_checkpoint, rn
     assert calls == DIRECT_CALLS | (DECODE_CALLS if out_dtype is not None else set())
     crossed = {path for path, _ in calls}
     assert crossed == DIRECT | (DECODE if out_dtype is not None else set())
-    assert len(crossed | {MIRROR} | ROW_COPY_C) <= HOST_PATH_FILES
+    # To the C row copy; a float output's dequantization runs after it (docs/DESIGN.md).
+    assert len((crossed - DECODE) | {MIRROR} | ROW_COPY_C) <= HOST_PATH_FILES
