@@ -19,8 +19,10 @@ RESIDENCY = """\
 How much of the table is in the page cache now, per shard and in total (mincore over a read-only
 mapping; no data is read), and the row cache a table opened now would take under the knobs set (a
 serving process's own row cache is in its stats line and metrics)."""
-# The knobs that decide the row cache and the reader of misses (residency reports them).
+# The knobs that decide the row cache and the reader of misses, the fit among them (residency
+# reports them).
 ROW_CACHE_KNOBS = (
+    "PLE_UM_FIT",
     "PLE_UM_ROW_CACHE",
     "PLE_UM_ROW_CACHE_FRACTION",
     "PLE_UM_ROW_CACHE_POLICY",

@@ -171,10 +171,12 @@ def test_bench_refuses_a_bad_knob_before_it_writes_or_times_anything(tmp_path):
 
 
 def test_the_verbs_on_files_alone_read_only_their_knobs(capsys, monkeypatch, table_dir):
-    """inspect and prewarm read no knob, residency only the row cache's and the reader's: every
-    other knob set to a value it does not take changes nothing for them; one of residency's own set
-    so is refused before any work, naming it."""
+    """inspect and prewarm read no knob, residency only the row cache's, the reader's and the fit's:
+    every other knob set to a value it does not take changes nothing for them (residency's row cache
+    included); one of residency's own set so is refused before any work, naming it."""
     path, _ = table_dir
+    code, unset = run_json(capsys, "residency", path)
+    assert code == 0, unset
     for knob in envs.KNOBS.values():
         if knob.name not in ROW_CACHE_KNOBS:
             monkeypatch.setenv(knob.name, "not a value any knob takes")
@@ -184,6 +186,8 @@ def test_the_verbs_on_files_alone_read_only_their_knobs(capsys, monkeypatch, tab
     for verb in ("inspect", "residency", "prewarm"):
         code, _, err = run(capsys, verb, path)
         assert code == 0, err
+    code, invalid_set = run_json(capsys, "residency", path)
+    assert code == 0 and invalid_set["row_cache"] == unset["row_cache"], invalid_set["row_cache"]
     for name in ROW_CACHE_KNOBS:
         if name == "PLE_UM_CACHE_DIR":  # any text names a folder: it would be made
             continue
