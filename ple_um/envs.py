@@ -2,8 +2,8 @@
 
 Read a knob as an attribute (``envs.PLE_UM_MODE``), typed by its annotation below; the environment
 is read at each access, so a test or a launcher can change it before the table opens. The
-``VLLM_PLE_MMAP*`` names of the earlier CPU-gather patches (README) are aliases: when the ple-um name
-is unset and an alias is set, the alias is used.
+``VLLM_PLE_MMAP*`` names of the earlier CPU-gather patches (docs/OPERATING.md) are aliases: when the
+ple-um name is unset and an alias is set, the alias is used.
 """
 
 from __future__ import annotations
@@ -229,8 +229,9 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_ROWCOPY",
             v.boolean,
             True,
-            "host paths read rows with the C row copy run as a CUDA host node (compiled once into "
-            "PLE_UM_CACHE_DIR); off, or where it does not build, the cpu mode's synchronous gather",
+            "host paths read rows with the C row copy (built at install time; where that library is "
+            "missing or stale, compiled at the first open into PLE_UM_CACHE_DIR/native/); off, or where "
+            "it does not build, the cpu mode's synchronous gather (not capture-safe)",
         ),
         Knob(
             "PLE_UM_DISPATCHER",
@@ -269,9 +270,10 @@ KNOBS: dict[str, Knob] = {
             v.auto_or(parse_size, "a byte count (0, 512MiB, 4GiB)"),
             "auto",
             "host path: bytes of hot rows kept at row granularity in memory the table owns; auto = "
-            "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table is not in the page cache at "
-            "open (else none); a size is capped at what the owned rows need and refused past the "
-            "memory left (a fit check's later build cuts it to PLE_UM_ROW_CACHE_FRACTION of that); 0 = none",
+            "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table's owned rows do not fit in "
+            "memory (PLE_UM_FIT; else none, in the page cache or not); a size is capped at what the "
+            "owned rows need and refused past the memory left (a fit check's later build cuts it to "
+            "PLE_UM_ROW_CACHE_FRACTION of that); 0 = none",
         ),
         Knob(
             "PLE_UM_ROW_CACHE_FRACTION",
@@ -310,8 +312,9 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_METRICS_SEC",
             v.seconds_or_off,
             15.0,
-            "seconds between reads of the GPU modes' device counters and the page-cache residency for "
-            "Prometheus when the stats line is off (0 = never; with PLE_UM_STATS_SEC > 0 that period)",
+            "seconds between reads of the device counters, the C row copy's counters, the row cache and "
+            "the page-cache residency for Prometheus when the stats line is off (0 = never; with "
+            "PLE_UM_STATS_SEC > 0 that period)",
         ),
     )
 }

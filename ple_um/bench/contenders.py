@@ -12,7 +12,7 @@ for each contender of the bench saying what it is (``describe``):
   in private pinned host copies, read and decoded by vLLM's own lookup kernel (a stand-in kernel,
   said so, where vLLM is not installed).
 - ``SeedsCpuPath`` (the bench's ``seeds cpu``): the gather of the earlier CPU-gather patches
-  (``vllm_ple_mmap``, the vLLM patch module the README calls the seeds), which keep the table on
+  (``vllm_ple_mmap``, the vLLM patch module docs/OPERATING.md calls the seeds), which keep the table on
   disk behind mmap and gather rows on the CPU: ids to the host, np.unique, a thread pool (32
   workers, chunks of 2048 rows) indexing np.memmap views of the shards, a pinned staging buffer,
   an async H2D copy and the expansion on the GPU.

@@ -212,7 +212,7 @@ def _create() -> dict[str, list] | None:
         logger.info(
             "ple-um: PROMETHEUS_MULTIPROC_DIR is unset, so the vllm:ple_um_* metrics stay in this "
             "process and do not reach the API server's /metrics while the engine runs in its own "
-            "process; see the README, Prometheus metrics: Multiprocess mode"
+            "process; see docs/OPERATING.md, Metrics: Multiprocess mode"
         )
     made: dict[str, list] = {}
     for spec in METRICS:
