@@ -1,8 +1,9 @@
-"""Check that the docs name only what exists: every path of the repository they cite, every test
-they cite (in the file cited before it on the same line, where one is), every knob (or test hook of
-``ple_um._testing``) and every metric; and that docs/OPERATING.md lists every knob of ``ple_um.envs``
-with its aliases, no test hook, and every metric of ``ple_um.metrics``. The lab notebook (docs/lab/)
-may name scripts and files that are gone, when its README lists them with the commit that holds them.
+"""Check that the docs name only what exists: every path of the repository they cite (or that a
+build makes, as .gitignore names it), every test they cite (in the file cited before it on the same
+line, where one is), every knob (or test hook of ``ple_um._testing``) and every metric; and that
+docs/OPERATING.md lists every knob of ``ple_um.envs`` with its aliases, no test hook, and every
+metric of ``ple_um.metrics``. The lab notebook (docs/lab/) may name scripts and files that are gone,
+when its README lists them with the commit that holds them.
 
     python tools/check_docs.py        # exit 1 and one line per problem, else "docs: ok"
 """
@@ -36,7 +37,14 @@ def _docs() -> tuple[list[str], list[str]]:
 
 
 def _exists(path: str) -> bool:
-    return bool(glob.glob(os.path.join(ROOT, path.rstrip("/"))))
+    """On disk, or a build's product that .gitignore names exactly (the C row copy's library, which a
+    clone has only once installed)."""
+    return bool(glob.glob(os.path.join(ROOT, path.rstrip("/")))) or "/" + path in _built()
+
+
+def _built() -> set[str]:
+    with open(os.path.join(ROOT, ".gitignore"), encoding="utf-8") as f:
+        return {line.strip() for line in f if line.startswith("/")}
 
 
 def _tests_in(path: str) -> set[str]:

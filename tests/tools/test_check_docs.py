@@ -1,14 +1,29 @@
 """tools/check_docs.py: the docs as they are pass it, and a page naming a path, a test, a knob or
-a metric that does not exist gets one problem line for each, naming the page and the line."""
+a metric that does not exist gets one problem line for each, naming the page and the line. And the
+README's Python examples: the one for a machine without a GPU runs as written and prints what its
+comments say; the CUDA one beside it compiles and calls only what the package has."""
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
 import subprocess
 import sys
 
 from helpers.tools import TOOLS, load_tool
 
+import ple_um
+
 SCRIPT = TOOLS / "check_docs.py"
+README = TOOLS.parent / "README.md"
+
+
+def _readme_examples() -> tuple[str, str]:
+    """The README's two Python blocks: the one for any machine, then the CUDA one."""
+    blocks = re.findall(r"^```python\n(.*?)^```$", README.read_text(encoding="utf-8"), re.M | re.S)
+    assert len(blocks) == 2, f"README.md has {len(blocks)} Python examples, not the CPU one and the CUDA one"
+    return blocks[0], blocks[1]
 
 
 def test_the_docs_name_only_what_exists():
@@ -23,7 +38,7 @@ def test_each_kind_of_bad_name_is_reported(tmp_path):
     page.write_text(
         "fine: `ple_um/envs.py`, PLE_UM_ROW_CACHE, vllm:ple_um_row_cache_hits_total\n"
         "a test hook: PLE_UM_FIRST_READ_FAULT\n"
-        "`tools/no_such_script.py` is gone\n"
+        "`tools/no_such_script.py` is gone; `ple_um/lookup/_rowcopy*.so` is built by the install\n"
         "`tests/tools/test_check_docs.py::test_no_such_case`\n"
         "set PLE_UM_NO_SUCH_KNOB=1\n"
         "watch vllm:ple_um_no_such_metric\n",
@@ -51,3 +66,38 @@ def test_a_test_hook_in_the_knob_table_is_reported(tmp_path, monkeypatch):
     assert check.check_operating() == [
         "docs/OPERATING.md: PLE_UM_FIRST_READ_FAULT is a test hook (ple_um/_testing.py), not a knob to list"
     ]
+
+
+def test_the_readme_example_for_a_machine_without_a_gpu_runs_as_written(tmp_path):
+    """Run as a user would on a CPU-only machine (no Triton interpreter, which the suite sets and
+    which would make the host look like a device): its checkpoint goes to tmp_path instead of
+    /tmp/ple-demo, else the code is the README's."""
+    code, _ = _readme_examples()
+    assert code.count('"/tmp/ple-demo"') == 2, code
+    code = code.replace('"/tmp/ple-demo"', repr(str(tmp_path / "ple-demo")))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(TOOLS.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # table.mode, the rows' shape (64 tokens x 16 heads x 160 values), and stats()["rows"]
+    assert run.stdout.splitlines()[-1] == "cpu (64, 16, 160) 1024", run.stdout
+
+
+def test_the_readme_cuda_example_names_only_what_the_package_has(make_checkpoint):
+    """The CUDA example cannot run here: it compiles, and every ``ple_um.NAME`` it calls, every
+    ``table.NAME`` (of a table opened here) and every keyword it passes exists."""
+    _, code = _readme_examples()
+    compile(code, "README.md", "exec")
+    for name in re.findall(r"\bple_um\.(\w+)", code):
+        assert hasattr(ple_um, name), name
+    layout = make_checkpoint()
+    with ple_um.open_table(layout.directory) as table:
+        for name in re.findall(r"\btable\.(\w+)", code):
+            assert hasattr(table, name), name
+    calls = re.findall(r"\b(open_table|lookup)\(([^()]*)\)", code)
+    assert {function for function, _ in calls} == {"open_table", "lookup"}, calls
+    for function, call in calls:
+        accepted = inspect.signature(getattr(ple_um if function == "open_table" else table, function))
+        for keyword in re.findall(r"(\w+)=", call):
+            assert keyword in accepted.parameters, f"{function}({keyword}=)"
