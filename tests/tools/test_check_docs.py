@@ -1,7 +1,8 @@
 """tools/check_docs.py: the docs as they are pass it, and a page naming a path, a test, a knob or
 a metric that does not exist gets one problem line for each, naming the page and the line. And the
 README's Python examples: the one for a machine without a GPU runs as written and prints what its
-comments say; the CUDA one beside it compiles and calls only what the package has."""
+comments say; the CUDA one beside it compiles and calls only what the package has. And DESIGN's
+list of the keys ``table.stats()`` returns is the keys it returns."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import torch
 from helpers.tools import TOOLS, load_tool
 
 import ple_um
@@ -101,3 +103,27 @@ def test_the_readme_cuda_example_names_only_what_the_package_has(make_checkpoint
         accepted = inspect.signature(getattr(ple_um if function == "open_table" else table, function))
         for keyword in re.findall(r"(\w+)=", call):
             assert keyword in accepted.parameters, f"{function}({keyword}=)"
+
+
+def _listed(text: str) -> set[str]:
+    """The names of a comma-separated list in a doc, each without its parenthesised gloss."""
+    items = (re.sub(r"`", "", item).strip() for item in re.sub(r"\([^()]*\)", "", text).split(","))
+    return {item for item in items if item}
+
+
+def test_design_lists_the_keys_stats_returns(make_checkpoint, monkeypatch):
+    """docs/DESIGN.md's API: the keys of ``table.stats()``, of its ``row_cache`` and of its
+    ``serving``, as a table opened here returns them (one with a row cache)."""
+    design = (TOOLS.parent / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    block = re.search(r"table\.stats\(sync=True\)\s*# dict: (.*?)\n(?!\s*#)", design, re.S).group(1)
+    keys = _listed(re.sub(r"\n\s*#", ",", block))
+    cache = re.search(r'`stats\(\)\["row_cache"\]` is None .*?else a dict: (.*?)\.\n', design, re.S).group(1)
+    serving = re.search(r'`stats\(\)\["serving"\]` says .*?: (.*?)\.\n', design, re.S).group(1)
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "64KiB")
+    layout = make_checkpoint(num_rows=4096, row_dim=32, shards=3)
+    with ple_um.open_table(layout.directory, mode="cpu") as table:  # the host path, where a row cache is
+        table.lookup(torch.arange(64))
+        stats = table.stats()
+    assert keys == set(stats), (keys, set(stats))
+    assert _listed(" ".join(cache.split())) == set(stats["row_cache"]), stats["row_cache"]
+    assert _listed(" ".join(serving.split())) == set(stats["serving"]), stats["serving"]
