@@ -2,7 +2,8 @@
 build makes, as .gitignore names it), every test they cite (in the file cited before it on the same
 line, where one is), every knob (or test hook of ``ple_um._testing``) and every metric; and that
 docs/OPERATING.md lists every knob of ``ple_um.envs`` with its aliases, no test hook, and every
-metric of ``ple_um.metrics``. The lab notebook (docs/lab/) may name scripts and files that are gone,
+metric of ``ple_um.metrics``; and that docs/DESIGN.md's map names every module of the package
+and no file that is gone. The lab notebook (docs/lab/) may name scripts and files that are gone,
 when its README lists them with the commit that holds them.
 
     python tools/check_docs.py        # exit 1 and one line per problem, else "docs: ok"
@@ -138,6 +139,34 @@ def check_operating() -> list[str]:
     return problems
 
 
+def check_map() -> list[str]:
+    """docs/DESIGN.md's map (its "## Map" section) names every module of the package (a .py, .c or .h
+    file but ``__init__.py`` and ``__main__.py``) by its path or its file name, and no file name
+    that no file of the package, ``tools/`` or ``tests/`` (or ``setup.py``) has."""
+    with open(os.path.join(ROOT, "docs", "DESIGN.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.find("\n## Map")
+    section = text[start : text.find("\n## ", start + 1)] if start >= 0 else ""
+    modules = [
+        os.path.relpath(path, ROOT)
+        for path in glob.glob(os.path.join(ROOT, "ple_um", "**", "*.*"), recursive=True)
+        if path.endswith((".py", ".c", ".h")) and os.path.basename(path) not in ("__init__.py", "__main__.py")
+    ]
+    named = set(re.findall(r"[\w.]+\.(?:py|c|h|sh)\b", section))
+    problems = [
+        f"docs/DESIGN.md: the map does not name {module}"
+        for module in sorted(modules)
+        if os.path.basename(module) not in named and module not in section
+    ]
+    have = {
+        os.path.basename(path)
+        for folder in ("ple_um", "tools", "tests")
+        for path in glob.glob(os.path.join(ROOT, folder, "**", "*"), recursive=True)
+    } | {"setup.py"}
+    problems += [f"docs/DESIGN.md: the map names {name}, which no file has" for name in sorted(named - have)]
+    return problems
+
+
 def check_lab(paths: list[str]) -> list[str]:
     readme = os.path.join(ROOT, "docs", "lab", "README.md")
     with open(readme, encoding="utf-8") as f:
@@ -157,7 +186,7 @@ def main() -> int:
     manual, lab = _docs()
     every_test = _all_tests()
     problems = [p for doc in manual for p in check_manual(doc, every_test)]
-    problems += check_operating() + check_lab(lab)
+    problems += check_operating() + check_map() + check_lab(lab)
     for problem in problems:
         print(problem)
     if not problems:

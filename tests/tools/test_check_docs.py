@@ -1,8 +1,9 @@
 """tools/check_docs.py: the docs as they are pass it, and a page naming a path, a test, a knob or
-a metric that does not exist gets one problem line for each, naming the page and the line. And the
-README's Python examples: the one for a machine without a GPU runs as written and prints what its
-comments say; the CUDA one beside it compiles and calls only what the package has. And DESIGN's
-list of the keys ``table.stats()`` returns is the keys it returns."""
+a metric that does not exist gets one problem line for each, naming the page and the line; DESIGN's
+map names every module and no file that is gone. And the README's Python examples: the one for a
+machine without a GPU runs as written and prints what its comments say; the CUDA one beside it
+compiles and calls only what the package has. And DESIGN's list of the keys ``table.stats()``
+returns is the keys it returns."""
 
 from __future__ import annotations
 
@@ -67,6 +68,25 @@ def test_a_test_hook_in_the_knob_table_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(check, "ROOT", str(tmp_path))
     assert check.check_operating() == [
         "docs/OPERATING.md: PLE_UM_FIRST_READ_FAULT is a test hook (ple_um/_testing.py), not a knob to list"
+    ]
+
+
+def test_a_module_the_map_lacks_and_a_file_it_names_that_is_gone_are_reported(tmp_path, monkeypatch):
+    """docs/DESIGN.md's map: a module of the package it does not name, and a file name it names
+    that no file has, are each one problem."""
+    check = load_tool("check_docs")
+    design = (TOOLS.parent / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    assert check.check_map() == []
+    assert design.count("`stats_line.py` (the stats line), ") == 1
+    edited = design.replace("`stats_line.py` (the stats line), ", "`stats_lines.py` (the stats line), ")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "DESIGN.md").write_text(edited, encoding="utf-8")
+    for folder in ("ple_um", "tools", "tests"):
+        (tmp_path / folder).symlink_to(TOOLS.parent / folder)
+    monkeypatch.setattr(check, "ROOT", str(tmp_path))
+    assert check.check_map() == [
+        "docs/DESIGN.md: the map does not name ple_um/metrics/stats_line.py",
+        "docs/DESIGN.md: the map names stats_lines.py, which no file has",
     ]
 
 
