@@ -181,7 +181,7 @@ def open_engram_table(
 def _open(read: Callable[[], ShardLayout], rows, mode: str, device, strict: bool | None) -> MappedTable:
     """The table of the layout ``read`` returns, once the knobs are checked: a knob set to a value it
     does not take is an error here, not a rejected mode (PLE_UM_MODE: read by requested_mode, and
-    only when no mode is given)."""
+    only when ``mode`` is auto)."""
     t0 = time.perf_counter()
     envs.check(skip=("PLE_UM_MODE",))
     forced = requested_mode(mode)
