@@ -126,7 +126,7 @@ def add_parser(sub) -> None:
         "(pip install 'ple-um[plot]')",
     )
     _add_steady_options(b)
-    b.add_argument("--quiet", action="store_true", help="progress lines to stderr")
+    b.add_argument("--quiet", action="store_true", help="progress lines to stderr, stdout the report alone")
 
 
 def _add_steady_options(b) -> None:
