@@ -536,7 +536,7 @@ def test_a_device_that_cannot_serve_is_refused_at_open(layout, device, expected)
 
 
 def test_an_explicit_mode_ignores_a_stale_mode_knob(layout, monkeypatch):
-    """PLE_UM_MODE is read only when no mode is given: a stale value does not stop mode="cpu"."""
+    """PLE_UM_MODE is read only when the mode is auto: a stale value does not stop mode="cpu"."""
     from ple_um.errors import KnobError
 
     monkeypatch.setenv("PLE_UM_MODE", "host")

@@ -226,7 +226,8 @@ def test_a_run_under_a_real_memory_cgroup(make_checkpoint):
     if not probe.enforced:
         pytest.skip(f"no memory cgroup here: {probe.why}")
     layout, result, lines = _run(make_checkpoint, None, (768 << 20,))
-    # PLE_UM_ROW_CACHE=auto: a row cache when the table is not in the page cache at open.
+    # The child runs under PLE_UM_FIT=spills (ple_um/bench/memlimit.py): PLE_UM_ROW_CACHE=auto gives it
+    # a row cache (none on tmpfs).
     row_cache = fs_type(layout.directory) != "tmpfs"
     _check_figures(result, layout, enforced=True, row_cache=row_cache)
     (entry,) = result["limits"].values()
