@@ -27,8 +27,10 @@ WARMUP_S = 5.0
 # Timed calls a measurement, and the serving loop's timed steps a figure, when --repeats is not
 # given.
 REPEATS, SERVING_STEPS = 20, 50
-# The serving loop's GPU work per step (milliseconds, a figure each).
+# The serving loop's GPU work per step (milliseconds, a figure each), and its prefill chunk's tokens
+# a step (a decode step's lookups are ``decode_tokens`` x ``heads`` ids beside them).
 STEP_MS = (5.0, 20.0, 50.0)
+PREFILL_TOKENS = 2048
 # The square matmuls the serving loop's GPU work is made of: bf16, this many rows and columns (about
 # 0.2 ms each on an H200; a step of 5 ms is some 25 of them).
 MATMUL_SIZE = 4096
@@ -73,7 +75,7 @@ class Config:
     warmup: int = 3
     rounds: int = 4
     decode_tokens: int = 64
-    prefill_tokens: int = 2048  # the serving loop's prefill chunk (0: none)
+    prefill_tokens: int | None = None  # the serving loop's prefill chunk (0: none): PREFILL_TOKENS
     heads: int = 16
     device: str | None = None
     processes: int = 0
@@ -96,13 +98,18 @@ class Config:
         self.rows = self.rows or (COLD_ROWS if self.memory_limits else DEFAULT_ROWS)
         self.repeats = self.repeats or (SERVING_STEPS if self.serving else REPEATS)
         self.step_ms = self.step_ms or STEP_MS
+        self.prefill_tokens = PREFILL_TOKENS if self.prefill_tokens is None else self.prefill_tokens
         self.warmup_s = WARMUP_S if self.warmup_s is None else self.warmup_s
 
     def _check_serving(self) -> None:
         """The options that belong to --serving alone, and those it does not take."""
         if not self.serving:
-            if self.step_ms is not None:
-                raise BenchUsageError("--step-ms sets the GPU work of --serving's steps: give --serving too")
+            for flag, given, what in (
+                ("--step-ms", self.step_ms, "GPU work"),
+                ("--prefill-tokens", self.prefill_tokens, "prefill chunk"),
+            ):
+                if given is not None:
+                    raise BenchUsageError(f"{flag} sets the {what} of --serving's steps: give --serving too")
             return
         for flag, given in (("--rows", self.rows), ("--processes", self.processes)):
             if given:

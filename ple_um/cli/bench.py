@@ -14,6 +14,7 @@ from ple_um.bench.config import (
     COLD_ROWS,
     DEFAULT_ROWS,
     MODELS,
+    PREFILL_TOKENS,
     REPEATS,
     ROW_BYTES,
     SERVING_STEPS,
@@ -157,7 +158,7 @@ def _add_steady_options(b) -> None:
         action="store_true",
         help="the serving loop (needs a CUDA device): a decode step of fixed GPU work (--step-ms) whose "
         f"lookups ({Config.decode_tokens} tokens x {Config.heads} rows, and a prefill chunk of "
-        f"{Config.prefill_tokens} tokens x {Config.heads} rows, fresh ids every step) "
+        f"--prefill-tokens x {Config.heads} rows, fresh ids every step) "
         "are forked onto a side stream at its start and joined at its end, the whole step one CUDA graph; "
         "each step time against the same loop with the table resident in GPU memory and with no lookup, "
         "with the row cache's hit rates; with --memory-limit also under each limit. --modes picks the "
@@ -170,6 +171,14 @@ def _add_steady_options(b) -> None:
         metavar="MS[,MS...]",
         help="with --serving: the GPU work of a step in milliseconds, a figure each "
         f"(default {_listing(STEP_MS)})",
+    )
+    b.add_argument(
+        "--prefill-tokens",
+        type=a.count,
+        default=None,
+        metavar="N",
+        help=f"with --serving: the tokens of the prefill chunk looked up every step beside the decode "
+        f"step's, {Config.heads} rows each (default {PREFILL_TOKENS}; 0: decode steps only)",
     )
 
 

@@ -20,6 +20,9 @@ def test_options_not_given_take_the_default_of_their_run():
     assert (limited.rows, limited.warmup_s, limited.kind) == (config.COLD_ROWS, 0.0, "memory-limit")
     serving = config.Config(serving=True, step_ms=(3.0,))
     assert (serving.repeats, serving.step_ms, serving.kind) == (config.SERVING_STEPS, (3.0,), "serving")
+    assert serving.serving_lookups == {"decode": 64 * 16, "prefill": config.PREFILL_TOKENS * 16}
+    decode_only = config.Config(serving=True, prefill_tokens=0)
+    assert decode_only.serving_lookups == {"decode": 64 * 16}
     engram = config.Config(model=config.ENGRAM_MODEL, rows=(16,), repeats=2)
     assert (engram.row_bytes, engram.shards, engram.rows, engram.repeats) == (264, 1, (16,), 2)
     assert config.Config(directory="/d", layer=3, size=100).layer == 3  # DIR's table: its own checks
@@ -30,6 +33,7 @@ def test_options_not_given_take_the_default_of_their_run():
     [
         ({"warmup_s": 1.0}, "--warmup times the steady state of --memory-limit or --serving: give one"),
         ({"step_ms": (5.0,)}, "--step-ms sets the GPU work of --serving's steps: give --serving too"),
+        ({"prefill_tokens": 0}, "--prefill-tokens sets the prefill chunk of --serving's steps"),
         ({"serving": True, "rows": (16,)}, "--rows is not a --serving option"),
         ({"model": config.ENGRAM_MODEL, "shards": 1}, "--shards is a PLE table's option"),
         ({"layer": 3}, "--layer needs DIR: the synthetic table has one layer"),

@@ -184,6 +184,8 @@ def test_the_cli_refuses_serving_without_cuda(capsys, tmp_path, monkeypatch):
             "argument --step-ms: expected milliseconds above 0 and at most 10000",
         ),
         (["--serving", "--step-ms", ","], "argument --step-ms: no durations given"),
+        (["--prefill-tokens", "0"], "--prefill-tokens sets the prefill chunk of --serving's steps"),
+        (["--serving", "--prefill-tokens", "-1"], "argument --prefill-tokens: must be at least 0, got -1"),
         (["--serving", "--rows", "16"], "--rows is not a --serving option"),
         (["--serving", "--processes", "2"], "--processes is not a --serving option"),
     ],
