@@ -4,8 +4,11 @@ and decides whether a table's owned rows fit (``fits``: the path of decode-sized
 Two limits can bind: the machine's (``MemAvailable`` in ``/proc/meminfo``: free memory plus what
 the kernel can reclaim) and the memory cgroup the process runs in (cgroup v2's ``memory.max`` less
 ``memory.current``, or v1's ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``, plus the
-group's page cache the kernel can take back, its file LRU lists in ``memory.stat``, for the
-process's group and every group above it). The smaller is what is left. A container or a batch
+group's page cache the kernel can take back, for the process's group and every group above it). The
+smaller is what is left. The page cache taken back is the group's file LRU lists in ``memory.stat``
+less what processes map (``file_mapped``; v1 ``total_mapped_file``): the libraries and driver files
+a CUDA process runs from are mapped and in use, and reclaiming them only brings them back, so a
+row cache sized on them leaves the group nothing for its lookups' buffers. A container or a batch
 system's memory limit is a cgroup's, so a limit there is seen even where ``MemAvailable`` shows
 the whole machine. A group's usage counts the page cache its processes read (the model's weights,
 the table itself), which fills it up to its limit and which the kernel reclaims as MemAvailable
@@ -65,29 +68,37 @@ def _groups(proc_cgroup: str, root: str) -> list[tuple[str, str]]:
     return found
 
 
-def _reclaimable(folder: str, version: str) -> int:
-    """The group's page cache the kernel can take back: its file LRU lists, its groups below
-    included (v2's ``memory.stat`` counts them; v1's ``total_`` lines); 0 where unreadable."""
+def _page_cache(folder: str, version: str) -> tuple[int, int]:
+    """The group's page cache on its file LRU lists and the part of it processes map, its groups
+    below included (v2's ``memory.stat`` counts them; v1's ``total_`` lines); zeros where
+    unreadable."""
     prefix = "" if version == "v2" else "total_"
-    found = 0
+    lists = (f"{prefix}active_file", f"{prefix}inactive_file")
+    mapped_name = "file_mapped" if version == "v2" else "total_mapped_file"
+    cached = mapped = 0
     try:
         with open(f"{folder}/memory.stat") as f:
             for line in f:
                 name, _, value = line.partition(" ")
-                if name in (f"{prefix}active_file", f"{prefix}inactive_file") and value.strip().isdigit():
-                    found += int(value)
+                if not value.strip().isdigit():
+                    continue
+                if name in lists:
+                    cached += int(value)
+                elif name == mapped_name:
+                    mapped = int(value)
     except OSError:
-        return 0
-    return found
+        return 0, 0
+    return cached, mapped
 
 
 def cgroup_headroom(
     proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT, *, resident: int = 0
 ) -> int | None:
     """Bytes this process's memory cgroups let it take still (the tightest of them): each group's
-    limit less its usage, plus its page cache the kernel can take back, less ``resident`` of that
-    (a table's own pages in memory, which a caller counts apart); None where no group has a limit.
-    ``proc_cgroup`` names the groups, ``root`` is where they are."""
+    limit less its usage, plus its page cache the kernel can take back: the file LRU lists less
+    what is mapped, or less ``resident`` (a table's own pages in memory, which a caller counts
+    apart) where that is more (a table read through its mapping is among the mapped pages); None
+    where no group has a limit. ``proc_cgroup`` names the groups, ``root`` is where they are."""
     best = None
     for folder, version in _groups(proc_cgroup, root):
         if version == "v2":
@@ -97,7 +108,8 @@ def cgroup_headroom(
             used = _read_int(f"{folder}/memory.usage_in_bytes")
         if limit is None or used is None or limit >= 1 << 60:  # v1 says "no limit" with a huge number
             continue
-        room = max(0, limit - used) + max(0, _reclaimable(folder, version) - resident)
+        cached, mapped = _page_cache(folder, version)
+        room = max(0, limit - used) + max(0, cached - max(mapped, resident))
         best = room if best is None else min(best, room)
     return best
 

@@ -119,11 +119,9 @@ def test_fit_counts_machine_memory_the_cgroups_room_and_the_tables_own_pages(mem
     assert not ok and "do not fit" in why and "10.00 MiB" in why and "MemAvailable 100.00 MiB" in why
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
-def test_a_cgroups_room_counts_the_page_cache_it_can_take_back(tmp_path, monkeypatch, version):
-    """A group at its limit, 3 GiB of it page cache on its file lists (v1: the hierarchical
-    ``total_`` lines, not the group's own): 3 GiB of room; the table's own resident pages, which
-    may be among that page cache, are not counted twice by the fit."""
+def _group_at_its_limit(tmp_path, version: str, mapped: int = 0):
+    """A 6 GiB group at its limit, 3 GiB of it page cache on its file lists (v1: the hierarchical
+    ``total_`` lines, not the group's own), ``mapped`` of that mapped by processes: its room."""
     GiB = 1 << 30
     group = tmp_path / "cgroup" / ("memory" if version == "v1" else "") / "pod"
     group.mkdir(parents=True)
@@ -136,12 +134,21 @@ def test_a_cgroups_room_counts_the_page_cache_it_can_take_back(tmp_path, monkeyp
     (group / usage).write_text(str(6 * GiB))
     prefix = "total_" if version == "v1" else ""
     stat = [f"anon {3 * GiB}", f"{prefix}active_file {GiB}", f"{prefix}inactive_file {2 * GiB}"]
-    if version == "v1":
-        stat += [f"active_file {GiB // 4}", f"inactive_file {GiB // 4}"]  # the group's own: not these
+    stat.append(f"file_mapped {mapped}" if version == "v2" else f"total_mapped_file {mapped}")
+    if version == "v1":  # the group's own: not these
+        stat += [f"active_file {GiB // 4}", f"inactive_file {GiB // 4}", f"mapped_file {GiB // 8}"]
     (group / "memory.stat").write_text("\n".join(stat) + "\n")
     proc = tmp_path / "proc-cgroup"
     proc.write_text("4:memory:/pod\n" if version == "v1" else "0::/pod\n")
-    room = functools.partial(memory.cgroup_headroom, str(proc), str(tmp_path / "cgroup"))
+    return functools.partial(memory.cgroup_headroom, str(proc), str(tmp_path / "cgroup"))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_cgroups_room_counts_the_page_cache_it_can_take_back(tmp_path, monkeypatch, version):
+    """A group at its limit with 3 GiB of page cache, none mapped: 3 GiB of room; the table's own
+    resident pages, which may be among that page cache, are not counted twice by the fit."""
+    GiB = 1 << 30
+    room = _group_at_its_limit(tmp_path, version)
     assert room() == 3 * GiB and room(resident=GiB) == 2 * GiB and room(resident=4 * GiB) == 0
     monkeypatch.setattr(memory, "cgroup_headroom", room)
     monkeypatch.setattr(memory, "mem_available", lambda: 64 * GiB)
@@ -151,6 +158,20 @@ def test_a_cgroups_room_counts_the_page_cache_it_can_take_back(tmp_path, monkeyp
         memory.fits(3 * GiB, 0)[0] and memory.fits(3 * GiB, 2 * GiB)[0] and memory.fits(3 * GiB, 3 * GiB)[0]
     )
     assert not memory.fits(3 * GiB + PAGE, 0)[0] and not memory.fits(3 * GiB + PAGE, 2 * GiB)[0]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_page_cache_processes_map_is_not_room(tmp_path, version):
+    """1 GiB of the group's 3 GiB of page cache mapped (a CUDA process's libraries and driver files,
+    in use): 2 GiB of room; a table's resident pages, read through its mapping, are among the
+    mapped ones: only what exceeds the mapped pages is taken off again."""
+    GiB = 1 << 30
+    room = _group_at_its_limit(tmp_path, version, mapped=GiB)
+    assert room() == 2 * GiB
+    assert room(resident=GiB // 2) == 2 * GiB and room(resident=2 * GiB) == GiB
+    assert room(resident=4 * GiB) == 0
+    mapped_all = _group_at_its_limit(tmp_path / "all", version, mapped=3 * GiB)
+    assert mapped_all() == 0
 
 
 def _verdict(fits: bool, margin: bool, share: float, exact: bool = False) -> Verdict:
