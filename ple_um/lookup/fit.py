@@ -39,6 +39,8 @@ import numpy as np
 from ple_um import envs
 from ple_um.access import memory
 from ple_um.checkpoint import ShardLayout
+from ple_um.errors import KnobError
+from ple_um.lookup.host import misses
 from ple_um.mapping import PAGE, MappedShards
 from ple_um.residency import resident_pages
 from ple_um.ticker import Ticker
@@ -244,9 +246,11 @@ def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
             mappings.append(stack.enter_context(MappedShards(layout.scale_layout())))
         owned = sum(m.mapped_bytes for m in mappings)
         verdict = measure(mappings, pinned=owned if mode == "registered" else 0)
-    # A host path's row cache as host/misses.py plans one: by the fit, or as the knob sizes it.
-    knob = envs.PLE_UM_ROW_CACHE
-    cache = "with a row cache" if (not verdict.fits if knob == "auto" else knob > 0) else "no row cache"
+        scales = mappings[1] if len(mappings) > 1 else None
+        try:  # a host path's row cache as the open would size it (misses.plan)
+            cache = misses.row_cache(mappings[0], scales, spills=not verdict.fits)[2]
+        except KnobError as exc:  # a size past the memory left
+            cache = f"an open now would be refused: {exc}"
     if mode == "cpu":
         return Serving("host", False, f"{verdict.why}: the cpu mode's host path, {cache}")
     if mode == "device":

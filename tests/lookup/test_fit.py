@@ -25,6 +25,7 @@ from helpers.rowcopy_jobs import boundary_ids
 
 import ple_um
 from ple_um.access import memory
+from ple_um.errors import KnobError
 from ple_um.lookup import fit
 from ple_um.lookup.fit import Verdict, choose
 from ple_um.mapping import PAGE
@@ -474,11 +475,14 @@ def test_a_spilled_gpu_mode_says_what_its_host_path_has(table_files, machine, me
     assert serving["path"] == "host" and said.path == "host", (serving, said)
     if knob == "0":
         assert cache is None and "no row cache" in serving["why"], serving
-        assert "a row cache of" not in serving["why"] and said.why.endswith(": the host path, no row cache")
+        assert "a row cache of" not in serving["why"], serving
+        assert said.why.endswith(": the host path, no row cache (PLE_UM_ROW_CACHE=0)"), said.why
     else:
         assert cache is not None and "no row cache" not in serving["why"], serving
         assert "a row cache of" in serving["why"], serving
-        assert said.why.endswith(": the host path, with a row cache"), said.why
+        assert ": the host path, a row cache of " in said.why, said.why
+        words = said.why.split(": the host path, ")[1]  # the open's own words (its rows are OWNED's)
+        assert f": the host path, {words}; misses read by " in serving["why"], (serving, said.why)
 
 
 @pytest.mark.parametrize(("knob", "path"), [("spills", "host"), ("fits", "kernel")])
@@ -496,19 +500,32 @@ def test_the_decision_can_be_forced(table_files, machine, memory_left, monkeypat
         assert kernel == (8 * 16 if path == "kernel" else 0)
 
 
-@pytest.mark.parametrize("spills", [False, True], ids=["fits", "spills"])
-@pytest.mark.parametrize("knob", [None, "0", "512KiB"], ids=["auto", "none", "sized"])
-def test_the_probe_of_a_table_says_what_its_open_serves(table_files, memory_left, monkeypatch, spills, knob):
+@pytest.mark.parametrize("room", [64 << 30, MiB, 2048], ids=["fits", "spills", "no-room"])
+@pytest.mark.parametrize("knob", [None, "0", "512KiB", "1KiB"], ids=["auto", "none", "sized", "too-small"])
+def test_the_probe_of_a_table_says_what_its_open_serves(table_files, memory_left, monkeypatch, room, knob):
     """``fit.at_open`` (``ple-um probe DIR``) says whether the cpu mode's host path has a row cache as
-    the open then builds it: by the fit under ``PLE_UM_ROW_CACHE=auto``, as the knob says else."""
+    the open then builds it (``misses.row_cache``): by the fit under ``PLE_UM_ROW_CACHE=auto``, as the
+    knob says else, and none where the size (or the memory left's share, under auto) holds not one
+    set of slots; in the open's own words."""
     if knob is not None:
         monkeypatch.setenv("PLE_UM_ROW_CACHE", knob)
-    memory_left.machine = 1 * MiB if spills else 64 << 30
+    memory_left.machine = room
     said = fit.at_open(table_files, "cpu", cuda=False)
+    if knob == "512KiB" and room == 2048:  # a size past the memory left: the open refuses it
+        with pytest.raises(KnobError, match="PLE_UM_ROW_CACHE='512KiB'") as refused:
+            ple_um.open_table(table_files.directory, mode="cpu", device="cpu")
+        assert said.why.endswith(f"host path, an open now would be refused: {refused.value}"), said.why
+        return
     with ple_um.open_table(table_files.directory, mode="cpu", device="cpu") as table:
         cached = table.stats()["row_cache"] is not None
-    assert cached == (knob == "512KiB" or knob is None and spills)
-    assert ("with a row cache" in said.why) == cached and ("no row cache" in said.why) != cached, said.why
+        plan = table.paths.row_copy.misses
+    too_small = knob == "1KiB" or knob is None and room == 2048
+    assert cached == (knob == "512KiB" or knob is None and room == MiB), (cached, said.why)
+    assert ("a row cache of" in said.why) == cached and ("no row cache" in said.why) != cached, said.why
+    assert ("holds not one set of rows" in said.why) == too_small, said.why
+    words = said.why.split(": the cpu mode's host path, ")[1]
+    assert plan is None or plan.why.startswith(f"{words}; misses read by "), (plan, said.why)
+    assert plan is not None or not cached
 
 
 # -- a real memory cgroup ------------------------------------------------------------------------------

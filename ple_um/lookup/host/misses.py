@@ -103,6 +103,31 @@ def _sized(asked: int, owned: int, *, cut: bool) -> tuple[int, str]:
     return cache, f"a row cache of {format_bytes(cache)} ({past}: PLE_UM_ROW_CACHE_FRACTION of it)"
 
 
+def row_cache(
+    mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool, cut: bool = False
+) -> tuple[int, int, str]:
+    """The row cache ``plan`` gives this table's host path: its bytes, its slots (both 0: none) and
+    the words for it (``PLE_UM_ROW_CACHE``: ``auto`` by ``spills``, or a size, ``_sized``, whose
+    KnobError it raises). A size too small for one set of slots is no row cache. ``ple-um probe
+    DIR`` (``fit.at_open``) says what an open would build from it."""
+    knob = envs.PLE_UM_ROW_CACHE
+    row_bytes = mapping.layout.row_bytes
+    scales = scale_mapping.layout.row_bytes if scale_mapping is not None else 0
+    # What a cache holding every owned row takes: the rows, the slots' words, the block scales.
+    owned = mapping.owned_bytes // row_bytes * (row_bytes + SLOT_OVERHEAD + scales)
+    if knob == "auto":
+        if not spills:
+            return 0, 0, "no row cache (the owned rows fit in memory)"
+        cache = min(int(memory.available() * envs.PLE_UM_ROW_CACHE_FRACTION), owned)
+        said = f"a row cache of {format_bytes(cache)} (the owned rows do not fit in memory)"
+    else:
+        cache, said = _sized(int(knob), owned, cut=cut)
+    slots = slots_for(cache, row_bytes, block_scales=scales)
+    if slots == 0 and (cache or knob == "auto"):  # no memory left, or too little for a set
+        return 0, 0, f"no row cache ({format_bytes(cache)} holds not one set of rows)"
+    return cache, slots, said
+
+
 def plan(
     lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool, cut: bool = False
 ) -> MissPlan | None:
@@ -111,23 +136,9 @@ def plan(
     built while the table serves, an explicit size past the memory left cut to it (``_sized``)."""
     if not mapping.owned:
         return None
-    knob, reads_knob = envs.PLE_UM_ROW_CACHE, envs.PLE_UM_FILE_READS
+    reads_knob = envs.PLE_UM_FILE_READS
     resident = all(m.resident() for m in (mapping, scale_mapping) if m is not None)
-    row_bytes = mapping.layout.row_bytes
-    scales = scale_mapping.layout.row_bytes if scale_mapping is not None else 0
-    # What a cache holding every owned row takes: the rows, the slots' words, the block scales.
-    owned = mapping.owned_bytes // row_bytes * (row_bytes + SLOT_OVERHEAD + scales)
-    if knob == "auto":
-        if not spills:
-            cache, said = 0, "no row cache (the owned rows fit in memory)"
-        else:
-            cache = min(int(memory.available() * envs.PLE_UM_ROW_CACHE_FRACTION), owned)
-            said = f"a row cache of {format_bytes(cache)} (the owned rows do not fit in memory)"
-    else:
-        cache, said = _sized(int(knob), owned, cut=cut)
-    slots = slots_for(cache, row_bytes, block_scales=scales)
-    if slots == 0 and (cache or spills and knob == "auto"):  # no memory left, or too little for a set
-        cache, said = 0, f"no row cache ({format_bytes(cache)} holds not one set of rows)"
+    cache, slots, said = row_cache(mapping, scale_mapping, spills=spills, cut=cut)
     if cache == 0 and resident and reads_knob == "auto":
         return None
     strategy, how = choose_strategy(lib, reads_knob)
