@@ -93,6 +93,8 @@ def test_values_taken(monkeypatch, name, text, value):
         ("PLE_UM_ROW_CACHE", "4GB,", "auto or a byte count (0, 512MiB, 4GiB)"),
         ("PLE_UM_ROW_CACHE", "inf", "auto or a byte count (0, 512MiB, 4GiB)"),
         ("PLE_UM_ROW_CACHE", "", "auto or a byte count (0, 512MiB, 4GiB)"),
+        ("PLE_UM_ROW_CACHE", "1e30", "auto or a byte count (0, 512MiB, 4GiB)"),
+        ("PLE_UM_PIN_BUDGET", "1e30", "a byte count of at most 8 EiB (2**63 - 1 bytes)"),
         ("PLE_UM_ROW_CACHE_FRACTION", "1.5", "a fraction from 0 to 1"),
         ("PLE_UM_ROW_CACHE_FRACTION", "nan", "a fraction from 0 to 1"),
         ("PLE_UM_ROW_CACHE_FRACTION", "half", "a fraction from 0 to 1"),

@@ -24,6 +24,9 @@ from ple_um import units
         ("0.1KiB", 102),  # a fraction with a suffix rounds down to whole bytes
         ("1T", 1 << 40),
         ("2tib", 2 << 40),
+        ("9007199254740993", (1 << 53) + 1),  # exact past a float's 53 bits
+        ("9223372036854775807", units.MAX_SIZE),
+        ("8388607T", 8388607 << 40),
     ],
 )
 def test_sizes_as_people_write_them(text, expect):
@@ -35,6 +38,15 @@ def test_sizes_as_people_write_them(text, expect):
 )
 def test_sizes_that_are_not_byte_counts_are_refused(text):
     with pytest.raises(ValueError, match=re.escape(repr(text))):
+        units.parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["1e30", "1e19", "9223372036854775808", "8388608T", "1e10T", "9" * 400])
+def test_sizes_past_a_64_bit_byte_count_are_refused(text):
+    """A size a signed 64-bit count cannot hold (C's int64_t and off_t, where sizes end up) is
+    refused, not taken as an absurd count."""
+    message = f"expected a byte count of at most 8 EiB (2**63 - 1 bytes), got {text!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
         units.parse_size(text)
 
 

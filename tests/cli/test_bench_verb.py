@@ -33,6 +33,10 @@ BENCH_REFUSALS = [
     (["--size", "0"], "argument --size: must be at least 1 byte, got '0'"),
     (["--size", "-5"], "argument --size: expected a byte count >= 0, got '-5'"),
     (["--size", "lots"], "argument --size: expected a byte count with an optional binary suffix"),
+    (
+        ["--size", "1e30"],
+        "argument --size: expected a byte count of at most 8 EiB (2**63 - 1 bytes), got '1e30'",
+    ),
     (["--shards", "0"], "argument --shards: must be at least 1, got 0"),
     (["--row-bytes", "0"], "argument --row-bytes: must be at least 1, got 0"),
     (["--processes", "-1"], "argument --processes: must be at least 0, got -1"),
@@ -59,6 +63,7 @@ BENCH_REFUSALS = [
     (["--memory-limit", "0"], "argument --memory-limit: must be at least 1 byte, got '0'"),
     (["--memory-limit", "1GiB,,"], None),
     (["--memory-limit", ","], "argument --memory-limit: no sizes given"),
+    (["--memory-limit", "1GiB,1e19"], "argument --memory-limit: expected a byte count of at most 8 EiB"),
     (
         ["--memory-limit", "1GiB", "--modes", "registered,device"],
         "--memory-limit runs only the modes that read the table where it lies (cpu, ats): --modes "
@@ -116,11 +121,12 @@ def test_list_options_take_empty_items_and_any_case_alike():
 
 
 def test_a_table_larger_than_the_disk_is_refused_with_the_figures(tmp_path):
-    """`--size 1e100` (a traceback from ftruncate once) and a table just over the free disk: exit 3
-    before anything is written, the sizes in the message, no folder in the cache."""
+    """The largest `--size` taken (just under 8 EiB: no ftruncate traceback) and a table just over
+    the free disk: exit 3 before anything is written, the sizes in the message, no folder in the
+    cache."""
     cache = tmp_path / "cache"
     free = shutil.disk_usage(tmp_path).free
-    for size in ("1e100", str(free + (1 << 30))):
+    for size in ("8388607T", str(free + (1 << 30))):
         done = run_cli("bench", "--size", size, "--json", env={"PLE_UM_CACHE_DIR": str(cache)}, timeout=120)
         assert done.returncode == cli.EXIT_REFUSED, done.stderr
         data = json.loads(done.stdout)
