@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import operator
 import os
 import time
@@ -31,7 +32,7 @@ from ple_um import envs, metrics, verify
 from ple_um.access import first_read, machine
 from ple_um.access.build import ModeAccess
 from ple_um.access.capabilities import DeviceCapabilities, resolve_device
-from ple_um.access.probe import ProbeReport, decide, pin_budget, requested_mode
+from ple_um.access.probe import ALL_MODES, ProbeReport, decide, pin_budget, requested_mode
 from ple_um.checkpoint import EngramGeometry, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import KnobError, ModeUnavailableError
 from ple_um.lookup.host.cuda import StreamBlockedError
@@ -121,6 +122,7 @@ def probe(
     machine. With a checkpoint directory ``path`` the chosen mode's first read is made as an open
     makes it (from the cache, or in a child process; ``recheck`` ignores the cache), and a mode
     whose first read fails gives way to the next."""
+    _check_types(device=device, mode=mode, layer=layer, **({"path": path} if path is not None else {}))
     forced = requested_mode(mode)
     if path is None:
         caps = machine.capabilities(device)
@@ -134,6 +136,34 @@ def probe(
         caps, forced, layout, (0, layout.num_rows), dev, table_bytes=layout.nbytes, recheck=recheck
     )
     return report
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+# What each argument of the openers and ``probe`` takes, and the words for it.
+_TAKES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "path": (lambda v: isinstance(v, (str, os.PathLike)), "a checkpoint directory (a str or os.PathLike)"),
+    "layer": (lambda v: v is None or _is_int(v), "a layer number (an int), or None for the only layer"),
+    "mode": (lambda v: isinstance(v, str), f"a mode's name (a str: auto, {', '.join(ALL_MODES)})"),
+    "device": (
+        lambda v: v is None or isinstance(v, (str, torch.device)) or _is_int(v),
+        "a torch.device, a str (cpu, cuda, cuda:N), a CUDA index (an int), or None",
+    ),
+    "strict": (lambda v: v is None or isinstance(v, bool), "a bool, or None for PLE_UM_STRICT"),
+    "geometry": (lambda v: v is None or isinstance(v, EngramGeometry), "an EngramGeometry, or None"),
+}
+
+
+def _check_types(**given) -> None:
+    """TypeError naming the first argument that is not of a type it takes, and what to pass: before
+    anything is read, where a wrong type found deep inside would name nothing the caller wrote (a
+    bool is no layer nor device: ``True`` would be layer 1, or ``cuda:1``)."""
+    for name, value in given.items():
+        takes, expected = _TAKES[name]
+        if not takes(value):
+            raise TypeError(f"{name}={value!r} ({type(value).__name__}): expected {expected}")
 
 
 def _owned_rows(rows, num_rows: int) -> tuple[int, int]:
@@ -158,6 +188,7 @@ def open_table(
     strict: bool | None = None,
 ) -> MappedTable:
     """Open one PLE layer's table from the checkpoint directory ``path`` (see docs/DESIGN.md)."""
+    _check_types(path=path, layer=layer, mode=mode, device=device, strict=strict)
     return _open(lambda: read_layout(os.fspath(path), layer), rows, mode, device, strict)
 
 
@@ -175,6 +206,7 @@ def open_engram_table(
     None: the only one) from the checkpoint directory ``path``, checked against ``geometry`` where
     given; ``rows``: the owned rows (a rank's heads: ``geometry.head_rows``). Its rows decode as
     MXFP8 (``lookup`` with a float out) or come raw with their E8M0 scales (``lookup_packed``)."""
+    _check_types(path=path, layer=layer, geometry=geometry, mode=mode, device=device, strict=strict)
     return _open(lambda: read_engram_layout(os.fspath(path), layer, geometry), rows, mode, device, strict)
 
 

@@ -141,6 +141,39 @@ def test_bad_rows(layout, rows):
     assert not maps_of(layout.files)
 
 
+WRONG_TYPES = [
+    ("layer", "1", "layer='1' (str): expected a layer number (an int), or None for the only layer"),
+    ("layer", 1.0, "layer=1.0 (float): expected a layer number (an int)"),
+    ("layer", True, "layer=True (bool): expected a layer number (an int)"),  # not layer 1
+    (
+        "mode",
+        None,
+        "mode=None (NoneType): expected a mode's name (a str: auto, ats, registered, cpu, device)",
+    ),
+    ("device", 0.0, "device=0.0 (float): expected a torch.device, a str (cpu, cuda, cuda:N), a CUDA index"),
+    ("device", True, "device=True (bool): expected a torch.device"),  # not cuda:1
+    ("strict", "no", "strict='no' (str): expected a bool, or None for PLE_UM_STRICT"),  # not strict
+    ("strict", 1, "strict=1 (int): expected a bool"),
+    ("path", None, "path=None (NoneType): expected a checkpoint directory (a str or os.PathLike)"),
+    ("path", b"/x", "path=b'/x' (bytes): expected a checkpoint directory"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), WRONG_TYPES)
+def test_an_argument_of_a_wrong_type_is_named_with_what_to_pass(layout, name, value, expected):
+    """open_table and probe check their arguments' types before anything is read: a TypeError
+    naming the argument, its value and what it takes, nothing mapped; never a bare TypeError from
+    deep inside, nor a value that a wrong type turns into another (layer True is no layer 1)."""
+    given = {"path": layout.directory, "mode": "cpu", "device": "cpu", name: value}
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        ple_um.open_table(given.pop("path"), **given)
+    assert not maps_of(layout.files)
+    if name != "strict" and value is not None:  # probe takes no strict, and no path to probe the machine
+        given = {"path": layout.directory, "mode": "cpu", "device": "cpu", name: value}
+        with pytest.raises(TypeError, match=re.escape(expected)):
+            ple_um.probe(given.pop("device"), **given)
+
+
 def test_bad_checkpoints_raise_checkpoint_error(tmp_path):
     from helpers.reference import write_safetensors
 

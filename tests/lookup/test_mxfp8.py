@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.mxfp8 import reference_mxfp8
-from helpers.reference import reference_rows
+from helpers.reference import maps_of, reference_rows
 from helpers.vllm_engram import engram_module
 
 import ple_um
@@ -207,6 +207,23 @@ def test_a_ranks_heads_through_the_row_cache_and_the_reader(tmp_path, rng, monke
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
         stats = table.stats()
         assert stats["row_cache"]["hits"] > 0 and stats["file_reads"] > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("layer", "7", "layer='7' (str): expected a layer number (an int), or None for the only layer"),
+        ("geometry", {"rows": 1500}, "geometry={'rows': 1500} (dict): expected an EngramGeometry, or None"),
+        ("device", 1.5, "device=1.5 (float): expected a torch.device, a str (cpu, cuda, cuda:N)"),
+        ("strict", "yes", "strict='yes' (str): expected a bool, or None for PLE_UM_STRICT"),
+    ],
+)
+def test_an_engram_open_names_an_argument_of_a_wrong_type(engram, name, value, expected):
+    """open_engram_table checks its arguments' types before anything is read, as open_table does."""
+    given = {"mode": "cpu", "device": "cpu", name: value}
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        ple_um.open_engram_table(engram.directory, **given)
+    assert not maps_of(engram.files)
 
 
 def test_the_files_alone_count_an_engram_tables_block_scales(engram):
