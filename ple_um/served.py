@@ -183,8 +183,8 @@ class ServedTable:
         self.logger.info(line + "\n%s", *args, table.report.describe())
 
     def close(self) -> None:
-        """Close the table; idempotent."""
-        table, self.table, self.directory = self.table, None, None
+        """Close the table (its graphs go with it: none holds the next one opened); idempotent."""
+        table, self.table, self.directory, self.captured = self.table, None, None, False
         if table is not None:
             table.close()
 

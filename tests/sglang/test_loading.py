@@ -170,6 +170,41 @@ def test_table_dir_from_ple_um_dir(sglang_checkpoint, load_model, tiny, monkeypa
         load_model(directory, ple_um=True)
 
 
+def test_a_remap_is_refused_while_graphs_hold_the_table_and_not_after_it_closed(
+    sglang_checkpoint, load_model, tiny, file_rows, monkeypatch, rng
+):
+    """A gather captured (injected: no GPU here) holds the open table: a load naming another copy
+    (PLE_UM_DIR) is refused, and the table serves on. Once the layer's table is closed (its graphs
+    with it), a load opens the new copy and a later remap is not refused by the closed table's
+    capture."""
+    from ple_um import served
+
+    seed = int(rng.integers(1 << 30))
+    directory, layout, _ = sglang_checkpoint("fp8", seed=seed)
+    copy, _, _ = sglang_checkpoint("fp8", seed=seed)
+    model = load_model(directory, ple_um=True)
+    table = tiny.ngram(model).ngram_embedding
+    ids = torch.from_numpy(rng.permutation(layout.num_rows)).view(-1, tiny.parts)  # every row, every edge
+    with monkeypatch.context() as m:
+        m.setattr(served, "capturing", lambda ids: True)
+        table.gather(ids)
+    assert table.served.captured
+    monkeypatch.setenv("PLE_UM_DIR", copy)
+    with pytest.raises(RuntimeError, match="moved from .* after CUDA graphs captured its lookup"):
+        model.load_weights([])
+    assert table.table.layout.directory == os.path.realpath(directory) and not table.table.closed
+
+    table.close_table()
+    assert not table.served.captured  # no table open: no graph holds one
+    model.load_weights([])
+    assert table.table.layout.directory == os.path.realpath(copy) and not table.served.captured
+    monkeypatch.setenv("PLE_UM_DIR", directory)
+    model.load_weights([])  # no graph captured the copy's table: remapped
+    assert table.table.layout.directory == os.path.realpath(directory)
+    expected = file_rows(layout).to(torch.bfloat16)[ids]
+    assert torch.equal(table.gather(ids).view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_table_delivered_in_memory_is_compared(sglang_checkpoint, load_model, tiny, file_rows, rng):
     """``load_weights`` with shard tensors in memory (a weight update): equal rows are accepted without a
     copy, different rows raise ReloadMismatchError naming the file and the tensor."""

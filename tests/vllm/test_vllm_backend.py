@@ -107,6 +107,43 @@ def test_reload_from_another_directory_remaps(world, patched, table_dir, tmp_pat
     backend.close_table()
 
 
+def test_a_remap_is_refused_while_graphs_hold_the_table_and_not_after_it_closed(
+    world, patched, table_dir, tmp_path, monkeypatch
+):
+    """A lookup captured (injected: no GPU here) holds the open table: a load from another directory
+    is refused, naming the move, and the table serves on. Once the layer's table is closed (its
+    graphs with it), a load opens the new table and a later remap is not refused by the closed
+    table's capture."""
+    from ple_um import served
+
+    monkeypatch.setenv("PLE_UM_OVERLAP", "0")  # forward's own lookup, the one captured here
+    config = h.text_config(fp8=True)
+    first = h.write_table(table_dir(tmp_path / "a"), config, fp8=True, seed=0)
+    second = h.write_table(tmp_path / "b", config, fp8=True, seed=5)
+    module = h.mapped(config, first.directory)
+    backend = module.ngram_embedding
+    with monkeypatch.context() as m:
+        m.setattr(served, "capturing", lambda ids: True)
+        h.forward(module, 0)
+    assert backend.served.captured
+    table_dir(second.directory)
+    with pytest.raises(RuntimeError, match="moved from .* after CUDA graphs captured its lookup"):
+        h.load(module, second.directory)
+    assert backend.table.layout.directory == first.directory and not backend.table.closed
+
+    backend.close_table()
+    assert not backend.served.captured  # no table open: no graph holds one
+    h.load(module, second.directory)
+    assert backend.table.layout.directory == second.directory and not backend.served.captured
+    table_dir(first.directory)
+    h.load(module, first.directory)  # no graph captured the second table: remapped
+    assert backend.table.layout.directory == first.directory
+    stock = h.stock(config, first.directory)
+    for seed in (0, 1):
+        assert h.same_bits(h.forward(module, seed)[1], h.forward(stock, seed)[1])
+    backend.close_table()
+
+
 def test_mode_logged_once_per_process(world, patched, table_dir, tmp_path, monkeypatch, caplog):
     import logging
 
