@@ -184,7 +184,8 @@ def sglang_checkpoint(make_checkpoint):
 @pytest.fixture
 def load_model(sglang_world, monkeypatch):
     """``load_model(directory, ple_um=..., **model_loader_extra_config)``: the model as SGLang's
-    DefaultModelLoader builds and loads it on the CPU. Tables opened are closed at the test's end."""
+    DefaultModelLoader builds and loads it on the CPU. Tables opened are closed at the test's end
+    (the models in ``load_model.models``)."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -208,6 +209,7 @@ def load_model(sglang_world, monkeypatch):
         models.append(model)
         return model
 
+    load.models = models  # a test that drops a model takes it out first
     yield load
     for model in models:
         for module in model.modules():

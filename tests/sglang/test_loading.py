@@ -205,6 +205,27 @@ def test_a_remap_is_refused_while_graphs_hold_the_table_and_not_after_it_closed(
     assert torch.equal(table.gather(ids).view(torch.uint8), expected.view(torch.uint8))
 
 
+def test_a_dropped_model_releases_its_table(sglang_checkpoint, load_model, tiny, rng):
+    """No layer closes its table on its own, and none needs to: a model dropped without
+    ``close_table()`` lets its table go once the garbage collector frees the layer, released on
+    ``ple_um.dropped``'s thread (which never synchronizes the device): no mapping of its files left."""
+    import gc
+    import weakref
+
+    from helpers.dropped_tables import drain
+    from helpers.reference import maps_of
+
+    directory, layout, _ = sglang_checkpoint("fp8", seed=int(rng.integers(1 << 30)))
+    model = load_model(directory, ple_um=True)
+    load_model.models.remove(model)  # the fixture would close it at the end
+    table = weakref.ref(tiny.ngram(model).ngram_embedding.table)
+    assert maps_of(layout.files)
+    del model
+    gc.collect()
+    assert drain(60)
+    assert table() is None and maps_of(layout.files) == []
+
+
 def test_table_delivered_in_memory_is_compared(sglang_checkpoint, load_model, tiny, file_rows, rng):
     """``load_weights`` with shard tensors in memory (a weight update): equal rows are accepted without a
     copy, different rows raise ReloadMismatchError naming the file and the tensor."""

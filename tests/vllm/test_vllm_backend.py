@@ -144,6 +144,28 @@ def test_a_remap_is_refused_while_graphs_hold_the_table_and_not_after_it_closed(
     backend.close_table()
 
 
+def test_a_dropped_model_releases_its_table(world, patched, table_dir, tmp_path):
+    """No layer closes its table on its own, and none needs to: a model dropped without
+    ``close_table()`` lets its table go once the garbage collector frees the layer, released on
+    ``ple_um.dropped``'s thread (which never synchronizes the device): no mapping of its files left."""
+    import gc
+    import weakref
+
+    from helpers.dropped_tables import drain
+    from helpers.reference import maps_of
+
+    config = h.text_config(fp8=True)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=True, seed=0)
+    module = h.mapped(config, layout.directory)
+    h.forward(module, 0)
+    table = weakref.ref(module.ngram_embedding.table)
+    assert maps_of(layout.files)
+    del module
+    gc.collect()
+    assert drain(60)
+    assert table() is None and maps_of(layout.files) == []
+
+
 def test_mode_logged_once_per_process(world, patched, table_dir, tmp_path, monkeypatch, caplog):
     import logging
 
