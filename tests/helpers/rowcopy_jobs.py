@@ -1,8 +1,10 @@
 """Driving the C row copy directly through ctypes, as the CUDA driver runs a host node: a job
-struct for one lookup, ids that cross every shard boundary, and a forked child to run one in."""
+struct for one lookup, ids that cross every shard boundary, a forked child to run one in, and the
+reader threads running in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -65,3 +67,12 @@ def in_forked_child(fn) -> int:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+
+
+def reader_threads() -> int:
+    """This process's reader threads (reader.c names them)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names.count("ple-um-reader")

@@ -2,20 +2,24 @@
 host node has run; while the caller waits, a stream in error or a node that never ran ends the wait
 with HostNodeError instead of a hang. The CUDA driver's answers are injected (a CPU machine has no
 driver); the job's flag is cleared by the real C row copy, as a host node clears it. Also the
-dispatcher's signals check at open (``host.signal_check``), and the context calls a thread new to
-CUDA makes first."""
+dispatcher's signals check at open (``host.signal_check``), the context calls a thread new to
+CUDA makes first, and a host path whose build fails releasing what it had made."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import pytest
 import torch
+from helpers.rowcopy_jobs import make_job, reader_threads
 
 from ple_um.lookup import rowcopy
-from ple_um.lookup.host import cuda, signal_check
+from ple_um.lookup.host import cuda, misses, signal_check
 from ple_um.lookup.host.cuda import RING, HostNodeError, StreamState, check_pending
+from ple_um.lookup.host.file_reads import FileReader
+from ple_um.lookup.host.gather import HostGather
 from ple_um.mapping import MappedShards
 
 
@@ -224,3 +228,50 @@ def test_a_context_is_made_current_one_checked_call_at_a_time(failing):
     assert driver.lib.calls == made[:stop]  # no call after the one that failed
     with pytest.raises(HostNodeError):  # not taken as done: the next lookup tries again
         driver.ensure_context(2)
+
+
+def test_a_host_path_whose_build_fails_releases_its_files_and_reader_threads(
+    make_checkpoint, tmp_path, monkeypatch
+):
+    """A host path for a CUDA device whose driver fails once its row cache and reader of misses are
+    planned (injected here, the same on any machine; on a GPU the signals check's StreamBlockedError
+    comes at that point too) raises, and leaves neither a descriptor of the files open nor a hold
+    on the reader threads: a reader made after it, once closed, stops them."""
+    lib, why = rowcopy.load(str(tmp_path))
+    assert lib is not None, why
+    layout = make_checkpoint(num_rows=300, row_dim=32, dtype="fp8", shards=3, files=2)
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "64KiB")
+    monkeypatch.setenv("PLE_UM_FILE_READS", "threads")
+
+    def no_driver() -> cuda.CudaDriver:
+        raise HostNodeError("cuInit failed: CUDA_ERROR_NO_DEVICE (100) (injected)")
+
+    monkeypatch.setattr(cuda.CudaDriver, "get", staticmethod(no_driver))
+    with MappedShards(layout) as mapping:
+        plan = misses.plan(lib, mapping, None, spills=True)
+        assert plan.slots > 0 and plan.reads, plan
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            with pytest.raises(HostNodeError, match="injected"):
+                HostGather(
+                    lib,
+                    mapping,
+                    torch.device("cuda", 0),
+                    storage=layout.dtype,
+                    scale=None,
+                    threads=2,
+                    misses=plan,
+                )
+        assert len(os.listdir("/proc/self/fd")) == fds
+        # The reader threads run while a reader holds them (its misses read by them here) and stop
+        # once the last holder lets go: a hold a failed build kept would keep them running.
+        reader = FileReader(mapping, strategy="threads", direct=False, depth=4, lib=lib)
+        try:
+            ids, counts = torch.arange(layout.num_rows), rowcopy.Counts()
+            out = torch.empty((ids.numel(), layout.row_bytes), dtype=torch.uint8)
+            job = make_job([rowcopy.Rows(mapping, reader=reader)], ids, [out], counts)
+            lib.ple_lookup_run(ctypes.addressof(job))
+            assert counts.read()["file_reads"] == layout.num_rows and reader_threads() > 0
+        finally:
+            reader.close()
+        assert reader_threads() == 0

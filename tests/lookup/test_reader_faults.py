@@ -21,7 +21,6 @@ last reader holding them closes, and nothing leaks over open and close cycles.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import json
@@ -40,7 +39,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.reference import reference_rows
-from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job
+from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job, reader_threads
 
 from ple_um.lookup import rowcopy
 from ple_um.lookup.host.file_reads import FileReader
@@ -249,15 +248,6 @@ def _evict(mapping: MappedShards, layout) -> None:
     evict_pages(layout.files, mapping.regions)
 
 
-def _reader_threads() -> int:
-    """This process's reader threads (reader.c names them)."""
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
-            names.append(f.read().strip())
-    return names.count("ple-um-reader")
-
-
 def _scenario(spec: dict, shim_path: str, folder: str) -> dict:
     """One scenario (in a forked child of the lab): what happened, for the test to judge."""
     import ple_um
@@ -325,7 +315,7 @@ def _scenario(spec: dict, shim_path: str, folder: str) -> dict:
         "file_reader_after": last["file_reader"],
         "warnings": sum("io_uring failed" in w for w in warned),
         "hits": {what: shim.shim_hits(k) for k, what in enumerate(FAULTS)},
-        "reader_threads_left": _reader_threads(),
+        "reader_threads_left": reader_threads(),
     }
 
 
@@ -527,7 +517,7 @@ def test_the_reader_threads_stop_when_the_last_reader_closes(lib, make_checkpoin
     )
     ids = rng.permutation(np.unique(rng.integers(0, layout.num_rows, 800)))
     expect = reference_rows(layout, ids)
-    threads, fds = _reader_threads(), len(os.listdir("/proc/self/fd"))
+    threads, fds = reader_threads(), len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         with MappedShards(layout) as mapping:
             readers = [
@@ -537,9 +527,9 @@ def test_the_reader_threads_stop_when_the_last_reader_closes(lib, make_checkpoin
                 _evict(mapping, layout)
                 got, counts = _run(lib, rowcopy.Rows(mapping, reader=reader), ids, layout.row_bytes)
                 assert np.array_equal(got, expect) and counts["file_reads"] == len(ids)
-                assert _reader_threads() == threads + 15  # depth 16: 15 reader threads and the caller
+                assert reader_threads() == threads + 15  # depth 16: 15 reader threads and the caller
                 reader.close()
-                assert _reader_threads() == (threads + 15 if k == 0 else threads)  # joined with the last
+                assert reader_threads() == (threads + 15 if k == 0 else threads)  # joined with the last
         assert len(os.listdir("/proc/self/fd")) == fds
 
 

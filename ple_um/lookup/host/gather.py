@@ -99,16 +99,8 @@ class HostGather:
         self.scale = scale
         self.counts, self.warm_counts = rowcopy.Counts(), rowcopy.Counts()  # warm_row_cache's
         self.misses = misses
-        # The C code's view of the rows (and block scales), with their row cache and reader.
-        self.sources = RowSources(mapping, scale_mapping, misses, self.counts, lib)
-        self.rows, self.block_scales = self.sources.rows, self.sources.block_scales
-        self.row_bytes = tuple(r.row_bytes for r in (self.rows, self.block_scales) if r is not None)
         self.pool = rowcopy.Pool(lib, threads)
         self.threads = self.pool.threads
-        way = "as a CUDA host node" if self.cuda else "called directly (no CUDA device)"
-        self.row_reads = f"{built}, {way}, {self.threads} threads"
-        if misses is not None:
-            self.row_reads += f"; {misses.why}"
         self.enqueue_seconds = 0.0  # host seconds spent queuing lookups (eager calls)
         self._run = rowcopy.function_address(lib, "ple_lookup_run")
         self._wake = rowcopy.function_address(lib, "ple_pool_wake")
@@ -127,6 +119,17 @@ class HostGather:
             else:
                 why = signals_work(self._driver, device)
             self.dispatcher = why is None
+        # The C code's view of the rows (and block scales), with their row cache and reader: made
+        # last, once the driver and the signals check (which may raise) are done, so that a build
+        # that fails leaves no descriptor of the files open and no hold on the reader threads.
+        self.sources = RowSources(mapping, scale_mapping, misses, self.counts, lib)
+        self.rows, self.block_scales = self.sources.rows, self.sources.block_scales
+        self.row_bytes = tuple(r.row_bytes for r in (self.rows, self.block_scales) if r is not None)
+        way = "as a CUDA host node" if self.cuda else "called directly (no CUDA device)"
+        self.row_reads = f"{built}, {way}, {self.threads} threads"
+        if misses is not None:
+            self.row_reads += f"; {misses.why}"
+        if self.cuda:
             eager = "by the dispatcher thread" if self.dispatcher else f"as host nodes ({why})"
             self.row_reads += f"; eager lookups {eager}"
 
