@@ -151,20 +151,29 @@ def test_a_forked_child_reads_through_a_ring_of_its_own(lib, make_checkpoint, rn
 
 def test_files_that_refuse_o_direct_get_plain_reads(lib, make_checkpoint, rng, monkeypatch):
     """Where a file does not read back through O_DIRECT (a filesystem without it; injected here by
-    the reader's own probe answering so), every file of the table is read through the page cache,
-    and the rows are the same."""
+    the reader's own probe answering so for every file but the first), every file of the table is
+    read through the page cache, and the rows are the same. The reader keeps one descriptor a
+    file, the one it reads through: none of those it opened to try O_DIRECT stays open."""
     from ple_um.lookup.host import file_reads
 
     layout = make_checkpoint(
         num_rows=500, row_dim=24, dtype="bf16", shards=3, files=2, seed=int(rng.integers(1 << 30))
     )
-    monkeypatch.setattr(file_reads, "_direct_alignment", lambda fd, size: None)
+    probed = []
+
+    def refused_but_the_first(fd: int, size: int) -> int | None:
+        probed.append(fd)
+        return 4096 if len(probed) == 1 else None
+
+    monkeypatch.setattr(file_reads, "_direct_alignment", refused_but_the_first)
     with MappedShards(layout) as mapping:
+        fds = len(os.listdir("/proc/self/fd"))
         reader = FileReader(mapping, strategy="uring", direct=True, depth=8)
         try:
             assert not reader.direct and reader.align == 0
             flags = {fd: _flags(fd) for fd in set(reader.fds.tolist()) if fd >= 0}
             assert flags and not any(f & os.O_DIRECT for f in flags.values())
+            assert len(flags) == len(layout.files) == len(os.listdir("/proc/self/fd")) - fds
             ids = torch.from_numpy(rng.integers(-3, 503, 700))
             out = torch.full((700, layout.row_bytes), 0xAB, dtype=torch.uint8)
             run(lib, [rowcopy.Rows(mapping, reader=reader)], ids, [out], rowcopy.Counts())

@@ -107,8 +107,12 @@ class FileReader:
             aligns = {align for _, align in by_region.values()}
             if direct and aligns and None not in aligns:
                 self.align = max(aligns)
-            elif direct:
-                by_region = {r: self._reopen(mapping.regions[r].fd, 0, False) for r in by_region}
+            elif direct:  # the O_DIRECT descriptors closed, their files reopened plainly
+                for r, (fd, align) in by_region.items():
+                    if align is not None:
+                        by_region[r] = self._reopen(mapping.regions[r].fd, 0, False)
+                        self._open.remove(fd)
+                        os.close(fd)
             for index, owned in mapping.owned.items():
                 self.fds[index] = by_region[owned.region][0]
                 self.offsets[index] = layout.shards[index].offset
@@ -132,7 +136,7 @@ class FileReader:
 
     def _reopen(self, fd: int, size: int, direct: bool) -> tuple[int, int | None]:
         """A descriptor of our own on the file behind ``fd`` (O_DIRECT if asked and it reads), and
-        the O_DIRECT block size (None: plain)."""
+        the O_DIRECT block size (None: plain). An O_DIRECT descriptor that does not read is closed."""
         path = f"/proc/self/fd/{fd}"
         if direct:
             try:
@@ -144,6 +148,8 @@ class FileReader:
                 align = _direct_alignment(mine, size)
                 if align is not None:
                     return mine, align
+                self._open.remove(mine)
+                os.close(mine)
         mine = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._open.append(mine)
         return mine, None
