@@ -10,17 +10,16 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
-import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from helpers.hand_checkpoints import sparse_table
 from helpers.reference import drop_page_cache, maps_of, reference_rows
 
 from ple_um import residency
@@ -348,19 +347,7 @@ def test_a_huge_sparse_table_costs_bounded_memory_and_time(tmp_path):
     """A table of 1 TiB declared in a sparse file: mapped, its residency counted, its resident runs
     mapped, in a bounded amount of memory (the windows of mincore) and time."""
     rows, dim = 1 << 29, 1 << 10  # 2 shards of 2**29 rows of 1 KiB (FP8): 1 TiB
-    prefix = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding."
-    header = {f"{prefix}shard_{i}.weight": {"dtype": "F8_E4M3", "shape": [rows, dim]} for i in range(2)}
-    for i, meta in enumerate(header.values()):
-        meta["data_offsets"] = [i * rows * dim, (i + 1) * rows * dim]
-    end = 2 * rows * dim
-    header[f"{prefix}weight_scale"] = {"dtype": "F32", "shape": [], "data_offsets": [end, end + 4]}
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path = tmp_path / "model.safetensors"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.seek(8 + len(raw) + end)
-        f.write(struct.pack("<f", 0.5))
+    path = sparse_table(tmp_path, rows, dim)
     try:
         done = subprocess.run(
             [sys.executable, "-c", _SPARSE_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=300

@@ -5,7 +5,8 @@ A table is a dict ``{name: (dtype, shape, data)}`` (what ``reference.write_safet
 ``ple()`` one FP8 or 16-bit layer with its scale, ``nvfp4()`` one NVFP4 layer with its block
 scales and global scale; ``changed`` and ``without`` break them one tensor at a time. ``raises``
 checks that read_layout refuses a directory with a CheckpointError naming the file and tensor, and
-that validate lists that problem first.
+that validate lists that problem first. ``sparse_table()`` writes an FP8 layer of any size as a
+sparse file, for the tests of huge tables.
 """
 
 from __future__ import annotations
@@ -142,6 +143,25 @@ def indexed(tmp_path, files: dict[str, Tensors], weight_map: dict | None = None,
         index["weight_map"].update(extra)
     (tmp_path / INDEX).write_text(json.dumps(index))
     return str(tmp_path)
+
+
+def sparse_table(folder, rows: int, dim: int) -> str:
+    """An FP8 table of two shards of ``rows`` rows of ``dim`` bytes and its scale (0.5) in
+    ``folder/model.safetensors``, the rows a hole of a sparse file (zeros, taking no disk): a
+    table of any size. Returns the file's path."""
+    header = {
+        shard(i): entry("F8_E4M3", (rows, dim), (i * rows * dim, (i + 1) * rows * dim)) for i in range(2)
+    }
+    end = 2 * rows * dim
+    header[scale_name()] = entry("F32", (), (end, end + 4))
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.seek(8 + len(raw) + end)
+        f.write(scalar("F32", 0.5))
+    return path
 
 
 def raises(directory, match: str, *, layer=None, path: str | None = None, tensor: str | None = None):

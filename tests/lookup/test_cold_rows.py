@@ -23,6 +23,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.hand_checkpoints import sparse_table
 from helpers.reference import drop_page_cache, reference_rows
 from helpers.rowcopy_jobs import boundary_ids, make_job
 
@@ -1060,6 +1061,48 @@ def test_a_prefetch_reads_the_rows_into_the_row_cache(make_checkpoint, rng, monk
         after = table.stats()
         hits = after["row_cache"]["hits"] - warmed["row_cache"]["hits"]
         assert hits >= 0.99 * 3000 and after["file_reads"] - warmed["file_reads"] <= 0.02 * unique
+
+
+# A child that prefetches every row of a table over its row cache and says how much its peak
+# memory grew (the table sparse: its rows are holes, read as zeros without touching the disk). The
+# peak is reset first (clear_refs 5), so that the open's own peak does not hide the prefetch's.
+_PREFETCH_CHILD = """
+import sys, torch, ple_um
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(key + ":"))
+
+with ple_um.open_table(sys.argv[1], mode="cpu", device="cpu") as table:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    rows = table.prefetch(torch.arange(table.num_rows)).result(timeout=240)
+    grown = status("VmHWM") - before
+    print(rows, grown, table.stats()["file_reads"], table.stats()["row_cache"]["bytes"])
+"""
+
+
+def test_a_prefetch_larger_than_memory_reads_in_bounded_memory(tmp_path):
+    """A prefetch of every row of a 1 GiB table with a 16 MiB row cache (the host path of a table
+    over its memory) reads each row past the cache, and its peak memory grows by far less than the
+    rows asked: each prefetch thread's scratch rows are bounded (``gather.WARM_BYTES``) whatever
+    the number of ids (a prefetch as large as the table must not end the process)."""
+    rows, dim = 1 << 16, 8192  # 2 shards of 2**16 rows of 8 KiB (FP8): 1 GiB, sparse on disk
+    sparse_table(tmp_path, rows, dim)
+    env = {**os.environ, "PLE_UM_ROW_CACHE": "16MiB", "PLE_UM_SELF_TEST_ROWS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PREFETCH_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    read, grown, file_reads, cache_bytes = map(int, done.stdout.split())
+    assert read == file_reads == 2 * rows and cache_bytes <= 16 << 20
+    grew = f"peak memory grew by {grown >> 20} MiB for a prefetch of {2 * rows * dim >> 20} MiB of rows"
+    assert grown < 160 << 20, grew
 
 
 def _rings() -> int:

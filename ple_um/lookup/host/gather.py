@@ -56,6 +56,8 @@ CHUNK_ROWS = 32768
 TAIL_ROWS = 4096
 MAX_CHUNKS = 16
 assert cuda.RING > MAX_CHUNKS + 1  # a stream's ring holds a whole lookup's job structs
+# Bytes of rows a prefetch's thread reads into the row cache at a time (warm_row_cache).
+WARM_BYTES = 16 << 20
 
 
 def chunks(n: int) -> list[tuple[int, int]]:
@@ -374,16 +376,18 @@ def warm_row_cache(host: HostGather, ids) -> int:
     """Read the rows of ``ids`` (host ids: a CPU tensor or an array) that the row cache lacks, many
     in flight, and offer them to it: a table's prefetch where its host path has a row cache. The
     page touch would fault the rows' pages into the page cache, which the lookups' O_DIRECT reads of
-    misses pass by, so that every row would be read twice. On the calling thread, into a scratch
-    buffer; the reads count as file reads, the rows as no lookup's, and the cache counts its hits
-    and misses as for any lookup. Returns the number of owned ids."""
+    misses pass by, so that every row would be read twice. On the calling thread, WARM_BYTES of
+    rows at a time into a scratch buffer (a prefetch of any size, every row of a table over its
+    memory included, takes no more); the reads count as file reads, the rows as no lookup's, and
+    the cache counts its hits and misses as for any lookup. Returns the number of owned ids."""
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().to("cpu")
-    flat = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
+    flat = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
     rows = host.rows.struct  # the owned range [lo, hi)
-    owned = int(((flat >= rows.lo) & (flat < rows.hi)).sum())
-    if owned == 0:
-        return 0
-    scratch = [torch.empty((flat.numel(), rb), dtype=torch.uint8) for rb in host.row_bytes]
-    host.run_here(flat, scratch, host.warm_counts)
-    return owned
+    owned = flat[(flat >= rows.lo) & (flat < rows.hi)].contiguous()
+    step = max(1, WARM_BYTES // sum(host.row_bytes))
+    scratch = [torch.empty((min(step, owned.numel()), rb), dtype=torch.uint8) for rb in host.row_bytes]
+    for a in range(0, owned.numel(), step):
+        part = owned[a : a + step]
+        host.run_here(part, [s[: part.numel()] for s in scratch], host.warm_counts)
+    return owned.numel()
