@@ -2,8 +2,9 @@
 ``-fsanitize=address,undefined`` (out-of-bounds reads and writes, use after free, overflow, any
 undefined behaviour ends the run), and separately with ``-fsanitize=thread`` (data races, with the
 row cache's sequence-lock copy annotated: native/sanitize.h), then driven by ``sanitized_lookups.py``
-in a fresh interpreter with the sanitizer's runtime preloaded: the row copy, the pool, the row cache,
-the reader and the dispatcher, their threads at once, on a real checkpoint, every row checked. A
+in a fresh interpreter with the sanitizer's runtime preloaded: the row copy, the pool, the row cache
+and its block scales' follower, the reader, the page touch and the dispatcher, their threads at
+once, on a real NVFP4 checkpoint, every row and block scale checked. A
 sanitizer report, a wrong row or a hang (the timeout) fails the test.
 
 A last test builds the thread-sanitized library without the sequence lock's annotation and sees
@@ -75,7 +76,7 @@ def checkpoint(tmp_path_factory):
     from ple_um.synthetic import write_checkpoint
 
     folder = tmp_path_factory.mktemp("sanitized") / "ckpt"
-    layout = write_checkpoint(folder, num_rows=2003, row_dim=40, dtype="fp8", shards=5, files=2, seed=7)
+    layout = write_checkpoint(folder, num_rows=2003, row_dim=48, dtype="nvfp4", shards=5, files=2, seed=7)
     return str(layout.directory)
 
 
