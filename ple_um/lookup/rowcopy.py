@@ -32,7 +32,7 @@ from ple_um.lookup import native_library
 from ple_um.mapping import MappedShards
 
 # abi.c's PLE_ABI_VERSION: the interface the declarations below are written for.
-ABI_VERSION = 4
+ABI_VERSION = 5
 # The functions called through ctypes: name, argument types, result type.
 SIGNATURES = (
     ("ple_abi_version", [], ctypes.c_int64),
@@ -150,6 +150,7 @@ class LookupStruct(ctypes.Structure):
         ("touch", ctypes.c_int32),
         ("threads", ctypes.c_int32),
         ("inline_rows", ctypes.c_int32),
+        ("chunk", ctypes.c_int32),
         ("busy", ctypes.c_int32),
         ("seq", ctypes.c_uint32),
         ("ready", ctypes.c_void_p),

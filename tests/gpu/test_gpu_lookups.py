@@ -254,6 +254,7 @@ def test_an_eager_lookup_does_not_hold_up_work_queued_after_it_on_other_streams(
         with torch.cuda.stream(other):
             x.mul_(1)  # loaded now: a kernel's first launch may wait for the device (lazy loading)
         torch.cuda.synchronize()
+        counted = table.paths.host.read_counts()["lookups"]
         with torch.cuda.stream(busy):
             torch.cuda._sleep(400_000_000)  # about 0.2 s
             asleep = torch.cuda.Event()
@@ -270,6 +271,7 @@ def test_an_eager_lookup_does_not_hold_up_work_queued_after_it_on_other_streams(
         assert later.query() and not asleep.query()  # the other stream ran while the lookup waited
         torch.cuda.synchronize()
         assert same(out, expected(layout, ids_np, torch.bfloat16)) and int(x[0]) == 2
+        assert table.paths.host.read_counts()["lookups"] - counted == 1  # one lookup, in chunks or not
 
 
 class _NoDispatcher:
@@ -293,7 +295,7 @@ def test_a_lookup_that_cannot_be_posted_takes_host_nodes(tables, open_mode, ids_
     with open_mode(layout, "cpu", "1") as table:
         assert table.paths.host.dispatcher
         lib = table.paths.host.lib = _NoDispatcher(table.paths.host.lib)
-        total = table.paths.host.read_counts()["rows"]
+        total, lookups = table.paths.host.read_counts()["rows"], table.paths.host.read_counts()["lookups"]
         for n in (16, 5000, 70_000):  # inline, pooled, chunked
             ids_np = ids_for(layout, n, rng)
             out = poisoned((n, layout.row_dim), layout.dtype, device)
@@ -303,6 +305,7 @@ def test_a_lookup_that_cannot_be_posted_takes_host_nodes(tables, open_mode, ids_
             assert same(out, expected(layout, ids_np, layout.dtype)), n
             total += n
         assert table.paths.host.read_counts()["rows"] == total
+        assert table.paths.host.read_counts()["lookups"] - lookups == 3  # a chunked lookup counts once
 
 
 def test_the_page_touch_runs_before_the_kernel(tables, open_mode, ids_for, rng, device):

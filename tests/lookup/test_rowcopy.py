@@ -310,6 +310,36 @@ def test_the_knob_picks_the_host_path(monkeypatch, layout, rng, check_rows, knob
         check_rows(table.lookup(ids), layout, ids)
 
 
+def test_a_lookup_cut_in_chunks_counts_its_rows_and_one_lookup(lib, make_checkpoint, rng, check_rows):
+    """A lookup a CUDA device's host path cuts in chunks (``gather.chunks``: a job struct each, filled
+    by ``HostGather._fill`` as its queue fills them, run here in turn as their host nodes run):
+    every row exact and counted, and one host lookup, not one a chunk."""
+    from ple_um.lookup.host.gather import CHUNK_ROWS, chunks
+
+    layout = make_checkpoint(
+        num_rows=5000, row_dim=24, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30))
+    )
+    with MappedShards(layout) as mapping:
+        host = HostGather(lib, mapping, torch.device("cpu"), storage=layout.dtype, scale=None, threads=2)
+        try:
+            n = 3 * CHUNK_ROWS + 5
+            ids = torch.from_numpy(boundary_ids(layout, rng, n, (0, layout.num_rows)))
+            out = torch.full((n, layout.row_dim), 0xAB, dtype=torch.uint8).view(layout.dtype)
+            pieces = chunks(n)
+            assert len(pieces) > 1
+            for k, (a, b) in enumerate(pieces):
+                job, dst = rowcopy.LookupStruct(), out.data_ptr() + a * layout.row_bytes
+                host._fill(job, ids.data_ptr() + a * ids.element_size(), 0, b - a, [dst], chunk=k)
+                job.busy = 1
+                lib.ple_lookup_run(ctypes.addressof(job))
+                assert job.busy == 0
+            check_rows(out, layout, ids)
+            got = host.read_counts()
+            assert (got["rows"], got["lookups"]) == (n, 1)
+        finally:
+            host.close()
+
+
 def test_chunks_cover_the_lookup_and_cut_the_tail():
     from ple_um.lookup.host.cuda import RING
     from ple_um.lookup.host.gather import CHUNK_ROWS, MAX_CHUNKS, TAIL_ROWS, chunks

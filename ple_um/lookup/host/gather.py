@@ -191,9 +191,10 @@ class HostGather:
         self.gather(ids, raw=True, live=live)
 
     # -- one lookup --------------------------------------------------------------------------
-    def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int], live=None) -> None:
+    def _fill(self, job, ids_ptr: int, kind: int, n: int, dst: list[int], live=None, chunk: int = 0) -> None:
         """Point ``job`` at ``n`` ids of kind ``kind`` at ``ids_ptr``, their rows to ``dst`` (no
-        destination: the page touch, run while ``live`` is non-zero where given)."""
+        destination: the page touch, run while ``live`` is non-zero where given); ``chunk``: its
+        number in a lookup cut in chunks (the lookup is counted by chunk 0, the rows by each)."""
         touch = not dst  # the pages of the rows and of their block scales: the kernel reads both
         job.tables[0] = self.rows.address
         job.tables[1] = self.block_scales.address if self.block_scales is not None else None
@@ -204,6 +205,7 @@ class HostGather:
         job.live = live.ctypes.data if touch and live is not None else None
         job.threads = self.threads
         job.inline_rows = rowcopy.INLINE_ROWS
+        job.chunk = chunk
         for k, address in enumerate(dst):
             job.dst[k] = address
 
@@ -222,9 +224,9 @@ class HostGather:
             bufs = state.buffers_for(n, capturing, self.row_bytes, self._driver)
             slots = [] if capturing else [state.slot(self._driver) for _ in pieces]
             jobs = [rowcopy.LookupStruct() for _ in pieces] if capturing else [state.ring[k] for k in slots]
-            for job, (a, b) in zip(jobs, pieces, strict=True):
+            for k, (job, (a, b)) in enumerate(zip(jobs, pieces, strict=True)):
                 dst = [p + a * rb for p, rb in bufs.staging_ptrs] if targets else []
-                self._fill(job, bufs.ids_ptr + a * size, kind, b - a, dst, live)
+                self._fill(job, bufs.ids_ptr + a * size, kind, b - a, dst, live, chunk=k)
             if not capturing and self.dispatcher:
                 self._dispatched(state, stream, bufs, ids, slots, pieces, targets)
             elif len(pieces) == 1:

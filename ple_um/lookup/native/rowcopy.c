@@ -225,7 +225,7 @@ void ple_run_lookup(ple_lookup_t *q) {
     if (!q->touch) {
         count(c, C_ROWS, q->n);
         count(c, C_OUT_OF_TABLE, n.outside);
-        count(c, C_LOOKUPS, 1);
+        count(c, C_LOOKUPS, q->chunk == 0);
     } else {
         count(c, C_TOUCHES, 1);
     }

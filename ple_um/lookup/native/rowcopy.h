@@ -35,7 +35,7 @@ enum {
     C_OUT_OF_TABLE, /* ids outside [0, num_rows) */
     C_BROKEN,       /* owned ids whose row could not be had: zero rows */
     C_NS,           /* nanoseconds spent in lookups */
-    C_LOOKUPS,      /* lookups run */
+    C_LOOKUPS,      /* lookups run (a lookup cut in chunks: once) */
     C_CACHE_HITS,   /* rows served by the row cache */
     C_CACHE_MISSES, /* owned rows the row cache did not hold */
     C_CACHE_INSERTS,
@@ -103,6 +103,7 @@ typedef struct ple_lookup {
     int32_t touch;
     int32_t threads;     /* > 1: the pool may help */
     int32_t inline_rows; /* at most this many rows: the calling thread alone */
+    int32_t chunk;       /* > 0: a later chunk of a lookup cut in several (counted by its chunk 0) */
     atomic_int busy;
     /* Eager lookups through the dispatcher: it waits until *ready reaches seq (the stream writes it
      * once the ids are in pinned memory), copies, then sets *done to seq (the stream's copy of the
