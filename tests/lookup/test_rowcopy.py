@@ -102,6 +102,38 @@ def test_nvfp4_rows_and_block_scales_in_one_lookup(lib, make_checkpoint, rng, po
         assert counts.read()["rows"] == ids.numel()  # one lookup, counted once
 
 
+def test_an_nvfp4_tables_packed_rows_alone_are_read_without_their_block_scales(lib, make_checkpoint, rng):
+    """``HostGather.gather`` with one raw output of an NVFP4 table (its packed bytes, [n, row_bytes],
+    as its docstring offers) fills it exactly and reads no block scales, which it has nowhere to
+    put (in a forked child: a row copy writing them through no pointer would kill it)."""
+    from helpers.reference import reference_rows
+
+    layout = make_checkpoint(
+        num_rows=900, row_dim=64, dtype="nvfp4", shards=5, seed=int(rng.integers(1 << 30))
+    )
+    ids_np = boundary_ids(layout, rng, 3000, (0, layout.num_rows))
+    with MappedShards(layout) as mapping, MappedShards(layout.scale_layout()) as scale_mapping:
+        host = HostGather(
+            lib,
+            mapping,
+            torch.device("cpu"),
+            storage=layout.dtype,
+            scale=None,
+            threads=2,
+            scale_mapping=scale_mapping,
+        )
+        try:
+
+            def packed_alone() -> bool:  # no torch op of its own: OpenMP's threads are the parent's
+                packed = np.full((ids_np.size, layout.row_bytes), 0xAB, dtype=np.uint8)
+                host.gather(torch.from_numpy(ids_np), torch.from_numpy(packed))
+                return np.array_equal(packed, reference_rows(layout, ids_np))
+
+            assert in_forked_child(packed_alone) == 0
+        finally:
+            host.close()
+
+
 def test_a_broken_shard_map_zeroes_and_counts_the_rows_it_lacks(lib, make_checkpoint, rng, check_rows):
     layout = make_checkpoint(num_rows=500, row_dim=16, dtype="fp8", shards=5, seed=int(rng.integers(1 << 30)))
     S = layout.rows_per_shard

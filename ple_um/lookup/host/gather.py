@@ -196,8 +196,9 @@ class HostGather:
         destination: the page touch, run while ``live`` is non-zero where given); ``chunk``: its
         number in a lookup cut in chunks (the lookup is counted by chunk 0, the rows by each)."""
         touch = not dst  # the pages of the rows and of their block scales: the kernel reads both
+        scales = self.block_scales is not None and (touch or len(dst) > 1)  # else the packed rows alone
         job.tables[0] = self.rows.address
-        job.tables[1] = self.block_scales.address if self.block_scales is not None else None
+        job.tables[1] = self.block_scales.address if scales else None
         job.ids, job.n = ids_ptr, n
         job.counts = self.counts.address
         job.id_kind = kind
