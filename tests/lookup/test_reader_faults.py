@@ -210,6 +210,8 @@ SCENARIOS = {
     "enter-EINTR-first": ({**_URING, **_CACHE}, {"enter": f"{E.EINTR}:0:3"}, None),
     "enter-EINTR-mid": ({**_URING, **_NO_CACHE}, {"enter": f"{E.EINTR}:5:3"}, None),
     "enter-EAGAIN-passes": ({**_URING, **_CACHE}, {"enter": f"{E.EAGAIN}:0:4"}, None),
+    "enter-EAGAIN-19-passes": ({**_URING, **_CACHE}, {"enter": f"{E.EAGAIN}:0:19"}, None),
+    "enter-EAGAIN-20-stays": ({**_URING, **_CACHE}, {"enter": f"{E.EAGAIN}:0:20"}, "io_uring_enter: EAGAIN"),
     "enter-EAGAIN-first-stays": (
         {**_URING, **_CACHE},
         {"enter": f"{E.EAGAIN}:0:-1"},

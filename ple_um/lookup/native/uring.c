@@ -245,7 +245,7 @@ tally_t ple_read_uring(const ple_rows_t *t, ple_miss_t *misses, int64_t n, uint8
         if (moved) {
             stalls = 0;
         } else if (e == EAGAIN || e == EBUSY) {
-            if (++stalls > STALLS_BUSY) {
+            if (++stalls >= STALLS_BUSY) {
                 give_up(&b, e);
                 break;
             }
