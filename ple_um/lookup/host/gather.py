@@ -159,7 +159,7 @@ class HostGather:
             return out
         if self.cuda and torch.cuda.current_device() != self.index:  # the driver calls need its context
             with torch.cuda.device(self.index):
-                return self.gather(ids, *outs, raw=raw)
+                return self.gather(ids, *outs, raw=raw, live=live)
         t0 = time.perf_counter()
         if raw:  # the rows' bytes go straight into the outputs, read only by address
             targets = list(outs)
