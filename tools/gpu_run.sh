@@ -93,7 +93,7 @@ for part in "${parts[@]}"; do
                                  --json-file "$OUT/regress_${mode}_${build}$k.json"
                          done
                      done
-                     run "regress_$mode" 60 python3 tools/host_cost.py --compare "$OUT"/regress_"${mode}"_new*.json \
+                     PYTHONPATH=$PWD run "regress_$mode" 60 python3 tools/host_cost.py --compare "$OUT"/regress_"${mode}"_new*.json \
                          --against "$OUT"/regress_"${mode}"_old*.json --json-file "$OUT/regress_$mode.json"
                  done ;;
         tp) run tp "${TP_LIMIT:-580}" python3 tools/tp_check.py --size "${TP_SIZE:-$SIZE}" \
