@@ -29,6 +29,9 @@ from ple_um.bench.timing import NOISY_SPREAD, noisy
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.units import format_bytes
 
+# Which way a ratio to its baseline is better: each is a median over the baseline's.
+FASTER = "below 1x: faster than it, above 1x: slower"
+
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table: its head, the separator, one line per row of cells, a short row (a path
@@ -93,7 +96,7 @@ def header(result: dict) -> list[str]:
         lines += [f"  {name}: {what}" for name, what in result["contenders"].items()]
     lines.append(
         f"cells: median us [p10-p90, 'noisy' where p90/p10 > {NOISY_SPREAD:g}] (rows' bytes/s, x torch); "
-        f"x torch: the ratio to `{anchor['name']}` over the table in {anchor['memory']}"
+        f"x torch: the median over `{anchor['name']}`'s, over the table in {anchor['memory']} ({FASTER})"
         + (f" (left out: {anchor['left_out']})" if "left_out" in anchor else "")
     )
     return lines
@@ -129,7 +132,9 @@ def _decode_table(result: dict) -> list[str]:
                 cell(runs["graph"], rate=False) if "graph" in runs else absent,
             ]
         cells.append(row)
-    return ["", *_table(["decode step (64 tokens x 16 rows -> dequant -> proj), us", *heads], cells)]
+    step = result["method"]["decode_step"]
+    what = f"decode step ({step['tokens']} tokens x {step['heads']} rows -> dequant -> proj), us"
+    return ["", *_table([what, *heads], cells)]
 
 
 def _memory_tables(result: dict) -> list[str]:
@@ -245,7 +250,7 @@ def format_cold(result: dict) -> str:
     m = result["method"]
     lines = _header(result) + [
         f"cold: {m['cold']}; steady: {m['steady']}; {m['timing']}",
-        f"x storage: the cold median over {m['ceiling']}; cold: reads, wait us: a cold "
+        f"x storage: the cold median over {m['ceiling']} ({FASTER}); cold: reads, wait us: a cold "
         "call's reads from the files and the time it waited for them, means per call (the wait where one "
         f"thread reads: up to {INLINE_ROWS} ids); page cache hits: the share of a steady call's rows in "
         "the page cache before it (mincore); row cache hits: hits / (hits + misses)",
@@ -315,7 +320,8 @@ def _serving_header(result: dict) -> list[str]:
             lines.append(f"    failed: {limit['failed']}")
     lines.append(
         f"cells: median step ms [p10-p90, 'noisy' where p90/p10 > {NOISY_SPREAD:g}] (x the resident "
-        "table's step, row-cache hit rate or the share of the last step's rows in the page cache)"
+        f"table's step: the median over its ({FASTER}); row-cache hit rate or the share of the last "
+        "step's rows in the page cache)"
     )
     return lines
 

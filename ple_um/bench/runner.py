@@ -94,6 +94,7 @@ def _describe_run(cfg: Config, layout: ShardLayout, report, device: torch.device
             "rounds": max(1, min(cfg.rounds, cfg.repeats)),
             "warmup_calls": cfg.warmup,
             "settle_s": timing.SETTLE_S,
+            "decode_step": {"tokens": cfg.decode_tokens, "heads": cfg.heads},
             "clock": "CUDA events" if cuda else "perf_counter",
             "host_overhead": {
                 "calls": cfg.host_calls,

@@ -106,9 +106,11 @@ class Timer:
 
 
 def spread(times: list[float]) -> dict:
-    """Median, p10 and p90 of ``times`` (seconds) in microseconds."""
+    """Median, p10 and p90 of ``times`` (seconds) in microseconds, and whether they are ``noisy``
+    (the mark the report prints, in the JSON too)."""
     p10, median, p90 = np.quantile(times, [0.1, 0.5, 0.9]) * 1e6
-    return {"median_us": median, "p10_us": p10, "p90_us": p90}
+    row = {"median_us": median, "p10_us": p10, "p90_us": p90}
+    return row | {"noisy": noisy(row)}
 
 
 def summary(times: list[float], nbytes: int) -> dict:
@@ -135,7 +137,7 @@ def row_cache_hits(before: dict, after: dict) -> float | None:
 def noisy(row: dict) -> bool:
     """Whether a summary's spread is too wide for its median to stand alone (p90/p10 > NOISY_SPREAD)."""
     low, high = row.get("p10_us"), row.get("p90_us")
-    return low is not None and high is not None and high > NOISY_SPREAD * max(low, 1e-9)
+    return low is not None and high is not None and bool(high > NOISY_SPREAD * max(low, 1e-9))
 
 
 class KernelOnly:

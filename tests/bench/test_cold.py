@@ -262,6 +262,10 @@ def test_a_run_where_no_cgroup_can_be_made_says_so(make_checkpoint, tmp_path, dt
     text = report.format_report(result)
     assert "memory limit 1.00 GiB: not enforced: injected: no memory controller" in text
     assert "the page cache is the machine's here: only ple-um's row cache is held to the limit" in text
+    assert (
+        "x storage: the cold median over rows / the storage's 4 KiB random reads per second at depth 64 "
+        "(below 1x: faster than it, above 1x: slower)" in text
+    )
     assert text.count("| ple-um cpu (eager) | 256 |") == 4  # 2 limits x 2 id distributions
     alone = next(iter(result["limits"].values()))["modes"]["cpu"]["uniform"]["256"]["steady_page_cache"]
     assert f"| {report.cell(alone, rate=False)} | {100 * alone['page_cache_hits']:.1f}% |" in text

@@ -44,7 +44,11 @@ def _result() -> dict:
         "ids": {d: {} for d in ids},
         "anchor": {"name": runner.ANCHOR, "memory": "host memory (no CUDA device)"},
         "kind": "side-by-side",
-        "method": {"rows": [16], "host_overhead": {"calls": 300, "rows": 16}},
+        "method": {
+            "rows": [16],
+            "host_overhead": {"calls": 300, "rows": 16},
+            "decode_step": {"tokens": 8, "heads": 4},
+        },
         "contenders": {
             runner.ANCHOR: "the anchor",
             "ple-um cpu": "ple-um's cpu mode",
@@ -95,9 +99,13 @@ def test_the_header_says_when_where_with_what_and_how():
         "  ple-um cpu: ple-um's cpu mode",
         "  seeds cpu: the seeds",
     ]
-    assert lines[7].startswith(
-        "cells: median us [p10-p90, 'noisy' where p90/p10 > 2] (rows' bytes/s, x torch)"
+    assert lines[7] == (
+        "cells: median us [p10-p90, 'noisy' where p90/p10 > 2] (rows' bytes/s, x torch); x torch: the "
+        f"median over `{runner.ANCHOR}`'s, over the table in host memory (no CUDA device) "
+        "(below 1x: faster than it, above 1x: slower)"
     )
+    # The decode step's shape as the run had it, not a figure of the report's own.
+    assert "| decode step (8 tokens x 4 rows -> dequant -> proj), us |" in "\n".join(lines)
 
 
 def test_cells_show_the_spread_rates_and_ratios():

@@ -59,9 +59,10 @@ def test_summaries_carry_the_spread_and_noisy_is_p90_over_p10():
     assert row["p10_us"] < row["median_us"] < row["p90_us"]
     assert row["gbps"] == 1000 / (row["median_us"] * 1e-6) / 1e9
     assert row["calls"] == 10
+    assert row["noisy"] is True  # p90 26.2, p10 10.9: the mark the report prints, in the JSON too
     host = host_summary([2e-6, 3e-6, 4e-6], 300)
     assert (host["p10_us"], host["median_us"], host["p90_us"]) == (2.2, 3.0, 3.8)
-    assert host["rounds_us"] == [2.0, 3.0, 4.0] and host["calls"] == 300
+    assert host["rounds_us"] == [2.0, 3.0, 4.0] and host["calls"] == 300 and host["noisy"] is False
     assert NOISY_SPREAD == 2
     assert not noisy({"p10_us": 10.0, "p90_us": 20.0})
     assert noisy({"p10_us": 10.0, "p90_us": 20.1})
