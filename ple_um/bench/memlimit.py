@@ -258,9 +258,8 @@ def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], mod
     )
     try:
         stdout, stderr = proc.communicate(json.dumps(request))
-    except BaseException:
+    finally:  # finished or not: a process it left running would outlive it, and keep its group
         stop_child(proc, limit)
-        raise
     for line in stderr.splitlines():
         log(f"  {line}")
     if proc.returncode == 0:
@@ -278,8 +277,9 @@ def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], mod
 
 
 def stop_child(proc: subprocess.Popen, limit: MemoryLimit) -> None:
-    """Kill an unfinished child (its session: it and what it started) and every process in its
-    memory group, and reap it, so that the group can be removed."""
+    """Kill a child (its session: it and what it started) and every process in its memory group,
+    and reap it, so that the group can be removed: an unfinished child, or the processes a finished
+    one left running (its session's id stays taken while they live, so no other process has it)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     limit.kill()

@@ -10,12 +10,13 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from helpers.cli import fs_type
 
-from ple_um.bench.memlimit import Hierarchy, MemoryLimit, find_hierarchy
+from ple_um.bench.memlimit import Hierarchy, MemoryLimit, find_hierarchy, run_limited
 from ple_um.residency import evict_file_pages, resident_bytes
 
 MiB = 1 << 20
@@ -162,3 +163,44 @@ def test_a_real_limit_kills_a_child_that_allocates_past_it():
             [sys.executable, "-c", allocate], preexec_fn=limit.preexec, capture_output=True, timeout=120
         )
     assert done.returncode == -9, done
+
+
+# A child that starts a process of its own (as ple-um's first read or a compiler would), says its
+# pid and fails, leaving that process running.
+_LEAVES_A_PROCESS = """
+import subprocess, sys
+left = subprocess.Popen(["sleep", "120"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+print(f"left {left.pid}", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["cgroup", "no cgroup"])
+def test_a_child_that_fails_leaving_a_process_leaves_nothing(tmp_path, monkeypatch, grouped):
+    """The child fails midway with a process of its own still running: the run reports the
+    failure, that process is killed and the group removed (a process left in it would keep the
+    group, and its rmdir would fail the whole run)."""
+    (tmp_path / "leaves_a_process.py").write_text(_LEAVES_A_PROCESS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    hierarchy = None if grouped else (None, "no memory cgroup in this test")
+    lines: list[str] = []
+    entries = run_limited((256 * MiB,), {}, "leaves_a_process", lines.append, hierarchy)
+    (entry,) = entries.values()
+    if grouped and not entry["enforced"]:
+        pytest.skip(f"no memory cgroup here: {entry['how']}")
+    assert entry["failed"] == "the child exited with 1: left " + lines[-1].split()[-1]
+    left, deadline = int(lines[-1].split()[-1]), time.monotonic() + 10
+    while _alive(left) and time.monotonic() < deadline:  # SIGKILL is sent; its exit takes a moment
+        time.sleep(0.05)
+    assert not _alive(left)
+    if grouped:
+        assert not os.path.exists(entry["how"].split()[2].rstrip(":"))
