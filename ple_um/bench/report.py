@@ -320,8 +320,8 @@ def _serving_header(result: dict) -> list[str]:
             lines.append(f"    failed: {limit['failed']}")
     lines.append(
         f"cells: median step ms [p10-p90, 'noisy' where p90/p10 > {NOISY_SPREAD:g}] (x the resident "
-        f"table's step: the median over its ({FASTER}); row-cache hit rate or the share of the last "
-        "step's rows in the page cache)"
+        f"table's step: the median over its ({FASTER}); row-cache hit rate or the share of a "
+        "step's rows in the page cache before it reads them)"
     )
     return lines
 

@@ -207,7 +207,7 @@ def warm_up(step: ServingStep, pool: IdPool, seconds: float) -> dict:
 def measure(step: ServingStep, pool: IdPool, steps: int, warmup_s: float, resident: Callable | None) -> dict:
     """A configuration's figure: the warm-up, then ``steps`` timed steps (median, p10, p90 in
     microseconds), the row cache's hit rate over them (None: no row cache), and ``resident``'s
-    share of the last step's rows in the page cache (None where not asked)."""
+    share of the next step's rows in the page cache, before it reads them (None where not asked)."""
     warm = warm_up(step, pool, warmup_s)
     stats = step.table.stats if step.table is not None else dict
     before = stats()
@@ -215,7 +215,8 @@ def measure(step: ServingStep, pool: IdPool, steps: int, warmup_s: float, reside
     row = spread(times) | {"calls": len(times), "warmup": warm}
     row["row_cache_hits"] = row_cache_hits(before, stats())
     if resident is not None and step.inputs:
-        ids = np.concatenate([t.cpu().numpy() for t in step.inputs.values()])
+        # The next step's rows, drawn and not read yet: the rows a step has read are all there.
+        ids = np.concatenate([pool.batches[name][0].cpu().numpy() for name in step.inputs])
         row["page_cache_hits"] = float(resident(ids).mean())
     if step.eager_why:
         row["eager"] = step.eager_why

@@ -11,14 +11,17 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers.cli import run
+from helpers.cli import fs_type, run
 from helpers.reference import reference_rows
 
 import ple_um
 from ple_um.bench import report, serving
+from ple_um.bench.cold import drop_table_pages, table_files
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.plot import draw
+from ple_um.mapping import MappedShards
+from ple_um.operating import resident_rows
 from ple_um.synthetic import write_checkpoint
 
 
@@ -207,3 +210,24 @@ def test_step_ms_parses_a_list():
         5.0,
         20.5,
     )
+
+
+def test_the_page_cache_share_is_of_rows_a_step_has_not_read_yet(tmp_path, monkeypatch):
+    """A figure's share of rows in the page cache is what a step finds there before it reads
+    them: taken of rows the step has read, it would be 100% whatever the page cache held. Here the
+    table's pages are dropped and a few hundred of its 262 144 rows are read: few are found."""
+    if fs_type(str(tmp_path)) == "tmpfs":
+        pytest.skip("tmpfs files are their page cache: nothing to drop")
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "0")  # the page cache alone holds the rows read
+    path = tmp_path / "t"
+    layout = write_checkpoint(path, num_rows=1 << 18, row_dim=160, dtype="fp8", shards=4, write_back=True)
+    (dist,) = parse_ids("uniform")
+    sizes = {"decode": 16}
+    pool = serving.IdPool(dist, layout.num_rows, sizes, 4, "cpu", np.random.default_rng(2))
+    drop_table_pages(table_files(layout))
+    with ple_um.open_table(str(path), mode="cpu", device="cpu") as table, MappedShards(layout) as probe:
+        step = serving.ServingStep(
+            table, sizes, layout.row_dim, layout.dtype, serving.GpuWork(16, "cpu"), 1, "cpu"
+        )
+        row = serving.measure(step, pool, 4, 0.0, lambda ids: resident_rows(probe, ids))
+        assert row["page_cache_hits"] < 0.5, row
