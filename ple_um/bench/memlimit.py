@@ -183,6 +183,18 @@ class MemoryLimit:
                 return int(text)
         return None
 
+    def oom_kills(self) -> int | None:
+        """The processes the group's OOM killer has killed (``oom_kill`` of v2 memory.events, of v1
+        memory.oom_control), or None where the kernel does not count them."""
+        if self.group is None:
+            return None
+        for name in ("memory.events", "memory.oom_control"):
+            for line in (_read(os.path.join(self.group, name)) or "").splitlines():
+                key, _, count = line.partition(" ")
+                if key == "oom_kill" and count.strip().isdigit():
+                    return int(count)
+        return None
+
     def describe(self) -> str:
         return self.how if self.enforced else f"not enforced: {self.why}"
 
@@ -243,9 +255,9 @@ def _child_env(limit: MemoryLimit) -> dict[str, str]:
 
 def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], module: str) -> dict:
     """One child (``python -m module``, the request on its stdin) under ``limit``: its figures (the
-    JSON on its stdout), or why it gave none (killed by the limit's OOM killer, an error). The child
-    leads a session of its own: an interrupt (Ctrl-C) reaches this process alone, which then kills
-    the child and everything in its group (``stop_child``)."""
+    JSON on its stdout), or why it gave none (killed, by the limit's OOM killer or not; an error).
+    The child leads a session of its own: an interrupt (Ctrl-C) reaches this process alone, which
+    then kills the child and everything in its group (``stop_child``)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", module],
         stdin=subprocess.PIPE,
@@ -264,11 +276,14 @@ def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], mod
         log(f"  {line}")
     if proc.returncode == 0:
         return json.loads(stdout)
-    if proc.returncode == -9 and limit.enforced:
+    kills = limit.oom_kills() if proc.returncode == -9 else None
+    if kills == 0:
+        why = "the child was killed (SIGKILL) not by the limit: its OOM killer killed nothing"
+    elif proc.returncode == -9 and limit.enforced:
+        by = " by the limit's OOM killer" if kills else ", by the limit's OOM killer most likely"
         why = (
-            "the child was killed (SIGKILL), by the limit's OOM killer most likely: "
-            f"{format_bytes(limit.limit)} must hold the process itself (the interpreter, torch, a CUDA "
-            "context) besides the page cache"
+            f"the child was killed (SIGKILL){by}: {format_bytes(limit.limit)} must hold the process "
+            "itself (the interpreter, torch, a CUDA context) besides the page cache"
         )
     else:
         tail = stderr.strip().splitlines()[-1:] or [""]

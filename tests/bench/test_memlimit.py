@@ -204,3 +204,24 @@ def test_a_child_that_fails_leaving_a_process_leaves_nothing(tmp_path, monkeypat
     assert not _alive(left)
     if grouped:
         assert not os.path.exists(entry["how"].split()[2].rstrip(":"))
+
+
+@pytest.mark.parametrize(
+    "child,who",
+    [
+        ("import numpy as np\nx = np.ones(512 << 20, dtype=np.uint8)\nprint(int(x.sum()))\n", "by the limit"),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "not by the limit"),
+    ],
+    ids=["past the limit", "killed by another"],
+)
+def test_a_killed_child_is_said_to_be_killed_by_the_limit_only_where_it_was(
+    tmp_path, monkeypatch, child, who
+):
+    """A child killed (SIGKILL) by the limit's OOM killer, or by something else: the figures' why
+    says which, from the group's own count of its OOM kills."""
+    (tmp_path / "killed_child.py").write_text(child)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    (entry,) = run_limited((256 * MiB,), {}, "killed_child", lambda line: None).values()
+    if not entry["enforced"]:
+        pytest.skip(f"no memory cgroup here: {entry['how']}")
+    assert entry["failed"].startswith(f"the child was killed (SIGKILL) {who}")
