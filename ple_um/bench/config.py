@@ -15,7 +15,7 @@ from ple_um import envs
 from ple_um.access.probe import ALL_MODES
 from ple_um.bench.ids import IdDistribution, parse_ids
 from ple_um.checkpoint import MXFP8_BLOCK, ShardLayout, read_engram_layout, read_layout
-from ple_um.errors import PleUmError
+from ple_um.errors import CheckpointError, PleUmError
 from ple_um.synthetic import write_checkpoint
 from ple_um.synthetic_engram import write_engram_checkpoint
 
@@ -231,10 +231,16 @@ def default_table(cfg: Config, progress: bool = True) -> str:
 
 def bench_layout(cfg: Config) -> ShardLayout:
     """The layout of the table ``cfg`` benches: the directory's, or the synthetic one (written first
-    where it is not yet); an Engram table's for the Engram model."""
-    directory = cfg.directory or default_table(cfg)
+    where it is not yet, and again where its files were damaged since); an Engram table's for the
+    Engram model."""
     read = read_engram_layout if cfg.engram else read_layout
-    return read(directory, cfg.layer)
+    if cfg.directory is not None:
+        return read(cfg.directory, cfg.layer)
+    try:
+        return read(default_table(cfg), cfg.layer)
+    except CheckpointError:  # the bench's own table, a file removed or cut short since it was written
+        shutil.rmtree(table_path(cfg))
+        return read(default_table(cfg), cfg.layer)
 
 
 def open_ple_um(layout: ShardLayout, device, mode: str = "auto") -> ple_um.MappedTable:

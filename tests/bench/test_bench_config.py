@@ -60,3 +60,23 @@ def test_the_table_is_written_once_and_a_stale_partial_one_is_replaced(tmp_path,
     stamp = os.stat(os.path.join(path, files[0])).st_mtime_ns
     assert config.default_table(cfg, progress=False) == path  # already written: not again
     assert os.stat(os.path.join(path, files[0])).st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("damage", ["a file removed", "a file cut short"])
+def test_a_cached_table_damaged_since_it_was_written_is_written_again(tmp_path, monkeypatch, damage):
+    """The synthetic table is the bench's own: one whose files were removed or cut short after it
+    was written (a cleaner of the cache folder, a full disk) is written again, not an error on every
+    run until someone finds the folder and removes it."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path))
+    cfg = config.Config(size=1 << 20, shards=8)
+    first = config.bench_layout(cfg)
+    sizes = [os.path.getsize(f) for f in first.files]
+    shard = first.files[0]
+    if damage == "a file removed":
+        os.unlink(shard)
+    else:
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    again = config.bench_layout(cfg)
+    assert again.directory == first.directory == config.table_path(cfg)
+    assert (again.num_rows, again.row_bytes, again.files) == (first.num_rows, first.row_bytes, first.files)
+    assert [os.path.getsize(f) for f in again.files] == sizes
