@@ -274,23 +274,28 @@ def _check_machine(cfg: Config, layout) -> None:
 
 
 def _write(args: argparse.Namespace, result: dict, say, missing: list[str]) -> None:
-    """The JSON and the plot, each written whole or not at all; then where they went. Under --json
-    the results go to stdout unless ``missing`` (``report.unmeasured``): the error carries them."""
+    """The JSON and the plot, each written whole or not at all, one whatever became of the other;
+    then where they went. Under --json the results go to stdout unless ``missing``
+    (``report.unmeasured``): the error carries them."""
     from ple_um.bench import plot, report
 
-    written = []
-    try:
-        if args.json_file:
-            report.write_json(result, args.json_file)
-            written.append(f"results (JSON): {os.path.abspath(args.json_file)}")
-        if args.plot:
-            plot.draw(result, args.plot)
-            written.append(f"plot: {os.path.abspath(args.plot)}")
-    except (OSError, ValueError) as exc:
+    written, failed = [], []
+    for flag, path, what, write in (
+        ("--json-file", args.json_file, "results (JSON)", report.write_json),
+        ("--plot", args.plot, "plot", plot.draw),
+    ):
+        if not path:
+            continue
+        try:
+            write(result, path)
+            written.append(f"{what}: {os.path.abspath(path)}")
+        except (OSError, ValueError) as exc:
+            failed.append(f"{flag} {path}: {getattr(exc, 'strerror', None) or exc}")
+    if failed:
         # The results go with the error (under --json in its object), so that no run is lost.
         for line in written:
             say(line)
-        raise CliError(f"the results could not be written: {exc}", EXIT_INVALID, results=result) from None
+        raise CliError(f"the results could not be written: {'; '.join(failed)}", EXIT_INVALID, results=result)
     if args.json and not missing:
         emit_json(result)
     for line in written or [

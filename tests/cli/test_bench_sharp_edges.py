@@ -134,6 +134,47 @@ def test_unmeasured_names_every_failure_of_a_limited_run():
     assert unmeasured(skipped, None) == []  # not asked for: a path this machine lacks, reported
 
 
+def test_a_json_folder_that_vanishes_during_the_run_is_named_and_the_plot_still_written(
+    capsys, tmp_path, monkeypatch
+):
+    """--json-file's folder removed while the run measures: the error names the flag and the path
+    given, the plot (its own folder still there) is written all the same, and under --json the
+    error's object carries the results."""
+    pytest.importorskip("matplotlib")
+    from ple_um.bench import runner
+
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path / "cache"))
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    real = runner.run
+
+    def run_then_vanish(cfg, log=print):
+        result = real(cfg, log=log)
+        gone.rmdir()
+        return result
+
+    monkeypatch.setattr(runner, "run", run_then_vanish)
+    out, png = gone / "b.json", tmp_path / "b.png"
+    argv = [
+        *SMALL,
+        "--rows",
+        "16",
+        "--repeats",
+        "2",
+        "--rounds",
+        "1",
+        "--json-file",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    code, data = run_json(capsys, "bench", *argv)
+    assert code == cli.EXIT_INVALID
+    assert data["error"] == f"the results could not be written: --json-file {out}: No such file or directory"
+    assert "16" in data["results"]["lookup"]["torch index_select"]["uniform"]
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
 # -- Ctrl-C under --memory-limit -------------------------------------------------------------------
 def _children(pid: int) -> list[int]:
     try:
