@@ -8,7 +8,8 @@
 #   tests    python -m pytest -m gpu (tests/gpu: every lookup path, CUDA graphs, cold rows, tables at
 #            odd byte offsets, the first-read guard, bad ids under compute-sanitizer memcheck when it
 #            is on the PATH or in /usr/local/cuda/bin); PYTEST_ARGS adds pytest arguments
-#   bench    ple-um bench on the shared table of $SIZE, side by side; BENCH_ARGS adds arguments
+#   bench    ple-um bench on the shared table, side by side, its JSON in $OUT/bench.json; BENCH_ARGS
+#            adds arguments
 #   engram   ple-um bench --model deepseek-v41: a DeepSeek-V4.1 Engram table of $ENGRAM_SIZE (default
 #            8GiB), ple-um's modes side by side with torch and vLLM's stock pinned copy; ENGRAM_ARGS
 #   cold     ple-um bench --memory-limit: a table of $COLD_SIZE (default 12GiB) served by lookups
@@ -71,7 +72,8 @@ for part in "${parts[@]}"; do
         tests) eval "extra=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS='-k "not nvfp4"' keeps its quotes
                run tests "${TESTS_LIMIT:-480}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
                    --junitxml="$OUT/gpu_tests.xml" "${extra[@]}" ;;
-        bench) table; run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench --size "$SIZE" ${BENCH_ARGS:-} ;;
+        bench) table; run bench "${BENCH_LIMIT:-300}" python3 -m ple_um.cli bench "$TABLE" \
+                   --json-file "$OUT/bench.json" ${BENCH_ARGS:-} ;;
         engram) run engram "${ENGRAM_LIMIT:-400}" python3 -m ple_um.cli bench --model deepseek-v41 \
                     --size "${ENGRAM_SIZE:-8GiB}" --json-file "$OUT/engram.json" ${ENGRAM_ARGS:-} ;;
         cold) run cold "${COLD_LIMIT:-500}" python3 -m ple_um.cli bench --memory-limit "${MEMORY_LIMIT:-3GiB}" \
