@@ -205,14 +205,14 @@ def warm_up(step: ServingStep, pool: IdPool, seconds: float) -> dict:
 
 
 def measure(step: ServingStep, pool: IdPool, steps: int, warmup_s: float, resident: Callable | None) -> dict:
-    """A configuration's figure: the warm-up, then ``steps`` timed steps (median, p10, p90 in
-    microseconds), the row cache's hit rate over them (None: no row cache), and ``resident``'s
+    """A configuration's figure: the warm-up, then ``steps`` timed steps (median, p10, p90 and each
+    step's in microseconds), the row cache's hit rate over them (None: no row cache), and ``resident``'s
     share of the next step's rows in the page cache, before it reads them (None where not asked)."""
     warm = warm_up(step, pool, warmup_s)
     stats = step.table.stats if step.table is not None else dict
     before = stats()
     times = time_steps(step, pool, steps)
-    row = spread(times) | {"calls": len(times), "warmup": warm}
+    row = spread(times) | {"calls": len(times), "times_us": [t * 1e6 for t in times], "warmup": warm}
     row["row_cache_hits"] = row_cache_hits(before, stats())
     if resident is not None and step.inputs:
         # The next step's rows, drawn and not read yet: the rows a step has read are all there.

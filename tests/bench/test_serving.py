@@ -109,6 +109,7 @@ def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(sma
             assert set(rows) >= {"no PLE", "cpu"}
             for name, row in rows.items():
                 assert row["calls"] == 3 and row["p10_us"] <= row["median_us"] <= row["p90_us"]
+                assert len(row["times_us"]) == 3 and sorted(row["times_us"])[1] == row["median_us"]
                 assert row["warmup"]["steps"] >= serving.MIN_WARMUP_STEPS
                 if name != "no PLE":
                     assert row["vs_no_ple"] == pytest.approx(row["median_us"] / rows["no PLE"]["median_us"])

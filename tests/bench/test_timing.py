@@ -3,6 +3,7 @@ which order, how often; the summaries and the spread judged noisy. No times are 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ple_um.bench.timing import NOISY_SPREAD, Timer, host_summary, noisy, summary
@@ -58,7 +59,7 @@ def test_summaries_carry_the_spread_and_noisy_is_p90_over_p10():
     row = summary(times, 1000)
     assert row["p10_us"] < row["median_us"] < row["p90_us"]
     assert row["gbps"] == 1000 / (row["median_us"] * 1e-6) / 1e9
-    assert row["calls"] == 10
+    assert row["calls"] == 10 and row["times_us"] == pytest.approx([t * 1e6 for t in times])
     assert row["noisy"] is True  # p90 26.2, p10 10.9: the mark the report prints, in the JSON too
     host = host_summary([2e-6, 3e-6, 4e-6], 300)
     assert (host["p10_us"], host["median_us"], host["p90_us"]) == (2.2, 3.0, 3.8)
