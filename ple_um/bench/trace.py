@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -101,6 +102,10 @@ class Trace:
 def read_trace(path: str) -> Trace:
     """The trace in ``path``, every array checked (TraceError naming the file and the array)."""
     path = os.fspath(path)
+    # np.load reads other files too: one array (.npy, no context manager), or any other bytes as a
+    # pickle (refused, with advice to load it unsafely).
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):
+        raise TraceError("not a readable .npz trace: not a zip of numpy arrays", path=path)
     try:
         archive = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:

@@ -142,6 +142,12 @@ def test_read_trace_refuses_a_file_that_is_no_npz(tmp_path):
     path.write_bytes(b"not a zip")
     with pytest.raises(TraceError, match="not a readable .npz trace"):
         read_trace(str(path))
+    # No advice to load it unsafely (numpy's message for bytes that are no array file).
+    with pytest.raises(TraceError, match=r"^not a readable \.npz trace: not a zip of numpy arrays \(file "):
+        read_trace(str(path))
+    np.save(tmp_path / "one.npy", np.arange(4))  # one array, not a zip of them
+    with pytest.raises(TraceError, match=r"^not a readable \.npz trace: not a zip of numpy arrays \(file "):
+        read_trace(str(tmp_path / "one.npy"))
     with zipfile.ZipFile(tmp_path / "empty.npz", "w"):
         pass
     with pytest.raises(TraceError, match="missing arrays"):
