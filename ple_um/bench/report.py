@@ -142,7 +142,10 @@ def _memory_tables(result: dict) -> list[str]:
         [f"{label} page cache", s["mode"], f"{s['open_s']:.3f}"]
         + [format_bytes(s[k]) for k in ("gpu_bytes", "anon_rss_added_bytes", "pinned_bytes")]
         for label, s in result["startup"].items()
+        if label != "skipped"
     ]
+    if "skipped" in result["startup"]:
+        opens.append(["open", f"skipped: {result['startup']['skipped']}"])
     lines = ["", *_table(["open", "mode", "seconds", "GPU bytes", "anon RSS added", "pinned bytes"], opens)]
     if result.get("processes"):
         cells = [
@@ -380,9 +383,15 @@ def write_json(result: dict, path: str) -> None:
 
 
 def unmeasured(result: dict, modes: tuple[str, ...] | None) -> list[str]:
-    """What a finished run was asked for and has no figures of, each with why: a mode named by
-    --modes that was skipped, a memory limit whose child gave no figures, a mode its child skipped."""
+    """What a finished run was asked for and has no figures of, each with why: the open figures
+    (start-up, --processes), a mode named by --modes that was skipped, a memory limit whose child
+    gave no figures, a mode its child skipped."""
     missing = []
+    if "skipped" in result.get("startup", {}):
+        missing.append(f"start-up: {result['startup']['skipped']}")
+    for kind, entry in result.get("processes", {}).items():
+        if "skipped" in entry:
+            missing.append(f"{kind} processes: {entry['skipped']}")
     for name, entry in result.get("lookup", {}).items():
         if modes and name.removeprefix("ple-um ") in modes and "skipped" in entry:
             missing.append(f"{name}: {entry['skipped']}")

@@ -33,6 +33,7 @@ from ple_um.bench.contenders import ANCHOR
 from ple_um.bench.footprint import processes, read_cache, startup
 from ple_um.bench.ids import IdDistribution
 from ple_um.checkpoint import ShardLayout
+from ple_um.errors import PleUmError
 
 
 def versions() -> dict:
@@ -271,12 +272,23 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     ratios(result)
-    result["startup"] = startup(layout, device)
+    result["startup"] = _or_skipped(lambda: startup(layout, device))
     if cfg.processes >= 1:
         pinned = cuda and not layout.has_block_scales
         kinds = ("ple-um", "vllm pinned-host") if pinned else ("ple-um",)
-        result["processes"] = {kind: processes(layout, kind, cfg.processes, device) for kind in kinds}
+        result["processes"] = {
+            kind: _or_skipped(lambda k=kind: processes(layout, k, cfg.processes, device)) for kind in kinds
+        }
     return result
+
+
+def _or_skipped(measure: Callable[[], dict]) -> dict:
+    """``measure()``'s open figures, or why there are none where the table's files went or changed
+    since its lookups were timed (``skipped``): the lookups' figures are kept."""
+    try:
+        return measure()
+    except (OSError, PleUmError) as exc:
+        return {"skipped": f"{type(exc).__name__}: {exc}"}
 
 
 def ratios(result: dict) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from helpers.cli import REPO, run, run_json, two_layer_checkpoint
 
 import ple_um
 from ple_um import cli
-from ple_um.bench import sizing
+from ple_um.bench import report, sizing
 from ple_um.bench.memlimit import find_hierarchy
 from ple_um.bench.report import unmeasured
 from ple_um.synthetic_engram import write_engram_checkpoint
@@ -173,6 +174,37 @@ def test_a_json_folder_that_vanishes_during_the_run_is_named_and_the_plot_still_
     assert data["error"] == f"the results could not be written: --json-file {out}: No such file or directory"
     assert "16" in data["results"]["lookup"]["torch index_select"]["uniform"]
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_table_that_vanishes_after_its_lookups_keeps_their_figures(capsys, tmp_path, monkeypatch):
+    """DIR removed once the lookups are timed: the open figures that come after (start-up, and
+    --processes) say why they are missing, and the lookups' figures are written and printed; the
+    run exits 4, naming what is missing."""
+    from ple_um.bench import runner
+    from ple_um.synthetic import write_checkpoint
+
+    table = tmp_path / "table"
+    write_checkpoint(table, num_rows=600, row_dim=160, dtype="fp8", shards=4)
+    real = runner._time_decode
+
+    def decode_then_vanish(*args, **kwargs):
+        real(*args, **kwargs)
+        shutil.rmtree(table)
+
+    monkeypatch.setattr(runner, "_time_decode", decode_then_vanish)
+    out = tmp_path / "b.json"
+    argv = [str(table), "--device", "cpu", "--rows", "16", "--repeats", "2", "--rounds", "1"]
+    argv += ["--processes", "1"]
+    code, data = run_json(capsys, "bench", *argv, "--json-file", str(out))
+    assert code == cli.EXIT_INCOMPLETE, data
+    results = data["results"]
+    assert "16" in results["lookup"]["ple-um cpu"]["uniform"]
+    assert results["startup"]["skipped"].startswith(("FileNotFoundError: ", "CheckpointError: "))
+    assert results["processes"]["ple-um"]["skipped"].startswith(("FileNotFoundError: ", "CheckpointError: "))
+    assert data["error"].startswith("the run could not measure what was asked: start-up: ")
+    assert json.loads(out.read_text()) == results
+    text = report.format_report(results)
+    assert f"| open | skipped: {results['startup']['skipped']} |" in text
 
 
 # -- Ctrl-C under --memory-limit -------------------------------------------------------------------
