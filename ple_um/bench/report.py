@@ -143,9 +143,7 @@ def _memory_tables(result: dict) -> list[str]:
         + [format_bytes(s[k]) for k in ("gpu_bytes", "anon_rss_added_bytes", "pinned_bytes")]
         for label, s in result["startup"].items()
         if label != "skipped"
-    ]
-    if "skipped" in result["startup"]:
-        opens.append(["open", f"skipped: {result['startup']['skipped']}"])
+    ] + ([["open", f"skipped: {result['startup']['skipped']}"]] if "skipped" in result["startup"] else [])
     lines = ["", *_table(["open", "mode", "seconds", "GPU bytes", "anon RSS added", "pinned bytes"], opens)]
     if result.get("processes"):
         cells = [
@@ -380,31 +378,3 @@ def write_json(result: dict, path: str) -> None:
             json.dump(result, f, indent=1, default=str)
 
     write_atomically(path, write)
-
-
-def unmeasured(result: dict, modes: tuple[str, ...] | None) -> list[str]:
-    """What a finished run was asked for and has no figures of, each with why: the open figures
-    (start-up, --processes), a mode named by --modes that was skipped, a memory limit whose child
-    gave no figures, a mode its child skipped."""
-    missing = []
-    if "skipped" in result.get("startup", {}):
-        missing.append(f"start-up: {result['startup']['skipped']}")
-    for kind, entry in result.get("processes", {}).items():
-        if "skipped" in entry:
-            missing.append(f"{kind} processes: {entry['skipped']}")
-    for name, entry in result.get("lookup", {}).items():
-        if modes and name.removeprefix("ple-um ") in modes and "skipped" in entry:
-            missing.append(f"{name}: {entry['skipped']}")
-    for name, entry in result.get("configs", {}).items():  # the serving loop's
-        if "skipped" in entry:
-            missing.append(f"{name}: {entry['skipped']}")
-    for mode, why in result.get("left_out", {}).items():
-        missing.append(f"ple-um {mode}: {why}")
-    for entry in result.get("limits", {}).values():
-        where = f"under {entry['how']}"
-        if "failed" in entry:
-            missing.append(f"{where}: {entry['failed']}")
-        for mode, runs in entry.get("modes", {}).items():
-            if "skipped" in runs:
-                missing.append(f"ple-um {mode} {where}: {runs['skipped']}")
-    return missing

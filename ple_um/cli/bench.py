@@ -273,10 +273,38 @@ def _check_machine(cfg: Config, layout) -> None:
         raise CliError(str(exc), EXIT_REFUSED, refused=True) from None
 
 
+def unmeasured(result: dict, modes: tuple[str, ...] | None) -> list[str]:
+    """What a finished run was asked for and has no figures of, each with why: the open figures
+    (start-up, --processes), a mode named by --modes that was skipped, a memory limit whose child
+    gave no figures, a mode its child skipped."""
+    missing = []
+    if "skipped" in result.get("startup", {}):
+        missing.append(f"start-up: {result['startup']['skipped']}")
+    for kind, entry in result.get("processes", {}).items():
+        if "skipped" in entry:
+            missing.append(f"{kind} processes: {entry['skipped']}")
+    for name, entry in result.get("lookup", {}).items():
+        if modes and name.removeprefix("ple-um ") in modes and "skipped" in entry:
+            missing.append(f"{name}: {entry['skipped']}")
+    for name, entry in result.get("configs", {}).items():  # the serving loop's
+        if "skipped" in entry:
+            missing.append(f"{name}: {entry['skipped']}")
+    for mode, why in result.get("left_out", {}).items():
+        missing.append(f"ple-um {mode}: {why}")
+    for entry in result.get("limits", {}).values():
+        where = f"under {entry['how']}"
+        if "failed" in entry:
+            missing.append(f"{where}: {entry['failed']}")
+        for mode, runs in entry.get("modes", {}).items():
+            if "skipped" in runs:
+                missing.append(f"ple-um {mode} {where}: {runs['skipped']}")
+    return missing
+
+
 def _write(args: argparse.Namespace, result: dict, say, missing: list[str]) -> None:
     """The JSON and the plot, each written whole or not at all, one whatever became of the other;
     then where they went. Under --json the results go to stdout unless ``missing``
-    (``report.unmeasured``): the error carries them."""
+    (``unmeasured``): the error carries them."""
     from ple_um.bench import plot, report
 
     written, failed = [], []
@@ -316,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = {"serving": serving, "memory-limit": cold}.get(cfg.kind, runner).run(cfg, log=log)
     say(report.format_report(result))
-    missing = report.unmeasured(result, cfg.modes)
+    missing = unmeasured(result, cfg.modes)
     _write(args, result, say, missing)
     if missing:
         raise CliError(

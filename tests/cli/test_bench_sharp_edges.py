@@ -22,7 +22,7 @@ import ple_um
 from ple_um import cli
 from ple_um.bench import report, sizing
 from ple_um.bench.memlimit import find_hierarchy
-from ple_um.bench.report import unmeasured
+from ple_um.cli.bench import unmeasured
 from ple_um.synthetic_engram import write_engram_checkpoint
 from ple_um.version import __version__
 
