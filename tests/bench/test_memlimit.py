@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers.cgroup import alive
 from helpers.cli import fs_type
 
 from ple_um.bench.memlimit import Hierarchy, MemoryLimit, find_hierarchy, run_limited
@@ -176,14 +177,6 @@ sys.exit(1)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("grouped", [True, False], ids=["cgroup", "no cgroup"])
 def test_a_child_that_fails_leaving_a_process_leaves_nothing(tmp_path, monkeypatch, grouped):
     """The child fails midway with a process of its own still running: the run reports the
@@ -199,9 +192,9 @@ def test_a_child_that_fails_leaving_a_process_leaves_nothing(tmp_path, monkeypat
         pytest.skip(f"no memory cgroup here: {entry['how']}")
     assert entry["failed"] == "the child exited with 1: left " + lines[-1].split()[-1]
     left, deadline = int(lines[-1].split()[-1]), time.monotonic() + 10
-    while _alive(left) and time.monotonic() < deadline:  # SIGKILL is sent; its exit takes a moment
+    while alive(left) and time.monotonic() < deadline:  # SIGKILL is sent; its exit takes a moment
         time.sleep(0.05)
-    assert not _alive(left)
+    assert not alive(left)
     if grouped:
         assert not os.path.exists(entry["how"].split()[2].rstrip(":"))
 

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from helpers.cgroup import alive
 from helpers.cli import REPO, run, run_json, two_layer_checkpoint
 
 import ple_um
@@ -156,19 +157,8 @@ def test_a_json_folder_that_vanishes_during_the_run_is_named_and_the_plot_still_
 
     monkeypatch.setattr(runner, "run", run_then_vanish)
     out, png = gone / "b.json", tmp_path / "b.png"
-    argv = [
-        *SMALL,
-        "--rows",
-        "16",
-        "--repeats",
-        "2",
-        "--rounds",
-        "1",
-        "--json-file",
-        str(out),
-        "--plot",
-        str(png),
-    ]
+    argv = [*SMALL, "--rows", "16", "--repeats", "2", "--rounds", "1"]
+    argv += ["--json-file", str(out), "--plot", str(png)]
     code, data = run_json(capsys, "bench", *argv)
     assert code == cli.EXIT_INVALID
     assert data["error"] == f"the results could not be written: --json-file {out}: No such file or directory"
@@ -216,14 +206,6 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return False
-
-
 def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs):
     """Start `ple-um bench --memory-limit` (after ``prelude``), wait for its child to run (and the
     ``group_dirs(pid)`` to exist), send the bench SIGINT: (the finished bench, the child processes
@@ -256,7 +238,7 @@ def _check_nothing_left(done, children, tmp_path) -> None:
     assert done.returncode == cli.EXIT_INTERRUPTED, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1] == "ple-um bench: error: interrupted"
     assert "Traceback" not in done.stderr
-    assert not [pid for pid in children if _alive(pid)]
+    assert not [pid for pid in children if alive(pid)]
     cache = tmp_path / "cache"
     assert not [n for n in os.listdir(cache) if n.endswith(".partial") or n.startswith(".")]
 

@@ -37,3 +37,12 @@ def run_limited(name: str, code_for: Callable[[str, bool], str], env: dict | Non
             time.sleep(0.05)
     assert done.returncode == 0, f"exit {done.returncode} (-9: killed, out of memory?): {done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
