@@ -43,7 +43,7 @@ from ple_um.bench.config import Config, bench_layout, child_request, open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import ROW_CACHE_KNOB, Hierarchy, child_main, run_limited
 from ple_um.bench.runner import run_header
-from ple_um.bench.timing import Timer, capture, lookup_output, row_cache_hits, summary
+from ple_um.bench.timing import Timer, capture, lookup_output, on_device, row_cache_hits, summary
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import MappedShards
@@ -336,11 +336,12 @@ def serve(request: dict) -> dict:
     device = torch.device(request["device"])
     layout = read_layout(request["directory"], request["layer"])
     out: dict = {"pid": os.getpid(), "modes": {}}
-    for mode in request["modes"]:
-        try:
-            out["modes"][mode] = _mode(mode, layout, request, device)
-        except Exception as exc:  # noqa: BLE001 - a mode this child cannot run is reported, not fatal
-            out["modes"][mode] = {"skipped": f"{type(exc).__name__}: {exc}"}
+    with on_device(device):  # the events and graphs of the timed calls: the device's
+        for mode in request["modes"]:
+            try:
+                out["modes"][mode] = _mode(mode, layout, request, device)
+            except Exception as exc:  # noqa: BLE001 - a mode this child cannot run is reported, not fatal
+                out["modes"][mode] = {"skipped": f"{type(exc).__name__}: {exc}"}
     return out
 
 

@@ -260,17 +260,18 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
         log("NVFP4 table: ple-um decodes rows to bf16; the raw-row contenders (and the anchor) are left out")
     read_cache(layout)
     timer, ids = timing.Timer(device), _Ids(layout, device, cfg.seed)
-    impls = _open(_contenders(cfg, layout, device, result), layout, device, result, log)
-    try:
-        for dist in cfg.ids:
-            log(f"ids: {dist.name}")
-            _time_lookups(cfg, layout, device, impls, ids, dist, timer, result, log)
-        _time_decode(cfg, layout, device, impls, ids, timer, result)
-    finally:
-        for impl in impls.values():
-            impl.close()
-        if cuda:
-            torch.cuda.empty_cache()
+    with timing.on_device(device):  # the events, streams and graphs below: the device's
+        impls = _open(_contenders(cfg, layout, device, result), layout, device, result, log)
+        try:
+            for dist in cfg.ids:
+                log(f"ids: {dist.name}")
+                _time_lookups(cfg, layout, device, impls, ids, dist, timer, result, log)
+            _time_decode(cfg, layout, device, impls, ids, timer, result)
+        finally:
+            for impl in impls.values():
+                impl.close()
+            if cuda:
+                torch.cuda.empty_cache()
     ratios(result)
     result["startup"] = _or_skipped(lambda: startup(layout, device))
     if cfg.processes >= 1:

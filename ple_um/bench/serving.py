@@ -40,7 +40,7 @@ from ple_um.bench.config import MATMUL_SIZE, POOL_STEPS, Config, bench_layout, c
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main, run_limited
 from ple_um.bench.runner import run_header
-from ple_um.bench.timing import capture, row_cache_hits, spread
+from ple_um.bench.timing import capture, on_device, row_cache_hits, spread
 from ple_um.checkpoint import read_layout
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows
@@ -301,19 +301,20 @@ def serve(request: dict, log: Callable[[str], None] = _say) -> dict:
     {ms: {dist: {config: figure}}}, "lookups_alone": {dist: {config: figure}}}."""
     device = torch.device(request["device"])
     layout = read_layout(request["directory"], request["layer"])
-    size = MATMUL_SIZE if device.type == "cuda" else CPU_MATMUL_SIZE
-    work = GpuWork(request.get("matmul_size") or size, device, request["seed"])
-    out: dict = {"configs": {}, "steps": {}, "lookups_alone": {}}
-    if request.get("matmuls"):
-        out["calibration"] = {"matmul_size": work.size, "matmuls": request["matmuls"]}
-    else:
-        out["calibration"] = calibrate(work, request["step_ms"], device, log)
-    counts = out["calibration"]["matmuls"]
-    if request.get("limit"):  # a run under a limit grows its steady state from nothing
-        drop_table_pages(table_files(layout))
-    with MappedShards(layout) as probe:
-        for name, mode, with_work in _configs(request):
-            _config(name, mode, with_work, layout, request, work, counts, probe, device, out, log)
+    with on_device(device):  # the events, streams and graphs of the steps: the device's
+        size = MATMUL_SIZE if device.type == "cuda" else CPU_MATMUL_SIZE
+        work = GpuWork(request.get("matmul_size") or size, device, request["seed"])
+        out: dict = {"configs": {}, "steps": {}, "lookups_alone": {}}
+        if request.get("matmuls"):
+            out["calibration"] = {"matmul_size": work.size, "matmuls": request["matmuls"]}
+        else:
+            out["calibration"] = calibrate(work, request["step_ms"], device, log)
+        counts = out["calibration"]["matmuls"]
+        if request.get("limit"):  # a run under a limit grows its steady state from nothing
+            drop_table_pages(table_files(layout))
+        with MappedShards(layout) as probe:
+            for name, mode, with_work in _configs(request):
+                _config(name, mode, with_work, layout, request, work, counts, probe, device, out, log)
     del work
     if device.type == "cuda":
         torch.cuda.empty_cache()

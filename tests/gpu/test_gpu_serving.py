@@ -116,3 +116,31 @@ def test_the_cli_serving_run(tmp_path):
     assert set(result["steps"]["3"]["zipf:1.1"]) == {"no PLE", "resident", "cpu"}
     assert "| GPU work | ids | no PLE | resident | cpu |" in done.stdout
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a GPU besides the current one")
+def test_a_bench_on_a_gpu_that_is_not_the_current_one_captures_that_gpus_work(tables):
+    """`--device cuda:N` while another GPU is current: torch records events and captures graphs on
+    the current device, so the bench makes its own device current for its timed work. Captured on
+    the other GPU, the decode step's graph would hold none of its work, and its replays would not
+    equal the eager step."""
+    from ple_um.bench import runner
+
+    layout = tables["fp8"]
+    other = torch.device("cuda", (torch.cuda.current_device() + 1) % torch.cuda.device_count())
+    cfg = Config(
+        directory=layout.directory,
+        device=str(other),
+        rows=(16, 4096),
+        repeats=3,
+        modes=("device", "cpu"),
+        ids=parse_ids("uniform"),
+    )
+    result = runner.run(cfg, log=print)
+    captured = {name: d for name, d in result["decode_step"].items() if d["capture_safe"]}
+    assert {"ple-um device", "ple-um cpu"} <= set(captured)
+    assert all(d["graph_replay_equals_eager"] for d in captured.values()), captured
+    cfg = Config(directory=layout.directory, device=str(other), repeats=5, serving=True, step_ms=(2.0,))
+    cfg.prefill_tokens, cfg.warmup_s = 64, 0.2
+    served = serving.run(cfg, log=print)
+    assert not [name for name, c in served["configs"].items() if "skipped" in c], served["configs"]
