@@ -173,7 +173,8 @@ def plot_serving(result: dict, path: str) -> None:
     ax.set_ylabel("step time, median (ms)")
     t = result["table"]
     ax.set_title(
-        f"{result['device']}: serving loop, {format_bytes(t['bytes'])} table (labels: x the resident step)"
+        f"{result['device']}: serving loop, {format_bytes(t['bytes'])} table (labels: step time over the "
+        "resident step's: above 1x is slower)"
     )
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")

@@ -15,7 +15,7 @@ from helpers.cli import fs_type, run
 from helpers.reference import reference_rows
 
 import ple_um
-from ple_um.bench import report, serving
+from ple_um.bench import plot, report, serving
 from ple_um.bench.cold import drop_table_pages, table_files
 from ple_um.bench.config import Config
 from ple_um.bench.ids import parse_ids
@@ -85,7 +85,9 @@ def test_every_step_looks_up_its_own_ids_exactly(small_table):
                 np.testing.assert_array_equal(got, reference_rows(layout, ids.numpy()), err_msg=f"{name} {k}")
 
 
-def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(small_table, tmp_path):
+def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(
+    small_table, tmp_path, monkeypatch
+):
     """serving.run on the CPU: every configuration at every step time and id distribution, the
     ratios computed from the run's own medians, the report's table, the JSON and a PNG."""
     path, layout = small_table
@@ -125,8 +127,14 @@ def test_a_run_times_every_configuration_and_writes_its_report_json_and_plot(sma
     assert "step: the median over its (below 1x: faster than it, above 1x: slower)" in text
     json.loads(json.dumps(result, default=str))
     png = tmp_path / "serving.png"
+    titles = []
+    real_save = plot._save
+    monkeypatch.setattr(
+        plot, "_save", lambda fig, path: titles.append(fig.axes[0].get_title()) or real_save(fig, path)
+    )
     draw(result, str(png))
     assert png.read_bytes().startswith(b"\x89PNG")
+    assert titles[0].endswith("(labels: step time over the resident step's: above 1x is slower)")
 
 
 def test_a_limited_childs_figures_are_merged_beside_the_parents(small_table):
