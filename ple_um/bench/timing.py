@@ -93,21 +93,22 @@ class Timer:
         contender in an order rotated by r. Each block starts warm: ``warmup`` untimed calls
         (k < warmup, reused) and more until SETTLE_S has passed, so that the device and the host
         are back at speed after the other contenders' work (a GPU left idle through a long host
-        gather answers its next launches slowly)."""
+        gather answers its next launches slowly); none where ``warmup`` is 0, since any would
+        read a set that is timed."""
         names = list(fns)
         times: dict[str, list[float]] = {name: [] for name in names}
         rounds = max(1, min(rounds, calls))
-        warm, k = max(warmup, 1), warmup
+        k = warmup
         for r in range(rounds):
             block = calls // rounds + (r < calls % rounds)
             first = r % len(names)
             for name in names[first:] + names[:first]:
                 fn = fns[name]
                 t0 = time.perf_counter()
-                for w in range(100 * warm):
-                    if w >= warm and time.perf_counter() - t0 >= SETTLE_S:
+                for w in range(100 * warmup):
+                    if w >= warmup and time.perf_counter() - t0 >= SETTLE_S:
                         break
-                    fn(w % warm)
+                    fn(w % warmup)
                 times[name] += [self.once(fn, k + j) for j in range(block)]
             k += block
         return times

@@ -30,6 +30,16 @@ def test_side_by_side_times_every_path_once_per_fresh_id_set_in_rotated_rounds()
     assert firsts == ["a", "b", "c", "a"]
 
 
+def test_side_by_side_without_warm_up_calls_each_set_once():
+    """warmup=0: no untimed calls, so no timed call's ids were read just before it (the GPU's L2
+    would hold its rows)."""
+    log: list[tuple[str, int]] = []
+    fns = {name: (lambda k, name=name: log.append((name, k))) for name in ("a", "b")}
+    Timer(torch.device("cpu")).side_by_side(fns, calls=6, warmup=0, rounds=2)
+    for name in fns:
+        assert [k for n, k in log if n == name] == list(range(6))
+
+
 def test_back_to_back_runs_each_burst_of_calls_in_rotated_rounds():
     log: list[tuple[str, int]] = []
     fns = {name: (lambda k, name=name: log.append((name, k))) for name in ("a", "b", "c")}
