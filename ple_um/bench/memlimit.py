@@ -275,7 +275,11 @@ def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], mod
     for line in stderr.splitlines():
         log(f"  {line}")
     if proc.returncode == 0:
-        return json.loads(stdout)
+        try:
+            return json.loads(stdout)
+        except json.JSONDecodeError:
+            first = stdout.strip().splitlines()[:1] or [""]
+            return {"failed": f"the child's stdout is not its figures (JSON): {first[0][:200]}"}
     kills = limit.oom_kills() if proc.returncode == -9 else None
     if kills == 0:
         why = "the child was killed (SIGKILL) not by the limit: its OOM killer killed nothing"

@@ -218,3 +218,13 @@ def test_a_killed_child_is_said_to_be_killed_by_the_limit_only_where_it_was(
     if not entry["enforced"]:
         pytest.skip(f"no memory cgroup here: {entry['how']}")
     assert entry["failed"].startswith(f"the child was killed (SIGKILL) {who}")
+
+
+def test_a_child_whose_stdout_is_not_its_figures_is_a_failure_not_a_crash(tmp_path, monkeypatch):
+    """A child that exits 0 with something else than its JSON on stdout (a library that prints):
+    the limit's entry says so, and the other limits' figures are not lost with a traceback."""
+    (tmp_path / "prints.py").write_text("print('a warning on stdout')\nprint('{}')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    entries = run_limited((256 * MiB,), {}, "prints", lambda line: None, (None, "no cgroup in this test"))
+    (entry,) = entries.values()
+    assert entry["failed"] == "the child's stdout is not its figures (JSON): a warning on stdout"
