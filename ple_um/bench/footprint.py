@@ -3,6 +3,8 @@ warm, what it adds to the process, and the host memory several processes take fo
 
 from __future__ import annotations
 
+import os
+import select
 import subprocess
 import sys
 import time
@@ -15,6 +17,13 @@ from ple_um.bench.contenders import VllmPinnedHost
 from ple_um.bench.memlimit import memory_status
 from ple_um.checkpoint import ShardLayout, read_engram_layout, read_layout
 from ple_um.residency import evict_pages
+
+# How long a ``processes`` child may take to open the table and say so before it counts as hung and
+# is killed: an open copies at most the table once (vLLM's pinned copy), a few minutes for the
+# largest tables at a GB/s, so a child silent for longer is stuck, not slow.
+READY_TIMEOUT_S = 600.0
+# The child: a fresh interpreter that opens the table and says its mode (``serve``).
+CHILD = "import sys; from ple_um.bench.footprint import serve; serve(*sys.argv[1:])"
 
 
 def read_cache(layout: ShardLayout) -> None:
@@ -71,23 +80,43 @@ def serve(directory: str, layer: str, kind: str, device: str, engram: str) -> No
     impl.close()
 
 
-def processes(layout: ShardLayout, kind: str, count: int, device: torch.device) -> dict:
+def ready_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """The first line ``proc`` writes to its stdout (a binary pipe), without its newline: "" where
+    the pipe closed first (it died), None where no whole line came within ``timeout_s``."""
+    fd, got, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout_s
+    while b"\n" not in got:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return ""
+        got += chunk
+    return got.split(b"\n", 1)[0].decode().strip()
+
+
+def processes(
+    layout: ShardLayout, kind: str, count: int, device: torch.device, ready_s: float = READY_TIMEOUT_S
+) -> dict:
     """Host memory as ``count`` processes open the same table one after the other (one TP1
     replica per GPU): MemAvailable before and after each is ready. The children are fresh
     interpreters (not multiprocessing's spawn, which re-runs the parent's main script where that
-    lacks a ``__main__`` guard); one that dies before it is ready is reported, not waited for."""
+    lacks a ``__main__`` guard); one that dies before it is ready is reported, not waited for, and
+    one not ready within ``ready_s`` seconds is killed and reported."""
     read_cache(layout)
     steps = [mem_available()]
     children: list[subprocess.Popen] = []
     mode = None
-    child = "import sys; from ple_um.bench.footprint import serve; serve(*sys.argv[1:])"
-    argv = [sys.executable, "-c", child, layout.directory, str(layout.layer), kind, str(device)]
+    argv = [sys.executable, "-c", CHILD, layout.directory, str(layout.layer), kind, str(device)]
     argv.append("1" if layout.is_mxfp8 else "0")
     try:
         for _ in range(count):
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             children.append(proc)
-            mode = proc.stdout.readline().strip()
+            mode = ready_line(proc, ready_s)
+            if mode is None:
+                proc.kill()
+                return {"skipped": f"a {kind} process was not ready after {ready_s:g} s: killed"}
             if not mode:  # its stdout closed: it died before it was ready
                 proc.wait()
                 why = f"a {kind} process exited with {proc.returncode} before it was ready (its stderr above)"
@@ -96,6 +125,7 @@ def processes(layout: ShardLayout, kind: str, count: int, device: torch.device) 
     finally:
         for proc in children:
             proc.stdin.close()
+            proc.stdout.close()
             try:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:

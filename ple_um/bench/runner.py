@@ -180,9 +180,11 @@ class _Ids:
         return [torch.from_numpy(dist.draw(self.rng, self.num_rows, n)).to(self.device) for _ in range(count)]
 
     def block(self, dist: IdDistribution, n: int, count: int) -> torch.Tensor:
-        """``count`` sets of ``n`` ids as one [count, n] tensor (one draw: the host-overhead burst)."""
-        drawn = dist.draw(self.rng, self.num_rows, count * n)
-        return torch.from_numpy(drawn).view(count, n).to(self.device)
+        """``count`` sets of ``n`` ids as one [count, n] tensor (the host-overhead burst), each drawn
+        as a lookup of ``n`` ids is: under a trace, the next decode step of as many requests as they
+        have tokens, not a slice of one prefill chunk of ``count`` times as many tokens."""
+        drawn = np.stack([dist.draw(self.rng, self.num_rows, n) for _ in range(count)])
+        return torch.from_numpy(drawn).to(self.device)
 
 
 def _time_lookups(cfg, layout, device, impls, ids: _Ids, dist, timer: timing.Timer, result, log) -> None:

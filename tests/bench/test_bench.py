@@ -5,14 +5,16 @@ here are made up or only checked for their bookkeeping."""
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
 import torch
+from helpers.cgroup import alive
 from helpers.reference import reference_rows
 
 import ple_um
-from ple_um.bench import runner
+from ple_um.bench import footprint, runner
 from ple_um.bench.contenders import TorchResident, describe
 from ple_um.bench.ids import (
     HASH_MULTIPLIER,
@@ -22,6 +24,7 @@ from ple_um.bench.ids import (
     zipf_ngrams,
 )
 from ple_um.bench.timing import DecodeStep, KernelOnly
+from ple_um.bench.trace import DECODE_MAX_TOKENS
 
 
 # -- the anchor ----------------------------------------------------------------------------------
@@ -249,3 +252,34 @@ def test_every_contender_is_said_what_it_is():
         line = describe(f"ple-um {mode}", "")
         assert line.startswith(f"ple-um's {mode} mode: ") and len(line) > 40
     assert "the host path switched off" in describe("ple-um registered kernel-only", "")
+
+
+# -- the processes' figure and the host burst's ids ----------------------------------------------
+def test_a_process_that_is_never_ready_is_killed_and_its_figure_fails(make_checkpoint, tmp_path, monkeypatch):
+    """A real child that hangs before it says it is ready (here: sleeps) is killed after the wait's
+    timeout, and the figure says why it is missing instead of the bench hanging."""
+    layout = make_checkpoint(num_rows=40, row_dim=16, shards=2)
+    pidfile = tmp_path / "pid"
+    hang = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    monkeypatch.setattr(footprint, "CHILD", hang)
+    t0 = time.monotonic()
+    result = footprint.processes(layout, "ple-um", 2, torch.device("cpu"), ready_s=2.0)
+    assert time.monotonic() - t0 < 60
+    assert result == {"skipped": "a ple-um process was not ready after 2 s: killed"}
+    assert not alive(int(pidfile.read_text()))
+    assert footprint.READY_TIMEOUT_S >= 60  # long enough for a slow open of a big table
+
+
+def test_every_host_burst_call_is_a_lookup_of_its_own(make_checkpoint):
+    """The back-to-back burst's 16-row calls are drawn as 16-row lookups are, one after the other:
+    under a trace, each the next decode step of one request (a 16-row lookup is one token), not
+    slices of one prefill chunk of as many tokens as there are calls."""
+    layout = make_checkpoint(num_rows=5000, row_dim=16, shards=2)
+    (trace,) = parse_ids("trace")
+    (reference,) = parse_ids("trace")
+    assert trace.trace.rows_per_token == 16 and 1210 > DECODE_MAX_TOKENS
+    block = runner._Ids(layout, torch.device("cpu"), seed=3).block(trace, 16, 1210)
+    rng = np.random.default_rng(3)
+    expected = np.stack([reference.draw(rng, layout.num_rows, 16) for _ in range(1210)])
+    np.testing.assert_array_equal(block.numpy(), expected)
+    assert {kind for kind, _ in trace._replays} == {"decode"}
