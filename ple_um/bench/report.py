@@ -1,7 +1,7 @@
 """The bench's printed reports, one per kind of run, each opening with a header that says when,
 where, with what and by which command it ran, then its tables; every timed cell shows its median
-with the p10-p90 spread beside it, marked noisy where p90/p10 > 2. And the JSON, written whole or
-not at all.
+with the p10-p90 spread beside it, marked noisy where p90/p10 > 2 (``[1 sample]`` where one time
+is all there is). And the JSON, written whole or not at all.
 
 - ``format_table``: the side-by-side run: one line per contender saying what it is, the lookups per
   id distribution, the decode step, the start-up and memory figures.
@@ -58,9 +58,12 @@ def _with(text: str, extra: list[str]) -> str:
 
 
 def _spread(r: dict, unit: float = 1.0, digits: int = 1) -> str:
-    """``median [p10-p90 (noisy)]`` of a timed figure, in microseconds over ``unit``."""
+    """``median [p10-p90 (noisy)]`` of a timed figure, in microseconds over ``unit``; ``median
+    [1 sample]`` for a single time (``noisy`` None: no spread)."""
     text = f"{r['median_us'] / unit:.{digits}f}"
-    if "p10_us" in r and "p90_us" in r:
+    if "noisy" in r and r["noisy"] is None:
+        text += " [1 sample]"
+    elif "p10_us" in r and "p90_us" in r:
         low, high = r["p10_us"] / unit, r["p90_us"] / unit
         text += f" [{low:.{digits}f}-{high:.{digits}f}{' noisy' if noisy(r) else ''}]"
     return text

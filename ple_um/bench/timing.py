@@ -116,10 +116,11 @@ class Timer:
 
 def spread(times: list[float]) -> dict:
     """Median, p10 and p90 of ``times`` (seconds) in microseconds, and whether they are ``noisy``
-    (the mark the report prints, in the JSON too)."""
+    (the mark the report prints, in the JSON too): None for a single time, which has no spread to
+    judge (its p10 and p90 are the time itself)."""
     p10, median, p90 = np.quantile(times, [0.1, 0.5, 0.9]) * 1e6
     row = {"median_us": median, "p10_us": p10, "p90_us": p90}
-    return row | {"noisy": noisy(row)}
+    return row | {"noisy": noisy(row) if len(times) > 1 else None}
 
 
 def summary(times: list[float], nbytes: int) -> dict:

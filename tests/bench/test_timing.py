@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple_um.bench.timing import NOISY_SPREAD, Timer, host_summary, noisy, summary
+from ple_um.bench import report
+from ple_um.bench.timing import NOISY_SPREAD, Timer, host_summary, noisy, spread, summary
 
 
 def test_side_by_side_times_every_path_once_per_fresh_id_set_in_rotated_rounds():
@@ -78,3 +79,18 @@ def test_summaries_carry_the_spread_and_noisy_is_p90_over_p10():
     assert not noisy({"p10_us": 10.0, "p90_us": 20.0})
     assert noisy({"p10_us": 10.0, "p90_us": 20.1})
     assert not noisy({"median_us": 5.0})
+
+
+def test_a_single_time_has_no_spread_and_is_neither_noisy_nor_not():
+    """One timed call (--repeats 1) or one round of the host burst (--rounds 1): no spread to judge,
+    ``noisy`` None in the JSON, and the report says so instead of printing [x-x]."""
+    row = summary([5e-6], 1000)
+    assert row["noisy"] is None and row["calls"] == 1
+    assert row["p10_us"] == row["median_us"] == row["p90_us"] == pytest.approx(5.0)
+    host = host_summary([7e-6], 300)
+    assert host["noisy"] is None and host["rounds_us"] == [7.0]
+    assert summary([5e-6, 5e-6], 1000)["noisy"] is False  # two equal times: a spread, and tight
+    assert report.cell(row, rate=False) == "5.0 [1 sample]"
+    assert report.cell(host | {"vs_torch": 1.4}, rate=False) == "7.0 [1 sample] (1.40x)"
+    assert report.step_cell(spread([2e-3])) == "2.00 [1 sample]"
+    assert report.cell(summary([5e-6, 5e-6], 1000), rate=False) == "5.0 [5.0-5.0]"
