@@ -79,17 +79,19 @@ def parse_ids(text: str) -> tuple:
     """``uniform``, ``zipf:S[:NGRAMS]``, ``trace[:FILE]`` or a comma-separated list of them; ValueError
     naming what is accepted. A trace (``trace.TraceIds``) replays the committed sample, or the
     trace file FILE; ``trace-decode[:FILE]`` and ``trace-prefill[:FILE]`` replay every lookup as a
-    decode step or as a prefill chunk (``trace`` chooses by the lookup's size)."""
+    decode step or as a prefill chunk (``trace`` chooses by the lookup's size). A trace file's path
+    cannot hold a comma."""
     accepted = (
         f"expected uniform or zipf:S[:NGRAMS] with {ZIPF_RANGE[0]} <= S <= {ZIPF_RANGE[1]:g} and "
         f"{SPACE_RANGE[0]} <= NGRAMS <= 2^{SPACE_RANGE[1].bit_length() - 1} "
         "(e.g. uniform,zipf:1.1,zipf:1.1:64M), or trace[:FILE], trace-decode[:FILE], trace-prefill[:FILE]"
     )
     found: list = []
-    for item in (part.strip() for part in text.split(",")):
+    parts = text.split(",")
+    for i, item in enumerate(part.strip() for part in parts):
         kind, _, arg = item.partition(":")
         if kind in TRACE_KINDS:
-            dist = _trace_ids(kind, arg, item)
+            dist = _trace_ids(kind, arg, item, parts[i:])
         elif item == "uniform":
             dist = IdDistribution("uniform")
         elif kind == "zipf":
@@ -120,10 +122,19 @@ def _zipf(arg: str, item: str, accepted: str) -> IdDistribution:
 TRACE_KINDS = {"trace": "auto", "trace-decode": "decode", "trace-prefill": "prefill"}
 
 
-def _trace_ids(kind: str, path: str, item: str):
+def _trace_ids(kind: str, path: str, item: str, parts: list[str]):
+    """``item``'s trace; ``parts``: the list's items from this one on, as split, so that a trace
+    file whose path has a comma (split into two items) is named, and refused for its comma."""
     from ple_um.bench.trace import TraceError, TraceIds
 
     if path and not os.path.isfile(path):
+        for end in range(2, len(parts) + 1):
+            whole = ",".join(parts[:end]).strip().partition(":")[2]
+            if os.path.isfile(whole):
+                raise ValueError(
+                    f"the trace file {whole} has a comma in its path, and commas separate the id "
+                    "distributions: give it by a path without one (a symbolic link to it)"
+                )
         raise ValueError(f"{item!r}: no trace file {path}")
     try:
         return TraceIds(path or None, TRACE_KINDS[kind])

@@ -243,6 +243,19 @@ def test_parse_ids_takes_traces(tmp_path):
         parse_ids("tracer")
 
 
+def test_a_trace_path_with_a_comma_is_refused_naming_the_comma(tmp_path):
+    """Commas separate the list's items, so a trace file whose path has one cannot be given; the
+    refusal names the whole path and the comma, not a shorter file that does not exist."""
+    path = tmp_path / "a,b.npz"
+    write_trace(str(path), small_trace())
+    for text in (f"trace:{path}", f"uniform,trace-decode:{path},zipf:1.1", f"trace-prefill:{path}"):
+        with pytest.raises(ValueError, match="has a comma in its path") as err:
+            parse_ids(text)
+        assert str(err.value).startswith(f"the trace file {path} has a comma in its path")
+    with pytest.raises(ValueError, match=f"'trace:{tmp_path}/a': no trace file"):
+        parse_ids(f"trace:{tmp_path}/a,c.npz")  # no such file either way: the plain refusal
+
+
 class RecordingTraceIds(TraceIds):
     """The sample's ids, each draw kept (to check what the bench looked up)."""
 
