@@ -45,6 +45,8 @@ from ple_um.errors import PleUmError
 logger = logging.getLogger(__name__)
 
 SAMPLE_WIDTH = 8  # rows per sample window
+# Seconds a killed child's output is waited for (``_last_words``).
+REAP_SECONDS = 5.0
 MARK = "ple-um-first-read"  # prefix of the child's stage and result lines on stdout
 # The child's program: a fresh interpreter (not ``-m``, which would run this module a second time
 # beside the copy that importing ple_um loads).
@@ -162,6 +164,20 @@ def _tail(text: str, limit: int = 300) -> str:
     return lines[-1][:limit] if lines else ""
 
 
+def _last_words(proc: subprocess.Popen) -> tuple[str, str]:
+    """The output of a child just killed, waited for at most ``REAP_SECONDS``: a child stuck in the
+    driver (uninterruptible, the kill pending) or a process it started elsewhere keeps its pipes
+    open, and the open must not wait on it: its pipes are then closed, with what it said so far."""
+    try:
+        return proc.communicate(timeout=REAP_SECONDS)
+    except subprocess.TimeoutExpired as exc:
+        for pipe in (proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError):
+                pipe.close()
+        said = (exc.stdout, exc.stderr)  # bytes so far, even from a text-mode Popen
+        return tuple(s.decode(errors="replace") if isinstance(s, bytes) else s or "" for s in said)
+
+
 def run_child(
     layout: ShardLayout, windows: list, mode: str, device: torch.device, timeout: float
 ) -> ChildOutcome:
@@ -208,7 +224,7 @@ def run_child(
         timed_out = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = _last_words(proc)
     seconds = time.perf_counter() - t0
     stage, result = "import", None
     for line in out.splitlines():

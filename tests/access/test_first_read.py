@@ -15,6 +15,7 @@ import glob
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -28,7 +29,7 @@ from helpers.reference import reference_rows
 
 import ple_um
 from ple_um import _testing, cli, envs
-from ple_um.access import verdict_cache
+from ple_um.access import first_read, verdict_cache
 from ple_um.access.capabilities import read_capabilities, triton_interpreter
 from ple_um.access.first_read import first_read_verdict, sample_windows
 from ple_um.access.verdict_cache import (
@@ -186,6 +187,32 @@ def test_a_child_that_hangs_is_killed_at_the_timeout_and_the_timeout_is_not_cach
     monkeypatch.delenv("PLE_UM_FIRST_READ_FAULT")
     with ple_um.open_table(layout.directory, device="cpu") as table:
         assert table.mode == "ats" and table.report.first_read[0].source == "child"
+
+
+def test_a_killed_child_whose_output_stays_open_does_not_hold_the_open(layout, cache, monkeypatch, tmp_path):
+    # A child the kill cannot end at once (one stuck in the driver: uninterruptible) keeps its
+    # pipes open; so does, here, a process it started in a session of its own. The wait for its
+    # last output is bounded: the open goes on with a timeout's rejection.
+    pid_file = tmp_path / "holder.pid"
+    holder = (
+        "import os, subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(40)'], "
+        "start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); "
+        f"print('{first_read.MARK} stage gather', flush=True); "
+        "time.sleep(120)"
+    )
+    monkeypatch.setattr(first_read, "_CHILD", holder)
+    try:
+        t0 = time.monotonic()
+        outcome = first_read.run_child(layout, [(0, 8)], "ats", CPU, timeout=2)
+        assert time.monotonic() - t0 < 2 + first_read.REAP_SECONDS + 10
+        assert not outcome.passed and not outcome.cacheable
+        why = f"no answer within 2 s (PLE_UM_FIRST_READ_TIMEOUT) {GATHERING}; killed"
+        assert outcome.reason.startswith(why), outcome.reason
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 # -- the machines: hardware coherent, HMM, neither -------------------------------------------------
