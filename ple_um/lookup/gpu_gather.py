@@ -10,6 +10,7 @@ the kernel is launched through its compiled handle (``ple_um.kernels.launch``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -84,47 +85,56 @@ class GpuGather:
             return out
         return self._gather(ids, out, key)
 
+    def _on_device(self):
+        """The table's device made current where another one is: a kernel is launched on the
+        current device, and the table's memory is another device's there (its current stream is
+        then the one a lookup is queued on, as for a torch op on its tensors)."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self._index:
+            return torch.cuda.device(self._index)
+        return contextlib.nullcontext()
+
     def _gather(self, ids: torch.Tensor, out: torch.Tensor, key: tuple) -> torch.Tensor:
-        """Triton's launch (the first call of a kind, another device)."""
+        """Triton's launch (the first call of a kind), or a call from another current device."""
         layout = self.layout
-        keep = self.device.type != "cuda" or torch.cuda.current_device() == self._index
-        # Decoded rows: DirectLaunch launches them directly after the first call, with no bound launcher.
-        if self.scale_bases is not None and out.dtype in _FLOATS:
-            # NVFP4 has a global scale (the layout's), MXFP8 none.
-            table = dict(
-                self._geometry, row_dim=layout.row_dim, fmt=layout.dtype_name, global_scale=self.scale
+        with self._on_device():
+            # Decoded rows: DirectLaunch launches them directly after the first call, with no bound launcher.
+            if self.scale_bases is not None and out.dtype in _FLOATS:
+                # NVFP4 has a global scale (the layout's), MXFP8 none.
+                table = dict(
+                    self._geometry, row_dim=layout.row_dim, fmt=layout.dtype_name, global_scale=self.scale
+                )
+                bases = (self.bases, self.scale_bases)
+                return gather_block_scaled(*bases, ids, out, self.counters, **table, launch=self._decoded)
+            return gather_rows(
+                self.bases,
+                ids,
+                out,
+                self.counters,
+                storage=layout.dtype,
+                **self._geometry,
+                row_bytes=layout.row_bytes,
+                base_align=self.base_align,
+                scale=self.scale if out.dtype != layout.dtype else None,
+                launch=self._rows,
+                on_bound=functools.partial(self._bound.__setitem__, key),
             )
-            bases = (self.bases, self.scale_bases)
-            return gather_block_scaled(*bases, ids, out, self.counters, **table, launch=self._decoded)
-        return gather_rows(
-            self.bases,
-            ids,
-            out,
-            self.counters,
-            storage=layout.dtype,
-            **self._geometry,
-            row_bytes=layout.row_bytes,
-            base_align=self.base_align,
-            scale=self.scale if out.dtype != layout.dtype else None,
-            launch=self._rows,
-            on_bound=functools.partial(self._bound.__setitem__, key) if keep else None,
-        )
 
     def gather_packed(self, ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> None:
         """NVFP4, MXFP8: the raw rows (uint8 [n, row_bytes]) and block scales (uint8
         [n, row_dim // block_size]) of flat ``ids`` (counted once, by the rows' gather)."""
-        self.gather(ids, packed.view(self.layout.dtype))
-        gather_rows(
-            self.scale_bases,
-            ids,
-            scales.view(torch.float8_e4m3fn),
-            self._scratch,
-            storage=torch.float8_e4m3fn,
-            **self._geometry,
-            row_bytes=scales.shape[1],
-            base_align=1,
-            launch=self._block_scales,
-        )
+        with self._on_device():
+            self.gather(ids, packed.view(self.layout.dtype))
+            gather_rows(
+                self.scale_bases,
+                ids,
+                scales.view(torch.float8_e4m3fn),
+                self._scratch,
+                storage=torch.float8_e4m3fn,
+                **self._geometry,
+                row_bytes=scales.shape[1],
+                base_align=1,
+                launch=self._block_scales,
+            )
 
     def read_counts(self) -> dict:
         """The device counters (a copy to the host on the current stream), as ``path_counts``."""

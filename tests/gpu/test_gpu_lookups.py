@@ -341,6 +341,65 @@ def test_the_direct_launch_equals_tritons_own(tables, open_mode, ids_for, rng, d
     assert same(outs[0], expected(layout, ids_np, torch.float32)) and same(outs[1], outs[0])
 
 
+def test_bound_launchers_are_kept_apart_by_every_argument_they_were_compiled_for(
+    tables, open_mode, ids_for, rng, device
+):
+    """The direct launch reused across calls that change what its compiled kernel took: ids of
+    each dtype (uint8 255 is a row, int8 -1 is not), raw and dequantized outputs, outputs at every
+    address mod 8 (raw words shrink there), batches of 1, ROWS - 1, ROWS + 1; each call exact,
+    and the kinds revisited after the others, so that a bound launcher reused for the wrong kind
+    shows."""
+    layout = tables["fp8"]
+    row_bytes = layout.row_bytes
+    with open_mode(layout, "registered", "1", PLE_UM_BULK_ROWS="0") as table:
+        assert table.paths.gpu.launch.startswith("direct"), table.paths.gpu.launch
+        for _ in range(2):
+            for id_dtype in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+                info = torch.iinfo(id_dtype)
+                for dtype in (layout.dtype, torch.bfloat16, torch.float32):
+                    for shift in range(8):  # the output's address mod 8, as a view into a buffer
+                        for n in (1, 15, 17):
+                            ids_np = ids_for(layout, n, rng).clip(info.min, info.max)
+                            ids_np[0] = info.max if shift % 2 else info.min  # 255 / -1 and the like
+                            ids = torch.from_numpy(ids_np).to(id_dtype).to(device)
+                            buf = poisoned((n * row_bytes * 4 + 8,), torch.uint8, device)
+                            nbytes = n * layout.row_dim * dtype.itemsize
+                            if shift % dtype.itemsize:  # no such view of a float output
+                                continue
+                            out = buf[shift : shift + nbytes].view(dtype).view(n, layout.row_dim)
+                            assert out.data_ptr() % 8 == shift
+                            table.lookup(ids, out=out)
+                            want = expected(layout, ids.cpu().to(torch.int64).numpy(), dtype)
+                            assert same(out.cpu(), want), (id_dtype, dtype, shift, n)
+                            assert (buf[:shift] == 0xAB).all() and (buf[shift + nbytes :] == 0xAB).all()
+        assert len(table.paths.gpu._bound) > 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_a_lookup_while_another_device_is_current_runs_on_the_tables(tables, name, ids_for, rng):
+    """A table on cuda:1 looked up while cuda:0 is current: the kernel runs on the table's device
+    (its current stream), never on the current one, which cannot read the table's memory."""
+    layout, n = tables[name], 1000
+    with ple_um.open_table(layout.directory, mode="registered", device="cuda:1") as table:
+        torch.cuda.set_device(0)
+        ids_np = ids_for(layout, n, rng)
+        ids = torch.from_numpy(ids_np).to("cuda:1")
+        for dtype in FLOATS * 2:  # the second time through the bound launchers
+            out = poisoned((n, layout.row_dim), dtype, "cuda:1")
+            table.lookup(ids, out=out)
+            assert torch.cuda.current_device() == 0
+            torch.cuda.synchronize(1)
+            assert same(out.cpu(), expected(layout, ids_np, dtype)), dtype
+        if layout.is_nvfp4:
+            packed, scales = table.lookup_packed(ids)
+            torch.cuda.synchronize(1)
+            assert np.array_equal(packed.cpu().numpy(), reference_rows(layout, ids_np))
+            assert np.array_equal(
+                scales.view(torch.uint8).cpu().numpy(), reference_rows(layout.scale_layout(), ids_np)
+            )
+
+
 def test_graph_replays_serve_a_table_whose_pages_were_dropped(tables, open_mode, ids_for, rng, device):
     """The page cache dropped between replays (our page-table entries, then the files' pages): the
     host node's reads fault the rows back in from the disk; every replay exact."""
