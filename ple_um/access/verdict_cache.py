@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import platform
+import re
 import socket
 
 from ple_um import cache_folder, envs
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "ple-um first-read verdict"
 FORMAT_VERSION = 1
 MAX_BYTES = 64 << 10  # a verdict is a few hundred bytes: a longer file is not one
+_OCTAL = re.compile(rb"\\([0-7]{3})")  # an octal escape of /proc/self/mountinfo
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,20 +53,21 @@ def ple_um_version() -> str:
     return f"{__version__}+kernels.{digest.hexdigest()[:12]}"
 
 
-def _mount_points() -> list[tuple[str, str]]:
+def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
     """(mount point, filesystem type) of this process's mounts, longest mount point first."""
     mounts = []
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open(mountinfo, "rb") as f:
             for line in f:
                 fields = line.split()
-                if "-" not in fields[6:]:
+                if b"-" not in fields[6:]:
                     continue
-                sep = fields.index("-", 6)
-                # mountinfo escapes blanks and backslashes in paths as octal (\040).
-                point = fields[4].encode().decode("unicode_escape")
-                mounts.append((point, fields[sep + 1]))
-    except (OSError, IndexError, UnicodeDecodeError):
+                sep = fields.index(b"-", 6)
+                # mountinfo escapes blanks and backslashes in paths as octal (\040), and leaves the
+                # path's other bytes as they are: a name as ``os.path.realpath`` gives it.
+                point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8)]), fields[4]))
+                mounts.append((point, fields[sep + 1].decode(errors="replace")))
+    except (OSError, IndexError):
         return []
     return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
 

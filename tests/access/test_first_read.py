@@ -331,6 +331,21 @@ def test_each_part_of_the_key_names_its_own_verdict(layout, cache, monkeypatch):
     assert len(paths) == 1 + len(changed)
 
 
+def test_the_filesystem_of_a_mount_point_named_with_blanks_or_non_ascii_letters(tmp_path, monkeypatch):
+    # mountinfo writes a mount point's blanks and backslashes as octal escapes and its other bytes
+    # as they are (UTF-8 here): a table on such a mount is keyed by that mount's filesystem.
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_bytes(
+        b"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        b"40 22 0:50 / /mnt/donn\xc3\xa9es\\040\\134x rw,relatime shared:9 - nfs4 srv:/t rw\n"
+    )
+    points = verdict_cache._mount_points(str(mountinfo))
+    assert points == [("/mnt/donn\u00e9es \\x", "nfs4"), ("/", "ext4")]
+    monkeypatch.setattr(verdict_cache, "_mount_points", lambda: points)
+    assert verdict_cache.filesystems(["/mnt/donn\u00e9es \\x/model.safetensors"]) == "nfs4"
+    assert verdict_cache.filesystems(["/mnt/donn\u00e9es/model.safetensors", "/srv/a"]) == "ext4"
+
+
 def test_a_changed_key_runs_the_child_again(layout, cache):
     caps = read_capabilities("cpu")
     rows = (0, layout.num_rows)
