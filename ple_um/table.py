@@ -182,7 +182,8 @@ class MappedTable:
                 )
             ids = ids.to(self.device)
         if strict if strict is not None else self.strict:
-            bad = ((ids < 0) | (ids >= self.num_rows)).sum().item()
+            wide = ids.long()  # the row count in a narrow id dtype wraps (300 as uint8 is 44)
+            bad = ((wide < 0) | (wide >= self.num_rows)).sum().item()
             if bad:
                 raise IndexError(f"{bad} ids outside [0, {self.num_rows}) (strict lookup)")
         self._lookups += 1  # eager calls; rows are counted by the paths (graph replays too)

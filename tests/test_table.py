@@ -336,6 +336,22 @@ def test_strict(layout, mode, monkeypatch, check_rows):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_strict_takes_narrow_ids_at_their_values(make_checkpoint, mode, check_rows):
+    # A table of 300 rows: uint8 255 is a row, int8 -1 is not; no id is compared with the row
+    # count cast to its dtype (300 as uint8 is 44, as int8 is 44 too).
+    layout = make_checkpoint(num_rows=300, row_dim=4, dtype="fp8", shards=3, seed=11)
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu", strict=True) as table:
+        for ids in (
+            torch.tensor([0, 255, 44, 45], dtype=torch.uint8),
+            torch.tensor([0, 127, 45], dtype=torch.int8),
+        ):
+            check_rows(table.lookup(ids), layout, ids.to(torch.int64))
+        with pytest.raises(IndexError, match=r"1 ids outside \[0, 300\)"):
+            table.lookup(torch.tensor([5, -1, 100], dtype=torch.int8))
+        assert table.stats()["out_of_range"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_stats_count_exactly_the_rows_looked_up(layout, mode, rng):
     with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
         assert table.stats()["rows"] == 0  # the self-test is not a lookup
