@@ -49,7 +49,8 @@ GPU_MODES = ("ats", "registered", "device")
 
 def _alignment(layout: ShardLayout, *, rows_only: bool = False) -> int:
     """Widest power-of-two byte alignment (<= 8) of the row stride and, unless ``rows_only``, of
-    every shard's row 0 in its file (a device copy starts each shard at a 256-byte-aligned row)."""
+    every shard's row 0 in its file (a device copy puts the shards' rows back to back from the
+    start of one allocation, so there every row starts at a multiple of the row stride)."""
     align = 8
     while layout.row_bytes % align:
         align //= 2
