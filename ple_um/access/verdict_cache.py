@@ -54,7 +54,8 @@ def ple_um_version() -> str:
 
 
 def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
-    """(mount point, filesystem type) of this process's mounts, longest mount point first."""
+    """(mount point, filesystem type) of this process's mounts, longest mount point first; of a
+    point mounted over, the mount on top (listed after the one it hides) first."""
     mounts = []
     try:
         with open(mountinfo, "rb") as f:
@@ -69,7 +70,7 @@ def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, st
                 mounts.append((point, fields[sep + 1].decode(errors="replace")))
     except (OSError, IndexError):
         return []
-    return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
+    return sorted(reversed(mounts), key=lambda m: len(m[0]), reverse=True)  # a stable sort
 
 
 def filesystems(paths) -> str:

@@ -346,6 +346,19 @@ def test_the_filesystem_of_a_mount_point_named_with_blanks_or_non_ascii_letters(
     assert verdict_cache.filesystems(["/mnt/donn\u00e9es/model.safetensors", "/srv/a"]) == "ext4"
 
 
+def test_the_filesystem_of_a_mount_point_mounted_over_is_the_one_on_top(tmp_path, monkeypatch):
+    # A mount point mounted twice shows the later mount (its line comes after the first's).
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_bytes(
+        b"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        b"40 22 8:2 / /models rw,relatime shared:9 - xfs /dev/sdb1 rw\n"
+        b"41 40 0:50 / /models rw,relatime shared:10 - nfs4 srv:/m rw\n"
+    )
+    points = verdict_cache._mount_points(str(mountinfo))
+    monkeypatch.setattr(verdict_cache, "_mount_points", lambda: points)
+    assert verdict_cache.filesystems(["/models/model.safetensors"]) == "nfs4"
+
+
 def test_a_changed_key_runs_the_child_again(layout, cache):
     caps = read_capabilities("cpu")
     rows = (0, layout.num_rows)
