@@ -50,7 +50,9 @@ def lookup(ids: torch.Tensor, handle: int, out_dtype: torch.dtype) -> torch.Tens
 
 @lookup.register_fake
 def _(ids: torch.Tensor, handle: int, out_dtype: torch.dtype) -> torch.Tensor:
-    table = _table(handle)
+    # A symbolic int where torch.compile made the handle dynamic (one function over several
+    # tables): int() specializes the graph on this table's handle.
+    table = _table(int(handle))
     return torch.empty((ids.shape[0], table.row_dim), dtype=out_dtype, device=table.device)
 
 

@@ -124,3 +124,27 @@ def test_the_ops_check_their_arguments_as_lookup_does(layout, rowcopy, monkeypat
         assert torch.equal(out, table.lookup(ids, out_dtype=torch.bfloat16))
     with pytest.raises(ple_um.TableClosedError):
         torch.ops.ple_um.lookup(ids, table.handle, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compile_one_function_over_several_tables(make_checkpoint, rng, check_rows, dynamic):
+    """One compiled function called with several tables: the second table's call recompiles with the
+    handle as a symbolic int (automatic dynamic; every int under dynamic=True), which the fake
+    implementation must still resolve to its table, with shapes dynamic too."""
+    torch._dynamo.reset()
+    layouts = [make_checkpoint(num_rows=50, row_dim=8, dtype="fp8", shards=2, seed=s) for s in (1, 2, 3)]
+    tables = [ple_um.open_table(each.directory, mode="cpu", device="cpu") for each in layouts]
+    try:
+
+        def step(table, ids):
+            return table.lookup(ids, out_dtype=torch.float32) * 2
+
+        compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+        for n in (5, 9):
+            for each, table in zip(layouts, tables, strict=True):
+                ids = torch.from_numpy(rng.integers(-3, 53, n))
+                check_rows(compiled(table, ids) / 2, each, ids)
+    finally:
+        for table in tables:
+            table.close()
+        torch._dynamo.reset()
