@@ -124,8 +124,10 @@ class MappedTable:
         return self.paths.capture_safe if self.paths is not None else False
 
     def self_test(self, count: int) -> str | None:
-        """Sample rows through this mode's lookup path against the files (``verify.self_test``)."""
-        return verify.self_test(self.paths, self.mapping, count)
+        """Sample rows through this mode's lookup path against the files (``verify.self_test``),
+        holding the table open as a lookup does (a closed table raises ``TableClosedError``)."""
+        with self._in_use():
+            return verify.self_test(self.paths, self.mapping, count)
 
     # -- lookups ----------------------------------------------------------------------------
     def _enter(self) -> None:

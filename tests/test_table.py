@@ -384,6 +384,7 @@ def test_close(layout, mode):
         lambda: table.lookup(torch.tensor([1]), out=torch.empty((1, layout.row_dim), dtype=torch.float32)),
         lambda: table.stats(),
         lambda: table.prefetch(torch.tensor([1])),
+        lambda: table.self_test(8),
     ):
         with pytest.raises(ple_um.TableClosedError):
             call()
