@@ -153,10 +153,8 @@ class MappedTable:
             self._leave()
 
     def _out(self, shape: torch.Size, out_dtype: torch.dtype | None) -> torch.Tensor:
-        dtype = out_dtype or self.dtype
-        raw_nvfp4 = self.scale_mapping is not None and dtype == self.dtype
-        width = self.layout.row_bytes if raw_nvfp4 else self.row_dim
-        return torch.empty((*shape, width), dtype=dtype, device=self.device)
+        # A table with block scales always decodes (``check_args``): every out is ``row_dim`` wide.
+        return torch.empty((*shape, self.row_dim), dtype=out_dtype or self.dtype, device=self.device)
 
     def lookup(
         self,
