@@ -252,26 +252,31 @@ class MappedTable:
         reader of misses, bytes, memory, the row cache, what serves decode-sized lookups; ``sync`` first
         waits for the device, so that every lookup queued before is in the figures."""
         with self._in_use():
-            if sync and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            counts = self.paths.read_counts()
-            return {
-                "mode": self.mode,
-                "lookups": self._lookups,
-                "rows": counts["rows"],
-                "bytes": counts["rows"] * self.layout.row_bytes,
-                "out_of_range": counts["out_of_range"],
-                "host_lookups": counts["lookups"],
-                "broken_rows": counts["broken"],
-                **{key: counts[key] for key in ("file_reads", "file_read_seconds", "phase_seconds")},
-                **self.paths.file_reader_stats(),
-                "mapped_bytes": sum(m.mapped_bytes for m in (self.mapping, self.scale_mapping) if m),
-                "pinned_bytes": self.access.pinned_bytes,
-                "device_bytes": self.access.device_bytes,
-                "open_seconds": self.open_seconds,
-                "row_cache": self.paths.row_cache_stats(),
-                "serving": self.paths.serving_stats(),
-            }
+            return self._stats(sync)
+
+    def _stats(self, sync: bool) -> dict:
+        """``stats()`` without holding the table open: what its watch reads, until ``close()`` takes
+        the watch's last reading, after the wait for the lookups in flight and before the release."""
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        counts = self.paths.read_counts()
+        return {
+            "mode": self.mode,
+            "lookups": self._lookups,
+            "rows": counts["rows"],
+            "bytes": counts["rows"] * self.layout.row_bytes,
+            "out_of_range": counts["out_of_range"],
+            "host_lookups": counts["lookups"],
+            "broken_rows": counts["broken"],
+            **{key: counts[key] for key in ("file_reads", "file_read_seconds", "phase_seconds")},
+            **self.paths.file_reader_stats(),
+            "mapped_bytes": sum(m.mapped_bytes for m in (self.mapping, self.scale_mapping) if m),
+            "pinned_bytes": self.access.pinned_bytes,
+            "device_bytes": self.access.device_bytes,
+            "open_seconds": self.open_seconds,
+            "row_cache": self.paths.row_cache_stats(),
+            "serving": self.paths.serving_stats(),
+        }
 
     # -- life -------------------------------------------------------------------------------
     @property
@@ -294,11 +299,11 @@ class MappedTable:
             return
         self._finalizer.detach()  # released here, not again when the table is dropped
         try:
-            if self.watch is not None:
-                self.watch.close()  # its last stats() read, while the table is still open
             self._closed = True
             while self._inflight:
                 time.sleep(1e-3)
+            if self.watch is not None:
+                self.watch.close()  # its last reading: every lookup made is in it; nothing released yet
             # Where the mode's release fails, the mappings stay mapped (and it raises).
             _release(vars(self), whole_device=True)
         finally:
@@ -373,14 +378,14 @@ def _release(state: dict, *, whole_device: bool = False) -> None:
 
 
 def _weak_stats(table: MappedTable) -> Callable[[], dict]:
-    """``table.stats(sync=False)`` for the reporter, holding the table weakly: a table dropped
+    """``table._stats(sync=False)`` for the reporter, holding the table weakly: a table dropped
     without ``close()`` is not kept alive by its watch (which the reporter then lets go of)."""
-    method = weakref.WeakMethod(table.stats)
+    method = weakref.WeakMethod(table._stats)
 
     def stats() -> dict:
         bound = method()
         if bound is None:
             raise TableClosedError("the table was dropped")
-        return bound(sync=False)
+        return bound(False)
 
     return stats

@@ -28,7 +28,7 @@ _GAUGES = ("resident_bytes", "mapped_bytes", *CACHE_HELD)
 @dataclass(eq=False)
 class Watch:
     """One table watched by a StatsReporter; ``close()`` (idempotent) folds in its last figures and
-    stops watching it. Close it before the table closes: it reads the table's stats() once more."""
+    stops watching it. Close it before the table releases anything: it reads its stats once more."""
 
     reporter: StatsReporter
     stats: Callable[[], dict]

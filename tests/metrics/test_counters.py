@@ -6,6 +6,8 @@ the lookup."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -125,6 +127,34 @@ def test_the_row_cache_counters_and_gauges_follow_its_stats(make_checkpoint, mon
         )
         assert sample("row_cache_rows", "cpu") == cache["rows"] > 0
         assert sample("row_cache_bytes", "cpu") == cache["resident_bytes"] > 0
+
+
+def test_a_lookup_in_flight_at_close_reaches_the_counters(make_checkpoint, check_rows):
+    """close() waits for a lookup in flight; the rows it looks up meanwhile (counted by the host node,
+    absorbed from stats()) reach the counters: the watch's last read comes after that wait."""
+    layout = make_checkpoint(num_rows=3000, row_dim=16, dtype="bf16", shards=6, files=3)
+    table = ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    assert table.watch is not None and not table.metrics.host_counted
+    host, inside, closing = table.paths.host, threading.Event(), threading.Event()
+    gather = host.gather
+
+    def held_gather(ids, out):
+        inside.set()
+        closing.wait(10)
+        time.sleep(0.3)  # close() has begun by now
+        return gather(ids, out)
+
+    host.gather = held_gather
+    ids, got = torch.arange(0, 3000, 7), []
+    before = sample("rows", "cpu")
+    worker = threading.Thread(target=lambda: got.append(table.lookup(ids)))
+    worker.start()
+    assert inside.wait(30)
+    closing.set()
+    table.close()
+    worker.join(timeout=60)
+    check_rows(got[0], layout, ids)
+    assert sample("rows", "cpu") - before == ids.numel()
 
 
 def test_cpu_mode_absorb_adds_nothing():
