@@ -390,7 +390,7 @@ def _race(lib, layout, mapping, seconds: float) -> int:
     cache's), until a row comes back wrong or ``seconds`` pass: how many rows came back wrong."""
     counts = rowcopy.Counts()
     cache = RowCache(WAYS, layout.row_bytes, counts, policy="lru")
-    reader = FileReader(mapping, strategy="threads", direct=False, depth=4)
+    reader = FileReader(mapping, strategy="threads", direct=False, depth=4, lib=lib)
     rows = rowcopy.Rows(mapping, cache=cache, reader=reader)
     expect_all = reference_rows(layout, np.arange(layout.num_rows))
     wrong = [0]
