@@ -179,12 +179,6 @@ def _declare(lib: ctypes.CDLL) -> str | None:
     return None
 
 
-def open_library(path: str, defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
-    """The row copy at ``path`` (a build of one's own: tests/native's sanitized one), once its
-    interface is checked, built with the ``-D`` flags ``defines``; else None and why not."""
-    return native_library.open_library(path, _declare, defines=defines)
-
-
 def load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
     """The row copy and what it is: the library the install built, else one compiled at run time
     into ``cache_dir`` (once per machine and source); or None and why not."""

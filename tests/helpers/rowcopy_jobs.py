@@ -5,14 +5,22 @@ reader threads running in this process."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 
 import numpy as np
 
-from ple_um.lookup import rowcopy
+from ple_um.lookup import native_library, rowcopy
 from ple_um.mapping import PAGE
 from ple_um.residency import mincore
+
+
+def open_library(path: str, defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
+    """The row copy at ``path`` (a test's own build: the sanitized one, the publish-first cache),
+    once its interface is checked as the package checks its own, built with the ``-D`` flags
+    ``defines``; else None and why not."""
+    return native_library.open_library(path, rowcopy._declare, defines=defines)
 
 
 def make_job(

@@ -25,7 +25,7 @@ import pytest
 import torch
 from helpers.hand_checkpoints import sparse_table
 from helpers.reference import drop_page_cache, reference_rows
-from helpers.rowcopy_jobs import boundary_ids, make_job
+from helpers.rowcopy_jobs import boundary_ids, make_job, open_library
 
 import ple_um
 from ple_um import envs, residency
@@ -62,9 +62,9 @@ def publish_first_lib(tmp_path_factory):
     command = native_build.command(cc, out, werror=False, extra=defines)
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lib, why = rowcopy.open_library(out)
+    lib, why = open_library(out)
     assert lib is None and "built from other source" in why, why
-    lib, why = rowcopy.open_library(out, defines=defines)
+    lib, why = open_library(out, defines=defines)
     assert lib is not None, why
     return lib
 

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 
 import pytest
+from helpers.rowcopy_jobs import open_library
 
 from ple_um.lookup import native_build, native_library, rowcopy
 
@@ -190,5 +191,5 @@ def test_the_sources_build_with_warnings_as_errors(tmp_path):
     assert {"-Wall", "-Wextra", "-Wconversion", "-Werror", "-fstack-protector-strong"} <= set(command)
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    lib, why = rowcopy.open_library(str(tmp_path / "strict.so"))
+    lib, why = open_library(str(tmp_path / "strict.so"))
     assert lib is not None, why

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from helpers.reference import reference_rows  # noqa: E402
-from helpers.rowcopy_jobs import boundary_ids, make_job  # noqa: E402
+from helpers.rowcopy_jobs import boundary_ids, make_job, open_library  # noqa: E402
 
 from ple_um.checkpoint import read_layout  # noqa: E402
 from ple_um.lookup import rowcopy  # noqa: E402
@@ -40,7 +40,7 @@ LOOKUPS, BATCH = int(os.environ.get("SANITIZED_LOOKUPS", "8")), 600
 
 
 def main(library: str, directory: str, *defines: str) -> int:
-    lib, why = rowcopy.open_library(library, defines=defines)
+    lib, why = open_library(library, defines=defines)
     if lib is None:
         print(f"cannot use {library}: {why}", file=sys.stderr)
         return 2
