@@ -31,23 +31,23 @@ COMPILE_FLAGS = ("-O3", *WARNINGS, *HARDENING)
 LINK_FLAGS = ("-shared", "-pthread", "-Wl,-z,relro", "-Wl,-z,now", "-Wl,-z,noexecstack")
 
 
-def sources(folder: Path = NATIVE) -> list[Path]:
-    return [folder / name for name in SOURCE_NAMES]
+def sources() -> list[Path]:
+    return [NATIVE / name for name in SOURCE_NAMES]
 
 
-def source_digest(folder: Path = NATIVE, defines: tuple[str, ...] = ()) -> str:
-    """The digest of the headers and sources (names and bytes) in ``folder`` and of ``defines`` (the
+def source_digest(defines: tuple[str, ...] = ()) -> str:
+    """The digest of the headers and sources (names and bytes) in ``native/`` and of ``defines`` (the
     ``-D`` flags a build adds): what a library built from them reports as ``ple_source_digest()``."""
     digest = hashlib.sha256()
     for name in (*HEADER_NAMES, *SOURCE_NAMES):
-        digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+        digest.update(name.encode() + b"\0" + (NATIVE / name).read_bytes())
     for define in defines:
         digest.update(define.encode() + b"\0")
     return digest.hexdigest()[:32]
 
 
-def digest_define(folder: Path = NATIVE, defines: tuple[str, ...] = ()) -> str:
-    return f'-DPLE_SOURCE_DIGEST="{source_digest(folder, defines)}"'
+def digest_define(defines: tuple[str, ...] = ()) -> str:
+    return f'-DPLE_SOURCE_DIGEST="{source_digest(defines)}"'
 
 
 def command(cc: str, output: str, *, werror: bool, extra: tuple[str, ...] = ()) -> list[str]:
