@@ -23,7 +23,6 @@ applies.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import reprlib
@@ -71,24 +70,13 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.end - self.start
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
     """The header of one file the ``safetensors`` package accepts, its tensors by name."""
 
     path: str
-    file_size: int
-    header_length: int  # N, the JSON's length in bytes
     tensors: dict[str, TensorEntry]
-    identity: FileIdentity  # of the descriptor the header was read through
-
-    @property
-    def data_start(self) -> int:
-        return 8 + self.header_length
 
 
 def read_header(path: str) -> SafetensorsHeader:
@@ -136,7 +124,7 @@ def read_header(path: str) -> SafetensorsHeader:
         for name, meta in header.items()
         if name != "__metadata__"
     }
-    return SafetensorsHeader(path, identity.size, len(raw) - 8, tensors, identity)
+    return SafetensorsHeader(path, tensors)
 
 
 def _read_raw(path: str) -> tuple[FileIdentity, bytes]:
