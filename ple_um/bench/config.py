@@ -15,6 +15,7 @@ from ple_um import envs
 from ple_um.access.probe import ALL_MODES
 from ple_um.bench.ids import IdDistribution, parse_ids
 from ple_um.checkpoint import MXFP8_BLOCK, ShardLayout, read_engram_layout, read_layout
+from ple_um.checkpoint.scan import INDEX_FILE
 from ple_um.errors import CheckpointError, PleUmError
 from ple_um.synthetic import write_checkpoint
 from ple_um.synthetic_engram import write_engram_checkpoint
@@ -188,7 +189,7 @@ def table_path(cfg: Config) -> str:
 
 def table_written(path: str) -> bool:
     """Whether the synthetic table at ``path`` is there (``default_table`` renames it in whole)."""
-    return os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    return os.path.exists(os.path.join(path, INDEX_FILE))
 
 
 def default_table(cfg: Config, progress: bool = True) -> str:
