@@ -22,6 +22,7 @@ from ple_um.mapping import MappedShards
 
 # Batch sizes the calibration times, largest first: it stops at the first the host path loses.
 CALIBRATION_SIZES = (262144, 131072, 65536, 32768, 16384, 4096)
+CALIBRATION_REPEATS = 3  # timed calls of each path at each size, after one warm-up
 
 
 def read_file_rows(layout: ShardLayout, ids, window: tuple[int, int] | None = None) -> np.ndarray:
@@ -49,14 +50,14 @@ def read_file_rows(layout: ShardLayout, ids, window: tuple[int, int] | None = No
     return out
 
 
-def sample_ids(mapping: MappedShards, count: int, seed: int = 0) -> np.ndarray:
+def sample_ids(mapping: MappedShards, count: int) -> np.ndarray:
     """Owned ids for the self-test: both ends of every owned shard, then random ones (sorted,
-    unique)."""
+    unique; the same ones at every open of the same rows)."""
     S = mapping.layout.rows_per_shard
     ends = []
     for index, owned in sorted(mapping.owned.items()):
         ends += [index * S + owned.lo, index * S + owned.hi - 1]
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     rand = rng.integers(mapping.row_start, mapping.row_end, size=max(0, count - len(ends)))
     return np.unique(np.concatenate([np.array(ends[:count], dtype=np.int64), rand]))
 
@@ -94,7 +95,7 @@ def rows_differ(
     return f"{bad.size} of {ids.size} sample rows{how} differ from the file (first: row {int(ids[bad[0]])})"
 
 
-def calibrate_bulk(paths, rows: tuple[int, int], sizes=CALIBRATION_SIZES, repeats: int = 3) -> dict:
+def calibrate_bulk(paths, rows: tuple[int, int]) -> dict:
     """Time the kernel and the host path of ``paths`` on random ids of the owned ``rows``, largest
     batch first, and set ``paths.bulk_rows`` to the smallest size from which the host path wins at
     every size measured (None when it does not win at the largest). Returns the medians, in seconds."""
@@ -108,13 +109,13 @@ def calibrate_bulk(paths, rows: tuple[int, int], sizes=CALIBRATION_SIZES, repeat
         return [torch.from_numpy(rng.integers(start, end, size=n)).to(device) for _ in range(count)]
 
     dtype = torch.bfloat16 if layout.has_block_scales else layout.dtype  # NVFP4, MXFP8: decoded rows
-    out = torch.empty((max(sizes), layout.row_dim), dtype=dtype, device=device)
-    for batch in batches(max(sizes), 2):  # buffers allocated and the pool started before timing
+    out = torch.empty((CALIBRATION_SIZES[0], layout.row_dim), dtype=dtype, device=device)
+    for batch in batches(CALIBRATION_SIZES[0], 2):  # buffers allocated and the pool started before timing
         paths.host.gather(batch, out[: batch.numel()])
-    for n in sorted(sizes, reverse=True):
+    for n in CALIBRATION_SIZES:
         times = {"gpu": [], "bulk": []}
         for name, path in (("gpu", paths.gpu), ("bulk", paths.host)):
-            for k, batch in enumerate(batches(n, repeats + 1)):
+            for k, batch in enumerate(batches(n, CALIBRATION_REPEATS + 1)):
                 torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 path.gather(batch, out[:n])
