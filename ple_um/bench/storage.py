@@ -57,8 +57,8 @@ def _offsets(files: list[str], size: int, count: int, rng: np.random.Generator) 
     return list(zip(which.tolist(), at.tolist(), strict=True))
 
 
-def _reads(files: list[str], size: int, depth: int, count: int, direct: bool, seed: int) -> dict:
-    jobs = _offsets(files, size, count, np.random.default_rng(seed))
+def _reads(files: list[str], size: int, depth: int, count: int, direct: bool) -> dict:
+    jobs = _offsets(files, size, count, np.random.default_rng(depth))  # each depth its own offsets
     if not direct:
         evict_pages(files, write_back=False)  # files this bench only reads
     fds = [_open(f, direct) for f in files]
@@ -101,7 +101,6 @@ def ceiling(
     depths=DEPTHS,
     sizes=READ_SIZES,
     reads: dict | None = None,
-    seed: int = 0,
     direct: bool = True,
 ) -> dict:
     """Random-read rates of the storage under ``files``: per read size and depth, reads per second
@@ -114,7 +113,7 @@ def ceiling(
         entry: dict = {"direct": why is None, "how": "O_DIRECT" if why is None else f"buffered ({why})"}
         for depth in depths:
             count = reads.get(depth, max(READS.values()))
-            entry[str(depth)] = _reads(files, size, depth, count, why is None, seed + depth)
+            entry[str(depth)] = _reads(files, size, depth, count, why is None)
         out["sizes"][str(size)] = entry
     return out
 
