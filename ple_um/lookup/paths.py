@@ -194,9 +194,9 @@ class LookupPaths:
         return None
 
     def row_cache_stats(self) -> dict | None:
-        """The host path's row cache (``HostGather.row_cache_stats``), or None."""
+        """The host path's row cache (``RowSources.stats``), or None where it has none."""
         host = self.row_copy
-        return host.row_cache_stats() if host is not None else None
+        return host.sources.stats() if host is not None else None
 
     def file_reader_stats(self) -> dict:
         """``file_reader``: how the host path reads misses from the files (``RowSources.file_reader``),

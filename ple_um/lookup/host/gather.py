@@ -135,10 +135,6 @@ class HostGather:
             eager = "by the dispatcher thread" if self.dispatcher else f"as host nodes ({why})"
             self.row_reads += f"; eager lookups {eager}"
 
-    def row_cache_stats(self) -> dict | None:
-        """The row cache's figures (``misses.RowSources.stats``), or None where there is none."""
-        return self.sources.stats()
-
     # -- what a lookup asks ------------------------------------------------------------------
     def gather(
         self, ids: torch.Tensor, *outs: torch.Tensor, raw: bool | None = None, live: np.ndarray | None = None
