@@ -94,18 +94,16 @@ def open_library(
     return lib, None
 
 
-def _open_bytes(
-    data: bytes, folder: Path, declare: Declare, name: str
-) -> tuple[ctypes.CDLL | None, str | None]:
-    """The library of ``data`` (bytes checked by the caller), loaded from a private copy of its own
-    name in ``folder``, removed once loaded: what is loaded is what was checked, and a name the
-    process loaded before (dlopen answers a known name with the library loaded under it) is never
-    asked for again."""
-    fd, copy = tempfile.mkstemp(dir=folder, prefix=".load-", suffix=".so")  # 0600
+def _open_bytes(data: bytes, target: Path, declare: Declare) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library of ``data`` (the bytes of ``target``, checked by the caller), loaded from a
+    private copy of its own name in ``target``'s folder, removed once loaded: what is loaded is what
+    was checked, and a name the process loaded before (dlopen answers a known name with the library
+    loaded under it) is never asked for again. Messages name ``target``."""
+    fd, copy = tempfile.mkstemp(dir=target.parent, prefix=".load-", suffix=".so")  # 0600
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        return open_library(copy, declare, name=name)
+        return open_library(copy, declare, name=str(target))
     finally:
         with contextlib.suppress(OSError):
             os.unlink(copy)
@@ -127,7 +125,7 @@ def _load_checked(target: Path, declare: Declare) -> tuple[ctypes.CDLL | None, s
         return None, f"{target}: {exc}"
     if hashlib.sha256(data).hexdigest() != recorded:
         return None, f"{target}'s bytes are not those its build recorded in {target.name}.sha256"
-    return _open_bytes(data, target.parent, declare, str(target))
+    return _open_bytes(data, target, declare)
 
 
 def _compiler() -> str | None:
@@ -169,7 +167,7 @@ def _build(cache_dir: str, cc: str, declare: Declare) -> tuple[ctypes.CDLL | Non
             data = cache_folder.read_private(str(built), MAX_LIBRARY_BYTES)
             cache_folder.write_private(f"{target}.sha256", hashlib.sha256(data).hexdigest().encode())
             os.replace(built, target)  # atomic: another process may build the same file at once
-        lib, why = _open_bytes(data, target.parent, declare, str(target))
+        lib, why = _open_bytes(data, target, declare)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"compiling {native_build.NATIVE} with {cc} into {target.parent} failed: {exc}"
     return (lib, what) if lib is not None else (None, why)
