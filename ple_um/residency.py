@@ -7,7 +7,8 @@ only the cached pages) is not asked: a huge sparse table costs bounded memory an
 A region is anything with ``addr``, ``length``, ``fd``, ``file_offset`` and ``path`` (the
 ``MappedRegion`` of ``ple_um.mapping``). ``evict_pages`` is the one way ple-um, its tools and its
 tests drop a file's pages from memory; ``mincore`` the one way they ask which pages are in it
-(``resident_bytes``: of any address range, in the same windows).
+(``resident_bytes``: of any address range, in the same windows); ``file_mappings`` the one way
+the package reads which files this process maps (/proc/self/maps).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import errno
 import mmap
 import os
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -114,6 +116,30 @@ def evict_file_pages(path: str, offset: int = 0, length: int = 0, write_back: bo
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+class FileMapping(NamedTuple):
+    """One mapping of a file by this process (a line of /proc/self/maps): a region ``evict_pages``
+    empties."""
+
+    addr: int
+    length: int
+    path: str
+    offset: int  # of ``addr`` in the file
+
+
+def file_mappings() -> list[FileMapping]:
+    """This process's mappings of files that are there, read afresh from /proc/self/maps at each
+    call (anonymous and pseudo mappings, and those of deleted files, left out). OSError where the
+    map cannot be read (not Linux)."""
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/") and not fields[5].endswith(" (deleted)"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append(FileMapping(start, end - start, fields[5], int(fields[2], 16)))
+    return found
 
 
 def evict_pages(files: Iterable[str], regions: Iterable = (), write_back: bool = True) -> None:

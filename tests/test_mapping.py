@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import mmap
 import os
 import shutil
 import signal
@@ -421,3 +422,24 @@ def test_evicting_pages_of_a_file_system_without_fsync_still_drops_them(evictabl
         m.populate()
         residency.evict_pages(layout.files, m.regions, write_back=False)
         assert not fsyncs and resident(m) <= PAGE
+
+
+def test_file_mappings_are_this_process_mappings_of_files_that_are_there(tmp_path):
+    """Each mapping of a file, with its address, length, path and offset in the file; anonymous
+    memory not among them, a closed mapping gone, and the mapping of a file deleted since left out."""
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(os.urandom(4 * PAGE))
+    heap = np.zeros(4 * PAGE, dtype=np.uint8).ctypes.data  # anonymous memory
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 2 * PAGE, prot=mmap.PROT_READ, offset=PAGE)
+    try:
+        addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        mine = [fm for fm in residency.file_mappings() if fm.path == str(path)]
+        assert mine == [residency.FileMapping(addr, 2 * PAGE, str(path), PAGE)]
+        assert not any(fm.addr <= heap < fm.addr + fm.length for fm in residency.file_mappings())
+        path.unlink()
+        assert not [fm for fm in residency.file_mappings() if fm.path.startswith(str(path))]
+    finally:
+        m.close()
+    path.write_bytes(b"x")  # the name there again, no longer mapped
+    assert not [fm for fm in residency.file_mappings() if fm.path == str(path)]

@@ -31,7 +31,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -48,7 +47,7 @@ from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows, row_cache_plan
-from ple_um.residency import evict_pages
+from ple_um.residency import FileMapping, evict_pages, file_mappings
 from ple_um.units import format_bytes
 
 COLD_MODES = ("cpu", "ats")
@@ -128,24 +127,9 @@ def vs_ceiling(result: dict) -> None:
 PAGE_CACHE_KNOBS = {"PLE_UM_ROW_CACHE": "0", "PLE_UM_DIRECT_READS": "off", "PLE_UM_FIT": "fits"}
 
 
-class Mapped(NamedTuple):
-    """One mapping of this process of a file: a region ``residency.evict_pages`` empties."""
-
-    addr: int
-    length: int
-    path: str
-
-
-def own_mappings(paths: set[str]) -> list[Mapped]:
+def own_mappings(paths: set[str]) -> list[FileMapping]:
     """Every mapping of this process of one of ``paths`` (/proc/self/maps)."""
-    found = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].rstrip("\n") in paths:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                found.append(Mapped(start, end - start, fields[5].rstrip("\n")))
-    return found
+    return [m for m in file_mappings() if m.path in paths]
 
 
 def table_files(layout: ShardLayout) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 
 from ple_um import envs
 from ple_um.errors import CheckpointError
+from ple_um.residency import file_mappings
 from ple_um.served import table_directory
 
 
@@ -130,17 +131,10 @@ def file_backing(tensor: torch.Tensor) -> tuple[str, int] | None:
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
+        mappings = file_mappings()
     except OSError:
         return None
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        lo_text, _, hi_text = fields[0].partition("-")
-        lo, hi = int(lo_text, 16), int(hi_text, 16)
-        if not lo <= start < hi:
-            continue
-        if end > hi or len(fields) < 6 or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
-            return None
-        return fields[5], start - lo + int(fields[2], 16)
+    for m in mappings:  # mappings do not overlap: the one that holds the first byte, if any
+        if m.addr <= start < m.addr + m.length:
+            return (m.path, start - m.addr + m.offset) if end <= m.addr + m.length else None
     return None
