@@ -193,8 +193,10 @@ class HostGather:
         number in a lookup cut in chunks (the lookup is counted by chunk 0, the rows by each)."""
         touch = not dst  # the pages of the rows and of their block scales: the kernel reads both
         scales = self.block_scales is not None and (touch or len(dst) > 1)  # else the packed rows alone
-        job.tables[0] = self.rows.address
-        job.tables[1] = self.block_scales.address if scales else None
+        # Each ``job.tables`` / ``job.dst`` read builds a ctypes array object: one read each.
+        tables = job.tables
+        tables[0] = self.rows.address
+        tables[1] = self.block_scales.address if scales else None
         job.ids, job.n = ids_ptr, n
         job.counts = self.counts.address
         job.id_kind = kind
@@ -203,8 +205,7 @@ class HostGather:
         job.threads = self.threads
         job.inline_rows = rowcopy.INLINE_ROWS
         job.chunk = chunk
-        for k, address in enumerate(dst):
-            job.dst[k] = address
+        job.dst[: len(dst)] = dst
 
     def _queue(self, ids: torch.Tensor, targets: list[torch.Tensor], live) -> bool:
         """Fill the lookup's job structs and queue its work on the current stream by the strategy
