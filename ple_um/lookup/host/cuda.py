@@ -123,7 +123,11 @@ class CudaDriver:
             raise HostNodeError(f"{name} failed: {self.error_name(rc)}")
 
     def _checked(self, fn, name: str):
-        return lambda *args: self._ok(fn(*args), name)
+        def call(*args) -> None:  # checked in its one frame: an eager lookup makes four such calls
+            if (rc := fn(*args)) != CUDA_SUCCESS:
+                self._ok(rc, name)
+
+        return call
 
     def error_name(self, rc: int) -> str:
         name = ctypes.c_char_p()
