@@ -268,9 +268,9 @@ def compare_shard(
     prefix: str, table: MappedTable, index: int, tensor: torch.Tensor, kind: str = "weight"
 ) -> None:
     """Checkpoint tensor ``shard_<index>.<kind>``, delivered in memory by a load, must equal what
-    ``table`` maps: ``weight`` the rows and ``weight_scale`` NVFP4's block scales (this rank's rows
-    of them; NVFP4 through ``lookup_packed``), ``weight_scale_2`` NVFP4's global scale (``index``
-    -1). ReloadMismatchError names the first row that differs, the file and the tensor."""
+    ``table`` maps: ``weight`` the rows, ``weight_scale`` the block scales (NVFP4's; MXFP8's E8M0 bytes
+    as uint8), both this rank's rows of them, ``weight_scale_2`` NVFP4's global scale (``index`` -1).
+    ReloadMismatchError names the first row that differs, the file and the tensor."""
     layout = table.layout
     if kind == "weight_scale_2":
         given = tensor.detach().float().cpu().reshape(-1)
@@ -279,17 +279,16 @@ def compare_shard(
                 prefix, f"the global scale {given.tolist()}", layout.directory, layout.scale_tensor
             )
         return
-    if kind == "weight_scale" and not layout.is_nvfp4:
+    if kind == "weight_scale" and not layout.has_block_scales:
         raise _differs(prefix, f"NVFP4 block scales of shard {index}", layout.directory, None)
     if not 0 <= index < layout.parts:
         raise CheckpointError(
             f"{prefix}: shard index {index} is outside the table's {layout.parts} shards",
             tensor=f"shard_{index}.{kind}",
         )
-    if kind == "weight":
-        spec, stored, what = layout.shards[index], table.dtype, f"shard {index}"
-    else:
-        spec, stored, what = layout.block_scales[index], torch.float8_e4m3fn, f"shard {index} block scales"
+    spec = layout.shards[index] if kind == "weight" else layout.block_scales[index]
+    stored = table.dtype if kind == "weight" else layout.scale_layout().dtype
+    what = f"shard {index}" + ("" if kind == "weight" else " block scales")
     if tensor.dim() != 2 or tensor.shape[0] != spec.rows or tensor.dtype != stored:
         raise ReloadMismatchError(
             f"{prefix}: {what} was delivered as {tensor.dtype} {tuple(tensor.shape)}, but the table in "
@@ -301,7 +300,7 @@ def compare_shard(
     for a in range(max(start, row_start), min(start + spec.rows, row_end), _COMPARE_ROWS):
         b = min(start + spec.rows, row_end, a + _COMPARE_ROWS)
         ids = torch.arange(a, b, device=table.device)
-        if layout.is_nvfp4:
+        if layout.has_block_scales:
             mapped = table.lookup_packed(ids)[0 if kind == "weight" else 1].view(torch.uint8)
         else:
             mapped = table.lookup(ids).view(torch.uint8)

@@ -5,14 +5,15 @@ vLLM builds every Engram layer's table through one factory, ``Engram._create_emb
 replaces that class attribute (``patch.replace``, which keeps the original on the class); the
 replacement reads PLE_UM each time a layer is built and, with it set, builds
 ``MappedEngramEmbedding``: a ``ParallelEngramEmbedding`` that holds no copy of the table. Its
-parameters are empty; their weight loader checks the tensor vLLM hands over (name, shape, dtype:
-metadata only, never a byte of the data) and, once both the rows and the E8M0 scales of the table
-have been handed over, opens this rank's rows from the checkpoint files (``open_engram_table``,
-rows = this rank's heads, checked against vLLM's own ``EngramLayout``). Its ``lookup`` is the one
-vLLM's layer calls, with vLLM's arguments, on the stream vLLM chose: inline, or on the Engram
-prefetch stream forked before layer 0 (``cpu_offload``, the default), captured in FULL graphs or
-run at the eager breaks of breakable ones as stock. The rows come back as stock returns them
-(BF16, decoded ``float32(e4m3) * 2**(e-127)``, bit for bit).
+parameters are empty; their weight loader checks the tensor vLLM hands over (name, shape, dtype;
+a view of the table's files is not read, a tensor in memory, from a weight sync or a reload, is
+compared with this rank's mapped rows, since the table is read-only) and, once both the rows and the
+E8M0 scales of the table have been handed over, opens this rank's rows from the checkpoint files
+(``open_engram_table``, rows = this rank's heads, checked against vLLM's own ``EngramLayout``).
+Its ``lookup`` is the one vLLM's layer calls, with vLLM's arguments, on the stream vLLM chose:
+inline, or on the Engram prefetch stream forked before layer 0 (``cpu_offload``, the default),
+captured in FULL graphs or run at the eager breaks of breakable ones as stock. The rows come back as
+stock returns them (BF16, decoded ``float32(e4m3) * 2**(e-127)``, bit for bit).
 
 Served: tensor parallelism (heads split evenly over the ranks), data parallelism with one table
 per replica or ``dp_shared_memory`` (every replica maps the same files: the page cache is the
@@ -43,7 +44,8 @@ from ple_um import envs
 from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry
 from ple_um.errors import CheckpointError
 from ple_um.opening import open_engram_table
-from ple_um.served import ServedTable
+from ple_um.served import ServedTable, compare_shard
+from ple_um.table import MappedTable
 from ple_um.vllm.patch import replace
 from ple_um.vllm.source import TableSource, file_backing
 
@@ -142,31 +144,41 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         self.served = ServedTable(logger, "vLLM")
 
     def _receive(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """vLLM's weight loader for both parameters: the tensor's shape and dtype are checked
-        (metadata: its data is never read; the file it is a view of named where it is one), and
-        once rows and scales are both in, the table opens."""
+        """vLLM's weight loader for both parameters: the tensor's shape and dtype are checked (the
+        file it is a view of named where it is one). A view of one of the table's files is not read;
+        a tensor in memory (a weight sync, a reload from an iterator) is compared with this rank's
+        mapped rows (ReloadMismatchError where it differs), the table opened for it; one on the meta
+        device has no data to compare. Once rows and scales are both in, the table opens."""
         scales = param is self.weight_scale_inv
         expect = (self.num_embeddings, self.dim // MXFP8_BLOCK if scales else self.dim)
         dtypes = (torch.uint8, torch.float8_e8m0fnu) if scales else (torch.float8_e4m3fn,)
         what = "weight_scale_inv" if scales else "weight"
+        backing = file_backing(loaded)
         if tuple(loaded.shape) != expect or loaded.dtype not in dtypes:
-            backing = file_backing(loaded)
             raise CheckpointError(
                 f"ple-um: {self.prefix}: the checkpoint's {what} is {loaded.dtype} {list(loaded.shape)}, "
                 f"the layer expects {' or '.join(map(str, dtypes))} {list(expect)}",
                 path=backing[0] if backing else None,
                 tensor=f"layers.{self.layer_id}.engram.embed.{'scale' if scales else 'weight'}",
             )
+        in_memory = backing is None or not self.source.is_table_file(backing[0])
+        if in_memory and loaded.device.type != "meta":
+            given = loaded.view(torch.uint8) if scales else loaded  # E8M0 exponents: their bytes
+            compare_shard(self.prefix, self._open(), 0, given, "weight_scale" if scales else "weight")
         self._received.add(what)
         if self._received == {"weight", "weight_scale_inv"}:
             self.finish_load()
 
     def finish_load(self) -> None:
         """Open (or keep) this rank's rows of the table from the checkpoint directory."""
-        directory = self.source.directory()
         self._received.clear()
+        self._open()
+
+    def _open(self) -> MappedTable:
+        """This rank's rows of the table in the checkpoint directory, opened or the open ones kept."""
+        directory = self.source.directory()
         rows = (self.vocab_start_idx, self.vocab_end_idx)
-        self.served.serve(
+        return self.served.serve(
             self.prefix,
             directory,
             lambda: open_engram_table(directory, layer=self.layer_id, rows=rows, geometry=self.geometry),

@@ -213,3 +213,28 @@ def test_tp_ranks_each_map_their_heads_and_gather_stocks_rows(tmp_path, checkpoi
             assert run["shape"] == (60, 8, DIM) and run["equal"] and run["nonzero"]
         ends = [run["table_rows"] for run in runs]
         assert all(a[1] == b[0] for a, b in zip(ends, ends[1:], strict=False)) and ends[0][0] == 0
+
+
+def test_tensors_delivered_in_memory_are_compared_with_the_files(engram_world, monkeypatch, checkpoint):
+    """A load that hands the table over in memory (a weight sync, a reload from an iterator) is
+    compared with the mapped files, never ignored: the table is read-only, so that rows or scales
+    that differ in this rank's rows (its first and last) raise, naming the row; rows no head owns
+    are not served and not compared."""
+    from ple_um.served import ReloadMismatchError
+
+    weight, scales = _tensors(checkpoint, LAYERS[0])
+    ours, _ = _build(engram_world, monkeypatch, True, 0)
+    _load(ours, weight.clone(), scales.clone())  # equal to the files: served
+    assert ours.served.table is not None
+    start, end = ours.vocab_start_idx, ours.vocab_end_idx
+    assert end < weight.shape[0]  # rows past the last head's: in the file, served by no head
+    for what, row in (("weight", start), ("weight", end - 1), ("scale", start), ("scale", end - 1)):
+        changed = (weight if what == "weight" else scales).clone()
+        changed.view(torch.uint8)[row, -1] ^= 1
+        given = (changed, scales) if what == "weight" else (weight, changed)
+        with pytest.raises(ReloadMismatchError, match=f"at row {row} delivered in memory differs"):
+            _load(ours, *given)
+    beyond = weight.clone()
+    beyond.view(torch.uint8)[end:] ^= 1
+    _load(ours, beyond, scales)
+    ours.served.close()
