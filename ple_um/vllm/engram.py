@@ -13,7 +13,8 @@ E8M0 scales of the table have been handed over, opens this rank's rows from the 
 Its ``lookup`` is the one vLLM's layer calls, with vLLM's arguments, on the stream vLLM chose:
 inline, or on the Engram prefetch stream forked before layer 0 (``cpu_offload``, the default),
 captured in FULL graphs or run at the eager breaks of breakable ones as stock. The rows come back as
-stock returns them (BF16, decoded ``float32(e4m3) * 2**(e-127)``, bit for bit).
+stock returns them, bit for bit: BF16 of ``float32(e4m3)`` times the float32 whose bits are the E8M0
+byte ``e << 23`` (``2**(e-127)``, but 0 for ``e = 0``).
 
 Served: tensor parallelism (heads split evenly over the ranks), data parallelism with one table
 per replica or ``dp_shared_memory`` (every replica maps the same files: the page cache is the
