@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ple_um import envs
+from ple_um.access.capabilities import on_device
 from ple_um.access.machine import HostRegistration, RegistrationError, registration
 from ple_um.checkpoint import ShardLayout
 from ple_um.mapping import MappedShards
@@ -208,7 +209,7 @@ class RegisteredMapping:
         self._closed = False
         t0 = time.perf_counter()
         try:
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            with on_device(device):
                 for region in mapping.regions:
                     try:
                         calls.register(region.addr, region.length)

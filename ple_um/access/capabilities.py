@@ -20,6 +20,7 @@ The attributes that pick an access mode:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -80,6 +81,13 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
     if dev.index >= torch.cuda.device_count():
         raise ValueError(f"device {str(dev)!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` made the current CUDA device for a block (nothing on the CPU): torch and the
+    driver record events, make streams, capture graphs and register memory on the current device,
+    and work for cuda:1 must not land on cuda:0."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def driver_version() -> str:

@@ -35,14 +35,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ple_um.access.capabilities import read_capabilities, resolve_device
+from ple_um.access.capabilities import on_device, read_capabilities, resolve_device
 from ple_um.access.probe import reason_if_unsatisfied
 from ple_um.bench import storage
 from ple_um.bench.config import Config, bench_layout, child_request, open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import ROW_CACHE_KNOB, Hierarchy, child_main, run_limited
 from ple_um.bench.runner import run_header
-from ple_um.bench.timing import Timer, capture, lookup_output, on_device, row_cache_hits, summary
+from ple_um.bench.timing import Timer, capture, lookup_output, row_cache_hits, summary
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.rowcopy import INLINE_ROWS
 from ple_um.mapping import MappedShards

@@ -25,7 +25,7 @@ import triton
 
 import ple_um
 from ple_um import units
-from ple_um.access.capabilities import resolve_device
+from ple_um.access.capabilities import on_device, resolve_device
 from ple_um.bench import contenders as known
 from ple_um.bench import timing
 from ple_um.bench.config import Config, bench_layout, open_ple_um
@@ -262,7 +262,7 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict:
         log("NVFP4 table: ple-um decodes rows to bf16; the raw-row contenders (and the anchor) are left out")
     read_cache(layout)
     timer, ids = timing.Timer(device), _Ids(layout, device, cfg.seed)
-    with timing.on_device(device):  # the events, streams and graphs below: the device's
+    with on_device(device):  # the events, streams and graphs below: the device's
         impls = _open(_contenders(cfg, layout, device, result), layout, device, result, log)
         try:
             for dist in cfg.ids:

@@ -34,13 +34,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ple_um.access.capabilities import resolve_device
+from ple_um.access.capabilities import on_device, resolve_device
 from ple_um.bench.cold import drop_table_pages, table_files
 from ple_um.bench.config import MATMUL_SIZE, POOL_STEPS, Config, bench_layout, child_request, open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import child_main, run_limited
 from ple_um.bench.runner import run_header
-from ple_um.bench.timing import capture, on_device, row_cache_hits, spread
+from ple_um.bench.timing import capture, row_cache_hits, spread
 from ple_um.checkpoint import read_layout
 from ple_um.mapping import MappedShards
 from ple_um.operating import resident_rows

@@ -6,7 +6,6 @@ calls)."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -23,13 +22,6 @@ HOST_ROWS = 16
 # A figure whose p90 is more than this many times its p10 is marked noisy: its median alone says
 # little about a typical call.
 NOISY_SPREAD = 2.0
-
-
-def on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """``device`` made the current CUDA device for a block (nothing on the CPU): torch records
-    events, makes streams and captures graphs on the current device, and a bench on cuda:1 must
-    time and capture cuda:1's work, not an idle cuda:0."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class Timer:
