@@ -209,7 +209,8 @@ class FitWatch(Ticker):
                     built = None
                 if built is not None:
                     paths.adopt(built)
-                    if cpu:
+                    if nxt is now:  # the host path served already (the cpu mode, a GPU mode on it):
+                        # another one serves now, with what it gained; counted and said as a switch.
                         nxt = Serving("host", False, f"{verdict.why}: the host path", now.switches + 1)
             if nxt.path == "host" and paths.row_copy is None:
                 nxt = Serving(

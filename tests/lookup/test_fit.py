@@ -611,3 +611,68 @@ def test_a_table_over_a_real_cgroups_limit_is_served_on_the_host_path(make_check
     assert stats["host_lookups"] == 64 and stats["kernel_rows"] == 0
     assert stats["row_cache"]["hits"] > 0 and stats["file_reads"] > 0, stats
     assert stats["row_cache"]["bytes"] >= 6 * MiB, stats["row_cache"]
+
+
+GAINS_A_CACHE = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, {tests!r})
+    group = {group!r}
+    def read(name):
+        with open(os.path.join(group, name)) as f:
+            return int(f.read())
+    import numpy as np, torch
+    import ple_um, ple_um.kernels
+    from helpers.machines import GH200, injected_machine
+    from helpers.reference import reference_rows
+    with injected_machine(GH200):
+        assert ple_um.probe(path={directory!r}).mode == "ats"
+    usage = read("memory.current") if {v2} else read("memory.usage_in_bytes")
+    with open(os.path.join(group, "memory.max" if {v2} else "memory.limit_in_bytes"), "w") as f:
+        f.write(str(usage + (24 << 20)))
+    os.environ["PLE_UM_FIT_CHECK_SEC"] = "0"  # the checks made here
+    os.environ["PLE_UM_ROW_CACHE_FRACTION"] = "0"  # no room given to a row cache at open
+    rng = np.random.default_rng({seed})
+    with injected_machine(GH200), ple_um.open_table({directory!r}, mode="ats") as table:
+        opened = table.stats()["serving"]
+        os.environ["PLE_UM_ROW_CACHE_FRACTION"] = "0.5"  # room for one now
+        changed = table.paths.fit.check()
+        hot, bad = rng.integers(0, {rows}, 40), 0
+        for k in range(32):
+            ids = np.concatenate([rng.choice(hot, 12), rng.integers(-2, {rows} + 2, 4)]).astype(np.int64)
+            out = torch.full((16, {dim}), 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            table.lookup(torch.from_numpy(ids), out=out)
+            bad += not np.array_equal(out.view(torch.uint8).numpy(), reference_rows(table.layout, ids))
+        stats = table.stats()
+        print(json.dumps(dict(opened=opened, changed=changed, serving=stats["serving"], bad=bad,
+                              row_cache=stats["row_cache"], row_reads=table.row_reads)))
+    """
+)
+
+
+def test_a_gpu_mode_on_the_host_path_that_gains_a_row_cache_says_so(make_checkpoint, rng):
+    """The ats mode (the injected GH200) over a real cgroup's limit, opened with no room given to a
+    row cache: the host path serves, without one. A later check that builds one (room given) and
+    serves through it is a change of what serves, as in the cpu mode: the check says it changed,
+    the serving's ``why`` names the row cache, the switch is counted. Every lookup exact."""
+    rows, dim = 400_000, 160  # 61 MiB
+    layout = make_checkpoint(
+        num_rows=rows, row_dim=dim, dtype="fp8", shards=4, seed=int(rng.integers(1 << 30))
+    )
+    drop_page_cache(layout)
+    tests = os.path.dirname(os.path.dirname(__file__))
+    seed = int(rng.integers(1 << 30))
+    result = run_limited(
+        "ple-um-fit-gains",
+        lambda group, v2: GAINS_A_CACHE.format(
+            tests=tests, group=group, v2=v2, seed=seed, directory=layout.directory, rows=rows, dim=dim
+        ),
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    opened, serving = result["opened"], result["serving"]
+    assert opened["path"] == "host" and "no row cache" in opened["why"], opened
+    assert result["row_cache"] is not None and "a row cache of" in result["row_reads"], result
+    assert result["changed"] and serving["switches"] == opened["switches"] + 1, result
+    assert serving["path"] == "host" and "a row cache of" in serving["why"], serving
+    assert "no row cache" not in serving["why"], serving
+    assert result["row_cache"]["hits"] > 0 and result["bad"] == 0, result
