@@ -169,7 +169,10 @@ class LookupPaths:
             self.row_reads = f"{self.row_reads}; since: {host.row_reads}"
 
     def _hosts(self) -> list:
-        return [h for h in (*self._retired, self.host) if h is not None]
+        """Every host path, each once: read under ``adopt``'s lock, so that a reading of the counts
+        (the stats reporter's thread) never finds the one replaced both retired and serving."""
+        with self._lock:
+            return [h for h in (*self._retired, self.host) if h is not None]
 
     @property
     def counts_on_host(self) -> bool:

@@ -676,3 +676,49 @@ def test_a_gpu_mode_on_the_host_path_that_gains_a_row_cache_says_so(make_checkpo
     assert serving["path"] == "host" and "a row cache of" in serving["why"], serving
     assert "no row cache" not in serving["why"], serving
     assert result["row_cache"]["hits"] > 0 and result["bad"] == 0, result
+
+
+def test_the_counts_read_while_a_host_path_is_adopted_count_each_path_once(table_files, rng, poison):
+    """The stats reporter reads a table's counts on its own thread while the fit check's thread may
+    adopt a new host path. A reading made at any point of the adoption counts every host path
+    once: a host path counted twice (or not at all) for one reading would be added to the
+    Prometheus counters for good (``LookupMetrics.absorb`` adds each rise). The adoption is stopped
+    at each of its lines (``sys.settrace``) while another thread reads."""
+    import sys
+    import threading
+
+    layout = table_files
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu", rows=OWNED) as table:
+        paths = table.paths
+        decode_lookups(table, layout, rng, poison, 4)
+        rows = paths.read_counts()["rows"]
+        assert rows == 4 * 16
+        built = paths.fit.host_for(False)
+        readers: list[threading.Thread] = []
+        seen: list[int] = []
+
+        def read() -> None:
+            seen.append(paths.read_counts()["rows"])
+
+        def each_line(frame, event, arg):
+            if event == "line":
+                reader = threading.Thread(target=read)
+                reader.start()
+                reader.join(0.05)  # it may wait for the adoption to finish
+                readers.append(reader)
+            return each_line
+
+        def calls(frame, event, arg):
+            return each_line if frame.f_code is type(paths).adopt.__code__ else None
+
+        sys.settrace(calls)
+        try:
+            paths.adopt(built)
+        finally:
+            sys.settrace(None)
+        for reader in readers:
+            reader.join()
+        assert len(seen) == len(readers) >= 2 and seen == [rows] * len(seen), seen
+        assert paths.read_counts()["rows"] == rows and paths.host is built
+        decode_lookups(table, layout, rng, poison, 2)
+        assert paths.read_counts()["rows"] == rows + 2 * 16
