@@ -37,6 +37,7 @@ from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host import misses
 from ple_um.lookup.host.gather import HostGather, warm_row_cache
+from ple_um.lookup.host.signal_check import prepare_device
 from ple_um.lookup.sync_gather import SyncGather
 
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -313,6 +314,8 @@ def build_paths(
         elif needed:
             paths.row_reads = f"the GPU kernel only (no host path: {why})"
     if lib is not None and mode in ("cpu", *fit.SWITCHING_MODES) and envs.PLE_UM_FIT == "auto":
+        if device.type == "cuda":  # the host path a check builds later makes no CUDA call there
+            prepare_device(lib, device)
         paths.fit = fit.FitWatch(
             paths,
             mappings,

@@ -9,6 +9,8 @@ flips.
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -125,3 +127,84 @@ def test_a_captured_page_touch_reads_its_word_at_each_replay(make_checkpoint, rn
             assert all(inside) if word else not any(inside), (word, inside)
             assert host.counts.read()["touches"] == touches
         assert table.stats()["serving"]["page_touches"] == touches
+
+
+FIRST_HOST_PATH_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, threading
+    sys.path.insert(0, sys.argv[2])
+    import numpy as np, torch
+    import ple_um
+    from helpers.reference import reference_rows
+    from ple_um.access import memory
+    from ple_um.lookup import decode
+    from ple_um.lookup.host import signal_check
+    device = torch.device("cuda", torch.cuda.current_device())
+    rng = np.random.default_rng(int(sys.argv[3]))
+    with ple_um.open_table(sys.argv[1], mode="registered", device=device) as table:
+        no_host = table.paths.host is None
+        prepared = device.index in signal_check._verdicts and device in decode._on_device
+        n = 64
+        ids = torch.zeros(n, dtype=torch.int64, device=device)
+        out = torch.empty((n, table.row_dim), dtype=table.dtype, device=device)
+        table.lookup(ids, out=out)  # warm: the kernel's launcher made outside the capture
+        torch.cuda.synchronize()
+        memory.fits = lambda *a, **k: (False, "the owned rows do not fit (forced)")
+        checked = []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # the fit check's thread builds the first host path meanwhile
+            table.lookup(ids, out=out)
+            worker = threading.Thread(target=lambda: checked.append(table.paths.fit.check()))
+            worker.start()
+            worker.join()
+        bad = 0
+        for k in range(4):
+            ids_np = rng.integers(-2, table.num_rows + 2, n)
+            ids.copy_(torch.from_numpy(ids_np))
+            out.view(torch.uint8).fill_(0xAB)
+            graph.replay()  # the kernel, as captured
+            eager = table.lookup(ids)  # the host path now
+            torch.cuda.synchronize()
+            expect = reference_rows(table.layout, ids_np)
+            for got in (out, eager):
+                bad += not np.array_equal(got.view(torch.uint8).cpu().numpy(), expect)
+        stats = table.stats()
+        print(json.dumps(dict(no_host=no_host, prepared=prepared, checked=checked, bad=bad,
+                              serving=stats["serving"], row_cache=stats["row_cache"])))
+    """
+)
+
+
+def test_the_fit_checks_first_host_path_makes_no_cuda_call_on_its_thread(tables, rng):
+    """``PLE_UM_BULK_ROWS=0`` in the registered mode: a table that fits has no host path at open,
+    so the fit check's thread builds the first one. What a host path needs of the device once (the
+    E2M1 values, the dispatcher's signals check: allocations, a pinned buffer, a stream, stream
+    queries) is made at open, on the opening thread, with the device current: the check's build,
+    made here while the main thread captures a CUDA graph, leaves the capture intact. In a fresh
+    process, where nothing of the device was made before: the graph captured then replays exactly,
+    and so do the eager lookups on the host path built."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.dirname(__file__))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FIRST_HOST_PATH_CHILD,
+            tables["fp8"].directory,
+            tests,
+            str(rng.integers(1 << 30)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PLE_UM_FIT_CHECK_SEC": "0", "PLE_UM_BULK_ROWS": "0"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["no_host"] and result["prepared"], result
+    assert result["checked"] == [True] and result["serving"]["path"] == "host", result
+    assert result["row_cache"] is not None and result["bad"] == 0, result

@@ -39,14 +39,13 @@ import time
 import numpy as np
 import torch
 
-from ple_um import envs
 from ple_um.kernels.launch import current_stream
 from ple_um.lookup import rowcopy
 from ple_um.lookup.counts import path_counts
-from ple_um.lookup.decode import decode_staged, e2m1_values
+from ple_um.lookup.decode import decode_staged
 from ple_um.lookup.host import cuda
 from ple_um.lookup.host.misses import MissPlan, RowSources
-from ple_um.lookup.host.signal_check import signals_work
+from ple_um.lookup.host.signal_check import prepare_device
 from ple_um.lookup.streams import own_stream, relaxed_capture_mode
 from ple_um.mapping import MappedShards
 
@@ -106,20 +105,14 @@ class HostGather:
         self.enqueue_seconds = 0.0  # host seconds spent queuing lookups (eager calls)
         self._run = rowcopy.function_address(lib, "ple_lookup_run")
         self._wake = rowcopy.function_address(lib, "ple_pool_wake")
-        self._driver = cuda.CudaDriver.get() if self.cuda else None
+        self._driver = None
         self.index = device.index
         self._streams: dict[int, cuda.StreamState] = {}
         self._captured: list[tuple[object, ...]] = []  # job structs and buffers of captured lookups
         self._lock = threading.Lock()
         self.dispatcher = False  # eager lookups through the dispatcher thread (else host nodes)
         if self.cuda:
-            e2m1_values(device)  # on the device before any capture needs it
-            if not envs.PLE_UM_DISPATCHER:
-                why = "PLE_UM_DISPATCHER=0"
-            elif not lib.ple_dispatch_start():
-                why = "the dispatcher thread could not be started"
-            else:
-                why = signals_work(self._driver, device)
+            self._driver, why = prepare_device(lib, device)
             self.dispatcher = why is None
         # The C code's view of the rows (and block scales), with their row cache and reader: made
         # last, once the driver and the signals check (which may raise) are done, so that a build

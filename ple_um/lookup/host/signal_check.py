@@ -1,5 +1,7 @@
 """Whether a device's streams and ple-um's dispatcher thread can signal each other, checked once
-per device when a host path is built (``signals_work``): a stream writes a ready word in pinned
+per device (``signals_work``) with the rest of what a host path needs of the device
+(``prepare_device``: when a host path is built, or at the open of a table whose fit check may
+build one later on its own thread): a stream writes a ready word in pinned
 memory and waits on a done word this process writes afterwards (``cuda.py`` says how eager lookups
 use the words). Where they do not work, eager lookups are host nodes and the table's ``row_reads``
 says why. A stream that never sees the host's write would wait for ever, and so would every later
@@ -15,6 +17,8 @@ import time
 
 import torch
 
+from ple_um import envs
+from ple_um.lookup.decode import e2m1_values
 from ple_um.lookup.host.cuda import (
     CUDA_ERROR_NOT_READY,
     CUDA_SUCCESS,
@@ -34,6 +38,26 @@ _verdicts: dict[int, str | BaseException] = {}
 # Pinned words a blocked stream may still wait on: never freed (freed memory could be handed out
 # and written again, releasing or corrupting the wait).
 _stranded: list[torch.Tensor] = []
+
+
+def prepare_device(lib, device: torch.device) -> tuple[CudaDriver, str | None]:
+    """What every host path on CUDA ``device`` needs, made once per device and process, with
+    ``device`` current: the driver's binding, the E2M1 values on the device (before any capture
+    needs them), the dispatcher thread and the check that the device's streams and it can signal
+    each other. The driver, and None where eager lookups go through the dispatcher, else why they
+    are host nodes. Only the first call for a device makes CUDA calls (an allocation, a pinned
+    buffer, a stream, the signals' round trip): ``build_paths`` makes it on the opening thread
+    wherever a fit check may build the table's first host path later, on its own thread, where
+    another thread may be capturing a CUDA graph (such calls there would break the capture) and
+    another device may be current."""
+    driver = CudaDriver.get()
+    with torch.cuda.device(device):
+        e2m1_values(device)
+        if not envs.PLE_UM_DISPATCHER:
+            return driver, "PLE_UM_DISPATCHER=0"
+        if not lib.ple_dispatch_start():
+            return driver, "the dispatcher thread could not be started"
+        return driver, signals_work(driver, device)
 
 
 def signals_work(driver: CudaDriver, device: torch.device) -> str | None:
