@@ -134,9 +134,9 @@ def choose(now: Serving | None, verdict: Verdict, *, touch_knob: str, touch_here
     if on_host and verdict.fits_with_margin or not on_host and verdict.fits:
         if touch_knob != "auto" or not touch_here:
             touch = touch_knob == "on"
-        elif verdict.exact or now is None:
+        elif now is None:
             touch = verdict.resident < verdict.owned
-        else:
+        else:  # hysteresis, also where every page was counted: a few pages out come back at a touch
             touch = now.touch and verdict.resident < verdict.owned or 1 - verdict.share > TOUCH_FROM
         why = f"{verdict.why}: the kernel" + (", a page touch before it (not all in memory)" if touch else "")
         return Serving("kernel", touch, why, switches + int(on_host))

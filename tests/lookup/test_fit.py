@@ -722,3 +722,21 @@ def test_the_counts_read_while_a_host_path_is_adopted_count_each_path_once(table
         assert paths.read_counts()["rows"] == rows and paths.host is built
         decode_lookups(table, layout, rng, poison, 2)
         assert paths.read_counts()["rows"] == rows + 2 * 16
+
+
+def test_the_touch_keeps_its_hysteresis_where_every_page_is_counted():
+    """A table of at most ``FULL_SCAN_PAGES`` pages is measured exactly at each check (every page,
+    not a sample): the touch still starts only past ``TOUCH_FROM`` of its pages out and stops only
+    when none is, as for a sampled one. A page or two that the kernel reclaims from a table that
+    fits do not turn on a host node before every kernel (and a log line at every check that sees
+    them come and go). At open, any page out turns it on, as before."""
+    kind = dict(touch_knob="auto", touch_here=True)
+    resident = choose(None, _verdict(True, True, 1.0, exact=True), **kind)
+    assert resident.touch is False
+    assert choose(None, _verdict(True, True, 0.999, exact=True), **kind).touch is True  # at open
+    one_out = choose(resident, _verdict(True, True, 0.999, exact=True), **kind)
+    assert one_out.touch is False and one_out == resident
+    many_out = choose(resident, _verdict(True, True, 1 - 2 * fit.TOUCH_FROM, exact=True), **kind)
+    assert many_out.touch is True
+    assert choose(many_out, _verdict(True, True, 0.999, exact=True), **kind).touch is True
+    assert choose(many_out, _verdict(True, True, 1.0, exact=True), **kind).touch is False
