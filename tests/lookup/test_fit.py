@@ -529,7 +529,11 @@ def test_the_probe_of_a_table_says_what_its_open_serves(table_files, memory_left
 
 
 # -- a real memory cgroup ------------------------------------------------------------------------------
-CHILD = textwrap.dedent(
+# The start of a child under a real memory cgroup: the ats mode's first read (a child process) made
+# before the limit, then the limit: what this process holds now and 24 MiB more, under the table's
+# 61 MiB; ``lookups(table, rng, count)``: decode-sized lookups of hot ids and ids outside the table
+# into poisoned outputs, the number that differ from the files.
+LIMITED = textwrap.dedent(
     """
     import json, os, sys
     sys.path.insert(0, {tests!r})
@@ -541,12 +545,23 @@ CHILD = textwrap.dedent(
     import ple_um, ple_um.kernels
     from helpers.machines import GH200, injected_machine
     from helpers.reference import reference_rows
-    with injected_machine(GH200):  # the ats mode's first read (a child process) made before the limit
+    with injected_machine(GH200):
         assert ple_um.probe(path={directory!r}).mode == "ats"
-    # The limit: what this process holds now and 24 MiB more, under the table's 61 MiB.
     usage = read("memory.current") if {v2} else read("memory.usage_in_bytes")
     with open(os.path.join(group, "memory.max" if {v2} else "memory.limit_in_bytes"), "w") as f:
         f.write(str(usage + (24 << 20)))
+    def lookups(table, rng, count):
+        hot, bad = rng.integers(0, {rows}, 40), 0
+        for k in range(count):
+            ids = np.concatenate([rng.choice(hot, 12), rng.integers(-2, {rows} + 2, 4)]).astype(np.int64)
+            out = torch.full((16, {dim}), 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            table.lookup(torch.from_numpy(ids), out=out)
+            bad += not np.array_equal(out.view(torch.uint8).numpy(), reference_rows(table.layout, ids))
+        return bad
+    """
+)
+CHILD = LIMITED + textwrap.dedent(
+    """
     if {filler!r}:  # another file read first: its page cache fills the group up to its limit
         with open({filler!r}, "rb") as f:
             while f.read(1 << 20):
@@ -554,13 +569,7 @@ CHILD = textwrap.dedent(
     rng = np.random.default_rng({seed})
     with injected_machine(GH200), ple_um.open_table({directory!r}, mode="ats") as table:
         serving = table.stats()["serving"]
-        hot = rng.integers(0, {rows}, 40)
-        bad = 0
-        for k in range(64):
-            ids = np.concatenate([rng.choice(hot, 12), rng.integers(-2, {rows} + 2, 4)]).astype(np.int64)
-            out = torch.full((16, {dim}), 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn)
-            table.lookup(torch.from_numpy(ids), out=out)
-            bad += not np.array_equal(out.view(torch.uint8).numpy(), reference_rows(table.layout, ids))
+        bad = lookups(table, rng, 64)
         stats = table.stats()
         print(json.dumps(dict(serving=serving, bad=bad, stats=dict(
             host_lookups=stats["host_lookups"], file_reads=stats["file_reads"],
@@ -613,23 +622,8 @@ def test_a_table_over_a_real_cgroups_limit_is_served_on_the_host_path(make_check
     assert stats["row_cache"]["bytes"] >= 6 * MiB, stats["row_cache"]
 
 
-GAINS_A_CACHE = textwrap.dedent(
+GAINS_A_CACHE = LIMITED + textwrap.dedent(
     """
-    import json, os, sys
-    sys.path.insert(0, {tests!r})
-    group = {group!r}
-    def read(name):
-        with open(os.path.join(group, name)) as f:
-            return int(f.read())
-    import numpy as np, torch
-    import ple_um, ple_um.kernels
-    from helpers.machines import GH200, injected_machine
-    from helpers.reference import reference_rows
-    with injected_machine(GH200):
-        assert ple_um.probe(path={directory!r}).mode == "ats"
-    usage = read("memory.current") if {v2} else read("memory.usage_in_bytes")
-    with open(os.path.join(group, "memory.max" if {v2} else "memory.limit_in_bytes"), "w") as f:
-        f.write(str(usage + (24 << 20)))
     os.environ["PLE_UM_FIT_CHECK_SEC"] = "0"  # the checks made here
     os.environ["PLE_UM_ROW_CACHE_FRACTION"] = "0"  # no room given to a row cache at open
     rng = np.random.default_rng({seed})
@@ -637,12 +631,7 @@ GAINS_A_CACHE = textwrap.dedent(
         opened = table.stats()["serving"]
         os.environ["PLE_UM_ROW_CACHE_FRACTION"] = "0.5"  # room for one now
         changed = table.paths.fit.check()
-        hot, bad = rng.integers(0, {rows}, 40), 0
-        for k in range(32):
-            ids = np.concatenate([rng.choice(hot, 12), rng.integers(-2, {rows} + 2, 4)]).astype(np.int64)
-            out = torch.full((16, {dim}), 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn)
-            table.lookup(torch.from_numpy(ids), out=out)
-            bad += not np.array_equal(out.view(torch.uint8).numpy(), reference_rows(table.layout, ids))
+        bad = lookups(table, rng, 32)
         stats = table.stats()
         print(json.dumps(dict(opened=opened, changed=changed, serving=stats["serving"], bad=bad,
                               row_cache=stats["row_cache"], row_reads=table.row_reads)))
