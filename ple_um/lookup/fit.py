@@ -20,7 +20,10 @@ The rule (docs/OPERATING.md, "Memory"):
   already queued on a stream stays ordered before it, and a graph captured before keeps what it
   captured (every path a table ever had stays alive until it closes). The touch alone also
   reaches such graphs: under ``auto`` a captured kernel lookup always holds a touch that runs
-  only while its table's word says so (``LookupPaths.touch_live``).
+  only while its table's word says so (``LookupPaths.touch_live``). Such a capture also checks
+  first where the last check is older than ``CAPTURE_CHECK_AGE`` (``FitWatch.check_at_capture``):
+  an engine captures its graphs right after its KV cache took the memory, and a graph captured
+  then on the host path reaches the row cache at every replay.
 Where the host path that serves a table that stopped fitting has no row cache (the table fit at
 open), ``FitWatch`` builds one on its own thread (a new host path, sized from the memory left
 then) and switches once it is ready; the old path stays for the graphs that captured it.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +56,9 @@ FULL_SCAN_PAGES = 1 << 15
 FIT_MARGIN = 0.9  # back from the host path only when the table fits in this share of the room
 TOUCH_FROM = 1 / 64  # the touch starts when more than this share of the sampled pages are out
 SWITCHING_MODES = ("ats", "registered")
+# A lookup captured on the kernel checks again first where the last check is older than this
+# (``FitWatch.check_at_capture``): the first capture after the memory changed sees it.
+CAPTURE_CHECK_AGE = 0.1
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,7 @@ class FitWatch(Ticker):
         self.touch_knob, self.touch_here, self.host_for = touch_knob, touch_here, host_for
         self.rng = np.random.default_rng(seed)
         self.checks = 0
+        self.checked_at = time.monotonic()  # the open measured the fit just now
         self._lock = threading.Lock()  # one check at a time (the thread's, a caller's)
 
     def tick_failed(self, exc: Exception) -> None:
@@ -194,6 +202,7 @@ class FitWatch(Ticker):
             paths = self.paths
             now = paths.serving
             verdict = measure(self.mappings, pinned=self.pinned, rng=self.rng)
+            self.checked_at = time.monotonic()
             cpu = paths.gpu is None  # the cpu mode: always the host path; it can only gain a row cache
             nxt = now if cpu else choose(now, verdict, touch_knob=self.touch_knob, touch_here=self.touch_here)
             host = paths.row_copy
@@ -225,6 +234,15 @@ class FitWatch(Ticker):
             return True
 
     tick = check  # the thread's check is the one a caller can make now
+
+    def check_at_capture(self) -> None:
+        """A check now, on the capturing thread, where checks run at all (a positive interval) and
+        the last one is older than ``CAPTURE_CHECK_AGE``: a graph keeps the path it captured, and
+        an engine captures its graphs once, right after its KV cache took the memory a table fit
+        in (vLLM at start-up), sooner than the thread's next check. What it builds makes no CUDA
+        call (``build_paths`` prepared the device at open), so the capture stays intact."""
+        if self.interval > 0 and time.monotonic() - self.checked_at >= CAPTURE_CHECK_AGE:
+            self.check()
 
     def close(self) -> None:
         super().close()

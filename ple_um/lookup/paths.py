@@ -14,7 +14,9 @@ page touch queued before each kernel (``PLE_UM_ATS_PREFETCH``). ``lookup.fit`` d
 open and again while the table serves (``serving``); ``LookupPaths.route`` sends each lookup
 down the one that serves it. Under ``auto`` a captured kernel lookup holds the touch whatever was
 decided then, a touch that runs only while ``touch_live`` says so when it runs: replays of a graph
-captured while the table was resident touch once it is evicted. Every path reports the same
+captured while the table was resident touch once it is evicted; and such a capture checks the fit
+first where the last check is stale, so that a graph captured right after the memory ran short
+captures the host path. Every path reports the same
 counts (``read_counts``), so the table adds them up without asking which path it holds.
 
 Before it is routed, a lookup's arguments are checked (``check_args``: ``lookup``, ``lookup_packed``
@@ -91,7 +93,9 @@ class LookupPaths:
     host path; ``touch_pages``: a page touch on the host path is queued before each kernel;
     ``touch_live``: under ``PLE_UM_ATS_PREFETCH=auto`` in the ats mode on a GPU, the word (one
     int32, read by the touch's row copy when it runs) saying whether a kernel's pages are to be
-    touched now, else None; ``serving``: which of them and why
+    touched now, else None; ``capture_checks``: a lookup captured on the kernel first has the fit
+    checked again (``FitWatch.check_at_capture``; where there is a ``touch_live`` word and fit
+    checks, whose captures are told apart already); ``serving``: which of them and why
     (``fit.Serving``), kept by ``fit`` (``FitWatch``, or None where nothing is decided again);
     ``capture_safe``: every lookup is stream-ordered work; ``row_reads``: how rows are read, in
     words, for the open's log line. A host path replaced (``adopt``) stays until ``close``: graphs
@@ -115,6 +119,7 @@ class LookupPaths:
         self.serving = fit.Serving("host" if gpu is None else "kernel", False, "")
         self.touch_live: np.ndarray | None = None
         self.fit: fit.FitWatch | None = None
+        self.capture_checks = False
         self.capture_safe = not isinstance(host, SyncGather)
         self._retired: list[HostGather] = []
         self._lock = threading.Lock()
@@ -133,12 +138,18 @@ class LookupPaths:
         """The one routing of a lookup: contiguous ``ids`` on the table's device into contiguous ``out``
         (the kernel reads both by address, the host path flat): the host path while ``decode_on_host``
         (``lookup.fit``) or for ``bulk_rows`` ids or more; with ``touch_pages`` a page touch first,
-        and with ``touch_live`` one in every capture (run while its word says so)."""
+        and with ``touch_live`` one in every capture (run while its word says so). With
+        ``capture_checks`` a capture on the kernel checks the fit first, and takes the host path
+        where the check switched to it."""
         n = ids.numel()
         if not self.decode_on_host and (self.bulk_rows is None or n < self.bulk_rows):
-            if self.touch_pages or self.touch_live is not None and self._live_capture():
-                self.touch(ids.view(-1))
-            return self.gpu.gather(ids, out)
+            live = (self.touch_live is not None or self.capture_checks) and self._live_capture()
+            if live and self.capture_checks:  # may switch this and later lookups to the host path
+                self.fit.check_at_capture()
+            if not self.decode_on_host:
+                if self.touch_pages or live and self.touch_live is not None:
+                    self.touch(ids.view(-1))
+                return self.gpu.gather(ids, out)
         self.host.gather(ids.view(-1), out.view(n, out.shape[-1]))
         return out
 
@@ -325,6 +336,7 @@ def build_paths(
             touch_here=touch_here,
             host_for=host_for,
         )
+        paths.capture_checks = paths.touch_live is not None  # a capture's lookups see it already
     return paths
 
 

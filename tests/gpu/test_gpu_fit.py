@@ -91,6 +91,52 @@ def test_graphs_captured_before_and_after_a_switch_both_replay_exactly(
             assert stats["serving"]["page_touches"] == 0
 
 
+@pytest.mark.parametrize("n", [16, 1024])
+def test_a_capture_checks_the_fit_and_captures_the_host_path_it_built(
+    tables, n, ids_for, rng, device, monkeypatch
+):
+    """The table stops fitting between two fit checks (checks every hour here), as an engine's KV
+    cache takes the memory right before it captures its graphs: the capture's first lookup checks
+    again (``FitWatch.check_at_capture``; the ats mode's captures do, which this GPU has not: the
+    registered mode's are watched here by setting ``capture_checks``), builds the host path with a
+    row cache inside the real capture, which stays intact, and captures it; its replays with new
+    ids are exact and run the host path, never the kernel."""
+    from ple_um.lookup import fit
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "3600")
+    monkeypatch.setenv("PLE_UM_BULK_ROWS", "100000")  # every lookup here is decode-sized
+    monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 0.0)
+    layout = tables["fp8"]
+    with ple_um.open_table(layout.directory, mode="registered", device=device) as table:
+        assert table.stats()["serving"]["path"] == "kernel" and table.stats()["row_cache"] is None
+        table.paths.capture_checks = True
+        ids = torch.zeros(n, dtype=torch.int64, device=device)
+        out = torch.empty((n, layout.row_dim), dtype=torch.bfloat16, device=device)
+        table.lookup(ids, out=out)  # warm, on the kernel
+        torch.cuda.synchronize()
+        monkeypatch.setattr(memory, "fits", lambda *a, **k: (False, "the owned rows do not fit (forced)"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            table.lookup(ids, out=out)
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and serving["switches"] == 1 and table.paths.fit.checks == 1, serving
+        assert table.stats()["row_cache"] is not None, table.row_reads
+        kernel_rows = table.paths.gpu.read_counts()["rows"]
+        host_lookups = table.stats()["host_lookups"]
+        hot = rng.integers(0, layout.num_rows, 64)
+        for k in range(6):
+            ids_np = ids_for(layout, n, rng) if k % 2 else rng.choice(hot, n)
+            ids.copy_(torch.from_numpy(ids_np))
+            out.view(torch.uint8).fill_(0xAB)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert same(out, want(layout, ids_np, torch.bfloat16)), f"replay {k}"
+        stats = table.stats()
+        assert table.paths.gpu.read_counts()["rows"] == kernel_rows  # the kernel captured nothing
+        assert stats["host_lookups"] == host_lookups + 6
+        assert stats["row_cache"]["hits"] > 0, stats
+
+
 def test_a_captured_page_touch_reads_its_word_at_each_replay(make_checkpoint, rng, device):
     """The ats mode's live touch (``LookupPaths.touch_live``) as a CUDA graph replays it: the host
     node of a touch captured once, replayed with new ids while its word is flipped, the table's

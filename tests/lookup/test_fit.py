@@ -384,6 +384,61 @@ def test_a_captured_kernel_lookup_holds_a_live_page_touch(
         assert paths.fit.check() and paths.serving.path == "kernel" and live[0] == 0
 
 
+def test_a_capture_checks_the_fit_first_and_takes_the_host_path_it_switched_to(
+    table_files, machine, memory_left, monkeypatch, rng, poison
+):
+    """The injected GH200's ats mode on a GPU (``touch_setting`` told so), fit checks every hour:
+    the memory runs short between two checks, as an engine's KV cache takes it right before the
+    engine captures its graphs. An eager lookup keeps the kernel until the next check; the first
+    lookup captured on the kernel checks first, and it and the later ones are captured on the host
+    path with its row cache, every row exact. A check younger than ``CAPTURE_CHECK_AGE`` is not
+    made again, nor is one where checks are off (``PLE_UM_FIT_CHECK_SEC=0``)."""
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "3600")  # the thread's checks never come here
+    on_gpu = fit.touch_setting
+    monkeypatch.setattr(fit, "touch_setting", lambda mode, cuda: on_gpu(mode, cuda=True))
+    capture = Capture(monkeypatch)
+    layout = table_files
+    machine(GH200)
+    with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
+        paths = table.paths
+        assert paths.capture_checks and paths.serving.path == "kernel"
+        table.mapping.populate()
+        decode_lookups(table, layout, rng, poison, 1)
+        memory_left.machine = 1 * MiB  # short now; no check has seen it
+        decode_lookups(table, layout, rng, poison, 2)  # eager: the kernel, no check
+        checks = paths.fit.checks
+        assert paths.serving.path == "kernel" and checks == 0
+        monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 3600.0)  # the open's measure is fresh
+        capture.on = True
+        decode_lookups(table, layout, rng, poison, 1)
+        assert paths.fit.checks == 0 and paths.serving.path == "kernel"
+        monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 0.0)
+        kernel_rows = paths.gpu.read_counts()["rows"]
+        host_before = table.stats()["host_lookups"]
+        decode_lookups(table, layout, rng, poison, 8)  # captured: the first checks and switches
+        capture.on = False
+        serving = table.stats()["serving"]
+        assert paths.fit.checks == 1 and serving["path"] == "host" and serving["switches"] == 1, serving
+        assert "a row cache of" in serving["why"], serving
+        stats = table.stats()
+        assert stats["host_lookups"] - host_before == 8 and paths.gpu.read_counts()["rows"] == kernel_rows
+        assert stats["row_cache"]["hits"] > 0, stats
+
+
+def test_no_capture_check_where_checks_are_off(table_files, machine, memory_left, monkeypatch, rng, poison):
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")
+    on_gpu = fit.touch_setting
+    monkeypatch.setattr(fit, "touch_setting", lambda mode, cuda: on_gpu(mode, cuda=True))
+    monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 0.0)
+    capture = Capture(monkeypatch)
+    machine(GH200)
+    with ple_um.open_table(table_files.directory, mode="ats", rows=OWNED) as table:
+        memory_left.machine = 1 * MiB
+        capture.on = True
+        decode_lookups(table, table_files, rng, poison, 2)
+        assert table.paths.fit.checks == 0 and table.paths.serving.path == "kernel"
+
+
 def test_the_cpu_mode_gains_a_row_cache_when_the_table_stops_fitting(
     table_files, memory_left, monkeypatch, rng, poison
 ):
