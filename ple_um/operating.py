@@ -157,12 +157,11 @@ def row_cache_plan(mapping: MappedShards, scale_mapping: MappedShards | None = N
     """The row cache and the reader of misses the host path of a table opened now, under these
     knobs, would take (``lookup.host.misses.plan``). A serving process's own cache lives in that
     process: its ``stats()["row_cache"]``, stats line and ``vllm:ple_um_row_cache_*`` metrics."""
-    from ple_um import envs
     from ple_um.errors import KnobError
     from ple_um.lookup import fit, rowcopy
     from ple_um.lookup.host import misses
 
-    lib, why = rowcopy.load(envs.PLE_UM_CACHE_DIR) if envs.PLE_UM_ROWCOPY else (None, "PLE_UM_ROWCOPY=0")
+    lib, why = rowcopy.for_open()
     if lib is None:
         return {"bytes": 0, "why": f"no row cache: the C row copy is not built here ({why})"}
     try:

@@ -44,6 +44,7 @@ from ple_um import envs
 from ple_um.access import memory
 from ple_um.checkpoint import ShardLayout
 from ple_um.errors import KnobError
+from ple_um.lookup import rowcopy, sync_gather
 from ple_um.lookup.host import misses
 from ple_um.mapping import PAGE, MappedShards
 from ple_um.residency import resident_pages
@@ -256,9 +257,27 @@ def _gains(built, host) -> bool:
     return built.rows.cache is not None or built.rows.reader is not None and host.rows.reader is None
 
 
+def no_host_path(serving: Serving, verdict: Verdict, why: str) -> Serving:
+    """What a GPU mode's open serves with where ``serving`` was chosen (``choose``) but no host path
+    can be built (``why``: the C row copy cannot be had): the kernel, with no page touch (the touch
+    is the host path's work), saying what was given up."""
+    if serving.path == "host":
+        said = f"{verdict.why}, but there is no host path here: {why}"
+    elif serving.touch:
+        said = f"{verdict.why}: the kernel, no page touch before it (no host path here: {why})"
+    else:
+        return serving
+    return Serving("kernel", False, said, serving.switches)
+
+
 def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
     """What an open of ``layout``'s table in ``mode`` would serve its decode-sized lookups with now
-    (``ple-um probe DIR``): its files mapped, not read, to measure the fit."""
+    (``ple-um probe DIR``): its files mapped, not read, to measure the fit; the C row copy loaded
+    as the open loads it (``rowcopy.for_open``: without it, no row cache and, in a GPU mode, no host
+    path)."""
+    if mode == "device":
+        return Serving("kernel", False, "the device mode: the rows are in GPU memory")
+    lib, no_lib = rowcopy.for_open()
     with contextlib.ExitStack() as stack:
         mappings = [stack.enter_context(MappedShards(layout))]
         if layout.has_block_scales:
@@ -266,16 +285,19 @@ def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
         owned = sum(m.mapped_bytes for m in mappings)
         verdict = measure(mappings, pinned=owned if mode == "registered" else 0)
         scales = mappings[1] if len(mappings) > 1 else None
-        try:  # a host path's row cache as the open would size it (misses.plan)
-            cache = misses.row_cache(mappings[0], scales, spills=not verdict.fits)[2]
-        except KnobError as exc:  # a size past the memory left
-            cache = f"an open now would be refused: {exc}"
+        if lib is None:  # the cpu mode's synchronous path: no row cache
+            cache = f"no row cache: {sync_gather.row_reads(no_lib)}"
+        else:
+            try:  # a host path's row cache as the open would size it (misses.plan)
+                cache = misses.row_cache(mappings[0], scales, spills=not verdict.fits)[2]
+            except KnobError as exc:  # a size past the memory left
+                cache = f"an open now would be refused: {exc}"
     if mode == "cpu":
         return Serving("host", False, f"{verdict.why}: the cpu mode's host path, {cache}")
-    if mode == "device":
-        return Serving("kernel", False, "the device mode: the rows are in GPU memory")
     knob, here = touch_setting(mode, cuda=cuda)
     serving = choose(None, verdict, touch_knob=knob, touch_here=here)
+    if lib is None:
+        return no_host_path(serving, verdict, no_lib)
     return Serving("host", False, f"{serving.why}, {cache}") if serving.path == "host" else serving
 
 

@@ -276,7 +276,7 @@ def build_paths(
     copy builds (its self-test failed)."""
     mode, device = access.mode, access.device
     mapping, scale_mapping = access.mapping, access.scale_mapping
-    lib, why = rowcopy.load(envs.PLE_UM_CACHE_DIR) if envs.PLE_UM_ROWCOPY else (None, "PLE_UM_ROWCOPY=0")
+    lib, why = rowcopy.for_open()
     if not row_copy and lib is not None:
         lib, why = None, "the host node's self-test failed"
     if mode == "device":
@@ -311,11 +311,11 @@ def build_paths(
         # or every lookup (spilled).
         bulk = device.type == "cuda" and envs.PLE_UM_BULK_ROWS != 0
         needed = bulk or serving.touch or paths.touch_live is not None or serving.path == "host"
-        if lib is not None and needed:
+        if lib is None:
+            serving = fit.no_host_path(serving, verdict, why)
+        elif needed:
             paths.host = host_for(serving.path == "host")
-        if serving.path == "host" and paths.host is None:
-            serving = fit.Serving("kernel", False, f"{verdict.why}, but there is no host path here: {why}")
-        elif serving.path == "host":
+        if serving.path == "host":
             serving = fit.Serving("host", False, f"{serving.why}, {fit.host_words(paths.host)}")
         paths.set_serving(serving)
         if paths.decode_on_host:

@@ -28,6 +28,7 @@ import threading
 import numpy as np
 import torch
 
+from ple_um import envs
 from ple_um.lookup import native_library
 from ple_um.mapping import MappedShards
 
@@ -186,6 +187,15 @@ def load(cache_dir: str) -> tuple[ctypes.CDLL | None, str]:
         if cache_dir not in _loaded:
             _loaded[cache_dir] = native_library.find(cache_dir, _declare)
         return _loaded[cache_dir]
+
+
+def for_open() -> tuple[ctypes.CDLL | None, str]:
+    """The row copy a table opened now takes (``load`` under ``PLE_UM_CACHE_DIR``), or None and why
+    not (``PLE_UM_ROWCOPY=0`` among the reasons): what ``build_paths`` builds the host path with, and
+    what ``ple-um probe DIR`` and ``residency`` describe."""
+    if not envs.PLE_UM_ROWCOPY:
+        return None, "PLE_UM_ROWCOPY=0"
+    return load(envs.PLE_UM_CACHE_DIR)
 
 
 def function_address(lib: ctypes.CDLL, name: str) -> int:

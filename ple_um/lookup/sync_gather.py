@@ -57,6 +57,11 @@ class MappedRows:
         return rows, broken
 
 
+def row_reads(why: str) -> str:
+    """How this path reads rows, in words, where the C row copy cannot be had (``why``)."""
+    return f"torch.index_select, synchronous ({why})"
+
+
 class SyncGather:
     """The synchronous host path of the ``cpu`` mode: reads the rows (and an NVFP4 or MXFP8 table's
     block scales, ``scale_mapping``), dequantizes or decodes them, and counts its lookups (on the
@@ -80,7 +85,7 @@ class SyncGather:
         self.chunk = max(1, chunk)
         self.rows = MappedRows(mapping)
         self.sources = [self.rows] + ([MappedRows(scale_mapping)] if scale_mapping is not None else [])
-        self.row_reads = f"torch.index_select, synchronous ({why})"
+        self.row_reads = row_reads(why)
         self.counts = {"rows": 0, "out_of_range": 0, "broken": 0, "lookups": 0}
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.metrics = None  # the table's LookupMetrics, fed at each lookup (set once it serves)

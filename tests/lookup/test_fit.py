@@ -583,6 +583,40 @@ def test_the_probe_of_a_table_says_what_its_open_serves(table_files, memory_left
     assert plan is not None or not cached
 
 
+@pytest.mark.parametrize("room", [64 << 30, MiB, 2048], ids=["fits", "spills", "no-room"])
+@pytest.mark.parametrize("knob", [None, "512KiB"], ids=["auto", "sized"])
+@pytest.mark.parametrize("mode", ["cpu", "ats"])
+def test_the_probe_without_the_c_row_copy_says_what_its_open_serves(
+    table_files, machine, memory_left, monkeypatch, room, knob, mode
+):
+    """Where the C row copy cannot be had (``PLE_UM_ROWCOPY=0``), ``fit.at_open`` (``ple-um probe
+    DIR``) says what the open then serves with: the cpu mode's synchronous path and no row cache
+    (never one sized by the fit or the knob, never a refusal the open does not make); in the ats
+    mode the kernel, no host path, in the open's own words; no page touch on a GPU."""
+    monkeypatch.setenv("PLE_UM_ROWCOPY", "0")
+    if knob is not None:
+        monkeypatch.setenv("PLE_UM_ROW_CACHE", knob)
+    memory_left.machine = room
+    machine(GH200)
+    said = fit.at_open(table_files, mode, cuda=False)
+    with ple_um.open_table(table_files.directory, mode=mode, device="cpu") as table:
+        serving, cache, reads = table.stats()["serving"], table.stats()["row_cache"], table.row_reads
+    assert cache is None and "row cache of" not in said.why and "refused" not in said.why, said.why
+    assert (said.path, said.touch) == (serving["path"], serving["page_touch"]), (said, serving)
+    if mode == "cpu":
+        assert said.why == f"{serving['why']}, no row cache: {reads}", (said.why, serving, reads)
+        assert reads == "torch.index_select, synchronous (PLE_UM_ROWCOPY=0)", reads
+    else:
+        assert said.why == serving["why"] and said.path == "kernel", (said.why, serving)
+        assert ("no host path here: PLE_UM_ROWCOPY=0" in said.why) == (room != 64 << 30), said.why
+    if mode == "ats":  # on a GPU the touch would be queued on the host path: there is none
+        monkeypatch.setenv("PLE_UM_ATS_PREFETCH", "on")
+        said = fit.at_open(table_files, mode, cuda=True)
+        assert said.path == "kernel" and not said.touch, said
+        gave_up = "no page touch before it (no host path here: PLE_UM_ROWCOPY=0)"
+        assert room != 64 << 30 or said.why.endswith(gave_up), said.why
+
+
 # -- a real memory cgroup ------------------------------------------------------------------------------
 # The start of a child under a real memory cgroup: the ats mode's first read (a child process) made
 # before the limit, then the limit: what this process holds now and 24 MiB more, under the table's
