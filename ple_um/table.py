@@ -252,31 +252,7 @@ class MappedTable:
         reader of misses, bytes, memory, the row cache, what serves decode-sized lookups; ``sync`` first
         waits for the device, so that every lookup queued before is in the figures."""
         with self._in_use():
-            return self._stats(sync)
-
-    def _stats(self, sync: bool) -> dict:
-        """``stats()`` without holding the table open: what its watch reads, until ``close()`` takes
-        the watch's last reading, after the wait for the lookups in flight and before the release."""
-        if sync and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        counts = self.paths.read_counts()
-        return {
-            "mode": self.mode,
-            "lookups": self._lookups,
-            "rows": counts["rows"],
-            "bytes": counts["rows"] * self.layout.row_bytes,
-            "out_of_range": counts["out_of_range"],
-            "host_lookups": counts["lookups"],
-            "broken_rows": counts["broken"],
-            **{key: counts[key] for key in ("file_reads", "file_read_seconds", "phase_seconds")},
-            **self.paths.file_reader_stats(),
-            "mapped_bytes": sum(m.mapped_bytes for m in (self.mapping, self.scale_mapping) if m),
-            "pinned_bytes": self.access.pinned_bytes,
-            "device_bytes": self.access.device_bytes,
-            "open_seconds": self.open_seconds,
-            "row_cache": self.paths.row_cache_stats(),
-            "serving": self.paths.serving_stats(),
-        }
+            return _read_stats(vars(self), sync)
 
     # -- life -------------------------------------------------------------------------------
     @property
@@ -324,13 +300,14 @@ class MappedTable:
 
 
 def release_mode(
-    device: torch.device, access, paths, mapping: MappedShards, scale_mapping, streams: set[int] | None = None
+    device: torch.device, access, paths, mapping: MappedShards, scale_mapping, streams=None, last_reading=None
 ) -> None:
-    """Wait for the lookups queued on ``streams`` (raw handles; None: for the whole device, as the
-    open does on its own thread), then release a mode's lookup ``paths`` and ``access`` (None: not
-    built; the mappings stay). Where that fails (a CUDA error) the device is not known to be idle: a
-    host thread (the dispatcher, a host node, the pool) may still read the mappings or a job struct,
-    so they are kept for the life of the process (``mappings_kept``) and the error is raised."""
+    """Wait for the lookups queued on ``streams`` (a set of raw handles; None: for the whole device,
+    as the open does on its own thread), call ``last_reading`` (None: none; the counts are final and
+    nothing is released yet), then release a mode's lookup ``paths`` and ``access`` (None: not built;
+    the mappings stay). Where that fails (a CUDA error) the device is not known to be idle: a host
+    thread (the dispatcher, a host node, the pool) may still read the mappings or a job struct, so
+    they are kept for the life of the process (``mappings_kept``) and the error is raised."""
     try:
         if device.type == "cuda":  # every queued kernel and host node has run
             if streams is None:
@@ -339,6 +316,8 @@ def release_mode(
                 wait_for_streams(device, sorted(streams))
         if access is not None:
             access.stop_prefetcher()  # a prefetch may be reading into the row cache
+        if last_reading is not None:
+            last_reading()
         for res in (paths, access):
             if res is not None:
                 res.close()
@@ -363,6 +342,8 @@ def _release(state: dict, *, whole_device: bool = False) -> None:
     graph that captured its lookups reads buffers the table owns, so a table must outlive its graphs'
     replays, including one queued on another stream just before it is dropped."""
     ops.unregister_table(state["handle"])
+    watch = state["watch"]  # close() took its last reading; a dropped table's is taken here
+    last = None if whole_device or watch is None else functools.partial(_read_stats, state, False)
     release_mode(
         state["device"],
         state["access"],
@@ -370,6 +351,7 @@ def _release(state: dict, *, whole_device: bool = False) -> None:
         state["mapping"],
         state["scale_mapping"],
         None if whole_device else state["_streams"],
+        None if last is None else functools.partial(watch.close, last),
     )
     state["paths"] = state["access"] = None
     for each in (state["scale_mapping"], state["mapping"]):
@@ -377,15 +359,42 @@ def _release(state: dict, *, whole_device: bool = False) -> None:
             each.close()
 
 
+def _read_stats(state: dict, sync: bool) -> dict:
+    """``stats()`` of the table whose attributes are ``state`` (``vars(table)``), without holding it
+    open: what its watch reads, until ``close()`` takes the watch's last reading (after the wait for
+    the lookups in flight), or the release of a table dropped without it does (``_release``)."""
+    if sync and state["device"].type == "cuda":
+        torch.cuda.synchronize(state["device"])
+    counts = state["paths"].read_counts()
+    return {
+        "mode": state["mode"],
+        "lookups": state["_lookups"],
+        "rows": counts["rows"],
+        "bytes": counts["rows"] * state["layout"].row_bytes,
+        "out_of_range": counts["out_of_range"],
+        "host_lookups": counts["lookups"],
+        "broken_rows": counts["broken"],
+        **{key: counts[key] for key in ("file_reads", "file_read_seconds", "phase_seconds")},
+        **state["paths"].file_reader_stats(),
+        "mapped_bytes": sum(m.mapped_bytes for m in (state["mapping"], state["scale_mapping"]) if m),
+        "pinned_bytes": state["access"].pinned_bytes,
+        "device_bytes": state["access"].device_bytes,
+        "open_seconds": state["open_seconds"],
+        "row_cache": state["paths"].row_cache_stats(),
+        "serving": state["paths"].serving_stats(),
+    }
+
+
 def _weak_stats(table: MappedTable) -> Callable[[], dict]:
-    """``table._stats(sync=False)`` for the reporter, holding the table weakly: a table dropped
-    without ``close()`` is not kept alive by its watch (which the reporter then lets go of)."""
-    method = weakref.WeakMethod(table._stats)
+    """``table``'s stats (``_read_stats``, no sync) for the reporter, holding the table weakly: a
+    table dropped without ``close()`` is not kept alive by its watch (its release takes the last
+    reading from what the table held)."""
+    ref = weakref.ref(table)
 
     def stats() -> dict:
-        bound = method()
-        if bound is None:
+        held = ref()
+        if held is None:
             raise TableClosedError("the table was dropped")
-        return bound(False)
+        return _read_stats(vars(held), False)
 
     return stats

@@ -44,9 +44,11 @@ class Watch:
     def __post_init__(self) -> None:
         self.mode = self.metrics.mode if self.metrics is not None else None
 
-    def close(self) -> None:
+    def close(self, last: Callable[[], dict] | None = None) -> None:
+        """``last``: the last reading of a table dropped without close() (its ``stats`` can no
+        longer read it), taken on the reporter's own stream as a tick's."""
         if not self.closed:
-            self.reporter.remove(self)
+            self.reporter.remove(self, last)
 
     def fold(self, stats: dict, window: dict[str, dict[str, float]]) -> None:
         """Absorb the table's ``stats()`` into its metrics, and add what it did since its last
@@ -119,15 +121,19 @@ class StatsReporter(Ticker):
             self.watches.append(watch)
         return watch
 
-    def remove(self, watch: Watch) -> None:
-        """Stop watching; what it did since the last tick still shows in the next line."""
+    def remove(self, watch: Watch, last: Callable[[], dict] | None = None) -> None:
+        """Stop watching; what it did since the last tick still shows in the next line. ``last``:
+        the reading to take instead of ``watch.stats`` (``Watch.close``)."""
         with self._lock:
             if watch.closed:
                 return
             watch.closed = True
             try:
-                # On the caller's stream: the table's last lookups are ordered before this read.
-                stats = watch.stats()
+                if last is None:  # on the caller's stream: its last lookups are ordered before this read
+                    stats = watch.stats()
+                else:  # a dropped table's, on the release thread: its streams were waited for
+                    watch.stats = last
+                    stats = self._read(watch)
                 watch.fold(stats, self._retired)
             except Exception as exc:  # noqa: BLE001
                 warn_once("read", "cannot read a table's stats: %s: %s", type(exc).__name__, exc)

@@ -5,9 +5,11 @@ the lookup."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,6 +157,41 @@ def test_a_lookup_in_flight_at_close_reaches_the_counters(make_checkpoint, check
     worker.join(timeout=60)
     check_rows(got[0], layout, ids)
     assert sample("rows", "cpu") - before == ids.numel()
+
+
+def test_a_table_dropped_without_close_reaches_the_counters(make_checkpoint, run_python):
+    """A table dropped without close(): its release (``ple_um.dropped``) takes the watch's last
+    reading, as close() does, so what it looked up since the reporter's last tick reaches the
+    counters, each equal to the table's own stats() (the reporter's period here is an hour: no tick
+    comes between; the host node counts where it runs, so only that reading brings its rows in)."""
+    layout = make_checkpoint(num_rows=3000, row_dim=16, dtype="bf16", shards=6, files=3)
+    done = run_python(
+        f"""
+        import gc, json, sys
+        import torch
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from helpers.dropped_tables import drain
+        from prometheus_client import REGISTRY
+        import ple_um
+        table = ple_um.open_table({layout.directory!r}, mode="cpu", device="cpu")
+        assert table.watch is not None and not table.metrics.host_counted
+        for n in (1, 17, 300, 5000):
+            table.lookup(torch.arange(-5, n - 5) % 3100 - 50)  # ids outside the table, both sides
+        stats = table.stats()
+        del table
+        gc.collect()
+        assert drain(60)
+        names = {{spec.key: spec.name for spec in ple_um.metrics.METRICS}}
+        got = {{k: REGISTRY.get_sample_value(names[k], {{"mode": "cpu"}}) for k in {COUNTED!r}}}
+        print(json.dumps({{"stats": {{k: stats[k] for k in {COUNTED!r}}}, "counters": got}}))
+        """,
+        PLE_UM_METRICS_SEC="3600",
+        PLE_UM_ROWCOPY="1",
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    stats = result["stats"]
+    assert stats["lookups"] == 4 and stats["rows"] == 5318 and stats["out_of_range"] > 0, stats
+    assert result["counters"] == {key: float(stats[key]) for key in COUNTED}, result
 
 
 def test_cpu_mode_absorb_adds_nothing():
