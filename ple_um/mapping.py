@@ -95,48 +95,60 @@ class MappedShards:
         rb = self.layout.row_bytes
         by_file: dict[str, list[tuple[int, int, int, int]]] = {}
         identity: dict[str, FileIdentity] = {}
+        tensors: dict[str, list[tuple[int, str]]] = {}  # per file: (owned end byte, tensor), in order
         for spec in self.layout.shards:  # each shard's owned local rows [lo, hi)
             first = self.layout.shard_start(spec.index)
             lo, hi = max(self.row_start - first, 0), min(self.row_end - first, spec.rows)
             if hi > lo:
                 by_file.setdefault(spec.path, []).append((spec.index, spec.offset, lo, hi))
                 identity.setdefault(spec.path, spec.identity)  # one header read per file
+                tensors.setdefault(spec.path, []).append((spec.offset + hi * rb, spec.tensor))
         for path, shards in by_file.items():
             begin = min(off + lo * rb for _, off, lo, _ in shards)
             end = max(off + hi * rb for _, off, _, hi in shards)
-            region = self._map_file(path, begin, end, identity[path])
+            region = self._map_file(path, begin, end, identity[path], tensors[path])
             self.regions.append(region)
             for index, off, lo, hi in shards:
                 addr = region.addr + (off + lo * rb - region.file_offset)
                 self.owned[index] = OwnedShard(index, lo, hi, addr, len(self.regions) - 1)
 
-    def _map_file(self, path: str, begin: int, end: int, identity: FileIdentity) -> MappedRegion:
+    def _map_file(
+        self, path: str, begin: int, end: int, identity: FileIdentity, tensors: list[tuple[int, str]]
+    ) -> MappedRegion:
         """Map bytes ``[begin, end)`` of ``path``, the file ``identity`` describes: the descriptor
         mapped is checked to be the file whose header was read (another file renamed into its
         place, or the file rewritten, in between is a CheckpointError, never a mapping of other
-        bytes under the old header's offsets)."""
+        bytes under the old header's offsets). Its errors name ``path`` and a tensor of ``tensors``
+        (its owned tensors, each with the end of its owned bytes): the first, or for a file too short
+        the one that ends last."""
+        tensor = tensors[0][1]
         try:
             fd = os.open(
                 path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
             )  # a FIFO put in its place must not block
         except OSError as exc:
-            raise CheckpointError(f"cannot open shard file: {exc.strerror}", path=path) from exc
+            raise CheckpointError(
+                f"cannot open shard file: {exc.strerror}", path=path, tensor=tensor
+            ) from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError("shard file is not a regular file", path=path)
-            check_identity(st, identity, path)
+                raise CheckpointError("shard file is not a regular file", path=path, tensor=tensor)
+            check_identity(st, identity, path, tensor)
             if st.st_size < end:
                 raise CheckpointError(
                     f"file is {st.st_size} bytes but the table needs bytes up to {end} "
                     "(truncated or replaced since its header was read)",
                     path=path,
+                    tensor=max(tensors)[1],
                 )
             aligned = begin - begin % PAGE
             length = end - aligned
             addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, aligned)
             if addr in (None, _MAP_FAILED):
-                raise CheckpointError(f"mmap of {length} bytes failed: {residency.errno_text()}", path=path)
+                raise CheckpointError(
+                    f"mmap of {length} bytes failed: {residency.errno_text()}", path=path, tensor=tensor
+                )
         except BaseException:
             os.close(fd)
             raise

@@ -261,12 +261,22 @@ def test_a_file_shorter_than_its_header_says_is_a_checkpoint_error(make_checkpoi
         assert list(m.owned) == [1]
 
 
-def test_a_missing_file_is_a_checkpoint_error(make_checkpoint):
-    layout = make_checkpoint(num_rows=40, row_dim=8, dtype="fp8", shards=2, files=2)
-    os.unlink(layout.shards[1].path)
-    with pytest.raises(CheckpointError) as info:
-        MappedShards(layout)
-    assert info.value.path == layout.shards[1].path
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("gone", [0, 1, 2], ids=["first", "middle", "last"])
+def test_a_missing_file_is_a_checkpoint_error_naming_it_and_its_tensor(make_checkpoint, gone, dtype):
+    """A file gone after its header was read (first, middle or last; the rows' mapping, and an
+    NVFP4 table's block scales'): a CheckpointError naming the file and the first tensor mapped
+    from it, and nothing left mapped."""
+    layout = make_checkpoint(num_rows=60, row_dim=32, dtype=dtype, shards=6, files=3)
+    path = layout.files[gone]
+    os.unlink(path)
+    for table in (layout, layout.scale_layout()) if dtype == "nvfp4" else (layout,):
+        with pytest.raises(CheckpointError, match="cannot open shard file") as info:
+            MappedShards(table)
+        first = min((s for s in table.shards if s.path == path), key=lambda s: s.index)
+        assert (info.value.path, info.value.tensor) == (path, first.tensor), str(info.value)
+        assert path in str(info.value) and first.tensor in str(info.value)
+    assert not maps_of(layout.files)
 
 
 # -- residency in windows ------------------------------------------------------------------------

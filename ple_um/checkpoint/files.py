@@ -44,15 +44,17 @@ class FileIdentity:
         return ", ".join(changes) or None
 
 
-def check_identity(st: os.stat_result, identity: FileIdentity, path: str) -> None:
-    """CheckpointError naming ``path`` unless ``st`` (the ``fstat`` of a descriptor of ``path``)
-    shows the file ``identity`` describes: the one its header was read from, not rewritten since."""
+def check_identity(st: os.stat_result, identity: FileIdentity, path: str, tensor: str | None = None) -> None:
+    """CheckpointError naming ``path`` (and ``tensor``, where given) unless ``st`` (the ``fstat`` of a
+    descriptor of ``path``) shows the file ``identity`` describes: the one its header was read from,
+    not rewritten since."""
     changed = identity.differs(FileIdentity.of(st))
     if changed is not None:
         raise CheckpointError(
             f"the file changed after its header was read ({changed}): replaced, rewritten or truncated "
             "while the checkpoint was being opened; open it again",
             path=path,
+            tensor=tensor,
         )
 
 

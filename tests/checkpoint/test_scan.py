@@ -22,6 +22,7 @@ from helpers.reference import (
     write_safetensors,
 )
 
+import ple_um
 from ple_um.checkpoint import find_layers, read_layout, validate
 from ple_um.errors import CheckpointError
 
@@ -108,6 +109,42 @@ def test_index_entry_problems(tmp_path, target, match):
     write_safetensors(tmp_path / "model.safetensors", tensors)
     directory = indexed(tmp_path, {}, weight_map=mapping)
     raises(directory, match, path=INDEX, tensor=shard(1))
+
+
+@pytest.mark.parametrize("how", ["missing", "dangling"])
+@pytest.mark.parametrize(
+    ("table", "gone"),
+    [
+        ("fp8", "shard_0"),  # the first shard
+        ("fp8", "shard_1"),
+        ("fp8", "shard_3"),  # the last shard
+        ("fp8", "scale"),
+        ("nvfp4", "shard_0"),
+        ("nvfp4", "shard_3"),
+        ("nvfp4", "block_0"),
+        ("nvfp4", "block_3"),
+        ("nvfp4", "global"),
+    ],
+)
+def test_an_index_naming_a_missing_file_for_any_table_tensor_is_refused(tmp_path, table, gone, how):
+    """Each table tensor in a file of its own, named by the index; the file of one (the first, a
+    middle or the last shard's rows, the FP8 scale, an NVFP4 block scale or global scale) missing, or
+    a symlink to nothing: read_layout, validate and an open refuse the checkpoint with the same
+    CheckpointError, naming the index, the file and the tensor."""
+    tensors = nvfp4(rows=(3, 3, 3, 1)) if table == "nvfp4" else ple(rows=(3, 3, 3, 1))
+    names = {"scale": scale_name(), "global": global_name()}
+    names.update({f"shard_{i}": shard(i) for i in range(4)} | {f"block_{i}": block(i) for i in range(4)})
+    files = {f"t{k}.safetensors": {name: t} for k, (name, t) in enumerate(tensors.items())}
+    directory = indexed(tmp_path, files)
+    (lost,) = [f for f, held in files.items() if names[gone] in held]
+    os.unlink(tmp_path / lost)
+    if how == "dangling":
+        os.symlink(tmp_path / "nothing", tmp_path / lost)
+    what = "a symlink to a missing file" if how == "dangling" else "a missing file"
+    error = raises(directory, rf"index entry names '{lost}', {what}", path=INDEX, tensor=names[gone])
+    with pytest.raises(CheckpointError) as opened:
+        ple_um.open_table(directory, mode="cpu", device="cpu")
+    assert str(opened.value) == str(error)
 
 
 def test_index_entry_outside_is_an_error_even_for_other_tensors(tmp_path):
