@@ -38,6 +38,7 @@ import re
 import subprocess
 import sys
 import time
+import zipfile
 
 import numpy as np
 
@@ -166,17 +167,22 @@ def windows(trace: Trace, picks: list[tuple[int, int, int]]) -> Trace:
 
 
 def write_trace(path: str, trace: Trace) -> None:
-    """Write ``trace`` to ``path`` (.npz, compressed), its description completed with FORMAT."""
-    description = dict(trace.description, format=FORMAT)
+    """Write ``trace`` to ``path``, its description completed with FORMAT: an .npz whose members are
+    LZMA-compressed (``np.load`` reads them as any .npz). The rows are hashes, which deflate (what
+    ``np.savez_compressed`` uses) barely shrinks; LZMA also finds the rows of n-grams seen before
+    (a repeated n-gram repeats its eight rows): the committed sample is 27 % smaller so."""
+    arrays = {
+        "tokens": trace.tokens.astype(np.uint32),
+        "rows": trace.rows,
+        "offsets": trace.offsets.astype(np.int64),
+        "context": trace.context.astype(np.int64),
+        "description": np.array(json.dumps(dict(trace.description, format=FORMAT), sort_keys=True)),
+    }
     tmp = f"{path}.partial.npz"
-    np.savez_compressed(
-        tmp,
-        tokens=trace.tokens.astype(np.uint32),
-        rows=trace.rows,
-        offsets=trace.offsets.astype(np.int64),
-        context=trace.context.astype(np.int64),
-        description=np.array(json.dumps(description, sort_keys=True)),
-    )
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_LZMA) as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
     os.replace(tmp, path)
 
 

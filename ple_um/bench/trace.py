@@ -1,7 +1,8 @@
 """A trace of real PLE traffic: the token ids of real requests and the table rows vLLM's n-gram hash
 gives each token, and its replay as a server's lookups.
 
-File format (``FORMAT``): one ``.npz`` (numpy's zip of arrays, read with ``allow_pickle=False``):
+File format (``FORMAT``): one ``.npz`` (numpy's zip of arrays, read with ``allow_pickle=False``;
+``tools/make_trace.py`` compresses its members with LZMA, which Python's ``zipfile`` reads):
 
 - ``tokens``: uint32 [T], the token ids of every request, request after request;
 - ``rows``: uint32 or int64 [T, H], the H table rows of each token, in the order of vLLM's
@@ -116,7 +117,7 @@ def read_trace(path: str) -> Trace:
             raise TraceError(f"missing arrays {missing}; a trace holds {list(ARRAYS)}", path=path)
         try:
             arrays = {name: archive[name] for name in ARRAYS}
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a Python without lzma
             raise TraceError(f"an array cannot be read: {exc}", path=path) from None
     try:
         description = json.loads(str(arrays["description"]))

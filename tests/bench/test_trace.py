@@ -84,6 +84,45 @@ def test_the_sample_describes_its_text_tokenizer_config_and_figures(sample):
         assert length == sample.request_lengths()[q] and start >= 0
 
 
+# What the sample replayed before its members were compressed with LZMA (2 115 821 bytes, deflate):
+# the digests of the arrays every replay reads, and of replays of every kind and size (the old file
+# gave these; the workload must never change with the way it is stored).
+SAMPLE_ARRAYS_SHA256 = "e83a486e884178d0a87cb6193439b9798517e702697fe1021fd86dae266c74ef"
+SAMPLE_REPLAYS_SHA256 = "6cc807441c61a1b8e6894187e416960ef38258443146a8963b60a964da4250cd"
+
+
+def test_the_sample_replays_the_ids_it_always_did(sample):
+    """The committed sample, stored smaller (LZMA members: the rows are hashes, which deflate barely
+    shrinks), replays exactly the ids the deflate-compressed file did: the rows, the request
+    boundaries and the row count, and every replay (auto, decode, prefill; onto the full table and
+    onto a smaller one) of lookups of 1 id to 4 096 tokens, 12 steps each."""
+    import hashlib
+    import os
+
+    arrays = hashlib.sha256(np.ascontiguousarray(sample.rows, dtype="<u4").tobytes())
+    arrays.update(np.ascontiguousarray(sample.offsets, dtype="<i8").tobytes())
+    arrays.update(str((sample.total_rows, sample.rows_per_token)).encode())
+    assert arrays.hexdigest() == SAMPLE_ARRAYS_SHA256
+    replays = hashlib.sha256()
+    for replay in ("auto", "decode", "prefill"):
+        for num_rows in (sample.total_rows, 1 << 20):
+            ids, rng = TraceIds(replay=replay), np.random.default_rng(0)
+            for n in (1, 16, 100, 1024, 16 * 1024, 16 * 1025, 65536):
+                for _ in range(12):
+                    replays.update(np.ascontiguousarray(ids.draw(rng, num_rows, n), dtype="<i8").tobytes())
+    assert replays.hexdigest() == SAMPLE_REPLAYS_SHA256
+    with zipfile.ZipFile(sample_path()) as archive:
+        assert {m.compress_type for m in archive.infolist()} == {zipfile.ZIP_LZMA}
+    assert os.path.getsize(sample_path()) < 1_600_000
+
+
+def test_a_python_without_lzma_is_told_why_the_sample_cannot_be_read(monkeypatch):
+    monkeypatch.setattr(zipfile, "lzma", None)  # what zipfile holds where CPython was built without it
+    with pytest.raises(TraceError, match="an array cannot be read: .*lzma") as info:
+        read_trace(sample_path())
+    assert info.value.path == sample_path()
+
+
 # -- the file ---------------------------------------------------------------------------------------
 def test_write_read_round_trip(tmp_path):
     trace = small_trace()
@@ -93,6 +132,8 @@ def test_write_read_round_trip(tmp_path):
     for name in ("tokens", "rows", "offsets", "context"):
         np.testing.assert_array_equal(getattr(back, name), getattr(trace, name))
     assert back.description == {"total_rows": 1000, "format": FORMAT}
+    with zipfile.ZipFile(path) as archive:  # LZMA members, as the committed sample's
+        assert {m.compress_type for m in archive.infolist()} == {zipfile.ZIP_LZMA}
 
 
 def _write_arrays(path, **arrays):
