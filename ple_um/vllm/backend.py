@@ -155,14 +155,16 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
 
     def check_headers(self) -> None:
         """Check the headers of the table's files, unless they are open already or not there yet (a
-        snapshot vLLM has still to download: finish_load checks it). Called before vLLM's loader
-        opens any file, so that a file safetensors would refuse is refused here naming the file,
-        which safetensors' own error does not."""
+        Hugging Face snapshot vLLM has still to download, or to finish downloading, in its weight
+        iterator: finish_load checks it). Called before vLLM's loader opens any file, so that a
+        file safetensors would refuse is refused here naming the file, which safetensors' own
+        error does not."""
         try:
             directory = self.source.directory()
+            pending = self.source.awaits_download()
         except CheckpointError:
             return
-        if self.served.open_at(directory) is None:
+        if not pending and self.served.open_at(directory) is None:
             read_layout(directory, self.layer)
 
     def finish_load(self) -> None:

@@ -9,7 +9,10 @@ vLLM; it reads vLLM's config objects by attribute):
   directory, then the local Hugging Face cache snapshot when the model is a repo id. Nothing is
   downloaded here: vLLM has already fetched the snapshot by the time weights are loaded.
 - ``TableSource``: one layer's answer, kept while vLLM's config and the knob stay the same, with
-  the set of ``*.safetensors`` files in that directory.
+  the set of ``*.safetensors`` files in that directory (listed again when a file is not in it: vLLM
+  downloads a Hugging Face snapshot's weights inside its weight iterator, after the snapshot folder
+  was first found with only the config in it), and whether the folder is a snapshot still to be
+  downloaded.
 - ``file_backing``: whether a tensor handed to ``load_weights`` lies in a file mapping of this
   process (the lazy views vLLM's safetensors iterator yields), and where. Such a tensor's bytes
   have not been read, and reading them is exactly what the backend avoids.
@@ -17,11 +20,13 @@ vLLM; it reads vLLM's config objects by attribute):
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 
 from ple_um import envs
+from ple_um.checkpoint.scan import INDEX_FILE
 from ple_um.errors import CheckpointError
 from ple_um.residency import file_mappings
 from ple_um.served import table_directory
@@ -65,6 +70,7 @@ class TableSource:
         self._key: tuple | None = None
         self._directory: str | None = None
         self._files: frozenset[str] = frozenset()
+        self._from_hub = False
 
     def directory(self) -> str:
         """The directory to map now (its real path), or CheckpointError saying what was tried or
@@ -79,26 +85,53 @@ class TableSource:
             # The real path, for the PLE layers and Engram alike: two spellings of one checkpoint (a
             # symlink, say) are one table, not a reason to remap it.
             directory = resolve_table_dir(model, revision, download_dir)
-            try:
-                names = os.listdir(directory)
-            except OSError as exc:
-                raise CheckpointError(f"cannot list the checkpoint directory {directory}: {exc}") from exc
-            files = frozenset(
-                os.path.realpath(os.path.join(directory, name))
-                for name in names
-                if name.endswith(".safetensors")
-            )
-            self._key, self._directory, self._files = key, directory, files
+            self._files = _safetensors_files(directory)
+            self._key, self._directory = key, directory
+            self._from_hub = not envs.PLE_UM_DIR and not (model and os.path.isdir(model))
         assert self._directory is not None
         return self._directory
 
     def is_table_file(self, path: str) -> bool:
         """Whether a file vLLM is loading from is one the table is mapped from. With PLE_UM_DIR set,
-        the table is explicitly elsewhere, and shard views of the model's own files are not read."""
+        the table is explicitly elsewhere, and shard views of the model's own files are not read.
+        A file missing from the listing has it made again: vLLM may have downloaded it since."""
         if envs.PLE_UM_DIR:
             return True
-        self.directory()
-        return os.path.realpath(path) in self._files
+        directory = self.directory()
+        path = os.path.realpath(path)
+        if path not in self._files:
+            self._files = _safetensors_files(directory)
+        return path in self._files
+
+    def awaits_download(self) -> bool:
+        """Whether the directory is a Hugging Face cache snapshot whose weights are not all there
+        yet: no ``*.safetensors`` file, or one its index names missing. vLLM's default loader
+        downloads them inside its weight iterator, after the model's ``load_weights`` has begun
+        (the snapshot folder exists before, holding the config vLLM fetched first)."""
+        directory = self.directory()
+        if not self._from_hub:
+            return False
+        self._files = _safetensors_files(directory)
+        if not self._files:
+            return True
+        try:
+            with open(os.path.join(directory, INDEX_FILE)) as f:
+                named = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False  # no index (one file), or one the open will judge
+        return not all(os.path.isfile(os.path.join(directory, name)) for name in named)
+
+
+def _safetensors_files(directory: str) -> frozenset[str]:
+    """The real paths of the ``*.safetensors`` files in ``directory``; CheckpointError naming the
+    directory where it cannot be listed."""
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        raise CheckpointError(f"cannot list the checkpoint directory {directory}: {exc}") from exc
+    return frozenset(
+        os.path.realpath(os.path.join(directory, name)) for name in names if name.endswith(".safetensors")
+    )
 
 
 def _hf_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> tuple[str | None, str]:

@@ -139,3 +139,70 @@ def test_file_backing_tells_file_views_from_memory(tmp_path):
         assert file_backing(view) == (os.path.realpath(spec.path), spec.offset)
         assert file_backing(view.clone()) is None
     assert file_backing(torch.zeros(4)) is None
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_a_hub_snapshot_downloaded_while_loading(world, patched, no_dir_knob, tmp_path):
+    """A repo id served for the first time: vLLM has fetched only the config into the Hugging Face
+    cache snapshot when the model's load_weights starts, and its weight iterator downloads the
+    weights into that snapshot at its first step. The plugin leaves the header check to the open,
+    skips every shard as a view of the table's files (reads none), and serves stock's rows."""
+    from ple_um.vllm.patch import _model_load_weights
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text("{}")
+    config = h.text_config(fp8=True)
+    holder = torch.nn.Module()
+    holder.add_module("ple", h.build(config, ple_um_on=True))
+    backend = holder.ple.ngram_embedding
+    # The fields of vLLM's config for `vllm serve acme/tiny --download-dir <hub>`.
+    backend.source = TableSource(
+        SimpleNamespace(
+            model_config=SimpleNamespace(model="acme/tiny", revision=None),
+            load_config=SimpleNamespace(download_dir=str(tmp_path / "hub")),
+        )
+    )
+
+    def vllm_weights():  # DefaultModelLoader.get_all_weights: the download is its first step
+        h.write_table(snapshot, config, fp8=True)
+        yield from h.checkpoint_weights(snapshot)
+
+    load_weights = _model_load_weights(lambda model, weights: model.ple.load_weights(weights))
+    try:
+        load_weights(holder, vllm_weights())
+        assert backend.table.layout.directory == os.path.realpath(snapshot)
+        assert (backend.shards_skipped, backend.shards_compared) == (h.PARTS, 0)
+        stock = h.stock(config, snapshot)
+        for seed in range(3):
+            assert h.same_bits(h.forward(holder.ple, seed)[0], h.forward(stock, seed)[0])
+    finally:
+        backend.close_table()
+
+
+def test_awaits_download_only_for_an_incomplete_hub_snapshot(no_dir_knob, tmp_path):
+    """A Hugging Face snapshot awaits its download while it holds no weights, or fewer files than its
+    index names; a complete one, a local model directory and PLE_UM_DIR's never do."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text("{}")
+    hub = SimpleNamespace(
+        model_config=SimpleNamespace(model="acme/tiny", revision=None),
+        load_config=SimpleNamespace(download_dir=str(tmp_path / "hub")),
+    )
+    source = TableSource(hub)
+    assert source.awaits_download()
+    layout = ple_um.synthetic.write_checkpoint(snapshot, num_rows=40, row_dim=16, dtype="bf16", shards=3)
+    assert len(layout.files) > 1 and not source.awaits_download()
+    os.unlink(layout.files[0])  # an interrupted download: the index names a file not there
+    assert source.awaits_download()
+    assert not TableSource(vllm_config(str(snapshot))).awaits_download()  # a local directory
