@@ -1,10 +1,9 @@
 """What both engines' plugins share: the table a layer serves, and the lookups a step starts early.
 
 The vLLM backend and the SGLang embedding each hold one table per layer: this rank's rows of the
-checkpoint's table, opened when the weights are loaded and opened again when a later load names
-another checkpoint directory. What they share is here, importing nothing from vLLM or SGLang; what
-each engine checks before and after an open, and how it calls a lookup, stays in its plugin
-(``ple_um.vllm``, ``ple_um.sglang``).
+checkpoint's table, opened when the weights are loaded, and again when a later load names another
+directory or finds the files replaced. What they share is here, importing nothing from vLLM or
+SGLang; what each engine checks around an open, and how it calls a lookup, stays in its plugin.
 
 - ``table_directory``: the checkpoint directory, ``PLE_UM_DIR``'s or else the engine's folder of the model.
 - ``ServedTable``: the open table and its directory; a new table checked before it replaces the
@@ -32,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ple_um import envs
+from ple_um.checkpoint import replaced_files
 from ple_um.errors import CheckpointError, PleUmError
 from ple_um.lookup.streams import own_stream
 from ple_um.opening import open_table
@@ -98,9 +98,10 @@ class ServedTable:
         self.captured = False
 
     def open_at(self, directory: str) -> MappedTable | None:
-        """The open table when it was opened from ``directory``, else None (none open, or another
-        directory: the caller opens one)."""
-        return self.table if self.table is not None and self.directory == directory else None
+        """The open table when it was opened from ``directory`` and its files there were not replaced
+        since (``replaced_files``), else None: the caller opens one."""
+        table = self.table
+        return None if table is None or self.directory != directory or replaced_files(table.layout) else table
 
     def require(self, prefix: str, why: str) -> MappedTable:
         """The open table, or RuntimeError naming the layer (``prefix``) and ``why`` none is open."""
@@ -145,11 +146,14 @@ class ServedTable:
         layer in messages and log lines."""
         if (table := self.open_at(directory)) is not None:
             return table
+        how = f"the PLE table moved from {self.directory} to {directory}"
+        if self.table is not None and self.directory == directory:  # its files replaced
+            names = ", ".join(os.path.basename(path) for path in replaced_files(self.table.layout))
+            how = f"its files in {directory} changed on disk ({names})"
         if self.table is not None and self.captured:
             raise RuntimeError(
-                f"{prefix}: the PLE table moved from {self.directory} to {directory} after CUDA graphs "
-                f"captured its lookup; the captured graphs read the old mapping. Restart {self.engine} on "
-                "the new checkpoint"
+                f"{prefix}: {how} after CUDA graphs captured its lookup; the captured graphs read the "
+                f"old mapping. Restart {self.engine} on the new checkpoint"
             )
         if fits is not None:
             fits()
@@ -162,14 +166,13 @@ class ServedTable:
             raise
         old, self.table, self.directory = self.table, table, directory
         if old is not None:
-            self.logger.info("ple-um: %s remapped from %s to %s", prefix, old.layout.directory, directory)
+            self.logger.info("ple-um: %s remapped: %s", prefix, how)
             old.close()
         self._report(prefix, table)
         return table
 
     def _report(self, prefix: str, table: MappedTable) -> None:
-        start, end = table.rows
-        layout = table.layout
+        (start, end), layout = table.rows, table.layout
         row = f"{layout.row_bytes} B per row"
         if layout.has_block_scales:
             row = f"{layout.row_bytes} B + {layout.row_dim // layout.block_size} B of block scales per row"
@@ -295,8 +298,7 @@ def compare_shard(
             f"{spec.path} ({spec.tensor}) is {stored} with {spec.rows} rows; ple-um serves the checkpoint "
             "files read-only"
         )
-    start = layout.shard_start(index)
-    row_start, row_end = table.rows
+    start, (row_start, row_end) = layout.shard_start(index), table.rows
     for a in range(max(start, row_start), min(start + spec.rows, row_end), _COMPARE_ROWS):
         b = min(start + spec.rows, row_end, a + _COMPARE_ROWS)
         ids = torch.arange(a, b, device=table.device)
@@ -344,10 +346,9 @@ class SideLookups:
 
     def mark(self, key: object) -> None:
         """Within ``fork``: the work queued so far is what ``join(key)`` waits for."""
-        event = self._marks.get(key)
-        if event is None:
-            event = self._marks[key] = torch.cuda.Event()
-        event.record(self.stream)
+        if key not in self._marks:
+            self._marks[key] = torch.cuda.Event()
+        self._marks[key].record(self.stream)
 
     def join(self, key: object, device: torch.device) -> None:
         """The current stream waits for ``key``'s mark."""

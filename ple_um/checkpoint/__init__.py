@@ -12,7 +12,7 @@ checked against the config's geometry (``engram_geometry``).
 from ple_um.checkpoint.engram import read_engram_layout
 from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.files import FileIdentity, check_identity
-from ple_um.checkpoint.layout import check_shape, find_layers, read_layout, validate
+from ple_um.checkpoint.layout import check_shape, find_layers, read_layout, replaced_files, validate
 from ple_um.checkpoint.naming import ple_match
 from ple_um.checkpoint.shard_layout import MXFP8_BLOCK, NVFP4_BLOCK, ShardLayout, ShardSpec
 
@@ -29,5 +29,6 @@ __all__ = [
     "ple_match",
     "read_engram_layout",
     "read_layout",
+    "replaced_files",
     "validate",
 ]

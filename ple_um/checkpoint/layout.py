@@ -1,5 +1,6 @@
 """One PLE layer's table in a checkpoint directory: find the layers, read one layer's ShardLayout,
-or list every problem that keeps a checkpoint from serving.
+or list every problem that keeps a checkpoint from serving; which of a layout's files were replaced
+since its headers were read.
 
 The work is done below: ``scan`` (the index, the files, their headers), ``validation`` (the checks,
 in one order for both ``read_layout`` and ``validate``, a table's global scale read among them),
@@ -9,6 +10,9 @@ few bytes are read, never table data.
 
 from __future__ import annotations
 
+import os
+
+from ple_um.checkpoint.files import FileIdentity
 from ple_um.checkpoint.naming import engram_match, ple_match
 from ple_um.checkpoint.scan import Problems, scan
 from ple_um.checkpoint.shard_layout import ShardLayout
@@ -76,3 +80,18 @@ def check_shape(layout: ShardLayout, prefix: str, *, row_dim: int, num_rows: int
             f"split_ngram_parts={parts}",
             **where,
         )
+
+
+def replaced_files(layout: ShardLayout) -> list[str]:
+    """The files of ``layout`` (its shards', its block scales') that are no longer the ones their
+    headers were read from: gone, another file renamed into the path, or rewritten (``stat`` only)."""
+    changed = []
+    for path, identity in {s.path: s.identity for s in (*layout.shards, *layout.block_scales)}.items():
+        try:
+            now = FileIdentity.of(os.stat(path))
+        except OSError:
+            changed.append(path)
+            continue
+        if identity.differs(now):
+            changed.append(path)
+    return sorted(changed)

@@ -10,6 +10,8 @@ before loading and under ``--load-format dummy``.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import vllm_harness as h
@@ -104,6 +106,49 @@ def test_reload_from_another_directory_remaps(world, patched, table_dir, tmp_pat
     stock = h.stock(config, second.directory)
     for seed in (0, 1):
         assert h.same_bits(h.forward(module, seed)[1], h.forward(stock, seed)[1])
+    backend.close_table()
+
+
+def _replace_by_rename(directory, source) -> None:
+    """Each file of ``source`` renamed over its namesake in ``directory``: a new checkpoint put in
+    place of the old one the safe way (a served mapping keeps the files it mapped)."""
+    for name in os.listdir(source):
+        os.replace(os.path.join(source, name), os.path.join(directory, name))
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_reload_after_the_files_were_replaced_serves_the_new_table(world, patched, table_dir, tmp_path, fp8):
+    """A new checkpoint renamed into the served directory, then reloaded from it (vLLM's
+    ``reload_weights()`` reads the model path again): the layer serves the new files' rows, as stock
+    does, not the mapping of the replaced ones; the shard views are still skipped, not read. With a
+    graph holding the table, the reload is refused naming the changed file."""
+    from ple_um import served
+
+    config = h.text_config(fp8=fp8)
+    first = h.write_table(table_dir(tmp_path / "ckpt"), config, fp8=fp8, seed=0)
+    module = h.mapped(config, first.directory)
+    backend = module.ngram_embedding
+    old = backend.table
+    _replace_by_rename(first.directory, h.write_table(tmp_path / "new", config, fp8=fp8, seed=5).directory)
+    stock = h.stock(config, first.directory)
+    assert not h.same_bits(h.forward(module, 0)[1], h.forward(stock, 0)[1])  # the old rows, mapped
+
+    h.load(module, first.directory)
+    assert backend.table is not old and old.closed
+    assert backend.shards_compared == 0
+    for seed in (0, 1):
+        assert h.same_bits(h.forward(module, seed)[1], h.forward(stock, seed)[1])
+
+    _replace_by_rename(first.directory, h.write_table(tmp_path / "third", config, fp8=fp8, seed=7).directory)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(served, "capturing", lambda ids: True)  # a capture (injected: no GPU here)
+        h.forward(module, 0)
+    assert backend.served.captured
+    with pytest.raises(
+        RuntimeError,
+        match=r"changed on disk \(model-.*\.safetensors.*\) after CUDA graphs captured its lookup",
+    ):
+        h.load(module, first.directory)
     backend.close_table()
 
 
