@@ -21,7 +21,8 @@ per replica or ``dp_shared_memory`` (every replica maps the same files: the page
 shared copy), ``cpu_offload`` on (prefetch stream) or off (inline lookups). Refused at start-up,
 with the reason: heads that do not split evenly over the TP ranks, and the DP-sharded layouts
 (``embedding_across_dp``, or a DP group sharing one table without ``dp_shared_memory``: vLLM's
-all-gather and peer exchange of rows).
+all-gather and peer exchange of rows); and, once the table is open, one whose lookup waits for the
+device (the cpu mode without its C row copy) under CUDA graphs that would capture it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import importlib
 
 import torch
 from torch import nn
-from vllm.config import get_current_vllm_config
+from vllm.config import CUDAGraphMode, get_current_vllm_config
 from vllm.distributed import (
     get_engram_dp_size,
     get_tensor_model_parallel_rank,
@@ -45,8 +46,9 @@ from ple_um import envs
 from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry
 from ple_um.errors import CheckpointError
 from ple_um.opening import open_engram_table
-from ple_um.served import ServedTable, compare_shard
+from ple_um.served import ServedTable, compare_shard, host_lookup_refused
 from ple_um.table import MappedTable
+from ple_um.vllm.backend import check_cudagraph_mode
 from ple_um.vllm.patch import replace
 from ple_um.vllm.source import TableSource, file_backing
 
@@ -141,7 +143,8 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         for param in (self.weight, self.weight_scale_inv):
             set_weight_attrs(param, {"weight_loader": self._receive})
         self._received: set[str] = set()
-        self.source = TableSource(get_current_vllm_config())
+        self._vllm_config = get_current_vllm_config()
+        self.source = TableSource(self._vllm_config)
         self.served = ServedTable(logger, "vLLM")
 
     def _receive(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -183,7 +186,26 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
             self.prefix,
             directory,
             lambda: open_engram_table(directory, layer=self.layer_id, rows=rows, geometry=self.geometry),
+            check=self._check_capture,
         )
+
+    def _check_capture(self, table: MappedTable) -> None:
+        """A table that is not capture-safe (the cpu mode without its C row copy: its lookup waits
+        for the device) can only be looked up in an eager break, which vLLM's Engram layer makes
+        around its prefetch (``cpu_offload``), as for a PLE layer (``check_cudagraph_mode``); with
+        ``cpu_offload`` off the lookup runs inline in the captured step: graphs refused."""
+        config = self._vllm_config
+        if self.cpu_offload or table.capture_safe:
+            check_cudagraph_mode(self.prefix, table, config)
+            return
+        mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
+        if mode is not None and mode != CUDAGraphMode.NONE:
+            raise host_lookup_refused(
+                self.prefix,
+                table,
+                f"with cpu_offload off vLLM looks it up inside its captured graphs ({mode.name})",
+                "or start vLLM with -cc.cudagraph_mode=NONE, or with the Engram cpu_offload on",
+            )
 
     def _storage(self):
         raise RuntimeError(

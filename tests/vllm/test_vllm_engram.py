@@ -238,3 +238,47 @@ def test_tensors_delivered_in_memory_are_compared_with_the_files(engram_world, m
     beyond.view(torch.uint8)[end:] ^= 1
     _load(ours, beyond, scales)
     ours.served.close()
+
+
+@pytest.mark.parametrize(
+    ("cpu_offload", "mode", "breakable", "refused"),
+    [
+        (False, "FULL_AND_PIECEWISE", True, True),
+        (False, "PIECEWISE", True, True),
+        (False, "NONE", False, False),
+        (True, "FULL", True, True),
+        (True, "PIECEWISE", False, True),
+        (True, "PIECEWISE", True, False),
+    ],
+)
+def test_a_table_that_waits_for_the_device_is_refused_under_graphs_that_capture_it(
+    engram_world, monkeypatch, checkpoint, cpu_offload, mode, breakable, refused
+):
+    """The cpu mode without its C row copy (PLE_UM_ROWCOPY=0) waits for the device, so its lookup
+    can only run in an eager break: vLLM's Engram layer makes one around its prefetch (cpu_offload
+    on) in breakable piecewise graphs, and none for its inline lookup (cpu_offload off). Where the
+    graphs would capture the lookup, the load fails naming the flags, as for a PLE layer, and nothing
+    stays open; where they would not, the table serves stock's rows."""
+    from vllm.config import CUDAGraphMode, get_current_vllm_config
+
+    monkeypatch.setenv("PLE_UM_ROWCOPY", "0")
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1" if breakable else "0")
+    config = get_current_vllm_config()
+    monkeypatch.setattr(config.compilation_config, "cudagraph_mode", CUDAGraphMode[mode])
+    monkeypatch.setattr(config.engram_config, "cpu_offload", cpu_offload)
+    weight, scales = _tensors(checkpoint, LAYERS[0])
+    ours, layout = _build(engram_world, monkeypatch, True, 0)
+    if refused:
+        with pytest.raises(RuntimeError, match="waits for the device.*cudagraph_mode=") as info:
+            _load(ours, weight, scales)
+        assert "cpu mode" in str(info.value) and ours.served.table is None
+        return
+    _load(ours, weight, scales)
+    assert ours.served.table.mode == "cpu" and not ours.served.table.capture_safe
+    monkeypatch.setattr(config.engram_config, "cpu_offload", False)  # stock's pinned copy needs a GPU
+    stock, _ = _build(engram_world, monkeypatch, False, 0)
+    _load(stock, weight, scales)
+    hashes = _hashes(layout, 0, np.random.default_rng(3), 20)
+    want = as_on_a_gpu(stock(hashes), weight, scales, hashes)
+    assert torch.equal(ours(hashes).view(torch.int16), want.view(torch.int16))
+    ours.served.close()
