@@ -41,6 +41,7 @@ from ple_um.checkpoint import ple_match
 from ple_um.errors import CheckpointError
 from ple_um.vllm import early
 from ple_um.vllm.backend import Qwen4ExpPLEMappedEmbedding
+from ple_um.vllm.source import file_backing
 
 logger = init_logger("vllm.ple_um.patch")
 
@@ -138,9 +139,11 @@ def _patched_load_weights(original):
                     backend.receive_shard(int(found.group(1)), tensor, found.group(2))
                     received.add(found.group(2))
                 elif name == "ngram_embedding.weight":
+                    backing = file_backing(tensor)  # the file it is a view of, named if there is one
                     raise CheckpointError(
                         f"{backend.prefix}: the checkpoint stores the PLE table unsharded; ple-um serves "
                         "tables split into ngram_embedding.shard_<i>.weight tensors",
+                        path=backing[0] if backing else None,
                         tensor=name,
                     )
                 else:

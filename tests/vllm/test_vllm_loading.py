@@ -320,3 +320,21 @@ def test_shifted_header_in_the_models_own_files(world, patched, table_dir, tmp_p
         load_weights(holder, vllm_weights())
     assert info.value.path == shifted
     assert holder.ple.ngram_embedding.table is None
+
+
+def test_an_unsharded_table_is_refused_naming_its_file(world, patched, table_dir, tmp_path):
+    """A checkpoint that stores the table as one ``ngram_embedding.weight`` tensor, delivered as
+    vLLM's iterator delivers it (a view of the file): refused, naming the tensor and its file."""
+    from safetensors.torch import save_file
+
+    config = h.text_config(fp8=False)
+    table_dir(h.write_table(tmp_path / "table", config, fp8=False).directory)
+    path = tmp_path / "unsharded" / "model.safetensors"
+    path.parent.mkdir()
+    name = f"{synthetic.PREFIX}layers.{h.LAYER}.ple.ple_embedding.ngram_embedding.weight"
+    save_file({name: torch.ones(h.table_rows(config), h.HEAD_DIM, dtype=torch.bfloat16)}, str(path))
+    module = h.build(config, ple_um_on=True)
+    with pytest.raises(ple_um.CheckpointError, match="unsharded") as info:
+        module.load_weights(h.checkpoint_weights(path.parent))
+    assert info.value.tensor == "ngram_embedding.weight"
+    assert info.value.path == os.path.realpath(path)
