@@ -141,6 +141,23 @@ def test_file_backing_tells_file_views_from_memory(tmp_path):
     assert file_backing(torch.zeros(4)) is None
 
 
+def hub_snapshot(tmp_path) -> tuple:
+    """(snapshot, the fields of vLLM's config for ``vllm serve acme/tiny --download-dir <hub>``): a
+    Hugging Face cache under ``tmp_path / "hub"`` whose snapshot of acme/tiny holds only its config,
+    what vLLM fetches before it loads any weight."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text("{}")
+    return snapshot, SimpleNamespace(
+        model_config=SimpleNamespace(model="acme/tiny", revision=None),
+        load_config=SimpleNamespace(download_dir=str(tmp_path / "hub")),
+    )
+
+
 @pytest.mark.vllm
 @h.needs_vllm
 def test_a_hub_snapshot_downloaded_while_loading(world, patched, no_dir_knob, tmp_path):
@@ -150,24 +167,12 @@ def test_a_hub_snapshot_downloaded_while_loading(world, patched, no_dir_knob, tm
     skips every shard as a view of the table's files (reads none), and serves stock's rows."""
     from ple_um.vllm.patch import _model_load_weights
 
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--acme--tiny"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    (snapshot / "config.json").write_text("{}")
+    snapshot, hub = hub_snapshot(tmp_path)
     config = h.text_config(fp8=True)
     holder = torch.nn.Module()
     holder.add_module("ple", h.build(config, ple_um_on=True))
     backend = holder.ple.ngram_embedding
-    # The fields of vLLM's config for `vllm serve acme/tiny --download-dir <hub>`.
-    backend.source = TableSource(
-        SimpleNamespace(
-            model_config=SimpleNamespace(model="acme/tiny", revision=None),
-            load_config=SimpleNamespace(download_dir=str(tmp_path / "hub")),
-        )
-    )
+    backend.source = TableSource(hub)  # the layer as built under that config
 
     def vllm_weights():  # DefaultModelLoader.get_all_weights: the download is its first step
         h.write_table(snapshot, config, fp8=True)
@@ -185,20 +190,10 @@ def test_a_hub_snapshot_downloaded_while_loading(world, patched, no_dir_knob, tm
         backend.close_table()
 
 
-def test_awaits_download_only_for_an_incomplete_hub_snapshot(no_dir_knob, tmp_path):
+def test_awaits_download_only_for_an_incomplete_hub_snapshot(no_dir_knob, tmp_path, monkeypatch):
     """A Hugging Face snapshot awaits its download while it holds no weights, or fewer files than its
     index names; a complete one, a local model directory and PLE_UM_DIR's never do."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--acme--tiny"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    (snapshot / "config.json").write_text("{}")
-    hub = SimpleNamespace(
-        model_config=SimpleNamespace(model="acme/tiny", revision=None),
-        load_config=SimpleNamespace(download_dir=str(tmp_path / "hub")),
-    )
+    snapshot, hub = hub_snapshot(tmp_path)
     source = TableSource(hub)
     assert source.awaits_download()
     layout = ple_um.synthetic.write_checkpoint(snapshot, num_rows=40, row_dim=16, dtype="bf16", shards=3)
@@ -206,3 +201,5 @@ def test_awaits_download_only_for_an_incomplete_hub_snapshot(no_dir_knob, tmp_pa
     os.unlink(layout.files[0])  # an interrupted download: the index names a file not there
     assert source.awaits_download()
     assert not TableSource(vllm_config(str(snapshot))).awaits_download()  # a local directory
+    monkeypatch.setenv("PLE_UM_DIR", str(snapshot))
+    assert not TableSource(hub).awaits_download()
