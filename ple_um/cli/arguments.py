@@ -201,11 +201,13 @@ def checkpoint_dir(path: str) -> str:
     return path
 
 
-def one_layer(path: str, layer: int | None, engram: bool = False) -> None:
+def one_layer(path: str, layer: int | None, engram: bool = False, *, every: bool = False) -> None:
     """For the verbs that serve one layer, ``path`` checked as ``checkpoint_dir`` does; then where
     --layer is missing and the checkpoint has several, or --layer names one it does not have,
     CliError (exit 2) naming the layers it has and the flag (the library's message names its
-    ``layer=``). ``engram``: the layers of Engram tables (``bench --model deepseek-v41``)."""
+    ``layer=``). ``engram``: the layers of Engram tables (``bench --model deepseek-v41``);
+    ``every``: a verb that takes every layer without --layer (inspect), refused only a --layer
+    the checkpoint lacks."""
     from ple_um.checkpoint import find_layers
     from ple_um.errors import CheckpointError
 
@@ -223,7 +225,7 @@ def one_layer(path: str, layer: int | None, engram: bool = False) -> None:
                 EXIT_USAGE,
             )
         return
-    if len(layers) >= 2:
+    if len(layers) >= 2 and not every:
         several = (
             f"several Engram tables in {path}: layers"
             if engram

@@ -91,7 +91,7 @@ def _table_lines(t: dict, shards: bool) -> list[str]:
 def inspect(args: argparse.Namespace) -> int:
     from ple_um import operating
 
-    a.checkpoint_dir(args.dir)
+    a.one_layer(args.dir, args.layer, every=True)
     result = operating.inspect(args.dir, args.layer)
     if args.json:
         emit_json(result)

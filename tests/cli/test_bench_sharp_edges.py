@@ -321,7 +321,7 @@ def test_an_engram_layer_missing_or_not_picked_exits_2_naming_the_flag(capsys, t
     ]
 
 
-@pytest.mark.parametrize("verb", ["bench", "probe", "residency", "prewarm"])
+@pytest.mark.parametrize("verb", ["bench", "probe", "inspect", "residency", "prewarm"])
 def test_a_layer_the_checkpoint_lacks_exits_2(capsys, tmp_path, verb):
     directory = two_layer_checkpoint(tmp_path)
     code, out, err = run(capsys, verb, directory, "--layer", "7")

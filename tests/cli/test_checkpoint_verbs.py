@@ -67,10 +67,9 @@ def test_inspect_several_layers_and_layer_option(capsys, tmp_path):
     assert code == 0
     assert [t["layer"] for t in data["tables"]] == [3]
 
-    code, data = run_json(capsys, "inspect", a, "--layer", "2")
-    assert code == 1
-    assert data["valid"] is False
-    assert any("no PLE shards of layer 2" in p and "1, 3" in p for p in data["problems"])
+    code, data = run_json(capsys, "inspect", a, "--layer", "2")  # a bad argument, as in every verb
+    assert code == 2
+    assert data == {"error": f"--layer 2: no PLE shards of layer 2 in {a}; layers with shards: 1, 3"}
     code, data = run_json(capsys, "residency", a, "--layer", "3")
     assert code == 0 and data["layer"] == 3
 
