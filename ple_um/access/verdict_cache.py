@@ -88,6 +88,10 @@ def filesystems(paths) -> str:
     return "+".join(sorted(found)) or "unknown"
 
 
+# The fields of a verdict's key, in the order ``verdict_key`` gives them.
+KEY_FIELDS = ("device", "driver", "kernel", "mode", "direct_read", "filesystem", "ple_um")
+
+
 def verdict_key(caps: DeviceCapabilities, mode: str, files) -> dict:
     """What decides whether ``mode``'s first read of the table in ``files`` works here: the cache key."""
     driver = caps.driver_version
@@ -95,15 +99,16 @@ def verdict_key(caps: DeviceCapabilities, mode: str, files) -> dict:
         import triton
 
         driver = f"Triton {triton.__version__} interpreter"
-    return {
-        "device": caps.uuid or f"{caps.name} ({caps.device}) on {socket.gethostname()}",
-        "driver": driver,
-        "kernel": platform.release(),
-        "mode": mode,
-        "direct_read": direct_read(caps) if mode == "ats" else None,
-        "filesystem": filesystems(files),
-        "ple_um": ple_um_version(),
-    }
+    values = (
+        caps.uuid or f"{caps.name} ({caps.device}) on {socket.gethostname()}",
+        driver,
+        platform.release(),
+        mode,
+        direct_read(caps) if mode == "ats" else None,
+        filesystems(files),
+        ple_um_version(),
+    )
+    return dict(zip(KEY_FIELDS, values, strict=True))
 
 
 def verdict_dir() -> str:
@@ -123,8 +128,12 @@ def _why_untrusted(record: object, key: dict | None) -> str | None:
         return f"not a {FORMAT} (format {record.get('format')!r})"
     if record.get("version") != FORMAT_VERSION:
         return f"format version {record.get('version')!r}; this ple-um reads version {FORMAT_VERSION}"
-    if not isinstance(record.get("key"), dict) or (key is not None and record["key"] != key):
+    found = record.get("key")
+    if not isinstance(found, dict) or (key is not None and found != key):
         return "written for another key (machine, driver, kernel, filesystem or ple-um version)"
+    # Without a key to match (a probe listing every verdict), its fields are checked.
+    if sorted(found) != sorted(KEY_FIELDS) or not isinstance(found["mode"], str):
+        return "its key is not the fields of a verdict's key"
     if not isinstance(record.get("passed"), bool):
         return "no passed/rejected verdict"
     if not record["passed"] and not isinstance(record.get("reason"), str):

@@ -534,6 +534,22 @@ def test_probe_shows_the_verdict_and_where_it_came_from(layout, cache, monkeypat
     assert code == 2 and "--recheck needs DIR" in err
 
 
+@pytest.mark.parametrize("drop", ["every field", "mode"])
+def test_a_cached_verdict_whose_key_lacks_a_field_is_ignored_by_a_probe(layout, cache, caplog, capsys, drop):
+    """A probe without a table reads every verdict of the mode with no key to match it against: a
+    well-formed record whose key lacks a key's fields is ignored with a warning, as any record that
+    cannot be trusted is, not a traceback."""
+    key = verdict_key(read_capabilities("cpu"), "ats", layout.files)
+    path = verdict_path(key)
+    broken = {} if drop == "every field" else {k: v for k, v in key.items() if k != drop}
+    write_verdict(path, _record(broken))
+    with caplog.at_level(logging.WARNING):
+        code, out, _ = run(capsys, "probe")
+    assert code == 0 and "first read: ats (Triton interpreter: the host is the device) not checked" in out
+    assert f"ignoring the first-read verdict file {path}: " in caplog.text
+    assert "not the fields of a verdict's key" in caplog.text
+
+
 def test_probe_of_a_forced_mode_whose_first_read_fails(layout, cache, monkeypatch, capsys):
     monkeypatch.setenv("PLE_UM_FIRST_READ_FAULT", "exit")
     monkeypatch.setenv("PLE_UM_MODE", "ats")
