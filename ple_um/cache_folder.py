@@ -67,7 +67,7 @@ def why_unusable(path: str) -> str | None:
     """Why ``path`` cannot be a cache folder (it exists and is not a safe folder, or it cannot be
     made because a file is in the way), or None: the knob's check, which makes nothing."""
     try:
-        st = os.lstat(path)
+        st = os.lstat(os.path.normpath(path))  # "link/" and "link/." would follow the link
     except FileNotFoundError:
         parent = os.path.dirname(os.path.abspath(path))
         while parent and not os.path.exists(parent):
@@ -85,7 +85,7 @@ def check_folder(path: str) -> None:
     """Raise UnsafeCacheError unless ``path`` is a folder (not a link) owned by this user that no
     one else can write (FileNotFoundError where it is not there); makes nothing."""
     try:
-        st = os.lstat(path)
+        st = os.lstat(os.path.normpath(path))  # "link/" and "link/." would follow the link
     except FileNotFoundError:
         raise
     except OSError as exc:

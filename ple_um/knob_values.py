@@ -84,10 +84,12 @@ def auto_or(parse: Callable[[str], Any], expected: str) -> Callable[[str], Any]:
 def cache_directory(text: str) -> str:
     """A folder ple-um may trust with what it caches: one that is there is a folder (not a link)
     owned by this user that no one else can write; one that is not there can be made
-    (``cache_folder``). A leading ``~`` is the home folder, where no shell expanded it."""
+    (``cache_folder``). A leading ``~`` is the home folder, where no shell expanded it. The value
+    is made absolute and normal: the folder checked is the one every use joins its names to (a
+    trailing ``/`` or ``/.`` would have the check's lstat follow a link, and ``link/..`` the uses)."""
     if not text.strip():
         raise ValueError("expected a directory, got an empty value")
-    path = os.path.expanduser(text)
+    path = os.path.abspath(os.path.expanduser(text))
     why = cache_folder.why_unusable(path)
     if why is not None:
         raise ValueError(f"expected a folder of this user's that no one else can write: {why}")

@@ -97,24 +97,32 @@ def test_an_open_with_a_fifo_for_the_row_cache_lock_does_not_hang(tmp_path, make
     assert "row cache sized without its lock" in done.stderr and "FIFO" in done.stderr
 
 
-@pytest.mark.parametrize("kind", ["file", "group-writable", "world-writable", "link", "below a file"])
+@pytest.mark.parametrize(
+    "kind", ["file", "group-writable", "world-writable", "link", "link/", "link/.", "below a file"]
+)
 def test_a_cache_dir_that_is_not_a_private_folder_is_refused_with_the_knobs(tmp_path, monkeypatch, kind):
+    """A link too where the value ends in a separator or ``.``, which lstat would have followed."""
     path = tmp_path / "cache"
     if kind == "file":
         path.write_text("")
     elif kind in ("group-writable", "world-writable"):
         path.mkdir()
         path.chmod(0o770 if kind == "group-writable" else 0o1777)
-    elif kind == "link":
+    elif kind.startswith("link"):
         (tmp_path / "real").mkdir(mode=0o700)
         os.symlink(tmp_path / "real", path)
     else:
         (tmp_path / "a-file").write_text("")
         path = tmp_path / "a-file" / "cache"
-    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(path))
+    given = str(path) + (kind.removeprefix("link") if kind.startswith("link") else "")
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", given)
     with pytest.raises(KnobError, match="PLE_UM_CACHE_DIR=") as raised:
         envs.check()
     assert str(path) in str(raised.value)
+    if kind.startswith("link"):
+        assert f"{path} is a symbolic link" in str(raised.value)
+        with pytest.raises(cache_folder.UnsafeCacheError, match="is a symbolic link"):
+            cache_folder.private_folder(given)
     rows = {row["name"]: row for row in envs.describe()}
     assert "PLE_UM_CACHE_DIR" in rows["PLE_UM_CACHE_DIR"]["invalid"]
 
