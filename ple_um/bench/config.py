@@ -42,9 +42,9 @@ POOL_STEPS = 32
 # E4M3 rows of 256 values, each with 8 E8M0 scale bytes; the released model's first Engram layer).
 PLE_MODEL, ENGRAM_MODEL = "qwen3.8-flash-next", "deepseek-v41"
 MODELS = (PLE_MODEL, ENGRAM_MODEL)
-# The synthetic PLE table's row width in bytes (a row and its block scales) and shards, when
-# --row-bytes and --shards are not given.
-ROW_BYTES, SHARDS = 160, 128
+# The synthetic PLE table's bytes, row width in bytes (a row and its block scales) and shards, when
+# --size, --row-bytes and --shards are not given.
+SIZE, ROW_BYTES, SHARDS = 2 << 30, 160, 128
 ENGRAM_HEAD_DIM = 256
 ENGRAM_ROW_BYTES = ENGRAM_HEAD_DIM + ENGRAM_HEAD_DIM // MXFP8_BLOCK  # a row and its scales
 ENGRAM_LAYER = 1
@@ -65,7 +65,7 @@ class Config:
 
     directory: str | None = None
     layer: int | None = None
-    size: int = 2 << 30
+    size: int | None = None  # of the synthetic table: SIZE
     row_bytes: int | None = None  # of a row and its block scales: ROW_BYTES (ENGRAM_ROW_BYTES: Engram)
     shards: int | None = None  # SHARDS (1: Engram)
     model: str = PLE_MODEL
@@ -92,6 +92,9 @@ class Config:
         if self.warmup_s is not None and not (self.memory_limits or self.serving):
             raise BenchUsageError("--warmup times the steady state of --memory-limit or --serving: give one")
         self._check_serving()
+        if self.directory is not None:
+            self._check_directory()
+        self.size = SIZE if self.size is None else self.size
         self._check_model()
         if self.directory is None:
             self._check_synthetic()
@@ -134,6 +137,17 @@ class Config:
                     "lookups the bench times side by side"
                 )
         self.row_bytes, self.shards = ENGRAM_ROW_BYTES, 1
+
+    def _check_directory(self) -> None:
+        """The synthetic table's options refused with DIR, whose table is benched as it is (they
+        would otherwise be dropped without a word)."""
+        shape = ("--size", self.size), ("--row-bytes", self.row_bytes), ("--shards", self.shards)
+        for flag, given in shape:
+            if given is not None:
+                raise BenchUsageError(
+                    f"{flag} shapes the synthetic table: DIR's table is benched as it is; give one or "
+                    "the other"
+                )
 
     def _check_synthetic(self) -> None:
         """The synthetic table's options: one layer, at least a row, no more shards than rows."""

@@ -19,6 +19,7 @@ from ple_um.bench.config import (
     ROW_BYTES,
     SERVING_STEPS,
     SHARDS,
+    SIZE,
     STEP_MS,
     WARMUP_S,
     Config,
@@ -66,7 +67,9 @@ def add_parser(sub) -> None:
         help="the table's kind: a PLE table (Qwen3.8-Flash-Next's) or an Engram table (DeepSeek-V4.1's: "
         "FP8 rows of 256 values, 8 E8M0 scale bytes each, one unsplit tensor), DIR's or synthetic",
     )
-    b.add_argument("--size", type=a.nonzero_size, default="2GiB", help="synthetic table size")
+    b.add_argument(
+        "--size", type=a.nonzero_size, default=None, help=f"synthetic table size (default: {SIZE >> 30}GiB)"
+    )
     for flag, what, default in (
         ("--row-bytes", "row width in bytes", ROW_BYTES),
         ("--shards", "shard count", SHARDS),

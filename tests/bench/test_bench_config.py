@@ -25,7 +25,7 @@ def test_options_not_given_take_the_default_of_their_run():
     assert decode_only.serving_lookups == {"decode": 64 * 16}
     engram = config.Config(model=config.ENGRAM_MODEL, rows=(16,), repeats=2)
     assert (engram.row_bytes, engram.shards, engram.rows, engram.repeats) == (264, 1, (16,), 2)
-    assert config.Config(directory="/d", layer=3, size=100).layer == 3  # DIR's table: its own checks
+    assert config.Config(directory="/d", layer=3).layer == 3  # DIR's table: its own checks
 
 
 @pytest.mark.parametrize(
@@ -38,6 +38,9 @@ def test_options_not_given_take_the_default_of_their_run():
         ({"model": config.ENGRAM_MODEL, "shards": 1}, "--shards is a PLE table's option"),
         ({"layer": 3}, "--layer needs DIR: the synthetic table has one layer"),
         ({"size": 100}, "--size 100 B holds no row of 160 B (--row-bytes): give at least that"),
+        ({"directory": "/d", "size": 100}, "--size shapes the synthetic table: DIR's table is benched as"),
+        ({"directory": "/d", "row_bytes": 8}, "--row-bytes shapes the synthetic table"),
+        ({"directory": "/d", "shards": 4}, "--shards shapes the synthetic table"),
     ],
 )
 def test_options_that_do_not_go_together_are_refused_by_the_config(given, message):

@@ -90,6 +90,9 @@ BENCH_REFUSALS = [
     (["--model", "deepseek-v41", "--serving"], "--serving is a PLE table's option: an Engram table"),
     (["--model", "deepseek-v41", "--size", "263"], "--size 263 B holds no row of 264 B"),
     (["--model", "deepseek-v41", "--layer", "1"], "--layer needs DIR: the synthetic table has one layer"),
+    (["/a/dir", "--size", "1GiB"], "--size shapes the synthetic table: DIR's table is benched as it is"),
+    (["/a/dir", "--row-bytes", "160"], "--row-bytes shapes the synthetic table: DIR's table is benched as"),
+    (["/a/dir", "--shards", "4"], "--shards shapes the synthetic table: DIR's table is benched as it is"),
     (["--memory-limit", "1GiB", "--warmup", "1e9"], "argument --warmup: expected seconds from 0 to 86400"),
 ]
 
@@ -117,7 +120,7 @@ def test_list_options_take_empty_items_and_any_case_alike():
     assert args.modes == ("cpu",) and args.rows == (16, 1024) and [d.name for d in args.ids] == ["uniform"]
     assert parser.parse_args(["bench", "--modes", " Device , cpu"]).modes == ("device", "cpu")
     defaults = parser.parse_args(["bench"])
-    assert defaults.size == 2 << 30 and defaults.rows is None and defaults.memory_limits is None
+    assert defaults.size is None and defaults.rows is None and defaults.memory_limits is None
 
 
 def test_a_table_larger_than_the_disk_is_refused_with_the_figures(tmp_path):
