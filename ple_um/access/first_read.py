@@ -178,6 +178,14 @@ def _last_words(proc: subprocess.Popen) -> tuple[str, str]:
         return tuple(s.decode(errors="replace") if isinstance(s, bytes) else s or "" for s in said)
 
 
+def _kill(proc: subprocess.Popen) -> tuple[str, str]:
+    """Kill the child and what it started (its process group: a session of its own, out of the
+    terminal's reach), and take its last words (``_last_words``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return _last_words(proc)
+
+
 def run_child(
     layout: ShardLayout, windows: list, mode: str, device: torch.device, timeout: float
 ) -> ChildOutcome:
@@ -222,9 +230,10 @@ def run_child(
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = _last_words(proc)
+        out, err = _kill(proc)
+    except BaseException:  # an interrupt (Ctrl-C reaches the open, not the child): the child goes too
+        _kill(proc)
+        raise
     seconds = time.perf_counter() - t0
     stage, result = "import", None
     for line in out.splitlines():

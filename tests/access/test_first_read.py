@@ -215,6 +215,41 @@ def test_a_killed_child_whose_output_stays_open_does_not_hold_the_open(layout, c
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
+def test_an_open_interrupted_while_its_child_reads_takes_the_child_with_it(layout, cache):
+    """Ctrl-C while the first-read child runs: the child runs in a session of its own (a timeout
+    kills its whole group), out of the terminal's reach, so the open kills it on the way out rather
+    than leave it behind, here hung in its read."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = f"import ple_um; ple_um.open_table({layout.directory!r}, device='cpu')"
+
+    def maps_a_shard(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                return layout.files[0] in f.read()
+        except OSError:
+            return False
+
+    env = {**os.environ, "PLE_UM_FIRST_READ_FAULT": "hang", "PYTHONPATH": repo}
+    parent = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(maps_a_shard(pid) for pid in child_processes(layout.directory)):
+            assert parent.poll() is None and time.monotonic() < deadline, "no first-read child opened"
+            time.sleep(0.2)
+        time.sleep(2)  # the child has opened its sample: in its read, hung, printing no more
+        parent.send_signal(signal.SIGINT)
+        _, err = parent.communicate(timeout=60)
+        assert "KeyboardInterrupt" in err
+        deadline = time.monotonic() + 10
+        while child_processes(layout.directory) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert child_processes(layout.directory) == []
+    finally:
+        parent.kill()
+        for pid in child_processes(layout.directory):
+            os.kill(pid, signal.SIGKILL)
+
+
 # -- the machines: hardware coherent, HMM, neither -------------------------------------------------
 @pytest.mark.parametrize(("kind", "named"), [("ats", "hardware coherent (ATS)"), ("hmm", "HMM")])
 def test_the_direct_read_is_checked_and_named_on_ats_and_hmm_machines(
