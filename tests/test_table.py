@@ -305,8 +305,11 @@ def test_out_and_out_dtype_must_agree(layout, mode):
 def test_non_integer_ids(layout, mode):
     with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
         floats, bools = torch.tensor([1.0, 2.0]), torch.tensor([True, False])
-        for ids in (floats, bools, torch.tensor([1], dtype=torch.uint16)):
-            with pytest.raises(TypeError, match="integer"):
+        wide = [torch.tensor([1], dtype=dtype) for dtype in (torch.uint16, torch.uint32, torch.uint64)]
+        for ids in (floats, bools, *wide):
+            # The dtypes taken named: a uint32 tensor of hashed ids is an integer tensor too.
+            taken = "an integer tensor of int64, int32, int16, int8 or uint8"
+            with pytest.raises(TypeError, match=f"{taken}, got {ids.dtype}$"):
                 table.lookup(ids)
         for ids in ([1, 2], np.array([1, 2]), 3):
             with pytest.raises(TypeError, match="torch.Tensor"):

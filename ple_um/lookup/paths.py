@@ -44,6 +44,8 @@ from ple_um.lookup.sync_gather import SyncGather
 
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
 _ID_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8))
+# The id dtypes in words: torch's wide unsigned ones (uint16, uint32, uint64) are integers too.
+_ID_WORDS = "an integer tensor of int64, int32, int16, int8 or uint8"
 
 
 def check_ids(ids) -> None:
@@ -51,7 +53,7 @@ def check_ids(ids) -> None:
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch.Tensor, not {type(ids).__name__}")
     if ids.dtype not in _ID_DTYPES:
-        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+        raise TypeError(f"ids must be {_ID_WORDS}, got {ids.dtype}")
 
 
 def check_args(table, ids, out: torch.Tensor | None, out_dtype) -> torch.dtype | None:
