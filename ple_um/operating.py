@@ -244,16 +244,18 @@ def prewarm(
         if requested > allowed and not force:
             what = "the --max-bytes limit" if limit is not None else "MemAvailable"
             fits = fraction_that_fits(mappings, fraction, allowed)
-            part = (
-                f"Prewarm a part with --fraction {fits} ({format_bytes(_requested(mappings, float(fits)))}), "
-                if fits is not None
-                else ""
-            )
+            advice = []
+            if fits is not None:
+                part = format_bytes(_requested(mappings, float(fits)))
+                advice.append(f"prewarm a part with --fraction {fits} ({part})")
+            if limit is not None:
+                advice.append("raise --max-bytes")
+            left = ", or ".join(filter(None, (", ".join(advice), "pass --force")))
             raise PrewarmRefused(
                 f"prewarming layer {layout.layer} of {layout.directory} reads {format_bytes(requested)}, "
                 f"more than {what} ({format_bytes(allowed)}): filling the page cache would evict the "
-                f"table's own first pages (or other processes' memory) to hold the rest. {part}"
-                f"{'raise --max-bytes, ' if limit is not None else ''}or pass --force"
+                f"table's own first pages (or other processes' memory) to hold the rest. "
+                f"{left[0].upper()}{left[1:]}"
             )
         before = _total(mappings)
         t0 = time.perf_counter()

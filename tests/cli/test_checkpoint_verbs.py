@@ -427,6 +427,19 @@ def test_prewarm_advice_is_taken_as_given(capsys, table_dir, limit):
         assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.parametrize("limit", [None, 1])
+def test_a_prewarm_refusal_no_fraction_fits_says_what_is_left(table_dir, limit):
+    """Where no --fraction fits (here: not one byte), the refusal's advice is still a sentence:
+    what is left to do, capitalized, with no dangling "or"."""
+    path, _ = table_dir
+    with pytest.raises(operating.PrewarmRefused) as info:
+        operating.prewarm(path, limit=limit, available=lambda: 1)
+    message = str(info.value)
+    assert "--fraction" not in message
+    left = "Raise --max-bytes, or pass --force" if limit else "Pass --force"
+    assert message.endswith(f"to hold the rest. {left}"), message
+
+
 def test_prewarm_max_bytes_0_is_refused(capsys, table_dir):
     path, _ = table_dir
     code, out, err = run(capsys, "prewarm", path, "--max-bytes", "0")
