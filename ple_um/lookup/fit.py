@@ -228,7 +228,15 @@ class FitWatch(Ticker):
                 )
             elif nxt.path == "host" and nxt is not now:
                 nxt = Serving("host", False, f"{nxt.why}, {host_words(paths.row_copy)}", nxt.switches)
+            elif nxt.path == "host":  # the same host path serves on: its why says what holds now
+                where = "the cpu mode's host path" if cpu else "the host path"
+                why = f"{verdict.why}: {where}, {host_words(paths.row_copy)}"
+                nxt = Serving("host", False, why, now.switches)
             if (nxt.path, nxt.touch, nxt.switches) == (now.path, now.touch, now.switches):
+                # What serves is unchanged: its why follows this check's figures, quietly (no log
+                # line: the figures move at every check).
+                if nxt.why != now.why:
+                    paths.set_serving(nxt)
                 return False
             paths.set_serving(nxt)
             logger.info("ple-um: decode-sized lookups of %s: %s", self.mappings[0].layout.directory, nxt.why)

@@ -457,6 +457,38 @@ def test_the_cpu_mode_gains_a_row_cache_when_the_table_stops_fitting(
         assert not table.paths.fit.check()  # nothing changes while it still does not fit
 
 
+def test_a_host_path_that_serves_on_says_what_holds_now(table_files, machine, memory_left, rng, poison):
+    """A host path that goes on serving, nothing rebuilt, says what the last check found: the cpu
+    mode's (a table not resident at open: a reader of misses already) once the table stops fitting
+    with no room left for a row cache, and the ats mode's once a table over its memory fits again
+    but without the margin the kernel needs back. No change of what serves is counted."""
+    layout = table_files
+    drop_page_cache(layout)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu", rows=OWNED) as table:
+        paths = table.paths
+        assert " fit:" in paths.serving.why and paths.row_copy.rows.reader is not None, paths.serving
+        memory_left.machine, memory_left.group = 1 * MiB, 0
+        assert not paths.fit.check()
+        serving = table.stats()["serving"]
+        assert serving["switches"] == 0 and "do not fit" in serving["why"], serving
+        assert "no row cache" in serving["why"] and "1.00 MiB" in serving["why"], serving
+        decode_lookups(table, layout, rng, poison, 4)
+    machine(GH200)
+    memory_left.machine, memory_left.group = 1 * MiB, None
+    with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
+        paths = table.paths
+        assert paths.serving.path == "host" and "do not fit" in paths.serving.why, paths.serving
+        owned = sum(r.length for r in table.mapping.regions)
+        memory_left.machine = int(owned * 1.05)  # fits, but not with a tenth to spare
+        assert not paths.fit.check()
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and serving["switches"] == 0, serving
+        verdict, _, host = serving["why"].partition(": the host path, ")
+        assert ") fit: MemAvailable" in verdict and "do not fit" not in verdict, serving
+        assert host.startswith("a row cache of "), serving  # built when it did not fit: said so
+        decode_lookups(table, layout, rng, poison, 4)
+
+
 @pytest.mark.parametrize("caps", [None, GH200], ids=["cpu", "ats"])
 def test_a_check_with_no_room_for_a_row_cache_builds_no_host_path_again_and_again(
     table_files, caps, machine, memory_left, rng, poison
