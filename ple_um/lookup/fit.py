@@ -46,7 +46,7 @@ from ple_um.checkpoint import ShardLayout
 from ple_um.errors import KnobError
 from ple_um.lookup import rowcopy, sync_gather
 from ple_um.lookup.host import misses
-from ple_um.mapping import PAGE, MappedShards
+from ple_um.mapping import PAGE, RESIDENT_SLACK, MappedShards
 from ple_um.residency import resident_pages
 from ple_um.ticker import Ticker
 
@@ -195,7 +195,8 @@ class FitWatch(Ticker):
     def check(self) -> bool:
         """One check now: measure, choose, switch. Where the host path is to serve a table that does
         not fit and it has no row cache (or there is no host path), one is built first, and the
-        switch waits for it. Whether what serves changed."""
+        switch waits for it; where the one it would build gains nothing (no room for a row cache),
+        none is built. Whether what serves changed."""
         with self._lock:
             if self.stopped.is_set():
                 return False
@@ -208,13 +209,15 @@ class FitWatch(Ticker):
             nxt = now if cpu else choose(now, verdict, touch_knob=self.touch_knob, touch_here=self.touch_here)
             host = paths.row_copy
             cache_wanted = not verdict.fits and envs.PLE_UM_ROW_CACHE == "auto"
-            if nxt.path == "host" and (host is None or cache_wanted and host.rows.cache is None):
+            wanted = host is None or cache_wanted and host.rows.cache is None
+            if nxt.path == "host" and wanted and self._could_gain(host, verdict):
                 # Built while the table serves: an explicit PLE_UM_ROW_CACHE past the memory left
                 # is cut to it (no open is there to refuse it), said once, in the switch's why.
                 built = self.host_for(True, cut=True)
                 if built is not None and host is not None and not _gains(built, host):
-                    # No room for a row cache now: the host path there is goes on serving (one
-                    # adopted each check would hold its files and buffers until the table closes).
+                    # The memory left moved since ``_could_gain``: the host path there is goes on
+                    # serving (one adopted each check would hold its files and buffers until the
+                    # table closes).
                     built.close()
                     built = None
                 if built is not None:
@@ -241,6 +244,20 @@ class FitWatch(Ticker):
             paths.set_serving(nxt)
             logger.info("ple-um: decode-sized lookups of %s: %s", self.mappings[0].layout.directory, nxt.why)
             return True
+
+    def _could_gain(self, host, verdict: Verdict) -> bool:
+        """Whether a host path built now could have what ``host`` (None: there is none) lacks
+        (``_gains``), told without building one (its reader's descriptors, an O_DIRECT probe, the
+        sizing lock): a row cache where the memory left holds one set of slots
+        (``misses.row_cache``, as the build would size it), or a reader of misses where ``host``
+        has none and the build's plan would give one (``misses.reads_misses``)."""
+        if host is None:
+            return True
+        scales = self.mappings[1] if len(self.mappings) > 1 else None
+        if misses.row_cache(self.mappings[0], scales, spills=True, cut=True)[1]:
+            return True
+        resident = verdict.resident >= (1 - RESIDENT_SLACK) * verdict.owned
+        return host.rows.reader is None and misses.reads_misses(cache=False, resident=resident)
 
     tick = check  # the thread's check is the one a caller can make now
 

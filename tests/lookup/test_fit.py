@@ -517,6 +517,38 @@ def test_a_check_with_no_room_for_a_row_cache_builds_no_host_path_again_and_agai
         decode_lookups(table, layout, rng, poison, 8)
 
 
+@pytest.mark.parametrize("reads", ["auto", "mmap"])
+def test_a_check_with_no_room_for_a_row_cache_builds_nothing(
+    table_files, memory_left, monkeypatch, rng, poison, reads
+):
+    """The cpu mode's table, not resident at open (a reader of misses already; under
+    ``PLE_UM_FILE_READS=mmap`` none, nor would a new one have one), stops fitting with no room left
+    for a row cache: the checks tell so before building (``misses.row_cache``) and build no host
+    path at all, not one built and closed again at each check (its reader's descriptors, an O_DIRECT
+    probe, the sizing lock). Once room comes back, the next check builds one, with a row cache."""
+    monkeypatch.setenv("PLE_UM_FILE_READS", reads)
+    layout = table_files
+    drop_page_cache(layout)
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu", rows=OWNED) as table:
+        paths = table.paths
+        built = []
+        host_for = paths.fit.host_for
+
+        def counted(*args, **kwargs):
+            built.append(host_for(*args, **kwargs))
+            return built[-1]
+
+        paths.fit.host_for = counted
+        memory_left.machine, memory_left.group = 1 * MiB, 0
+        assert [paths.fit.check() for _ in range(4)] == [False] * 4
+        assert built == [] and len(paths._hosts()) == 1 and table.stats()["row_cache"] is None
+        decode_lookups(table, layout, rng, poison, 4)
+        memory_left.group = None  # half of the 1 MiB left: a row cache
+        assert paths.fit.check() and len(built) == 1 and paths.host is built[0]
+        assert table.stats()["row_cache"] is not None
+        decode_lookups(table, layout, rng, poison, 4)
+
+
 def test_a_row_cache_sized_past_the_memory_left_is_cut_when_a_check_builds_it(
     table_files, machine, memory_left, monkeypatch, rng, poison, caplog
 ):

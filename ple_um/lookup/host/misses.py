@@ -128,6 +128,14 @@ def row_cache(
     return cache, slots, said
 
 
+def reads_misses(*, cache: bool, resident: bool) -> bool:
+    """Whether ``plan`` gives a host path a reader of misses, told without planning: not where
+    misses are faulted in (``PLE_UM_FILE_READS=mmap``), nor under ``auto`` for a table resident
+    with no row cache (``plan`` is None there: its lookups copy from the mapping)."""
+    knob = envs.PLE_UM_FILE_READS
+    return knob != "mmap" and (cache or not resident or knob != "auto")
+
+
 def plan(
     lib, mapping: MappedShards, scale_mapping: MappedShards | None, *, spills: bool, cut: bool = False
 ) -> MissPlan | None:
@@ -139,7 +147,7 @@ def plan(
     reads_knob = envs.PLE_UM_FILE_READS
     resident = all(m.resident() for m in (mapping, scale_mapping) if m is not None)
     cache, slots, said = row_cache(mapping, scale_mapping, spills=spills, cut=cut)
-    if cache == 0 and resident and reads_knob == "auto":
+    if cache == 0 and resident and reads_knob == "auto":  # reads_misses says so
         return None
     strategy, how = choose_strategy(lib, reads_knob)
     direct_knob = envs.PLE_UM_DIRECT_READS
