@@ -26,7 +26,9 @@ The rule (docs/OPERATING.md, "Memory"):
   then on the host path reaches the row cache at every replay.
 Where the host path that serves a table that stopped fitting has no row cache (the table fit at
 open), ``FitWatch`` builds one on its own thread (a new host path, sized from the memory left
-then) and switches once it is ready; the old path stays for the graphs that captured it.
+then) and switches once it is ready; the old path stays for the graphs that captured it. A row
+cache built while little memory was left is built again the same way once the memory left gives
+one of ``REGROW_FACTOR`` times its slots, at most once in ``REGROW_AFTER_S`` seconds.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ SWITCHING_MODES = ("ats", "registered")
 # A lookup captured on the kernel checks again first where the last check is older than this
 # (``FitWatch.check_at_capture``): the first capture after the memory changed sees it.
 CAPTURE_CHECK_AGE = 0.1
+# A serving row cache is built again, bigger, where the memory left now gives one of at least this
+# many times its slots, at most once in REGROW_AFTER_S seconds (``FitWatch``): the caches it replaces
+# stay until the table closes (graphs captured through them), at most as much again as the newest.
+REGROW_FACTOR = 2
+REGROW_AFTER_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,7 @@ class FitWatch(Ticker):
         self.rng = np.random.default_rng(seed)
         self.checks = 0
         self.checked_at = time.monotonic()  # the open measured the fit just now
+        self.built_at = self.checked_at  # the last host path built (the open's)
         self._lock = threading.Lock()  # one check at a time (the thread's, a caller's)
 
     def tick_failed(self, exc: Exception) -> None:
@@ -210,10 +218,14 @@ class FitWatch(Ticker):
             host = paths.row_copy
             cache_wanted = not verdict.fits and envs.PLE_UM_ROW_CACHE == "auto"
             wanted = host is None or cache_wanted and host.rows.cache is None
-            if nxt.path == "host" and wanted and self._could_gain(host, verdict):
+            cached = cache_wanted and host is not None and host.rows.cache is not None
+            if nxt.path == "host" and (
+                wanted and self._could_gain(host, verdict) or cached and self._regrow_due(host)
+            ):
                 # Built while the table serves: an explicit PLE_UM_ROW_CACHE past the memory left
                 # is cut to it (no open is there to refuse it), said once, in the switch's why.
                 built = self.host_for(True, cut=True)
+                self.built_at = time.monotonic()
                 if built is not None and host is not None and not _gains(built, host):
                     # The memory left moved since ``_could_gain``: the host path there is goes on
                     # serving (one adopted each check would hold its files and buffers until the
@@ -259,6 +271,17 @@ class FitWatch(Ticker):
         resident = verdict.resident >= (1 - RESIDENT_SLACK) * verdict.owned
         return host.rows.reader is None and misses.reads_misses(cache=False, resident=resident)
 
+    def _regrow_due(self, host) -> bool:
+        """Whether ``host``'s row cache is to be built again, bigger: the last build at least
+        ``REGROW_AFTER_S`` ago, and the memory left now gives a cache of at least ``REGROW_FACTOR``
+        times its slots (``misses.row_cache``, as the build sizes it; never past what the owned
+        rows need, so the regrowths end)."""
+        if time.monotonic() - self.built_at < REGROW_AFTER_S:
+            return False
+        scales = self.mappings[1] if len(self.mappings) > 1 else None
+        slots = misses.row_cache(self.mappings[0], scales, spills=True, cut=True)[1]
+        return slots >= REGROW_FACTOR * host.misses.slots
+
     tick = check  # the thread's check is the one a caller can make now
 
     def check_at_capture(self) -> None:
@@ -277,9 +300,12 @@ class FitWatch(Ticker):
 
 
 def _gains(built, host) -> bool:
-    """Whether host path ``built`` has what ``host`` lacks: a row cache, or a reader of misses (a
-    table resident at open has none: its pages lost since would be faulted in one at a time)."""
-    return built.rows.cache is not None or built.rows.reader is not None and host.rows.reader is None
+    """Whether host path ``built`` has what ``host`` lacks: a row cache (or one of at least
+    ``REGROW_FACTOR`` times the slots of ``host``'s), or a reader of misses (a table resident at
+    open has none: its pages lost since would be faulted in one at a time)."""
+    if built.rows.cache is not None:
+        return host.rows.cache is None or built.misses.slots >= REGROW_FACTOR * host.misses.slots
+    return built.rows.reader is not None and host.rows.reader is None
 
 
 def no_host_path(serving: Serving, verdict: Verdict, why: str) -> Serving:

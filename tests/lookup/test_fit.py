@@ -549,6 +549,38 @@ def test_a_check_with_no_room_for_a_row_cache_builds_nothing(
         decode_lookups(table, layout, rng, poison, 4)
 
 
+def test_a_small_row_cache_is_built_again_bigger_once_memory_frees_up(
+    table_files, memory_left, monkeypatch, rng, poison
+):
+    """The cpu mode's table opened over its memory cgroup's room with little of it left: a small row
+    cache. Room frees up (the table still does not fit): no check builds again before
+    ``REGROW_AFTER_S`` since the last build; after it, the next check builds a host path with a
+    row cache of at least ``REGROW_FACTOR`` times the slots and serves through it (a switch), the
+    old one kept for captured graphs; the checks after it, the room the same, build nothing more.
+    Every lookup exact."""
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    layout = table_files
+    drop_page_cache(layout)
+    memory_left.group = 256 * 1024
+    with ple_um.open_table(layout.directory, mode="cpu", device="cpu", rows=OWNED) as table:
+        paths = table.paths
+        small = paths.host.misses.slots
+        assert small > 0 and table.stats()["row_cache"]["bytes"] <= 128 * 1024, table.stats()["row_cache"]
+        decode_lookups(table, layout, rng, poison, 4)
+        memory_left.group = int(1.5 * MiB)  # the 2.6 MiB not in memory still do not fit
+        assert [paths.fit.check() for _ in range(3)] == [False] * 3  # the open built just now
+        assert paths.host.misses.slots == small and len(paths._hosts()) == 1
+        monkeypatch.setattr(fit, "REGROW_AFTER_S", 0.0)
+        assert paths.fit.check()
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and serving["switches"] == 1 and "do not fit" in serving["why"]
+        assert paths.host.misses.slots >= fit.REGROW_FACTOR * small and len(paths._hosts()) == 2
+        assert "a row cache of 768.00 KiB" in serving["why"], serving
+        assert [paths.fit.check() for _ in range(3)] == [False] * 3 and len(paths._hosts()) == 2
+        decode_lookups(table, layout, rng, poison, 8)
+        assert table.stats()["row_cache"]["hits"] > 0
+
+
 def test_a_row_cache_sized_past_the_memory_left_is_cut_when_a_check_builds_it(
     table_files, machine, memory_left, monkeypatch, rng, poison, caplog
 ):
