@@ -123,7 +123,7 @@ def available() -> int:
     return min(group, machine) if machine else group
 
 
-def fits(owned: int, resident: int, pinned: int = 0) -> tuple[bool, str]:
+def fits(owned: int, resident: int, pinned: int = 0, *, what: str = "the owned rows") -> tuple[bool, str]:
     """Whether a table of ``owned`` bytes, ``resident`` of them in memory now and ``pinned`` of
     those pinned (the registered mode), fits the memory this process may use, and why, in words.
 
@@ -131,7 +131,8 @@ def fits(owned: int, resident: int, pinned: int = 0) -> tuple[bool, str]:
     bytes (MemAvailable already counts the table's evictable page cache as memory the kernel can
     take back, but not pinned pages). Each memory cgroup with a limit: the bytes not yet in memory
     within its room (its usage already counts the table's pages charged to it, so its page cache
-    counts as room less the table's resident pages, which may be among it)."""
+    counts as room less the table's resident pages, which may be among it). ``what``: the bytes
+    counted, in the words."""
     machine, group = mem_available(), cgroup_headroom(resident=resident)
     missing = max(0, owned - resident)
     terms = []
@@ -147,5 +148,5 @@ def fits(owned: int, resident: int, pinned: int = 0) -> tuple[bool, str]:
     against = "; ".join(terms) or "no limit known"
     return (
         ok,
-        f"the owned rows ({format_bytes(owned)}, {format_bytes(resident)} in memory) {verdict}: {against}",
+        f"{what} ({format_bytes(owned)}, {format_bytes(resident)} in memory) {verdict}: {against}",
     )

@@ -3,7 +3,9 @@ memory this process may use, and decided again while it serves.
 
 The rule (docs/OPERATING.md, "Memory"):
 - **Fit** (``access.memory.fits``): the whole table within MemAvailable (plus its pinned bytes),
-  and its bytes not yet in memory within each memory cgroup's room. ``PLE_UM_FIT`` forces it.
+  and its bytes not yet in memory within each memory cgroup's room; counted with the owned rows of
+  every other table this process has open (``OPEN_TABLES``), a file's bytes once. ``PLE_UM_FIT``
+  forces it.
 - **A table that does not fit** is served on the host path: the C row copy with a row cache (hot
   rows held at row granularity) and the reader of misses (many reads in flight), every lookup, as
   the ``cpu`` mode does; in the ``ats`` and ``registered`` modes the kernel no longer serves
@@ -48,8 +50,9 @@ from ple_um.checkpoint import ShardLayout
 from ple_um.errors import KnobError
 from ple_um.lookup import rowcopy, sync_gather
 from ple_um.lookup.host import misses
-from ple_um.mapping import PAGE, RESIDENT_SLACK, MappedShards
-from ple_um.residency import resident_pages
+from ple_um.lookup.open_tables import OPEN_TABLES, uncovered
+from ple_um.mapping import PAGE, RESIDENT_SLACK, MappedRegion, MappedShards
+from ple_um.residency import resident_count, resident_pages
 from ple_um.ticker import Ticker
 
 logger = logging.getLogger(__name__)
@@ -106,15 +109,14 @@ class Serving:
         }
 
 
-def resident_bytes(mappings: list[MappedShards], rng: np.random.Generator | None = None) -> tuple[int, bool]:
-    """Bytes of the mappings in memory now, and whether the figure is exact: every page's
+def resident_bytes(regions: list[MappedRegion], rng: np.random.Generator | None = None) -> tuple[int, bool]:
+    """Bytes of the mapped regions in memory now, and whether the figure is exact: every page's
     residency for at most ``FULL_SCAN_PAGES`` pages (or without ``rng``), else ``SAMPLE_PAGES``
     pages drawn at random (one mincore call each), scaled up."""
-    regions = [r for m in mappings for r in m.regions]
     pages = np.array([-(-r.length // PAGE) for r in regions], dtype=np.int64)
     total = int(pages.sum())
     if rng is None or total <= FULL_SCAN_PAGES:
-        return sum(resident for m in mappings for _, resident, _ in m.residency()), True
+        return sum(min(resident_count(r) * PAGE, r.length) for r in regions), True
     ends = np.cumsum(pages)
     picks = np.sort(rng.integers(0, total, SAMPLE_PAGES))
     which = np.searchsorted(ends, picks, side="right")
@@ -128,17 +130,32 @@ def resident_bytes(mappings: list[MappedShards], rng: np.random.Generator | None
 def measure(
     mappings: list[MappedShards], *, pinned: int = 0, rng: np.random.Generator | None = None
 ) -> Verdict:
-    """Whether the mappings' owned bytes fit the memory this process may use (``memory.fits``), with
-    the residency (exact without ``rng``, else sampled) and the knob ``PLE_UM_FIT``."""
-    owned = sum(r.length for m in mappings for r in m.regions)
-    resident, exact = resident_bytes(mappings, rng)
+    """Whether the mappings' owned bytes, with those of every other open table of this process
+    (``OPEN_TABLES``; a file's bytes that two tables map counted once), fit the memory this process
+    may use (``memory.fits``), with the residency (exact without ``rng``, else sampled) and the
+    knob ``PLE_UM_FIT``. The verdict's ``owned`` and ``resident`` are the mappings' own."""
+    own = [r for m in mappings for r in m.regions]
+    owned = sum(r.length for r in own)
+    resident, exact = resident_bytes(own, rng)
     knob = envs.PLE_UM_FIT
     if knob != "auto":
         fits = knob == "fits"
         return Verdict(owned, resident, fits, fits, f"PLE_UM_FIT={knob}", exact)
-    fits, why = memory.fits(owned, resident, pinned)
-    margin = fits and memory.fits(int(owned / FIT_MARGIN), resident, pinned)[0]
-    return Verdict(owned, resident, fits, margin, why, exact)
+    covered: dict[tuple, list[tuple[int, int]]] = {}
+    uncovered(own, covered)
+    theirs: list[MappedRegion] = []
+    tables, all_pinned = 1, pinned
+    with OPEN_TABLES.others(mappings) as others:
+        for ms, their_pinned in others:  # a table whose bytes were all counted adds nothing
+            if parts := uncovered([r for m in ms for r in m.regions], covered):
+                theirs += parts
+                tables, all_pinned = tables + 1, all_pinned + their_pinned
+        their_resident, their_exact = resident_bytes(theirs, rng)
+    all_owned, all_resident = owned + sum(r.length for r in theirs), resident + their_resident
+    what = f"the owned rows of this process's {tables} open tables" if tables > 1 else "the owned rows"
+    fits, why = memory.fits(all_owned, all_resident, all_pinned, what=what)
+    margin = fits and memory.fits(all_owned + int(owned / FIT_MARGIN) - owned, all_resident, all_pinned)[0]
+    return Verdict(owned, resident, fits, margin, why, exact and their_exact)
 
 
 def choose(now: Serving | None, verdict: Verdict, *, touch_knob: str, touch_here: bool) -> Serving:

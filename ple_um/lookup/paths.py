@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ import torch
 from ple_um import envs
 from ple_um.access.build import ModeAccess
 from ple_um.checkpoint import ShardLayout
-from ple_um.lookup import fit, rowcopy
+from ple_um.lookup import fit, open_tables, rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host import misses
@@ -125,6 +126,14 @@ class LookupPaths:
         self.capture_safe = not isinstance(host, SyncGather)
         self._retired: list[HostGather] = []
         self._lock = threading.Lock()
+        self._open_table = None  # its entry in open_tables.OPEN_TABLES: removed at close, or when dropped
+
+    def count_in_fits(self, mappings, pinned: int) -> None:
+        """Count ``mappings`` (the table's, ``pinned`` bytes of them pinned) in the fit of every
+        table of this process (``open_tables.OPEN_TABLES``) until ``close``, or until these paths are
+        dropped."""
+        key = open_tables.OPEN_TABLES.add(mappings, pinned)
+        self._open_table = weakref.finalize(self, open_tables.OPEN_TABLES.remove, key)
 
     def set_serving(self, serving: fit.Serving) -> None:
         """Make ``serving`` what the next lookup takes: one flag each, read once per lookup (a
@@ -257,6 +266,8 @@ class LookupPaths:
     def close(self) -> None:
         """Stop the fit checks, then release the host paths (their threads' work done, their
         buffers). The kernel holds nothing that needs releasing but device tensors."""
+        if self._open_table is not None:  # no fit measures the mappings once they are released
+            self._open_table()
         if self.fit is not None:
             self.fit.close()
         for host in reversed(self._hosts()):
@@ -326,6 +337,7 @@ def build_paths(
             paths.row_reads = f"the GPU kernel; big lookups: {paths.host.row_reads}"
         elif needed:
             paths.row_reads = f"the GPU kernel only (no host path: {why})"
+    paths.count_in_fits(mappings, access.pinned_bytes)
     if lib is not None and mode in ("cpu", *fit.SWITCHING_MODES) and envs.PLE_UM_FIT == "auto":
         if device.type == "cuda":  # the host path a check builds later makes no CUDA call there
             prepare_device(lib, device)

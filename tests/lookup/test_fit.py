@@ -208,10 +208,10 @@ def test_a_sample_of_pages_estimates_the_residency(make_checkpoint, rng, monkeyp
         half = table.mapping.regions[0]
         view = np.frombuffer((ctypes_buffer := memoryview_of(half)), dtype=np.uint8)
         int(view[::4096].sum())  # the first file's pages in
-        exact, is_exact = fit.resident_bytes([table.mapping])
+        exact, is_exact = fit.resident_bytes(table.mapping.regions)
         assert is_exact and exact >= half.length - 4096
         sampled, is_exact = fit.resident_bytes(
-            [table.mapping], np.random.default_rng(int(rng.integers(1 << 30)))
+            table.mapping.regions, np.random.default_rng(int(rng.integers(1 << 30)))
         )
         assert not is_exact
         share, mapped = exact / table.mapping.mapped_bytes, table.mapping.mapped_bytes
@@ -249,6 +249,56 @@ def test_a_table_over_its_memory_serves_decode_lookups_on_the_host_path(
         assert table.paths.gpu.read_counts()["rows"] == 0  # the kernel served none of them
         if table.paths.host.rows.reader.direct:  # misses read around the page cache: no page came in
             assert resident(table) <= before
+
+
+def test_the_fit_counts_every_open_table_of_the_process(
+    table_files, make_checkpoint, machine, memory_left, monkeypatch, rng, poison
+):
+    """Two tables of 2.6 MiB of owned rows each under 4 MiB of memory: each fits alone, not both. The
+    first opened serves on the kernel; the second opened beside it does not fit (the why names
+    both tables) and serves on the host path, and so does the first at its next check. The second
+    closed, the first fits again, with its margin: the kernel. The bytes of a file that two tables
+    map (the whole table beside the first's rows) are counted once; a table dropped without
+    ``close`` is no longer counted. Every lookup exact."""
+    import gc
+    import re
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    first, second = (
+        table_files,
+        make_checkpoint(
+            num_rows=20000, row_dim=160, dtype="fp8", shards=4, files=2, seed=int(rng.integers(1 << 30))
+        ),
+    )
+    machine(GH200)
+    memory_left.machine = 4 * MiB
+    with ple_um.open_table(first.directory, mode="ats", rows=OWNED) as a:
+        assert a.paths.serving.path == "kernel", a.paths.serving
+        with ple_um.open_table(first.directory, mode="ats") as same:  # all its rows: a's among them
+            assert same.paths.serving.path == "kernel" and not a.paths.fit.check(), same.paths.serving
+            assert "open tables" not in same.paths.serving.why and a.paths.serving.path == "kernel"
+            whole = sum(r.length for r in same.mapping.regions)  # 3 MiB, with a's 2.6 MiB in it
+            counted = re.search(r"2 open tables \(([0-9.]+) MiB", a.paths.serving.why)
+            assert counted is not None, a.paths.serving
+            # Counted once, but the part of a page an overlap ends inside (under a page a file).
+            assert whole - 2 * PAGE - 0.01 * MiB <= float(counted[1]) * MiB <= whole, (counted[1], whole)
+        with ple_um.open_table(second.directory, mode="ats", rows=OWNED) as b:
+            serving = b.stats()["serving"]
+            assert serving["path"] == "host" and "do not fit" in serving["why"], serving
+            assert "the owned rows of this process's 2 open tables (5." in serving["why"], serving
+            assert a.paths.fit.check() and a.paths.serving.path == "host", a.paths.serving
+            decode_lookups(a, first, rng, poison, 4)
+            decode_lookups(b, second, rng, poison, 4)
+            assert a.paths.gpu.read_counts()["rows"] == 0 == b.paths.gpu.read_counts()["rows"]
+        assert a.paths.fit.check() and a.paths.serving.path == "kernel", a.paths.serving
+        dropped = ple_um.open_table(second.directory, mode="ats", rows=OWNED)
+        assert dropped.paths.serving.path == "host"
+        del dropped
+        gc.collect()
+        assert not a.paths.fit.check() and a.paths.serving.path == "kernel", a.paths.serving
+        assert "open tables" not in a.paths.serving.why
+        decode_lookups(a, first, rng, poison, 4)
+        assert a.paths.gpu.read_counts()["rows"] == 4 * 16
 
 
 def test_a_table_that_fits_gets_the_kernel_and_no_row_cache(
