@@ -4,10 +4,11 @@ and decides whether a table's owned rows fit (``fits``: the path of decode-sized
 Two limits can bind: the machine's (``MemAvailable`` in ``/proc/meminfo``: free memory plus what
 the kernel can reclaim) and the memory cgroup the process runs in (cgroup v2's ``memory.max`` less
 ``memory.current``, or v1's ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``, plus the
-group's page cache the kernel can take back, for the process's group and every group above it). The
-smaller is what is left. The page cache taken back is the group's file LRU lists in ``memory.stat``
-less what processes map (``file_mapped``; v1 ``total_mapped_file``): the libraries and driver files
-a CUDA process runs from are mapped and in use, and reclaiming them only brings them back, so a
+group's page cache the kernel can take back, for the process's group and every group above it,
+read where ``/proc/self/mountinfo`` mounts their hierarchy). The smaller is what is left. The page
+cache taken back is the group's file LRU lists in ``memory.stat`` less what processes map
+(``file_mapped``; v1 ``total_mapped_file``): the libraries and driver files a CUDA process runs
+from are mapped and in use, and reclaiming them only brings them back, so a
 row cache sized on them leaves the group nothing for its lookups' buffers. A container or a batch
 system's memory limit is a cgroup's, so a limit there is seen even where ``MemAvailable`` shows
 the whole machine. A group's usage counts the page cache its processes read (the model's weights,
@@ -21,7 +22,8 @@ import os
 
 from ple_um.units import format_bytes
 
-CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"  # where the hierarchies are, where /proc/self/mountinfo cannot be read
+PROC_MOUNTINFO = "/proc/self/mountinfo"
 
 
 def mem_available() -> int:
@@ -45,26 +47,75 @@ def _read_int(path: str) -> int | None:
     return None if text in ("max", "") else int(text) if text.isdigit() else None
 
 
-def _groups(proc_cgroup: str, root: str) -> list[tuple[str, str]]:
-    """(folder, version) of this process's memory cgroup and every group above it, nearest first."""
+def mounts(mountinfo: str = PROC_MOUNTINFO) -> list[tuple[str, str, str, str]]:
+    """(mount point, root within the hierarchy, fs type, super options) of each mount in
+    ``mountinfo``; OSError where it cannot be read."""
+    found = []
+    with open(mountinfo) as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if len(fields) >= 5 and len(tail) >= 3:
+                found.append((fields[4], fields[3], tail[0], tail[2]))
+    return found
+
+
+def cgroup_dir(point: str, root: str, path: str) -> str:
+    """The directory of cgroup ``path`` in a hierarchy mounted at ``point`` showing ``root``."""
+    rel = os.path.relpath(path, root)
+    return os.path.normpath(point if rel == "." else os.path.join(point, rel))
+
+
+def _hierarchies(mountinfo: str) -> dict[str, tuple[str, str]]:
+    """Where the memory cgroups are, by version: (mount point, root within the hierarchy) of the
+    cgroup2 mount (``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on a hybrid system) and of
+    the v1 memory controller's mount, as ``mountinfo`` lists them; the usual places under
+    ``CGROUP_ROOT`` where it cannot be read."""
+    try:
+        found = mounts(mountinfo)
+    except OSError:
+        return {"v2": (CGROUP_ROOT, "/"), "v1": (os.path.join(CGROUP_ROOT, "memory"), "/")}
+    where = {}
+    for point, root, kind, options in found:
+        if kind == "cgroup2":
+            where.setdefault("v2", (point, root))
+        elif kind == "cgroup" and "memory" in options.split(","):
+            where.setdefault("v1", (point, root))
+    return where
+
+
+def _groups(proc_cgroup: str, root: str | None, mountinfo: str) -> list[tuple[str, str]]:
+    """(folder, version) of this process's memory cgroup and every group above it that its mount
+    shows, nearest first. ``root``: the hierarchies are there (v1's in ``memory/``) instead of
+    where ``mountinfo`` mounts them."""
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
+    if root is None:
+        bases = _hierarchies(mountinfo)
+    else:
+        bases = {"v2": (root, "/"), "v1": (os.path.join(root, "memory"), "/")}
     found = []
     for line in lines:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "":  # cgroup v2
-            base, version = root, "v2"
+            version = "v2"
         elif "memory" in controllers.split(","):
-            base, version = os.path.join(root, "memory"), "v1"
+            version = "v1"
         else:
             continue
+        if version not in bases:
+            continue
+        point, shown = bases[version]
         parts = [p for p in path.split("/") if p]
         for k in range(len(parts), -1, -1):
-            found.append((os.path.join(base, *parts[:k]), version))
+            group = "/" + "/".join(parts[:k])
+            if os.path.relpath(group, shown).startswith(".."):  # above what the mount shows
+                break
+            found.append((cgroup_dir(point, shown, group), version))
     return found
 
 
@@ -92,15 +143,20 @@ def _page_cache(folder: str, version: str) -> tuple[int, int]:
 
 
 def cgroup_headroom(
-    proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT, *, resident: int = 0
+    proc_cgroup: str = "/proc/self/cgroup",
+    root: str | None = None,
+    *,
+    resident: int = 0,
+    mountinfo: str = PROC_MOUNTINFO,
 ) -> int | None:
     """Bytes this process's memory cgroups let it take still (the tightest of them): each group's
     limit less its usage, plus its page cache the kernel can take back: the file LRU lists less
     what is mapped, or less ``resident`` (a table's own pages in memory, which a caller counts
     apart) where that is more (a table read through its mapping is among the mapped pages); None
-    where no group has a limit. ``proc_cgroup`` names the groups, ``root`` is where they are."""
+    where no group has a limit. ``proc_cgroup`` names the groups, ``mountinfo`` says where their
+    hierarchies are mounted (``root``: there instead)."""
     best = None
-    for folder, version in _groups(proc_cgroup, root):
+    for folder, version in _groups(proc_cgroup, root, mountinfo):
         if version == "v2":
             limit, used = _read_int(f"{folder}/memory.max"), _read_int(f"{folder}/memory.current")
         else:

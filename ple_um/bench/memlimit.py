@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ple_um.access.memory import PROC_MOUNTINFO, cgroup_dir, mounts
 from ple_um.units import format_bytes
 
-PROC_MOUNTINFO = "/proc/self/mountinfo"
 PROC_CGROUP = "/proc/self/cgroup"
 # How long ``close`` waits for the processes of a group to leave it (a killed child's exit).
 RMDIR_WAIT_S = 10.0
@@ -48,41 +48,23 @@ class Hierarchy:
     root: str = ""
 
 
-def _below(point: str, root: str, path: str) -> str:
-    """The directory of cgroup ``path`` in a hierarchy mounted at ``point`` showing ``root``."""
-    rel = os.path.relpath(path, root)
-    return os.path.normpath(point if rel == "." else os.path.join(point, rel))
-
-
-def _mounts(mountinfo: str) -> list[tuple[str, str, str, str]]:
-    """(mount point, root within the hierarchy, fs type, super options) of each mount."""
-    found = []
-    with open(mountinfo) as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, tail = left.split(), right.split()
-            if len(fields) >= 5 and len(tail) >= 3:
-                found.append((fields[4], fields[3], tail[0], tail[2]))
-    return found
-
-
 def find_hierarchy(
     mountinfo: str = PROC_MOUNTINFO, cgroup: str = PROC_CGROUP
 ) -> tuple[Hierarchy | None, str]:
     """This process's memory cgroup (v2 preferred), or None and why there is none."""
     with open(cgroup) as f:
         memberships = [line.rstrip("\n").split(":", 2) for line in f if line.strip()]
-    mounts = _mounts(mountinfo)
+    found = mounts(mountinfo)
     v2_path = next((path for hid, ctrl, path in memberships if hid == "0" and ctrl == ""), None)
-    v2 = next((m for m in mounts if m[2] == "cgroup2"), None)
+    v2 = next((m for m in found if m[2] == "cgroup2"), None)
     if v2 is not None and v2_path is not None:
         controllers = _read(os.path.join(v2[0], "cgroup.controllers"))
         if "memory" in (controllers or "").split():
-            return Hierarchy(2, _below(v2[0], v2[1], v2_path), v2[0]), ""
+            return Hierarchy(2, cgroup_dir(v2[0], v2[1], v2_path), v2[0]), ""
     v1_path = next((path for _, ctrl, path in memberships if "memory" in ctrl.split(",")), None)
-    v1 = next((m for m in mounts if m[2] == "cgroup" and "memory" in m[3].split(",")), None)
+    v1 = next((m for m in found if m[2] == "cgroup" and "memory" in m[3].split(",")), None)
     if v1 is not None and v1_path is not None:
-        return Hierarchy(1, _below(v1[0], v1[1], v1_path), v1[0]), ""
+        return Hierarchy(1, cgroup_dir(v1[0], v1[1], v1_path), v1[0]), ""
     return None, "no memory cgroup controller is mounted for this process (neither cgroup v2 nor v1)"
 
 

@@ -175,6 +175,32 @@ def test_the_page_cache_processes_map_is_not_room(tmp_path, version):
     assert mapped_all() == 0
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_cgroup_hierarchy_is_found_where_it_is_mounted(tmp_path, version):
+    """The hierarchies where /proc/self/mountinfo mounts them, not at a fixed /sys/fs/cgroup: a
+    hybrid system's cgroup2 at ``.../unified`` (v2), the memory controller's own mount (v1), and
+    a mount that shows only a part of the hierarchy (a container's: its root a group, whose path
+    /proc/self/cgroup gives in full). A tmpfs at the usual place holds no group."""
+    GiB = 1 << 30
+    _group_at_its_limit(tmp_path, version)  # 3 GiB of room, in tmp_path/cgroup/[memory/]pod
+    point = tmp_path / "cgroup" / ("memory" if version == "v1" else "")
+    kind, options = ("cgroup", "rw,memory") if version == "v1" else ("cgroup2", "rw,nsdelegate")
+    usual = tmp_path / "sys-fs-cgroup"
+    (usual / "pod").mkdir(parents=True)  # what a fixed root would read: no limit there
+    proc = tmp_path / "proc-cgroup"
+    for shown, member in [("/", "/pod"), ("/kube", "/kube/pod")]:
+        mountinfo = tmp_path / "mountinfo"
+        mountinfo.write_text(
+            f"25 1 0:22 / {usual} rw,nosuid - tmpfs tmpfs rw,mode=755\n"
+            f"30 25 0:26 {shown} {point} rw,nosuid - {kind} cgroup {options}\n"
+        )
+        proc.write_text(f"4:memory:{member}\n" if version == "v1" else f"0::{member}\n")
+        assert memory.cgroup_headroom(str(proc), mountinfo=str(mountinfo)) == 3 * GiB, shown
+        assert memory.cgroup_headroom(str(proc), str(usual), mountinfo=str(mountinfo)) is None
+    (tmp_path / "mountinfo").write_text(f"25 1 0:22 / {usual} rw,nosuid - tmpfs tmpfs rw,mode=755\n")
+    assert memory.cgroup_headroom(str(proc), mountinfo=str(tmp_path / "mountinfo")) is None  # none mounted
+
+
 def _verdict(fits: bool, margin: bool, share: float, exact: bool = False) -> Verdict:
     return Verdict(1000, int(1000 * share), fits, margin, "test", exact)
 
