@@ -39,6 +39,7 @@ from ple_um.lookup import fit, open_tables, rowcopy
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host import misses
+from ple_um.lookup.host.cuda import StreamBlockedError
 from ple_um.lookup.host.gather import HostGather, warm_row_cache
 from ple_um.lookup.host.signal_check import prepare_device
 from ple_um.lookup.sync_gather import SyncGather
@@ -286,7 +287,25 @@ def build_paths(
 ) -> LookupPaths:
     """The lookup paths of ``access``'s mode, serving as the fit of the table's owned rows decides
     (``lookup.fit``). ``row_copy`` False: the cpu mode's synchronous host path even where the C row
-    copy builds (its self-test failed)."""
+    copy builds (its self-test failed). A build that fails releases what it made (the kernel, a host
+    path, the fit checks) before it raises, not when its traceback is let go; StreamBlockedError
+    aside, after which nothing may synchronize the device."""
+    made: list[LookupPaths] = []  # what the build made so far, released at once where it fails
+    try:
+        return _build(access, layout, rows, scale, row_copy, made)
+    except StreamBlockedError:  # nothing may synchronize the device after it: left as it is
+        raise
+    except BaseException:
+        for paths in made:
+            paths.close()
+        raise
+
+
+def _build(
+    access: ModeAccess, layout: ShardLayout, rows: tuple[int, int], scale, row_copy: bool, made: list
+) -> LookupPaths:
+    """``build_paths``' work; the paths it makes are put in ``made`` as soon as they exist, with
+    what it adds to them (a host path, the fit checks) as it goes."""
     mode, device = access.mode, access.device
     mapping, scale_mapping = access.mapping, access.scale_mapping
     lib, why = rowcopy.for_open()
@@ -294,6 +313,7 @@ def build_paths(
         lib, why = None, "the host node's self-test failed"
     if mode == "device":
         paths = LookupPaths(layout, device, _kernel(access, layout, rows, scale), None, "the GPU kernel only")
+        made.append(paths)
         paths.serving = fit.Serving("kernel", False, "the device mode: the rows are in GPU memory")
         return paths
     mappings = [m for m in (mapping, scale_mapping) if m is not None]
@@ -314,9 +334,11 @@ def build_paths(
                 scale_mapping=scale_mapping,
             )
         paths = LookupPaths(layout, device, None, host, host.row_reads)
+        made.append(paths)
         paths.set_serving(fit.Serving("host", False, f"{verdict.why}: the cpu mode's host path"))
     else:
         paths = LookupPaths(layout, device, _kernel(access, layout, rows, scale), None, "the GPU kernel only")
+        made.append(paths)
         if touch_here and touch_knob == "auto":
             paths.touch_live = np.zeros(1, dtype=np.int32)
         serving = fit.choose(None, verdict, touch_knob=touch_knob, touch_here=touch_here)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import textwrap
@@ -28,6 +29,7 @@ from ple_um.access import memory
 from ple_um.errors import KnobError
 from ple_um.lookup import fit
 from ple_um.lookup.fit import Verdict, choose
+from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.mapping import PAGE
 from ple_um.residency import evict_pages
 
@@ -753,6 +755,41 @@ def test_the_probe_of_a_table_says_what_its_open_serves(table_files, memory_left
     words = said.why.split(": the cpu mode's host path, ")[1]
     assert plan is None or plan.why.startswith(f"{words}; misses read by "), (plan, said.why)
     assert plan is not None or not cached
+
+
+def held_by_this_process() -> dict:
+    """What this process holds that a table's build can make: threads, descriptors, mappings, kernels."""
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for _ in f)
+    return {
+        "threads": len(os.listdir("/proc/self/task")),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "maps": maps,
+        "kernels": sum(type(o) is GpuGather for o in gc.get_objects()),
+    }
+
+
+@pytest.mark.parametrize("mode", ["cpu", "ats", "registered"])
+def test_an_open_refused_for_its_row_cache_keeps_nothing_it_built(
+    table_files, machine, memory_left, monkeypatch, mode
+):
+    """A row cache past the memory left refuses the open (KnobError) once the mode is built and, in a
+    GPU mode, its kernel (``build_paths``): what the open built is released then, not when the
+    refusal is let go (its traceback holds the build's frames while the caller holds it): no thread,
+    descriptor, mapping or kernel more than before, the refusal still held."""
+    machine(GH200 if mode == "ats" else H200)
+    monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1GiB")
+    memory_left.forced = (False, "injected: the owned rows do not fit") if mode == "registered" else None
+    with ple_um.open_table(table_files.directory, mode=mode, device="cpu") as table:
+        assert table.mode == mode  # what a first open makes once is made
+    del table
+    gc.collect()
+    before = held_by_this_process()
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "512KiB")
+    memory_left.machine = 2048
+    with pytest.raises(KnobError, match="PLE_UM_ROW_CACHE='512KiB'") as refused:
+        ple_um.open_table(table_files.directory, mode=mode, device="cpu")
+    assert refused.value.__traceback__ is not None and held_by_this_process() == before, before
 
 
 @pytest.mark.parametrize("room", [64 << 30, MiB, 2048], ids=["fits", "spills", "no-room"])
