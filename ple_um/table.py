@@ -29,7 +29,7 @@ from ple_um.access.probe import ProbeReport
 from ple_um.errors import TableClosedError
 from ple_um.kernels.launch import current_stream
 from ple_um.lookup.paths import FLOAT_OUT, LookupPaths, check_args, check_ids
-from ple_um.lookup.streams import wait_for_streams
+from ple_um.lookup.streams import ids_to_device, wait_for_streams
 from ple_um.mapping import MappedShards
 
 logger = logging.getLogger(__name__)
@@ -176,11 +176,7 @@ class MappedTable:
             raise TableClosedError("the table is closed")
         out_dtype = check_args(self, ids, out, out_dtype)
         if ids.device != self.device:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise ValueError(
-                    f"ids are on {ids.device} but the table is on {self.device} (cannot copy during capture)"
-                )
-            ids = ids.to(self.device)
+            ids = ids_to_device(ids, self.device)
         if strict if strict is not None else self.strict:
             wide = ids.long()  # the row count in a narrow id dtype wraps (300 as uint8 is 44)
             bad = ((wide < 0) | (wide >= self.num_rows)).sum().item()
@@ -230,7 +226,7 @@ class MappedTable:
         if self.scale_mapping is None:
             raise TypeError("lookup_packed() is for NVFP4 and MXFP8 tables; use lookup()")
         check_ids(ids)
-        flat = ids.to(self.device).reshape(-1).contiguous()
+        flat = ids_to_device(ids, self.device).reshape(-1).contiguous()
         with self._in_use():
             packed, scales = self.paths.packed(flat)
         if self.layout.is_nvfp4:

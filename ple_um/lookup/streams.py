@@ -23,6 +23,17 @@ class CudaStreamError(PleUmError, RuntimeError):
     """A stream could not be made, or the capture mode not changed (the CUDA error is named)."""
 
 
+def ids_to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A table's ids on its ``device`` (``MappedTable.lookup`` and ``lookup_packed``): copied there
+    from another one, but not while this thread captures a CUDA graph (where one of the two is a
+    CUDA device): the copy between devices cannot be captured. ValueError naming both devices."""
+    if ids.device == device:
+        return ids
+    if "cuda" in (ids.device.type, device.type) and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"ids are on {ids.device} but the table is on {device} (cannot copy during capture)")
+    return ids.to(device)
+
+
 def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """A non-blocking stream of ple-um's own on ``device``, made through the CUDA runtime (not from
     torch's pool). It lives as long as the process."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.reference import reference_nvfp4, reference_rows
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ple_um
 
@@ -107,6 +108,27 @@ def test_lookup_packed_is_only_for_nvfp4(make_checkpoint):
     with ple_um.open_table(layout.directory, mode="cpu", device="cpu") as table:
         with pytest.raises(TypeError, match="NVFP4"):
             table.lookup_packed(torch.arange(3))
+
+
+def test_ids_on_another_device_are_refused_alike_during_a_capture(nvfp4, monkeypatch):
+    """``lookup`` and ``lookup_packed`` copy ids from another device to the table's, but not while a
+    CUDA graph is captured (the copy cannot be captured): both refuse them then with the one
+    ValueError naming both devices. The capture is injected (``torch.cuda.is_current_stream_capturing``
+    set once the table is open), and the ids on a CUDA device are a FakeTensor: torch's tensor of a
+    device, without its memory; of no ids, so that a lookup that took them would read nothing."""
+    with FakeTensorMode():
+        ids = torch.empty((0, 3), dtype=torch.int64, device="cuda")
+    refused = re.escape("ids are on cuda:0 but the table is on cpu (cannot copy during capture)")
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with ple_um.open_table(nvfp4.directory, mode="cpu", device="cpu") as table:
+        capturing[0] = True
+        with pytest.raises(ValueError, match=refused):
+            table.lookup(ids, out_dtype=torch.float32)
+        with pytest.raises(ValueError, match=refused):
+            table.lookup_packed(ids)
+        capturing[0] = False
+        assert table.stats()["lookups"] == 0
 
 
 def test_bulk_sized_cpu_lookup(nvfp4, rng, monkeypatch):
