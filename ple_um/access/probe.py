@@ -180,7 +180,9 @@ def comes_first(chosen: str, other: str, caps: DeviceCapabilities) -> str:
 
 
 def requested_mode(mode: str) -> str:
-    """The mode to use: an explicit argument wins; with "auto" the PLE_UM_MODE knob may force one."""
-    if mode not in ("auto", *ALL_MODES):
+    """The mode to use: an explicit argument wins; with "auto" the PLE_UM_MODE knob may force one.
+    The name in any case, as PLE_UM_MODE and the bench's ``--modes`` take it."""
+    named = mode.lower()
+    if named not in ("auto", *ALL_MODES):
         raise _unknown(mode)
-    return envs.PLE_UM_MODE if mode == "auto" else mode
+    return envs.PLE_UM_MODE if named == "auto" else named

@@ -33,6 +33,7 @@ from ple_um.access.probe import (
     reason_if_unsatisfied,
     requested_mode,
 )
+from ple_um.cli import arguments
 from ple_um.errors import ModeUnavailableError
 from ple_um.opening import probe
 
@@ -258,6 +259,23 @@ def test_mode_knob_forces_a_mode(monkeypatch):
     monkeypatch.setenv("PLE_UM_MODE", "registered")
     with pytest.raises(ModeUnavailableError, match="no CUDA device"):
         probe("cpu")
+
+
+def test_a_mode_is_named_in_any_case_everywhere(make_checkpoint, monkeypatch):
+    """``mode=`` (open_table, probe), ``PLE_UM_MODE`` and the bench's ``--modes`` take a mode's name in
+    any case, and give it lower case; an unknown name is refused as it was written."""
+    assert requested_mode("CPU") == "cpu" and requested_mode("Ats") == "ats"
+    assert probe("cpu", mode="Cpu").mode == "cpu"
+    layout = make_checkpoint()
+    with ple_um.open_table(layout.directory, mode="CPU", device="cpu") as table:
+        assert table.mode == "cpu" and table.report.mode == "cpu"
+    monkeypatch.setenv("PLE_UM_MODE", "CPU")
+    assert requested_mode("AUTO") == "cpu"
+    with ple_um.open_table(layout.directory, device="cpu") as table:
+        assert table.mode == "cpu"
+    assert arguments.modes("CPU,Ats") == ("cpu", "ats")
+    with pytest.raises(ValueError, match="unknown access mode 'GPU'"):
+        requested_mode("GPU")
 
 
 @pytest.mark.skipif(not triton_interpreter(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
