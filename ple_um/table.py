@@ -235,8 +235,10 @@ class MappedTable:
 
     def prefetch(self, ids) -> Future:
         """Start bringing ``ids``' rows into memory from CPU threads, a hint (``LookupPaths.
-        prefetch_touch``: their pages, or their rows into a row cache). A Future of the distinct rows."""
+        prefetch_touch``: their pages, or their rows into a row cache). A Future of the distinct rows.
+        ``ids`` as ``lookup`` takes them: other ones raise its TypeError (``check_ids``)."""
         with self._in_use():
+            check_ids(ids)
             prefetcher = self.access.prefetcher
             if prefetcher is None:  # modes whose pages are resident need none
                 (done := Future()).set_result(0)

@@ -303,17 +303,21 @@ def test_out_and_out_dtype_must_agree(layout, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_non_integer_ids(layout, mode):
+    """A lookup and a prefetch refuse the same ids with the same TypeError: a prefetch does not
+    truncate float ids (1.7 would prefetch row 1) nor take what a lookup refuses."""
     with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
-        floats, bools = torch.tensor([1.0, 2.0]), torch.tensor([True, False])
+        floats, bools = torch.tensor([1.7, 2.0]), torch.tensor([True, False])
         wide = [torch.tensor([1], dtype=dtype) for dtype in (torch.uint16, torch.uint32, torch.uint64)]
-        for ids in (floats, bools, *wide):
-            # The dtypes taken named: a uint32 tensor of hashed ids is an integer tensor too.
-            taken = "an integer tensor of int64, int32, int16, int8 or uint8"
-            with pytest.raises(TypeError, match=f"{taken}, got {ids.dtype}$"):
-                table.lookup(ids)
-        for ids in ([1, 2], np.array([1, 2]), 3):
-            with pytest.raises(TypeError, match="torch.Tensor"):
-                table.lookup(ids)
+        for call in (table.lookup, table.prefetch):
+            for ids in (floats, bools, *wide):
+                # The dtypes taken named: a uint32 tensor of hashed ids is an integer tensor too.
+                taken = "an integer tensor of int64, int32, int16, int8 or uint8"
+                with pytest.raises(TypeError, match=f"{taken}, got {ids.dtype}$"):
+                    call(ids)
+            for ids in ([1, 2], np.array([1, 2]), 3):
+                with pytest.raises(TypeError, match="torch.Tensor"):
+                    call(ids)
+        assert table.stats()["lookups"] == 0
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -255,10 +255,11 @@ class PagePrefetcher:
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="ple-um-prefetch")
 
     def submit(self, ids, touch=None) -> Future:
-        """Start touching the rows of ``ids`` (CPU tensor or array of global ids); returns a Future
-        of the number of distinct rows touched. Each id goes to one thread once (an id asked for
-        twice would otherwise be read twice, by two threads at once). ``touch(ids) -> rows``: what a
-        thread does with its part of them (default: fault in their pages, ``MappedShards.touch_rows``)."""
+        """Start touching the rows of ``ids`` (an integer tensor of global ids, as ``MappedTable.
+        prefetch`` checks them: ``check_ids``); returns a Future of the number of distinct rows
+        touched. Each id goes to one thread once (an id asked for twice would otherwise be read
+        twice, by two threads at once). ``touch(ids) -> rows``: what a thread does with its part of
+        them (default: fault in their pages, ``MappedShards.touch_rows``)."""
         if isinstance(ids, torch.Tensor):
             ids = ids.detach().to("cpu").numpy()
         flat = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
