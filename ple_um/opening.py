@@ -4,7 +4,7 @@ The pieces come first, then the table from them. ``_open`` maps the owned rows (
 the block scales too), then ``_select_mode`` chooses a mode: the probe's policy
 (``access.probe.decide``) names the first mode whose requirements pass; a guarded mode's first read
 is made in a child process (``access.first_read``); the mode is built (``access.build.ModeAccess``
-and ``lookup.paths.build_paths``), its resident pages mapped for the host path
+and ``lookup.build.build_paths``), its resident pages mapped for the host path
 (``PLE_UM_MAP_RESIDENT``), and self-tested through its lookup paths (``verify``). A mode that
 fails any step is rejected with its reason, what it built released, and the next one is tried; a
 forced mode that fails raises ``ModeUnavailableError``. ``probe(path=...)`` runs the same loop
@@ -35,8 +35,9 @@ from ple_um.access.capabilities import DeviceCapabilities, resolve_device
 from ple_um.access.probe import ALL_MODES, ProbeReport, decide, pin_budget, requested_mode
 from ple_um.checkpoint import EngramGeometry, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import KnobError, ModeUnavailableError
+from ple_um.lookup.build import build_paths
 from ple_um.lookup.host.cuda import StreamBlockedError
-from ple_um.lookup.paths import LookupPaths, build_paths
+from ple_um.lookup.paths import LookupPaths
 from ple_um.mapping import MappedShards
 from ple_um.table import MappedTable, mappings_kept, release_mode
 
