@@ -13,9 +13,10 @@ SGLang; what each engine checks around an open, and how it calls a lookup, stays
   probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
 - ``ServedLayer``: what an engine's layer class gets from its ``ServedTable`` (the table, its rows,
   its ``extra_repr``, a delivered tensor compared, closing it).
-- ``compare_shard``: a shard (or NVFP4's global scale) a load delivers in memory compared with the
-  mapped bytes, since the table is served read-only (``ReloadMismatchError``); ``ServedTable.check_scale``
-  the global scale the engine loaded; ``host_lookup_refused`` a table the engine's graphs cannot hold.
+- ``compare_shard`` (``ple_um.delivered``, here for the engines): a shard (or NVFP4's global scale) a
+  load delivers in memory compared with the mapped bytes, since the table is served read-only
+  (``ReloadMismatchError``); ``ServedTable.check_scale`` the global scale the engine loaded;
+  ``host_lookup_refused`` a table the engine's graphs cannot hold.
 - ``SideLookups`` and ``StepGroup``: the side stream the early lookups of a step are queued on, with
   a mark per layer, and which layers' starts of a step were taken early (and its log line).
 """
@@ -32,7 +33,8 @@ import torch
 
 from ple_um import envs
 from ple_um.checkpoint import replaced_files
-from ple_um.errors import CheckpointError, PleUmError
+from ple_um.delivered import compare_shard
+from ple_um.errors import CheckpointError
 from ple_um.lookup.streams import own_stream
 from ple_um.opening import open_table
 from ple_um.table import MappedTable
@@ -40,12 +42,6 @@ from ple_um.table import MappedTable
 # The loggers (by name) that have written the INFO line of an open in this process.
 _reported: set[str] = set()
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# Rows compared per lookup when a load delivers a shard in memory.
-_COMPARE_ROWS = 1 << 16
-
-
-class ReloadMismatchError(PleUmError, ValueError):
-    """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
 
 
 def table_directory(model_folder: Callable[[list[str]], str | None]) -> str:
@@ -96,6 +92,9 @@ class ServedTable:
         self.table: MappedTable | None = None
         self.directory: str | None = None
         self.captured = False
+        # A table a load opened that does not serve yet (``serve(stage=True)``): (table, directory,
+        # how it differs from the serving one), until ``commit`` or ``discard``.
+        self.staged: tuple[MappedTable, str, str] | None = None
 
     def open_at(self, directory: str) -> MappedTable | None:
         """The open table when it was opened from ``directory`` and its files there were not replaced
@@ -109,14 +108,16 @@ class ServedTable:
             raise RuntimeError(f"{prefix}: the table is not open: {why}")
         return self.table
 
-    def check_scale(self, prefix: str, name: str, scale: torch.Tensor, expected: float) -> None:
+    def check_scale(
+        self, prefix: str, name: str, scale: torch.Tensor, expected: float, table: MappedTable | None = None
+    ) -> None:
         """The global scale ``name`` the engine loaded (``scale``, in the dtype it holds it in) must be
-        ``expected`` in that dtype (the open table's scale, or 1 where the engine multiplies by none):
-        PLE_UM_DIR may name another checkpoint's table."""
+        ``expected`` in that dtype (the scale of ``table``, by default the open one, or 1 where the
+        engine multiplies by none): PLE_UM_DIR may name another checkpoint's table."""
         loaded = scale.detach().float().cpu().reshape(-1)
         if torch.equal(loaded, torch.full_like(loaded, expected).to(scale.dtype).float()):
             return
-        table = self.table
+        table = table if table is not None else self.table
         raise CheckpointError(
             f"{prefix}: {self.engine} loaded {name} {loaded.tolist()} but the mapped table's scale is "
             f"{table.scale} ({table.layout.dtype_name}): the table in the checkpoint directory does not "
@@ -138,14 +139,23 @@ class ServedTable:
         *,
         fits: Callable[[], None] | None = None,
         check: Callable[[MappedTable], None] | None = None,
+        stage: bool = False,
     ) -> MappedTable:
         """The table of ``directory``: the open one when it was opened from there; else a remap
         captured graphs would not see is refused, ``fits`` checks the headers before anything is
         mapped, the table is opened (``open_new``) and ``check``-ed (a raise closes it and leaves the
-        old one serving), then serves in place of the old one, which is closed. ``prefix`` names the
-        layer in messages and log lines."""
+        old one serving), then serves in place of the old one, which is closed (``commit``). With
+        ``stage`` it does not serve yet: it is held (and returned again for ``directory``) until
+        ``commit`` makes it serve or ``discard`` closes it, so that what a load checks at its end
+        can still leave the old table serving. ``prefix`` names the layer in messages and log lines."""
         if (table := self.open_at(directory)) is not None:
             return table
+        staged = self.staged
+        if staged is not None and staged[1] == directory and not replaced_files(staged[0].layout):
+            if not stage:
+                self.commit(prefix)
+            return staged[0]
+        self.discard()
         how = f"the PLE table moved from {self.directory} to {directory}"
         if self.table is not None and self.directory == directory:  # its files replaced
             names = ", ".join(os.path.basename(path) for path in replaced_files(self.table.layout))
@@ -164,12 +174,27 @@ class ServedTable:
         except BaseException:
             table.close()
             raise
+        self.staged = (table, directory, how)
+        if not stage:
+            self.commit(prefix)
+        return table
+
+    def commit(self, prefix: str) -> None:
+        """The staged table, if any, serves in place of the old one, which is closed."""
+        if self.staged is None:
+            return
+        (table, directory, how), self.staged = self.staged, None
         old, self.table, self.directory = self.table, table, directory
         if old is not None:
             self.logger.info("ple-um: %s remapped: %s", prefix, how)
             old.close()
         self._report(prefix, table)
-        return table
+
+    def discard(self) -> None:
+        """Close the staged table, if any: the serving one serves on."""
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged[0].close()
 
     def _report(self, prefix: str, table: MappedTable) -> None:
         (start, end), layout = table.rows, table.layout
@@ -186,7 +211,9 @@ class ServedTable:
         self.logger.info(line + "\n%s", *args, table.report.describe())
 
     def close(self) -> None:
-        """Close the table (its graphs go with it: none holds the next one opened); idempotent."""
+        """Close the table and a staged one (its graphs go with it: none holds the next one opened);
+        idempotent."""
+        self.discard()
         table, self.table, self.directory, self.captured = self.table, None, None, False
         if table is not None:
             table.close()
@@ -221,9 +248,11 @@ class ServedLayer:
         *,
         fits: Callable[[], None],
         check: Callable[[MappedTable], None],
+        stage: bool = False,
     ) -> MappedTable:
         """This rank's rows of the table in ``directory``, opened in the ``PLE_UM_MODE`` mode on
-        ``device`` and served (``ServedTable.serve``: ``fits`` before the open, ``check`` after)."""
+        ``device`` and served, or with ``stage`` staged (``ServedTable.serve``: ``fits`` before the
+        open, ``check`` after)."""
         return self.served.serve(
             self.prefix,
             directory,
@@ -232,6 +261,7 @@ class ServedLayer:
             ),
             fits=fits,
             check=check,
+            stage=stage,
         )
 
     def require_table(self) -> MappedTable:
@@ -264,59 +294,6 @@ def host_lookup_refused(prefix: str, table: MappedTable, why: str, flags: str) -
         f"ple-um serves {prefix} in the {table.mode} mode without its host node ({table.row_reads}): the "
         f"lookup waits for the device; {why}. Make the C row copy available (a working C compiler, "
         f"PLE_UM_ROWCOPY=1), {flags}, or make a GPU mode available (why not: {table.report.reasons})"
-    )
-
-
-def compare_shard(
-    prefix: str, table: MappedTable, index: int, tensor: torch.Tensor, kind: str = "weight"
-) -> None:
-    """Checkpoint tensor ``shard_<index>.<kind>``, delivered in memory by a load, must equal what
-    ``table`` maps: ``weight`` the rows, ``weight_scale`` the block scales (NVFP4's; MXFP8's E8M0 bytes
-    as uint8), both this rank's rows of them, ``weight_scale_2`` NVFP4's global scale (``index`` -1).
-    ReloadMismatchError names the first row that differs, the file and the tensor."""
-    layout = table.layout
-    if kind == "weight_scale_2":
-        given = tensor.detach().float().cpu().reshape(-1)
-        if not layout.is_nvfp4 or not torch.equal(given, torch.full_like(given, layout.scale)):
-            raise _differs(
-                prefix, f"the global scale {given.tolist()}", layout.directory, layout.scale_tensor
-            )
-        return
-    if kind == "weight_scale" and not layout.has_block_scales:
-        raise _differs(prefix, f"NVFP4 block scales of shard {index}", layout.directory, None)
-    if not 0 <= index < layout.parts:
-        raise CheckpointError(
-            f"{prefix}: shard index {index} is outside the table's {layout.parts} shards",
-            tensor=f"shard_{index}.{kind}",
-        )
-    spec = layout.shards[index] if kind == "weight" else layout.block_scales[index]
-    stored = table.dtype if kind == "weight" else layout.scale_layout().dtype
-    what = f"shard {index}" + ("" if kind == "weight" else " block scales")
-    if tensor.dim() != 2 or tensor.shape[0] != spec.rows or tensor.dtype != stored:
-        raise ReloadMismatchError(
-            f"{prefix}: {what} was delivered as {tensor.dtype} {tuple(tensor.shape)}, but the table in "
-            f"{spec.path} ({spec.tensor}) is {stored} with {spec.rows} rows; ple-um serves the checkpoint "
-            "files read-only"
-        )
-    start, (row_start, row_end) = layout.shard_start(index), table.rows
-    for a in range(max(start, row_start), min(start + spec.rows, row_end), _COMPARE_ROWS):
-        b = min(start + spec.rows, row_end, a + _COMPARE_ROWS)
-        ids = torch.arange(a, b, device=table.device)
-        if layout.has_block_scales:
-            mapped = table.lookup_packed(ids)[0 if kind == "weight" else 1].view(torch.uint8)
-        else:
-            mapped = table.lookup(ids).view(torch.uint8)
-        given = tensor[a - start : b - start].to(table.device).contiguous().view(torch.uint8)
-        if not torch.equal(mapped, given):
-            row = a + int((mapped != given).any(dim=1).nonzero()[0])
-            raise _differs(prefix, f"{what} at row {row}", spec.path, spec.tensor)
-
-
-def _differs(prefix: str, what: str, path: str | None, tensor: str | None) -> ReloadMismatchError:
-    return ReloadMismatchError(
-        f"{prefix}: {what} delivered in memory differs from the mapped checkpoint (file {path}, tensor "
-        f"{tensor}). ple-um serves the table read-only from the checkpoint files: write the new table to "
-        "a checkpoint directory and reload from that path, or unset PLE_UM to keep the table in memory"
     )
 
 

@@ -30,7 +30,8 @@ from torch import nn
 
 from ple_um import MappedTable, envs
 from ple_um.checkpoint import ShardLayout, check_shape, read_layout
-from ple_um.served import ReloadMismatchError, ServedLayer, ServedTable, host_lookup_refused
+from ple_um.delivered import ReloadMismatchError
+from ple_um.served import ServedLayer, ServedTable, host_lookup_refused
 from ple_um.sglang.source import table_directory
 
 NOT_APPLIED = (

@@ -18,7 +18,7 @@ from ple_um import served
 from ple_um.checkpoint import ple_match
 
 # The tensors of ``ple_match`` that ple-um reads from the files itself, by the suffix SGLang (and
-# ``served.compare_shard``) names them with; not the FP8 ``weight_scale``, which SGLang loads.
+# ``delivered.compare_shard``) names them with; not the FP8 ``weight_scale``, which SGLang loads.
 _SUFFIX = {"shard": "weight", "block_scale": "weight_scale", "global_scale": "weight_scale_2"}
 
 _model_folder: str | None = None

@@ -58,9 +58,9 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 
 from ple_um import MappedTable, envs
 from ple_um.checkpoint import read_layout
+from ple_um.delivered import ReloadMismatchError
 from ple_um.errors import CheckpointError
 from ple_um.served import (
-    ReloadMismatchError,
     ServedLayer,
     ServedTable,
     capturing,
@@ -169,19 +169,32 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
 
     def finish_load(self) -> None:
         """After a load: the table is open (remapped if the checkpoint directory changed) and agrees
-        with the layer and with the loaded global scale (FP8 weight_scale, NVFP4 weight_scale_2)."""
+        with the layer and with the loaded global scale (FP8 weight_scale, NVFP4 weight_scale_2).
+
+        A new table stays staged until that check passes: a load that fails it closes the new table
+        and leaves the old one serving, with the global scale it was served with restored (vLLM had
+        already copied the refused one into the layer's parameter)."""
         table = self.ensure_table()
         name = "weight_scale_2" if self.is_nvfp4 else "weight_scale"
         scale = getattr(self, name, None)
-        # A scale vLLM has not loaded yet (on the meta device, or its sentinel) is left to vLLM's own
-        # check, which reports a scale the checkpoint lacks.
-        if table.scale is None or scale is None or scale.device.type == "meta":
-            return
-        if not bool((scale.detach().float() == torch.finfo(torch.float32).min).any()):
-            self.served.check_scale(self.prefix, name, scale, table.scale)
+        try:
+            # A scale vLLM has not loaded yet (on the meta device, or its sentinel) is left to vLLM's
+            # own check, which reports a scale the checkpoint lacks.
+            loaded = not (table.scale is None or scale is None or scale.device.type == "meta")
+            if loaded and not bool((scale.detach().float() == torch.finfo(torch.float32).min).any()):
+                self.served.check_scale(self.prefix, name, scale, table.scale, table)
+        except BaseException:
+            self.served.discard()
+            serving = self.served.table
+            if serving is not None and serving.scale is not None and scale is not None:
+                with torch.no_grad():
+                    scale.fill_(serving.scale)
+            raise
+        self.served.commit(self.prefix)
 
     def ensure_table(self) -> MappedTable:
-        """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""
+        """This rank's rows of the table: the serving ones, or those of a new checkpoint directory (or
+        of replaced files) opened and staged, to serve once ``finish_load`` has checked them."""
         directory = self.source.directory()
 
         def fits() -> None:
@@ -200,7 +213,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
                 raise RuntimeError(f"{self.prefix}: the table opened on {table.device}, not {self._device}")
             check_cudagraph_mode(self.prefix, table, self._vllm_config)
 
-        return self.serve_table(directory, self._device, fits=fits, check=check)
+        return self.serve_table(directory, self._device, fits=fits, check=check, stage=True)
 
     # -- lookup -------------------------------------------------------------------------------
     def lookup_rows(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

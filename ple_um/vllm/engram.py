@@ -44,9 +44,10 @@ from vllm.models.deepseek_v41.common.engram import ParallelEngramEmbedding
 
 from ple_um import envs
 from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry
+from ple_um.delivered import compare_shard
 from ple_um.errors import CheckpointError
 from ple_um.opening import open_engram_table
-from ple_um.served import ServedTable, compare_shard, host_lookup_refused
+from ple_um.served import ServedTable, host_lookup_refused
 from ple_um.table import MappedTable
 from ple_um.vllm.backend import check_cudagraph_mode
 from ple_um.vllm.patch import replace

@@ -12,7 +12,7 @@ to the layer instead of copying it. The layer (its method, parameters, sizes) as
   shard count, storage dtype, the global scale and NVFP4's block scales present.
 
 A tensor in memory (a reload from an iterator, a weight sync) must then equal the bytes this rank
-maps (``served.compare_shard``); a view of a table file on disk is not read at all (``source``).
+maps (``delivered.compare_shard``); a view of a table file on disk is not read at all (``source``).
 """
 
 from __future__ import annotations

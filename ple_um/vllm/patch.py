@@ -149,7 +149,11 @@ def _patched_load_weights(original):
                 else:
                     yield name, tensor
 
-        loaded = original(self, others())
+        try:
+            loaded = original(self, others())
+        except BaseException:
+            backend.served.discard()  # a table the failed load staged: the old one serves on
+            raise
         loaded.update(f"ngram_embedding.{name}" for name in received)
         backend.finish_load()
         return loaded

@@ -109,6 +109,58 @@ def test_reload_from_another_directory_remaps(world, patched, table_dir, tmp_pat
     backend.close_table()
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("delivery", ["file", "memory", "memory rows"])
+def test_a_failed_reload_leaves_the_old_table_serving(world, patched, table_dir, tmp_path, dtype, delivery):
+    """A reload whose table does not agree with what vLLM loaded: PLE_UM_DIR moved to another
+    checkpoint's table (b) while the weights come from a third (c, its global scale apart from b's):
+    its views of the files (``file``), or in memory b's shards with c's scale (``memory``: refused by
+    the scale check at the end of the load), or c's shards (``memory rows``: refused while comparing
+    them with b's table). The refusal leaves the old table (a) serving, open, and the layer's global
+    scale back at a's, so the layer returns a's rows as stock loaded from a does; b is not mapped."""
+    from ple_um.delivered import ReloadMismatchError
+    from ple_um.errors import CheckpointError
+
+    config = h.text_config(dtype=dtype)
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    third = h.write_table(tmp_path / "c", config, seed=9)
+    assert len({first.scale, other.scale, third.scale}) == 3
+    module = h.mapped(config, first.directory)
+    backend = module.ngram_embedding
+    old = backend.table
+    stock = h.stock(config, first.directory)
+    assert h.same_bits(h.forward(module, 0)[1], h.forward(stock, 0)[1])
+
+    table_dir(other.directory)
+    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
+    if delivery == "file":
+        weights, error = list(h.checkpoint_weights(third.directory)), CheckpointError
+    elif delivery == "memory":
+        weights = [(n, t) for n, t in h.delivered(other.directory, "memory") if n != scale]
+        weights += [(n, t) for n, t in h.delivered(third.directory, "memory") if n == scale]
+        error = CheckpointError
+    else:
+        weights, error = h.delivered(third.directory, "memory"), ReloadMismatchError
+    with pytest.raises(error, match="loaded weight_scale|delivered in memory differs"):
+        module.load_weights(iter(weights))
+    assert backend.table is old and not old.closed
+    assert backend.served.directory == first.directory and backend.served.staged is None
+    assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
+    for seed in (0, 1):
+        raw, dequantized = h.forward(module, seed)
+        expected_raw, expected = h.forward(stock, seed)
+        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+
+    table_dir(third.directory)  # the reload done right: c's table, c's scale
+    h.load(module, third.directory)
+    assert backend.table is not old and old.closed
+    assert backend.table.layout.directory == third.directory
+    stock = h.stock(config, third.directory)
+    assert h.same_bits(h.forward(module, 0)[1], h.forward(stock, 0)[1])
+    backend.close_table()
+
+
 def _replace_by_rename(directory, source) -> None:
     """Each file of ``source`` renamed over its namesake in ``directory``: a new checkpoint put in
     place of the old one the safe way (a served mapping keeps the files it mapped)."""

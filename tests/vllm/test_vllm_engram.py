@@ -220,7 +220,7 @@ def test_tensors_delivered_in_memory_are_compared_with_the_files(engram_world, m
     compared with the mapped files, never ignored: the table is read-only, so that rows or scales
     that differ in this rank's rows (its first and last) raise, naming the row; rows no head owns
     are not served and not compared."""
-    from ple_um.served import ReloadMismatchError
+    from ple_um.delivered import ReloadMismatchError
 
     weight, scales = _tensors(checkpoint, LAYERS[0])
     ours, _ = _build(engram_world, monkeypatch, True, 0)

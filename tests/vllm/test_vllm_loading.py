@@ -240,13 +240,15 @@ def test_nvfp4_without_block_scales_of_a_shard(world, patched, table_dir, tmp_pa
 
 @pytest.mark.parametrize(("dtype", "name"), [("fp8", "weight_scale"), ("nvfp4", "weight_scale_2")])
 def test_scale_of_another_table(world, patched, table_dir, tmp_path, dtype, name):
-    """PLE_UM_DIR naming a table whose global scale differs from the one vLLM loaded."""
+    """PLE_UM_DIR naming a table whose global scale differs from the one vLLM loaded: refused, and
+    the table is not served."""
     config = h.text_config(dtype=dtype)
     model = h.write_table(tmp_path / "model", config, seed=0)
     table_dir(h.write_table(tmp_path / "other", config, seed=9).directory)
     module = h.build(config, ple_um_on=True)
     with pytest.raises(ple_um.CheckpointError, match=f"loaded {name} "):
         h.load(module, model.directory)
+    assert module.ngram_embedding.table is None and module.ngram_embedding.served.staged is None
 
 
 def _shift_header(path: str) -> None:

@@ -1,0 +1,73 @@
+"""A table tensor that a load delivers in memory (a reload from an iterator, a weight sync), compared
+with what the served table maps: ple-um serves the table read-only from the checkpoint files, so a
+tensor that differs cannot be taken and is refused (``ReloadMismatchError``), naming the first row
+that differs, the file and the tensor. Shared by both engines' plugins (``served``) and vLLM's
+Engram layer; imports neither engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ple_um.errors import CheckpointError, PleUmError
+from ple_um.table import MappedTable
+
+# Rows compared per lookup when a load delivers a shard in memory.
+_COMPARE_ROWS = 1 << 16
+
+
+class ReloadMismatchError(PleUmError, ValueError):
+    """A load delivered shard rows in memory that differ from the mapped checkpoint files."""
+
+
+def compare_shard(
+    prefix: str, table: MappedTable, index: int, tensor: torch.Tensor, kind: str = "weight"
+) -> None:
+    """Checkpoint tensor ``shard_<index>.<kind>``, delivered in memory by a load, must equal what
+    ``table`` maps: ``weight`` the rows, ``weight_scale`` the block scales (NVFP4's; MXFP8's E8M0 bytes
+    as uint8), both this rank's rows of them, ``weight_scale_2`` NVFP4's global scale (``index`` -1).
+    ReloadMismatchError names the first row that differs, the file and the tensor."""
+    layout = table.layout
+    if kind == "weight_scale_2":
+        given = tensor.detach().float().cpu().reshape(-1)
+        if not layout.is_nvfp4 or not torch.equal(given, torch.full_like(given, layout.scale)):
+            raise _differs(
+                prefix, f"the global scale {given.tolist()}", layout.directory, layout.scale_tensor
+            )
+        return
+    if kind == "weight_scale" and not layout.has_block_scales:
+        raise _differs(prefix, f"NVFP4 block scales of shard {index}", layout.directory, None)
+    if not 0 <= index < layout.parts:
+        raise CheckpointError(
+            f"{prefix}: shard index {index} is outside the table's {layout.parts} shards",
+            tensor=f"shard_{index}.{kind}",
+        )
+    spec = layout.shards[index] if kind == "weight" else layout.block_scales[index]
+    stored = table.dtype if kind == "weight" else layout.scale_layout().dtype
+    what = f"shard {index}" + ("" if kind == "weight" else " block scales")
+    if tensor.dim() != 2 or tensor.shape[0] != spec.rows or tensor.dtype != stored:
+        raise ReloadMismatchError(
+            f"{prefix}: {what} was delivered as {tensor.dtype} {tuple(tensor.shape)}, but the table in "
+            f"{spec.path} ({spec.tensor}) is {stored} with {spec.rows} rows; ple-um serves the checkpoint "
+            "files read-only"
+        )
+    start, (row_start, row_end) = layout.shard_start(index), table.rows
+    for a in range(max(start, row_start), min(start + spec.rows, row_end), _COMPARE_ROWS):
+        b = min(start + spec.rows, row_end, a + _COMPARE_ROWS)
+        ids = torch.arange(a, b, device=table.device)
+        if layout.has_block_scales:
+            mapped = table.lookup_packed(ids)[0 if kind == "weight" else 1].view(torch.uint8)
+        else:
+            mapped = table.lookup(ids).view(torch.uint8)
+        given = tensor[a - start : b - start].to(table.device).contiguous().view(torch.uint8)
+        if not torch.equal(mapped, given):
+            row = a + int((mapped != given).any(dim=1).nonzero()[0])
+            raise _differs(prefix, f"{what} at row {row}", spec.path, spec.tensor)
+
+
+def _differs(prefix: str, what: str, path: str | None, tensor: str | None) -> ReloadMismatchError:
+    return ReloadMismatchError(
+        f"{prefix}: {what} delivered in memory differs from the mapped checkpoint (file {path}, tensor "
+        f"{tensor}). ple-um serves the table read-only from the checkpoint files: write the new table to "
+        "a checkpoint directory and reload from that path, or unset PLE_UM to keep the table in memory"
+    )
