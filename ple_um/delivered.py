@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ple_um.checkpoint.naming import block_scale_name
 from ple_um.errors import CheckpointError, PleUmError
 from ple_um.table import MappedTable
 
@@ -35,12 +36,18 @@ def compare_shard(
                 prefix, f"the global scale {given.tolist()}", layout.directory, layout.scale_tensor
             )
         return
-    if kind == "weight_scale" and not layout.has_block_scales:
-        raise _differs(prefix, f"NVFP4 block scales of shard {index}", layout.directory, None)
     if not 0 <= index < layout.parts:
         raise CheckpointError(
             f"{prefix}: shard index {index} is outside the table's {layout.parts} shards",
             tensor=f"shard_{index}.{kind}",
+        )
+    if kind == "weight_scale" and not layout.has_block_scales:
+        rows = layout.shards[index]
+        raise ReloadMismatchError(
+            f"{prefix}: NVFP4 block scales of shard {index} ({block_scale_name(rows.tensor)}) were "
+            f"delivered in memory, but the table in {rows.path} stores {layout.dtype_name} rows without "
+            f"block scales ({rows.tensor}); ple-um serves the checkpoint files read-only: write the new "
+            "table to a checkpoint directory and reload from that path"
         )
     spec = layout.shards[index] if kind == "weight" else layout.block_scales[index]
     stored = table.dtype if kind == "weight" else layout.scale_layout().dtype

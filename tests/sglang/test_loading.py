@@ -260,6 +260,24 @@ def test_table_delivered_in_memory_is_compared(sglang_checkpoint, load_model, ti
         model.load_weights([(spec.tensor, shard.to(torch.bfloat16))])
 
 
+def test_block_scales_delivered_to_a_table_without_them(sglang_checkpoint, load_model, tiny, rng):
+    """NVFP4 block scales of a shard delivered in memory (a weight update) to an FP8 table, which has
+    none: ReloadMismatchError naming the delivered tensor, the table's rows tensor and its file."""
+    from ple_um.checkpoint.naming import block_scale_name
+    from ple_um.delivered import ReloadMismatchError
+
+    directory, layout, _ = sglang_checkpoint("fp8", seed=int(rng.integers(1 << 30)))
+    model = load_model(directory, ple_um=True)
+    spec = layout.shards[1]
+    scales = torch.ones(spec.rows, layout.row_dim // 16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ReloadMismatchError, match="block scales of shard 1") as caught:
+        model.load_weights([(block_scale_name(spec.tensor), scales)])
+    message = str(caught.value)
+    assert block_scale_name(spec.tensor) in message and spec.tensor in message and spec.path in message
+    assert "None" not in message, message
+    assert tiny.ngram(model).ngram_embedding.table.layout.directory == layout.directory
+
+
 def test_stock_model_is_not_loaded_under_ple_um(sglang_checkpoint, load_model, monkeypatch, rng):
     """A model built with PLE_UM unset has stock tables, which SGLang's iterator under PLE_UM would
     leave without rows: its load refuses instead."""
