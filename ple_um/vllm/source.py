@@ -21,6 +21,7 @@ vLLM; it reads vLLM's config objects by attribute):
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -30,6 +31,11 @@ from ple_um.checkpoint.scan import INDEX_FILE
 from ple_um.errors import CheckpointError
 from ple_um.residency import file_mappings
 from ple_um.served import table_directory
+
+# Under "vllm.": vLLM configures only its own logger tree, so only there do its lines reach vLLM's log.
+logger = logging.getLogger("vllm.ple_um.source")
+# The reloads (table directory, model path before, model path now) already said to be pinned.
+_pinned_said: set[tuple[str, str | None, str | None]] = set()
 
 
 def resolve_table_dir(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str:
@@ -74,7 +80,8 @@ class TableSource:
 
     def directory(self) -> str:
         """The directory to map now (its real path), or CheckpointError saying what was tried or
-        that the directory cannot be listed."""
+        that the directory cannot be listed. With PLE_UM_DIR set it stays PLE_UM_DIR's when a
+        reload moves vLLM's model path, which the log then says (once per process and move)."""
         model_config = getattr(self._vllm_config, "model_config", None)
         load_config = getattr(self._vllm_config, "load_config", None)
         model = getattr(model_config, "model", None)
@@ -85,6 +92,8 @@ class TableSource:
             # The real path, for the PLE layers and Engram alike: two spellings of one checkpoint (a
             # symlink, say) are one table, not a reason to remap it.
             directory = resolve_table_dir(model, revision, download_dir)
+            if self._key is not None and envs.PLE_UM_DIR and self._key[0] == envs.PLE_UM_DIR:
+                _say_pinned(directory, self._key[1], model)
             self._files = _safetensors_files(directory)
             self._key, self._directory = key, directory
             self._from_hub = not envs.PLE_UM_DIR and not (model and os.path.isdir(model))
@@ -93,8 +102,10 @@ class TableSource:
 
     def is_table_file(self, path: str) -> bool:
         """Whether a file vLLM is loading from is one the table is mapped from. With PLE_UM_DIR set,
-        the table is explicitly elsewhere, and shard views of the model's own files are not read.
-        A file missing from the listing has it made again: vLLM may have downloaded it since."""
+        the table is explicitly elsewhere, and shard views of the model's own files are not read:
+        PLE_UM_DIR pins the table, also through a reload from another model path (said once in the
+        log, ``directory``). A file missing from the listing has it made again: vLLM may have
+        downloaded it since."""
         if envs.PLE_UM_DIR:
             return True
         directory = self.directory()
@@ -120,6 +131,23 @@ class TableSource:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return False  # no index (one file), or one the open will judge
         return not all(os.path.isfile(os.path.join(directory, name)) for name in named)
+
+
+def _say_pinned(directory: str, before: str | None, now: str | None) -> None:
+    """Log, once per process and reload, that PLE_UM_DIR keeps the table while vLLM's model path moved
+    from ``before`` to ``now`` (a reload from another checkpoint): the new checkpoint's shard
+    tensors are not read, and only a global scale (FP8, NVFP4) that disagrees would be refused."""
+    if before == now or (directory, before, now) in _pinned_said:
+        return
+    _pinned_said.add((directory, before, now))
+    logger.warning(
+        "ple-um: vLLM's model moved from %s to %s, but PLE_UM_DIR pins the PLE tables to %s: they stay "
+        "mapped from there, and the new checkpoint's shard tensors are not read. To serve its table, "
+        "point PLE_UM_DIR at it (or unset PLE_UM_DIR) before the reload",
+        before,
+        now,
+        directory,
+    )
 
 
 def _safetensors_files(directory: str) -> frozenset[str]:

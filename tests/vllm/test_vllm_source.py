@@ -203,3 +203,47 @@ def test_awaits_download_only_for_an_incomplete_hub_snapshot(no_dir_knob, tmp_pa
     assert not TableSource(vllm_config(str(snapshot))).awaits_download()  # a local directory
     monkeypatch.setenv("PLE_UM_DIR", str(snapshot))
     assert not TableSource(hub).awaits_download()
+
+
+@pytest.mark.vllm
+@h.needs_vllm
+def test_ple_um_dir_pins_the_table_through_a_reload_from_another_path(
+    world, patched, table_dir, tmp_path, monkeypatch, caplog
+):
+    """PLE_UM_DIR set, vLLM reloads from another checkpoint path (``reload_weights(weights_path=)``
+    moves its model path): the table stays PLE_UM_DIR's (a BF16 table: no global scale to disagree),
+    the new files' shard views are not read, and the log says so once, naming both paths and
+    PLE_UM_DIR."""
+    import logging
+
+    from ple_um.vllm import source
+
+    monkeypatch.setattr(source, "_pinned_said", set(), raising=False)
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)  # vLLM may route it elsewhere
+    config = h.text_config(fp8=False)
+    first = h.write_table(table_dir(tmp_path / "a"), config, fp8=False, seed=0)
+    second = h.write_table(tmp_path / "b", config, fp8=False, seed=5)
+    module = h.build(config, ple_um_on=True)
+    backend = module.ngram_embedding
+    engine_config = vllm_config(first.directory)
+    backend.source = TableSource(engine_config)  # the layer as built under that config
+    h.load(module, first.directory)
+    table = backend.table
+    stock = h.stock(config, first.directory)
+
+    def pinned_lines():
+        return [r.getMessage() for r in caplog.records if "PLE_UM_DIR pins" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="vllm.ple_um"):
+        h.load(module, first.directory)  # a reload from the same path says nothing
+        assert pinned_lines() == []
+        engine_config.model_config.model = second.directory
+        for _ in range(2):
+            h.load(module, second.directory)
+    lines = pinned_lines()
+    assert len(lines) == 1, lines
+    assert first.directory in lines[0] and second.directory in lines[0]
+    assert backend.table is table and not table.closed and backend.shards_compared == 0
+    for seed in (0, 1):
+        assert h.same_bits(h.forward(module, seed)[0], h.forward(stock, seed)[0])
+    backend.close_table()
