@@ -229,6 +229,9 @@ class ServedLayer:
     prefix: str
     layer: int  # the decoder layer whose table the checkpoint names (``layers.<L>.ple``)
     shards_compared = 0  # table tensors a load delivered in memory, compared with the files
+    # Whether rows delivered in another dtype are cast to the storage dtype before the comparison, as
+    # the engine's stock loader casts them (``compare_shard``'s ``cast``).
+    casts_delivered = False
     ensure_table: Callable[[], MappedTable]  # the engine's: open the table, or remap it
 
     @property
@@ -273,7 +276,7 @@ class ServedLayer:
         copied: the table is read-only. A difference raises ReloadMismatchError."""
         table = self.ensure_table()
         self.shards_compared += 1
-        compare_shard(self.prefix, table, index, tensor, kind)
+        compare_shard(self.prefix, table, index, tensor, kind, cast=self.casts_delivered)
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""

@@ -82,6 +82,11 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     """This rank's rows of a Qwen4Exp PLE table, read from the checkpoint files through ple-um."""
 
+    # Stock vLLM copies an FP8 or 16-bit shard into its table cast to the table's dtype
+    # (``PLEVocabParallelEmbedding._copy_embedding_shard_``): rows delivered in memory in another
+    # dtype are compared after the same cast. NVFP4 shards of another dtype stock refuses, as here.
+    casts_delivered = True
+
     def __init__(
         self, num_embeddings: int, embedding_dim: int, *, prefix: str, max_total_tokens: int = 0, **kwargs
     ) -> None:

@@ -117,6 +117,46 @@ def test_reload_from_memory_is_compared(world, patched, table_dir, tmp_path, dty
     backend.close_table()
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_rows_synced_in_another_dtype_are_compared_after_stock_cast(
+    world, patched, table_dir, tmp_path, dtype
+):
+    """A weight sync delivering FP8 or BF16 shard rows as float32: stock vLLM casts them to the
+    table's dtype as it copies them, and so does the comparison. float32 rows that cast to the
+    stored ones (exactly those, or nudged by less than half a step) are accepted, and the layer
+    returns what stock returns after loading the same tensors; a row that casts to another value
+    is refused, naming it."""
+    from ple_um.delivered import ReloadMismatchError
+
+    config = h.text_config(dtype=dtype)
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config)
+    module = h.mapped(config, layout.directory)
+    backend = module.ngram_embedding
+    stock = h.stock(config, layout.directory)
+
+    def as_float32(nudge: float = 0.0):
+        return [
+            (name, t.float() * (1 + nudge) if ".shard_" in name else t)
+            for name, t in h.delivered(layout.directory, "memory")
+        ]
+
+    for nudge in (0.0, 2.0**-12):
+        synced = as_float32(nudge)
+        assert any(t.dtype == torch.float32 for _, t in synced)
+        module.load_weights(iter(synced))
+        stock.load_weights(iter(synced))
+        for seed in (0, 1):
+            assert h.same_bits(h.forward(module, seed)[0], h.forward(stock, seed)[0])
+    assert backend.shards_compared == 2 * h.PARTS
+
+    changed = as_float32()
+    name, rows = next((n, t) for n, t in changed if n.endswith("shard_3.weight"))
+    rows[17] = rows[17] * 4 + 1  # casts to other values
+    with pytest.raises(ReloadMismatchError, match=r"shard 3 at row 566 "):  # 3 * 183 + 17
+        module.load_weights(iter(changed))
+    backend.close_table()
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("table_elsewhere", [False, True], ids=["loaded", "PLE_UM_DIR"])
 def test_wrong_row_width(world, patched, table_dir, tmp_path, table_elsewhere, dtype):
