@@ -403,6 +403,15 @@ class Capture:
         host.touch = queued
 
 
+def ats_on_a_gpu(monkeypatch, machine) -> Capture:
+    """The injected GH200, its device told a GPU (``fit.touch_setting``: the ats mode's touch and
+    capture checks are a GPU's), captures injected (``Capture``)."""
+    on_gpu = fit.touch_setting
+    monkeypatch.setattr(fit, "touch_setting", lambda mode, cuda: on_gpu(mode, cuda=True))
+    machine(GH200)
+    return Capture(monkeypatch)
+
+
 @pytest.mark.parametrize("knob", ["auto", "off", "on"])
 def test_a_captured_kernel_lookup_holds_a_live_page_touch(
     table_files, machine, memory_left, monkeypatch, rng, poison, knob
@@ -415,11 +424,8 @@ def test_a_captured_kernel_lookup_holds_a_live_page_touch(
     graph captured on the kernel still runs it). ``off``: no touch; ``on``: always, no word."""
     monkeypatch.setenv("PLE_UM_ATS_PREFETCH", knob)
     monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
-    on_gpu = fit.touch_setting
-    monkeypatch.setattr(fit, "touch_setting", lambda mode, cuda: on_gpu(mode, cuda=True))
-    capture = Capture(monkeypatch)
+    capture = ats_on_a_gpu(monkeypatch, machine)
     layout = table_files
-    machine(GH200)
     with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
         paths = table.paths
         table.mapping.populate()
@@ -472,11 +478,8 @@ def test_a_capture_checks_the_fit_first_and_takes_the_host_path_it_switched_to(
     path with its row cache, every row exact. A check younger than ``CAPTURE_CHECK_AGE`` is not
     made again, nor is one where checks are off (``PLE_UM_FIT_CHECK_SEC=0``)."""
     monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "3600")  # the thread's checks never come here
-    on_gpu = fit.touch_setting
-    monkeypatch.setattr(fit, "touch_setting", lambda mode, cuda: on_gpu(mode, cuda=True))
-    capture = Capture(monkeypatch)
+    capture = ats_on_a_gpu(monkeypatch, machine)
     layout = table_files
-    machine(GH200)
     with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
         paths = table.paths
         assert paths.capture_checks and paths.serving.path == "kernel"
@@ -505,11 +508,8 @@ def test_a_capture_checks_the_fit_first_and_takes_the_host_path_it_switched_to(
 
 def test_no_capture_check_where_checks_are_off(table_files, machine, memory_left, monkeypatch, rng, poison):
     monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")
-    on_gpu = fit.touch_setting
-    monkeypatch.setattr(fit, "touch_setting", lambda mode, cuda: on_gpu(mode, cuda=True))
     monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 0.0)
-    capture = Capture(monkeypatch)
-    machine(GH200)
+    capture = ats_on_a_gpu(monkeypatch, machine)
     with ple_um.open_table(table_files.directory, mode="ats", rows=OWNED) as table:
         memory_left.machine = 1 * MiB
         capture.on = True
