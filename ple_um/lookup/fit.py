@@ -282,8 +282,7 @@ class FitWatch(Ticker):
         has none and the build's plan would give one (``misses.reads_misses``)."""
         if host is None:
             return True
-        scales = self.mappings[1] if len(self.mappings) > 1 else None
-        if misses.row_cache(self.mappings[0], scales, spills=True, cut=True)[1]:
+        if self._slots_now():
             return True
         resident = verdict.resident >= (1 - RESIDENT_SLACK) * verdict.owned
         return host.rows.reader is None and misses.reads_misses(cache=False, resident=resident)
@@ -295,9 +294,13 @@ class FitWatch(Ticker):
         rows need, so the regrowths end)."""
         if time.monotonic() - self.built_at < REGROW_AFTER_S:
             return False
+        return self._slots_now() >= REGROW_FACTOR * host.misses.slots
+
+    def _slots_now(self) -> int:
+        """The slots of the row cache a check would build now (``misses.row_cache``, sized from the
+        memory left as the build sizes it, an explicit size cut to it); 0: no room for one."""
         scales = self.mappings[1] if len(self.mappings) > 1 else None
-        slots = misses.row_cache(self.mappings[0], scales, spills=True, cut=True)[1]
-        return slots >= REGROW_FACTOR * host.misses.slots
+        return misses.row_cache(self.mappings[0], scales, spills=True, cut=True)[1]
 
     tick = check  # the thread's check is the one a caller can make now
 
