@@ -22,7 +22,7 @@ from pathlib import Path
 
 NATIVE = Path(__file__).with_name("native")
 SOURCE_NAMES = ("rowcopy.c", "pool.c", "rowcache.c", "reader.c", "uring.c", "abi.c")
-HEADER_NAMES = ("rowcopy.h", "reader.h", "sanitize.h")
+HEADER_NAMES = ("rowcopy.h", "rowcache.h", "reader.h", "sanitize.h")
 # The extension's name: setuptools adds the interpreter's suffix (_rowcopy.cpython-311-...so).
 EXTENSION = "ple_um.lookup._rowcopy"
 WARNINGS = ("-Wall", "-Wextra", "-Wconversion")

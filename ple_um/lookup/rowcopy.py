@@ -33,7 +33,7 @@ from ple_um.lookup import native_library
 from ple_um.mapping import MappedShards
 
 # abi.c's PLE_ABI_VERSION: the interface the declarations below are written for.
-ABI_VERSION = 5
+ABI_VERSION = 6
 # The functions called through ctypes: name, argument types, result type.
 SIGNATURES = (
     ("ple_abi_version", [], ctypes.c_int64),
@@ -48,6 +48,7 @@ SIGNATURES = (
     ("ple_uring_works", [], ctypes.c_int),
     ("ple_reader_hold", [], None),
     ("ple_reader_release", [], None),
+    ("ple_cache_find", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int64),
 )
 # How long idle workers spin after a lookup before they sleep: long enough to catch a lookup that
 # follows at once, short enough that a pool's threads do not burn their cores after every lookup

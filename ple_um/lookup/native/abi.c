@@ -6,7 +6,7 @@
 /* Raised whenever a function that rowcopy.py declares, or a struct it mirrors, changes (a test
  * builds a library of another version by defining it). */
 #ifndef PLE_ABI_VERSION
-#define PLE_ABI_VERSION 5
+#define PLE_ABI_VERSION 6
 #endif
 
 #ifndef PLE_SOURCE_DIGEST

@@ -53,72 +53,21 @@
  * (ple_cache_prefetch), and no access takes a locked instruction of its own (the access count, aging
  * and counters are taken a window of ids at once), which would hold back the reads after it.
  */
-#include "rowcopy.h"
+#include "rowcache.h"
 #include "sanitize.h"
 
 #include <sched.h>
 
 enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
-#define WAYS PLE_CACHE_WAYS
 #define SKETCH_ROWS 4
 #define SATURATE 15     /* a 4-bit counter's and a held row's count at most */
 #define AGE_EVERY 240   /* accesses per set aged: counts fade over 15 x the cache's slots */
 #define DOOR_SWEEPS 4   /* the doorkeeper is cleared this many times as often as the counts fade */
-#define TAG_MOST 0xffffffffULL
 #define NIBBLES 0x1111111111111111ULL
-
-struct ple_cache {
-    int64_t sets;
-    int64_t rb; /* bytes per row: slot k's row lies at data + k * rb */
-    int32_t policy;
-    int32_t follower; /* 1: the tags, heads, sketch and doorkeeper are the cache's it follows */
-    uint32_t *tags;  /* [sets * WAYS]: id + 1, or 0 */
-    uint8_t *heads;  /* [sets]: struct set_head */
-    uint8_t *data;   /* [sets * WAYS * rb] */
-    uint8_t *sketch; /* [sketch_blocks * 64] */
-    int64_t sketch_blocks;
-    uint64_t *door;  /* [door_words]: 64 bits per word */
-    int64_t door_words;
-    uint64_t *clock; /* [2]: accesses (the aging cursor), unused */
-    int64_t *counts; /* the table's counters (rowcopy.h's enum) */
-};
-
-/* A set's head. */
-struct set_head {
-    uint32_t version; /* odd while a slot of the set (of the cache or its follower) is written */
-    uint16_t hand;    /* CLOCK's next way */
-    uint16_t follows; /* a bit a way: the follower's slot holds the part of the row the tag names */
-    uint64_t policy;  /* 4 bits a way: its count (TINYLFU), rank (LRU), second chance (CLOCK) */
-};
 
 int64_t ple_cache_struct_size(void) { return (int64_t)sizeof(struct ple_cache); }
 int64_t ple_cache_ways(void) { return WAYS; }
 int64_t ple_cache_set_head(void) { return (int64_t)sizeof(struct set_head); }
-
-_Static_assert(WAYS == 16, "a set's tags are one 64-byte line and its policy word 16 fields of 4 bits");
-
-static inline struct set_head *head_of(const ple_cache_t *c, int64_t set) {
-    return (struct set_head *)(c->heads + set * (int64_t)sizeof(struct set_head));
-}
-static inline uint8_t *row_of(const ple_cache_t *c, int64_t k) { return c->data + k * c->rb; }
-
-/* The tag of an id: id + 1, or 0 for an id no tag holds (the cache never holds its row). */
-static inline uint32_t tag_for(int64_t id) { return id >= 0 && (uint64_t)id < TAG_MOST - 1 ? (uint32_t)(id + 1) : 0; }
-
-/* The ways of `set` whose tag is `tag`: a bit per way. The line is copied first so that the
- * compare runs on registers (the compiler makes it a few vector compares); a tag written meanwhile
- * can only make the answer wrong, which the set's version check catches. */
-static inline uint32_t ways_of(const ple_cache_t *c, int64_t set, uint32_t tag) {
-    uint32_t line[WAYS], found = 0;
-    memcpy(line, c->tags + set * WAYS, sizeof line);
-    for (int w = 0; w < WAYS; w++) found |= (uint32_t)(line[w] == tag) << w;
-    return found;
-}
-
-/* The set of an id's hash: its place in [0, sets) by a multiply (any number of sets). */
-static inline int64_t set_of(const ple_cache_t *c, uint64_t h) {
-    return (int64_t)(((unsigned __int128)h * (uint64_t)c->sets) >> 64);
-}
 
 /* A place in [0, n) for a 64-bit hash, by a multiply. */
 static inline uint64_t place(uint64_t x, int64_t n) { return (uint64_t)(((unsigned __int128)x * (uint64_t)n) >> 64); }
@@ -395,4 +344,29 @@ void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
 #endif
     count(c->counts, C_CACHE_INSERTS, 1);
     count(c->counts, C_CACHE_EVICTIONS, !empty);
+}
+
+/* Where the cache holds the rows of ids[0..n): slots[i] = the slot of ids[i] (its row lies at
+ * data + slot * rb), or -1 where no slot holds it whole (a set being written counts as not held).
+ * Returns how many were found. Read-only: no row is read, and neither the policy nor the counters
+ * change. For a reader of the slots other than the row copy (tools/slot_reads.py: a GPU kernel
+ * reading them through registered memory); nothing keeps a slot found from being rewritten after. */
+int64_t ple_cache_find(const ple_cache_t *c, const int64_t *ids, int64_t n, int64_t *slots) {
+    enum { FIND_AHEAD = 16 }; /* ids ahead whose set is asked for */
+    int64_t found = 0;
+    for (int64_t i = 0; i < n && i < FIND_AHEAD; i++) ple_cache_prefetch(c, ple_cache_hash(ids[i]));
+    for (int64_t i = 0; i < n; i++) {
+        if (i + FIND_AHEAD < n) ple_cache_prefetch(c, ple_cache_hash(ids[i + FIND_AHEAD]));
+        uint32_t tag = tag_for(ids[i]), ways = 0;
+        int64_t set = set_of(c, ple_cache_hash(ids[i]));
+        const struct set_head *s = head_of(c, set);
+        uint32_t before = __atomic_load_n(&s->version, __ATOMIC_ACQUIRE);
+        if (tag != 0 && !(before & 1)) ways = ways_of(c, set, tag);
+        if (ways && c->follower) ways &= __atomic_load_n(&s->follows, __ATOMIC_RELAXED);
+        atomic_thread_fence(memory_order_acquire);
+        if (__atomic_load_n(&s->version, __ATOMIC_RELAXED) != before) ways = 0;
+        slots[i] = ways ? set * WAYS + __builtin_ctz(ways) : -1;
+        found += ways != 0;
+    }
+    return found;
 }

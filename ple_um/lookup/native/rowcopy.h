@@ -179,6 +179,8 @@ void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row);
 void ple_cache_count(ple_cache_t *c, int64_t hits, int64_t misses);
 void ple_cache_prefetch(const ple_cache_t *c, uint64_t h);
 uint32_t ple_cache_prefetch_row(const ple_cache_t *c, int64_t id, uint64_t h);
+/* rowcache.c: each id's slot (its row at the cache's data + slot * rb) or -1; read-only */
+int64_t ple_cache_find(const ple_cache_t *c, const int64_t *ids, int64_t n, int64_t *slots);
 /* reader.c: the rows of misses[0..n) (each an id and its position in the lookup) read into dst rows
  * (a table without a cache and with resident_check: those whose pages are resident copied from the
  * mapping); the tally counts the rows that could not be had (zeroed, their miss's mapped = NULL). */
