@@ -22,6 +22,9 @@
 #            tree and with $OLD_TREE (another build's package: `git archive REV ple_um kernels | tar -x
 #            -C old`, moving a root kernels/ into old/ple_um/), alternately, $REGRESS_PAIRS (2) times
 #            each, no row cache; then the two builds compared (--compare): where the table fits
+#   slots    tools/slot_reads.py on the shared table: row cache hits served by the cpu mode's host path
+#            against the kernel reading them from the cache's registered slots (issue 43's design b,
+#            its best case); SLOTS_ARGS adds arguments
 #   tp       tools/tp_check.py on two GPUs, its own table of $TP_SIZE (the two ranks' vocab split
 #            inside a shard): uniform, zipf:1.1 and trace ids, early lookups on a side stream, eager
 #            and in CUDA graphs, a second pass with a row cache of $TP_ROW_CACHE (default 2GiB) per
@@ -98,11 +101,13 @@ for part in "${parts[@]}"; do
                      PYTHONPATH=$PWD run "regress_$mode" 60 python3 tools/host_cost.py --compare "$OUT"/regress_"${mode}"_new*.json \
                          --against "$OUT"/regress_"${mode}"_old*.json --json-file "$OUT/regress_$mode.json"
                  done ;;
+        slots) table; run slots "${SLOTS_LIMIT:-180}" python3 tools/slot_reads.py --dir "$TABLE" \
+                   --json-file "$OUT/slot_reads.json" ${SLOTS_ARGS:-} ;;
         tp) run tp "${TP_LIMIT:-580}" python3 tools/tp_check.py --size "${TP_SIZE:-$SIZE}" \
                 --row-cache "${TP_ROW_CACHE:-2GiB}" --memory-limit "${TP_MEMORY_LIMIT:-10GiB}" \
                 --timeout $((${TP_LIMIT:-580} - 30)) \
                 --out "$OUT/tp_check.json" ${TP_ARGS:-} ;;  # its own table: the split inside a shard
-        *) echo "unknown part $part (tests, bench, engram, cold, serving, regress, profile, tp)"; exit 2 ;;
+        *) echo "unknown part $part (tests, bench, engram, cold, serving, regress, profile, slots, tp)"; exit 2 ;;
     esac
 done
 printf '%s\n' "${summary[@]}"
