@@ -28,7 +28,7 @@ from ple_um.access.build import ModeAccess
 from ple_um.access.probe import ProbeReport
 from ple_um.errors import TableClosedError
 from ple_um.kernels.launch import current_stream
-from ple_um.lookup.paths import FLOAT_OUT, LookupPaths, check_args, check_ids
+from ple_um.lookup.paths import FLOAT_OUT, LookupPaths, check_args, check_ids, check_range
 from ple_um.lookup.streams import ids_to_device, wait_for_streams
 from ple_um.mapping import MappedShards
 
@@ -178,10 +178,7 @@ class MappedTable:
         if ids.device != self.device:
             ids = ids_to_device(ids, self.device)
         if strict if strict is not None else self.strict:
-            wide = ids.long()  # the row count in a narrow id dtype wraps (300 as uint8 is 44)
-            bad = ((wide < 0) | (wide >= self.num_rows)).sum().item()
-            if bad:
-                raise IndexError(f"{bad} ids outside [0, {self.num_rows}) (strict lookup)")
+            check_range(ids, self.num_rows)
         self._lookups += 1  # eager calls; rows are counted by the paths (graph replays too)
         if not ids.is_contiguous():
             ids = ids.contiguous()
@@ -233,17 +230,21 @@ class MappedTable:
             scales = scales.view(torch.float8_e4m3fn)
         return packed.view(*ids.shape, packed.shape[1]), scales.view(*ids.shape, scales.shape[1])
 
-    def prefetch(self, ids) -> Future:
+    def prefetch(self, ids, *, strict: bool | None = None) -> Future:
         """Start bringing ``ids``' rows into memory from CPU threads, a hint (``LookupPaths.
-        prefetch_touch``: their pages, or their rows into a row cache). A Future of the distinct rows.
-        ``ids`` as ``lookup`` takes them: other ones raise its TypeError (``check_ids``)."""
+        prefetch_touch``: their pages, or their rows into a row cache). A Future of the distinct
+        owned rows. ``ids`` checked as ``lookup`` checks them: its TypeError (``check_ids``), ids
+        outside the table passed over or, when strict, its IndexError (``check_range``)."""
         with self._in_use():
             check_ids(ids)
+            wide = ids.detach().to("cpu").reshape(-1).long()  # widened on the host, never narrowed
+            if strict if strict is not None else self.strict:
+                check_range(wide, self.num_rows)
             prefetcher = self.access.prefetcher
             if prefetcher is None:  # modes whose pages are resident need none
                 (done := Future()).set_result(0)
                 return done
-            return prefetcher.submit(ids, self.paths.prefetch_touch())
+            return prefetcher.submit(wide.numpy(), self.paths.prefetch_touch())
 
     def stats(self, *, sync: bool = True) -> dict:
         """Counters: lookups, the paths' counts (``lookup.counts.path_counts``: graph replays too), the

@@ -343,6 +343,35 @@ def test_strict(layout, mode, monkeypatch, check_rows):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_prefetch_checks_ids_as_a_lookup_does(layout, mode):
+    """A strict table's prefetch refuses the ids its lookup refuses, with the same IndexError (it
+    took them silently); ids past 2**31 are never narrowed to a row of the table (as int32 they are
+    row 5): passed over where not strict. The prefetcher itself takes int64 ids and casts nothing."""
+    bad = torch.tensor([0, 120, -1, 7])
+    far = torch.tensor([2**31 + 5, 2**32 + 5], dtype=torch.int64)
+    hinted = 0 if mode == "device" else 2  # rows 0 and 7; the device mode needs no prefetch
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu", strict=True) as table:
+        for ids in (bad, far):
+            with pytest.raises(IndexError, match=r"2 ids outside \[0, 120\) \(strict lookup\)$"):
+                table.prefetch(ids)
+            with pytest.raises(IndexError, match=r"2 ids outside \[0, 120\)"):
+                table.lookup(ids)
+        assert table.prefetch(bad, strict=False).result(timeout=60) == hinted
+    with ple_um.open_table(layout.directory, mode=mode, device="cpu") as table:
+        assert table.prefetch(far).result(timeout=60) == 0
+        assert table.prefetch(bad).result(timeout=60) == hinted
+        with pytest.raises(IndexError, match=r"2 ids outside"):
+            table.prefetch(bad, strict=True)
+        prefetcher = table.access.prefetcher
+        if prefetcher is not None:
+            for ids in (np.array([1.7, 2.0]), np.array([5], dtype=np.uint64), [1, 2], torch.tensor([1])):
+                with pytest.raises(TypeError, match="PagePrefetcher.submit takes an int64 array of ids"):
+                    prefetcher.submit(ids)
+            assert prefetcher.submit(np.array([3, 3, 4, 200], dtype=np.int64)).result(timeout=60) == 2
+        assert table.stats()["rows"] == 0  # a prefetch is not a lookup
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_strict_takes_narrow_ids_at_their_values(make_checkpoint, mode, check_rows):
     # A table of 300 rows: uint8 255 is a row, int8 -1 is not; no id is compared with the row
     # count cast to its dtype (300 as uint8 is 44, as int8 is 44 too).

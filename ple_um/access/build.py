@@ -254,15 +254,18 @@ class PagePrefetcher:
         self.threads = max(1, threads)
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="ple-um-prefetch")
 
-    def submit(self, ids, touch=None) -> Future:
-        """Start touching the rows of ``ids`` (an integer tensor of global ids, as ``MappedTable.
-        prefetch`` checks them: ``check_ids``); returns a Future of the number of distinct rows
-        touched. Each id goes to one thread once (an id asked for twice would otherwise be read
-        twice, by two threads at once). ``touch(ids) -> rows``: what a thread does with its part of
-        them (default: fault in their pages, ``MappedShards.touch_rows``)."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.detach().to("cpu").numpy()
-        flat = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
+    def submit(self, ids: np.ndarray, touch=None) -> Future:
+        """Start touching the rows of ``ids``, an int64 array of global ids (``MappedTable.prefetch``
+        checks the caller's ids as a lookup does and widens them; anything else is a TypeError here,
+        not cast: a float id would be truncated, a wide one wrapped, to another row); returns a
+        Future of the number of distinct owned rows touched. Each id goes to one thread once (an id
+        asked for twice would otherwise be read twice, by two threads at once). ``touch(ids) ->
+        rows``: what a thread does with its part of them (default: fault in their pages,
+        ``MappedShards.touch_rows``); ids outside the owned rows are passed over."""
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.int64:
+            what = f"{ids.dtype} array" if isinstance(ids, np.ndarray) else type(ids).__name__
+            raise TypeError(f"PagePrefetcher.submit takes an int64 array of ids, not a {what}")
+        flat = np.unique(ids.reshape(-1))
         parts = np.array_split(flat, min(self.threads, max(1, flat.size // 256)))
         futures = [self.pool.submit(touch or self.mapping.touch_rows, p) for p in parts]
         done: Future = Future()

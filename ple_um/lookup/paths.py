@@ -53,6 +53,15 @@ def check_ids(ids) -> None:
         raise TypeError(f"ids must be {_ID_WORDS}, got {ids.dtype}")
 
 
+def check_range(ids: torch.Tensor, num_rows: int) -> None:
+    """A strict lookup's (and prefetch's) IndexError where an id of ``ids`` is outside the table,
+    compared at its value (the row count in a narrow id dtype wraps: 300 as uint8 is 44)."""
+    wide = ids.long()
+    bad = ((wide < 0) | (wide >= num_rows)).sum().item()
+    if bad:
+        raise IndexError(f"{bad} ids outside [0, {num_rows}) (strict lookup)")
+
+
 def check_args(table, ids, out: torch.Tensor | None, out_dtype) -> torch.dtype | None:
     """The argument checks of every lookup of ``table`` (``lookup`` and the torch ops); the out
     dtype."""
