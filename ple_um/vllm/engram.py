@@ -14,7 +14,9 @@ Its ``lookup`` is the one vLLM's layer calls, with vLLM's arguments, on the stre
 inline, or on the Engram prefetch stream forked before layer 0 (``cpu_offload``, the default),
 captured in FULL graphs or run at the eager breaks of breakable ones as stock. The rows come back as
 stock returns them, bit for bit: BF16 of ``float32(e4m3)`` times the float32 whose bits are the E8M0
-byte ``e << 23`` (``2**(e-127)``, but 0 for ``e = 0``).
+byte ``e << 23`` (``2**(e-127)``, but 0 for ``e = 0``). ``apply()`` also replaces the model's
+``drop_checkpoint_cache``, which ``use_thp`` calls to make room for huge-page host tables: with
+PLE_UM set there are none, and the checkpoint's page cache, the tables' rows, is kept (logged).
 
 Served: tensor parallelism (heads split evenly over the ranks), data parallelism with one table
 per replica or ``dp_shared_memory`` (every replica maps the same files: the page cache is the
@@ -56,6 +58,8 @@ from ple_um.vllm.source import TableSource, file_backing
 logger = init_logger("vllm.ple_um.engram")
 
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+# NVIDIA's DeepSeek-V4.1 model: with use_thp it releases the checkpoint's page cache, by this name.
+MODEL_MODULE, DROP = "vllm.models.deepseek_v41.nvidia.model", "drop_checkpoint_cache"
 
 
 class EngramLayoutError(ValueError):
@@ -63,12 +67,43 @@ class EngramLayoutError(ValueError):
 
 
 def apply() -> list[str]:
-    """Patch ``Engram._create_embedding``; returns what was patched now (empty when it already was)."""
+    """Patch ``Engram._create_embedding`` and the model's ``drop_checkpoint_cache``; returns what was
+    patched now (empty when it already was)."""
     module = importlib.import_module(ENGRAM_MODULE)
     original = module.Engram.__dict__["_create_embedding"]
-    if not replace(module.Engram, {"_create_embedding": _patched_create_embedding(original)}):
-        return []
-    return [f"{ENGRAM_MODULE}.Engram._create_embedding"]
+    patched = []
+    if replace(module.Engram, {"_create_embedding": _patched_create_embedding(original)}):
+        patched.append(f"{ENGRAM_MODULE}.Engram._create_embedding")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_rocm():  # ROCm's model releases no page cache
+        model = importlib.import_module(MODEL_MODULE)
+        if DROP in vars(model) and replace(model, {DROP: _kept_page_cache(getattr(model, DROP))}):
+            patched.append(f"{MODEL_MODULE}.{DROP}")
+    return patched
+
+
+def _kept_page_cache(original):
+    """vLLM's ``drop_checkpoint_cache`` as DeepSeek-V4.1's model calls it with ``use_thp``: before it
+    allocates its Engram host tables and again after loading (before MADV_COLLAPSE), it drops every
+    checkpoint file's page cache (POSIX_FADV_DONTNEED), to give those huge-page tables memory. With
+    PLE_UM set there are no host tables (``use_thp`` has nothing to apply to) and the Engram tables
+    are read from those very pages, maybe prewarmed, maybe another rank's or process's: the release
+    is skipped, and logged. Unset, the stock release runs."""
+
+    @functools.wraps(original)
+    def drop_checkpoint_cache(model_name_or_path, *args, **kwargs):
+        if not envs.PLE_UM:
+            return original(model_name_or_path, *args, **kwargs)
+        logger.info(
+            "ple-um: use_thp: the page cache of the checkpoint in %s is kept: vLLM releases it to give "
+            "its huge-page Engram host tables memory, and with PLE_UM there are none; the Engram tables "
+            "are read from those pages",
+            model_name_or_path,
+        )
+        return None
+
+    return drop_checkpoint_cache
 
 
 def _patched_create_embedding(original):

@@ -61,6 +61,9 @@ def engram_world(module, world, monkeypatch, table_dir, checkpoint):
     with set_current_vllm_config(config):
         yield module
     restore(module.Engram)
+    model = sys.modules.get("vllm.models.deepseek_v41.nvidia.model")  # its drop_checkpoint_cache
+    if model is not None:
+        restore(model)
 
 
 def _tensors(path, layer):
@@ -282,3 +285,51 @@ def test_a_table_that_waits_for_the_device_is_refused_under_graphs_that_capture_
     want = as_on_a_gpu(stock(hashes), weight, scales, hashes)
     assert torch.equal(ours(hashes).view(torch.int16), want.view(torch.int16))
     ours.served.close()
+
+
+def test_use_thp_keeps_the_page_cache_the_tables_are_read_from(engram_world, monkeypatch, tmp_path, caplog):
+    """With use_thp, DeepSeek-V4.1's model releases every checkpoint file's page cache (vLLM's
+    ``drop_checkpoint_cache``: POSIX_FADV_DONTNEED) to give its huge-page Engram host tables memory,
+    before building them and after loading. With PLE_UM set there are no host tables and the
+    Engram tables are read from those pages: they stay (they were dropped), and the log says why.
+    With it unset the stock release runs."""
+    import logging
+
+    from vllm.models.deepseek_v41.nvidia import model
+
+    from ple_um.residency import cached_pages
+    from ple_um.synthetic_engram import FILE_NAME
+    from ple_um.vllm import engram
+
+    # vLLM calls it by the name its model module imported: the name the plugin replaces.
+    for method in (model.DeepseekV4Model.__init__, model.DeepseekV41LLMForCausalLM.load_weights):
+        assert "drop_checkpoint_cache" in method.__code__.co_names
+    tables = dict(zip(LAYERS, _config().engram_num_embeddings, strict=True))
+    write_engram_checkpoint(tmp_path, tables=tables, head_dim=DIM, write_back=True)
+    path = os.fspath(tmp_path / FILE_NAME)
+
+    def cached_around_the_release(ple_um_on: bool) -> tuple[int, int]:
+        monkeypatch.setenv("PLE_UM", "1" if ple_um_on else "0")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            assert len(os.pread(fd, size, 0)) == size  # the whole file into the page cache
+            before = cached_pages(fd, 0, size)
+            model.drop_checkpoint_cache(os.fspath(tmp_path))
+            return before, cached_pages(fd, 0, size)
+        finally:
+            os.close(fd)
+
+    before, after = cached_around_the_release(False)
+    if before is None or after != 0:
+        pytest.skip("the page cache keeps this file (tmpfs?) or cachestat is missing: no release to see")
+    monkeypatch.setattr(engram.logger, "propagate", True)  # vLLM may route it elsewhere
+    with caplog.at_level(logging.INFO, logger=engram.logger.name):
+        before, after = cached_around_the_release(True)
+    assert before > 0 and after == before
+    said = [r.getMessage() for r in caplog.records if r.name == engram.logger.name]
+    assert said == [
+        f"ple-um: use_thp: the page cache of the checkpoint in {tmp_path} is kept: vLLM releases it to "
+        "give its huge-page Engram host tables memory, and with PLE_UM there are none; the Engram "
+        "tables are read from those pages"
+    ]
