@@ -166,6 +166,37 @@ def test_the_signals_check_never_leaves_a_stream_waiting_unsaid(monkeypatch, see
     assert (signal_check._stranded == [word]) == (not sees_host)
 
 
+class _RefusingDriver(_SignalsDriver):
+    """A device that sees neither write, and whose release write on the other stream is refused."""
+
+    def write_value(self, stream: int, address: int, value: int) -> None:
+        if stream == 2:
+            raise HostNodeError("cuStreamWriteValue32 failed: CUDA_ERROR_ILLEGAL_STATE (401) (injected)")
+        super().write_value(stream, address, value)
+
+
+@pytest.mark.parametrize("refused", ["write", "stream"])
+def test_a_stream_whose_release_fails_is_blocked_not_a_reason_for_host_nodes(monkeypatch, refused):
+    """Where the stream did not see the host's write and the device's own write that would release
+    it cannot be made (the other stream or the write refused), the stream still waits: the check
+    raises StreamBlockedError, naming the failure, rather than answer 'use host nodes' and leave the
+    next synchronize of the device to hang."""
+    monkeypatch.setattr(signal_check, "_stranded", [])
+    word = torch.zeros(cuda.SIGNAL_BYTES // 4, dtype=torch.int32)
+    driver = _RefusingDriver(word, sees_host=False, sees_device=False)
+
+    def other_stream() -> int:
+        if refused == "stream":
+            raise RuntimeError("CUDA error: out of memory (injected)")
+        return 2
+
+    said = r"release it failed \(.*injected\)\): it stays blocked"
+    with pytest.raises(cuda.StreamBlockedError, match=said):
+        signal_check.round_trip(driver, 1, word, other_stream, timeout=0.2)
+    assert driver.query(1) == 600  # still waiting
+    assert signal_check._stranded == [word]  # the word it waits on is kept
+
+
 def test_a_device_left_blocked_is_said_again_at_every_open_and_not_checked_twice(monkeypatch):
     calls = []
 

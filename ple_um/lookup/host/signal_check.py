@@ -93,9 +93,11 @@ def round_trip(driver, stream: int, word: torch.Tensor, other_stream, timeout: f
     writes the ready word, then waits for the done word, which this thread sets. A stream that
     never sees the write still waits: the word is kept for the life of the process, and the same
     write is made from the device on ``other_stream()`` to release it. Where even that does not
-    release it, StreamBlockedError (logged first). "" when it works, else why not."""
+    release it, or the release itself fails (the other stream or its write refused), StreamBlockedError
+    (logged first). "" when it works, else why not."""
     timeout = SIGNAL_TIMEOUT if timeout is None else timeout
     done = DONE_AT // 4
+    rc, released, release_failed = None, False, ""
     try:
         address = driver.device_pointer(word.data_ptr())
         driver.write_value(stream, address, 7)
@@ -108,11 +110,18 @@ def round_trip(driver, stream: int, word: torch.Tensor, other_stream, timeout: f
             driver.write_value(other_stream(), address + DONE_AT, 1)
             released = _settle(driver, stream, timeout) == CUDA_SUCCESS
     except Exception as exc:  # noqa: BLE001 - any failure means: use host nodes
-        return f"stream memory operations failed: {exc}"
+        if rc != CUDA_ERROR_NOT_READY:  # no stream left waiting
+            return f"stream memory operations failed: {exc}"
+        release_failed = f"{type(exc).__name__}: {exc}"  # the stream still waits: not released
     if rc == CUDA_ERROR_NOT_READY and not released:
+        seen = (
+            f"did not see this thread's write within {timeout:g} s, and the device's own write to "
+            f"release it failed ({release_failed})"
+            if release_failed
+            else f"saw neither this thread's write nor the device's own within {2 * timeout:g} s"
+        )
         why = (
-            "a stream waiting on pinned memory saw neither this thread's write nor the device's "
-            f"own within {2 * timeout:g} s: it stays blocked, so any synchronize of this "
+            f"a stream waiting on pinned memory {seen}: it stays blocked, so any synchronize of this "
             "device will hang. Run with PLE_UM_DISPATCHER=0 (eager lookups as host nodes; this "
             "check is then not made)"
         )
