@@ -68,6 +68,34 @@ def test_a_node_that_cannot_run_ends_the_wait(monkeypatch, codes, match):
     assert len(raised) == 1 and isinstance(raised[0], HostNodeError) and match in str(raised[0])
 
 
+@pytest.mark.parametrize(
+    "codes,match",
+    [({0: 719}, "error 719"), ({0: 0}, "never ran")],
+    ids=["stream failed", "never ran"],
+)
+def test_closing_a_stream_whose_node_cannot_run_raises_instead_of_hanging(codes, match):
+    """The release of a stream's state waits for its ring's jobs as ``slot`` does: a job whose
+    stream failed, or is idle with the job still pending, raises HostNodeError (the release then
+    keeps the mappings) rather than hang the table's close; its events are kept with it."""
+    state = StreamState(0)
+    state.ring[RING - 1].busy = 1
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            state.close(_InjectedDriver(codes))
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            raised.append(exc)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(30)
+    hung = closer.is_alive()
+    state.ring[RING - 1].busy = 0  # a hung close, had there been one, now returns
+    assert not hung, "the close did not end: a hang"
+    assert len(raised) == 1 and isinstance(raised[0], HostNodeError) and match in str(raised[0])
+
+
 def test_a_dispatched_job_whose_done_word_is_set_is_not_a_node_that_never_ran(monkeypatch):
     """The dispatcher sets a job's done word, then clears its busy flag: a stream idle in between
     is not an error; with the word not yet set (or no word: a host node) it is."""

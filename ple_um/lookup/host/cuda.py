@@ -269,15 +269,21 @@ class StreamState:
         never runs it (HostNodeError names the error instead of waiting for ever)."""
         index = self.next
         job = self.ring[index]
+        if job.busy:  # RING lookups queued ahead of their row copies: back-pressure
+            self._wait_free(job, driver)
+        self.next = (self.next + 1) % RING
+        return index
+
+    def _wait_free(self, job, driver) -> None:
+        """Wait until ``job``'s row copy has run, asking the streams its work runs on every ~0.1 s:
+        HostNodeError where it cannot run any more (``check_pending``) instead of a wait for ever."""
         spins = 0
-        while job.busy:  # RING lookups queued ahead of their row copies: back-pressure
+        while job.busy:
             spins += 1
             time.sleep(0 if spins < 1000 else 1e-4)
             if spins % 1000 == 0:
                 streams = [self.handle] + ([self.side.cuda_stream] if self.side is not None else [])
                 check_pending(driver, streams, job)
-        self.next = (self.next + 1) % RING
-        return index
 
     def buffers_for(self, n: int, capturing: bool, row_bytes: tuple[int, ...], driver) -> PinnedBuffers:
         """Buffers for ``n`` ids: the stream's eager ones, or its capture ones; grown by doubling.
@@ -302,10 +308,11 @@ class StreamState:
 
     def close(self, driver) -> None:
         """Wait for every job of the ring (the caller has waited for the streams its lookups
-        were queued on: this only checks), then destroy the events."""
+        were queued on: this only checks; a job that cannot run any more raises HostNodeError, as
+        in ``slot``, rather than hang the release), then destroy the events."""
         for job in self.ring:
-            while job.busy:
-                time.sleep(1e-4)
+            if job.busy:
+                self._wait_free(job, driver)
         for event, _ in self.retired:
             driver.destroy(event)
         for event in self.events:
