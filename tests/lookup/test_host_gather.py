@@ -334,3 +334,34 @@ def test_a_host_path_whose_build_fails_releases_its_files_and_reader_threads(
         finally:
             reader.close()
         assert reader_threads() == 0
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["plain", "O_DIRECT asked"])
+def test_a_file_the_reader_cannot_reopen_is_named_and_no_descriptor_is_left(make_checkpoint, direct):
+    """A reader of misses whose reopen of a mapped file fails (out of descriptors: RLIMIT_NOFILE
+    lowered to let one more open through) raises OSError naming that file and a tensor it holds,
+    not the /proc/self/fd path it reopens through, and closes the descriptor it had opened."""
+    import errno
+    import resource
+
+    layout = make_checkpoint(num_rows=300, row_dim=32, dtype="fp8", shards=3, files=3)
+    with MappedShards(layout) as mapping:
+        regions = list(dict.fromkeys(owned.region for owned in mapping.owned.values()))
+        assert len(regions) >= 2
+        second = mapping.regions[regions[1]]
+        held = [layout.shards[i].tensor for i, o in mapping.owned.items() if o.region == regions[1]]
+        fds = sorted(os.listdir("/proc/self/fd"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest = os.open("/dev/null", os.O_RDONLY)
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest + 1, hard))  # one descriptor more
+        try:
+            with pytest.raises(OSError) as raised:
+                FileReader(mapping, strategy="threads", direct=direct, depth=4)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        exc = raised.value
+        assert exc.errno == errno.EMFILE and exc.filename == second.path, exc
+        assert f"reopening the mapped file of {held[0]} for the reads of misses failed" in str(exc)
+        assert "/proc/self/fd" not in str(exc)
+        assert sorted(os.listdir("/proc/self/fd")) == fds

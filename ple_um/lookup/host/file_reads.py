@@ -98,10 +98,12 @@ class FileReader:
         try:
             # region index -> (our descriptor of its file, its O_DIRECT block size or None)
             by_region: dict[int, tuple[int, int | None]] = {}
-            for owned in mapping.owned.values():
-                region = mapping.regions[owned.region]
-                if owned.region not in by_region:
-                    by_region[owned.region] = self._reopen(region.fd, region.st_size, direct)
+            tensor: dict[int, str] = {}  # region index -> a shard it holds, for the errors
+            for index, owned in mapping.owned.items():
+                r = owned.region
+                if r not in by_region:
+                    tensor[r] = layout.shards[index].tensor
+                    by_region[r] = self._reopen(mapping.regions[r], direct, tensor[r])
             # Every file read the same way: O_DIRECT with the widest block any needs, or plainly
             # (some file refuses O_DIRECT: every file reopened plainly, one kind of read per table).
             aligns = {align for _, align in by_region.values()}
@@ -110,7 +112,7 @@ class FileReader:
             elif direct:  # the O_DIRECT descriptors closed, their files reopened plainly
                 for r, (fd, align) in by_region.items():
                     if align is not None:
-                        by_region[r] = self._reopen(mapping.regions[r].fd, 0, False)
+                        by_region[r] = self._reopen(mapping.regions[r], False, tensor[r])
                         self._open.remove(fd)
                         os.close(fd)
             for index, owned in mapping.owned.items():
@@ -134,10 +136,12 @@ class FileReader:
             lib.ple_reader_hold()
             self._lib = lib
 
-    def _reopen(self, fd: int, size: int, direct: bool) -> tuple[int, int | None]:
-        """A descriptor of our own on the file behind ``fd`` (O_DIRECT if asked and it reads), and
-        the O_DIRECT block size (None: plain). An O_DIRECT descriptor that does not read is closed."""
-        path = f"/proc/self/fd/{fd}"
+    def _reopen(self, region, direct: bool, tensor: str) -> tuple[int, int | None]:
+        """A descriptor of our own on the file of ``region`` (O_DIRECT if asked and it reads), and
+        the O_DIRECT block size (None: plain). An O_DIRECT descriptor that does not read is closed.
+        Where the file cannot be reopened, OSError naming it and ``tensor`` (one of the shards it
+        holds), not the /proc path it was reopened through."""
+        path = f"/proc/self/fd/{region.fd}"
         if direct:
             try:
                 mine = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
@@ -145,12 +149,16 @@ class FileReader:
                 mine = None
             if mine is not None:
                 self._open.append(mine)
-                align = _direct_alignment(mine, size)
+                align = _direct_alignment(mine, region.st_size)
                 if align is not None:
                     return mine, align
                 self._open.remove(mine)
                 os.close(mine)
-        mine = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            mine = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            why = f"reopening the mapped file of {tensor} for the reads of misses failed: {exc.strerror}"
+            raise OSError(exc.errno, why, region.path) from exc
         self._open.append(mine)
         return mine, None
 
