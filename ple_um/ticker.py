@@ -31,8 +31,9 @@ class Ticker:
 
     def start(self: _T) -> _T:
         if self._thread is None and self.interval > 0:
-            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+            thread.start()  # kept once it runs: a thread that could not start is not joined at close
+            self._thread = thread
         return self
 
     def _run(self) -> None:

@@ -290,6 +290,28 @@ def test_a_fifo_in_place_of_a_shard_after_its_header_was_read_does_not_block(lay
     assert isinstance(outcome, CheckpointError), outcome
 
 
+def test_an_open_whose_fit_thread_cannot_start_raises_that_and_releases_all(layout, monkeypatch):
+    """An open whose fit-check thread cannot start (a process out of threads: ``Thread.start``
+    refused, injected in the standard library) raises that error and releases what it built: no
+    mapping, descriptor or handle is left, and no release is said to have failed (its join of the
+    thread that never started raised, and the release kept the mappings until exit)."""
+    start = threading.Thread.start
+
+    def start_unless_fit(self):
+        if self.name == "ple-um-fit":
+            raise RuntimeError("can't start new thread (injected)")
+        return start(self)
+
+    monkeypatch.setenv("PLE_UM_FIT", "auto")
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "1")
+    monkeypatch.setattr(threading.Thread, "start", start_unless_fit)
+    before, kept = len(ops._TABLES), len(ple_um.table._KEPT_AFTER_FAILED_CLOSE)
+    with pytest.raises(RuntimeError, match=r"can't start new thread \(injected\)"):
+        ple_um.open_table(layout.directory, mode="cpu", device="cpu")
+    nothing_left(layout, before)
+    assert len(ple_um.table._KEPT_AFTER_FAILED_CLOSE) == kept
+
+
 # -- the files replaced, rewritten or truncated after open -----------------------------------------
 def _flip(data: bytearray, layout, path: str) -> bytearray:
     for spec in layout.shards:
