@@ -42,9 +42,9 @@ def _start() -> None:
     with _LOCK:
         if _thread is not None and _pid == os.getpid():
             return
-        _pid = os.getpid()  # a forked child has the queue but not the thread
-        _thread = threading.Thread(target=_run, name="ple-um-dropped", daemon=True)
-        _thread.start()
+        thread = threading.Thread(target=_run, name="ple-um-dropped", daemon=True)
+        thread.start()  # kept once it runs: one that could not start is started at the next call
+        _thread, _pid = thread, os.getpid()  # a forked child has the queue but not the thread
 
 
 def _run() -> None:

@@ -312,6 +312,49 @@ def test_an_open_whose_fit_thread_cannot_start_raises_that_and_releases_all(layo
     assert len(ple_um.table._KEPT_AFTER_FAILED_CLOSE) == kept
 
 
+_RELEASE_THREAD_REFUSED = """
+import gc, sys, threading, ple_um
+sys.path.insert(0, sys.argv[2])
+from helpers.dropped_tables import drain
+start = threading.Thread.start
+def start_unless_release(self):
+    if self.name == "ple-um-dropped":
+        raise RuntimeError("can't start new thread (injected)")
+    return start(self)
+threading.Thread.start = start_unless_release
+try:
+    ple_um.open_table(sys.argv[1], mode="cpu", device="cpu")
+except RuntimeError as exc:
+    print("open failed:", exc, flush=True)
+threading.Thread.start = start
+table = ple_um.open_table(sys.argv[1], mode="cpu", device="cpu")
+del table
+gc.collect()
+print("dropped table released:", drain(timeout=30), flush=True)
+"""
+
+
+def test_a_release_thread_that_could_not_start_is_started_later(layout):
+    """The thread that releases tables dropped without ``close()`` starts with a process's first
+    table. Where it cannot start (``Thread.start`` refused, injected in the standard library) that
+    open raises the error; the thread is not taken as running: the next open starts it, and a table
+    dropped then is released (no release thread ran, and nothing dropped was ever released). In a
+    child process, whose first table this is."""
+    env = {**os.environ, "PLE_UM_SELF_TEST_ROWS": "0"}
+    env.pop("TRITON_INTERPRET", None)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", _RELEASE_THREAD_REFUSED, layout.directory, tests],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    assert "open failed: can't start new thread (injected)" in done.stdout
+    assert "dropped table released: True" in done.stdout, done.stdout
+
+
 # -- the files replaced, rewritten or truncated after open -----------------------------------------
 def _flip(data: bytearray, layout, path: str) -> bytearray:
     for spec in layout.shards:
