@@ -42,57 +42,36 @@ def test_a_free_slot_comes_at_once_and_the_ring_turns():
     assert seen[:RING] == list(range(RING)) and seen[RING] == 0
 
 
+@pytest.mark.parametrize("call", ["slot", "close"])
 @pytest.mark.parametrize(
     "codes,match",
     [({0: 600, 7: 719}, "error 719"), ({0: 0}, "never ran")],
     ids=["stream failed", "never ran"],
 )
-def test_a_node_that_cannot_run_ends_the_wait(monkeypatch, codes, match):
+def test_a_node_that_cannot_run_ends_the_wait(monkeypatch, codes, match, call):
+    """A wait for a ring job's row copy, for the next slot (``slot``) or at the release of the
+    stream's state (``close``), ends with HostNodeError where the job cannot run any more (its
+    stream failed, or it is idle with the job still pending) instead of a hang: the release then
+    keeps the mappings, and the events with them."""
     state = StreamState(0)
     if 7 in codes:
         state.side = type("side", (), {"cuda_stream": 7})()
-    state.ring[0].busy = 1
+    job = state.ring[0 if call == "slot" else RING - 1]
+    job.busy = 1
     raised: list[BaseException] = []
 
     def wait() -> None:
         try:
-            state.slot(_InjectedDriver(codes))
+            getattr(state, call)(_InjectedDriver(codes))
         except BaseException as exc:  # noqa: BLE001 - judged below
             raised.append(exc)
 
     waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
     waiter.join(30)
-    assert not waiter.is_alive(), "the wait did not end: a hang"
-    state.ring[0].busy = 0  # (a hung waiter, had there been one, would now return)
-    assert len(raised) == 1 and isinstance(raised[0], HostNodeError) and match in str(raised[0])
-
-
-@pytest.mark.parametrize(
-    "codes,match",
-    [({0: 719}, "error 719"), ({0: 0}, "never ran")],
-    ids=["stream failed", "never ran"],
-)
-def test_closing_a_stream_whose_node_cannot_run_raises_instead_of_hanging(codes, match):
-    """The release of a stream's state waits for its ring's jobs as ``slot`` does: a job whose
-    stream failed, or is idle with the job still pending, raises HostNodeError (the release then
-    keeps the mappings) rather than hang the table's close; its events are kept with it."""
-    state = StreamState(0)
-    state.ring[RING - 1].busy = 1
-    raised: list[BaseException] = []
-
-    def close() -> None:
-        try:
-            state.close(_InjectedDriver(codes))
-        except BaseException as exc:  # noqa: BLE001 - judged below
-            raised.append(exc)
-
-    closer = threading.Thread(target=close, daemon=True)
-    closer.start()
-    closer.join(30)
-    hung = closer.is_alive()
-    state.ring[RING - 1].busy = 0  # a hung close, had there been one, now returns
-    assert not hung, "the close did not end: a hang"
+    hung = waiter.is_alive()
+    job.busy = 0  # a hung waiter, had there been one, now returns
+    assert not hung, "the wait did not end: a hang"
     assert len(raised) == 1 and isinstance(raised[0], HostNodeError) and match in str(raised[0])
 
 
