@@ -53,6 +53,7 @@ class MappedRegion:
     st_size: int
     st_ino: int
     st_mtime_ns: int
+    st_dev: int  # the filesystem's: an inode number is one filesystem's
 
     def array(self) -> np.ndarray:
         """A uint8 view of the whole mapping (read-only memory: a write through it faults)."""
@@ -152,7 +153,7 @@ class MappedShards:
         except BaseException:
             os.close(fd)
             raise
-        return MappedRegion(path, fd, addr, length, aligned, st.st_size, st.st_ino, st.st_mtime_ns)
+        return MappedRegion(path, fd, addr, length, aligned, st.st_size, st.st_ino, st.st_mtime_ns, st.st_dev)
 
     # -- addresses ------------------------------------------------------------------------
     def shard_base(self, index: int) -> int:

@@ -11,7 +11,7 @@ import torch
 from ple_um import envs
 from ple_um.access.build import ModeAccess
 from ple_um.checkpoint import ShardLayout
-from ple_um.lookup import fit, rowcopy
+from ple_um.lookup import fit, open_tables, rowcopy
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host import misses
 from ple_um.lookup.host.cuda import StreamBlockedError
@@ -61,6 +61,34 @@ def _build(
         paths.serving = fit.Serving("kernel", False, "the device mode: the rows are in GPU memory")
         return paths
     mappings = [m for m in (mapping, scale_mapping) if m is not None]
+    # Counted before its fit is measured: of two tables opened at once, the one measured last counts
+    # the other (measured before either was counted, both could fit alone where together they do
+    # not). The paths own the entry once they exist (``count_in_fits``); a failure before drops it.
+    counted = open_tables.OPEN_TABLES.add(mappings, access.pinned_bytes)
+    try:
+        return _build_counted(access, layout, rows, scale, lib, why, mappings, counted, made)
+    except BaseException:
+        if not made:
+            open_tables.OPEN_TABLES.remove(counted)
+        raise
+
+
+def _build_counted(
+    access: ModeAccess,
+    layout: ShardLayout,
+    rows: tuple[int, int],
+    scale,
+    lib,
+    why: str,
+    mappings: list,
+    counted: int,
+    made: list,
+) -> LookupPaths:
+    """``_build``'s work for a mode that reads host memory, its ``mappings`` counted in the fits
+    already (``counted``: their entry in ``OPEN_TABLES``, which the paths own from when they exist,
+    and are put in ``made``)."""
+    mode, device = access.mode, access.device
+    mapping, scale_mapping = access.mapping, access.scale_mapping
     verdict = fit.measure(mappings, pinned=access.pinned_bytes)
     host_for = _host_builder(access, layout, scale, lib, why)
     touch_knob, touch_here = fit.touch_setting(mode, cuda=device.type == "cuda")
@@ -78,10 +106,12 @@ def _build(
                 scale_mapping=scale_mapping,
             )
         paths = LookupPaths(layout, device, None, host, host.row_reads)
+        paths.count_in_fits(counted)
         made.append(paths)
         paths.set_serving(fit.Serving("host", False, f"{verdict.why}: the cpu mode's host path"))
     else:
         paths = LookupPaths(layout, device, _kernel(access, layout, rows, scale), None, "the GPU kernel only")
+        paths.count_in_fits(counted)
         made.append(paths)
         if touch_here and touch_knob == "auto":
             paths.touch_live = np.zeros(1, dtype=np.int32)
@@ -103,7 +133,6 @@ def _build(
             paths.row_reads = f"the GPU kernel; big lookups: {paths.host.row_reads}"
         elif needed:
             paths.row_reads = f"the GPU kernel only (no host path: {why})"
-    paths.count_in_fits(mappings, access.pinned_bytes)
     if lib is not None and mode in ("cpu", *fit.SWITCHING_MODES) and envs.PLE_UM_FIT == "auto":
         if device.type == "cuda":  # the host path a check builds later makes no CUDA call there
             prepare_device(lib, device)

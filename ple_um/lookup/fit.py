@@ -133,7 +133,9 @@ def measure(
     """Whether the mappings' owned bytes, with those of every other open table of this process
     (``OPEN_TABLES``; a file's bytes that two tables map counted once), fit the memory this process
     may use (``memory.fits``), with the residency (exact without ``rng``, else sampled) and the
-    knob ``PLE_UM_FIT``. The verdict's ``owned`` and ``resident`` are the mappings' own."""
+    knob ``PLE_UM_FIT``. The verdict's ``owned`` and ``resident`` are the mappings' own. The other
+    tables are taken under ``OPEN_TABLES``' lock and their residency read after it (their mappings
+    kept until it is read): the opens and closes of other tables do not wait for it."""
     own = [r for m in mappings for r in m.regions]
     owned = sum(r.length for r in own)
     resident, exact = resident_bytes(own, rng)

@@ -16,13 +16,18 @@ from ple_um.mapping import PAGE, MappedRegion, MappedShards
 class OpenTables:
     """The mappings of every open table of this process that serves its rows from host memory (not
     the ``device`` mode), each with the bytes it pins: what ``measure`` counts beside a table's own.
-    ``add`` at open (``build_paths``), ``remove`` at close and when the table's paths are dropped.
-    A measure holds the lock: a table's entry goes (and then its mappings) only once no measure
-    reads them."""
+    ``add`` at open, before the open measures its own fit (``build_paths``: of two tables opened at
+    once, the one that measures last counts the other); ``remove`` at close and when the table's
+    paths are dropped. ``others`` hands out the entries under the lock and reads their residency
+    after it, without it (mincore over big tables is slow); a table's ``remove`` waits for those
+    readings to end before its mappings go."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()  # a drop's removal may run on a thread that measures
+        # Reentrant: a drop's removal (a finalizer) may run on a thread that holds it.
+        self._lock = threading.RLock()
+        self._read = threading.Condition(self._lock)  # a reading of an entry ended
         self._tables: dict[int, tuple[list[MappedShards], int]] = {}
+        self._readers: dict[int, list[int]] = {}  # per entry, the threads reading its mappings
         self._next = 0
 
     def add(self, mappings: list[MappedShards], pinned: int) -> int:
@@ -32,18 +37,40 @@ class OpenTables:
             return self._next
 
     def remove(self, key: int) -> None:
+        """The entry ``key`` no longer counted, once no other thread reads its mappings (``others``):
+        its caller unmaps them next. A reading on this very thread (a finalizer that runs inside
+        it) is not waited for: it ends once the finalizer returns."""
+        me = threading.get_ident()
         with self._lock:
             self._tables.pop(key, None)
+            while any(t != me for t in self._readers.get(key, ())):
+                self._read.wait()
 
     @contextlib.contextmanager
     def others(self, mappings: list[MappedShards]) -> Iterator[list[tuple[list[MappedShards], int]]]:
-        """The open tables but the one of ``mappings``, held until the caller is done reading them."""
+        """The open tables but the one of ``mappings``, taken under the lock; their mappings stay
+        mapped until the caller is done reading them (their ``remove`` waits), the lock not held
+        meanwhile."""
+        me = threading.get_ident()
         with self._lock:
-            yield [
-                (ms, pinned)
-                for ms, pinned in self._tables.values()
+            entries = list(self._tables.items())
+            taken = [
+                (key, ms, pinned)
+                for key, (ms, pinned) in entries
                 if not any(m is own for m in ms for own in mappings) and not any(m.closed for m in ms)
             ]
+            for key, _, _ in taken:
+                self._readers.setdefault(key, []).append(me)
+        try:
+            yield [(ms, pinned) for _, ms, pinned in taken]
+        finally:
+            with self._lock:
+                for key, _, _ in taken:
+                    readers = self._readers[key]
+                    readers.remove(me)
+                    if not readers:
+                        del self._readers[key]
+                self._read.notify_all()
 
 
 OPEN_TABLES = OpenTables()
@@ -52,12 +79,13 @@ OPEN_TABLES = OpenTables()
 def uncovered(regions: list[MappedRegion], covered: dict[tuple, list[tuple[int, int]]]) -> list[MappedRegion]:
     """The parts of ``regions`` (each starting on a page of its file) whose file bytes no region
     counted before covers (``covered``: per file, the byte ranges counted; added to): a file's rows
-    mapped by two tables are counted once. Each part starts on a page (the residency is a page's):
-    the rest of a page that a counted range ends inside is not counted again (under a page per
-    overlap)."""
+    mapped by two tables are counted once. A file is its device, inode and modification time: two
+    filesystems may each hold a file of the same inode number. Each part starts on a page (the
+    residency is a page's): the rest of a page that a counted range ends inside is not counted
+    again (under a page per overlap)."""
     parts = []
     for r in regions:
-        spans = covered.setdefault((r.st_ino, r.st_mtime_ns), [])
+        spans = covered.setdefault((r.st_dev, r.st_ino, r.st_mtime_ns), [])
         begin, end = r.file_offset, r.file_offset + r.length
         at = begin
         for lo, hi in sorted(spans) + [(end, end)]:

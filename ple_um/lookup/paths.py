@@ -133,11 +133,9 @@ class LookupPaths:
         self._lock = threading.Lock()
         self._open_table = None  # its entry in open_tables.OPEN_TABLES: removed at close, or when dropped
 
-    def count_in_fits(self, mappings, pinned: int) -> None:
-        """Count ``mappings`` (the table's, ``pinned`` bytes of them pinned) in the fit of every
-        table of this process (``open_tables.OPEN_TABLES``) until ``close``, or until these paths are
-        dropped."""
-        key = open_tables.OPEN_TABLES.add(mappings, pinned)
+    def count_in_fits(self, key: int) -> None:
+        """Own the table's entry ``key`` in ``open_tables.OPEN_TABLES`` (its mappings counted in the
+        fit of every table of this process): removed at ``close``, or when these paths are dropped."""
         self._open_table = weakref.finalize(self, open_tables.OPEN_TABLES.remove, key)
 
     def set_serving(self, serving: fit.Serving) -> None:

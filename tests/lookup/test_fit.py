@@ -65,6 +65,13 @@ def table_files(make_checkpoint, rng):
     )
 
 
+def another_table(make_checkpoint, rng):
+    """A table of ``table_files``' shape, other rows in other files."""
+    return make_checkpoint(
+        num_rows=20000, row_dim=160, dtype="fp8", shards=4, files=2, seed=int(rng.integers(1 << 30))
+    )
+
+
 def evict(table) -> None:
     """The table's pages out of this process and out of the page cache."""
     for m in (table.mapping, table.scale_mapping):
@@ -327,6 +334,146 @@ def test_the_fit_counts_every_open_table_of_the_process(
         assert "open tables" not in a.paths.serving.why
         decode_lookups(a, first, rng, poison, 4)
         assert a.paths.gpu.read_counts()["rows"] == 4 * 16
+
+
+def test_two_tables_opened_at_once_each_count_the_other(
+    table_files, make_checkpoint, memory_left, monkeypatch, rng, poison
+):
+    """Two tables of 2.6 MiB of owned rows each, under 4 MiB of memory, opened at once on two threads
+    in the cpu mode (the kernel's interpreter runs one thread at a time), each open's fit measured
+    while the other's is (a barrier in the fit's memory reading holds each until both are there):
+    the one measured last counts the other, does not fit and gets a row cache; never both taken to
+    fit. At the next check neither fits, and both have a row cache. Every lookup exact."""
+    import threading
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    second = another_table(make_checkpoint, rng)
+    memory_left.machine = 4 * MiB
+    both_measure = threading.Barrier(2, timeout=30)
+    waited: set[int] = set()
+    fits = memory.fits
+
+    def measured_together(*args, **kwargs):
+        if threading.get_ident() not in waited:  # each open's first reading: both at once
+            waited.add(threading.get_ident())
+            both_measure.wait()
+        return fits(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "fits", measured_together)
+    opened: dict[str, object] = {}
+    failed: list[BaseException] = []
+
+    def open_(name, layout) -> None:
+        try:
+            opened[name] = ple_um.open_table(layout.directory, mode="cpu", device="cpu", rows=OWNED)
+        except BaseException as exc:  # noqa: BLE001 - raised by the test below
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_, args=x) for x in (("a", table_files), ("b", second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    monkeypatch.setattr(memory, "fits", fits)  # the checks below, one thread
+    try:
+        assert not failed and len(waited) == 2, failed
+        a, b = opened["a"], opened["b"]
+        spilled = [t for t in (a, b) if "do not fit" in t.paths.serving.why]
+        assert spilled, (a.paths.serving, b.paths.serving)
+        assert all("2 open tables" in t.paths.serving.why and t.stats()["row_cache"] for t in spilled)
+        for table in (a, b):
+            table.paths.fit.check()
+            assert "2 open tables" in table.paths.serving.why and "do not fit" in table.paths.serving.why
+            assert table.stats()["row_cache"] is not None, table.paths.serving
+        decode_lookups(a, table_files, rng, poison, 4)
+        decode_lookups(b, second, rng, poison, 4)
+    finally:
+        for table in opened.values():
+            table.close()
+
+
+def test_a_measure_reads_the_other_tables_residency_without_holding_their_lock(
+    table_files, make_checkpoint, memory_left, monkeypatch, rng, poison
+):
+    """While a fit check reads the residency of another open table (mincore: slow over a big table),
+    a third table opens on another thread without waiting for it, and the other table's close
+    waits only until that reading ends (its mappings stay mapped while they are read). The check's
+    figures count the tables open when it began."""
+    import threading
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    other, third = another_table(make_checkpoint, rng), another_table(make_checkpoint, rng)
+    sampled = fit.resident_bytes
+    seen: dict[str, object] = {}
+
+    def open_third() -> None:
+        seen["third"] = ple_um.open_table(third.directory, mode="cpu", device="cpu", rows=OWNED)
+
+    with (
+        ple_um.open_table(table_files.directory, mode="cpu", device="cpu", rows=OWNED) as a,
+        ple_um.open_table(other.directory, mode="cpu", device="cpu", rows=OWNED) as b,
+    ):
+        theirs = {r.addr for r in b.mapping.regions}
+
+        def reading(regions, rng=None):
+            if seen or not regions or {r.addr for r in regions} != theirs:
+                return sampled(regions, rng)
+            seen["reading"] = True  # the third's own measure reads as it is
+            opener = threading.Thread(target=open_third)
+            opener.start()
+            opener.join(10)
+            seen["opened meanwhile"] = not opener.is_alive()
+            closer = threading.Thread(target=b.close)
+            closer.start()
+            closer.join(0.3)
+            seen["close waited"] = closer.is_alive()
+            seen["closer"], seen["opener"] = closer, opener
+            return sampled(regions, rng)  # b's mappings still mapped: read as they are
+
+        monkeypatch.setattr(fit, "resident_bytes", reading)
+        try:
+            a.paths.fit.check()
+        finally:
+            monkeypatch.setattr(fit, "resident_bytes", sampled)
+            for name in ("opener", "closer"):
+                if name in seen:
+                    seen[name].join(60)
+        try:
+            assert seen["opened meanwhile"] and seen["close waited"], seen
+            assert b.closed and "2 open tables" in a.paths.serving.why, a.paths.serving
+            a.paths.fit.check()  # b closed, the third open: counted
+            assert "2 open tables" in a.paths.serving.why, a.paths.serving
+            decode_lookups(a, table_files, rng, poison, 4)
+            decode_lookups(seen["third"], third, rng, poison, 4)
+        finally:
+            if "third" in seen:
+                seen["third"].close()
+
+
+def test_files_of_two_filesystems_with_one_inode_number_are_both_counted(table_files, make_checkpoint, rng):
+    """Two tables' files that share an inode number and modification time but not a filesystem (two
+    mounts number their inodes apart): each file's bytes counted, not the second taken for the
+    first. The regions are the real mappings, their identity set as two filesystems would give it."""
+    import dataclasses as dc
+
+    from ple_um.lookup.open_tables import uncovered
+
+    other = another_table(make_checkpoint, rng)
+    with (
+        ple_um.open_table(table_files.directory, mode="cpu", device="cpu") as a,
+        ple_um.open_table(other.directory, mode="cpu", device="cpu") as b,
+    ):
+        mine = a.mapping.regions
+        theirs = [
+            dc.replace(r, st_ino=m.st_ino, st_mtime_ns=m.st_mtime_ns, st_dev=m.st_dev + 1)
+            for r, m in zip(b.mapping.regions, mine, strict=True)
+        ]
+        covered: dict = {}
+        assert uncovered(mine, covered) == mine
+        parts = uncovered(theirs, covered)
+        assert sum(p.length for p in parts) == sum(r.length for r in theirs), (parts, theirs)
+        same = [dc.replace(r, st_dev=m.st_dev) for r, m in zip(theirs, mine, strict=True)]
+        assert sum(p.length for p in uncovered(same, covered)) < sum(r.length for r in same)  # one file
 
 
 def test_a_table_that_fits_gets_the_kernel_and_no_row_cache(
