@@ -273,7 +273,8 @@ KNOBS: dict[str, Knob] = {
             "PLE_UM_ROW_CACHE_FRACTION of the memory left, when the table's owned rows do not fit in "
             "memory (PLE_UM_FIT; else none, in the page cache or not); a size is capped at what the "
             "owned rows need and refused past the memory left (a fit check's later build cuts it to "
-            "PLE_UM_ROW_CACHE_FRACTION of that); 0 = none",
+            "PLE_UM_ROW_CACHE_FRACTION of that, and builds it again toward the size once memory comes "
+            "back, as auto's regrows); 0 = none",
         ),
         Knob(
             "PLE_UM_ROW_CACHE_FRACTION",

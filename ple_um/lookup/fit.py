@@ -29,8 +29,10 @@ The rule (docs/OPERATING.md, "Memory"):
 Where the host path that serves a table that stopped fitting has no row cache (the table fit at
 open), ``FitWatch`` builds one on its own thread (a new host path, sized from the memory left
 then) and switches once it is ready; the old path stays for the graphs that captured it. A row
-cache built while little memory was left is built again the same way once the memory left gives
-one of ``REGROW_FACTOR`` times its slots, at most once in ``REGROW_AFTER_S`` seconds.
+cache built while little memory was left (under ``auto``, or an explicit ``PLE_UM_ROW_CACHE`` cut
+to the memory left) is built again the same way once the memory left gives one of
+``REGROW_FACTOR`` times its slots, or of its ceiling where that is less (what the owned rows need,
+or the explicit size), at most once in ``REGROW_AFTER_S`` seconds.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ SWITCHING_MODES = ("ats", "registered")
 # (``FitWatch.check_at_capture``): the first capture after the memory changed sees it.
 CAPTURE_CHECK_AGE = 0.1
 # A serving row cache is built again, bigger, where the memory left now gives one of at least this
-# many times its slots, at most once in REGROW_AFTER_S seconds (``FitWatch``): the caches it replaces
-# stay until the table closes (graphs captured through them), at most as much again as the newest.
+# many times its slots (or its ceiling, where that is less), at most once in REGROW_AFTER_S seconds
+# (``FitWatch``): the caches it replaces stay until the table closes (graphs captured through
+# them), together less than twice the newest.
 REGROW_FACTOR = 2
 REGROW_AFTER_S = 60.0
 
@@ -235,7 +238,9 @@ class FitWatch(Ticker):
             cpu = paths.gpu is None  # the cpu mode: always the host path; it can only gain a row cache
             nxt = now if cpu else choose(now, verdict, touch_knob=self.touch_knob, touch_here=self.touch_here)
             host = paths.row_copy
-            cache_wanted = not verdict.fits and envs.PLE_UM_ROW_CACHE == "auto"
+            knob = envs.PLE_UM_ROW_CACHE
+            # auto: a row cache while the table does not fit; a size: that cache, fit or not.
+            cache_wanted = not verdict.fits if knob == "auto" else int(knob) > 0
             wanted = host is None or cache_wanted and host.rows.cache is None
             cached = cache_wanted and host is not None and host.rows.cache is not None
             if nxt.path == "host" and (
@@ -245,7 +250,7 @@ class FitWatch(Ticker):
                 # is cut to it (no open is there to refuse it), said once, in the switch's why.
                 built = self.host_for(True, cut=True)
                 self.built_at = time.monotonic()
-                if built is not None and host is not None and not _gains(built, host):
+                if built is not None and host is not None and not self._gains(built, host):
                     # The memory left moved since ``_could_gain``: the host path there is goes on
                     # serving (one adopted each check would hold its files and buffers until the
                     # table closes).
@@ -291,12 +296,28 @@ class FitWatch(Ticker):
 
     def _regrow_due(self, host) -> bool:
         """Whether ``host``'s row cache is to be built again, bigger: the last build at least
-        ``REGROW_AFTER_S`` ago, and the memory left now gives a cache of at least ``REGROW_FACTOR``
-        times its slots (``misses.row_cache``, as the build sizes it; never past what the owned
-        rows need, so the regrowths end)."""
+        ``REGROW_AFTER_S`` ago, and the memory left now gives a cache of ``_regrow_to`` its slots
+        (``misses.row_cache``, as the build sizes it)."""
         if time.monotonic() - self.built_at < REGROW_AFTER_S:
             return False
-        return self._slots_now() >= REGROW_FACTOR * host.misses.slots
+        return self._slots_now() >= self._regrow_to(host.misses.slots)
+
+    def _regrow_to(self, slots: int) -> int:
+        """The slots a row cache of ``slots`` is built again with at least: ``REGROW_FACTOR`` times
+        them, or its ceiling where that is less (``misses.row_cache_ceiling``: what the owned rows
+        need, or an explicit ``PLE_UM_ROW_CACHE``, which a cache cut to the memory left grows back
+        to); never past the ceiling, so the regrowths end."""
+        scales = self.mappings[1] if len(self.mappings) > 1 else None
+        ceiling = misses.row_cache_ceiling(self.mappings[0], scales)
+        return max(slots + 1, min(REGROW_FACTOR * slots, ceiling))
+
+    def _gains(self, built, host) -> bool:
+        """Whether host path ``built`` has what ``host`` lacks: a row cache (or one of at least
+        ``_regrow_to`` the slots of ``host``'s), or a reader of misses (a table resident at open has
+        none: its pages lost since would be faulted in one at a time)."""
+        if built.rows.cache is not None:
+            return host.rows.cache is None or built.misses.slots >= self._regrow_to(host.misses.slots)
+        return built.rows.reader is not None and host.rows.reader is None
 
     def _slots_now(self) -> int:
         """The slots of the row cache a check would build now (``misses.row_cache``, sized from the
@@ -319,15 +340,6 @@ class FitWatch(Ticker):
         super().close()
         with self._lock:  # a check another thread runs has finished
             pass
-
-
-def _gains(built, host) -> bool:
-    """Whether host path ``built`` has what ``host`` lacks: a row cache (or one of at least
-    ``REGROW_FACTOR`` times the slots of ``host``'s), or a reader of misses (a table resident at
-    open has none: its pages lost since would be faulted in one at a time)."""
-    if built.rows.cache is not None:
-        return host.rows.cache is None or built.misses.slots >= REGROW_FACTOR * host.misses.slots
-    return built.rows.reader is not None and host.rows.reader is None
 
 
 def no_host_path(serving: Serving, verdict: Verdict, why: str) -> Serving:

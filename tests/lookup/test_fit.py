@@ -837,6 +837,47 @@ def test_a_row_cache_sized_past_the_memory_left_is_cut_when_a_check_builds_it(
         assert table.stats()["host_lookups"] == 16 and paths.gpu.read_counts()["rows"] == 0
 
 
+@pytest.mark.parametrize("fraction", [None, "0.9"], ids=["half", "most"])
+def test_an_explicit_row_cache_cut_by_a_check_grows_back_to_its_size(
+    table_files, machine, memory_left, monkeypatch, rng, poison, fraction
+):
+    """``PLE_UM_ROW_CACHE=2MiB`` in the ats mode: the table fits at open. Memory runs short: a check
+    builds the host path, its row cache cut to ``PLE_UM_ROW_CACHE_FRACTION`` of the memory left.
+    Memory comes back, the table still over it: no check builds again before ``REGROW_AFTER_S``;
+    after it, the next check builds a cache of the size asked, its ceiling, also where that is less
+    than ``REGROW_FACTOR`` times the cut one's slots (a fraction of 0.9), and serves through it (a
+    switch); the checks after it build nothing more. Every lookup exact."""
+    from ple_um.lookup.host.row_cache import slots_for
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "2MiB")  # the owned rows' cache needs 2.6 MiB
+    if fraction is not None:
+        monkeypatch.setenv("PLE_UM_ROW_CACHE_FRACTION", fraction)
+    machine(GH200)
+    layout = table_files
+    with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
+        paths = table.paths
+        assert paths.serving.path == "kernel" and paths.row_copy is None
+        memory_left.machine = int(1.5 * MiB)
+        evict(table)
+        assert paths.fit.check() and paths.serving.path == "host"
+        cut, full = paths.host.misses.slots, slots_for(2 * MiB, layout.row_bytes)
+        assert 0 < cut < full and "past the 1.50 MiB" in paths.serving.why, paths.serving
+        decode_lookups(table, layout, rng, poison, 4)
+        memory_left.machine = int(2.5 * MiB)  # room for the 2 MiB; the 2.6 MiB table does not fit
+        assert [paths.fit.check() for _ in range(3)] == [False] * 3  # built just now
+        assert paths.host.misses.slots == cut and len(paths._hosts()) == 1
+        monkeypatch.setattr(fit, "REGROW_AFTER_S", 0.0)
+        assert paths.fit.check()
+        serving = table.stats()["serving"]
+        assert serving["path"] == "host" and serving["switches"] == 2 and "do not fit" in serving["why"]
+        assert paths.host.misses.slots == full and len(paths._hosts()) == 2, paths.host.misses
+        assert "a row cache of 2.00 MiB;" in serving["why"], serving
+        assert [paths.fit.check() for _ in range(3)] == [False] * 3 and len(paths._hosts()) == 2
+        decode_lookups(table, layout, rng, poison, 8)
+        assert table.stats()["row_cache"]["hits"] > 0 and paths.gpu.read_counts()["rows"] == 0
+
+
 @pytest.mark.parametrize("knob", [None, "0"], ids=["auto", "none"])
 def test_a_spilled_gpu_mode_says_what_its_host_path_has(table_files, machine, memory_left, monkeypatch, knob):
     """A table over its memory in the ats mode: the serving's why (and the probe's) says the host

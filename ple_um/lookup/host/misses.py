@@ -7,7 +7,8 @@
   (``access.memory.available``: MemAvailable, and the memory cgroup's room), at most what the
   table's owned rows need; a table that fits gets none, in the page cache or not; a size
   (``4GiB``) sets it (at most what the owned rows need; refused when it does not fit the memory
-  this process can still take); ``0`` keeps none.
+  this process can still take; cut to it where a fit check builds the cache, then built again
+  toward the size: ``row_cache_ceiling``); ``0`` keeps none.
 - ``PLE_UM_FILE_READS``: how misses are read (``host/file_reads.py``): ``auto`` is io_uring where a
   ring can be made, else reader threads; ``mmap`` faults them in through the mapping.
 - ``PLE_UM_DIRECT_READS``: ``auto`` reads misses with O_DIRECT when there is a row cache (the rows
@@ -111,10 +112,7 @@ def row_cache(
     KnobError it raises). A size too small for one set of slots is no row cache. ``ple-um probe
     DIR`` (``fit.at_open``) says what an open would build from it."""
     knob = envs.PLE_UM_ROW_CACHE
-    row_bytes = mapping.layout.row_bytes
-    scales = scale_mapping.layout.row_bytes if scale_mapping is not None else 0
-    # What a cache holding every owned row takes: the rows, the slots' words, the block scales.
-    owned = mapping.owned_bytes // row_bytes * (row_bytes + SLOT_OVERHEAD + scales)
+    row_bytes, scales, owned = _row_cache_terms(mapping, scale_mapping)
     if knob == "auto":
         if not spills:
             return 0, 0, "no row cache (the owned rows fit in memory)"
@@ -126,6 +124,24 @@ def row_cache(
     if slots == 0 and (cache or knob == "auto"):  # no memory left, or too little for a set
         return 0, 0, f"no row cache ({format_bytes(cache)} holds not one set of rows)"
     return cache, slots, said
+
+
+def _row_cache_terms(mapping: MappedShards, scale_mapping: MappedShards | None) -> tuple[int, int, int]:
+    """A row's bytes, its block scales' bytes, and the bytes of a cache holding every owned row:
+    the rows, the slots' words, the block scales."""
+    row_bytes = mapping.layout.row_bytes
+    scales = scale_mapping.layout.row_bytes if scale_mapping is not None else 0
+    return row_bytes, scales, mapping.owned_bytes // row_bytes * (row_bytes + SLOT_OVERHEAD + scales)
+
+
+def row_cache_ceiling(mapping: MappedShards, scale_mapping: MappedShards | None) -> int:
+    """The slots of the largest row cache ``row_cache`` gives this table whatever the memory left:
+    what the owned rows need, or an explicit ``PLE_UM_ROW_CACHE`` (at most that). A cache cut to the
+    memory left is built again toward it (``fit.FitWatch``)."""
+    knob = envs.PLE_UM_ROW_CACHE
+    row_bytes, scales, owned = _row_cache_terms(mapping, scale_mapping)
+    cache = owned if knob == "auto" else min(int(knob), owned)
+    return slots_for(cache, row_bytes, block_scales=scales)
 
 
 def reads_misses(*, cache: bool, resident: bool) -> bool:
