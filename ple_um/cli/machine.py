@@ -62,12 +62,13 @@ def probe(args: argparse.Namespace) -> int:
         layout = read_layout(args.dir, args.layer)
         serving = fit.at_open(layout, report.mode, cuda=bool(report.capabilities.get("cuda")))
     if args.json:
-        emit_json({**report.as_dict(), **({"serving": serving.as_dict(0)} if serving else {})})
+        said = {"serving": {**serving.as_dict(0), "counted": fit.AT_OPEN_COUNTS}} if serving else {}
+        emit_json({**report.as_dict(), **said})
         return EXIT_OK
     emit(report.describe())
     if serving is not None:
         touch = ", a page touch before each kernel" if serving.touch else ""
-        emit(f"decode lookups: {serving.path}{touch} ({serving.why})")
+        emit(f"decode lookups: {serving.path}{touch} ({serving.why})", f"  counted: {fit.AT_OPEN_COUNTS}")
     emit("capabilities:", *(f"  {key}: {value}" for key, value in report.capabilities.items()))
     if report.pin_budget is not None:
         emit(f"pin budget: {format_bytes(report.pin_budget)}")

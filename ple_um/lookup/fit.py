@@ -304,17 +304,16 @@ class FitWatch(Ticker):
 
     def _regrow_to(self, slots: int) -> int:
         """The slots a row cache of ``slots`` is built again with at least: ``REGROW_FACTOR`` times
-        them, or its ceiling where that is less (``misses.row_cache_ceiling``: what the owned rows
-        need, or an explicit ``PLE_UM_ROW_CACHE``, which a cache cut to the memory left grows back
-        to); never past the ceiling, so the regrowths end."""
+        them, or its ceiling where less (``misses.row_cache_ceiling``: the owned rows' need, or an
+        explicit ``PLE_UM_ROW_CACHE`` a cut cache grows back to); never past it: the regrowths end."""
         scales = self.mappings[1] if len(self.mappings) > 1 else None
         ceiling = misses.row_cache_ceiling(self.mappings[0], scales)
         return max(slots + 1, min(REGROW_FACTOR * slots, ceiling))
 
     def _gains(self, built, host) -> bool:
-        """Whether host path ``built`` has what ``host`` lacks: a row cache (or one of at least
-        ``_regrow_to`` the slots of ``host``'s), or a reader of misses (a table resident at open has
-        none: its pages lost since would be faulted in one at a time)."""
+        """Whether host path ``built`` has what ``host`` lacks: a row cache (or one of ``_regrow_to``
+        its slots), or a reader of misses (a table resident at open has none: its pages lost since
+        would be faulted in one at a time)."""
         if built.rows.cache is not None:
             return host.rows.cache is None or built.misses.slots >= self._regrow_to(host.misses.slots)
         return built.rows.reader is not None and host.rows.reader is None
@@ -355,9 +354,17 @@ def no_host_path(serving: Serving, verdict: Verdict, why: str) -> Serving:
     return Serving("kernel", False, said, serving.switches)
 
 
+# What ``at_open``'s fit counts (the probe's process has no table open), said beside it.
+AT_OPEN_COUNTS = (
+    "this table alone: an open counts it with every other table its own process has open, "
+    "never another process's (those show only as the memory they hold: MemAvailable, a cgroup's usage)"
+)
+
+
 def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
     """What an open of ``layout``'s table in ``mode`` would serve its decode-sized lookups with now
-    (``ple-um probe DIR``): its files mapped, not read, to measure the fit; the C row copy loaded
+    (``ple-um probe DIR``): its files mapped, not read, to measure the fit, of the table alone where
+    this process has no other open (``AT_OPEN_COUNTS``); the C row copy loaded
     as the open loads it (``rowcopy.for_open``: without it, no row cache and, in a GPU mode, no host
     path)."""
     if mode == "device":

@@ -173,7 +173,9 @@ def test_knobs_as_typed_exit_2_on_an_invalid_value():
 
 def test_probe_of_a_table_says_which_path_serves_its_decode_lookups(capsys, make_checkpoint, monkeypatch):
     """With DIR, the path a table opened now would serve its decode-sized lookups with, and why:
-    on a Grace machine (ATS), the kernel while the rows fit, the host path once they do not."""
+    on a Grace machine (ATS), the kernel while the rows fit, the host path once they do not; and
+    that the fit counted the table alone (a serving process counts its other open tables, never
+    another process's)."""
     from helpers.machines import GH200, injected_machine
 
     from ple_um.access import memory
@@ -183,7 +185,14 @@ def test_probe_of_a_table_says_which_path_serves_its_decode_lookups(capsys, make
         code, data = run_json(capsys, "probe", layout.directory)
         assert code == 0 and data["mode"] == "ats"
         assert data["serving"]["path"] == "kernel" and " fit:" in data["serving"]["why"], data["serving"]
+        assert (
+            data["serving"]["counted"].startswith("this table alone: ")
+            and "never another process" in (data["serving"]["counted"])
+        )
         monkeypatch.setattr(memory, "mem_available", lambda: 64 << 10)  # 64 KiB left: 625 KiB do not fit
         monkeypatch.setattr(memory, "cgroup_headroom", lambda *a, **k: None)
         code, out, _ = run(capsys, "probe", layout.directory)
         assert code == 0 and "decode lookups: host (the owned rows (" in out and "do not fit" in out, out
+        lines = out.splitlines()
+        at = next(k for k, line in enumerate(lines) if line.startswith("decode lookups: "))
+        assert lines[at + 1] == f"  counted: {data['serving']['counted']}", lines[at : at + 2]
