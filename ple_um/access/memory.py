@@ -2,9 +2,10 @@
 and decides whether a table's owned rows fit (``fits``: the path of decode-sized lookups).
 
 Two limits can bind: the machine's (``MemAvailable`` in ``/proc/meminfo``: free memory plus what
-the kernel can reclaim) and the memory cgroup the process runs in (cgroup v2's ``memory.max`` less
-``memory.current``, or v1's ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``, plus the
-group's page cache the kernel can take back, for the process's group and every group above it,
+the kernel can reclaim) and the memory cgroup the process runs in (cgroup v2's ``memory.max``, or
+its ``memory.high`` where lower, less ``memory.current``, or v1's ``memory.limit_in_bytes`` less
+``memory.usage_in_bytes``, plus the group's page cache the kernel can take back, for the
+process's group and every group above it,
 read where ``/proc/self/mountinfo`` mounts their hierarchy). The smaller is what is left. The page
 cache taken back is the group's file LRU lists in ``memory.stat`` less what processes map
 (``file_mapped``; v1 ``total_mapped_file``): the libraries and driver files a CUDA process runs
@@ -157,8 +158,10 @@ def cgroup_headroom(
     hierarchies are mounted (``root``: there instead)."""
     best = None
     for folder, version in _groups(proc_cgroup, root, mountinfo):
-        if version == "v2":
-            limit, used = _read_int(f"{folder}/memory.max"), _read_int(f"{folder}/memory.current")
+        if version == "v2":  # memory.high too: past it the kernel reclaims and throttles the group
+            limits = [_read_int(f"{folder}/memory.{name}") for name in ("max", "high")]
+            limit = min((x for x in limits if x is not None), default=None)
+            used = _read_int(f"{folder}/memory.current")
         else:
             limit = _read_int(f"{folder}/memory.limit_in_bytes")
             used = _read_int(f"{folder}/memory.usage_in_bytes")

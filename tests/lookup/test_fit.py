@@ -170,6 +170,25 @@ def test_a_cgroups_room_counts_the_page_cache_it_can_take_back(tmp_path, monkeyp
     assert not memory.fits(3 * GiB + PAGE, 0)[0] and not memory.fits(3 * GiB + PAGE, 2 * GiB)[0]
 
 
+def test_a_v2_groups_memory_high_bounds_its_room_as_its_max_does(tmp_path):
+    """A cgroup v2 group throttled at ``memory.high`` (systemd's ``MemoryHigh=``) under its
+    ``memory.max``, or with no max: its room is the high limit's, which the kernel reclaims and
+    throttles the group's processes past, plus its page cache; the lower of the two binds."""
+    GiB = 1 << 30
+    room = _group_at_its_limit(tmp_path, "v2")  # 3 GiB of page cache on the file lists
+    group = tmp_path / "cgroup" / "pod"
+    (group / "memory.max").write_text("max\n")
+    (group / "memory.current").write_text(str(4 * GiB))
+    (group / "memory.high").write_text(str(5 * GiB))
+    assert room() == GiB + 3 * GiB
+    (group / "memory.max").write_text(str(8 * GiB))
+    assert room() == GiB + 3 * GiB
+    (group / "memory.high").write_text("max\n")
+    assert room() == 4 * GiB + 3 * GiB
+    (group / "memory.max").write_text("max\n")
+    assert room() is None
+
+
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_the_page_cache_processes_map_is_not_room(tmp_path, version):
     """1 GiB of the group's 3 GiB of page cache mapped (a CUDA process's libraries and driver files,
