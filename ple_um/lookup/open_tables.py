@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Iterator
 
@@ -23,12 +24,18 @@ class OpenTables:
     readings to end before its mappings go."""
 
     def __init__(self) -> None:
+        self._tables: dict[int, tuple[list[MappedShards], int]] = {}
+        self._next = 0
+        self._forked()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        """A lock and no reading: at open, and in a forked child, where the threads that held the
+        parent's lock or read its entries do not exist (their readings would be waited for ever)."""
         # Reentrant: a drop's removal (a finalizer) may run on a thread that holds it.
         self._lock = threading.RLock()
         self._read = threading.Condition(self._lock)  # a reading of an entry ended
-        self._tables: dict[int, tuple[list[MappedShards], int]] = {}
         self._readers: dict[int, list[int]] = {}  # per entry, the threads reading its mappings
-        self._next = 0
 
     def add(self, mappings: list[MappedShards], pinned: int) -> int:
         with self._lock:

@@ -469,6 +469,50 @@ def test_a_measure_reads_the_other_tables_residency_without_holding_their_lock(
                 seen["third"].close()
 
 
+def test_a_forked_child_waits_for_no_reading_of_its_parents_threads(table_files, make_checkpoint):
+    """A process forked while another of its threads reads an open table's mappings (a fit check's
+    ``OPEN_TABLES.others``): in the child, which has no such thread, that table's removal (its
+    close) does not wait for the reading, nor for the lock, and the child counts the table no more."""
+    import signal
+    import threading
+
+    from ple_um.lookup.open_tables import OPEN_TABLES
+
+    with (
+        ple_um.open_table(table_files.directory, mode="cpu", device="cpu", rows=OWNED) as a,
+        ple_um.open_table(
+            another_table(make_checkpoint, np.random.default_rng(1)).directory, mode="cpu"
+        ) as b,
+    ):
+        (key,) = [k for k, (ms, _) in OPEN_TABLES._tables.items() if b.mapping in ms]
+        reading, done = threading.Event(), threading.Event()
+
+        def read() -> None:
+            with OPEN_TABLES.others([a.mapping]) as others:
+                assert any(b.mapping in ms for ms, _ in others)
+                reading.set()
+                done.wait(60)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            assert reading.wait(30)
+            pid = os.fork()
+            if pid == 0:  # the child: a few plain calls, then out, whatever happens
+                try:
+                    signal.alarm(10)  # a removal that waits is killed here
+                    OPEN_TABLES.remove(key)
+                    with OPEN_TABLES.others([a.mapping]) as others:
+                        os._exit(0 if not any(b.mapping in ms for ms, _ in others) else 3)
+                finally:
+                    os._exit(4)
+            _, status = os.waitpid(pid, 0)
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        finally:
+            done.set()
+            reader.join(30)
+
+
 def test_files_of_two_filesystems_with_one_inode_number_are_both_counted(table_files, make_checkpoint, rng):
     """Two tables' files that share an inode number and modification time but not a filesystem (two
     mounts number their inodes apart): each file's bytes counted, not the second taken for the
