@@ -1009,10 +1009,14 @@ def test_the_probe_of_a_table_says_what_its_open_serves(table_files, memory_left
 
 
 def held_by_this_process() -> dict:
-    """What this process holds that a table's build can make: threads, descriptors, mappings, kernels."""
+    """What this process holds that a table's build can make: threads, descriptors, mappings, kernels,
+    entries of the tables counted in the fits."""
+    from ple_um.lookup.open_tables import OPEN_TABLES
+
     with open("/proc/self/maps") as f:
         maps = sum(1 for _ in f)
     return {
+        "counted": len(OPEN_TABLES._tables),
         "threads": len(os.listdir("/proc/self/task")),
         "fds": len(os.listdir("/proc/self/fd")),
         "maps": maps,
@@ -1027,7 +1031,8 @@ def test_an_open_refused_for_its_row_cache_keeps_nothing_it_built(
     """A row cache past the memory left refuses the open (KnobError) once the mode is built and, in a
     GPU mode, its kernel (``build_paths``): what the open built is released then, not when the
     refusal is let go (its traceback holds the build's frames while the caller holds it): no thread,
-    descriptor, mapping or kernel more than before, the refusal still held."""
+    descriptor, mapping, kernel or table counted in the fits more than before, the refusal still
+    held."""
     machine(GH200 if mode == "ats" else H200)
     monkeypatch.setenv("PLE_UM_PIN_BUDGET", "1GiB")
     memory_left.forced = (False, "injected: the owned rows do not fit") if mode == "registered" else None
