@@ -28,15 +28,17 @@ def compare_shard(
     tensor: torch.Tensor,
     kind: str = "weight",
     *,
-    cast: bool = False,
+    cast: torch.dtype | None = None,
 ) -> None:
     """Checkpoint tensor ``shard_<index>.<kind>``, delivered in memory by a load, must equal what
     ``table`` maps: ``weight`` the rows, ``weight_scale`` the block scales (NVFP4's; MXFP8's E8M0 bytes
     as uint8), both this rank's rows of them, ``weight_scale_2`` NVFP4's global scale (``index`` -1).
-    With ``cast``, rows of a table without block scales (FP8, 16-bit) delivered in another dtype
-    are cast to the storage dtype first, as stock vLLM's loader copies them into its table
-    (``source.to(dtype=target.dtype)``), and compared after that cast; else, and for packed NVFP4
-    bytes and scales (which a cast would reinterpret), another dtype is refused.
+    With ``cast``, the dtype the engine's stock table holds the rows of a table without block scales
+    (FP8, 16-bit) in, rows delivered in any dtype are cast to it, as stock vLLM's loader copies them
+    into its table (``source.to(dtype=target.dtype)``), and compared with the rows this table serves
+    in it: raw where it is the storage dtype, else converted as a lookup converts them (``float32(row)``
+    cast, the same rounding as torch's cast). Else, and for packed NVFP4 bytes and scales (which a
+    cast would reinterpret), another dtype than the storage one is refused.
     ReloadMismatchError names the first row that differs, the file and the tensor."""
     layout = table.layout
     if kind == "weight_scale_2":
@@ -62,7 +64,8 @@ def compare_shard(
     spec = layout.shards[index] if kind == "weight" else layout.block_scales[index]
     stored = table.dtype if kind == "weight" else layout.scale_layout().dtype
     what = f"shard {index}" + ("" if kind == "weight" else " block scales")
-    castable = cast and kind == "weight" and not layout.has_block_scales
+    castable = cast is not None and kind == "weight" and not layout.has_block_scales
+    compared = cast if castable else stored  # the dtype both sides are compared in
     if tensor.dim() != 2 or tensor.shape[0] != spec.rows or (tensor.dtype != stored and not castable):
         raise ReloadMismatchError(
             f"{prefix}: {what} was delivered as {tensor.dtype} {tuple(tensor.shape)}, but the table in "
@@ -76,8 +79,8 @@ def compare_shard(
         if layout.has_block_scales:
             mapped = table.lookup_packed(ids)[0 if kind == "weight" else 1].view(torch.uint8)
         else:
-            mapped = table.lookup(ids).view(torch.uint8)
-        given = tensor[a - start : b - start].to(device=table.device, dtype=stored)
+            mapped = table.lookup(ids, out_dtype=None if compared == stored else compared).view(torch.uint8)
+        given = tensor[a - start : b - start].to(device=table.device, dtype=compared)
         given = given.contiguous().view(torch.uint8)
         if not torch.equal(mapped, given):
             row = a + int((mapped != given).any(dim=1).nonzero()[0])

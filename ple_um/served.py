@@ -229,9 +229,6 @@ class ServedLayer:
     prefix: str
     layer: int  # the decoder layer whose table the checkpoint names (``layers.<L>.ple``)
     shards_compared = 0  # table tensors a load delivered in memory, compared with the files
-    # Whether rows delivered in another dtype are cast to the storage dtype before the comparison, as
-    # the engine's stock loader casts them (``compare_shard``'s ``cast``).
-    casts_delivered = False
     ensure_table: Callable[[], MappedTable]  # the engine's: open the table, or remap it
 
     @property
@@ -267,6 +264,12 @@ class ServedLayer:
             stage=stage,
         )
 
+    @property
+    def delivered_cast(self) -> torch.dtype | None:
+        """The dtype the engine's stock loader casts delivered rows to as it copies them into its
+        table (``compare_shard``'s ``cast``); None: it takes only the storage dtype."""
+        return None
+
     def require_table(self) -> MappedTable:
         return self.served.require(self.prefix, self.NOT_OPEN)
 
@@ -276,7 +279,7 @@ class ServedLayer:
         copied: the table is read-only. A difference raises ReloadMismatchError."""
         table = self.ensure_table()
         self.shards_compared += 1
-        compare_shard(self.prefix, table, index, tensor, kind, cast=self.casts_delivered)
+        compare_shard(self.prefix, table, index, tensor, kind, cast=self.delivered_cast)
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""

@@ -7,8 +7,10 @@ the table, mapped read-only from the checkpoint's shard files. It allocates no t
 ``weight`` parameter has zero rows, and so has NVFP4's per-row ``weight_scale`` of block scales),
 keeps the global scale (FP8 ``weight_scale``, NVFP4 ``weight_scale_2``) exactly as vLLM loads it,
 and returns rows in the embedding method's lookup dtype: the storage dtype for FP8 and 16-bit
-tables, the layer's ``params_dtype`` for NVFP4, whose rows the lookup decodes (as the stock
-``Qwen4ExpPLENvFp4EmbeddingMethod.embedding`` does). The inherited ``dequantize()`` is vLLM's own.
+tables (a 16-bit table under another model dtype converted to it, as stock's loader casts it:
+``loading.converts_rows``), the layer's ``params_dtype`` for NVFP4, whose rows the lookup decodes
+(as the stock ``Qwen4ExpPLENvFp4EmbeddingMethod.embedding`` does). The inherited ``dequantize()``
+is vLLM's own.
 
 Its forward mirrors the device backend's: gather the ids of the data-parallel ranks that share the
 table, look the rows up (zeros outside this rank's range), sum across the embedding-parallel group
@@ -82,11 +84,6 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     """This rank's rows of a Qwen4Exp PLE table, read from the checkpoint files through ple-um."""
 
-    # Stock vLLM copies an FP8 or 16-bit shard into its table cast to the table's dtype
-    # (``PLEVocabParallelEmbedding._copy_embedding_shard_``): rows delivered in memory in another
-    # dtype are compared after the same cast. NVFP4 shards of another dtype stock refuses, as here.
-    casts_delivered = True
-
     def __init__(
         self, num_embeddings: int, embedding_dim: int, *, prefix: str, max_total_tokens: int = 0, **kwargs
     ) -> None:
@@ -134,8 +131,16 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
     # -- what the layer is ----------------------------------------------------------------------
     @property
     def lookup_dtype(self) -> torch.dtype:
-        """The dtype of the rows a lookup returns: the storage dtype, or NVFP4's params_dtype."""
+        """The dtype of the rows a lookup returns: the parameter's (the storage dtype, or the model
+        dtype a 16-bit table is converted to), or NVFP4's params_dtype."""
         return self.embedding_method.lookup_dtype(self)
+
+    @property
+    def delivered_cast(self) -> torch.dtype:
+        """Stock vLLM copies an FP8 or 16-bit shard into its table cast to the table's dtype, the
+        parameter's (``PLEVocabParallelEmbedding._copy_embedding_shard_``): rows delivered in memory
+        are compared after the same cast. NVFP4 shards of another dtype stock refuses, as here."""
+        return self.weight.dtype
 
     @property
     def is_nvfp4(self) -> bool:

@@ -9,7 +9,8 @@ to the layer instead of copying it. The layer (its method, parameters, sizes) as
   (vLLM's own shape check, and an NVFP4 checkpoint under another method or the reverse refused
   naming the cure)?
 - ``check_layout``: the checkpoint's table (its headers) fits the layer: row width, row count,
-  shard count, storage dtype, the global scale and NVFP4's block scales present.
+  shard count, storage dtype (a 16-bit table under another model dtype is served converted, as
+  stock casts it: ``converts_rows``), the global scale and NVFP4's block scales present.
 
 A tensor in memory (a reload from an iterator, a weight sync) must then equal the bytes this rank
 maps (``delivered.compare_shard``); a view of a table file on disk is not read at all (``source``).
@@ -20,7 +21,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEFp8EmbeddingMethod
+from vllm.models.qwen4_exp.common.ngram_embedding import (
+    Qwen4ExpPLEFp8EmbeddingMethod,
+    Qwen4ExpPLEUnquantizedEmbeddingMethod,
+)
 
 from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, check_shape
 from ple_um.errors import CheckpointError
@@ -155,11 +159,25 @@ def check_layout(layer: Qwen4ExpPLEMappedEmbedding, layout: ShardLayout) -> None
         )
 
 
+def converts_rows(layer: Qwen4ExpPLEMappedEmbedding, layout: ShardLayout) -> bool:
+    """Whether the layer serves a 16-bit table in its own dtype, another one: stock vLLM's
+    unquantized method holds its table in the model dtype and copies a checkpoint's rows into it
+    cast (``source.to(dtype=target.dtype)``), a BF16 table under ``--dtype float16`` among them. The
+    lookup converts each row as that cast does (``float32(row)``, cast: the same rounding). A table
+    with a global scale is not one stock's unquantized method loads."""
+    return (
+        isinstance(layer.embedding_method, Qwen4ExpPLEUnquantizedEmbeddingMethod)
+        and layout.dtype in (torch.bfloat16, torch.float16)
+        and layout.scale is None
+        and layer.weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
+
+
 def _check_layout_dtype(layer: Qwen4ExpPLEMappedEmbedding, layout: ShardLayout, where: dict) -> None:
     """The table's storage must be the one the layer's embedding method serves (NVFP4: uint8, the
-    packed rows)."""
+    packed rows), or a 16-bit one the layer converts to its dtype as stock's cast does."""
     stored = layer.weight.dtype
-    if layout.is_nvfp4 == layer.is_nvfp4 and layout.dtype == stored:
+    if (layout.is_nvfp4 == layer.is_nvfp4 and layout.dtype == stored) or converts_rows(layer, layout):
         return
     if layout.is_nvfp4:
         serves, hint = f"{stored} rows", NVFP4_HINT
@@ -173,7 +191,7 @@ def _check_layout_dtype(layer: Qwen4ExpPLEMappedEmbedding, layout: ShardLayout, 
         serves = str(stored)
         hint = (
             "an FP8 table needs an FP8 quantization config (or ple_embedding_dtype=float8_e4m3fn), "
-            "a 16-bit table the model dtype"
+            "a 16-bit table an unquantized PLE layer"
         )
     raise CheckpointError(
         f"{layer.prefix}: the table is stored as {layout.dtype_name} ({layout.dtype}), but the "

@@ -380,3 +380,49 @@ def test_an_unsharded_table_is_refused_naming_its_file(world, patched, table_dir
         module.load_weights(h.checkpoint_weights(path.parent))
     assert info.value.tensor == "ngram_embedding.weight"
     assert info.value.path == os.path.realpath(path)
+
+
+@pytest.mark.parametrize(
+    ("table", "model"),
+    [("bf16", torch.float16), ("f16", torch.bfloat16), ("bf16", torch.float32)],
+    ids=["bf16-table-f16-model", "f16-table-bf16-model", "bf16-table-f32-model"],
+)
+def test_a_16_bit_table_under_another_model_dtype_is_served_as_stock_casts_it(
+    world, patched, table_dir, tmp_path, table, model
+):
+    """A 16-bit table under another model dtype (a BF16 table under ``--dtype float16``): stock's
+    unquantized layer holds its table in the model dtype and casts the checkpoint's rows into it.
+    The ple-um layer serves the table converted the same way: every row returned equals stock's bit
+    for bit; rows a sync delivers in memory, in the table's dtype or in the model's (stock's own
+    cast rows), are accepted, and a changed row is refused naming it."""
+    from ple_um.delivered import ReloadMismatchError
+
+    config = h.text_config(dtype="bf16")
+    layout = h.write_table(table_dir(tmp_path / "ckpt"), config, dtype=table, seed=31)
+    assert layout.scale is None and layout.dtype != model
+    stock = h.stock(config, layout.directory, params_dtype=model)
+    module = h.mapped(config, layout.directory, params_dtype=model)
+    ours, theirs = module.ngram_embedding, stock.ngram_embedding
+    assert ours.weight.dtype == theirs.weight.dtype == ours.lookup_dtype == model
+    ids = torch.arange(layout.num_rows).view(-1, h.HEADS)  # every row of every shard
+    with torch.no_grad():
+        got = ours(ids)
+        assert got.dtype == model and got.view(torch.uint8).any()
+        assert h.same_bits(got, theirs(ids))
+        assert h.same_bits(got, h.file_rows(layout, ids).to(model))
+    for seed in (0, 1):
+        raw, dequantized = h.forward(module, seed, model)
+        expected_raw, expected = h.forward(stock, seed, model)
+        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+
+    as_stored = h.delivered(layout.directory, "memory")
+    as_cast = [(n, t.to(model) if ".shard_" in n else t) for n, t in as_stored]
+    for weights in (as_stored, as_cast):
+        module.load_weights(iter(weights))
+    assert ours.shards_compared == 2 * h.PARTS
+    name, rows = next((n, t) for n, t in as_cast if n.endswith("shard_2.weight"))
+    rows[5] = rows[5] * 2 + 1
+    with pytest.raises(ReloadMismatchError, match=r"shard 2 at row 371 ") as info:  # 2 * 183 + 5
+        module.load_weights(iter(as_cast))
+    assert layout.shards[2].path in str(info.value) and layout.shards[2].tensor in str(info.value)
+    ours.close_table()
