@@ -35,10 +35,10 @@ def compare_shard(
     as uint8), both this rank's rows of them, ``weight_scale_2`` NVFP4's global scale (``index`` -1).
     With ``cast``, the dtype the engine's stock table holds the rows of a table without block scales
     (FP8, 16-bit) in, rows delivered in any dtype are cast to it, as stock vLLM's loader copies them
-    into its table (``source.to(dtype=target.dtype)``), and compared with the rows this table serves
-    in it: raw where it is the storage dtype, else converted as a lookup converts them (``float32(row)``
-    cast, the same rounding as torch's cast). Else, and for packed NVFP4 bytes and scales (which a
-    cast would reinterpret), another dtype than the storage one is refused.
+    into its table (``source.to(dtype=target.dtype)``), and compared with the mapped rows cast to it
+    the same way (the rows the engine's layer serves: raw where it is the storage dtype, else
+    converted as a lookup converts them, the same rounding). Else, and for packed NVFP4 bytes and
+    scales (which a cast would reinterpret), another dtype than the storage one is refused.
     ReloadMismatchError names the first row that differs, the file and the tensor."""
     layout = table.layout
     if kind == "weight_scale_2":
@@ -79,7 +79,7 @@ def compare_shard(
         if layout.has_block_scales:
             mapped = table.lookup_packed(ids)[0 if kind == "weight" else 1].view(torch.uint8)
         else:
-            mapped = table.lookup(ids, out_dtype=None if compared == stored else compared).view(torch.uint8)
+            mapped = table.lookup(ids).to(compared).view(torch.uint8)
         given = tensor[a - start : b - start].to(device=table.device, dtype=compared)
         given = given.contiguous().view(torch.uint8)
         if not torch.equal(mapped, given):

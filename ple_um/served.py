@@ -264,10 +264,10 @@ class ServedLayer:
             stage=stage,
         )
 
-    @property
-    def delivered_cast(self) -> torch.dtype | None:
-        """The dtype the engine's stock loader casts delivered rows to as it copies them into its
-        table (``compare_shard``'s ``cast``); None: it takes only the storage dtype."""
+    def delivered_cast(self, table: MappedTable) -> torch.dtype | None:
+        """The dtype the engine's stock loader casts rows of ``table`` it is delivered to as it copies
+        them into its own table (``compare_shard``'s ``cast``); None: only the storage dtype."""
+        del table
         return None
 
     def require_table(self) -> MappedTable:
@@ -279,7 +279,7 @@ class ServedLayer:
         copied: the table is read-only. A difference raises ReloadMismatchError."""
         table = self.ensure_table()
         self.shards_compared += 1
-        compare_shard(self.prefix, table, index, tensor, kind, cast=self.delivered_cast)
+        compare_shard(self.prefix, table, index, tensor, kind, cast=self.delivered_cast(table))
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""

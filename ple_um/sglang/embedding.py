@@ -126,6 +126,13 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
                 layout.dtype_name,
             )
 
+    def delivered_cast(self, table: MappedTable) -> torch.dtype:
+        """Stock SGLang copies a shard into its table cast to that table's dtype
+        (``copy_ple_rows_to_tp_embedding``): E4M3 for an E4M3 table (its storage switches to E4M3 when
+        such a shard arrives, or the config declares it), else bf16, the rows this layer's gather
+        serves. Rows delivered in memory are compared after the same cast (NVFP4's never are)."""
+        return torch.float8_e4m3fn if table.dtype == torch.float8_e4m3fn else torch.bfloat16
+
     def _check_capture(self, table: MappedTable) -> None:
         """A lookup that is not capture-safe (the cpu mode without its C row copy) waits for the device,
         which SGLang's CUDA graphs cannot hold."""

@@ -135,11 +135,11 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         dtype a 16-bit table is converted to), or NVFP4's params_dtype."""
         return self.embedding_method.lookup_dtype(self)
 
-    @property
-    def delivered_cast(self) -> torch.dtype:
+    def delivered_cast(self, table: MappedTable) -> torch.dtype:
         """Stock vLLM copies an FP8 or 16-bit shard into its table cast to the table's dtype, the
         parameter's (``PLEVocabParallelEmbedding._copy_embedding_shard_``): rows delivered in memory
         are compared after the same cast. NVFP4 shards of another dtype stock refuses, as here."""
+        del table
         return self.weight.dtype
 
     @property

@@ -256,8 +256,42 @@ def test_table_delivered_in_memory_is_compared(sglang_checkpoint, load_model, ti
     with pytest.raises(ReloadMismatchError, match=f"at row {start + 7} ") as caught:
         model.load_weights([(spec.tensor, changed)])
     assert spec.path in str(caught.value) and spec.tensor in str(caught.value)
-    with pytest.raises(ReloadMismatchError):
-        model.load_weights([(spec.tensor, shard.to(torch.bfloat16))])
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "f16"])
+def test_rows_delivered_in_another_dtype_are_compared_after_stock_cast(
+    dtype, sglang_checkpoint, load_model, tiny, file_rows, rng
+):
+    """Shard rows a weight update delivers in another dtype than the table's (float32, bf16):
+    stock SGLang casts them to its table's dtype as it copies them (E4M3 for an E4M3 table, else
+    bf16), and so does the comparison. Rows that cast to what the table serves (exact, or float32
+    nudged by less than half a step) are taken by both, and the layers return the same rows after;
+    a row that casts to another value is refused, naming it, the file and the tensor."""
+    from ple_um.delivered import ReloadMismatchError
+
+    directory, layout, _ = sglang_checkpoint(dtype, seed=int(rng.integers(1 << 30)))
+    stock = load_model(directory, ple_um=False)
+    ours = load_model(directory, ple_um=True)
+    table = tiny.ngram(ours).ngram_embedding
+    rows, spec, start = file_rows(layout), layout.shards[2], layout.shard_start(2)
+    shard = rows[start : start + spec.rows]
+    ids = torch.from_numpy(rng.permutation(layout.num_rows)).view(-1, tiny.parts)
+    deliveries = [shard.float(), shard.to(torch.bfloat16)]
+    if dtype != "f16":  # f16 values may sit on a bf16 tie, where a nudge changes what stock holds
+        deliveries.append(shard.float() * (1 + 2.0**-12))
+    for delivered in deliveries:
+        assert delivered.dtype != layout.dtype or dtype == "bf16"
+        for model in (stock, ours):
+            model.load_weights([(spec.tensor, delivered.clone())])
+        got, expected = table(ids), tiny.ngram(stock).ngram_embedding(ids)
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(got.view(torch.uint8), rows.to(torch.bfloat16)[ids].view(torch.uint8))
+    assert table.shards_compared == len(deliveries)
+    changed = shard.float()
+    changed[11] = changed[11] * 4 + 1
+    with pytest.raises(ReloadMismatchError, match=f"shard 2 at row {start + 11} ") as caught:
+        ours.load_weights([(spec.tensor, changed)])
+    assert spec.path in str(caught.value) and spec.tensor in str(caught.value)
 
 
 def test_block_scales_delivered_to_a_table_without_them(sglang_checkpoint, load_model, tiny, rng):
