@@ -2,10 +2,14 @@
 with what the served table maps: ple-um serves the table read-only from the checkpoint files, so a
 tensor that differs cannot be taken and is refused (``ReloadMismatchError``), naming the first row
 that differs, the file and the tensor. Shared by both engines' plugins (``served``) and vLLM's
-Engram layer; imports neither engine.
+Engram layer; imports neither engine. The end of a load is shared too (``finish_load``): a new
+table serves only once checked against what the load delivered (``Deliveries``: all of it, where
+a weight sync spreads it over several calls) and the global scale the engine loaded.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -93,3 +97,61 @@ def _differs(prefix: str, what: str, path: str | None, tensor: str | None) -> Re
         f"{tensor}). ple-um serves the table read-only from the checkpoint files: write the new table to "
         "a checkpoint directory and reload from that path, or unset PLE_UM to keep the table in memory"
     )
+
+
+class Deliveries:
+    """The table tensors a load under way delivered in memory (``note``; the global scale the engine
+    loads itself, ``note_scale``), until the load finishes (``clear``). A load that delivered some of a
+    table's tensors in memory but not all of them is partial: a weight sync spread over several
+    ``load_weights`` calls, whose new table is checked once all of it is in (``partial``), as stock
+    vLLM's layerwise reload processes a layer once all its weights are loaded."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def note(self, index: int, kind: str) -> None:
+        self.names.add("scale" if kind == "weight_scale_2" else f"shard_{index}.{kind}")
+
+    def note_scale(self) -> None:
+        self.names.add("scale")
+
+    def clear(self) -> None:
+        self.names.clear()
+
+    def partial(self, table: MappedTable) -> bool:
+        """Whether the load delivered some shard tensor of ``table`` in memory but not every one of its
+        tensors: each shard's rows, an NVFP4 table's block scales, its global scale where it has one."""
+        layout = table.layout
+        kinds = ("weight", "weight_scale") if layout.has_block_scales else ("weight",)
+        whole = {f"shard_{i}.{kind}" for i in range(layout.parts) for kind in kinds}
+        if table.scale is not None:
+            whole.add("scale")
+        return any(name.startswith("shard_") for name in self.names) and not whole <= self.names
+
+
+def finish_load(
+    layer, name: str, scale: torch.Tensor | None, expected: Callable[[MappedTable], float | None]
+) -> None:
+    """After a load (or one call of it), for an engine's ``ServedLayer``: its table is open
+    (``ensure_table``: a new one staged), and ``scale``, the global scale ``name`` the engine loaded
+    (None: none to check), is ``expected(table)`` (None: nothing to check); then the table serves. A
+    new table stays staged, the old one serving, while the load delivered part of it in memory
+    (``Deliveries.partial``): the call that completes it checks it. A refusal closes the new table
+    and leaves the old one serving, with ``scale`` set back to the old one's (the engine had already
+    copied the refused one into it), and raises. Shared by both engines' layers."""
+    table, deliveries = layer.ensure_table(), layer.deliveries()
+    if layer.served.staged is not None and deliveries.partial(table):
+        return
+    deliveries.clear()
+    try:
+        want = None if scale is None else expected(table)
+        if want is not None:
+            layer.served.check_scale(layer.prefix, name, scale, want, table)
+    except BaseException:
+        layer.served.discard()
+        serving = layer.served.table
+        if serving is not None and scale is not None and (old := expected(serving)) is not None:
+            with torch.no_grad():
+                scale.fill_(old)
+        raise
+    layer.served.commit(layer.prefix)

@@ -33,7 +33,7 @@ import torch
 
 from ple_um import envs
 from ple_um.checkpoint import replaced_files
-from ple_um.delivered import compare_shard
+from ple_um.delivered import Deliveries, compare_shard
 from ple_um.errors import CheckpointError
 from ple_um.lookup.streams import own_stream
 from ple_um.opening import open_table
@@ -280,6 +280,17 @@ class ServedLayer:
         table = self.ensure_table()
         self.shards_compared += 1
         compare_shard(self.prefix, table, index, tensor, kind, cast=self.delivered_cast(table))
+        self.deliveries().note(index, kind)
+
+    def deliveries(self) -> Deliveries:
+        """What the load under way delivered of the table in memory."""
+        return vars(self).setdefault("_ple_um_deliveries", Deliveries())
+
+    def abandon_load(self) -> None:
+        """A load failed: the table it staged is closed (the old one serves on), what it delivered
+        forgotten."""
+        self.served.discard()
+        self.deliveries().clear()
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""

@@ -28,7 +28,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
 from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
 from torch import nn
 
-from ple_um import MappedTable, envs
+from ple_um import MappedTable, delivered, envs
 from ple_um.checkpoint import ShardLayout, check_shape, read_layout
 from ple_um.delivered import ReloadMismatchError
 from ple_um.served import ServedLayer, ServedTable, host_lookup_refused
@@ -96,7 +96,8 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
 
     # -- the table ------------------------------------------------------------------------------
     def ensure_table(self) -> MappedTable:
-        """Open this rank's rows of the table, or remap them when the checkpoint directory changed."""
+        """This rank's rows of the table: the serving ones, or those of a new checkpoint directory (or
+        of replaced files) opened and staged, to serve once ``finish_load`` has checked them."""
         if self.layer is None or self.split_ngram_parts is None:
             raise RuntimeError(f"{self.prefix}: built outside Qwen4ExpNGramEmbedding (bind() was not called)")
         directory = table_directory()
@@ -106,6 +107,7 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
             # Headers first: a table that does not fit the layer is refused before anything is mapped.
             fits=lambda: self._check_layout(read_layout(directory, self.layer)),
             check=self._check_capture,
+            stage=True,
         )
 
     def _check_layout(self, layout: ShardLayout) -> None:
@@ -153,12 +155,17 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
             )
 
     def finish_load(self) -> None:
-        """After a load: the table is open and agrees with the global scale SGLang loaded."""
-        table = self.ensure_table()
+        """After a load: the table is open and agrees with the global scale SGLang loaded. A new table
+        (another directory, replaced files) serves only then (``delivered.finish_load``): a refusal
+        closes it and leaves the old one serving, ``weight_scale`` set back to the old one's."""
         # SGLang holds the FP8 scale as bf16 (`_load_qwen4_exp_ple_buffer`); NVFP4 rows are served
         # decoded and 16-bit ones as stored: nothing to multiply, 1.
-        scale = 1.0 if table.layout.is_nvfp4 or table.scale is None else table.scale
-        self.served.check_scale(self.prefix, "weight_scale", self.weight_scale, scale)
+        delivered.finish_load(
+            self,
+            "weight_scale",
+            self.weight_scale,
+            lambda table: 1.0 if table.layout.is_nvfp4 or table.scale is None else table.scale,
+        )
 
     def prefetch_stream(self, stream):
         """The side stream SGLang's PLE layer queues ``start_prefetch`` on: with PLE_UM_OVERLAP (the

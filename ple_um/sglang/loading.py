@@ -15,7 +15,8 @@ Two hooks (registered by ``plugin``):
   still arrives (a loader that does not go through the iterator above, ``update_weights_from_tensor``)
   goes to its layer's ``compare_delivered``, which compares it with the mapped files instead of copying
   it; once SGLang's own method has loaded the rest (the FP8 ``weight_scale`` among it), each
-  ple-um layer opens its table (``finish_load``).
+  ple-um layer opens its table (``finish_load``): a new one (another directory, replaced files)
+  serves only once checked against that scale, the old one serving on where it is refused.
 """
 
 from __future__ import annotations
@@ -111,8 +112,15 @@ def load_weights(original, model, weights: Iterable[tuple[str, torch.Tensor]]):
             else:
                 layer[1].compare_delivered(found[1], tensor, found[2])
 
-    loaded = original(model, others())
-    for _, layer in served.values():
+    try:
+        loaded = original(model, others())
+    except BaseException:
+        for _, layer in served.values():
+            layer.abandon_load()  # a table the failed load staged: the old one serves on
+        raise
+    for name, layer in served.values():
+        if loaded is not None and f"{name}.weight_scale" in loaded:
+            layer.deliveries().note_scale()
         layer.finish_load()
     if loaded is not None:  # as stock reports a table it copied
         loaded.update(f"{name}.weight" for name, _ in served.values())

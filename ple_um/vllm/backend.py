@@ -58,7 +58,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLENvFp4EmbeddingMethod,
 )
 
-from ple_um import MappedTable, envs
+from ple_um import MappedTable, delivered, envs
 from ple_um.checkpoint import read_layout
 from ple_um.delivered import ReloadMismatchError
 from ple_um.errors import CheckpointError
@@ -118,6 +118,8 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         # Shard tensors (NVFP4: rows and block scales alike) delivered as file views: not read (those
         # delivered in memory are ``shards_compared``).
         self.shards_skipped = 0
+        # Set while the model's load_weights runs (``patch``): it finishes the load, once, at its end.
+        self.in_model_load = False
 
     def allocate_embedding_weight(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
@@ -181,26 +183,24 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         """After a load: the table is open (remapped if the checkpoint directory changed) and agrees
         with the layer and with the loaded global scale (FP8 weight_scale, NVFP4 weight_scale_2).
 
-        A new table stays staged until that check passes: a load that fails it closes the new table
-        and leaves the old one serving, with the global scale it was served with restored (vLLM had
+        A new table stays staged until that check passes, and while a weight sync has delivered only
+        part of it (``delivered.finish_load``): a load that fails the check closes the new table and
+        leaves the old one serving, with the global scale it was served with restored (vLLM had
         already copied the refused one into the layer's parameter)."""
-        table = self.ensure_table()
-        name = "weight_scale_2" if self.is_nvfp4 else "weight_scale"
-        scale = getattr(self, name, None)
-        try:
-            # A scale vLLM has not loaded yet (on the meta device, or its sentinel) is left to vLLM's
-            # own check, which reports a scale the checkpoint lacks.
-            loaded = not (table.scale is None or scale is None or scale.device.type == "meta")
-            if loaded and not bool((scale.detach().float() == torch.finfo(torch.float32).min).any()):
-                self.served.check_scale(self.prefix, name, scale, table.scale, table)
-        except BaseException:
-            self.served.discard()
-            serving = self.served.table
-            if serving is not None and serving.scale is not None and scale is not None:
-                with torch.no_grad():
-                    scale.fill_(serving.scale)
-            raise
-        self.served.commit(self.prefix)
+        scale = getattr(self, self.scale_name, None)
+        # A scale vLLM has not loaded yet (on the meta device, or its sentinel) is left to vLLM's own
+        # check, which reports a scale the checkpoint lacks.
+        if scale is not None and (
+            scale.device.type == "meta"
+            or bool((scale.detach().float() == torch.finfo(torch.float32).min).any())
+        ):
+            scale = None
+        delivered.finish_load(self, self.scale_name, scale, lambda table: table.scale)
+
+    @property
+    def scale_name(self) -> str:
+        """The layer's global scale parameter: NVFP4's weight_scale_2, else the FP8 weight_scale."""
+        return "weight_scale_2" if self.is_nvfp4 else "weight_scale"
 
     def ensure_table(self) -> MappedTable:
         """This rank's rows of the table: the serving ones, or those of a new checkpoint directory (or

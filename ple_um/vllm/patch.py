@@ -13,7 +13,8 @@ puts them back):
   lookup group starts it where it may (``early``), else the stock method runs.
 - ``Qwen4ExpNGramEmbedding.load_weights``: shard tensors (``shard_<i>.weight``, and an NVFP4
   table's block scales ``shard_<i>.weight_scale``) go to the backend's ``receive_shard`` (never
-  copied) before the stock method sees the rest; then ``finish_load`` opens the table.
+  copied) before the stock method sees the rest; then ``finish_load`` opens the table (inside a
+  model's load, which may reach the layer in several calls, the model's ``load_weights`` does, once).
 - ``Qwen4ExpForCausalLM`` and ``Qwen4ExpForConditionalGeneration`` of the same package, patched
   when the first ple-um layer is built inside one: ``is_unused_checkpoint_weight`` (vLLM then skips
   files that hold only shard tensors and NVFP4 block scales, even with loaders that read whole
@@ -152,10 +153,16 @@ def _patched_load_weights(original):
         try:
             loaded = original(self, others())
         except BaseException:
-            backend.served.discard()  # a table the failed load staged: the old one serves on
+            backend.abandon_load()  # a table the failed load staged: the old one serves on
             raise
         loaded.update(f"ngram_embedding.{name}" for name in received)
-        backend.finish_load()
+        if f"ngram_embedding.{backend.scale_name}" in loaded:
+            backend.deliveries().note_scale()
+        # Inside a model's load, whose weights reach this layer in as many calls as runs of its
+        # names (vLLM's AutoWeightsLoader groups them), the model's load_weights finishes once at its
+        # end; a layer loaded on its own finishes each call.
+        if not backend.in_model_load:
+            backend.finish_load()
         return loaded
 
     return load_weights
@@ -193,10 +200,21 @@ def _model_load_weights(original):
     @functools.wraps(original)
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # vLLM's weights are a lazy generator: nothing of the checkpoint has been opened yet.
-        for backend in _backends(self):
+        backends = _backends(self)
+        for backend in backends:
             backend.check_headers()
-        loaded = original(self, weights)
-        for backend in _backends(self):
+        for backend in backends:
+            backend.in_model_load = True
+        try:
+            loaded = original(self, weights)
+        except BaseException:
+            for backend in backends:
+                backend.abandon_load()
+            raise
+        finally:
+            for backend in backends:
+                backend.in_model_load = False
+        for backend in backends:
             backend.finish_load()
         early.link_model(self)
         return loaded

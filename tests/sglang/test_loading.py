@@ -320,3 +320,53 @@ def test_stock_model_is_not_loaded_under_ple_um(sglang_checkpoint, load_model, m
     monkeypatch.setenv("PLE_UM", "1")
     with pytest.raises(RuntimeError, match="built with stock PLE tables"):
         model.load_weights([])
+
+
+def _tensor(directory, name: str) -> torch.Tensor:
+    """Tensor ``name`` of the checkpoint in ``directory``, read through its index."""
+    from safetensors import safe_open
+
+    index = json.load(open(os.path.join(directory, "model.safetensors.index.json")))
+    with safe_open(os.path.join(directory, index["weight_map"][name]), framework="pt") as f:
+        return f.get_tensor(name).clone()
+
+
+def test_a_reload_refused_by_the_scale_check_leaves_the_old_table_serving(
+    sglang_checkpoint, load_model, tiny, file_rows, monkeypatch, rng
+):
+    """A reload whose table does not agree with the scale SGLang loaded: PLE_UM_DIR moved to another
+    checkpoint's table (b) while the model keeps a's scale, or while a weight update sends a third
+    one's (c). The refusal leaves a's table serving, open, b's never served, and ``weight_scale``
+    back at a's (SGLang had already copied c's into it), so the layer returns what it returned. The
+    reload done right (b's scale) then serves b's rows."""
+    from ple_um import synthetic
+
+    seeds = iter(range(int(rng.integers(1 << 30)), 1 << 31))
+    (first, first_layout, _), (other, other_layout, _), (third, _, _) = (
+        sglang_checkpoint("fp8", seed=next(seeds)) for _ in range(3)
+    )
+    while _bf16(other_layout.scale) == _bf16(first_layout.scale):  # scales apart even in bf16
+        other, other_layout, _ = sglang_checkpoint("fp8", seed=next(seeds))
+    model = load_model(first, ple_um=True)
+    embedding = tiny.ngram(model).ngram_embedding
+    old, scale = embedding.table, embedding.weight_scale.clone()
+    ids = torch.from_numpy(rng.permutation(tiny.rows)).view(-1, tiny.parts)
+    served = embedding(ids).clone()
+    assert torch.equal(
+        served.view(torch.uint8), file_rows(first_layout).to(torch.bfloat16)[ids].view(torch.uint8)
+    )
+
+    name = synthetic.scale_name(tiny.layer)
+    monkeypatch.setenv("PLE_UM_DIR", other)
+    for weights in ([], [(name, _tensor(third, name))]):
+        with pytest.raises(CheckpointError, match="does not belong to this checkpoint"):
+            model.load_weights(weights)
+        assert embedding.table is old and not old.closed and embedding.served.staged is None
+        assert torch.equal(embedding.weight_scale, scale)
+        assert torch.equal(embedding(ids).view(torch.uint8), served.view(torch.uint8))
+
+    model.load_weights([(name, _tensor(other, name))])
+    assert old.closed and embedding.table.layout.directory == os.path.realpath(other)
+    expected = file_rows(other_layout).to(torch.bfloat16)[ids]
+    assert torch.equal(embedding(ids).view(torch.uint8), expected.view(torch.uint8))
+    assert float(embedding.weight_scale) == _bf16(other_layout.scale)

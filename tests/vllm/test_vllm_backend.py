@@ -161,6 +161,103 @@ def test_a_failed_reload_leaves_the_old_table_serving(world, patched, table_dir,
     backend.close_table()
 
 
+def _table_last(weights: list, scale: str | None) -> list:
+    """``weights`` with the table's shard tensors first and its global scale (``scale``) last, as a
+    weight sync may send them."""
+    shards = [(n, t) for n, t in weights if ".shard_" in n]
+    rest = [(n, t) for n, t in weights if ".shard_" not in n and n != scale]
+    return shards + rest + [(n, t) for n, t in weights if n == scale]
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "nvfp4"])
+def test_a_sync_spread_over_several_calls_is_checked_once_all_of_it_is_in(
+    world, patched, table_dir, tmp_path, dtype
+):
+    """A weight sync after a remap (PLE_UM_DIR moved from a to b) delivering b's table in memory a few
+    tensors a ``load_weights`` call, its global scale last: as stock vLLM's layerwise reload processes
+    a layer once all its weights are in, the new table is checked once all of it is: each call before
+    the last leaves a's table serving (the new one staged, neither refused nor served half-checked),
+    the last one makes b's serve, as stock loaded from b serves. The same sync with a third
+    checkpoint's scale (c) is refused by that last call alone, leaving a's table and scale."""
+    from ple_um.errors import CheckpointError
+
+    config = h.text_config(dtype=dtype)
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    third = h.write_table(tmp_path / "c", config, seed=9)
+    module = h.mapped(config, first.directory)
+    backend = module.ngram_embedding
+    old = backend.table
+    stock = h.stock(config, first.directory)
+    scale = h.GLOBAL_SCALE[dtype] and f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
+
+    table_dir(other.directory)
+    weights = _table_last(h.delivered(other.directory, "memory"), scale)
+    if scale is not None:  # c's scale in place of b's
+        foreign = [(n, t) for n, t in h.delivered(third.directory, "memory") if n == scale]
+        with pytest.raises(CheckpointError, match="loaded weight_scale"):
+            h.load_in_calls(module, weights[:-1] + foreign)
+        assert backend.table is old and not old.closed and backend.served.staged is None
+        assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
+        assert h.same_bits(h.forward(module, 0)[1], h.forward(stock, 0)[1])
+
+    calls = [weights[start : start + 3] for start in range(0, len(weights), 3)]
+    assert len(calls) > 2
+    for weights_of_call in calls[:-1]:
+        module.load_weights(iter(weights_of_call))
+        assert backend.table is old and not old.closed and backend.served.staged is not None
+        assert h.same_bits(h.forward(module, 0)[1], h.forward(stock, 0)[1])
+    module.load_weights(iter(calls[-1]))
+    assert old.closed and backend.served.staged is None
+    assert backend.table.layout.directory == other.directory
+    assert backend.shards_compared == h.PER_SHARD[dtype] * h.PARTS * (2 if scale else 1)
+    stock = h.stock(config, other.directory)
+    for seed in (0, 1):
+        raw, dequantized = h.forward(module, seed)
+        expected_raw, expected = h.forward(stock, seed)
+        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+    backend.close_table()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_a_reload_reaching_the_layer_in_several_calls_is_checked_at_the_models_end(
+    world, patched, table_dir, tmp_path, dtype
+):
+    """A model's reload from another directory (the model path moved: here PLE_UM_DIR) whose weights
+    reach the PLE layer in several ``load_weights`` calls (vLLM's AutoWeightsLoader calls a module
+    once per run of its names: the shard views in one file, the global scale in another): the new
+    table is checked once, when the model's load_weights ends, against the scale loaded by then,
+    and serves; not refused by a check after the first call, which saw the old scale."""
+    from ple_um.vllm.patch import _model_load_weights
+
+    config = h.text_config(dtype=dtype)
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    holder = torch.nn.Module()
+    holder.add_module("ple", h.build(config, ple_um_on=True))
+    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
+
+    def in_runs(model, weights):  # the layer's names in two runs, the scale in the second
+        weights = _table_last(list(weights), scale)
+        return model.ple.load_weights(iter(weights[:-1])) | model.ple.load_weights(iter(weights[-1:]))
+
+    load_weights = _model_load_weights(in_runs)
+    load_weights(holder, h.checkpoint_weights(first.directory))
+    backend = holder.ple.ngram_embedding
+    old = backend.table
+    assert old.layout.directory == first.directory
+    table_dir(other.directory)
+    load_weights(holder, h.checkpoint_weights(other.directory))
+    assert old.closed and backend.table.layout.directory == other.directory
+    assert backend.shards_skipped == 2 * h.PER_SHARD[dtype] * h.PARTS  # views, never read
+    stock = h.stock(config, other.directory)
+    embedding = holder.ple.ngram_embedding
+    embedding.quant_method.process_weights_after_loading(embedding)
+    for seed in (0, 1):
+        assert h.same_bits(h.forward(holder.ple, seed)[1], h.forward(stock, seed)[1])
+    backend.close_table()
+
+
 def _replace_by_rename(directory, source) -> None:
     """Each file of ``source`` renamed over its namesake in ``directory``: a new checkpoint put in
     place of the old one the safe way (a served mapping keeps the files it mapped)."""
