@@ -9,8 +9,6 @@ a weight sync spreads it over several calls) and the global scale the engine loa
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ple_um.checkpoint.naming import block_scale_name
@@ -129,29 +127,36 @@ class Deliveries:
         return any(name.startswith("shard_") for name in self.names) and not whole <= self.names
 
 
-def finish_load(
-    layer, name: str, scale: torch.Tensor | None, expected: Callable[[MappedTable], float | None]
-) -> None:
+def finish_load(layer) -> None:
     """After a load (or one call of it), for an engine's ``ServedLayer``: its table is open
-    (``ensure_table``: a new one staged), and ``scale``, the global scale ``name`` the engine loaded
-    (None: none to check), is ``expected(table)`` (None: nothing to check); then the table serves. A
-    new table stays staged, the old one serving, while the load delivered part of it in memory
-    (``Deliveries.partial``): the call that completes it checks it. A refusal closes the new table
-    and leaves the old one serving, with ``scale`` set back to the old one's (the engine had already
-    copied the refused one into it), and raises. Shared by both engines' layers."""
-    table, deliveries = layer.ensure_table(), layer.deliveries()
-    if layer.served.staged is not None and deliveries.partial(table):
-        return
-    deliveries.clear()
+    (``ensure_table``: a new one staged), and the global scale the engine loaded
+    (``layer.global_scale()``) is the table's; then the table serves. A new table stays staged, the
+    old one serving, while the load delivered part of it in memory (``Deliveries.partial``): the
+    call that completes it checks it. A refusal, or a table that cannot open, ends the load as a
+    failed one (``abandon_load``) and raises. Shared by both engines' layers."""
+    name, scale, expected = layer.global_scale()
     try:
+        table, deliveries = layer.ensure_table(), layer.deliveries()
+        if layer.served.staged is not None and deliveries.partial(table):
+            return
+        deliveries.clear()
         want = None if scale is None else expected(table)
         if want is not None:
             layer.served.check_scale(layer.prefix, name, scale, want, table)
     except BaseException:
-        layer.served.discard()
-        serving = layer.served.table
-        if serving is not None and scale is not None and (old := expected(serving)) is not None:
-            with torch.no_grad():
-                scale.fill_(old)
+        abandon_load(layer)
         raise
     layer.served.commit(layer.prefix)
+
+
+def abandon_load(layer) -> None:
+    """A load of ``layer`` failed: the table it staged is closed, what it delivered forgotten, and the
+    old table serves on with its own global scale, set back where the engine had already copied the
+    failed load's into the layer."""
+    layer.served.discard()
+    layer.deliveries().clear()
+    _, scale, expected = layer.global_scale()
+    serving = layer.served.table
+    if serving is not None and scale is not None and (old := expected(serving)) is not None:
+        with torch.no_grad():
+            scale.fill_(old)

@@ -33,7 +33,7 @@ import torch
 
 from ple_um import envs
 from ple_um.checkpoint import replaced_files
-from ple_um.delivered import Deliveries, compare_shard
+from ple_um.delivered import Deliveries, abandon_load, compare_shard
 from ple_um.errors import CheckpointError
 from ple_um.lookup.streams import own_stream
 from ple_um.opening import open_table
@@ -286,11 +286,14 @@ class ServedLayer:
         """What the load under way delivered of the table in memory."""
         return vars(self).setdefault("_ple_um_deliveries", Deliveries())
 
+    def global_scale(self) -> tuple[str, torch.Tensor | None, Callable[[MappedTable], float | None]]:
+        """The engine's: the global scale it loads beside the table, as (its name, the layer's tensor
+        of it or None while there is none to check, the value a table needs it to hold or None)."""
+        raise NotImplementedError
+
     def abandon_load(self) -> None:
-        """A load failed: the table it staged is closed (the old one serves on), what it delivered
-        forgotten."""
-        self.served.discard()
-        self.deliveries().clear()
+        """A load failed (``delivered.abandon_load``): the old table serves on, with its scale."""
+        abandon_load(self)
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""

@@ -22,6 +22,7 @@ The parameter ``weight`` has zero rows: the table stays in the checkpoint's file
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
@@ -158,10 +159,12 @@ class PleUmHostEmbedding(ServedLayer, Qwen4ExpPinnedHostEmbedding):
         """After a load: the table is open and agrees with the global scale SGLang loaded. A new table
         (another directory, replaced files) serves only then (``delivered.finish_load``): a refusal
         closes it and leaves the old one serving, ``weight_scale`` set back to the old one's."""
-        # SGLang holds the FP8 scale as bf16 (`_load_qwen4_exp_ple_buffer`); NVFP4 rows are served
-        # decoded and 16-bit ones as stored: nothing to multiply, 1.
-        delivered.finish_load(
-            self,
+        delivered.finish_load(self)
+
+    def global_scale(self) -> tuple[str, torch.Tensor, Callable[[MappedTable], float]]:
+        """``weight_scale``, which SGLang holds as bf16 (``_load_qwen4_exp_ple_buffer``): the table's
+        FP8 scale; NVFP4 rows are served decoded and 16-bit ones as stored: nothing to multiply, 1."""
+        return (
             "weight_scale",
             self.weight_scale,
             lambda table: 1.0 if table.layout.is_nvfp4 or table.scale is None else table.scale,

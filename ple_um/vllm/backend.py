@@ -44,6 +44,8 @@ is not read; a tensor in memory is compared with the mapped bytes (``loading``);
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from vllm.compilation.breakable_cudagraph import (
     BreakableCUDAGraphCapture,
@@ -187,15 +189,19 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         part of it (``delivered.finish_load``): a load that fails the check closes the new table and
         leaves the old one serving, with the global scale it was served with restored (vLLM had
         already copied the refused one into the layer's parameter)."""
+        delivered.finish_load(self)
+
+    def global_scale(self) -> tuple[str, torch.Tensor | None, Callable[[MappedTable], float | None]]:
+        """FP8 weight_scale or NVFP4 weight_scale_2, which must be the table's scale. One vLLM has not
+        loaded yet (on the meta device, or its sentinel) is None: left to vLLM's own check, which
+        reports a scale the checkpoint lacks."""
         scale = getattr(self, self.scale_name, None)
-        # A scale vLLM has not loaded yet (on the meta device, or its sentinel) is left to vLLM's own
-        # check, which reports a scale the checkpoint lacks.
         if scale is not None and (
             scale.device.type == "meta"
             or bool((scale.detach().float() == torch.finfo(torch.float32).min).any())
         ):
             scale = None
-        delivered.finish_load(self, self.scale_name, scale, lambda table: table.scale)
+        return self.scale_name, scale, lambda table: table.scale
 
     @property
     def scale_name(self) -> str:

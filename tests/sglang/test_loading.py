@@ -370,3 +370,30 @@ def test_a_reload_refused_by_the_scale_check_leaves_the_old_table_serving(
     expected = file_rows(other_layout).to(torch.bfloat16)[ids]
     assert torch.equal(embedding(ids).view(torch.uint8), expected.view(torch.uint8))
     assert float(embedding.weight_scale) == _bf16(other_layout.scale)
+
+
+def test_a_reload_whose_table_cannot_open_keeps_the_old_scale(
+    sglang_checkpoint, load_model, tiny, file_rows, monkeypatch, rng
+):
+    """A weight update that copies another checkpoint's FP8 scale into ``weight_scale`` while
+    PLE_UM_DIR names a table that does not fit the layer (more rows): refused naming that table's
+    file, and the old table serves on with its own scale, as the model multiplies by it."""
+    from ple_um import synthetic
+
+    seed = int(rng.integers(1 << 30))
+    first, first_layout, _ = sglang_checkpoint("fp8", seed=seed)
+    wrong, wrong_layout, _ = sglang_checkpoint("fp8", seed=seed + 1, num_rows=tiny.rows + 8)
+    for other_seed in range(seed + 2, seed + 100):  # a scale apart from first's even in bf16
+        third, third_layout, _ = sglang_checkpoint("fp8", seed=other_seed)
+        if _bf16(third_layout.scale) != _bf16(first_layout.scale):
+            break
+    model = load_model(first, ple_um=True)
+    embedding = tiny.ngram(model).ngram_embedding
+    old, scale = embedding.table, embedding.weight_scale.clone()
+    monkeypatch.setenv("PLE_UM_DIR", wrong)
+    name = synthetic.scale_name(tiny.layer)
+    with pytest.raises(CheckpointError, match="rows") as caught:
+        model.load_weights([(name, _tensor(third, name))])
+    assert caught.value.path in wrong_layout.files
+    assert embedding.table is old and not old.closed and embedding.served.staged is None
+    assert torch.equal(embedding.weight_scale, scale)

@@ -16,6 +16,8 @@ import pytest
 import torch
 import vllm_harness as h
 
+import ple_um
+
 pytestmark = [pytest.mark.vllm, h.needs_vllm]
 
 
@@ -158,6 +160,49 @@ def test_a_failed_reload_leaves_the_old_table_serving(world, patched, table_dir,
     assert backend.table.layout.directory == third.directory
     stock = h.stock(config, third.directory)
     assert h.same_bits(h.forward(module, 0)[1], h.forward(stock, 0)[1])
+    backend.close_table()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("failure", ["in the load", "at its end"])
+def test_a_reload_whose_table_cannot_open_keeps_the_old_scale(
+    world, patched, table_dir, tmp_path, dtype, failure
+):
+    """A model's reload that copies another checkpoint's global scale (c) into the layer (its first
+    run of names), then fails because PLE_UM_DIR names a table that does not fit the layer (b: more
+    rows): while comparing the shards a second run delivers in memory (``in the load``), or when
+    the model's load ends (``at its end``). The old table (a) serves on, and so does its scale: the
+    layer returns a's rows as stock loaded from a does, not a's rows under c's scale."""
+    from ple_um.vllm.patch import _model_load_weights
+
+    config = h.text_config(dtype=dtype)
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    wrong = h.write_table(tmp_path / "b", config, seed=5, num_rows=first.num_rows + 7)
+    third = h.write_table(tmp_path / "c", config, seed=9)
+    assert third.scale != first.scale
+    holder = torch.nn.Module()
+    holder.add_module("ple", h.mapped(config, first.directory))
+    backend = holder.ple.ngram_embedding
+    old = backend.table
+    stock = h.stock(config, first.directory)
+    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
+    runs = [[(n, t) for n, t in h.delivered(third.directory, "memory") if n == scale]]
+    if failure == "in the load":
+        runs.append([(n, t) for n, t in h.delivered(first.directory, "memory") if ".shard_" in n])
+
+    def in_runs(model, weights):
+        return set().union(*(model.ple.load_weights(iter(run)) for run in runs))
+
+    table_dir(wrong.directory)
+    with pytest.raises(ple_um.CheckpointError, match="rows") as info:
+        _model_load_weights(in_runs)(holder, iter([]))
+    assert info.value.path in wrong.files
+    assert backend.table is old and not old.closed and backend.served.staged is None
+    assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
+    for seed in (0, 1):
+        raw, dequantized = h.forward(holder.ple, seed)
+        expected_raw, expected = h.forward(stock, seed)
+        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
     backend.close_table()
 
 
