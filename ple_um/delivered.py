@@ -47,7 +47,7 @@ def compare_shard(
         given = tensor.detach().float().cpu().reshape(-1)
         if not layout.is_nvfp4 or not torch.equal(given, torch.full_like(given, layout.scale)):
             raise _differs(
-                prefix, f"the global scale {given.tolist()}", layout.directory, layout.scale_tensor
+                prefix, f"the global scale {given.tolist()}", layout.scale_path, layout.scale_tensor
             )
         return
     if not 0 <= index < layout.parts:

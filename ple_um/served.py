@@ -122,7 +122,7 @@ class ServedTable:
             f"{prefix}: {self.engine} loaded {name} {loaded.tolist()} but the mapped table's scale is "
             f"{table.scale} ({table.layout.dtype_name}): the table in the checkpoint directory does not "
             "belong to this checkpoint (PLE_UM_DIR?)",
-            path=table.layout.directory,
+            path=table.layout.scale_path,
             tensor=table.layout.scale_tensor,
         )
 

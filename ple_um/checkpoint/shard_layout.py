@@ -67,6 +67,7 @@ class ShardLayout:
     shards: tuple[ShardSpec, ...]  # all parts, in index order
     scale: float | None = None  # the global FP8 scale, or NVFP4's weight_scale_2 (None: no such scale)
     scale_tensor: str | None = None  # its tensor name
+    scale_path: str | None = None  # the file that holds it
     # NVFP4 and MXFP8 only: each shard's block scales (NVFP4: E4M3 [rows, row_dim // NVFP4_BLOCK];
     # MXFP8: E8M0 bytes [rows, row_dim // MXFP8_BLOCK]), in the order and with the rows of
     # ``shards``; and the values per block scale. Empty and 0 for other dtypes.

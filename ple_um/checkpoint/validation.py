@@ -109,7 +109,7 @@ def _build(found: Scan, layer: int, problems: Problems) -> ShardLayout | None:
     scales = _check_scales(tensors, shards, reference, problems, lost)
     if scales is None or not sound:
         return None
-    scale, scale_tensor, blocks = scales
+    scale, scale_tensor, scale_path, blocks = scales
     storage = reference.dtype
     return ShardLayout(
         directory=found.directory,
@@ -123,6 +123,7 @@ def _build(found: Scan, layer: int, problems: Problems) -> ShardLayout | None:
         shards=shard_specs(shards),
         scale=scale,
         scale_tensor=scale_tensor,
+        scale_path=scale_path,
         block_scales=shard_specs(blocks),
         block_size=NVFP4_BLOCK if nvfp4 else 0,
     )
@@ -227,8 +228,8 @@ def read_scale(
     *,
     noun: str = "scale",
     lost: bool = False,
-) -> tuple[float, str] | None:
-    """A table's global scale (value, tensor name), or None when absent or unsound (reported).
+) -> tuple[float, str, str] | None:
+    """A table's global scale (value, tensor name, file), or None when absent or unsound (reported).
 
     ``missing`` is the message when there is none, naming the ``expected`` tensor and the shard
     file ``path``; ``noun`` names the scale in the other messages (the FP8 "scale", NVFP4's
@@ -261,7 +262,7 @@ def read_scale(
     if not math.isfinite(value) or value == 0.0:
         problems.about(first, f"{noun} is {value}, expected a finite non-zero number")
         return None
-    return value, first.name
+    return value, first.name, first.path
 
 
 def _check_scales(
@@ -270,10 +271,10 @@ def _check_scales(
     reference: TensorEntry,
     problems: Problems,
     lost: _Lost,
-) -> tuple[float | None, str | None, dict[int, TensorEntry]] | None:
-    """The scales the table's dtype needs: (global scale, its tensor name, NVFP4 block scales by
-    shard index); None when they are unsound (reported; one ``lost`` is not reported missing).
-    16-bit tables need none."""
+) -> tuple[float | None, str | None, str | None, dict[int, TensorEntry]] | None:
+    """The scales the table's dtype needs: (global scale, its tensor name, its file, NVFP4 block
+    scales by shard index); None when they are unsound (reported; one ``lost`` is not reported
+    missing). 16-bit tables need none."""
     if reference.dtype in FP8_DTYPES:
         read = read_scale(
             tensors.scales,
@@ -286,7 +287,7 @@ def _check_scales(
         return None if read is None else (*read, {})
     if reference.dtype == NVFP4_STORAGE:
         return _check_nvfp4(tensors, shards, reference, problems, lost)
-    return None, None, {}
+    return None, None, None, {}
 
 
 def _check_nvfp4(
@@ -295,8 +296,8 @@ def _check_nvfp4(
     reference: TensorEntry,
     problems: Problems,
     lost: _Lost,
-) -> tuple[float, str, dict[int, TensorEntry]] | None:
-    """An NVFP4 table's global scale (value, tensor name) and its block scales by shard index;
+) -> tuple[float, str, str, dict[int, TensorEntry]] | None:
+    """An NVFP4 table's global scale (value, tensor name, file) and its block scales by shard index;
     None when any of them is unsound (every problem reported; a tensor in ``lost``, of a file
     already reported, is not reported missing again)."""
     sound = True

@@ -284,11 +284,17 @@ def test_scale_of_another_table(world, patched, table_dir, tmp_path, dtype, name
     the table is not served."""
     config = h.text_config(dtype=dtype)
     model = h.write_table(tmp_path / "model", config, seed=0)
-    table_dir(h.write_table(tmp_path / "other", config, seed=9).directory)
+    other = h.write_table(tmp_path / "other", config, seed=9)
+    table_dir(other.directory)
     module = h.build(config, ple_um_on=True)
-    with pytest.raises(ple_um.CheckpointError, match=f"loaded {name} "):
+    with pytest.raises(ple_um.CheckpointError, match=f"loaded {name} ") as info:
         h.load(module, model.directory)
     assert module.ngram_embedding.table is None and module.ngram_embedding.served.staged is None
+    # The error names the other table's scale tensor and the file that holds it.
+    scale = (synthetic.scale_name if dtype == "fp8" else synthetic.global_scale_name)(h.LAYER)
+    assert info.value.tensor == scale and info.value.path in other.files
+    with safe_open(info.value.path, framework="pt") as f:
+        assert scale in f.keys()  # noqa: SIM118
 
 
 def _shift_header(path: str) -> None:
