@@ -187,8 +187,9 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         """vLLM's weight loader for both parameters: the tensor's shape and dtype are checked (the
         file it is a view of named where it is one). A view of one of the table's files is not read;
         a tensor in memory (a weight sync, a reload from an iterator) is compared with this rank's
-        mapped rows (ReloadMismatchError where it differs), the table opened for it; one on the meta
-        device has no data to compare. Once rows and scales are both in, the table opens."""
+        mapped rows (ReloadMismatchError where it differs), the table opened for it (a new one staged:
+        a difference closes it, the old one serving on); one on the meta device has no data to
+        compare. Once rows and scales are both in, the table opens (a staged one serves)."""
         scales = param is self.weight_scale_inv
         expect = (self.num_embeddings, self.dim // MXFP8_BLOCK if scales else self.dim)
         dtypes = (torch.uint8, torch.float8_e8m0fnu) if scales else (torch.float8_e4m3fn,)
@@ -204,7 +205,14 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         in_memory = backing is None or not self.source.is_table_file(backing[0])
         if in_memory and loaded.device.type != "meta":
             given = loaded.view(torch.uint8) if scales else loaded  # E8M0 exponents: their bytes
-            compare_shard(self.prefix, self._open(), 0, given, "weight_scale" if scales else "weight")
+            try:  # a new table (another directory, replaced files) serves once both tensors agree
+                compare_shard(
+                    self.prefix, self._open(stage=True), 0, given, "weight_scale" if scales else "weight"
+                )
+            except BaseException:
+                self.served.discard()  # the old table serves on
+                self._received.clear()
+                raise
         self._received.add(what)
         if self._received == {"weight", "weight_scale_inv"}:
             self.finish_load()
@@ -214,8 +222,9 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         self._received.clear()
         self._open()
 
-    def _open(self) -> MappedTable:
-        """This rank's rows of the table in the checkpoint directory, opened or the open ones kept."""
+    def _open(self, *, stage: bool = False) -> MappedTable:
+        """This rank's rows of the table in the checkpoint directory, opened or the open ones kept; with
+        ``stage`` a new table does not serve yet (``ServedTable.serve``): ``finish_load`` makes it."""
         directory = self.source.directory()
         rows = (self.vocab_start_idx, self.vocab_end_idx)
         return self.served.serve(
@@ -223,6 +232,7 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
             directory,
             lambda: open_engram_table(directory, layer=self.layer_id, rows=rows, geometry=self.geometry),
             check=self._check_capture,
+            stage=stage,
         )
 
     def _check_capture(self, table: MappedTable) -> None:

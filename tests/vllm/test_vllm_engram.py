@@ -243,6 +243,39 @@ def test_tensors_delivered_in_memory_are_compared_with_the_files(engram_world, m
     ours.served.close()
 
 
+def test_a_reload_refused_by_the_comparison_leaves_the_old_table_serving(
+    engram_world, monkeypatch, table_dir, checkpoint, tmp_path, rng
+):
+    """A reload with PLE_UM_DIR moved to another checkpoint's table whose rows differ from those the
+    load delivers in memory: refused, and the old table serves on, open (the new one was never
+    served), returning the rows it returned. Rows that agree then make the new table serve."""
+    from ple_um.delivered import ReloadMismatchError
+
+    config = _config()
+    other = tmp_path / "other"
+    write_engram_checkpoint(
+        other, tables=dict(zip(LAYERS, config.engram_num_embeddings, strict=True)), head_dim=DIM, seed=7
+    )
+    ours, layout = _build(engram_world, monkeypatch, True, 0)
+    _load(ours, *_tensors(checkpoint, LAYERS[0]))
+    old = ours.served.table
+    hashes = _hashes(layout, 0, rng, 16)
+    out = torch.empty(hashes.shape[0], ours.part_n_hash_cols, DIM, dtype=torch.bfloat16)
+    ours.lookup(hashes, out)
+    served = out.clone()
+
+    table_dir(other)
+    with pytest.raises(ReloadMismatchError, match="delivered in memory differs"):
+        _load(ours, *(t.clone() for t in _tensors(checkpoint, LAYERS[0])))
+    assert ours.served.table is old and not old.closed and ours.served.staged is None
+    ours.lookup(hashes, out.zero_())
+    assert torch.equal(out.view(torch.uint8), served.view(torch.uint8))
+
+    _load(ours, *(t.clone() for t in _tensors(other, LAYERS[0])))
+    assert old.closed and ours.served.table.layout.directory == os.path.realpath(other)
+    ours.served.close()
+
+
 @pytest.mark.parametrize(
     ("cpu_offload", "mode", "breakable", "refused"),
     [
