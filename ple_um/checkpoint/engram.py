@@ -111,13 +111,16 @@ def read_engram_layout(
     # Every Engram tensor (of ``layer`` when given) the headers hold; the first problem raises.
     found = scan(directory, layer, Problems(strict=True), engram_match)
     assert found is not None  # a strict Problems raises instead of returning nothing
-    listed = ", ".join(map(str, sorted(found.layers))) or "none"
-    if layer is None and not found.layers:
+    # The layers with rows; where none has any, those with scales alone: a table whose rows tensor is
+    # missing is refused naming its scales (``_one``), not taken for no table at all.
+    layers = found.layers or set(found.tensors)
+    listed = ", ".join(map(str, sorted(layers))) or "none"
+    if layer is None and not layers:
         raise CheckpointError(f"no Engram table was found in {directory}")
-    if layer is None and len(found.layers) != 1:
+    if layer is None and len(layers) != 1:
         raise CheckpointError(f"Engram tables of layers {listed} in {directory}; pass layer= to pick one")
     if layer is None:
-        (layer,) = found.layers
+        (layer,) = layers
     tensors = found.tensors.get(layer, LayerTensors())
     if layer not in found.layers and not tensors.block_scales:
         raise CheckpointError(f"no Engram table of layer {layer} in {directory}; layers with one: {listed}")

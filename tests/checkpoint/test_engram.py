@@ -147,6 +147,23 @@ def test_missing_scales_duplicates_and_absent_layers_are_refused(tmp_path):
     assert read_engram_layout(tmp_path / "two", 5).num_rows == 4
 
 
+def test_scales_whose_rows_are_missing_are_refused_naming_them(tmp_path):
+    """A table with its E8M0 scales and no rows tensor is a table missing a tensor, refused naming
+    the scales' file and tensor, layer given or not; not a checkpoint without any Engram table."""
+    path = write_safetensors(
+        os.path.join(tmp_path, "a.safetensors"),
+        {scale_name(3): ("F8_E8M0", [4, 1], bytes(4)), "lm_head.weight": ("BF16", [2, 4], bytes(16))},
+    )
+    for layer in (None, 3):
+        with pytest.raises(CheckpointError, match="no rows tensor for this Engram table") as info:
+            read_engram_layout(tmp_path, layer)
+        assert (info.value.path, info.value.tensor) == (path, scale_name(3))
+    # Two such layers: one to pick, then refused as above.
+    write_safetensors(os.path.join(tmp_path, "b.safetensors"), {scale_name(5): ("U8", [4, 1], bytes(4))})
+    with pytest.raises(CheckpointError, match="Engram tables of layers 3, 5 in .*pass layer="):
+        read_engram_layout(tmp_path)
+
+
 def test_a_checkpoint_without_an_engram_table_says_so(tmp_path):
     """A folder with no Engram table (other tensors, or no file at all) is refused as such, not as
     a choice of layers to make."""
