@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -288,6 +289,44 @@ def stop_child(proc: subprocess.Popen, limit: MemoryLimit) -> None:
     proc.wait()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while a child runs under a limit (``terminate_as_interrupt``), raised as an
+    interrupt is, so that the same cleanup runs: the child, which leads a session of its own and
+    would outlive this process, killed, and its group removed. ``code``: the exit status a shell
+    gives a process that signal killed (128 + its number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+        self.code = 128 + signum
+
+
+# The signals that would end this process without its cleanup while a child runs under a limit.
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Within: TERMINATING signals raise Terminated where they would kill this process (their
+    handler the default; one ignored, as under nohup, or the caller's own, stays); their handlers
+    restored after. Python sets handlers in the main thread only: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, _frame):
+        raise Terminated(signum)
+
+    saved = {sig: signal.getsignal(sig) for sig in TERMINATING}
+    for sig, handler in saved.items():
+        if handler is signal.SIG_DFL:
+            signal.signal(sig, terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def run_limited(
     limits: tuple[int, ...],
     request: dict,
@@ -298,27 +337,28 @@ def run_limited(
     """For each of ``limits``, ``run_child`` (``request`` with its ``limit`` in bytes) in a memory
     group of its own held to that many bytes: str(limit) -> the limit (bytes, whether enforced and
     how, the group's peak) and the child's figures. Each group is removed whatever happens; on an
-    interrupt a group that cannot be is named in a warning, and the interrupt is what is raised.
-    ``hierarchy`` stands for the machine's memory cgroup (``find_hierarchy()``'s answer;
-    ``(None, why)``: there is none)."""
+    interrupt (SIGINT, or SIGTERM and SIGHUP: ``Terminated``) a group that cannot be is named in a
+    warning, and the interrupt is what is raised. ``hierarchy`` stands for the machine's memory
+    cgroup (``find_hierarchy()``'s answer; ``(None, why)``: there is none)."""
     entries = {}
-    for k, limit in enumerate(limits):
-        held = MemoryLimit.open(limit, f"ple-um-bench-{os.getpid()}-{k}", hierarchy)
-        try:
-            log(f"memory limit {format_bytes(limit)}: {held.describe()}")
-            found = run_child({**request, "limit": limit}, held, log, module)
-            entry = {"bytes": limit, "enforced": held.enforced, "how": held.describe()}
-            entry["peak_bytes"] = held.peak()
-        except BaseException:
+    with terminate_as_interrupt():
+        for k, limit in enumerate(limits):
+            held = MemoryLimit.open(limit, f"ple-um-bench-{os.getpid()}-{k}", hierarchy)
             try:
-                held.close()
-            except OSError as exc:
-                log(f"warning: {exc.strerror}")
-            raise
-        held.close()
-        if not held.enforced:
-            entry["row_cache_knob"] = f"{ROW_CACHE_KNOB}={limit}"
-        entries[str(limit)] = entry | found
+                log(f"memory limit {format_bytes(limit)}: {held.describe()}")
+                found = run_child({**request, "limit": limit}, held, log, module)
+                entry = {"bytes": limit, "enforced": held.enforced, "how": held.describe()}
+                entry["peak_bytes"] = held.peak()
+            except BaseException:
+                try:
+                    held.close()
+                except OSError as exc:
+                    log(f"warning: {exc.strerror}")
+                raise
+            held.close()
+            if not held.enforced:
+                entry["row_cache_knob"] = f"{ROW_CACHE_KNOB}={limit}"
+            entries[str(limit)] = entry | found
     return entries
 
 

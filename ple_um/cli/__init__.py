@@ -6,8 +6,10 @@ Exit codes: 0 done; 1 the checkpoint is invalid or cannot be read, or an output 
 3 refused, nothing done (prewarm: larger than the memory it may fill; bench: a table larger than
 the free disk or the file-size limit, a run larger than the memory, a memory limit smaller than its
 child process); 4 the run could not measure what was asked (its figures are written, the error says
-what is missing); 130 interrupted; 141 stdout was closed early (``| head``), quietly. Errors are one
-line ``ple-um VERB: error: ...`` on stderr, or ``{"error": ...}`` on stdout under --json.
+what is missing); 130 interrupted (143, 129: bench ended by SIGTERM, SIGHUP while a child runs
+under a memory limit, cleaned up as for an interrupt); 141 stdout was closed early (``| head``),
+quietly. Errors are one line ``ple-um VERB: error: ...`` on stderr, or ``{"error": ...}`` on stdout
+under --json.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 from functools import partial
 
+from ple_um.bench.memlimit import Terminated
 from ple_um.cli import bench, checkpoint, machine
 from ple_um.cli.arguments import Parser, why_not
 from ple_um.cli.output import (
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     except OutputError as exc:
         _quiet_stdout()
         return report(args.verb, False, f"cannot write to stdout: {exc.strerror}", EXIT_INVALID)
+    except Terminated as exc:  # SIGTERM or SIGHUP while a bench child ran: cleaned up as an interrupt
+        return report(args.verb, False, str(exc), exc.code)
     except KeyboardInterrupt:
         return report(args.verb, False, "interrupted", EXIT_INTERRUPTED)
     except OSError as exc:  # a file the work reads or writes, named by the OS

@@ -218,9 +218,9 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs):
+def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs, sig=signal.SIGINT):
     """Start `ple-um bench --memory-limit` (after ``prelude``), wait for its child to run (and the
-    ``group_dirs(pid)`` to exist), send the bench SIGINT: (the finished bench, the child processes
+    ``group_dirs(pid)`` to exist), send the bench ``sig``: (the finished bench, the child processes
     it had, its pid)."""
     cache = tmp_path / "cache"
     code = prelude + "import sys; from ple_um import cli; sys.exit(cli.main(sys.argv[1:]))"
@@ -241,21 +241,28 @@ def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs):
         time.sleep(0.1)
     assert children, "the bench's child never started"
     time.sleep(3)  # the child is importing or looking up
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), children, proc.pid
 
 
-def _check_nothing_left(done, children, tmp_path) -> None:
-    assert done.returncode == cli.EXIT_INTERRUPTED, done.stderr[-3000:]
-    assert done.stderr.splitlines()[-1] == "ple-um bench: error: interrupted"
+def _check_nothing_left(done, children, tmp_path, sig=signal.SIGINT) -> None:
+    """Exit 130 and "interrupted" for Ctrl-C; for SIGTERM and SIGHUP a shell's status for a process
+    they killed (128 + the signal's number), naming the signal."""
+    said = "interrupted" if sig == signal.SIGINT else f"terminated by {sig.name}"
+    code = cli.EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + sig
+    assert done.returncode == code, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == f"ple-um bench: error: {said}"
     assert "Traceback" not in done.stderr
     assert not [pid for pid in children if alive(pid)]
     cache = tmp_path / "cache"
     assert not [n for n in os.listdir(cache) if n.endswith(".partial") or n.startswith(".")]
 
 
-def test_an_interrupt_under_a_memory_limit_removes_its_cgroup_and_child(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_an_interrupt_under_a_memory_limit_removes_its_cgroup_and_child(tmp_path, sig):
+    """Ctrl-C, and the signals that end a process (``kill``, a closed terminal), which would leave
+    the child (a session of its own) running in its group were they not caught."""
     found, why = find_hierarchy()
     if found is None:
         pytest.skip(f"no memory cgroup here: {why}")
@@ -269,8 +276,8 @@ def test_an_interrupt_under_a_memory_limit_removes_its_cgroup_and_child(tmp_path
         os.rmdir(probe)
     except OSError as exc:
         pytest.skip(f"no cgroup can be made in {found.group}: {exc.strerror}")
-    done, children, pid = _interrupt_under_a_limit(tmp_path, "", groups)
-    _check_nothing_left(done, children, tmp_path)
+    done, children, pid = _interrupt_under_a_limit(tmp_path, "", groups, sig)
+    _check_nothing_left(done, children, tmp_path, sig)
     assert not [g for g in groups(pid) if os.path.exists(g)]
 
 
