@@ -28,6 +28,8 @@ WARMUP_S = 5.0
 # Timed calls a measurement, and the serving loop's timed steps a figure, when --repeats is not
 # given.
 REPEATS, SERVING_STEPS = 20, 50
+# The rounds the side-by-side run splits its timed calls into, when --rounds is not given.
+ROUNDS = 4
 # The serving loop's GPU work per step (milliseconds, a figure each), and its prefill chunk's tokens
 # a step (a decode step's lookups are ``decode_tokens`` x ``heads`` ids beside them).
 STEP_MS = (5.0, 20.0, 50.0)
@@ -74,12 +76,12 @@ class Config:
     ids: tuple[IdDistribution, ...] = parse_ids("uniform")
     repeats: int | None = None  # REPEATS (SERVING_STEPS: the serving loop)
     warmup: int = 3
-    rounds: int = 4
+    rounds: int | None = None  # the side-by-side run's alone: ROUNDS
     decode_tokens: int = 64
     prefill_tokens: int | None = None  # the serving loop's prefill chunk (0: none): PREFILL_TOKENS
     heads: int = 16
     device: str | None = None
-    processes: int = 0
+    processes: int = 0  # the side-by-side run's alone
     seed: int = 0
     host_calls: int = 300  # the host-overhead figure's back-to-back calls (of timing.HOST_ROWS rows)
     memory_limits: tuple[int, ...] | None = ()  # the run under memory limits (``cold.py``), a child each
@@ -92,6 +94,7 @@ class Config:
         if self.warmup_s is not None and not (self.memory_limits or self.serving):
             raise BenchUsageError("--warmup times the steady state of --memory-limit or --serving: give one")
         self._check_serving()
+        self._check_side_by_side()
         if self.directory is not None:
             self._check_directory()
         self.size = SIZE if self.size is None else self.size
@@ -101,6 +104,7 @@ class Config:
         self.memory_limits = tuple(self.memory_limits or ())
         self.rows = self.rows or (COLD_ROWS if self.memory_limits else DEFAULT_ROWS)
         self.repeats = self.repeats or (SERVING_STEPS if self.serving else REPEATS)
+        self.rounds = ROUNDS if self.rounds is None else self.rounds
         self.step_ms = self.step_ms or STEP_MS
         self.prefill_tokens = PREFILL_TOKENS if self.prefill_tokens is None else self.prefill_tokens
         self.warmup_s = WARMUP_S if self.warmup_s is None else self.warmup_s
@@ -121,6 +125,20 @@ class Config:
                     f"{flag} is not a --serving option: the serving loop's lookups are a decode step's and "
                     "a prefill chunk's, in one process (and a child per --memory-limit)"
                 )
+
+    def _check_side_by_side(self) -> None:
+        """The side-by-side run's own options, refused for the other runs, which would drop them
+        without a word: a run under --memory-limit times each batch size's calls in a row, in one
+        child per limit, and the serving loop its steps."""
+        other = "--serving" if self.serving else "--memory-limit" if self.memory_limits else None
+        if other is None:
+            return
+        for flag, given, what in (
+            ("--rounds", self.rounds is not None, "splits the side-by-side run's timed calls into rounds"),
+            ("--processes", self.processes, "opens the table in N processes after the side-by-side run"),
+        ):
+            if given:
+                raise BenchUsageError(f"{flag} is not a {other} option: it {what}")
 
     def _check_model(self) -> None:
         """``row_bytes`` and ``shards`` set to the synthetic table's: an Engram table's are the

@@ -16,6 +16,7 @@ from ple_um.bench.config import (
     MODELS,
     PREFILL_TOKENS,
     REPEATS,
+    ROUNDS,
     ROW_BYTES,
     SERVING_STEPS,
     SHARDS,
@@ -110,8 +111,9 @@ def add_parser(sub) -> None:
     b.add_argument(
         "--rounds",
         type=a.positive,
-        default=Config.rounds,
-        help="rounds the timed calls are split into; each times every path in turn",
+        default=None,
+        help="rounds the timed calls are split into; each times every path in turn (default: "
+        f"{ROUNDS}; not with --memory-limit or --serving)",
     )
     a.add_device(b)
     b.add_argument(
@@ -119,7 +121,7 @@ def add_parser(sub) -> None:
         type=a.count,
         default=Config.processes,
         help="N >= 1: also open the table in N processes, one after the other, and report the host memory "
-        "each takes (0: off)",
+        "each takes (0: off; not with --memory-limit or --serving)",
     )
     b.add_argument("--json-file", default=None, metavar="PATH", help="write the results as JSON to PATH")
     b.add_argument(

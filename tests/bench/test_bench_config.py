@@ -16,6 +16,7 @@ def test_options_not_given_take_the_default_of_their_run():
     assert side.kind == "side-by-side"
     assert (side.row_bytes, side.shards, side.rows, side.repeats) == (160, 128, config.DEFAULT_ROWS, 20)
     assert (side.step_ms, side.warmup_s, side.memory_limits) == (config.STEP_MS, config.WARMUP_S, ())
+    assert (side.rounds, side.processes) == (config.ROUNDS, 0)
     limited = config.Config(memory_limits=(1 << 30,), warmup_s=0.0)
     assert (limited.rows, limited.warmup_s, limited.kind) == (config.COLD_ROWS, 0.0, "memory-limit")
     serving = config.Config(serving=True, step_ms=(3.0,))
@@ -35,6 +36,10 @@ def test_options_not_given_take_the_default_of_their_run():
         ({"step_ms": (5.0,)}, "--step-ms sets the GPU work of --serving's steps: give --serving too"),
         ({"prefill_tokens": 0}, "--prefill-tokens sets the prefill chunk of --serving's steps"),
         ({"serving": True, "rows": (16,)}, "--rows is not a --serving option"),
+        # The side-by-side run's own options, which the other runs would drop without a word.
+        ({"memory_limits": (1 << 30,), "processes": 2}, "--processes is not a --memory-limit option"),
+        ({"memory_limits": (1 << 30,), "rounds": 2}, "--rounds is not a --memory-limit option"),
+        ({"serving": True, "rounds": 2}, "--rounds is not a --serving option"),
         ({"model": config.ENGRAM_MODEL, "shards": 1}, "--shards is a PLE table's option"),
         ({"layer": 3}, "--layer needs DIR: the synthetic table has one layer"),
         ({"size": 100}, "--size 100 B holds no row of 160 B (--row-bytes): give at least that"),

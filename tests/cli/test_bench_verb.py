@@ -94,6 +94,9 @@ BENCH_REFUSALS = [
     (["/a/dir", "--row-bytes", "160"], "--row-bytes shapes the synthetic table: DIR's table is benched as"),
     (["/a/dir", "--shards", "4"], "--shards shapes the synthetic table: DIR's table is benched as it is"),
     (["--memory-limit", "1GiB", "--warmup", "1e9"], "argument --warmup: expected seconds from 0 to 86400"),
+    (["--memory-limit", "1GiB", "--processes", "2"], "--processes is not a --memory-limit option: it opens"),
+    (["--memory-limit", "1GiB", "--rounds", "2"], "--rounds is not a --memory-limit option: it splits"),
+    (["--serving", "--rounds", "2"], "--rounds is not a --serving option: it splits"),
 ]
 
 
