@@ -295,8 +295,9 @@ def _or_skipped(measure: Callable[[], dict]) -> dict:
 
 
 def ratios(result: dict) -> None:
-    """Add ``vs_torch`` to every timed figure that the anchor has too (same ids, same batch size,
-    same kind): the figure's median over the anchor's."""
+    """Add ``vs_torch`` to every timed figure that the anchor has too (same id distribution, same
+    batch size, same kind; each path's ids are draws of its own): the figure's median over the
+    anchor's."""
     for section in ("lookup", "decode_step"):
         base = result[section].get(ANCHOR, {})
         for entry in result[section].values():
