@@ -22,7 +22,9 @@ over the timed calls (its counters' differences around them). The cold calls' ta
 ``PLE_UM_ROW_CACHE=0`` (``cold_knobs``): a row cache is not dropped with the pages, and it would
 serve a cold call the rows of earlier ones (and of the self-test at open). Its misses are read as
 the steady table's are (O_DIRECT beside a row cache), so the cold figures are those of the reads a
-table opened with the defaults makes.
+table opened with the defaults makes; it is taken to fit (``PLE_UM_FIT=fits``), so that in the
+``ats`` mode its kernel faults the rows in, where the steady table, which spills (the child's
+``PLE_UM_FIT=spills``, ``memlimit._child_env``), serves every lookup by the host path.
 """
 
 from __future__ import annotations
