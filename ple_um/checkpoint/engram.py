@@ -97,6 +97,15 @@ def _check_geometry(weight: TensorEntry, layer: int, geometry: EngramGeometry) -
             f"the Engram table's rows have {weight.shape[1]} values, but the config's engram_head_dim "
             f"is {geometry.head_dim}",
         )
+    # The heads' ranges lie one after the other from row 0 (``EngramGeometry.head_rows``): the last
+    # ends at their sum, which a table with fewer rows lacks.
+    needed = sum(geometry.head_sizes[geometry.index(layer)])
+    if needed > weight.shape[0]:
+        raise refusal(
+            weight,
+            f"the config's hash heads of layer {layer} need {needed} rows (their prime-sized ranges, "
+            f"one after the other), but the Engram table has {weight.shape[0]}",
+        )
 
 
 def read_engram_layout(

@@ -13,7 +13,7 @@ import torch
 from engram_config import geometry_from_config
 from helpers.reference import reference_rows, safetensors_table, write_raw, write_safetensors
 
-from ple_um.checkpoint.engram import read_engram_layout
+from ple_um.checkpoint.engram import EngramGeometry, read_engram_layout
 from ple_um.errors import CheckpointError
 from ple_um.synthetic_engram import FILE_NAME, scale_name, weight_name, write_engram_checkpoint
 
@@ -84,6 +84,23 @@ def test_a_table_the_config_does_not_describe_is_refused(tmp_path, change, messa
     config = dict(TINY, **change)
     with pytest.raises(CheckpointError, match=message) as info:
         read_engram_layout(tmp_path, 3, geometry_from_config(config))
+    assert info.value.tensor == weight_name(3) and info.value.path.endswith(".safetensors")
+
+
+def test_hash_heads_that_need_more_rows_than_the_table_are_refused(tmp_path):
+    """A config whose hash heads' ranges (their primes, laid one after the other) end past the
+    table's rows would have a rank own rows the table lacks: refused naming the file and the rows
+    tensor, not left to the open's row range."""
+    write_engram_checkpoint(tmp_path, tables={1: 2700, 3: 3100}, head_dim=64)
+    geometry = geometry_from_config(TINY)
+    needed = sum(geometry.head_sizes[1])
+    assert read_engram_layout(tmp_path, 3, geometry).num_rows == 3100 >= needed
+    sizes = (*geometry.head_sizes[1][:-1], geometry.head_sizes[1][-1] + 3101 - needed)
+    short = EngramGeometry(
+        geometry.layer_ids, geometry.num_rows, geometry.head_dim, (geometry.head_sizes[0], sizes)
+    )
+    with pytest.raises(CheckpointError, match="layer 3 need 3101 rows .* table has 3100") as info:
+        read_engram_layout(tmp_path, 3, short)
     assert info.value.tensor == weight_name(3) and info.value.path.endswith(".safetensors")
 
 
