@@ -121,7 +121,7 @@ def add_parser(sub) -> None:
         type=a.count,
         default=Config.processes,
         help="N >= 1: also open the table in N processes, one after the other, and report the host memory "
-        "each takes (0: off; not with --memory-limit or --serving)",
+        "taken once the first, the first two, ... are open (0: off; not with --memory-limit or --serving)",
     )
     b.add_argument("--json-file", default=None, metavar="PATH", help="write the results as JSON to PATH")
     b.add_argument(
