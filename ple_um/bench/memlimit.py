@@ -238,19 +238,27 @@ def _child_env(limit: MemoryLimit) -> dict[str, str]:
 
 def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], module: str) -> dict:
     """One child (``python -m module``, the request on its stdin) under ``limit``: its figures (the
-    JSON on its stdout), or why it gave none (killed, by the limit's OOM killer or not; an error).
+    JSON on its stdout), or why it gave none (killed, by the limit's OOM killer or not; an error;
+    not moved into its group).
     The child leads a session of its own: an interrupt (Ctrl-C) reaches this process alone, which
     then kills the child and everything in its group (``stop_child``)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_child_env(limit),
-        preexec_fn=limit.preexec if limit.enforced else None,
-        start_new_session=True,
-    )
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_child_env(limit),
+            preexec_fn=limit.preexec if limit.enforced else None,
+            start_new_session=True,
+        )
+    except subprocess.SubprocessError:  # preexec raised (Python passes on no more): the forked
+        # process exited before exec, and nothing ran under the limit
+        return {
+            "failed": f"the child could not be moved into its cgroup {limit.group} (the write of its pid "
+            "to cgroup.procs failed between fork and exec): no figures under this limit"
+        }
     try:
         stdout, stderr = proc.communicate(json.dumps(request))
     finally:  # finished or not: a process it left running would outlive it, and keep its group

@@ -17,7 +17,7 @@ import pytest
 from helpers.cgroup import alive
 from helpers.cli import fs_type
 
-from ple_um.bench.memlimit import Hierarchy, MemoryLimit, find_hierarchy, run_limited
+from ple_um.bench.memlimit import Hierarchy, MemoryLimit, find_hierarchy, run_child, run_limited
 from ple_um.residency import evict_file_pages, resident_bytes
 
 MiB = 1 << 20
@@ -228,3 +228,19 @@ def test_a_child_whose_stdout_is_not_its_figures_is_a_failure_not_a_crash(tmp_pa
     entries = run_limited((256 * MiB,), {}, "prints", lambda line: None, (None, "no cgroup in this test"))
     (entry,) = entries.values()
     assert entry["failed"] == "the child's stdout is not its figures (JSON): a warning on stdout"
+
+
+def test_a_child_its_group_refuses_is_a_failure_not_a_crash(tmp_path):
+    """Where the write that moves the child into its group fails between fork and exec (a
+    cgroup.procs the kernel refuses: /dev/full here), Popen raises; the limit's entry says why and
+    names the group, and no child runs."""
+    full = os.open("/dev/full", os.O_WRONLY)
+    held = MemoryLimit(256 * MiB, enforced=True, how="a test", group=str(tmp_path), _procs_fd=full)
+    try:
+        found = run_child({}, held, lambda line: None, "ple_um.bench.cold")
+    finally:
+        os.close(full)
+    assert found == {
+        "failed": f"the child could not be moved into its cgroup {tmp_path} (the write of its pid to "
+        "cgroup.procs failed between fork and exec): no figures under this limit"
+    }
