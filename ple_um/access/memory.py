@@ -20,11 +20,20 @@ says it would: without it a group that read more files than its limit would seem
 from __future__ import annotations
 
 import os
+import re
 
 from ple_um.units import format_bytes
 
 CGROUP_ROOT = "/sys/fs/cgroup"  # where the hierarchies are, where /proc/self/mountinfo cannot be read
 PROC_MOUNTINFO = "/proc/self/mountinfo"
+_OCTAL = re.compile(rb"\\([0-7]{3})")  # an octal escape of /proc/self/mountinfo
+
+
+def mount_path(field: bytes) -> str:
+    """A path field of /proc/self/mountinfo (a mount point, a root within a hierarchy) as a path:
+    mountinfo writes a path's blanks, tabs, newlines and backslashes as octal escapes (``\\040``)
+    and its other bytes as they are, so a name as ``os.path.realpath`` gives it."""
+    return os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8)]), field))
 
 
 def mem_available() -> int:
@@ -50,14 +59,15 @@ def _read_int(path: str) -> int | None:
 
 def mounts(mountinfo: str = PROC_MOUNTINFO) -> list[tuple[str, str, str, str]]:
     """(mount point, root within the hierarchy, fs type, super options) of each mount in
-    ``mountinfo``; OSError where it cannot be read."""
+    ``mountinfo``, its paths unescaped (``mount_path``); OSError where it cannot be read."""
     found = []
-    with open(mountinfo) as f:
+    with open(mountinfo, "rb") as f:
         for line in f:
-            left, _, right = line.partition(" - ")
+            left, _, right = line.partition(b" - ")
             fields, tail = left.split(), right.split()
             if len(fields) >= 5 and len(tail) >= 3:
-                found.append((fields[4], fields[3], tail[0], tail[2]))
+                kind, options = (t.decode(errors="replace") for t in (tail[0], tail[2]))
+                found.append((mount_path(fields[4]), mount_path(fields[3]), kind, options))
     return found
 
 

@@ -23,10 +23,10 @@ import json
 import logging
 import os
 import platform
-import re
 import socket
 
 from ple_um import cache_folder, envs
+from ple_um.access import memory
 from ple_um.access.capabilities import DeviceCapabilities
 from ple_um.access.probe import direct_read
 from ple_um.version import __version__
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 FORMAT = "ple-um first-read verdict"
 FORMAT_VERSION = 1
 MAX_BYTES = 64 << 10  # a verdict is a few hundred bytes: a longer file is not one
-_OCTAL = re.compile(rb"\\([0-7]{3})")  # an octal escape of /proc/self/mountinfo
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,9 +63,7 @@ def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, st
                 if b"-" not in fields[6:]:
                     continue
                 sep = fields.index(b"-", 6)
-                # mountinfo escapes blanks and backslashes in paths as octal (\040), and leaves the
-                # path's other bytes as they are: a name as ``os.path.realpath`` gives it.
-                point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8)]), fields[4]))
+                point = memory.mount_path(fields[4])  # unescaped
                 mounts.append((point, fields[sep + 1].decode(errors="replace")))
     except (OSError, IndexError):
         return []

@@ -229,6 +229,33 @@ def test_a_cgroup_hierarchy_is_found_where_it_is_mounted(tmp_path, version):
     assert memory.cgroup_headroom(str(proc), mountinfo=str(tmp_path / "mountinfo")) is None  # none mounted
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_cgroup_hierarchy_mounted_at_a_path_with_blanks_is_found(tmp_path, version):
+    """mountinfo writes a path's blanks, tabs and backslashes as octal escapes (``\\040``): the
+    hierarchy is read where they say, its mount point and the root it shows both unescaped."""
+    GiB = 1 << 30
+    base = tmp_path / "a b\tc\\d"
+    _group_at_its_limit(base, version)  # 3 GiB of room, in base/cgroup/[memory/]pod
+    point = base / "cgroup" / ("memory" if version == "v1" else "")
+    kind, options = ("cgroup", "rw,memory") if version == "v1" else ("cgroup2", "rw,nsdelegate")
+
+    def escaped(path) -> str:
+        return str(path).replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
+
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"30 25 0:26 / {escaped(point)} rw,nosuid - {kind} cgroup {options}\n")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("4:memory:/pod\n" if version == "v1" else "0::/pod\n")
+    assert memory.cgroup_headroom(str(proc), mountinfo=str(mountinfo)) == 3 * GiB
+    # A container's mount showing a part of the hierarchy whose name has a blank in it.
+    (point / "my pod").mkdir()
+    for name in os.listdir(point / "pod"):
+        (point / "my pod" / name).write_bytes((point / "pod" / name).read_bytes())
+    mountinfo.write_text(f"30 25 0:26 /my\\040pod {escaped(point / 'my pod')} rw - {kind} cgroup {options}\n")
+    proc.write_text("4:memory:/my pod\n" if version == "v1" else "0::/my pod\n")
+    assert memory.cgroup_headroom(str(proc), mountinfo=str(mountinfo)) == 3 * GiB
+
+
 def _verdict(fits: bool, margin: bool, share: float, exact: bool = False) -> Verdict:
     return Verdict(1000, int(1000 * share), fits, margin, "test", exact)
 
