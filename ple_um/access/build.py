@@ -206,7 +206,6 @@ class RegisteredMapping:
         self._registered: list[int] = []
         self.device_addrs: list[int] = []
         self.registered_bytes = 0
-        self._closed = False
         t0 = time.perf_counter()
         try:
             with on_device(device):
@@ -236,14 +235,18 @@ class RegisteredMapping:
         ]
 
     def close(self) -> None:
-        """Unregister; idempotent. The caller has waited for every kernel that reads the pages
-        (``table.release_mode``)."""
-        if self._closed:
-            return
-        self._closed = True
-        for addr in reversed(self._registered):
-            self._unregister(addr)
-        self._registered.clear()
+        """Unregister every range, in reverse order, even where one fails (the first failure is
+        raised once all were tried: a range is tried once); idempotent. The caller has waited for
+        every kernel that reads the pages (``table.release_mode``)."""
+        first: BaseException | None = None
+        while self._registered:
+            addr = self._registered.pop()
+            try:
+                self._unregister(addr)
+            except BaseException as exc:  # noqa: BLE001 - the others are unregistered, then raised
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 class PagePrefetcher:

@@ -72,16 +72,20 @@ class InjectedRegistration:
     ``register`` maps the range's pages a second time (``mremap`` with an old size of 0, which
     duplicates a shared mapping) and ``device_pointer`` returns that alias: the kernel reads rows
     only through it, as a GPU reads registered pages through the pointer CUDA returns.
-    ``fail_register=k`` / ``fail_pointer=k`` make the k-th call (0-based) raise ``error``
-    (``fail_register="all"``: every call). Records every call, and whether the range was still
+    ``fail_register=k`` / ``fail_pointer=k`` / ``fail_unregister=k`` make the k-th call (0-based)
+    raise ``error`` (``fail_register="all"``: every call; a failed unregister drops its alias all
+    the same and is not recorded in ``unregistered``). Records every call, and whether the range was still
     mapped at each unregister (the registration released before the mapping)."""
 
-    def __init__(self, *, fail_register=None, fail_pointer=None, error=RegistrationError) -> None:
+    def __init__(
+        self, *, fail_register=None, fail_pointer=None, fail_unregister=None, error=RegistrationError
+    ) -> None:
         self.fail_register, self.fail_pointer, self.error = fail_register, fail_pointer, error
+        self.fail_unregister = fail_unregister
         self.live: dict[int, tuple[int, int]] = {}  # host address -> (alias, length)
         self.registered: list[int] = []
         self.unregistered: list[int] = []
-        self.register_calls = self.pointer_calls = 0
+        self.register_calls = self.pointer_calls = self.unregister_calls = 0
         self.mapping_open_at_unregister: list[bool] = []
         self.calls = HostRegistration(self.register, self.unregister, self.device_pointer)
 
@@ -105,6 +109,9 @@ class InjectedRegistration:
         vec = (ctypes.c_ubyte * ((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
         self.mapping_open_at_unregister.append(_libc.mincore(addr, length, vec) == 0)  # ENOMEM: unmapped
         assert _libc.munmap(alias, length) == 0
+        k, self.unregister_calls = self.unregister_calls, self.unregister_calls + 1
+        if k == self.fail_unregister:
+            raise self.error("cudaHostUnregister failed: cudaErrorHostMemoryNotRegistered (injected)")
         self.unregistered.append(addr)
 
 

@@ -119,6 +119,23 @@ def test_any_exception_during_registration_releases_the_earlier_ones(layout):
         assert len(injected.registered) == 2 and injected.unregistered == injected.registered[::-1]
 
 
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_an_unregister_that_fails_leaves_no_other_range_registered(layout, fail_at):
+    # The other ranges are unregistered all the same, the first failure raised after them; a
+    # second close has nothing left to do.
+    injected = InjectedRegistration(fail_unregister=fail_at)
+    with MappedShards(layout) as mapping:
+        registered = RegisteredMapping(mapping, torch.device("cpu"), calls=injected.calls)
+        assert len(injected.live) == 4
+        with pytest.raises(RegistrationError, match="cudaHostUnregister"):
+            registered.close()
+        order = [r.addr for r in mapping.regions][::-1]
+        assert injected.unregistered == order[:fail_at] + order[fail_at + 1 :]
+        assert injected.live == {} and injected.unregister_calls == 4
+        registered.close()
+        assert injected.unregister_calls == 4
+
+
 def test_registered_mode_serves_through_the_device_pointers(layout, machine, check_rows):
     injected = machine(H200)
     with ple_um.open_table(layout.directory) as table:
