@@ -42,6 +42,7 @@ from helpers.reference import reference_rows
 from helpers.rowcopy_jobs import boundary_ids, in_forked_child, make_job, reader_threads
 
 from ple_um.lookup import rowcopy
+from ple_um.lookup.host import file_reads
 from ple_um.lookup.host.file_reads import FileReader
 from ple_um.mapping import MappedShards
 from ple_um.residency import evict_pages
@@ -537,3 +538,31 @@ def test_the_reader_threads_stop_when_the_last_reader_closes(lib, make_checkpoin
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--lab"]:
     _lab(sys.argv[2], sys.argv[3])
+
+
+def test_the_alignment_probe_raises_what_failed_and_unmaps_its_buffer(tmp_path, monkeypatch):
+    # memoryview() over the probe's buffer failing: that error is raised (not the probe's own), and
+    # the buffer is unmapped.
+    path = tmp_path / "rows"
+    path.write_bytes(bytes(range(256)) * 64)
+    made = []
+
+    def tracked(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    def refused(obj):
+        raise MemoryError("memoryview refused (injected)")
+
+    real = file_reads.mmap.mmap
+    monkeypatch.setattr(file_reads.mmap, "mmap", tracked)
+    monkeypatch.setattr(file_reads, "memoryview", refused, raising=False)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(MemoryError, match="injected"):
+            file_reads._direct_alignment(fd, 16384)
+        assert len(made) == 1 and made[0].closed
+        monkeypatch.undo()
+        assert file_reads._direct_alignment(fd, 16384) == 512  # a buffered descriptor reads at 512
+    finally:
+        os.close(fd)

@@ -41,21 +41,17 @@ _said = threading.Lock()
 
 def _direct_alignment(fd: int, size: int) -> int | None:
     """The block size an O_DIRECT descriptor reads in (the smallest that reads back), or None."""
-    buf = mmap.mmap(-1, 2 * 4096)
-    try:
-        view = memoryview(buf)
+    with mmap.mmap(-1, 2 * 4096) as buf, memoryview(buf) as view:  # released before the map closes
         for align in _ALIGNMENTS:
             if size < 2 * align:
                 continue
             try:
-                if os.preadv(fd, [view[:align]], align) == align:
-                    return align
+                with view[:align] as part:
+                    if os.preadv(fd, [part], align) == align:
+                        return align
             except OSError:
                 continue
         return None
-    finally:
-        view.release()
-        buf.close()
 
 
 def choose_strategy(lib: ctypes.CDLL, asked: str) -> tuple[str, str]:
