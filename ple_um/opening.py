@@ -327,5 +327,5 @@ def _start_serving(access: ModeAccess, paths: LookupPaths, rows: tuple[int, int]
                 each.populate(progress=advance)
     paths.reset_counts()  # the self-test's and the calibration's rows were not lookups
     if paths.fit is not None:
-        paths.fit.start()  # the fit decided again while the table serves (lookup.fit)
+        paths.fit.start()  # the fit decided again while the table serves (lookup.fit_watch)
     return calibration

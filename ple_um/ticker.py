@@ -1,5 +1,5 @@
 """Ticker: a daemon thread that calls ``tick()`` every ``interval`` seconds until it is closed (the
-fit check's, ``lookup.fit.FitWatch``; the stats reporter's, ``metrics.reporter.StatsReporter``)."""
+fit check's, ``lookup.fit_watch.FitWatch``; the stats reporter's, ``metrics.reporter.StatsReporter``)."""
 
 from __future__ import annotations
 

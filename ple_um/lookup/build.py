@@ -11,7 +11,7 @@ import torch
 from ple_um import envs
 from ple_um.access.build import ModeAccess
 from ple_um.checkpoint import ShardLayout
-from ple_um.lookup import fit, open_tables, rowcopy
+from ple_um.lookup import fit, fit_watch, open_tables, rowcopy
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host import misses
 from ple_um.lookup.host.cuda import StreamBlockedError
@@ -136,7 +136,7 @@ def _build_counted(
     if lib is not None and mode in ("cpu", *fit.SWITCHING_MODES) and envs.PLE_UM_FIT == "auto":
         if device.type == "cuda":  # the host path a check builds later makes no CUDA call there
             prepare_device(lib, device)
-        paths.fit = fit.FitWatch(
+        paths.fit = fit_watch.FitWatch(
             paths,
             mappings,
             interval=envs.PLE_UM_FIT_CHECK_SEC,

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ple_um.checkpoint import ShardLayout
-from ple_um.lookup import fit, open_tables
+from ple_um.lookup import fit, fit_watch, open_tables
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host.gather import HostGather, warm_row_cache
@@ -104,7 +104,7 @@ class LookupPaths:
     touched now, else None; ``capture_checks``: a lookup captured on the kernel first has the fit
     checked again (``FitWatch.check_at_capture``; where there is a ``touch_live`` word and fit
     checks, whose captures are told apart already); ``serving``: which of them and why
-    (``fit.Serving``), kept by ``fit`` (``FitWatch``, or None where nothing is decided again);
+    (``fit.Serving``), kept by ``fit`` (``fit_watch.FitWatch``, or None where nothing is decided again);
     ``capture_safe``: every lookup is stream-ordered work; ``row_reads``: how rows are read, in
     words, for the open's log line. A host path replaced (``adopt``) stays until ``close``: graphs
     captured through it still run it."""
@@ -126,7 +126,7 @@ class LookupPaths:
         self.decode_on_host = gpu is None
         self.serving = fit.Serving("host" if gpu is None else "kernel", False, "")
         self.touch_live: np.ndarray | None = None
-        self.fit: fit.FitWatch | None = None
+        self.fit: fit_watch.FitWatch | None = None
         self.capture_checks = False
         self.capture_safe = not isinstance(host, SyncGather)
         self._retired: list[HostGather] = []

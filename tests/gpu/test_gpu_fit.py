@@ -101,11 +101,11 @@ def test_a_capture_checks_the_fit_and_captures_the_host_path_it_built(
     registered mode's are watched here by setting ``capture_checks``), builds the host path with a
     row cache inside the real capture, which stays intact, and captures it; its replays with new
     ids are exact and run the host path, never the kernel."""
-    from ple_um.lookup import fit
+    from ple_um.lookup import fit_watch
 
     monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "3600")
     monkeypatch.setenv("PLE_UM_BULK_ROWS", "100000")  # every lookup here is decode-sized
-    monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 0.0)
+    monkeypatch.setattr(fit_watch, "CAPTURE_CHECK_AGE", 0.0)
     layout = tables["fp8"]
     with ple_um.open_table(layout.directory, mode="registered", device=device) as table:
         assert table.stats()["serving"]["path"] == "kernel" and table.stats()["row_cache"] is None

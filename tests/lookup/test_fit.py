@@ -27,7 +27,7 @@ from helpers.rowcopy_jobs import boundary_ids
 import ple_um
 from ple_um.access import memory
 from ple_um.errors import KnobError
-from ple_um.lookup import fit
+from ple_um.lookup import fit, fit_watch
 from ple_um.lookup.fit import Verdict, choose
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.mapping import PAGE
@@ -726,11 +726,11 @@ def test_a_capture_checks_the_fit_first_and_takes_the_host_path_it_switched_to(
         decode_lookups(table, layout, rng, poison, 2)  # eager: the kernel, no check
         checks = paths.fit.checks
         assert paths.serving.path == "kernel" and checks == 0
-        monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 3600.0)  # the open's measure is fresh
+        monkeypatch.setattr(fit_watch, "CAPTURE_CHECK_AGE", 3600.0)  # the open's measure is fresh
         capture.on = True
         decode_lookups(table, layout, rng, poison, 1)
         assert paths.fit.checks == 0 and paths.serving.path == "kernel"
-        monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 0.0)
+        monkeypatch.setattr(fit_watch, "CAPTURE_CHECK_AGE", 0.0)
         kernel_rows = paths.gpu.read_counts()["rows"]
         host_before = table.stats()["host_lookups"]
         decode_lookups(table, layout, rng, poison, 8)  # captured: the first checks and switches
@@ -745,7 +745,7 @@ def test_a_capture_checks_the_fit_first_and_takes_the_host_path_it_switched_to(
 
 def test_no_capture_check_where_checks_are_off(table_files, machine, memory_left, monkeypatch, rng, poison):
     monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")
-    monkeypatch.setattr(fit, "CAPTURE_CHECK_AGE", 0.0)
+    monkeypatch.setattr(fit_watch, "CAPTURE_CHECK_AGE", 0.0)
     capture = ats_on_a_gpu(monkeypatch, machine)
     with ple_um.open_table(table_files.directory, mode="ats", rows=OWNED) as table:
         memory_left.machine = 1 * MiB
@@ -885,11 +885,11 @@ def test_a_small_row_cache_is_built_again_bigger_once_memory_frees_up(
         memory_left.group = int(1.5 * MiB)  # the 2.6 MiB not in memory still do not fit
         assert [paths.fit.check() for _ in range(3)] == [False] * 3  # the open built just now
         assert paths.host.misses.slots == small and len(paths._hosts()) == 1
-        monkeypatch.setattr(fit, "REGROW_AFTER_S", 0.0)
+        monkeypatch.setattr(fit_watch, "REGROW_AFTER_S", 0.0)
         assert paths.fit.check()
         serving = table.stats()["serving"]
         assert serving["path"] == "host" and serving["switches"] == 1 and "do not fit" in serving["why"]
-        assert paths.host.misses.slots >= fit.REGROW_FACTOR * small and len(paths._hosts()) == 2
+        assert paths.host.misses.slots >= fit_watch.REGROW_FACTOR * small and len(paths._hosts()) == 2
         assert "a row cache of 768.00 KiB" in serving["why"], serving
         assert [paths.fit.check() for _ in range(3)] == [False] * 3 and len(paths._hosts()) == 2
         decode_lookups(table, layout, rng, poison, 8)
@@ -908,7 +908,7 @@ def test_a_row_cache_sized_past_the_memory_left_is_cut_when_a_check_builds_it(
     monkeypatch.setenv("PLE_UM_ROW_CACHE", "2MiB")  # the owned rows' cache needs 2.6 MiB
     machine(GH200)
     layout = table_files
-    caplog.set_level(logging.INFO, logger=fit.logger.name)
+    caplog.set_level(logging.INFO, logger=fit_watch.logger.name)
     with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
         paths = table.paths
         assert paths.serving.path == "kernel" and paths.row_copy is None
@@ -920,7 +920,7 @@ def test_a_row_cache_sized_past_the_memory_left_is_cut_when_a_check_builds_it(
         cut = int(MiB * 0.5)  # PLE_UM_ROW_CACHE_FRACTION's default of the 1 MiB left
         said = f"a row cache of {format_bytes(cut)} (PLE_UM_ROW_CACHE='2MiB' asks 2.00 MiB, past the 1.00 MiB"
         assert said in serving["why"], serving
-        lines = [r.getMessage() for r in caplog.records if r.name == fit.logger.name]
+        lines = [r.getMessage() for r in caplog.records if r.name == fit_watch.logger.name]
         assert lines == [f"ple-um: decode-sized lookups of {layout.directory}: {serving['why']}"], lines
         assert 0 < table.stats()["row_cache"]["bytes"] <= cut
         decode_lookups(table, layout, rng, poison, 16)
@@ -957,7 +957,7 @@ def test_an_explicit_row_cache_cut_by_a_check_grows_back_to_its_size(
         memory_left.machine = int(2.5 * MiB)  # room for the 2 MiB; the 2.6 MiB table does not fit
         assert [paths.fit.check() for _ in range(3)] == [False] * 3  # built just now
         assert paths.host.misses.slots == cut and len(paths._hosts()) == 1
-        monkeypatch.setattr(fit, "REGROW_AFTER_S", 0.0)
+        monkeypatch.setattr(fit_watch, "REGROW_AFTER_S", 0.0)
         assert paths.fit.check()
         serving = table.stats()["serving"]
         assert serving["path"] == "host" and serving["switches"] == 2 and "do not fit" in serving["why"]

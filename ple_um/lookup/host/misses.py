@@ -137,7 +137,7 @@ def _row_cache_terms(mapping: MappedShards, scale_mapping: MappedShards | None) 
 def row_cache_ceiling(mapping: MappedShards, scale_mapping: MappedShards | None) -> int:
     """The slots of the largest row cache ``row_cache`` gives this table whatever the memory left:
     what the owned rows need, or an explicit ``PLE_UM_ROW_CACHE`` (at most that). A cache cut to the
-    memory left is built again toward it (``fit.FitWatch``)."""
+    memory left is built again toward it (``fit_watch.FitWatch``)."""
     knob = envs.PLE_UM_ROW_CACHE
     row_bytes, scales, owned = _row_cache_terms(mapping, scale_mapping)
     cache = owned if knob == "auto" else min(int(knob), owned)
