@@ -296,6 +296,19 @@ def drop_page_cache(layout) -> None:
     evict_pages(layout.files)
 
 
+def fds_of(paths) -> list[str]:
+    """This process's open descriptors of ``paths``."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target in paths:
+            found.append(target)
+    return found
+
+
 def maps_of(paths) -> list[str]:
     """Lines of /proc/self/maps that map one of ``paths``: what this process still maps of them."""
     with open("/proc/self/maps") as f:

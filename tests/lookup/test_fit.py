@@ -21,8 +21,8 @@ import pytest
 import torch
 from helpers.cgroup import run_limited
 from helpers.machines import GH200, H200, HMM
-from helpers.reference import drop_page_cache, reference_rows
-from helpers.rowcopy_jobs import boundary_ids
+from helpers.reference import drop_page_cache, fds_of, reference_rows
+from helpers.rowcopy_jobs import boundary_ids, in_forked_child
 
 import ple_um
 from ple_um.access import memory
@@ -540,6 +540,90 @@ def test_a_forked_child_waits_for_no_reading_of_its_parents_threads(table_files,
             reader.join(30)
 
 
+def test_a_forked_child_closes_a_table_whose_check_held_its_lock(table_files, monkeypatch):
+    """A process forked while another of its threads makes a table's fit check (its lock held): in
+    the child, which has no such thread, a check of that table can be made and its close waits for
+    none of the parent's."""
+    import threading
+    import types
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test's thread
+    holding, done = threading.Event(), threading.Event()
+
+    def monotonic() -> float:  # the check's clock, read under its lock: held there until done
+        if threading.current_thread().name == "checker" and not holding.is_set():
+            holding.set()
+            done.wait(60)
+        return time.monotonic()
+
+    with ple_um.open_table(table_files.directory, mode="cpu", device="cpu", rows=OWNED) as table:
+        monkeypatch.setattr(fit_watch, "time", types.SimpleNamespace(monotonic=monotonic))
+        checker = threading.Thread(target=table.paths.fit.check, name="checker")
+        checker.start()
+        try:
+            assert holding.wait(30) and table.paths.fit._lock.locked()
+
+            def child() -> bool:  # a check or close that waits is killed (SIGALRM)
+                table.paths.fit.check()
+                table.close()
+                return table.closed
+
+            assert in_forked_child(child) == 0
+        finally:
+            done.set()
+            checker.join(30)
+
+
+def test_a_check_and_a_close_wait_for_no_host_path_in_build(table_files, machine, memory_left, monkeypatch):
+    """The check's thread builds a host path (a row cache) for a table that stopped fitting, and its
+    build waits for the sizing lock another process holds: a check made meanwhile (a capture's)
+    returns at once, keeping what serves, and so does the table's close; the build, once it ends,
+    adopts nothing and leaves no descriptor of the files open."""
+    import fcntl
+    import threading
+
+    from ple_um import envs
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0.02")
+    machine(GH200)
+    layout = table_files
+    lock = os.open(os.path.join(envs.PLE_UM_CACHE_DIR, "row-cache.lock"), os.O_RDONLY | os.O_CREAT, 0o600)
+    guard, held = threading.Lock(), [True]
+
+    def let_go() -> None:  # once: by the timer (a check or close that waits), or at the end
+        with guard:
+            if held[0]:
+                held[0] = False
+                os.close(lock)
+
+    release = threading.Timer(8.0, let_go)
+    try:
+        with ple_um.open_table(layout.directory, mode="ats", rows=OWNED) as table:
+            paths, watch = table.paths, table.paths.fit
+            assert paths.serving.path == "kernel" and paths.row_copy is None
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process's sizing, as the build sees it
+            release.start()
+            memory_left.machine, memory_left.group = 1 * MiB, None
+            evict(table)
+            deadline = time.monotonic() + 2
+            while getattr(watch, "_builder", None) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            builder = watch._thread
+            began = time.monotonic()
+            assert watch.check() is False
+            assert time.monotonic() - began < 2, "the check waited for the build"
+            assert paths.serving.path == "kernel" and paths.row_copy is None
+            assert watch._builder == builder.ident, "the check's thread is not building"
+        assert time.monotonic() - began < 2, "the close waited for the build"
+        assert held[0], "the sizing lock was let go before the close returned"
+    finally:
+        release.cancel()
+        let_go()
+    builder.join(30)
+    assert not builder.is_alive() and paths.host is None and watch._builder is None
+    assert fds_of(layout.files) == []
+
+
 def test_files_of_two_filesystems_with_one_inode_number_are_both_counted(table_files, make_checkpoint, rng):
     """Two tables' files that share an inode number and modification time but not a filesystem (two
     mounts number their inodes apart): each file's bytes counted, not the second taken for the
@@ -703,6 +787,55 @@ def test_a_captured_kernel_lookup_holds_a_live_page_touch(
         memory_left.machine = 64 << 30
         table.mapping.populate()
         assert paths.fit.check() and paths.serving.path == "kernel" and live[0] == 0
+
+def test_failed_checks_and_touch_flips_are_logged_at_most_once_a_minute(
+    table_files, machine, memory_left, monkeypatch, caplog
+):
+    """A table evicted and faulted back in again and again flips its page touch at each check: the
+    first flip is logged, the next ones within ``SAY_EVERY_S`` are not, and the first one after it
+    says how many were left out. A check that fails at every interval (``tick_failed``, where the
+    thread hands a failed check) the same, apart from the touch's."""
+    import types
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    ats_on_a_gpu(monkeypatch, machine)
+    clock = [1000.0]
+    caplog.set_level(logging.INFO, logger=fit_watch.logger.name)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == fit_watch.logger.name]
+
+    with ple_um.open_table(table_files.directory, mode="ats", rows=OWNED) as table:
+        paths = table.paths
+        table.mapping.populate()
+        monkeypatch.setattr(fit_watch, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+        caplog.clear()
+        for _ in range(4):
+            evict(table)
+            assert paths.fit.check() and paths.serving.touch and paths.serving.path == "kernel"
+            table.mapping.populate()
+            assert paths.fit.check() and not paths.serving.touch
+        assert len(said()) == 1 and "a page touch before it" in said()[0], said()
+        clock[0] += fit_watch.SAY_EVERY_S
+        evict(table)
+        assert paths.fit.check() and paths.serving.touch
+        assert len(said()) == 2 and said()[1].endswith("(7 more like it in the last 60 s left out)"), said()
+        caplog.clear()
+        for k in range(5):
+            paths.fit.tick_failed(OSError(5, f"injected {k}"))
+        assert len(said()) == 1 and "failed (OSError: [Errno 5] injected 0)" in said()[0], said()
+        clock[0] += fit_watch.SAY_EVERY_S / 2
+        paths.fit.tick_failed(OSError(5, "injected 5"))
+        assert len(said()) == 1
+        clock[0] += fit_watch.SAY_EVERY_S / 2
+        paths.fit.tick_failed(OSError(5, "injected 6"))
+        assert said()[1].endswith("injected 6); the path stays (5 more like it in the last 60 s left out)")
+        # The memory short: a switch of path is always said, the touch's limit aside.
+        memory_left.machine = 1 * MiB
+        assert paths.fit.check() and paths.serving.path == "host" and len(said()) == 3
+        levels = [r.levelno for r in caplog.records if r.name == fit_watch.logger.name]
+        assert levels == [logging.WARNING, logging.WARNING, logging.INFO]
+
 
 
 def test_a_capture_checks_the_fit_first_and_takes_the_host_path_it_switched_to(

@@ -33,7 +33,7 @@ import pytest
 import torch
 from helpers.dropped_tables import drain
 from helpers.machines import GH200, H200, InjectedRegistration
-from helpers.reference import maps_of, reference_rows
+from helpers.reference import fds_of, maps_of, reference_rows
 
 import ple_um
 import ple_um.table
@@ -50,19 +50,6 @@ pytestmark = [
     pytest.mark.skipif(not triton_interpreter(), reason="GPU paths run on the CPU under TRITON_INTERPRET=1"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
 ]
-
-
-def fds_of(paths) -> list[str]:
-    """This process's open descriptors of ``paths``."""
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target in paths:
-            found.append(target)
-    return found
 
 
 def nothing_left(layout, before_tables: int) -> None:
