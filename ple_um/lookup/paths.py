@@ -26,6 +26,7 @@ and the torch ops), each failure a TypeError or ValueError saying what to pass.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 
@@ -94,6 +95,19 @@ def _refuse_dtype(table, out_dtype) -> None:
     raise TypeError(f"out_dtype must be {table.dtype} (raw) or one of bf16, f16, f32; got {out_dtype}")
 
 
+_PATHS: weakref.WeakSet = weakref.WeakSet()  # every LookupPaths of this process
+
+
+def _forked() -> None:
+    """In a forked child, each table's ``adopt`` lock anew: a parent's thread that held it (the stats
+    reporter reading the counts) does not exist there, and the child's close takes it."""
+    for paths in list(_PATHS):
+        paths._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class LookupPaths:
     """The paths of one built mode, for ``layout``'s owned rows on ``device``. ``gpu``: the kernel,
     or None (cpu mode); ``host``: the host path, or None; ``bulk_rows``: GPU-mode lookups of at
@@ -130,7 +144,8 @@ class LookupPaths:
         self.capture_checks = False
         self.capture_safe = not isinstance(host, SyncGather)
         self._retired: list[HostGather] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # made anew in a forked child (``_forked``)
+        _PATHS.add(self)
         self._open_table = None  # its entry in open_tables.OPEN_TABLES: removed at close, or when dropped
 
     def count_in_fits(self, key: int) -> None:

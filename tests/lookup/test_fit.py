@@ -574,6 +574,35 @@ def test_a_forked_child_closes_a_table_whose_check_held_its_lock(table_files, mo
             checker.join(30)
 
 
+def test_a_forked_child_closes_a_table_whose_paths_lock_a_thread_held(table_files):
+    """A process forked while another of its threads holds a table's ``adopt`` lock (as the stats
+    reporter does while it reads the counts): the child, which has no such thread, closes the
+    table."""
+    import threading
+
+    with ple_um.open_table(table_files.directory, mode="cpu", device="cpu", rows=OWNED) as table:
+        holding, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with table.paths._lock:
+                holding.set()
+                done.wait(60)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert holding.wait(30)
+
+            def child() -> bool:  # a close that waits is killed (SIGALRM)
+                table.close()
+                return table.closed
+
+            assert in_forked_child(child) == 0
+        finally:
+            done.set()
+            holder.join(30)
+
+
 def test_a_check_and_a_close_wait_for_no_host_path_in_build(table_files, machine, memory_left, monkeypatch):
     """The check's thread builds a host path (a row cache) for a table that stopped fitting, and its
     build waits for the sizing lock another process holds: a check made meanwhile (a capture's)
