@@ -8,12 +8,14 @@ poisoned, shard edges, ids outside the owned range and the table included.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
 import logging
 import os
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -496,13 +498,33 @@ def test_a_measure_reads_the_other_tables_residency_without_holding_their_lock(
                 seen["third"].close()
 
 
+@contextlib.contextmanager
+def held_by_another_thread(enter):
+    """The context manager ``enter()`` makes, entered in another thread and held there while the
+    with-block runs (a fork made in the block copies it held, by a thread the child lacks)."""
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def hold() -> None:
+        with enter() as value:
+            seen["value"] = value
+            inside.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert inside.wait(30)
+        yield seen["value"]
+    finally:
+        done.set()
+        holder.join(30)
+
+
 def test_a_forked_child_waits_for_no_reading_of_its_parents_threads(table_files, make_checkpoint):
     """A process forked while another of its threads reads an open table's mappings (a fit check's
     ``OPEN_TABLES.others``): in the child, which has no such thread, that table's removal (its
     close) does not wait for the reading, nor for the lock, and the child counts the table no more."""
-    import signal
-    import threading
-
     from ple_um.lookup.open_tables import OPEN_TABLES
 
     with (
@@ -512,32 +534,15 @@ def test_a_forked_child_waits_for_no_reading_of_its_parents_threads(table_files,
         ) as b,
     ):
         (key,) = [k for k, (ms, _) in OPEN_TABLES._tables.items() if b.mapping in ms]
-        reading, done = threading.Event(), threading.Event()
+        with held_by_another_thread(lambda: OPEN_TABLES.others([a.mapping])) as read:
+            assert any(b.mapping in ms for ms, _ in read)
 
-        def read() -> None:
-            with OPEN_TABLES.others([a.mapping]) as others:
-                assert any(b.mapping in ms for ms, _ in others)
-                reading.set()
-                done.wait(60)
+            def child() -> bool:  # a removal that waits is killed (SIGALRM)
+                OPEN_TABLES.remove(key)
+                with OPEN_TABLES.others([a.mapping]) as others:
+                    return not any(b.mapping in ms for ms, _ in others)
 
-        reader = threading.Thread(target=read)
-        reader.start()
-        try:
-            assert reading.wait(30)
-            pid = os.fork()
-            if pid == 0:  # the child: a few plain calls, then out, whatever happens
-                try:
-                    signal.alarm(10)  # a removal that waits is killed here
-                    OPEN_TABLES.remove(key)
-                    with OPEN_TABLES.others([a.mapping]) as others:
-                        os._exit(0 if not any(b.mapping in ms for ms, _ in others) else 3)
-                finally:
-                    os._exit(4)
-            _, status = os.waitpid(pid, 0)
-            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-        finally:
-            done.set()
-            reader.join(30)
+            assert in_forked_child(child) == 0
 
 
 def test_a_forked_child_closes_a_table_whose_check_held_its_lock(table_files, monkeypatch):
@@ -578,29 +583,14 @@ def test_a_forked_child_closes_a_table_whose_paths_lock_a_thread_held(table_file
     """A process forked while another of its threads holds a table's ``adopt`` lock (as the stats
     reporter does while it reads the counts): the child, which has no such thread, closes the
     table."""
-    import threading
-
     with ple_um.open_table(table_files.directory, mode="cpu", device="cpu", rows=OWNED) as table:
-        holding, done = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with table.paths._lock:
-                holding.set()
-                done.wait(60)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        try:
-            assert holding.wait(30)
+        with held_by_another_thread(lambda: table.paths._lock):
 
             def child() -> bool:  # a close that waits is killed (SIGALRM)
                 table.close()
                 return table.closed
 
             assert in_forked_child(child) == 0
-        finally:
-            done.set()
-            holder.join(30)
 
 
 def test_a_check_and_a_close_wait_for_no_host_path_in_build(table_files, machine, memory_left, monkeypatch):
