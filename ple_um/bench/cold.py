@@ -43,7 +43,7 @@ from ple_um.bench import storage
 from ple_um.bench.config import Config, bench_layout, child_request, open_ple_um
 from ple_um.bench.ids import parse_ids
 from ple_um.bench.memlimit import ROW_CACHE_KNOB, Hierarchy, child_main, run_limited
-from ple_um.bench.runner import run_header
+from ple_um.bench.runner import read_bytes, run_header
 from ple_um.bench.timing import Timer, capture, lookup_output, row_cache_hits, summary
 from ple_um.checkpoint import ShardLayout, read_layout
 from ple_um.lookup.rowcopy import INLINE_ROWS
@@ -271,22 +271,34 @@ def _mode(mode: str, layout: ShardLayout, request: dict, device: torch.device) -
             entry["cold_row_reads"] = table.row_reads
             rng = np.random.default_rng(request["seed"])
             timed_runs(table, layout, request, device, graph, probe, files, rng, entry, "cold")
-        drop_table_pages(files)  # opened out of the page cache, as a table larger than memory is
-        # Draws of their own: the steady calls do not repeat the cold calls' ids.
-        rng = np.random.default_rng(request["seed"] + 1)
-        with open_with(layout, mode, device, {}) as table:
-            if graph and not table.capture_safe:
-                graph, entry["timing"] = False, "graph replay cold, eager steady"
-            entry["row_reads"] = table.row_reads
-            with_cache = table.stats().get("row_cache") is not None
-            timed_runs(table, layout, request, device, graph, probe, files, rng, entry, "steady")
-        if with_cache:  # the same limit's memory left to the page cache alone, for comparison
-            drop_table_pages(files)
-            with open_with(layout, mode, device, PAGE_CACHE_KNOBS) as table:
-                timed_runs(
-                    table, layout, request, device, graph, probe, files, rng, entry, "steady_page_cache"
-                )
+        # The steady state: a failure of it leaves the cold figures standing, and says why.
+        what, rng = "the steady state", np.random.default_rng(request["seed"] + 1)
+        try:
+            graph, with_cache = _steady(mode, layout, request, device, graph, probe, files, rng, entry)
+            if with_cache:  # the same limit's memory left to the page cache alone, for comparison
+                what = "the steady state without its row cache"
+                drop_table_pages(files)
+                with open_with(layout, mode, device, PAGE_CACHE_KNOBS) as table:
+                    timed_runs(
+                        table, layout, request, device, graph, probe, files, rng, entry, "steady_page_cache"
+                    )
+        except Exception as exc:  # noqa: BLE001 - reported beside the cold figures, which stand
+            entry["steady_failed"] = f"{what}: {type(exc).__name__}: {exc}"
     return entry
+
+
+def _steady(mode, layout, request, device, graph: bool, probe, files, rng, entry: dict) -> tuple[bool, bool]:
+    """The steady state into ``entry``, in a table opened as the environment says, its ids drawn
+    from ``rng`` (not the cold calls': those ids are not repeated): whether its calls were graph
+    replays, and whether that table has a row cache."""
+    drop_table_pages(files)  # opened out of the page cache, as a table larger than memory is
+    with open_with(layout, mode, device, {}) as table:
+        if graph and not table.capture_safe:
+            graph, entry["timing"] = False, "graph replay cold, eager steady"
+        entry["row_reads"] = table.row_reads
+        with_cache = table.stats().get("row_cache") is not None
+        timed_runs(table, layout, request, device, graph, probe, files, rng, entry, "steady")
+    return graph, with_cache
 
 
 # The key of each steady state's warm-up in a mode's figures: ``entry[key][dist]``.
@@ -311,7 +323,7 @@ def timed_runs(table, layout, request, device, graph: bool, probe, files, rng, e
             draws = [dist.draw(rng, layout.num_rows, n) for _ in range(request["repeats"])]
             row = entry.setdefault(dist.name, {}).setdefault(str(n), {})
             dropped = files if key == "cold" else None
-            row[key] = _timed(call, draws, table, probe, timer, dropped, n * layout.row_bytes)
+            row[key] = _timed(call, draws, table, probe, timer, dropped, n * read_bytes(layout))
             times = ", ".join(f"{k.replace('_', ' ')} {v['median_us']:.1f} us" for k, v in row.items())
             print(f"{table.mode} {dist.name} {n} rows: {times}", file=sys.stderr, flush=True)
 

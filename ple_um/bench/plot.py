@@ -128,13 +128,13 @@ def plot_limits(result: dict, path: str) -> None:
                     line = lines.setdefault((mode, dist, n), {"x": [], "cold": [], "steady": [], "alone": []})
                     line["x"].append(entry["bytes"] / (1 << 30))
                     line["cold"].append(row["cold"]["median_us"])
-                    line["steady"].append(row["steady"]["median_us"])
-                    alone = row.get("steady_page_cache")
-                    line["alone"].append(alone["median_us"] if alone else float("nan"))
+                    # NaN: not measured (no row cache to go without, or a steady state that failed)
+                    for key, got in (("steady", row.get("steady")), ("alone", row.get("steady_page_cache"))):
+                        line[key].append(got["median_us"] if got else float("nan"))
     for (mode, dist, n), line in lines.items():
         color = None  # the first curve's, from the colour cycle, for the line's others
         for key, style, what in _LIMIT_CURVES:
-            if all(v != v for v in line[key]):  # all NaN: no limit measured it (ran without a row cache)
+            if all(v != v for v in line[key]):  # all NaN: no limit measured it
                 continue
             label = f"ple-um {mode}, {dist}, {n} rows, {what}"
             (drawn,) = ax.plot(line["x"], line[key], **style, color=color, label=label)

@@ -198,6 +198,8 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
     for mode, runs in entry["modes"].items():
         if "row_reads" in runs:
             lines.append(f"  ple-um {mode}, steady state: {runs['row_reads']}")
+        if "steady_failed" in runs:
+            lines.append(f"  ple-um {mode}: failed (its cold figures stand): {runs['steady_failed']}")
     head = ["path", "rows", "cold us [p10-p90]", "x storage", "cold: reads, wait us", "steady us [p10-p90]"]
     head += [
         "page cache hits",
@@ -226,12 +228,13 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
                 cells.append([f"ple-um {mode}", f"skipped: {runs['skipped']}"])
                 continue
             for n, row in runs.get(dist, {}).items():
-                cold, steady, alone = row["cold"], row["steady"], row.get("steady_page_cache")
+                cold, steady, alone = row["cold"], row.get("steady"), row.get("steady_page_cache")
                 cells.append(
                     [f"ple-um {mode} ({runs['timing']})", n, cell(cold, rate=False)]
                     + [f"{cold['vs_ceiling']:.2f}x" if "vs_ceiling" in cold else "-", _reads_cell(cold)]
-                    + [cell(steady, rate=False), _share(steady["page_cache_hits"])]
-                    + [_share(steady.get("row_cache_hits"))]
+                    # ``-`` where the steady state failed (``steady_failed``): the cold figures stand.
+                    + [cell(steady, rate=False), _share(steady and steady["page_cache_hits"])]
+                    + [_share(steady and steady.get("row_cache_hits"))]
                     # The steady state without the row cache (``-`` where the steady table had
                     # none, so that run is the page cache's already).
                     + ([cell(alone, rate=False), _share(alone["page_cache_hits"])] if alone else [])

@@ -281,7 +281,8 @@ def _check_machine(cfg: Config, layout) -> None:
 def unmeasured(result: dict, modes: tuple[str, ...] | None) -> list[str]:
     """What a finished run was asked for and has no figures of, each with why: the open figures
     (start-up, --processes), a mode named by --modes that was skipped, a memory limit whose child
-    gave no figures, a mode its child skipped."""
+    gave no figures, a mode its child skipped or whose steady state failed, a serving configuration
+    that failed."""
     missing = []
     if "skipped" in result.get("startup", {}):
         missing.append(f"start-up: {result['startup']['skipped']}")
@@ -292,8 +293,9 @@ def unmeasured(result: dict, modes: tuple[str, ...] | None) -> list[str]:
         if modes and name.removeprefix("ple-um ") in modes and "skipped" in entry:
             missing.append(f"{name}: {entry['skipped']}")
     for name, entry in result.get("configs", {}).items():  # the serving loop's
-        if "skipped" in entry:
-            missing.append(f"{name}: {entry['skipped']}")
+        for what in ("skipped", "failed"):
+            if what in entry:
+                missing.append(f"{name}: {entry[what]}")
     for mode, why in result.get("left_out", {}).items():
         missing.append(f"ple-um {mode}: {why}")
     for entry in result.get("limits", {}).values():
@@ -303,6 +305,8 @@ def unmeasured(result: dict, modes: tuple[str, ...] | None) -> list[str]:
         for mode, runs in entry.get("modes", {}).items():
             if "skipped" in runs:
                 missing.append(f"ple-um {mode} {where}: {runs['skipped']}")
+            if "steady_failed" in runs:
+                missing.append(f"ple-um {mode} {where}: {runs['steady_failed']}")
     return missing
 
 

@@ -288,3 +288,68 @@ def test_a_child_killed_by_its_limit_is_said_so(make_checkpoint):
     (entry,) = result["limits"].values()
     assert "OOM killer" in entry["failed"] and "modes" not in entry
     assert "no figures: the child was killed (SIGKILL)" in report.format_report(result)
+
+
+def _serve(layout, **extra) -> dict:
+    """The child's side of a run (``cold.serve``) in this process: the cpu mode, 16 and 64 rows."""
+    request = {
+        "directory": layout.directory,
+        "layer": layout.layer,
+        "device": "cpu",
+        "modes": ["cpu"],
+        "ids": "uniform",
+        "repeats": 3,
+        "warmup_s": 0.0,
+        "seed": 0,
+        "rows": [16, 64],
+    }
+    return cold.serve(request | extra)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_a_cold_calls_bytes_per_second_count_what_it_reads(make_checkpoint, dtype):
+    """A call's bytes are a row's and its block scales' (an NVFP4 table's): the rule of the other
+    runs' figures (``runner.read_bytes``), cold and steady alike."""
+    from ple_um.bench.runner import read_bytes
+
+    layout = make_checkpoint(num_rows=4000, row_dim=64, dtype=dtype, shards=4)
+    per_row = layout.row_bytes + (layout.scale_layout().row_bytes if layout.is_nvfp4 else 0)
+    assert read_bytes(layout) == per_row
+    runs = _serve(layout)["modes"]["cpu"]["uniform"]
+    for n, row in runs.items():
+        for key in ("cold", "steady"):
+            fig = row[key]
+            assert fig["gbps"] == pytest.approx(int(n) * per_row / (fig["median_us"] * 1e-6) / 1e9), (n, key)
+
+
+def test_a_steady_state_that_fails_keeps_the_cold_figures_and_says_why(
+    make_checkpoint, monkeypatch, tmp_path
+):
+    """The steady table opens as the environment says; a knob there it refuses fails the steady
+    state alone: the cold figures (their own knobs) stand, the failure is named in the figures, the
+    report and the CLI's list of what was not measured (which makes it exit 4)."""
+    from ple_um.cli.bench import unmeasured
+
+    layout = make_checkpoint(num_rows=4000, row_dim=64, dtype="fp8", shards=4)
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "lots")
+    runs = _serve(layout)["modes"]["cpu"]
+    assert "skipped" not in runs, runs
+    assert runs["steady_failed"].startswith("the steady state: "), runs
+    assert "PLE_UM_ROW_CACHE" in runs["steady_failed"]
+    for n in ("16", "64"):
+        assert runs["uniform"][n]["cold"]["calls"] == 3 and "steady" not in runs["uniform"][n]
+    result = {
+        "ids": {"uniform": {}},
+        "storage": {"sizes": {"4096": {"how": "x", "64": {"reads_per_s": 1e5, "us_per_read": 10.0}}}},
+        "limits": {
+            "1024": {"bytes": 1024, "enforced": False, "how": "not enforced: none", "modes": {"cpu": runs}}
+        },
+    }
+    text = "\n".join(report._limit_lines(result["limits"]["1024"], result["ids"]))
+    assert f"ple-um cpu: failed (its cold figures stand): {runs['steady_failed']}" in text
+    assert "| ple-um cpu (eager) | 64 |" in text
+    assert unmeasured(result, ("cpu",)) == [f"ple-um cpu under not enforced: none: {runs['steady_failed']}"]
+    from ple_um.bench.plot import plot_limits
+
+    plot_limits(result | {"device": "cpu", "table": {"bytes": layout.nbytes}}, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
