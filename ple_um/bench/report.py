@@ -280,8 +280,10 @@ def describe(name: str, entry: dict) -> str:
     """One line saying what the serving loop's configuration ``name`` is."""
     if "skipped" in entry:
         return f"skipped: {entry['skipped']}"
+    # A configuration whose timing failed: its figures taken before the error are in the table.
+    failed = f"; failed: {entry['failed']}" if "failed" in entry else ""
     if name in WHAT:
-        return WHAT[name]
+        return WHAT[name] + failed
     text = f"ple-um's {entry.get('mode')} mode, the table where it lies"
     if " under " in name:
         text += f", in a child process held to {name.split(' under ', 1)[1]} of memory"
@@ -291,7 +293,7 @@ def describe(name: str, entry: dict) -> str:
         text += " (with a row cache)"
     if entry.get("capture_safe") is False:
         text += " (not capture-safe: its steps run eagerly)"
-    return text
+    return text + failed
 
 
 def step_cell(row: dict | None) -> str:

@@ -263,7 +263,9 @@ def _configs(request: dict) -> list[tuple[str, str | None, bool]]:
 
 
 def _config(name, mode, with_work, layout, request, work, counts, probe, device, result, log) -> None:
-    """One configuration at every step time (one figure without GPU work) and id distribution."""
+    """One configuration at every step time (one figure without GPU work) and id distribution. One
+    that cannot open is skipped; one whose timing fails keeps the figures it took and is marked
+    failed, with why (``configs[name]["failed"]``): the run goes on with the others."""
     rng = np.random.default_rng(request["seed"])
     try:
         table = open_ple_um(layout, device, mode) if mode is not None else None
@@ -271,8 +273,8 @@ def _config(name, mode, with_work, layout, request, work, counts, probe, device,
         result["configs"][name] = {"skipped": f"{type(exc).__name__}: {exc}"}
         log(f"{name}: skipped ({exc})")
         return
+    entry = result["configs"][name] = {"mode": mode}
     try:
-        entry = result["configs"][name] = {"mode": mode}
         if table is not None:
             entry.update(
                 capture_safe=table.capture_safe, row_cache=table.stats().get("row_cache") is not None
@@ -291,6 +293,9 @@ def _config(name, mode, with_work, layout, request, work, counts, probe, device,
                 work_ms = f"{ms} ms" if with_work else "no GPU work"
                 log(f"{name}, {work_ms}, {dist.name}: {row['median_us'] / 1e3:.2f} ms")
                 del step, pool
+    except Exception as exc:  # noqa: BLE001 - this configuration's failure, reported; not the run's
+        entry["failed"] = f"{type(exc).__name__}: {exc}"
+        log(f"{name}: failed ({entry['failed']})")
     finally:
         if table is not None:
             table.close()

@@ -240,3 +240,45 @@ def test_the_page_cache_share_is_of_rows_a_step_has_not_read_yet(tmp_path, monke
         )
         row = serving.measure(step, pool, 4, 0.0, lambda ids: resident_rows(probe, ids))
         assert row["page_cache_hits"] < 0.5, row
+
+
+def test_a_configuration_whose_timing_fails_is_marked_failed_and_the_run_goes_on(small_table, tmp_path):
+    """An error while a configuration is timed (after its table opened: here its trace file gone
+    between two of its figures, put back once it is reported) marks that configuration failed with
+    its reason, keeps the figures it took, and the run goes on with the others; the report says so
+    and the CLI's list of what was not measured names it (which makes it exit 4)."""
+    import shutil
+
+    from ple_um.bench.trace import sample_path
+    from ple_um.cli.bench import unmeasured
+
+    path, layout = small_table
+    trace = tmp_path / "trace.npz"
+    shutil.copy(sample_path(), trace)
+    ids = parse_ids(f"trace:{trace}")
+    cfg = Config(
+        directory=path, ids=ids, repeats=2, device="cpu", serving=True, step_ms=(1.0, 2.0), warmup_s=0.0
+    )
+    cfg.decode_tokens, cfg.prefill_tokens, cfg.heads = 2, 4, 4
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if line.startswith("resident, 1 ms, "):
+            trace.rename(tmp_path / "away.npz")
+        elif line.startswith("resident: failed"):
+            (tmp_path / "away.npz").rename(trace)
+
+    result = serving.run(cfg, log=log)
+    (dist,) = (d.name for d in ids)
+    failed = result["configs"]["resident"]["failed"]
+    assert failed.startswith("ValueError: ") and "no trace file" in failed, failed
+    assert f"resident: failed ({failed})" in lines
+    assert "resident" in result["steps"]["1"][dist] and "resident" not in result["steps"]["2"][dist]
+    for ms in ("1", "2"):
+        assert {"no PLE", "cpu"} <= set(result["steps"][ms][dist])
+    assert set(result["lookups_alone"][dist]) == {"lookups alone, cpu"}
+    assert all("failed" not in result["configs"][n] for n in ("no PLE", "cpu", "lookups alone, cpu"))
+    text = report.format_report(result)
+    assert f"  resident: {report.WHAT['resident']}; failed: {failed}" in text
+    assert unmeasured(result, None) == [f"resident: {failed}"]
