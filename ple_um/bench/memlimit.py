@@ -4,7 +4,9 @@ lets this process make one, page cache included and no swap; and the child run i
 its stdout, ``child_main`` its side).
 
 cgroup v2: a group below this process's own (``memory.max``, ``memory.swap.max`` 0), the memory
-controller enabled in the parent's ``cgroup.subtree_control`` where it is not yet. cgroup v1: a
+controller enabled in the parent's ``cgroup.subtree_control`` where it is not yet, and turned off
+again when the group is removed unless another group below the parent remains (``MemoryLimit.left``
+then says what stays changed). cgroup v1: a
 group below this process's own in the memory hierarchy (``memory.limit_in_bytes``, and
 ``memory.memsw.limit_in_bytes`` equal to it where swap is accounted). The child is moved into the
 group by the pid it writes, between fork and exec (``preexec``), so everything it maps and reads is
@@ -24,12 +26,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ple_um.access.memory import PROC_MOUNTINFO, cgroup_dir, mounts
+from ple_um.bench.signals import DeferredSignals, terminate_as_interrupt
 from ple_um.units import format_bytes
 
 PROC_CGROUP = "/proc/self/cgroup"
@@ -92,7 +94,11 @@ class MemoryLimit:
     how: str = ""
     why: str = ""
     group: str | None = None
+    # What ``close`` left changed on the machine (a sentence; "" where nothing).
+    left: str = ""
     _procs_fd: int | None = field(default=None, repr=False)
+    # The parent group whose ``cgroup.subtree_control`` this limit turned the memory controller on in.
+    _enabled_in: str | None = field(default=None, repr=False)
 
     @classmethod
     def open(
@@ -135,6 +141,7 @@ class MemoryLimit:
             # The parent must hand the memory controller to its children; a parent that holds
             # processes itself may not (cgroup v2's no-internal-process rule): EBUSY.
             _write(os.path.join(parent, "cgroup.subtree_control"), "+memory")
+            self._enabled_in = parent  # turned off again by ``close`` where nothing else needs it
         _write(os.path.join(self.group, "memory.max"), str(self.limit))
         swap = os.path.join(self.group, "memory.swap.max")
         if os.path.exists(swap):
@@ -218,6 +225,32 @@ class MemoryLimit:
                     ) from None
                 time.sleep(0.05)
         self.group = None
+        self._disable_memory()
+
+    def _disable_memory(self) -> None:
+        """Turn the memory controller off again in the parent where this limit turned it on, once
+        its group is gone, unless another group below the parent (another bench's, or anyone's)
+        remains: that one may rely on it. Where it stays on, ``left`` says so and why."""
+        parent, self._enabled_in = self._enabled_in, None
+        if parent is None:
+            return
+        control = os.path.join(parent, "cgroup.subtree_control")
+        with os.scandir(parent) as found:
+            others = sorted(e.name for e in found if e.is_dir(follow_symlinks=False))
+        if others:
+            self.left = (
+                f"the memory controller stays enabled in {control} (the bench turned it on): other "
+                f"groups below {parent} may rely on it ({', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''})"
+            )
+            return
+        try:
+            _write(control, "-memory")
+        except OSError as exc:
+            self.left = (
+                f"the memory controller stays enabled in {control} (the bench turned it on): turning "
+                f"it off failed ({exc.strerror or exc})"
+            )
 
     def __enter__(self) -> MemoryLimit:
         return self
@@ -262,7 +295,8 @@ def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], mod
     try:
         stdout, stderr = proc.communicate(json.dumps(request))
     finally:  # finished or not: a process it left running would outlive it, and keep its group
-        stop_child(proc, limit)
+        with DeferredSignals():  # a second Ctrl-C (or SIGTERM) does not cut the cleanup short
+            stop_child(proc, limit)
     for line in stderr.splitlines():
         log(f"  {line}")
     if proc.returncode == 0:
@@ -297,44 +331,6 @@ def stop_child(proc: subprocess.Popen, limit: MemoryLimit) -> None:
     proc.wait()
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP while a child runs under a limit (``terminate_as_interrupt``), raised as an
-    interrupt is, so that the same cleanup runs: the child, which leads a session of its own and
-    would outlive this process, killed, and its group removed. ``code``: the exit status a shell
-    gives a process that signal killed (128 + its number)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"terminated by {signal.Signals(signum).name}")
-        self.code = 128 + signum
-
-
-# The signals that would end this process without its cleanup while a child runs under a limit.
-TERMINATING = (signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt():
-    """Within: TERMINATING signals raise Terminated where they would kill this process (their
-    handler the default; one ignored, as under nohup, or the caller's own, stays); their handlers
-    restored after. Python sets handlers in the main thread only: elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminated(signum, _frame):
-        raise Terminated(signum)
-
-    saved = {sig: signal.getsignal(sig) for sig in TERMINATING}
-    for sig, handler in saved.items():
-        if handler is signal.SIG_DFL:
-            signal.signal(sig, terminated)
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
 def run_limited(
     limits: tuple[int, ...],
     request: dict,
@@ -358,12 +354,17 @@ def run_limited(
                 entry = {"bytes": limit, "enforced": held.enforced, "how": held.describe()}
                 entry["peak_bytes"] = held.peak()
             except BaseException:
-                try:
-                    held.close()
-                except OSError as exc:
-                    log(f"warning: {exc.strerror}")
+                with DeferredSignals():  # the group removed whatever further signal comes meanwhile
+                    try:
+                        held.close()
+                    except OSError as exc:
+                        log(f"warning: {exc.strerror}")
                 raise
-            held.close()
+            with DeferredSignals():
+                held.close()
+            if held.left:
+                entry["left"] = held.left
+                log(f"note: {held.left}")
             if not held.enforced:
                 entry["row_cache_knob"] = f"{ROW_CACHE_KNOB}={limit}"
             entries[str(limit)] = entry | found

@@ -182,6 +182,8 @@ def _storage_lines(storage: dict) -> list[str]:
 def _limit_lines(entry: dict, ids: dict) -> list[str]:
     peak = f", peak {format_bytes(entry['peak_bytes'])}" if entry.get("peak_bytes") else ""
     lines = ["", f"memory limit {format_bytes(entry['bytes'])}: {entry['how']}{peak}"]
+    if entry.get("left"):
+        lines.append(f"  note: {entry['left']}")
     if not entry["enforced"]:
         knob = entry.get("row_cache_knob")
         held = (
@@ -325,6 +327,8 @@ def _serving_header(result: dict) -> list[str]:
     lines += [f"  {name}: {describe(name, entry)}" for name, entry in result["configs"].items()]
     for limit in result.get("limits", {}).values():
         lines.append(f"  memory limit {format_bytes(limit['bytes'])}: {limit['how']}")
+        if limit.get("left"):
+            lines.append(f"    note: {limit['left']}")
         if "failed" in limit:
             lines.append(f"    failed: {limit['failed']}")
     lines.append(

@@ -20,7 +20,7 @@ import os
 import sys
 from functools import partial
 
-from ple_um.bench.memlimit import Terminated
+from ple_um.bench.signals import Terminated
 from ple_um.cli import bench, checkpoint, machine
 from ple_um.cli.arguments import Parser, why_not
 from ple_um.cli.output import (

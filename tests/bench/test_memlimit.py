@@ -80,7 +80,34 @@ def test_a_v2_limit_writes_its_files_and_moves_the_child(tmp_path):
         for name in os.listdir(group):  # a plain folder: the control files must go first
             os.unlink(group / name)
     assert not group.exists() and limit.group is None
+    # The controller the limit turned on is turned off with its group (nothing else below the parent).
+    assert (parent / "cgroup.subtree_control").read_text() == "-memory" and limit.left == ""
     limit.close()  # idempotent
+    assert (parent / "cgroup.subtree_control").read_text() == "-memory"
+
+
+def test_a_v2_controller_another_group_may_need_stays_on_and_is_said_so(tmp_path):
+    """Another group below the parent (another bench's, or anyone's) may rely on the memory
+    controller the limit turned on: it stays on, and ``left`` (the limit's entry, the report) says
+    so, naming the file and why."""
+    from ple_um.bench import report
+
+    parent = tmp_path / "me"
+    (parent / "someone-else").mkdir(parents=True)
+    (parent / "cgroup.subtree_control").write_text("")
+    with MemoryLimit.open(64 * MiB, "bench-2", (Hierarchy(2, str(parent)), "")) as limit:
+        assert limit.enforced and (parent / "cgroup.subtree_control").read_text() == "+memory"
+        for name in os.listdir(parent / "bench-2"):
+            os.unlink(parent / "bench-2" / name)
+    assert not (parent / "bench-2").exists()
+    assert (parent / "cgroup.subtree_control").read_text() == "+memory"
+    control = parent / "cgroup.subtree_control"
+    assert limit.left == (
+        f"the memory controller stays enabled in {control} (the bench turned it on): other groups "
+        f"below {parent} may rely on it (someone-else)"
+    )
+    entry = {"bytes": 64 * MiB, "enforced": True, "how": limit.how, "left": limit.left, "failed": "x"}
+    assert f"  note: {limit.left}" in report._limit_lines(entry, {})
 
 
 def test_a_v2_group_that_cannot_delegate_takes_the_hierarchys_top(tmp_path):

@@ -218,10 +218,10 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs, sig=signal.SIGINT):
+def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs, sig=signal.SIGINT, again=()):
     """Start `ple-um bench --memory-limit` (after ``prelude``), wait for its child to run (and the
-    ``group_dirs(pid)`` to exist), send the bench ``sig``: (the finished bench, the child processes
-    it had, its pid)."""
+    ``group_dirs(pid)`` to exist), send the bench ``sig``, then each signal of ``again`` a
+    millisecond apart while it runs: (the finished bench, the child processes it had, its pid)."""
     cache = tmp_path / "cache"
     code = prelude + "import sys; from ple_um import cli; sys.exit(cli.main(sys.argv[1:]))"
     argv = ["bench", *SMALL, "--memory-limit", "768MiB", "--rows", "16", "--repeats", "2", "--warmup", "60"]
@@ -242,6 +242,11 @@ def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs, sig=signal.SIGI
     assert children, "the bench's child never started"
     time.sleep(3)  # the child is importing or looking up
     proc.send_signal(sig)
+    for more in again:  # during its cleanup: the child's kill and wait, the group's removal
+        time.sleep(0.001)
+        if proc.poll() is not None:
+            break
+        proc.send_signal(more)
     out, err = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), children, proc.pid
 
@@ -278,6 +283,41 @@ def test_an_interrupt_under_a_memory_limit_removes_its_cgroup_and_child(tmp_path
         pytest.skip(f"no cgroup can be made in {found.group}: {exc.strerror}")
     done, children, pid = _interrupt_under_a_limit(tmp_path, "", groups, sig)
     _check_nothing_left(done, children, tmp_path, sig)
+    assert not [g for g in groups(pid) if os.path.exists(g)]
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["cgroup", "no cgroup"])
+def test_signals_during_the_cleanup_wait_for_its_end(tmp_path, grouped):
+    """Ctrl-C, then more Ctrl-C and SIGTERM while the bench kills its child and removes its group:
+    they wait for the cleanup's end (the child killed and reaped, the group removed), then the bench
+    ends as the first asked, without a traceback."""
+    prelude = ""
+    if grouped:
+        found, why = find_hierarchy()
+        if found is None:
+            pytest.skip(f"no memory cgroup here: {why}")
+
+        def groups(pid: int) -> list[str]:
+            return [os.path.join(found.group, f"ple-um-bench-{pid}-0")]
+    else:
+        prelude = (
+            "from ple_um.bench import memlimit\n"
+            "memlimit.find_hierarchy = lambda *a: (None, 'no memory cgroup in this test')\n"
+        )
+
+        def groups(pid: int) -> list[str]:
+            return []
+
+    again = [signal.SIGINT, signal.SIGTERM] * 150
+    done, children, pid = _interrupt_under_a_limit(tmp_path, prelude, groups, signal.SIGINT, again)
+    # The run ends as the interrupt asked (a SIGTERM that comes before the cleanup starts, while
+    # the interrupt unwinds, is the one asked); signals still coming once the cleanup is done end
+    # the bench as they would any process.
+    said = {"ple-um bench: error: interrupted", "ple-um bench: error: terminated by SIGTERM"}
+    assert said & set(done.stderr.splitlines()), done.stderr[-3000:]
+    codes = (cli.EXIT_INTERRUPTED, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
+    assert done.returncode in codes, done.stderr[-3000:]
+    assert not [p for p in children if alive(p)]
     assert not [g for g in groups(pid) if os.path.exists(g)]
 
 
