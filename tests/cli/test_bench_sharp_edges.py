@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from helpers.cgroup import alive
+from helpers.cgroup import alive, started
 from helpers.cli import REPO, run, run_json, two_layer_checkpoint
 
 import ple_um
@@ -198,9 +198,9 @@ def test_a_table_that_vanishes_after_its_lookups_keeps_their_figures(capsys, tmp
 
 
 # -- Ctrl-C under --memory-limit -------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    """The bench's limited children (``python -m ple_um...``): not a helper process an import
-    starts and reaps on its own (one a loaded machine may catch)."""
+def _children(pid: int) -> list[tuple[int, int]]:
+    """The bench's limited children (``python -m ple_um...``), each a pid and when it started: not
+    a helper process an import starts and reaps on its own (one a loaded machine may catch)."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             pids = [int(x) for x in f.read().split()]
@@ -213,8 +213,9 @@ def _children(pid: int) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"-m" in argv and any(a.startswith(b"ple_um.") for a in argv):
-            found.append(child)
+        when = started(child)
+        if b"-m" in argv and any(a.startswith(b"ple_um.") for a in argv) and when is not None:
+            found.append((child, when))
     return found
 
 
@@ -233,7 +234,7 @@ def _interrupt_under_a_limit(tmp_path, prelude: str, group_dirs, sig=signal.SIGI
         env={**os.environ, "PLE_UM_CACHE_DIR": str(cache), "PYTHONPATH": REPO},
     )
     deadline = time.monotonic() + 300
-    children: list[int] = []
+    children: list[tuple[int, int]] = []
     while time.monotonic() < deadline and proc.poll() is None:
         children = _children(proc.pid)
         if children and all(os.path.exists(d) for d in group_dirs(proc.pid)):
@@ -259,7 +260,7 @@ def _check_nothing_left(done, children, tmp_path, sig=signal.SIGINT) -> None:
     assert done.returncode == code, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1] == f"ple-um bench: error: {said}"
     assert "Traceback" not in done.stderr
-    assert not [pid for pid in children if alive(pid)]
+    assert not [pid for pid, since in children if alive(pid, since)]
     cache = tmp_path / "cache"
     assert not [n for n in os.listdir(cache) if n.endswith(".partial") or n.startswith(".")]
 
@@ -317,7 +318,7 @@ def test_signals_during_the_cleanup_wait_for_its_end(tmp_path, grouped):
     assert said & set(done.stderr.splitlines()), done.stderr[-3000:]
     codes = (cli.EXIT_INTERRUPTED, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
     assert done.returncode in codes, done.stderr[-3000:]
-    assert not [p for p in children if alive(p)]
+    assert not [p for p, since in children if alive(p, since)]
     assert not [g for g in groups(pid) if os.path.exists(g)]
 
 

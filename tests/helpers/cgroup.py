@@ -39,10 +39,23 @@ def run_limited(name: str, code_for: Callable[[str, bool], str], env: dict | Non
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+def started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot: /proc/PID/stat's 22nd field), or None
+    where there is none: with the pid, one process, never a later one given the same pid."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
+            return int(f.read().split(") ")[-1].split()[19])
+    except OSError:
+        return None
+
+
+def alive(pid: int, since: int | None = None) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not); with ``since``
+    (``started(pid)`` when it was seen), only the process that started then, not one given its pid
+    after it ended (pids wrap at /proc/sys/kernel/pid_max, 32 768 on many machines)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().split(") ")[-1]
     except OSError:
         return False
+    return state[:1] != "Z" and (since is None or int(state.split()[19]) == since)
