@@ -45,7 +45,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm.models.deepseek_v41.common.engram import ParallelEngramEmbedding
 
 from ple_um import envs
-from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry
+from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry, read_engram_layout
 from ple_um.delivered import compare_shard
 from ple_um.errors import CheckpointError
 from ple_um.opening import open_engram_table
@@ -199,8 +199,7 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
             raise CheckpointError(
                 f"ple-um: {self.prefix}: the checkpoint's {what} is {loaded.dtype} {list(loaded.shape)}, "
                 f"the layer expects {' or '.join(map(str, dtypes))} {list(expect)}",
-                path=backing[0] if backing else None,
-                tensor=f"layers.{self.layer_id}.engram.embed.{'scale' if scales else 'weight'}",
+                **self._checkpoint_tensor(scales, backing),
             )
         in_memory = backing is None or not self.source.is_table_file(backing[0])
         if in_memory and loaded.device.type != "meta":
@@ -216,6 +215,26 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         self._received.add(what)
         if self._received == {"weight", "weight_scale_inv"}:
             self.finish_load()
+
+    def _checkpoint_tensor(self, scales: bool, backing: tuple[str, int] | None) -> dict:
+        """Where the table's rows (or with ``scales`` its E8M0 scales) are in the checkpoint, for an
+        error: ``tensor``, the full name in the checkpoint's index (its headers', which vLLM's weights
+        mapper renames before the loader sees it), and ``path``, the file a delivered view is of,
+        else the file that holds it. Where the headers cannot tell, the name without a prefix."""
+        kind = "scale" if scales else "weight"
+        tensor, path = f"layers.{self.layer_id}.engram.embed.{kind}", backing[0] if backing else None
+        try:
+            table = self.served.table
+            layout = (
+                table.layout
+                if table is not None
+                else read_engram_layout(self.source.directory(), self.layer_id, self.geometry)
+            )
+            spec = (layout.block_scales if scales else layout.shards)[0]
+            tensor, path = spec.tensor, path or spec.path
+        except (CheckpointError, OSError, IndexError, ValueError):
+            pass
+        return {"path": path, "tensor": tensor}
 
     def finish_load(self) -> None:
         """Open (or keep) this rank's rows of the table from the checkpoint directory."""

@@ -18,6 +18,7 @@ maps (``delivered.compare_shard``); a view of a table file on disk is not read a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +27,8 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEUnquantizedEmbeddingMethod,
 )
 
-from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, check_shape
+from ple_um.checkpoint import NVFP4_BLOCK, ShardLayout, check_shape, read_layout
+from ple_um.checkpoint.naming import global_scale_name, scale_name
 from ple_um.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -75,10 +77,13 @@ def check_shard(
     one the layer's embedding method loads, of the shape vLLM's loader requires: else a
     CheckpointError (a ValueError, as stock raises) naming the file and the tensor."""
     parts, num_rows = _parts(layer), layer.org_vocab_size
-    where = {"path": backing[0] if backing else None, "tensor": f"ngram_embedding.shard_{index}.{name}"}
+
+    def where() -> dict:
+        return checkpoint_tensor(layer, index, name, backing)
+
     if not 0 <= index < parts:
         raise CheckpointError(
-            f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({layer.prefix})", **where
+            f"PLE embedding shard index {index} exceeds split_ngram_parts={parts} ({layer.prefix})", **where()
         )
     sharded = _sharded(layer)
     _check_shard_kind(layer, sharded, index, tensor, name, where)
@@ -96,8 +101,28 @@ def check_shard(
         raise CheckpointError(
             f"Shape mismatch for PLE embedding shard {index}{'' if name == 'weight' else ' ' + name} of "
             f"{layer.prefix}: got {tuple(tensor.shape)}, expected {(rows, width)}: {what}",
-            **where,
+            **where(),
         )
+
+
+def checkpoint_tensor(
+    layer: Qwen4ExpPLEMappedEmbedding, index: int, name: str, backing: tuple[str, int] | None
+) -> dict:
+    """Where shard tensor ``shard_<index>.<name>`` of the layer is in the checkpoint, for an error:
+    ``tensor``, its full name in the checkpoint's index (its headers', which vLLM's weights mapper
+    may have renamed before the layer saw it), and ``path``, the file it is a view of, else the
+    file the checkpoint holds it in. Where the headers cannot tell (no such shard, unreadable
+    files), the name under the layer's prefix."""
+    tensor, path = f"{layer.prefix}.shard_{index}.{name}", backing[0] if backing else None
+    try:
+        table = layer.served.table
+        layout = table.layout if table is not None else read_layout(layer.source.directory(), layer.layer)
+        specs = layout.shards if name == "weight" else layout.block_scales
+        if 0 <= index < len(specs):
+            tensor, path = specs[index].tensor, path or specs[index].path
+    except (CheckpointError, OSError):
+        pass
+    return {"path": path, "tensor": tensor}
 
 
 def _check_shard_kind(
@@ -106,17 +131,17 @@ def _check_shard_kind(
     index: int,
     tensor: torch.Tensor,
     name: str,
-    where: dict,
+    where: Callable[[], dict],
 ) -> None:
     """The delivered tensor must be of the kind the layer's embedding method loads: an NVFP4
     checkpoint under an FP8 or 16-bit method, or the reverse, fails here naming the cure (and
-    ``where``: the file and the tensor)."""
+    ``where()``: the file and the tensor)."""
     method, prefix = type(layer.embedding_method).__name__, layer.prefix
     if name not in sharded:
         raise CheckpointError(
             f"{prefix}: the checkpoint splits NVFP4 block scales into shards (shard_<i>.{name}), "
             f"but the layer's {method} serves {layer.weight.dtype} rows: {NVFP4_HINT}",
-            **where,
+            **where(),
         )
     dtype = sharded[name][1]
     if layer.is_nvfp4 and tensor.dtype != dtype:
@@ -125,13 +150,13 @@ def _check_shard_kind(
             f"{prefix}: NVFP4 PLE shard {index} {name} requires {dtype}, got {tensor.dtype}: "
             f"the layer's {method} serves NVFP4 (ple_embedding_dtype='nvfp4' or its quantization "
             "config) but the checkpoint's table is not NVFP4: configure the layer for the table's dtype",
-            **where,
+            **where(),
         )
     if not layer.is_nvfp4 and tensor.dtype == torch.uint8:
         raise CheckpointError(
             f"{prefix}: shard {index} holds packed NVFP4 rows (uint8), but the layer's {method} "
             f"serves {dtype} rows: {NVFP4_HINT}",
-            **where,
+            **where(),
         )
 
 
@@ -145,10 +170,10 @@ def check_layout(layer: Qwen4ExpPLEMappedEmbedding, layout: ShardLayout) -> None
     where = {"path": first.path, "tensor": first.tensor}
     _check_layout_dtype(layer, layout, where)
     if isinstance(layer.embedding_method, Qwen4ExpPLEFp8EmbeddingMethod) and layout.scale is None:
-        raise CheckpointError(f"{prefix}: the FP8 table has no ngram_embedding.weight_scale", **where)
+        raise CheckpointError(f"{prefix}: the FP8 table has no {scale_name(first.tensor)}", **where)
     if layer.is_nvfp4 and layout.scale is None:
         raise CheckpointError(
-            f"{prefix}: the NVFP4 table has no ngram_embedding.weight_scale_2 (its global scale)",
+            f"{prefix}: the NVFP4 table has no {global_scale_name(first.tensor)} (its global scale)",
             **where,
         )
     if layer.is_nvfp4 and len(layout.block_scales) != layout.parts:

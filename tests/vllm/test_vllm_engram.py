@@ -136,15 +136,21 @@ def test_a_tensor_of_the_wrong_shape_is_refused(engram_world, monkeypatch, check
 
     ours, _ = _build(engram_world, monkeypatch, True, 0)
     weight, _ = _tensors(checkpoint, LAYERS[1])  # the other layer's rows: 3100, not 2700
+    from ple_um.synthetic_engram import FILE_NAME, scale_name, weight_name
+
+    path = str(checkpoint / FILE_NAME)
     with pytest.raises(CheckpointError, match="the layer expects .* \\[2700, 64\\]") as info:
         ours.weight.weight_loader(ours.weight, weight)
-    assert info.value.tensor == "layers.2.engram.embed.weight"
+    # The checkpoint's own name of the layer's rows (with its prefix, as in its index) and its file.
+    assert info.value.tensor == weight_name(LAYERS[0]) and LAYERS[0] == 2
+    assert os.path.realpath(info.value.path) == os.path.realpath(path), str(info.value)
+    _, scales = _tensors(checkpoint, LAYERS[1])
+    with pytest.raises(CheckpointError, match="the layer expects") as info:
+        ours.weight_scale_inv.weight_loader(ours.weight_scale_inv, scales)
+    assert info.value.tensor == scale_name(LAYERS[0])
     # As vLLM's safetensors iterator delivers it (a view of the file): the file is named too.
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
-    from ple_um.synthetic_engram import FILE_NAME, weight_name
-
-    path = str(checkpoint / FILE_NAME)
     view = dict(safetensors_weights_iterator([path], False))[weight_name(LAYERS[1])]
     with pytest.raises(CheckpointError, match="the layer expects") as info:
         ours.weight.weight_loader(ours.weight, view)

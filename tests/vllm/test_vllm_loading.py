@@ -208,6 +208,30 @@ def test_wrong_shard_count(world, patched, table_dir, tmp_path, dtype):
         h.load(module, right.directory)
 
 
+@pytest.mark.parametrize("kind", ["weight", "weight_scale"])
+@pytest.mark.parametrize("open_first", [False, True], ids=["not-open", "open"])
+def test_a_wrong_shard_names_the_checkpoints_full_tensor_and_file(
+    world, patched, table_dir, tmp_path, kind, open_first
+):
+    """A shard tensor of the wrong shape delivered in memory (a weight sync): the error names the
+    tensor as the checkpoint's index does (its full name, not the layer-relative one vLLM hands the
+    layer) and the file that holds it, whether the table is open yet or not."""
+    config = h.text_config(dtype="nvfp4")
+    layout = h.write_table(table_dir(tmp_path / "model"), config, dtype="nvfp4")
+    module = h.build(config, ple_um_on=True)
+    if open_first:
+        h.load(module, layout.directory)
+    shard = 2
+    name = f"ngram_embedding.shard_{shard}.{kind}"
+    tensor = dict(h.delivered(layout.directory, "memory"))[name]
+    with pytest.raises(ple_um.CheckpointError, match="Shape mismatch") as info:
+        module.load_weights(iter([(name, tensor[:-1])]))
+    spec = (layout.shards if kind == "weight" else layout.block_scales)[shard]
+    assert spec.tensor.startswith(synthetic.PREFIX) and spec.tensor.endswith(name)
+    assert info.value.tensor == spec.tensor, str(info.value)
+    assert os.path.realpath(info.value.path) == os.path.realpath(spec.path), str(info.value)
+
+
 DTYPE_PAIRS = [(a, b) for a in ("fp8", "bf16", "nvfp4") for b in ("fp8", "bf16", "nvfp4") if a != b]
 PAIR_IDS = [f"{a}-layer-{b}-table" for a, b in DTYPE_PAIRS]
 
