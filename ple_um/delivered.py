@@ -102,43 +102,105 @@ class Deliveries:
     loads itself, ``note_scale``), until the load finishes (``clear``). A load that delivered some of a
     table's tensors in memory but not all of them is partial: a weight sync spread over several
     ``load_weights`` calls, whose new table is checked once all of it is in (``partial``), as stock
-    vLLM's layerwise reload processes a layer once all its weights are loaded."""
+    vLLM's layerwise reload processes a layer once all its weights are loaded. While it waits, the
+    global scale the sync delivered is held here (``held``), the old table serving with its own."""
 
     def __init__(self) -> None:
         self.names: set[str] = set()
+        self.held: torch.Tensor | None = None  # the global scale a partial load delivered
+        self.calls = 0  # tensors delivered since the last finish (``finish_load``)
+        self.fresh_scale = False  # the engine loaded the global scale since the last finish
 
     def note(self, index: int, kind: str) -> None:
         self.names.add("scale" if kind == "weight_scale_2" else f"shard_{index}.{kind}")
+        self.calls += 1
 
     def note_scale(self) -> None:
         self.names.add("scale")
+        self.calls += 1
+        self.fresh_scale = True
 
     def clear(self) -> None:
         self.names.clear()
+        self.held, self.calls, self.fresh_scale = None, 0, False
+
+    def lacking(self, table: MappedTable) -> list[str]:
+        """What of ``table`` the load has not delivered: each shard's rows, an NVFP4 table's block
+        scales, its global scale where it has one, as ``shard_<i>.<kind>`` and ``scale``."""
+        layout = table.layout
+        kinds = ("weight", "weight_scale") if layout.has_block_scales else ("weight",)
+        whole = [f"shard_{i}.{kind}" for i in range(layout.parts) for kind in kinds]
+        if table.scale is not None:
+            whole.append("scale")
+        return [name for name in whole if name not in self.names]
 
     def partial(self, table: MappedTable) -> bool:
         """Whether the load delivered some shard tensor of ``table`` in memory but not every one of its
         tensors: each shard's rows, an NVFP4 table's block scales, its global scale where it has one."""
-        layout = table.layout
-        kinds = ("weight", "weight_scale") if layout.has_block_scales else ("weight",)
-        whole = {f"shard_{i}.{kind}" for i in range(layout.parts) for kind in kinds}
-        if table.scale is not None:
-            whole.add("scale")
-        return any(name.startswith("shard_") for name in self.names) and not whole <= self.names
+        return any(name.startswith("shard_") for name in self.names) and bool(self.lacking(table))
 
 
 def finish_load(layer) -> None:
     """After a load (or one call of it), for an engine's ``ServedLayer``: its table is open
     (``ensure_table``: a new one staged), and the global scale the engine loaded
-    (``layer.global_scale()``) is the table's; then the table serves. A new table stays staged, the
-    old one serving, while the load delivered part of it in memory (``Deliveries.partial``): the
-    call that completes it checks it. A refusal, or a table that cannot open, ends the load as a
-    failed one (``abandon_load``) and raises. Shared by both engines' layers."""
+    (``layer.global_scale()``) is the table's; then the table serves. A refusal, or a table that
+    cannot open, ends the load as a failed one (``abandon_load``) and raises. Shared by both
+    engines' layers; ``finish_loads`` for every layer of one model's load."""
+    if check_load(layer):
+        layer.served.commit(layer.prefix)
+
+
+def finish_loads(layers) -> None:
+    """``finish_load`` for every ple-um layer of one model's load: each layer's new table is checked
+    first, and only once all of them pass do they serve; one refused (or a KeyboardInterrupt) ends
+    the load of every layer as a failed one, each old table serving on with its own scale."""
+    layers = list(layers)
+    try:
+        ready = [layer for layer in layers if check_load(layer)]
+    except BaseException:
+        for layer in layers:
+            abandon_load(layer)
+        raise
+    for layer in ready:
+        layer.served.commit(layer.prefix)
+
+
+def check_load(layer) -> bool:
+    """The checks of ``finish_load``: True when the table may serve (``commit``). A new table stays
+    staged, the old one serving with its own global scale, while the load delivered only part of it
+    in memory (``Deliveries.partial``): the call that completes it checks it (against the global
+    scale the sync delivered, held meanwhile) and returns True. A call that delivered nothing of it
+    ends the sync without its rest: the staged table is closed, said in the log."""
     name, scale, expected = layer.global_scale()
     try:
         table, deliveries = layer.ensure_table(), layer.deliveries()
         if layer.served.staged is not None and deliveries.partial(table):
-            return
+            lacks = ", ".join(deliveries.lacking(table))
+            if deliveries.calls == 0:
+                layer.served.logger.warning(
+                    "ple-um: %s: the load delivered nothing more of the new table in %s in memory; "
+                    "it lacked %s: closed, the old table serves on",
+                    layer.prefix,
+                    table.layout.directory,
+                    lacks,
+                )
+                abandon_load(layer)
+                return False
+            if deliveries.fresh_scale and scale is not None:
+                deliveries.held = scale.detach().clone()
+            _restore_scale(layer)
+            deliveries.calls, deliveries.fresh_scale = 0, False
+            layer.served.logger.info(
+                "ple-um: %s: the new table in %s stays staged, the old one serving, until the load "
+                "delivers the rest of it in memory: %s",
+                layer.prefix,
+                table.layout.directory,
+                lacks,
+            )
+            return False
+        if deliveries.held is not None and not deliveries.fresh_scale and scale is not None:
+            with torch.no_grad():
+                scale.copy_(deliveries.held)
         deliveries.clear()
         want = None if scale is None else expected(table)
         if want is not None:
@@ -146,7 +208,20 @@ def finish_load(layer) -> None:
     except BaseException:
         abandon_load(layer)
         raise
-    layer.served.commit(layer.prefix)
+    return True
+
+
+def layer_stats(layer, sync: bool = True) -> dict:
+    """An engine's ``ServedLayer.stats()``: the serving table's ``MappedTable.stats`` (none before a
+    table is open), and ``staged``: a new table a weight sync delivered only part of, which does not
+    serve yet, as its ``directory`` and what of it the sync ``lacks`` (``Deliveries.lacking``:
+    ``shard_<i>.<kind>``, ``scale``), or None."""
+    table, staged = layer.served.table, layer.served.staged
+    found = table.stats(sync=sync) if table is not None else {}
+    lacks = (
+        None if staged is None else {"directory": staged[1], "lacks": layer.deliveries().lacking(staged[0])}
+    )
+    return {**found, "staged": lacks}
 
 
 def abandon_load(layer) -> None:
@@ -155,6 +230,11 @@ def abandon_load(layer) -> None:
     failed load's into the layer."""
     layer.served.discard()
     layer.deliveries().clear()
+    _restore_scale(layer)
+
+
+def _restore_scale(layer) -> None:
+    """The layer's global scale set back to the serving table's, where there are both."""
     _, scale, expected = layer.global_scale()
     serving = layer.served.table
     if serving is not None and scale is not None and (old := expected(serving)) is not None:

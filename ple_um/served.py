@@ -12,7 +12,7 @@ SGLang; what each engine checks around an open, and how it calls a lookup, stays
   lookup of it (they hold its mapping, so a remap is refused); the open's log line, at INFO with the
   probe's report for the first layer a plugin opens in the process and at DEBUG for the rest.
 - ``ServedLayer``: what an engine's layer class gets from its ``ServedTable`` (the table, its rows,
-  its ``extra_repr``, a delivered tensor compared, closing it).
+  its ``extra_repr``, a delivered tensor compared, ``stats`` with a staged table, closing it).
 - ``compare_shard`` (``ple_um.delivered``, here for the engines): a shard (or NVFP4's global scale) a
   load delivers in memory compared with the mapped bytes, since the table is served read-only
   (``ReloadMismatchError``); ``ServedTable.check_scale`` the global scale the engine loaded;
@@ -33,7 +33,7 @@ import torch
 
 from ple_um import envs
 from ple_um.checkpoint import replaced_files
-from ple_um.delivered import Deliveries, abandon_load, compare_shard
+from ple_um.delivered import Deliveries, abandon_load, compare_shard, layer_stats
 from ple_um.errors import CheckpointError
 from ple_um.lookup.streams import own_stream
 from ple_um.opening import open_table
@@ -211,8 +211,7 @@ class ServedTable:
         self.logger.info(line + "\n%s", *args, table.report.describe())
 
     def close(self) -> None:
-        """Close the table and a staged one (its graphs go with it: none holds the next one opened);
-        idempotent."""
+        """Close the table and a staged one, idempotently (its graphs go with it: none holds the next one)."""
         self.discard()
         table, self.table, self.directory, self.captured = self.table, None, None, False
         if table is not None:
@@ -294,6 +293,10 @@ class ServedLayer:
     def abandon_load(self) -> None:
         """A load failed (``delivered.abandon_load``): the old table serves on, with its scale."""
         abandon_load(self)
+
+    def stats(self, *, sync: bool = True) -> dict:
+        """The serving table's ``stats`` and the ``staged`` table (``delivered.layer_stats``)."""
+        return layer_stats(self, sync)
 
     def close_table(self) -> None:
         """Release the table's mappings and access resources; idempotent."""

@@ -15,8 +15,9 @@ Two hooks (registered by ``plugin``):
   still arrives (a loader that does not go through the iterator above, ``update_weights_from_tensor``)
   goes to its layer's ``compare_delivered``, which compares it with the mapped files instead of copying
   it; once SGLang's own method has loaded the rest (the FP8 ``weight_scale`` among it), each
-  ple-um layer opens its table (``finish_load``): a new one (another directory, replaced files)
-  serves only once checked against that scale, the old one serving on where it is refused.
+  ple-um layer opens its table (``delivered.finish_loads``): a new one (another directory,
+  replaced files) serves only once checked against that scale, and only once every layer's is,
+  the old ones serving on where one is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import safetensors
 import torch
 from sglang.srt.models.qwen4_exp import Qwen4ExpNGramEmbedding
 
-from ple_um import envs
+from ple_um import delivered, envs
 from ple_um.checkpoint import find_layers, read_layout
 from ple_um.sglang.embedding import NOT_APPLIED, PleUmHostEmbedding, applied
 from ple_um.sglang.source import note_model_folder, table_directory, table_tensor
@@ -121,7 +122,7 @@ def load_weights(original, model, weights: Iterable[tuple[str, torch.Tensor]]):
     for name, layer in served.values():
         if loaded is not None and f"{name}.weight_scale" in loaded:
             layer.deliveries().note_scale()
-        layer.finish_load()
+    delivered.finish_loads(layer for _, layer in served.values())  # every new table checked first
     if loaded is not None:  # as stock reports a table it copied
         loaded.update(f"{name}.weight" for name, _ in served.values())
     return loaded

@@ -19,7 +19,8 @@ puts them back):
   when the first ple-um layer is built inside one: ``is_unused_checkpoint_weight`` (vLLM then skips
   files that hold only shard tensors and NVFP4 block scales, even with loaders that read whole
   files) and ``load_weights`` (``check_headers`` on every ple-um layer before vLLM's loader opens
-  a file, ``finish_load`` once the whole model is loaded, then ``early.link_model``).
+  a file, ``delivered.finish_loads`` once the whole model is loaded: every layer's new table
+  checked before any serves; then ``early.link_model``).
 
 The patched constructor reads PLE_UM each time a layer is built: with it unset the layer is stock.
 """
@@ -37,7 +38,7 @@ import torch
 import vllm
 from vllm.logger import init_logger
 
-from ple_um import envs
+from ple_um import delivered, envs
 from ple_um.checkpoint import ple_match
 from ple_um.errors import CheckpointError
 from ple_um.vllm import early
@@ -214,8 +215,7 @@ def _model_load_weights(original):
         finally:
             for backend in backends:
                 backend.in_model_load = False
-        for backend in backends:
-            backend.finish_load()
+        delivered.finish_loads(backends)  # every new table checked before any serves
         early.link_model(self)
         return loaded
 

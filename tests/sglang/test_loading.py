@@ -397,3 +397,57 @@ def test_a_reload_whose_table_cannot_open_keeps_the_old_scale(
     assert caught.value.path in wrong_layout.files
     assert embedding.table is old and not old.closed and embedding.served.staged is None
     assert torch.equal(embedding.weight_scale, scale)
+
+
+def test_a_sync_in_parts_serves_the_old_table_with_its_scale_until_all_is_in(
+    sglang_checkpoint, load_model, tiny, file_rows, monkeypatch, rng, caplog
+):
+    """A weight update after a remap (PLE_UM_DIR moved from a to b) that sends b's FP8 scale with
+    one of b's shards: SGLang copies b's scale into ``weight_scale`` at once, but a's table serves on
+    under a's scale until all of b's is in; ``stats()["staged"]`` and the log say what b's staged
+    table lacks. A next update that sends nothing of it ends that sync, closing b's table. The sync
+    sent whole, in two calls, the scale in the first: b's table serves, under b's scale."""
+    import logging
+
+    from ple_um import synthetic
+
+    seed = int(rng.integers(1 << 30))
+    first, first_layout, _ = sglang_checkpoint("fp8", seed=seed)
+    for other_seed in range(seed + 1, seed + 100):  # a scale apart from first's even in bf16
+        other, other_layout, _ = sglang_checkpoint("fp8", seed=other_seed)
+        if _bf16(other_layout.scale) != _bf16(first_layout.scale):
+            break
+    model = load_model(first, ple_um=True)
+    embedding = tiny.ngram(model).ngram_embedding
+    old, scale = embedding.table, embedding.weight_scale.clone()
+    ids = torch.from_numpy(rng.permutation(tiny.rows)).view(-1, tiny.parts)
+    rows_of = {
+        path: file_rows(layout).to(torch.bfloat16)[ids]
+        for path, layout in ((first, first_layout), (other, other_layout))
+    }
+    assert embedding.stats()["staged"] is None
+
+    monkeypatch.setenv("PLE_UM_DIR", other)
+    names = [synthetic.scale_name(tiny.layer)] + [
+        synthetic.shard_name(tiny.layer, i) for i in range(tiny.parts)
+    ]
+    weights = [(name, _tensor(other, name)) for name in names]
+    with caplog.at_level(logging.INFO, logger="ple_um.sglang"):
+        model.load_weights(weights[:2])  # the scale and shard 0
+    staged = embedding.served.staged[0]
+    lacks = [f"shard_{i}.weight" for i in range(1, tiny.parts)]
+    assert embedding.stats()["staged"] == {"directory": os.path.realpath(other), "lacks": lacks}
+    assert any("stays staged" in r.message for r in caplog.records)
+    assert embedding.table is old and torch.equal(embedding.weight_scale, scale)
+    assert torch.equal(embedding(ids).view(torch.uint8), rows_of[first].view(torch.uint8))
+
+    model.load_weights([])
+    assert staged.closed and embedding.served.staged is None and embedding.table is old
+    assert torch.equal(embedding.weight_scale, scale)
+
+    model.load_weights(weights[:3])
+    assert embedding.table is old and torch.equal(embedding.weight_scale, scale)
+    model.load_weights(weights[3:])
+    assert old.closed and embedding.served.staged is None
+    assert float(embedding.weight_scale) == _bf16(other_layout.scale)
+    assert torch.equal(embedding(ids).view(torch.uint8), rows_of[other].view(torch.uint8))

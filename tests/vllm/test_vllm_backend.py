@@ -481,3 +481,140 @@ def test_dummy_load_format_serves_zeros(world, patched):
         module = h.build(h.text_config(fp8=True), ple_um_on=True)
     raw, _ = h.forward(module, 0)
     assert module.ngram_embedding.table is None and not raw.view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_a_sync_whose_scale_comes_first_serves_the_old_table_with_its_own_scale(
+    world, patched, table_dir, tmp_path, dtype
+):
+    """A weight sync after a remap (PLE_UM_DIR moved from a to b) that sends b's global scale with
+    its first tensors, the rest of b's table in later calls: vLLM copies b's scale into the layer at
+    once, but a's table serves until b's is all in, and it serves under a's scale (a's rows as stock
+    loaded from a returns them, not a's rows under b's scale). The call that completes the sync
+    checks b's table against the scale the sync sent, held meanwhile, and b's table serves under it."""
+    config = h.text_config(dtype=dtype)
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    assert other.scale != first.scale
+    module = h.mapped(config, first.directory)
+    backend = module.ngram_embedding
+    old = backend.table
+    stock = h.stock(config, first.directory)
+    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
+
+    table_dir(other.directory)
+    weights = _table_last(h.delivered(other.directory, "memory"), scale)
+    weights = weights[-1:] + weights[:-1]  # the scale first
+    calls = [weights[start : start + 3] for start in range(0, len(weights), 3)]
+    assert len(calls) > 2
+    for weights_of_call in calls[:-1]:
+        module.load_weights(iter(weights_of_call))
+        assert backend.table is old and not old.closed and backend.served.staged is not None
+        assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
+        for seed in (0, 1):
+            raw, dequantized = h.forward(module, seed)
+            expected_raw, expected = h.forward(stock, seed)
+            assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+    module.load_weights(iter(calls[-1]))
+    assert old.closed and backend.served.staged is None
+    assert backend.table.layout.directory == other.directory
+    assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == other.scale
+    stock = h.stock(config, other.directory)
+    for seed in (0, 1):
+        raw, dequantized = h.forward(module, seed)
+        expected_raw, expected = h.forward(stock, seed)
+        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+    backend.close_table()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_a_sync_that_never_sends_the_rest_is_said_and_closed_by_the_next_load(
+    world, patched, table_dir, tmp_path, dtype, caplog
+):
+    """A weight sync after a remap (a to b) that sends part of b's table and stops: the staged table
+    is said in the log and in ``stats()["staged"]`` (its directory, what it lacks), a's table serving
+    with a's scale. The next load that delivers nothing of b's table (a load of other weights, or
+    of none) ends that sync: b's table is closed, said in the log, and a's serves on."""
+    import logging
+
+    config = h.text_config(dtype=dtype)
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    module = h.mapped(config, first.directory)
+    backend = module.ngram_embedding
+    old = backend.table
+    stock = h.stock(config, first.directory)
+    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
+    assert backend.stats()["staged"] is None and backend.stats()["lookups"] == old.stats()["lookups"]
+
+    table_dir(other.directory)
+    weights = dict(h.delivered(other.directory, "memory"))
+    sent = [scale, "ngram_embedding.shard_1.weight"]
+    with caplog.at_level(logging.INFO, logger="vllm.ple_um"):
+        module.load_weights(iter([(name, weights[name]) for name in sent]))
+    staged = backend.served.staged[0]
+    kinds = ("weight", "weight_scale") if dtype == "nvfp4" else ("weight",)
+    lacks = [f"shard_{i}.{kind}" for i in range(h.PARTS) for kind in kinds]
+    lacks = [name for name in lacks if name != "shard_1.weight"]
+    assert backend.stats()["staged"] == {"directory": other.directory, "lacks": lacks}
+    assert any("stays staged" in r.message and "shard_0.weight" in r.message for r in caplog.records)
+    assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.ple_um"):
+        module.load_weights(iter([]))
+    assert staged.closed and backend.served.staged is None and backend.stats()["staged"] is None
+    assert backend.table is old and not old.closed
+    assert any("lacked" in r.message and r.levelno == logging.WARNING for r in caplog.records)
+    assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
+    for seed in (0, 1):
+        raw, dequantized = h.forward(module, seed)
+        expected_raw, expected = h.forward(stock, seed)
+        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+    backend.close_table()
+
+
+@pytest.mark.parametrize("refused", [0, 1], ids=["first-refused", "second-refused"])
+def test_a_models_reload_with_one_table_refused_serves_no_new_table(
+    world, patched, table_dir, tmp_path, refused
+):
+    """A model's reload (PLE_UM_DIR moved from a to b) reaching two PLE layers, one of which is sent
+    a third checkpoint's scale (c) and refused by the check at the model's end: no layer serves b's
+    table (each new table is checked before any serves), and every layer serves a's rows under a's
+    scale, the one checked before the refused one and the one after it alike (the later one is not
+    left staged with b's scale copied in while a's table serves)."""
+    from ple_um.errors import CheckpointError
+    from ple_um.vllm.patch import _model_load_weights
+
+    config = h.text_config(dtype="fp8")
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    third = h.write_table(tmp_path / "c", config, seed=9)
+    assert len({first.scale, other.scale, third.scale}) == 3
+    holder = torch.nn.Module()
+    for name in ("p0", "p1"):
+        holder.add_module(name, h.mapped(config, first.directory))
+    layers = [holder.p0, holder.p1]
+    olds = [layer.ngram_embedding.table for layer in layers]
+    stock = h.stock(config, first.directory)
+    scale = "ngram_embedding.weight_scale"
+    sent = {}
+    for index in (0, 1):
+        source = third if index == refused else other
+        sent[index] = [(n, t) for n, t in h.delivered(source.directory, "memory") if n == scale]
+
+    def in_runs(model, weights):
+        return model.p0.load_weights(iter(sent[0])) | model.p1.load_weights(iter(sent[1]))
+
+    table_dir(other.directory)
+    with pytest.raises(CheckpointError, match="loaded weight_scale"):
+        _model_load_weights(in_runs)(holder, iter([]))
+    for layer, old in zip(layers, olds, strict=True):
+        backend = layer.ngram_embedding
+        assert backend.table is old and not old.closed and backend.served.staged is None
+        assert float(backend.weight_scale) == first.scale
+        for seed in (0, 1):
+            raw, dequantized = h.forward(layer, seed)
+            expected_raw, expected = h.forward(stock, seed)
+            assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+        backend.close_table()
