@@ -372,6 +372,16 @@ def test_a_reload_refused_by_the_scale_check_leaves_the_old_table_serving(
     assert float(embedding.weight_scale) == _bf16(other_layout.scale)
 
 
+def _scale_apart(sglang_checkpoint, layout, seed: int):
+    """An FP8 checkpoint (directory, layout) from ``seed`` on whose scale is apart from ``layout``'s
+    even in bf16, as SGLang holds ``weight_scale``."""
+    for other_seed in range(seed, seed + 100):
+        directory, other, _ = sglang_checkpoint("fp8", seed=other_seed)
+        if _bf16(other.scale) != _bf16(layout.scale):
+            return directory, other
+    raise AssertionError("no seed gives a scale apart")
+
+
 def test_a_reload_whose_table_cannot_open_keeps_the_old_scale(
     sglang_checkpoint, load_model, tiny, file_rows, monkeypatch, rng
 ):
@@ -383,10 +393,7 @@ def test_a_reload_whose_table_cannot_open_keeps_the_old_scale(
     seed = int(rng.integers(1 << 30))
     first, first_layout, _ = sglang_checkpoint("fp8", seed=seed)
     wrong, wrong_layout, _ = sglang_checkpoint("fp8", seed=seed + 1, num_rows=tiny.rows + 8)
-    for other_seed in range(seed + 2, seed + 100):  # a scale apart from first's even in bf16
-        third, third_layout, _ = sglang_checkpoint("fp8", seed=other_seed)
-        if _bf16(third_layout.scale) != _bf16(first_layout.scale):
-            break
+    third, third_layout = _scale_apart(sglang_checkpoint, first_layout, seed + 2)
     model = load_model(first, ple_um=True)
     embedding = tiny.ngram(model).ngram_embedding
     old, scale = embedding.table, embedding.weight_scale.clone()
@@ -413,10 +420,7 @@ def test_a_sync_in_parts_serves_the_old_table_with_its_scale_until_all_is_in(
 
     seed = int(rng.integers(1 << 30))
     first, first_layout, _ = sglang_checkpoint("fp8", seed=seed)
-    for other_seed in range(seed + 1, seed + 100):  # a scale apart from first's even in bf16
-        other, other_layout, _ = sglang_checkpoint("fp8", seed=other_seed)
-        if _bf16(other_layout.scale) != _bf16(first_layout.scale):
-            break
+    other, other_layout = _scale_apart(sglang_checkpoint, first_layout, seed + 1)
     model = load_model(first, ple_um=True)
     embedding = tiny.ngram(model).ngram_embedding
     old, scale = embedding.table, embedding.weight_scale.clone()

@@ -483,6 +483,14 @@ def test_dummy_load_format_serves_zeros(world, patched):
     assert module.ngram_embedding.table is None and not raw.view(torch.uint8).any()
 
 
+def _serves_as(module, stock) -> None:
+    """``module`` returns what ``stock`` returns, raw and dequantized, bit for bit."""
+    for seed in (0, 1):
+        raw, dequantized = h.forward(module, seed)
+        expected_raw, expected = h.forward(stock, seed)
+        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
 def test_a_sync_whose_scale_comes_first_serves_the_old_table_with_its_own_scale(
     world, patched, table_dir, tmp_path, dtype
@@ -511,19 +519,13 @@ def test_a_sync_whose_scale_comes_first_serves_the_old_table_with_its_own_scale(
         module.load_weights(iter(weights_of_call))
         assert backend.table is old and not old.closed and backend.served.staged is not None
         assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
-        for seed in (0, 1):
-            raw, dequantized = h.forward(module, seed)
-            expected_raw, expected = h.forward(stock, seed)
-            assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+        _serves_as(module, stock)
     module.load_weights(iter(calls[-1]))
     assert old.closed and backend.served.staged is None
     assert backend.table.layout.directory == other.directory
     assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == other.scale
     stock = h.stock(config, other.directory)
-    for seed in (0, 1):
-        raw, dequantized = h.forward(module, seed)
-        expected_raw, expected = h.forward(stock, seed)
-        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+    _serves_as(module, stock)
     backend.close_table()
 
 
@@ -567,10 +569,7 @@ def test_a_sync_that_never_sends_the_rest_is_said_and_closed_by_the_next_load(
     assert backend.table is old and not old.closed
     assert any("lacked" in r.message and r.levelno == logging.WARNING for r in caplog.records)
     assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
-    for seed in (0, 1):
-        raw, dequantized = h.forward(module, seed)
-        expected_raw, expected = h.forward(stock, seed)
-        assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+    _serves_as(module, stock)
     backend.close_table()
 
 
@@ -613,8 +612,5 @@ def test_a_models_reload_with_one_table_refused_serves_no_new_table(
         backend = layer.ngram_embedding
         assert backend.table is old and not old.closed and backend.served.staged is None
         assert float(backend.weight_scale) == first.scale
-        for seed in (0, 1):
-            raw, dequantized = h.forward(layer, seed)
-            expected_raw, expected = h.forward(stock, seed)
-            assert h.same_bits(raw, expected_raw) and h.same_bits(dequantized, expected)
+        _serves_as(layer, stock)
         backend.close_table()
