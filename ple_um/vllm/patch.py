@@ -146,7 +146,7 @@ def _patched_load_weights(original):
                         f"{backend.prefix}: the checkpoint stores the PLE table unsharded; ple-um serves "
                         "tables split into ngram_embedding.shard_<i>.weight tensors",
                         path=backing[0] if backing else None,
-                        tensor=name,
+                        tensor=_name_in_file(backing, backend.layer, name),
                     )
                 else:
                     yield name, tensor
@@ -167,6 +167,18 @@ def _patched_load_weights(original):
         return loaded
 
     return load_weights
+
+
+def _name_in_file(backing: tuple[str, int] | None, layer: int, name: str) -> str:
+    """The full name, as the checkpoint's file holds it, of decoder layer ``layer``'s tensor the layer
+    got as ``name`` (a view of that file, ``backing``): the one such name in its header. Else ``name``."""
+    if backing is None:
+        return name
+    from safetensors import safe_open
+
+    with safe_open(backing[0], framework="pt") as f:
+        found = [k for k in f.keys() if k.endswith("." + name) and f"layers.{layer}." in k]  # noqa: SIM118
+    return found[0] if len(found) == 1 else name
 
 
 def _backends(model) -> tuple[Qwen4ExpPLEMappedEmbedding, ...]:
