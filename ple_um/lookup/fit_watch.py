@@ -22,15 +22,14 @@ for it; one closed meanwhile drops what it built.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 
 import numpy as np
 
 from ple_um import envs
+from ple_um.lookup import forks
 from ple_um.lookup.fit import Serving, Verdict, choose, host_words, measure
 from ple_um.lookup.host import misses
 from ple_um.mapping import RESIDENT_SLACK, MappedShards
@@ -51,16 +50,6 @@ REGROW_AFTER_S = 60.0
 # this many seconds, with how many lines were left out since (a check fails at every interval
 # while its cause lasts; a sampled share near ``TOUCH_FROM`` may flip the touch at many checks).
 SAY_EVERY_S = 60.0
-
-_WATCHES: weakref.WeakSet = weakref.WeakSet()  # every FitWatch of this process: made anew in a fork
-
-
-def _forked() -> None:
-    for watch in list(_WATCHES):
-        watch._forked()
-
-
-os.register_at_fork(after_in_child=_forked)
 
 
 class Said:
@@ -119,7 +108,7 @@ class FitWatch(Ticker):
         self.built_at = self.checked_at  # the last host path built (the open's)
         self.said = Said(SAY_EVERY_S)
         self._forked()
-        _WATCHES.add(self)
+        forks.renew_in_forked_children(self)
 
     def _forked(self) -> None:
         """The check's lock, and no build under way: at open, and in a forked child, where the

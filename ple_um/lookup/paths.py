@@ -26,7 +26,6 @@ and the torch ops), each failure a TypeError or ValueError saying what to pass.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 
 from ple_um.checkpoint import ShardLayout
-from ple_um.lookup import fit, fit_watch, open_tables
+from ple_um.lookup import fit, fit_watch, forks, open_tables
 from ple_um.lookup.counts import path_counts
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host.gather import HostGather, warm_row_cache
@@ -95,19 +94,6 @@ def _refuse_dtype(table, out_dtype) -> None:
     raise TypeError(f"out_dtype must be {table.dtype} (raw) or one of bf16, f16, f32; got {out_dtype}")
 
 
-_PATHS: weakref.WeakSet = weakref.WeakSet()  # every LookupPaths of this process
-
-
-def _forked() -> None:
-    """In a forked child, each table's ``adopt`` lock anew: a parent's thread that held it (the stats
-    reporter reading the counts) does not exist there, and the child's close takes it."""
-    for paths in list(_PATHS):
-        paths._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
 class LookupPaths:
     """The paths of one built mode, for ``layout``'s owned rows on ``device``. ``gpu``: the kernel,
     or None (cpu mode); ``host``: the host path, or None; ``bulk_rows``: GPU-mode lookups of at
@@ -144,9 +130,14 @@ class LookupPaths:
         self.capture_checks = False
         self.capture_safe = not isinstance(host, SyncGather)
         self._retired: list[HostGather] = []
-        self._lock = threading.Lock()  # made anew in a forked child (``_forked``)
-        _PATHS.add(self)
+        self._forked()
+        forks.renew_in_forked_children(self)
         self._open_table = None  # its entry in open_tables.OPEN_TABLES: removed at close, or when dropped
+
+    def _forked(self) -> None:
+        """``adopt``'s lock: at open, and anew in a forked child, where a parent's thread that held
+        it (the stats reporter reading the counts) does not exist and the child's close takes it."""
+        self._lock = threading.Lock()
 
     def count_in_fits(self, key: int) -> None:
         """Own the table's entry ``key`` in ``open_tables.OPEN_TABLES`` (its mappings counted in the
