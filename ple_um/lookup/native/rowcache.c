@@ -65,6 +65,11 @@ enum { POLICY_TINYLFU, POLICY_LRU, POLICY_CLOCK };
 #define DOOR_SWEEPS 4   /* the doorkeeper is cleared this many times as often as the counts fade */
 #define NIBBLES 0x1111111111111111ULL
 
+#ifdef PLE_TEST_COUNT_HASHES
+int64_t ple_test_hashes_taken;
+int64_t ple_test_hashes(void) { return __atomic_load_n(&ple_test_hashes_taken, __ATOMIC_RELAXED); }
+#endif
+
 int64_t ple_cache_struct_size(void) { return (int64_t)sizeof(struct ple_cache); }
 int64_t ple_cache_ways(void) { return WAYS; }
 int64_t ple_cache_set_head(void) { return (int64_t)sizeof(struct set_head); }
@@ -352,13 +357,20 @@ void ple_cache_put(ple_cache_t *c, int64_t id, const uint8_t *row) {
  * change. For a reader of the slots other than the row copy (tools/slot_reads.py: a GPU kernel
  * reading them through registered memory); nothing keeps a slot found from being rewritten after. */
 int64_t ple_cache_find(const ple_cache_t *c, const int64_t *ids, int64_t n, int64_t *slots) {
-    enum { FIND_AHEAD = 16 }; /* ids ahead whose set is asked for */
+    enum { FIND_AHEAD = 16 }; /* ids ahead whose set is asked for (a power of two) */
+    uint64_t hash[FIND_AHEAD]; /* the hashes of ids i .. i + FIND_AHEAD - 1, at their index mod FIND_AHEAD */
     int64_t found = 0;
-    for (int64_t i = 0; i < n && i < FIND_AHEAD; i++) ple_cache_prefetch(c, ple_cache_hash(ids[i]));
+    for (int64_t i = 0; i < n && i < FIND_AHEAD; i++) {
+        hash[i] = ple_cache_hash(ids[i]); /* each id hashed once: asked for, then looked in */
+        ple_cache_prefetch(c, hash[i]);
+    }
     for (int64_t i = 0; i < n; i++) {
-        if (i + FIND_AHEAD < n) ple_cache_prefetch(c, ple_cache_hash(ids[i + FIND_AHEAD]));
+        int64_t set = set_of(c, hash[i % FIND_AHEAD]);
+        if (i + FIND_AHEAD < n) {
+            hash[i % FIND_AHEAD] = ple_cache_hash(ids[i + FIND_AHEAD]);
+            ple_cache_prefetch(c, hash[i % FIND_AHEAD]);
+        }
         uint32_t tag = tag_for(ids[i]), ways = 0;
-        int64_t set = set_of(c, ple_cache_hash(ids[i]));
         const struct set_head *s = head_of(c, set);
         uint32_t before = __atomic_load_n(&s->version, __ATOMIC_ACQUIRE);
         if (tag != 0 && !(before & 1)) ways = ways_of(c, set, tag);

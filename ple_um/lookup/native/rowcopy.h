@@ -138,9 +138,18 @@ static inline uint64_t mix(uint64_t x) { /* splitmix64's finalizer */
     return x ^ (x >> 31);
 }
 
+#ifdef PLE_TEST_COUNT_HASHES /* a build of tests/lookup/test_cache_find.py alone: hashes counted */
+extern int64_t ple_test_hashes_taken;
+#endif
+
 /* The row cache's hash of an id (its set, sketch block and doorkeeper word all come from it): a
  * lookup takes it once per distinct id and hands it to each cache call about that id. */
-static inline uint64_t ple_cache_hash(int64_t id) { return mix((uint64_t)id); }
+static inline uint64_t ple_cache_hash(int64_t id) {
+#ifdef PLE_TEST_COUNT_HASHES
+    __atomic_fetch_add(&ple_test_hashes_taken, 1, __ATOMIC_RELAXED);
+#endif
+    return mix((uint64_t)id);
+}
 
 /* Ask for every cache line of the n bytes at p, without waiting for them (a hint: nothing faults). */
 static inline void prefetch_bytes(const uint8_t *p, int64_t n) {
