@@ -274,28 +274,32 @@ def run_child(request: dict, limit: MemoryLimit, log: Callable[[str], None], mod
     JSON on its stdout), or why it gave none (killed, by the limit's OOM killer or not; an error;
     not moved into its group).
     The child leads a session of its own: an interrupt (Ctrl-C) reaches this process alone, which
-    then kills the child and everything in its group (``stop_child``)."""
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_child_env(limit),
-            preexec_fn=limit.preexec if limit.enforced else None,
-            start_new_session=True,
-        )
-    except subprocess.SubprocessError:  # preexec raised (Python passes on no more): the forked
-        # process exited before exec, and nothing ran under the limit
-        return {
-            "failed": f"the child could not be moved into its cgroup {limit.group} (the write of its pid "
-            "to cgroup.procs failed between fork and exec): no figures under this limit"
-        }
-    try:
-        stdout, stderr = proc.communicate(json.dumps(request))
-    finally:  # finished or not: a process it left running would outlive it, and keep its group
-        with DeferredSignals():  # a second Ctrl-C (or SIGTERM) does not cut the cleanup short
+    then kills the child and everything in its group (``stop_child``). The signals are held from
+    before the child starts to after it is stopped (``DeferredSignals``), and act only while it is
+    waited for: none comes between its start and the ``try`` that stops it, and a second Ctrl-C (or
+    SIGTERM) does not cut the stop short."""
+    with DeferredSignals() as deferred:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=_child_env(limit),
+                preexec_fn=limit.preexec if limit.enforced else None,
+                start_new_session=True,
+            )
+        except subprocess.SubprocessError:  # preexec raised (Python passes on no more): the forked
+            # process exited before exec, and nothing ran under the limit
+            return {
+                "failed": f"the child could not be moved into its cgroup {limit.group} (the write of its "
+                "pid to cgroup.procs failed between fork and exec): no figures under this limit"
+            }
+        try:
+            with deferred.let_through():
+                stdout, stderr = proc.communicate(json.dumps(request))
+        finally:  # finished or not: a process it left running would outlive it, and keep its group
             stop_child(proc, limit)
     for line in stderr.splitlines():
         log(f"  {line}")
@@ -343,24 +347,27 @@ def run_limited(
     how, the group's peak) and the child's figures. Each group is removed whatever happens; on an
     interrupt (SIGINT, or SIGTERM and SIGHUP: ``Terminated``) a group that cannot be is named in a
     warning, and the interrupt is what is raised. ``hierarchy`` stands for the machine's memory
-    cgroup (``find_hierarchy()``'s answer; ``(None, why)``: there is none)."""
+    cgroup (``find_hierarchy()``'s answer; ``(None, why)``: there is none). The signals are held
+    from before a group is made to after it is removed (``DeferredSignals``), and act only while its
+    child runs: none comes between the group's making and the ``try`` that removes it, nor cuts
+    the removal short."""
     entries = {}
     with terminate_as_interrupt():
         for k, limit in enumerate(limits):
-            held = MemoryLimit.open(limit, f"ple-um-bench-{os.getpid()}-{k}", hierarchy)
-            try:
-                log(f"memory limit {format_bytes(limit)}: {held.describe()}")
-                found = run_child({**request, "limit": limit}, held, log, module)
-                entry = {"bytes": limit, "enforced": held.enforced, "how": held.describe()}
-                entry["peak_bytes"] = held.peak()
-            except BaseException:
-                with DeferredSignals():  # the group removed whatever further signal comes meanwhile
+            with DeferredSignals() as deferred:
+                held = MemoryLimit.open(limit, f"ple-um-bench-{os.getpid()}-{k}", hierarchy)
+                try:
+                    with deferred.let_through():
+                        log(f"memory limit {format_bytes(limit)}: {held.describe()}")
+                        found = run_child({**request, "limit": limit}, held, log, module)
+                        entry = {"bytes": limit, "enforced": held.enforced, "how": held.describe()}
+                        entry["peak_bytes"] = held.peak()
+                except BaseException:
                     try:
                         held.close()
                     except OSError as exc:
                         log(f"warning: {exc.strerror}")
-                raise
-            with DeferredSignals():
+                    raise
                 held.close()
             if held.left:
                 entry["left"] = held.left

@@ -1,6 +1,8 @@
 """The signals that end a bench run while a child runs under a memory limit (``memlimit``):
 SIGTERM and SIGHUP raised as an interrupt is (``terminate_as_interrupt``), so that the same cleanup
-runs; and that cleanup made whole (``DeferredSignals``): a further signal during it waits for its end."""
+runs; and that cleanup made whole (``DeferredSignals``): held from before a child or a group is made
+to after it is gone, a signal acts only where the block lets it through (``let_through``: the run
+it is to interrupt), inside the ``try`` whose cleanup releases what was made."""
 
 from __future__ import annotations
 
@@ -54,25 +56,44 @@ DEFERRED = (signal.SIGINT, *TERMINATING)
 
 class DeferredSignals:
     """Within: DEFERRED signals are held (noted, not acted on), so that a second Ctrl-C or a
-    SIGTERM does not cut a cleanup short (a child left running, a cgroup left behind); an ignored
-    one stays ignored. On leaving, their handlers are restored and the first one held is raised
-    again (``signal.raise_signal``: its handler acts as it would have, the process ends as asked),
-    unless an exception already leaves the block or the ``finally`` it runs in: that one is the
-    interrupt on its way already. Python sets handlers in the main thread only: elsewhere nothing
-    changes."""
+    SIGTERM does not cut a cleanup short (a child left running, a cgroup left behind), nor come
+    between the making of a child or a group and the ``try`` that releases it; an ignored one stays
+    ignored. ``let_through()`` lets them act within it. On leaving, their handlers are restored and
+    the first one held is raised again (``signal.raise_signal``: its handler acts as it would have,
+    the process ends as asked), unless an exception already leaves the block or the ``finally`` it
+    runs in: that one is the interrupt on its way already. Python sets handlers in the main thread
+    only: elsewhere nothing changes."""
 
     def __enter__(self) -> DeferredSignals:
         self.held: list[int] = []
         self.saved: dict = {}
         if threading.current_thread() is threading.main_thread():
             self.saved = {sig: signal.getsignal(sig) for sig in DEFERRED}
-            for sig, handler in self.saved.items():
-                if handler is not signal.SIG_IGN:
-                    signal.signal(sig, self._hold)
+            self._hold_all()
         return self
+
+    def _hold_all(self) -> None:
+        for sig, handler in self.saved.items():
+            if handler is not signal.SIG_IGN:
+                signal.signal(sig, self._hold)
 
     def _hold(self, signum, _frame) -> None:
         self.held.append(signum)
+
+    @contextlib.contextmanager
+    def let_through(self):
+        """Within: the signals act as they would outside the block (a wait they are to interrupt,
+        put inside the ``try`` that releases what the block made); the first one held before acts
+        on entering. On leaving, held again, whatever leaves."""
+        try:  # held again even where one comes as soon as the first handler is back
+            for sig, handler in self.saved.items():
+                signal.signal(sig, handler)
+            if self.held:  # the first acts, as on leaving the block
+                first, self.held = self.held[0], []
+                signal.raise_signal(first)
+            yield
+        finally:
+            self._hold_all()
 
     def __exit__(self, exc_type, *_exc) -> None:
         for sig, handler in self.saved.items():

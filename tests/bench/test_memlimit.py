@@ -6,8 +6,10 @@ allocates past it."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -271,3 +273,99 @@ def test_a_child_its_group_refuses_is_a_failure_not_a_crash(tmp_path):
         "failed": f"the child could not be moved into its cgroup {tmp_path} (the write of its pid to "
         "cgroup.procs failed between fork and exec): no figures under this limit"
     }
+
+
+# A child that reads its request, starts a process of its own in its session (as a compiler
+# would), writes that one's pid to the file PIDS names, and gives its figures: its session outlives
+# it unless the run kills it.
+_STARTS_A_PROCESS = """
+import os, subprocess, sys
+sys.stdin.read()
+left = subprocess.Popen(["sleep", "120"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+with open(os.environ["PIDS"], "a") as f:
+    f.write(f"{left.pid}\\n")
+print("{}")
+"""
+
+
+def _run_signalled_at(target: int, *args) -> tuple[int, BaseException | None]:
+    """``run_limited(*args)`` with SIGTERM raised at the ``target``-th line it or ``run_child`` runs
+    (from a trace function: a signal that comes just then; 0: none): the lines run, and what the
+    run raised. SIGTERM raises ``Terminated`` also at the lines outside the run's own
+    ``terminate_as_interrupt`` (where it would end this process)."""
+    from ple_um.bench import memlimit
+    from ple_um.bench.signals import terminate_as_interrupt
+
+    codes = {memlimit.run_limited.__code__, memlimit.run_child.__code__}
+    lines = 0
+
+    def line(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines == target:
+                signal.raise_signal(signal.SIGTERM)
+        return line
+
+    before = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: line if frame.f_code in codes else None)
+    try:
+        with terminate_as_interrupt():
+            memlimit.run_limited(*args)
+    except BaseException as exc:  # noqa: BLE001 - returned to the test
+        return lines, exc
+    finally:
+        sys.settrace(before)
+    return lines, None
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["cgroup", "no cgroup"])
+def test_a_sigterm_at_any_line_of_a_limited_run_leaves_nothing(tmp_path, monkeypatch, grouped):
+    """SIGTERM at each line that ``run_limited`` and ``run_child`` run, in turn (the group made, the
+    child started, waited for, stopped, the group removed, and between them): the run ends in
+    ``Terminated`` every time, its child ended and reaped, no process of the child's session alive,
+    its group removed. A signal that came between a child's start (or a group's making) and the
+    ``try`` that stops it (removes it) would leave it."""
+    from ple_um.bench.signals import Terminated
+
+    group = None
+    if grouped:
+        found, why = find_hierarchy()
+        if found is None:
+            pytest.skip(f"no memory cgroup here: {why}")
+        group = os.path.join(found.group, f"ple-um-bench-{os.getpid()}-0")
+    (tmp_path / "starts_a_process.py").write_text(_STARTS_A_PROCESS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("PIDS", str(pids))
+    started: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):  # the children the run starts, each as it starts
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            started.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    args = ((256 * MiB,), {}, "starts_a_process", lambda line: None, None if grouped else (None, "none here"))
+    lines, raised = _run_signalled_at(0, *args)
+    assert raised is None and len(started) == 1 and started[0].returncode == 0, raised
+    try:
+        for target in range(1, lines + 1):
+            started.clear()
+            pids.write_text("")
+            _, raised = _run_signalled_at(target, *args)
+            assert isinstance(raised, Terminated), (target, raised)
+            # A child left running waits for its request (its stdin held open here).
+            assert [c.poll() for c in started if c.poll() is None] == [], target
+            left, deadline = [int(p) for p in pids.read_text().split()], time.monotonic() + 10
+            while any(alive(p) for p in left) and time.monotonic() < deadline:  # SIGKILL sent
+                time.sleep(0.05)
+            assert not [p for p in left if alive(p)], target
+            assert group is None or not os.path.exists(group), target
+    finally:
+        for child in started:  # one left by a failure above: not past the test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.kill()
+            child.wait()
