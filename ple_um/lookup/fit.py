@@ -107,10 +107,14 @@ def measure(
 ) -> Verdict:
     """Whether the mappings' owned bytes, with those of every other open table of this process
     (``OPEN_TABLES``; a file's bytes that two tables map counted once), fit the memory this process
-    may use (``memory.fits``), with the residency (exact without ``rng``, else sampled) and the
-    knob ``PLE_UM_FIT``. The verdict's ``owned`` and ``resident`` are the mappings' own. The other
-    tables are taken under ``OPEN_TABLES``' lock and their residency read after it (their mappings
-    kept until it is read): the opens and closes of other tables do not wait for it."""
+    may use (``memory.fits``), with the residency and the knob ``PLE_UM_FIT``. The verdict's
+    ``owned`` and ``resident`` are the mappings' own, their residency exact without ``rng``, else
+    sampled (``resident_bytes``). The other tables' residency is read as a check reads it, sampled
+    (with ``rng``, else a generator of seed 0) where they hold more than ``FULL_SCAN_PAGES`` pages,
+    at an open too: an open reads a bounded number of their pages, not every page of every table
+    open (tables opened one after another would read a number of pages quadratic in their number).
+    The other tables are taken under ``OPEN_TABLES``' lock and their residency read after it (their
+    mappings kept until it is read): the opens and closes of other tables do not wait for it."""
     own = [r for m in mappings for r in m.regions]
     owned = sum(r.length for r in own)
     resident, exact = resident_bytes(own, rng)
@@ -127,7 +131,8 @@ def measure(
             if parts := uncovered([r for m in ms for r in m.regions], covered):
                 theirs += parts
                 tables, all_pinned = tables + 1, all_pinned + their_pinned
-        their_resident, their_exact = resident_bytes(theirs, rng)
+        sample = rng if rng is not None else np.random.default_rng(0)
+        their_resident, their_exact = resident_bytes(theirs, sample)
     all_owned, all_resident = owned + sum(r.length for r in theirs), resident + their_resident
     what = f"the owned rows of this process's {tables} open tables" if tables > 1 else "the owned rows"
     fits, why = memory.fits(all_owned, all_resident, all_pinned, what=what)

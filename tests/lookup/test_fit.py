@@ -384,6 +384,54 @@ def test_the_fit_counts_every_open_table_of_the_process(
         assert a.paths.gpu.read_counts()["rows"] == 4 * 16
 
 
+def test_an_open_reads_a_bounded_number_of_the_other_tables_pages(
+    make_checkpoint, memory_left, monkeypatch, rng, poison
+):
+    """Five tables of 3 MiB (800 pages) opened one after another, each counting those open before
+    it: the pages each open asks the residency of (mincore, cachestat: its own, every one, and the
+    others' as a check samples them, ``fit.FULL_SCAN_PAGES`` cut to 64 here) do not grow with the
+    tables open (every page of every table open would: 800 more at each open). The decisions are
+    those of the exact figures: evicted tables under a cgroup's room of 3.5 tables' bytes, the first
+    three fit, the fourth and fifth do not, each naming the tables it counts. Every lookup exact."""
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")
+    monkeypatch.setattr(fit, "FULL_SCAN_PAGES", 64)
+    asked: list[int] = []
+    count, pages = fit.resident_count, fit.resident_pages
+
+    def counted_count(region):
+        asked[-1] += -(-region.length // PAGE)
+        return count(region)
+
+    def counted_pages(region, first=0, n=None):
+        asked[-1] += -(-region.length // PAGE) - first if n is None else n
+        return pages(region, first, n)
+
+    monkeypatch.setattr(fit, "resident_count", counted_count)
+    monkeypatch.setattr(fit, "resident_pages", counted_pages)
+    layouts = [another_table(make_checkpoint, rng) for _ in range(5)]
+    size = sum(os.path.getsize(f) for f in layouts[0].files)
+    memory_left.group = int(3.5 * size)
+    with contextlib.ExitStack() as stack:
+        tables = []
+        for k, layout in enumerate(layouts):
+            for each in tables:  # what an open read of its own rows (its self-test) out again
+                evict(each)
+            evict_pages(layout.files)
+            asked.append(0)
+            table = stack.enter_context(ple_um.open_table(layout.directory, mode="cpu", device="cpu"))
+            tables.append(table)
+            why = table.paths.serving.why
+            assert ("do not fit" in why) == (k >= 3), (k, why)
+            assert k == 0 or f"{k + 1} open tables" in why, (k, why)
+        own = asked[0]
+        assert all(n <= own + fit.SAMPLE_PAGES for n in asked), asked
+        for table, layout in zip(tables, layouts, strict=True):
+            ids = rng.integers(0, layout.num_rows, 64)
+            out = poison(torch.empty((ids.size, layout.row_dim), dtype=layout.dtype))
+            table.lookup(torch.from_numpy(ids), out=out)
+            assert np.array_equal(out.view(torch.uint8).numpy(), reference_rows(layout, ids))
+
+
 def test_two_tables_opened_at_once_each_count_the_other(
     table_files, make_checkpoint, memory_left, monkeypatch, rng, poison
 ):
