@@ -256,6 +256,7 @@ def _open(read: Callable[[], ShardLayout], rows, mode: str, device, strict: bool
             bulk_calibration=calibration,
         )
         held.pop_all()  # the table holds them now
+    paths.opened()  # the checks of the tables that serve count it from here (OPEN_TABLES)
     logger.info(
         "ple-um: %s opened in %s mode (%.2f s), capture-safe=%s\n%s\n  row reads: %s\n  decode lookups: %s",
         layout.directory,

@@ -63,7 +63,9 @@ def _build(
     mappings = [m for m in (mapping, scale_mapping) if m is not None]
     # Counted before its fit is measured: of two tables opened at once, the one measured last counts
     # the other (measured before either was counted, both could fit alone where together they do
-    # not). The paths own the entry once they exist (``count_in_fits``); a failure before drops it.
+    # not). Until the open succeeds (``LookupPaths.opened``) only other opens count it, not the
+    # checks of the tables that serve. The paths own the entry once they exist (``count_in_fits``);
+    # a failure before drops it.
     counted = open_tables.OPEN_TABLES.add(mappings, access.pinned_bytes)
     try:
         return _build_counted(access, layout, rows, scale, lib, why, mappings, counted, made)
@@ -89,7 +91,7 @@ def _build_counted(
     and are put in ``made``)."""
     mode, device = access.mode, access.device
     mapping, scale_mapping = access.mapping, access.scale_mapping
-    verdict = fit.measure(mappings, pinned=access.pinned_bytes)
+    verdict = fit.measure(mappings, pinned=access.pinned_bytes, opening=True)
     host_for = _host_builder(access, layout, scale, lib, why)
     touch_knob, touch_here = fit.touch_setting(mode, cuda=device.type == "cuda")
     if mode == "cpu":

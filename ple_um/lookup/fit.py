@@ -103,7 +103,11 @@ def resident_bytes(regions: list[MappedRegion], rng: np.random.Generator | None 
 
 
 def measure(
-    mappings: list[MappedShards], *, pinned: int = 0, rng: np.random.Generator | None = None
+    mappings: list[MappedShards],
+    *,
+    pinned: int = 0,
+    rng: np.random.Generator | None = None,
+    opening: bool = False,
 ) -> Verdict:
     """Whether the mappings' owned bytes, with those of every other open table of this process
     (``OPEN_TABLES``; a file's bytes that two tables map counted once), fit the memory this process
@@ -113,8 +117,10 @@ def measure(
     (with ``rng``, else a generator of seed 0) where they hold more than ``FULL_SCAN_PAGES`` pages,
     at an open too: an open reads a bounded number of their pages, not every page of every table
     open (tables opened one after another would read a number of pages quadratic in their number).
-    The other tables are taken under ``OPEN_TABLES``' lock and their residency read after it (their
-    mappings kept until it is read): the opens and closes of other tables do not wait for it."""
+    ``opening``: an open's measure, which counts the tables whose open is under way too (a check
+    counts those whose open succeeded: ``OPEN_TABLES.others``). The other tables are taken under
+    ``OPEN_TABLES``' lock and their residency read after it (their mappings kept until it is read):
+    the opens and closes of other tables do not wait for it."""
     own = [r for m in mappings for r in m.regions]
     owned = sum(r.length for r in own)
     resident, exact = resident_bytes(own, rng)
@@ -126,7 +132,7 @@ def measure(
     uncovered(own, covered)
     theirs: list[MappedRegion] = []
     tables, all_pinned = 1, pinned
-    with OPEN_TABLES.others(mappings) as others:
+    with OPEN_TABLES.others(mappings, opening=opening) as others:
         for ms, their_pinned in others:  # a table whose bytes were all counted adds nothing
             if parts := uncovered([r for m in ms for r in m.regions], covered):
                 theirs += parts
@@ -200,7 +206,7 @@ def at_open(layout: ShardLayout, mode: str, *, cuda: bool) -> Serving:
         if layout.has_block_scales:
             mappings.append(stack.enter_context(MappedShards(layout.scale_layout())))
         owned = sum(m.mapped_bytes for m in mappings)
-        verdict = measure(mappings, pinned=owned if mode == "registered" else 0)
+        verdict = measure(mappings, pinned=owned if mode == "registered" else 0, opening=True)
         scales = mappings[1] if len(mappings) > 1 else None
         if lib is None:  # the cpu mode's synchronous path: no row cache
             cache = f"no row cache: {sync_gather.row_reads(no_lib)}"

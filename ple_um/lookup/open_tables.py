@@ -18,13 +18,17 @@ class OpenTables:
     """The mappings of every open table of this process that serves its rows from host memory (not
     the ``device`` mode), each with the bytes it pins: what ``measure`` counts beside a table's own.
     ``add`` at open, before the open measures its own fit (``build_paths``: of two tables opened at
-    once, the one that measures last counts the other); ``remove`` at close and when the table's
-    paths are dropped. ``others`` hands out the entries under the lock and reads their residency
-    after it, without it (mincore over big tables is slow); a table's ``remove`` waits for those
-    readings to end before its mappings go."""
+    once, the one that measures last counts the other), ``opened`` once that open has succeeded;
+    ``remove`` at close, when the table's paths are dropped, and when its open fails. An entry whose
+    open has not succeeded yet is counted by other opens (``others(..., opening=True)``), not by
+    the checks of the tables that serve: an open that fails moves no serving table's path, nor
+    makes it build a row cache. ``others`` hands out the entries under the lock and reads their
+    residency after it, without it (mincore over big tables is slow); a table's ``remove`` waits
+    for those readings to end before its mappings go."""
 
     def __init__(self) -> None:
         self._tables: dict[int, tuple[list[MappedShards], int]] = {}
+        self._opening: set[int] = set()  # the entries whose open has not succeeded yet
         self._next = 0
         self._forked()
         os.register_at_fork(after_in_child=self._forked)
@@ -41,7 +45,13 @@ class OpenTables:
         with self._lock:
             self._next += 1
             self._tables[self._next] = (list(mappings), pinned)
+            self._opening.add(self._next)
             return self._next
+
+    def opened(self, key: int) -> None:
+        """The open of entry ``key`` succeeded: the checks of the tables that serve count it too."""
+        with self._lock:
+            self._opening.discard(key)
 
     def remove(self, key: int) -> None:
         """The entry ``key`` no longer counted, once no other thread reads its mappings (``others``):
@@ -50,21 +60,26 @@ class OpenTables:
         me = threading.get_ident()
         with self._lock:
             self._tables.pop(key, None)
+            self._opening.discard(key)
             while any(t != me for t in self._readers.get(key, ())):
                 self._read.wait()
 
     @contextlib.contextmanager
-    def others(self, mappings: list[MappedShards]) -> Iterator[list[tuple[list[MappedShards], int]]]:
-        """The open tables but the one of ``mappings``, taken under the lock; their mappings stay
-        mapped until the caller is done reading them (their ``remove`` waits), the lock not held
-        meanwhile."""
+    def others(
+        self, mappings: list[MappedShards], *, opening: bool = False
+    ) -> Iterator[list[tuple[list[MappedShards], int]]]:
+        """The open tables but the one of ``mappings``, taken under the lock (``opening``: for an
+        open's measure, those whose open is under way too); their mappings stay mapped until the
+        caller is done reading them (their ``remove`` waits), the lock not held meanwhile."""
         me = threading.get_ident()
         with self._lock:
             entries = list(self._tables.items())
             taken = [
                 (key, ms, pinned)
                 for key, (ms, pinned) in entries
-                if not any(m is own for m in ms for own in mappings) and not any(m.closed for m in ms)
+                if not any(m is own for m in ms for own in mappings)
+                and not any(m.closed for m in ms)
+                and (opening or key not in self._opening)
             ]
             for key, _, _ in taken:
                 self._readers.setdefault(key, []).append(me)

@@ -133,6 +133,7 @@ class LookupPaths:
         self._forked()
         forks.renew_in_forked_children(self)
         self._open_table = None  # its entry in open_tables.OPEN_TABLES: removed at close, or when dropped
+        self._fit_key: int | None = None
 
     def _forked(self) -> None:
         """``adopt``'s lock: at open, and anew in a forked child, where a parent's thread that held
@@ -143,6 +144,13 @@ class LookupPaths:
         """Own the table's entry ``key`` in ``open_tables.OPEN_TABLES`` (its mappings counted in the
         fit of every table of this process): removed at ``close``, or when these paths are dropped."""
         self._open_table = weakref.finalize(self, open_tables.OPEN_TABLES.remove, key)
+        self._fit_key = key
+
+    def opened(self) -> None:
+        """The table's open succeeded: the checks of the other tables count it from now on
+        (``OpenTables.opened``; other opens counted it from ``count_in_fits``)."""
+        if self._fit_key is not None:
+            open_tables.OPEN_TABLES.opened(self._fit_key)
 
     def set_serving(self, serving: fit.Serving) -> None:
         """Make ``serving`` what the next lookup takes: one flag each, read once per lookup (a

@@ -488,6 +488,57 @@ def test_two_tables_opened_at_once_each_count_the_other(
             table.close()
 
 
+def test_an_open_that_fails_moves_no_serving_tables_path(
+    table_files, make_checkpoint, machine, memory_left, monkeypatch, rng, poison
+):
+    """A table of 2.6 MiB of owned rows under 4 MiB of memory, and a second of 6.1 MiB. The
+    second's open counts the first, does not fit, and is refused for its row cache
+    (``PLE_UM_ROW_CACHE`` past the memory left) after its fit was measured; a check of the first
+    made meanwhile (from inside the second's measure, once the second is counted) does not count a
+    table whose open has not succeeded: the first stays on the kernel, with no row cache built,
+    before the refusal and after it. A table whose open succeeds is counted at the first's next
+    check. Every lookup exact."""
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    second = make_checkpoint(
+        num_rows=40000, row_dim=160, dtype="fp8", shards=4, files=2, seed=int(rng.integers(1 << 30))
+    )
+    machine(GH200)
+    memory_left.machine = 4 * MiB
+    fits = memory.fits
+    seen: dict[str, object] = {}
+    with ple_um.open_table(table_files.directory, mode="ats", rows=OWNED) as a:
+        assert a.paths.serving.path == "kernel", a.paths.serving
+
+        def check_first_meanwhile(*args, **kwargs):
+            if "check" not in seen:
+                seen["check"] = True
+                seen["switched"] = a.paths.fit.check()
+                seen["serving"] = a.paths.serving
+            return fits(*args, **kwargs)
+
+        monkeypatch.setattr(memory, "fits", check_first_meanwhile)
+        monkeypatch.setenv("PLE_UM_ROW_CACHE", "8MiB")
+        with pytest.raises(KnobError, match="PLE_UM_ROW_CACHE"):
+            ple_um.open_table(second.directory, mode="ats")
+        monkeypatch.setattr(memory, "fits", fits)
+        monkeypatch.delenv("PLE_UM_ROW_CACHE")
+        assert seen["check"] and not seen["switched"], seen
+        assert seen["serving"].path == "kernel" and "open tables" not in seen["serving"].why, seen
+        assert not a.paths.fit.check() and a.paths.serving.path == "kernel", a.paths.serving
+        assert a.stats()["row_cache"] is None
+        decode_lookups(a, table_files, rng, poison, 4)
+        assert a.paths.gpu.read_counts()["rows"] == 4 * 16
+        with ple_um.open_table(second.directory, mode="ats") as b:
+            assert b.paths.serving.path == "host" and "2 open tables" in b.paths.serving.why
+            assert a.paths.fit.check() and a.paths.serving.path == "host", a.paths.serving
+            assert "2 open tables" in a.paths.serving.why, a.paths.serving
+            decode_lookups(a, table_files, rng, poison, 4)
+            ids = rng.integers(0, second.num_rows, 64)
+            out = poison(torch.empty((ids.size, second.row_dim), dtype=second.dtype))
+            b.lookup(torch.from_numpy(ids), out=out)
+            assert np.array_equal(out.view(torch.uint8).numpy(), reference_rows(second, ids))
+
+
 def test_a_measure_reads_the_other_tables_residency_without_holding_their_lock(
     table_files, make_checkpoint, memory_left, monkeypatch, rng, poison
 ):
