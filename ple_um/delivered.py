@@ -103,13 +103,18 @@ class Deliveries:
     table's tensors in memory but not all of them is partial: a weight sync spread over several
     ``load_weights`` calls, whose new table is checked once all of it is in (``partial``), as stock
     vLLM's layerwise reload processes a layer once all its weights are loaded. While it waits, the
-    global scale the sync delivered is held here (``held``), the old table serving with its own."""
+    global scale the sync delivered is held here (``held``), the old table serving with its own. A
+    load from the checkpoint files (``note_files``: a table tensor delivered as a view of the
+    table's files, or the engine's loader leaving the table's files out since ple-um maps them)
+    brings the whole table, its files, whatever else it delivers in memory: it is never partial,
+    and ends a sync that delivered only part of the table before it."""
 
     def __init__(self) -> None:
         self.names: set[str] = set()
         self.held: torch.Tensor | None = None  # the global scale a partial load delivered
         self.calls = 0  # tensors delivered since the last finish (``finish_load``)
         self.fresh_scale = False  # the engine loaded the global scale since the last finish
+        self.files = False  # the load reads the table from its files (``note_files``)
 
     def note(self, index: int, kind: str) -> None:
         self.names.add("scale" if kind == "weight_scale_2" else f"shard_{index}.{kind}")
@@ -120,9 +125,13 @@ class Deliveries:
         self.calls += 1
         self.fresh_scale = True
 
+    def note_files(self) -> None:
+        self.files = True
+        self.calls += 1
+
     def clear(self) -> None:
         self.names.clear()
-        self.held, self.calls, self.fresh_scale = None, 0, False
+        self.held, self.calls, self.fresh_scale, self.files = None, 0, False, False
 
     def lacking(self, table: MappedTable) -> list[str]:
         """What of ``table`` the load has not delivered: each shard's rows, an NVFP4 table's block
@@ -136,7 +145,10 @@ class Deliveries:
 
     def partial(self, table: MappedTable) -> bool:
         """Whether the load delivered some shard tensor of ``table`` in memory but not every one of its
-        tensors: each shard's rows, an NVFP4 table's block scales, its global scale where it has one."""
+        tensors: each shard's rows, an NVFP4 table's block scales, its global scale where it has one.
+        Never a load from the files (``note_files``)."""
+        if self.files:
+            return False
         return any(name.startswith("shard_") for name in self.names) and bool(self.lacking(table))
 
 
@@ -169,8 +181,9 @@ def check_load(layer) -> bool:
     """The checks of ``finish_load``: True when the table may serve (``commit``). A new table stays
     staged, the old one serving with its own global scale, while the load delivered only part of it
     in memory (``Deliveries.partial``): the call that completes it checks it (against the global
-    scale the sync delivered, held meanwhile) and returns True. A call that delivered nothing of it
-    ends the sync without its rest: the staged table is closed, said in the log."""
+    scale the sync delivered, held meanwhile) and returns True, and so does a load from the table's
+    files (``Deliveries.note_files``), a reload that brings all of it. A call that delivered nothing
+    of it ends the sync without its rest: the staged table is closed, said in the log."""
     name, scale, expected = layer.global_scale()
     try:
         table, deliveries = layer.ensure_table(), layer.deliveries()

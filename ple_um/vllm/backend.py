@@ -164,6 +164,7 @@ class Qwen4ExpPLEMappedEmbedding(ServedLayer, Qwen4ExpPLEEmbedding):
         loading.check_shard(self, index, tensor, name, backing)
         if backing is not None and self.source.is_table_file(backing[0]):
             self.shards_skipped += 1
+            self.deliveries().note_files()  # a load from the files: it brings the whole table
             return
         self.compare_delivered(index, tensor, name)
 

@@ -236,9 +236,16 @@ def _model_load_weights(original):
 
 def _model_is_unused(original):
     def is_unused_checkpoint_weight(self, name: str) -> bool:
-        """Shard tensors of ple-um layers are served from the files, never loaded."""
+        """Shard tensors of ple-um layers are served from the files, never loaded. vLLM's loader asks
+        this of every tensor of the files it is about to load from: a load from the checkpoint files,
+        which leaves out the files holding only the table's tensors and may read the rest into memory
+        (its whole-file loaders), so that a layer is not delivered all of its table in memory; the
+        layer's deliveries are told (``Deliveries.note_files``): its table is not a partial one."""
         found = ple_match(name)
         if found is not None and found[1] in ("shard", "block_scale") and _backends(self):
+            for backend in _backends(self):
+                if backend.layer == found[0]:
+                    backend.deliveries().note_files()
             return True
         return bool(original(self, name)) if original is not None else False
 

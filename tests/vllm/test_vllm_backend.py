@@ -529,6 +529,55 @@ def test_a_sync_whose_scale_comes_first_serves_the_old_table_with_its_own_scale(
     backend.close_table()
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "nvfp4"])
+@pytest.mark.parametrize("whole_files", [False, True], ids=["views", "whole-files"])
+def test_a_reload_from_the_files_after_part_of_a_sync_serves_the_new_table(
+    world, patched, table_dir, tmp_path, dtype, whole_files
+):
+    """A model loaded from its files as vLLM's default loader loads it (its file filter leaving out
+    the files that hold only table tensors, the rest yielded as views of the files or, by its
+    whole-file loaders, read into memory) serves its table (a). A weight sync after a remap
+    (PLE_UM_DIR moved to b) that sends one shard of b's table in memory and stops leaves b's table
+    staged, a's serving; a reload of the model from b's files, read the same way, brings all of b's
+    table: b's table serves under the scale that reload loaded, as stock loaded from b serves, and
+    a's is closed (not b's left staged, a's serving, nor b's closed as a sync that sent no more)."""
+    from vllm.models.qwen4_exp.nvidia import model as qwen4_exp_model
+
+    assert qwen4_exp_model  # imported before the first ple-um layer is built, which patches its classes
+
+    from ple_um.vllm.patch import _model_load_weights
+
+    config = h.text_config(dtype=dtype)
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    holder = torch.nn.Module()
+    holder.add_module("ple", h.build(config, ple_um_on=True))
+    backend = holder.ple.ngram_embedding
+    load_weights = _model_load_weights(lambda model, weights: model.ple.load_weights(weights))
+
+    def reload(directory) -> None:  # vLLM's reload_weights() from the model's files
+        load_weights(holder, h.checkpoint_weights(directory, model=holder, whole_files=whole_files))
+        backend.quant_method.process_weights_after_loading(backend)
+
+    reload(first.directory)
+    old = backend.table
+    assert old is not None and old.layout.directory == first.directory and backend.served.staged is None
+    _serves_as(holder.ple, h.stock(config, first.directory))
+
+    table_dir(other.directory)
+    shard = "ngram_embedding.shard_1.weight"
+    load_weights(holder, iter([(shard, dict(h.delivered(other.directory, "memory"))[shard])]))
+    assert backend.table is old and not old.closed and backend.served.staged is not None
+
+    reload(other.directory)
+    assert old.closed and backend.served.staged is None and backend.stats()["staged"] is None
+    assert backend.table.layout.directory == other.directory
+    if h.GLOBAL_SCALE[dtype] is not None:
+        assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == other.scale
+    _serves_as(holder.ple, h.stock(config, other.directory))
+    backend.close_table()
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
 def test_a_sync_that_never_sends_the_rest_is_said_and_closed_by_the_next_load(
     world, patched, table_dir, tmp_path, dtype, caplog

@@ -255,16 +255,30 @@ def drop_tensor(directory, name: str) -> None:
         json.dump(index, f)
 
 
-def checkpoint_weights(directory, layer: int = LAYER) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(
+    directory, layer: int = LAYER, *, model=None, whole_files: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Decoder layer ``layer``'s tensors as vLLM's default loader yields them (its safetensors
-    iterator: lazy views of the files), named as Qwen4ExpNGramEmbedding.load_weights receives them."""
-    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    iterator: lazy views of the files), named as Qwen4ExpNGramEmbedding.load_weights receives them.
+    With ``model``, only the files vLLM's file filter keeps, fed the patched model class's
+    ``is_unused_checkpoint_weight`` for ``model`` (as ``DefaultModelLoader`` loads a model from its
+    files); with ``whole_files``, each tensor read into memory, as its whole-file loaders (eager,
+    multi-thread, fastsafetensors) deliver them."""
+    from vllm.model_executor.model_loader.weight_utils import (
+        filter_safetensors_files_by_weight_name,
+        safetensors_weights_iterator,
+    )
 
     prefix = f"{synthetic.PREFIX}layers.{layer}.ple.ple_embedding."
     files = sorted(glob.glob(os.path.join(os.fspath(directory), "*.safetensors")))
+    if model is not None:
+        from vllm.models.qwen4_exp.nvidia import model as qwen4_exp_model
+
+        unused = qwen4_exp_model.Qwen4ExpForConditionalGeneration.is_unused_checkpoint_weight
+        files = filter_safetensors_files_by_weight_name(files, lambda name: unused(model, name))
     for name, tensor in safetensors_weights_iterator(files, False):
         if name.startswith(prefix):
-            yield name[len(prefix) :], tensor
+            yield name[len(prefix) :], tensor.clone() if whole_files else tensor
 
 
 def delivered(directory, delivery: str, drop: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
