@@ -9,7 +9,11 @@ parameters are empty; their weight loader checks the tensor vLLM hands over (nam
 a view of the table's files is not read, a tensor in memory, from a weight sync or a reload, is
 compared with this rank's mapped rows, since the table is read-only) and, once both the rows and the
 E8M0 scales of the table have been handed over, opens this rank's rows from the checkpoint files
-(``open_engram_table``, rows = this rank's heads, checked against vLLM's own ``EngramLayout``).
+(``open_engram_table``, rows = this rank's heads, checked against vLLM's own ``EngramLayout``). A new
+table (another directory, replaced files) is staged and serves only once checked, as a PLE layer's
+(``ServedLayer``, ``delivered.finish_load``): a sync that delivered its rows in memory but not yet
+its scales leaves it staged, said in the log and in ``stats()["staged"]``, the old table serving; a
+refusal closes it.
 Its ``lookup`` is the one vLLM's layer calls, with vLLM's arguments, on the stream vLLM chose:
 inline, or on the Engram prefetch stream forked before layer 0 (``cpu_offload``, the default),
 captured in FULL graphs or run at the eager breaks of breakable ones as stock. The rows come back as
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,12 +49,11 @@ from vllm.logger import init_logger
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.models.deepseek_v41.common.engram import ParallelEngramEmbedding
 
-from ple_um import envs
+from ple_um import delivered, envs
 from ple_um.checkpoint import MXFP8_BLOCK, EngramGeometry, read_engram_layout
-from ple_um.delivered import compare_shard
 from ple_um.errors import CheckpointError
 from ple_um.opening import open_engram_table
-from ple_um.served import ServedTable, host_lookup_refused
+from ple_um.served import ServedLayer, ServedTable, host_lookup_refused
 from ple_um.table import MappedTable
 from ple_um.vllm.backend import check_cudagraph_mode
 from ple_um.vllm.patch import replace
@@ -133,10 +137,13 @@ def geometry_of(layout) -> EngramGeometry:
     )
 
 
-class MappedEngramEmbedding(ParallelEngramEmbedding):
+class MappedEngramEmbedding(ServedLayer, ParallelEngramEmbedding):
     """What ``ParallelEngramEmbedding`` keeps of the table, kept in the checkpoint files instead:
     the attributes vLLM's layer and model read, empty parameters whose loader reads no data, and a
-    ``lookup`` through this rank's mapped rows."""
+    ``lookup`` through this rank's mapped rows. The table a load opens is staged, checked and
+    served as a PLE layer's (``ServedLayer``: its deliveries, ``stats``, ``abandon_load``)."""
+
+    NOT_OPEN = "the checkpoint's Engram tensors were never loaded"
 
     def __init__(self, geometry: EngramGeometry, layer_id: int, *, cpu_offload: bool, dp_shared_memory: bool):
         nn.Module.__init__(self)  # not vLLM's constructor: it allocates the table
@@ -183,13 +190,21 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         self.source = TableSource(self._vllm_config)
         self.served = ServedTable(logger, "vLLM")
 
+    @property
+    def owned_rows(self) -> tuple[int, int]:
+        """This rank's rows of the table: those of its heads."""
+        return self.vocab_start_idx, self.vocab_end_idx
+
     def _receive(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """vLLM's weight loader for both parameters: the tensor's shape and dtype are checked (the
-        file it is a view of named where it is one). A view of one of the table's files is not read;
-        a tensor in memory (a weight sync, a reload from an iterator) is compared with this rank's
-        mapped rows (ReloadMismatchError where it differs), the table opened for it (a new one staged:
-        a difference closes it, the old one serving on); one on the meta device has no data to
-        compare. Once rows and scales are both in, the table opens (a staged one serves)."""
+        file it is a view of named where it is one). A view of one of the table's files is not read,
+        nor one on the meta device (no data): the load brings the table's files
+        (``Deliveries.note_files``). A tensor in memory (a weight sync, a reload from an iterator) is
+        compared with this rank's mapped rows (ReloadMismatchError where it differs), the table opened
+        for it (a new one staged), and the load's end checked (``delivered.finish_load``): a new
+        table the load delivered only part of in memory stays staged, the old one serving. Once rows
+        and scales are both in, the load ends (a staged one serves). A refusal closes the staged
+        table, the old one serving on (``abandon_load``)."""
         scales = param is self.weight_scale_inv
         expect = (self.num_embeddings, self.dim // MXFP8_BLOCK if scales else self.dim)
         dtypes = (torch.uint8, torch.float8_e8m0fnu) if scales else (torch.float8_e4m3fn,)
@@ -201,20 +216,25 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
                 f"the layer expects {' or '.join(map(str, dtypes))} {list(expect)}",
                 **self._checkpoint_tensor(scales, backing),
             )
-        in_memory = backing is None or not self.source.is_table_file(backing[0])
-        if in_memory and loaded.device.type != "meta":
-            given = loaded.view(torch.uint8) if scales else loaded  # E8M0 exponents: their bytes
-            try:  # a new table (another directory, replaced files) serves once both tensors agree
-                compare_shard(
-                    self.prefix, self._open(stage=True), 0, given, "weight_scale" if scales else "weight"
-                )
-            except BaseException:
-                self.served.discard()  # the old table serves on
+        in_memory = loaded.device.type != "meta" and (
+            backing is None or not self.source.is_table_file(backing[0])
+        )
+        try:
+            if in_memory:
+                given = loaded.view(torch.uint8) if scales else loaded  # E8M0 exponents: their bytes
+                self.compare_delivered(0, given, "weight_scale" if scales else "weight")
+            else:
+                self.deliveries().note_files()
+            self._received.add(what)
+            done = self._received == {"weight", "weight_scale_inv"}
+            if done:
                 self._received.clear()
-                raise
-        self._received.add(what)
-        if self._received == {"weight", "weight_scale_inv"}:
-            self.finish_load()
+            if done or in_memory:
+                delivered.finish_load(self)
+        except BaseException:
+            self._received.clear()
+            self.abandon_load()  # a new table closed: the old one serves on
+            raise
 
     def _checkpoint_tensor(self, scales: bool, backing: tuple[str, int] | None) -> dict:
         """Where the table's rows (or with ``scales`` its E8M0 scales) are in the checkpoint, for an
@@ -236,23 +256,30 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
             pass
         return {"path": path, "tensor": tensor}
 
-    def finish_load(self) -> None:
-        """Open (or keep) this rank's rows of the table from the checkpoint directory."""
-        self._received.clear()
-        self._open()
-
-    def _open(self, *, stage: bool = False) -> MappedTable:
-        """This rank's rows of the table in the checkpoint directory, opened or the open ones kept; with
-        ``stage`` a new table does not serve yet (``ServedTable.serve``): ``finish_load`` makes it."""
+    def ensure_table(self) -> MappedTable:
+        """This rank's rows of the table in the checkpoint directory: the serving ones, or a new
+        table's opened and staged (``ServedTable.serve``), to serve once ``delivered.finish_load``
+        has checked the load."""
         directory = self.source.directory()
-        rows = (self.vocab_start_idx, self.vocab_end_idx)
         return self.served.serve(
             self.prefix,
             directory,
-            lambda: open_engram_table(directory, layer=self.layer_id, rows=rows, geometry=self.geometry),
+            lambda: open_engram_table(
+                directory, layer=self.layer_id, rows=self.owned_rows, geometry=self.geometry
+            ),
             check=self._check_capture,
-            stage=stage,
+            stage=True,
         )
+
+    def global_scale(self) -> tuple[str, None, Callable[[MappedTable], None]]:
+        """None: an MXFP8 Engram table has block scales (E8M0, ``weight_scale_inv``) and no global scale."""
+        return "weight_scale_inv", None, lambda table: None
+
+    def extra_repr(self) -> str:
+        table = self.served.table
+        state = f"{table.mode} mode, {table.layout.directory}" if table is not None else "not open"
+        start, end = self.owned_rows
+        return f"rows=[{start}, {end}) of {self.num_embeddings}, head_dim={self.dim}, {state}"
 
     def _check_capture(self, table: MappedTable) -> None:
         """A table that is not capture-safe (the cpu mode without its C row copy: its lookup waits
@@ -281,7 +308,7 @@ class MappedEngramEmbedding(ParallelEngramEmbedding):
         """This rank's heads of ``indices`` [T, n_hash_cols] (global row ids) into ``out``
         [T, local heads, dim] (BF16), queued on the current stream; ``background`` (vLLM's hint to
         leave SMs free) does not apply to ple-um's lookup."""
-        table = self.served.require(self.prefix, "the checkpoint's Engram tensors were never loaded")
+        table = self.require_table()
         if out.dtype == torch.uint8:
             raise EngramLayoutError(f"ple-um: {self.prefix}: packed lookups serve only vLLM's DP exchange")
         if indices.shape[0] == 0:

@@ -282,6 +282,77 @@ def test_a_reload_refused_by_the_comparison_leaves_the_old_table_serving(
     ours.served.close()
 
 
+def _stock_rows(module, monkeypatch, path, index, hashes) -> torch.Tensor:
+    """The rows stock's table, loaded from the checkpoint at ``path``, returns for ``hashes`` on a GPU."""
+    weight, scales = _tensors(path, LAYERS[index])
+    stock, _ = _build(module, monkeypatch, False, index)
+    _load(stock, weight, scales)
+    return as_on_a_gpu(stock(hashes), weight, scales, hashes)
+
+
+def _looked_up(ours, hashes) -> torch.Tensor:
+    out = torch.full((hashes.shape[0], ours.part_n_hash_cols, DIM), float("nan"), dtype=torch.bfloat16)
+    ours.lookup(hashes, out)  # into a poisoned buffer
+    return out
+
+
+def test_a_sync_that_sends_the_rows_before_the_scales_stages_the_new_table(
+    engram_world, monkeypatch, table_dir, checkpoint, tmp_path, rng, caplog
+):
+    """A weight sync with PLE_UM_DIR moved to another checkpoint's table (b) that delivers b's rows in
+    memory, its scales in a later call: until they come, b's table is staged, not served (the old
+    table returns the rows stock loaded from the old checkpoint returns), and said in the log and in
+    ``stats()["staged"]`` (its directory, that it lacks the scales). Scales that differ from b's are
+    refused and close b's table, the old one serving on; b's own scales make b's table serve, the old
+    one closed, returning the rows stock loaded from b returns."""
+    import logging
+
+    from ple_um.delivered import ReloadMismatchError
+
+    config = _config()
+    other = tmp_path / "other"
+    write_engram_checkpoint(
+        other, tables=dict(zip(LAYERS, config.engram_num_embeddings, strict=True)), head_dim=DIM, seed=7
+    )
+    ours, layout = _build(engram_world, monkeypatch, True, 0)
+    _load(ours, *_tensors(checkpoint, LAYERS[0]))
+    old = ours.served.table
+    hashes = _hashes(layout, 0, rng, 16)
+    served = _stock_rows(engram_world, monkeypatch, checkpoint, 0, hashes)
+    assert torch.equal(_looked_up(ours, hashes).view(torch.int16), served.view(torch.int16))
+    assert ours.stats()["staged"] is None
+
+    table_dir(other)
+    weight, scales = _tensors(other, LAYERS[0])
+    for refused in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vllm.ple_um"):
+            ours.weight.weight_loader(ours.weight, weight.clone())
+        staged = ours.served.staged[0]
+        assert ours.served.table is old and not old.closed and not staged.closed
+        assert ours.stats()["staged"] == {
+            "directory": os.path.realpath(other),
+            "lacks": ["shard_0.weight_scale"],
+        }
+        assert any("stays staged" in r.message for r in caplog.records)
+        assert torch.equal(_looked_up(ours, hashes).view(torch.int16), served.view(torch.int16))
+        if refused:
+            changed = scales.clone()
+            changed.view(torch.uint8)[ours.vocab_start_idx, -1] ^= 1
+            with pytest.raises(ReloadMismatchError, match="delivered in memory differs"):
+                ours.weight_scale_inv.weight_loader(ours.weight_scale_inv, changed)
+            assert staged.closed and ours.served.staged is None and ours.stats()["staged"] is None
+            assert ours.served.table is old and not old.closed
+            assert torch.equal(_looked_up(ours, hashes).view(torch.int16), served.view(torch.int16))
+    ours.weight_scale_inv.weight_loader(ours.weight_scale_inv, scales.clone())
+    assert old.closed and ours.served.table is staged and ours.served.staged is None
+    assert ours.stats()["staged"] is None
+    want = _stock_rows(engram_world, monkeypatch, other, 0, hashes)
+    assert not torch.equal(want.view(torch.int16), served.view(torch.int16))
+    assert torch.equal(_looked_up(ours, hashes).view(torch.int16), want.view(torch.int16))
+    ours.close_table()
+
+
 @pytest.mark.parametrize(
     ("cpu_offload", "mode", "breakable", "refused"),
     [
