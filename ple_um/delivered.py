@@ -107,7 +107,9 @@ class Deliveries:
     load from the checkpoint files (``note_files``: a table tensor delivered as a view of the
     table's files, or the engine's loader leaving the table's files out since ple-um maps them)
     brings the whole table, its files, whatever else it delivers in memory: it is never partial,
-    and ends a sync that delivered only part of the table before it."""
+    and ends a sync that delivered only part of the table before it. Shard tensors count for the
+    table they were compared with (``compared``) only: a remap or replaced files that put another
+    table in its place mid-sync leave the new one lacking them, never served unchecked."""
 
     def __init__(self) -> None:
         self.names: set[str] = set()
@@ -115,10 +117,18 @@ class Deliveries:
         self.calls = 0  # tensors delivered since the last finish (``finish_load``)
         self.fresh_scale = False  # the engine loaded the global scale since the last finish
         self.files = False  # the load reads the table from its files (``note_files``)
+        self.compared: MappedTable | None = None  # the table the shards in ``names`` were compared with
 
-    def note(self, index: int, kind: str) -> None:
+    def note(self, index: int, kind: str, table: MappedTable) -> None:
+        """``compare_shard``'s ``index`` and ``kind`` delivered in memory, found equal to ``table``'s;
+        the shards found equal to another table before are forgotten."""
+        if table is not self.compared:
+            self.names, self.compared = self._not_shards(), table
         self.names.add("scale" if kind == "weight_scale_2" else f"shard_{index}.{kind}")
         self.calls += 1
+
+    def _not_shards(self) -> set[str]:
+        return {name for name in self.names if not name.startswith("shard_")}
 
     def note_scale(self) -> None:
         self.names.add("scale")
@@ -132,16 +142,19 @@ class Deliveries:
     def clear(self) -> None:
         self.names.clear()
         self.held, self.calls, self.fresh_scale, self.files = None, 0, False, False
+        self.compared = None
 
     def lacking(self, table: MappedTable) -> list[str]:
         """What of ``table`` the load has not delivered: each shard's rows, an NVFP4 table's block
-        scales, its global scale where it has one, as ``shard_<i>.<kind>`` and ``scale``."""
+        scales, its global scale where it has one, as ``shard_<i>.<kind>`` and ``scale``; shards
+        compared with another table count as not delivered."""
+        got = self.names if table is self.compared else self._not_shards()
         layout = table.layout
         kinds = ("weight", "weight_scale") if layout.has_block_scales else ("weight",)
         whole = [f"shard_{i}.{kind}" for i in range(layout.parts) for kind in kinds]
         if table.scale is not None:
             whole.append("scale")
-        return [name for name in whole if name not in self.names]
+        return [name for name in whole if name not in got]
 
     def partial(self, table: MappedTable) -> bool:
         """Whether the load delivered some shard tensor of ``table`` in memory but not every one of its

@@ -279,7 +279,7 @@ class ServedLayer:
         table = self.ensure_table()
         self.shards_compared += 1
         compare_shard(self.prefix, table, index, tensor, kind, cast=self.delivered_cast(table))
-        self.deliveries().note(index, kind)
+        self.deliveries().note(index, kind, table)
 
     def deliveries(self) -> Deliveries:
         """What the load under way delivered of the table in memory."""

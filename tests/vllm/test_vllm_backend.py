@@ -622,6 +622,61 @@ def test_a_sync_that_never_sends_the_rest_is_said_and_closed_by_the_next_load(
     backend.close_table()
 
 
+def _change_first_row(path, tensor) -> None:
+    """Rewrite the file at ``path`` with the first byte of ``tensor``'s first row flipped."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, framework="pt") as f:
+        tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # noqa: SIM118
+    tensors[tensor].view(torch.uint8)[0, 0] ^= 1
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "nvfp4"])
+def test_shards_compared_before_the_files_were_replaced_do_not_count_for_the_new_ones(
+    world, patched, table_dir, tmp_path, dtype
+):
+    """A weight sync after a remap (a to b) that sends b's table over several calls, b's files
+    replaced after its first call by a new checkpoint that differs only in shard 0 (renamed into
+    place): the shards the first call sent were compared with the old files, not the new ones, so
+    the calls that send the rest leave the new table staged, lacking them, a's serving (a's rows
+    under a's scale, as stock loaded from a); not the new table served with a shard 0 the sync
+    never sent. Sent again, shard 0 is refused: it differs from the new files."""
+    from ple_um.delivered import ReloadMismatchError
+
+    config = h.text_config(dtype=dtype)
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    changed = h.write_table(tmp_path / "c", config, seed=5)
+    _change_first_row(changed.shards[0].path, changed.shards[0].tensor)
+    module = h.mapped(config, first.directory)
+    backend = module.ngram_embedding
+    old = backend.table
+    stock = h.stock(config, first.directory)
+    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
+
+    table_dir(other.directory)
+    weights = _table_last(h.delivered(other.directory, "memory"), scale)
+    assert weights[0][0] == "ngram_embedding.shard_0.weight"
+    module.load_weights(iter(weights[:3]))
+    replaced = backend.served.staged[0]
+    _replace_by_rename(other.directory, changed.directory)
+    module.load_weights(iter(weights[3:]))
+    staged = backend.served.staged[0]
+    assert replaced.closed and staged is not replaced and not staged.closed
+    assert backend.table is old and not old.closed
+    lacks = backend.stats()["staged"]["lacks"]
+    assert "shard_0.weight" in lacks and len(lacks) == 3
+    assert float(getattr(backend, h.GLOBAL_SCALE[dtype])) == first.scale
+    _serves_as(module, stock)
+    with pytest.raises(ReloadMismatchError, match="shard 0 at row 0 delivered in memory differs"):
+        module.load_weights(iter(weights[:1]))
+    assert staged.closed and backend.served.staged is None and backend.table is old and not old.closed
+    _serves_as(module, stock)
+    backend.close_table()
+
+
 @pytest.mark.parametrize("refused", [0, 1], ids=["first-refused", "second-refused"])
 def test_a_models_reload_with_one_table_refused_serves_no_new_table(
     world, patched, table_dir, tmp_path, refused
