@@ -483,6 +483,20 @@ def test_dummy_load_format_serves_zeros(world, patched):
     assert module.ngram_embedding.table is None and not raw.view(torch.uint8).any()
 
 
+def _remapped_sync(config, table_dir, tmp_path):
+    """A layer serving a's table (seed 0), PLE_UM_DIR then moved to b's (seed 5): (a's and b's
+    layouts, the layer, stock loaded from a, b's tensors in memory as a weight sync sends them, its
+    global scale last)."""
+    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
+    other = h.write_table(tmp_path / "b", config, seed=5)
+    module = h.mapped(config, first.directory)
+    stock = h.stock(config, first.directory)
+    table_dir(other.directory)
+    scale = h.GLOBAL_SCALE[h.table_dtype(config)]
+    weights = _table_last(h.delivered(other.directory, "memory"), scale and f"ngram_embedding.{scale}")
+    return first, other, module, stock, weights
+
+
 def _serves_as(module, stock) -> None:
     """``module`` returns what ``stock`` returns, raw and dequantized, bit for bit."""
     for seed in (0, 1):
@@ -501,17 +515,10 @@ def test_a_sync_whose_scale_comes_first_serves_the_old_table_with_its_own_scale(
     loaded from a returns them, not a's rows under b's scale). The call that completes the sync
     checks b's table against the scale the sync sent, held meanwhile, and b's table serves under it."""
     config = h.text_config(dtype=dtype)
-    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
-    other = h.write_table(tmp_path / "b", config, seed=5)
-    assert other.scale != first.scale
-    module = h.mapped(config, first.directory)
+    first, other, module, stock, weights = _remapped_sync(config, table_dir, tmp_path)
     backend = module.ngram_embedding
     old = backend.table
-    stock = h.stock(config, first.directory)
-    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
-
-    table_dir(other.directory)
-    weights = _table_last(h.delivered(other.directory, "memory"), scale)
+    assert other.scale != first.scale
     weights = weights[-1:] + weights[:-1]  # the scale first
     calls = [weights[start : start + 3] for start in range(0, len(weights), 3)]
     assert len(calls) > 2
@@ -646,18 +653,11 @@ def test_shards_compared_before_the_files_were_replaced_do_not_count_for_the_new
     from ple_um.delivered import ReloadMismatchError
 
     config = h.text_config(dtype=dtype)
-    first = h.write_table(table_dir(tmp_path / "a"), config, seed=0)
-    other = h.write_table(tmp_path / "b", config, seed=5)
-    changed = h.write_table(tmp_path / "c", config, seed=5)
+    changed = h.write_table(tmp_path / "c", config, seed=5)  # b's table but for shard 0
     _change_first_row(changed.shards[0].path, changed.shards[0].tensor)
-    module = h.mapped(config, first.directory)
+    first, other, module, stock, weights = _remapped_sync(config, table_dir, tmp_path)
     backend = module.ngram_embedding
     old = backend.table
-    stock = h.stock(config, first.directory)
-    scale = f"ngram_embedding.{h.GLOBAL_SCALE[dtype]}"
-
-    table_dir(other.directory)
-    weights = _table_last(h.delivered(other.directory, "memory"), scale)
     assert weights[0][0] == "ngram_embedding.shard_0.weight"
     module.load_weights(iter(weights[:3]))
     replaced = backend.served.staged[0]

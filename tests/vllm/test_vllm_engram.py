@@ -249,6 +249,19 @@ def test_tensors_delivered_in_memory_are_compared_with_the_files(engram_world, m
     ours.served.close()
 
 
+def _loaded_and_another(module, monkeypatch, checkpoint, tmp_path, rng):
+    """Another checkpoint's Engram tables (seed 7), and ple-um's first table loaded from
+    ``checkpoint`` with 16 tokens' hashes of it: (the other checkpoint's path, the table, hashes)."""
+    config = _config()
+    other = tmp_path / "other"
+    write_engram_checkpoint(
+        other, tables=dict(zip(LAYERS, config.engram_num_embeddings, strict=True)), head_dim=DIM, seed=7
+    )
+    ours, layout = _build(module, monkeypatch, True, 0)
+    _load(ours, *_tensors(checkpoint, LAYERS[0]))
+    return other, ours, _hashes(layout, 0, rng, 16)
+
+
 def test_a_reload_refused_by_the_comparison_leaves_the_old_table_serving(
     engram_world, monkeypatch, table_dir, checkpoint, tmp_path, rng
 ):
@@ -257,15 +270,8 @@ def test_a_reload_refused_by_the_comparison_leaves_the_old_table_serving(
     served), returning the rows it returned. Rows that agree then make the new table serve."""
     from ple_um.delivered import ReloadMismatchError
 
-    config = _config()
-    other = tmp_path / "other"
-    write_engram_checkpoint(
-        other, tables=dict(zip(LAYERS, config.engram_num_embeddings, strict=True)), head_dim=DIM, seed=7
-    )
-    ours, layout = _build(engram_world, monkeypatch, True, 0)
-    _load(ours, *_tensors(checkpoint, LAYERS[0]))
+    other, ours, hashes = _loaded_and_another(engram_world, monkeypatch, checkpoint, tmp_path, rng)
     old = ours.served.table
-    hashes = _hashes(layout, 0, rng, 16)
     out = torch.empty(hashes.shape[0], ours.part_n_hash_cols, DIM, dtype=torch.bfloat16)
     ours.lookup(hashes, out)
     served = out.clone()
@@ -309,15 +315,8 @@ def test_a_sync_that_sends_the_rows_before_the_scales_stages_the_new_table(
 
     from ple_um.delivered import ReloadMismatchError
 
-    config = _config()
-    other = tmp_path / "other"
-    write_engram_checkpoint(
-        other, tables=dict(zip(LAYERS, config.engram_num_embeddings, strict=True)), head_dim=DIM, seed=7
-    )
-    ours, layout = _build(engram_world, monkeypatch, True, 0)
-    _load(ours, *_tensors(checkpoint, LAYERS[0]))
+    other, ours, hashes = _loaded_and_another(engram_world, monkeypatch, checkpoint, tmp_path, rng)
     old = ours.served.table
-    hashes = _hashes(layout, 0, rng, 16)
     served = _stock_rows(engram_world, monkeypatch, checkpoint, 0, hashes)
     assert torch.equal(_looked_up(ours, hashes).view(torch.int16), served.view(torch.int16))
     assert ours.stats()["staged"] is None
