@@ -12,7 +12,7 @@ or a link makes an open hang, read without end, or create a file where the link 
 - a file in them is opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only when it is a regular
   file owned by this user that no one else can write (``open_private``); a read is bounded
   (``read_private``); a write replaces the file whole (``write_private``); a lock is an ``flock``
-  on such a file, waited for a bounded time (``locked``).
+  on such a file, waited for a bounded time (``locked``), whose descriptor a forked child closes.
 
 Each check that fails raises ``UnsafeCacheError`` saying what is wrong; the callers then ignore
 what they found (a verdict is rechecked, a library rebuilt, a lock gone without) and say so. The
@@ -32,6 +32,40 @@ import time
 from collections.abc import Iterator
 
 POLL_S = 0.02  # between tries for a lock another process holds
+
+
+class _Descriptor:
+    """A lock's descriptor while ``locked`` runs (-1 once closed): closed by its block, or in a
+    forked child by ``_forked``, never by both."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+# The descriptors of this process's locks (``locked``), waited for or held.
+_OPEN_LOCKS: set[_Descriptor] = set()
+
+
+def _forked() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors. An ``flock`` belongs
+    to the open file, which the copy shares: kept, it would hold the parent's lock after the parent
+    lets it go, for as long as the child lives (every other process, and the parent's next sizing,
+    would wait its bound out), and the child's own ``locked`` would wait for the copy it holds. The
+    thread that held it is not in the child; closing the copy leaves the parent's lock held."""
+    for each in list(_OPEN_LOCKS):
+        with contextlib.suppress(OSError):
+            each.close()
+    _OPEN_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_forked)  # here: the cache folder is below lookup.forks' layer
 
 
 class UnsafeCacheError(OSError):
@@ -182,13 +216,16 @@ def locked(path: str, wait: float) -> Iterator[str | None]:
     the first read's child (``access.first_read``) and the sizing of a row cache
     (``lookup.host.misses``). Yields None when it is held, else why not (the file cannot be opened,
     or another process held it all along): the caller goes on without it. The kernel releases the
-    lock when its holder's file is closed, however the process ends."""
+    lock when its holder's file is closed, however the process ends; a forked child closes its copy
+    of the descriptor (``_forked``), so that the lock is the parent's alone."""
     try:
         private_folder(os.path.dirname(path) or ".")
-        fd = open_private(path, os.O_RDONLY | os.O_CREAT, 0o600)
+        held = _Descriptor(open_private(path, os.O_RDONLY | os.O_CREAT, 0o600))
     except OSError as exc:  # UnsafeCacheError among them, whose message says why
         yield f"cannot open {path}: {exc.strerror or exc}"
         return
+    _OPEN_LOCKS.add(held)
+    fd = held.fd
     try:
         deadline, why = time.monotonic() + wait, None
         while True:
@@ -202,4 +239,5 @@ def locked(path: str, wait: float) -> Iterator[str | None]:
                 time.sleep(POLL_S)
         yield why
     finally:
-        os.close(fd)  # releases the lock
+        _OPEN_LOCKS.discard(held)
+        held.close()  # releases the lock

@@ -692,6 +692,45 @@ def test_a_forked_child_closes_a_table_whose_paths_lock_a_thread_held(table_file
             assert in_forked_child(child) == 0
 
 
+def test_a_forked_child_holds_not_the_sizing_lock_its_parents_build_held():
+    """A process forked while another of its threads sizes a row cache (a fit check's build, the
+    sizing lock held): once that thread lets the lock go, the parent takes it again at once while
+    the child lives (the child's copy of the descriptor does not keep it held), and the child takes
+    it at once too (it does not wait its bound out for its own copy)."""
+    import signal
+
+    from ple_um import cache_folder, envs
+    from ple_um.lookup.host import misses
+
+    path = os.path.join(envs.PLE_UM_CACHE_DIR, "row-cache.lock")
+    go_r, go_w = os.pipe()
+    with held_by_another_thread(misses.one_sizing_at_a_time) as held:
+        assert held is None
+        pid = os.fork()
+        if pid == 0:  # the child: once the parent has let go and taken the lock again, take it
+            code = 1
+            try:
+                signal.alarm(20)
+                os.close(go_w)
+                os.read(go_r, 1)
+                t0 = time.monotonic()
+                with cache_folder.locked(path, 5.0) as why:
+                    code = 0 if why is None and time.monotonic() - t0 < 2.0 else 2
+            finally:
+                os._exit(code)
+        os.close(go_r)
+    try:  # the thread has let go; the child lives, holding whatever it inherited
+        t0 = time.monotonic()
+        with cache_folder.locked(path, 2.0) as why:
+            waited = time.monotonic() - t0
+        assert why is None and waited < 1.0, why
+    finally:
+        os.write(go_w, b"x")
+        os.close(go_w)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
 def test_a_check_and_a_close_wait_for_no_host_path_in_build(table_files, machine, memory_left, monkeypatch):
     """The check's thread builds a host path (a row cache) for a table that stopped fitting, and its
     build waits for the sizing lock another process holds: a check made meanwhile (a capture's)
