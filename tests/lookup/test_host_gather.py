@@ -3,7 +3,8 @@ host node has run; while the caller waits, a stream in error or a node that neve
 with HostNodeError instead of a hang. The CUDA driver's answers are injected (a CPU machine has no
 driver); the job's flag is cleared by the real C row copy, as a host node clears it. Also the
 dispatcher's signals check at open (``host.signal_check``), the context calls a thread new to
-CUDA makes first, and a host path whose build fails releasing what it had made."""
+CUDA makes first, a stream's eager buffers whose growth fails, and a host path whose build fails
+releasing what it had made."""
 
 from __future__ import annotations
 
@@ -112,6 +113,66 @@ def test_the_wait_ends_when_the_node_runs(make_checkpoint, tmp_path):
         assert state.slot(_InjectedDriver({0: 600})) == 0
         runner.join()
         assert counts.read()["rows"] == 10 and job.busy == 0
+
+
+class _EventsDriver:
+    """Events as the driver makes them: each one made is live until destroyed (destroying one
+    twice, or one never made, fails the test); ``fail_record``: cuEventRecord refuses."""
+
+    def __init__(self, *, fail_record: bool = False) -> None:
+        self.live: set[int] = set()
+        self.made, self.fail_record = 0, fail_record
+
+    def event(self) -> int:
+        self.made += 1
+        self.live.add(self.made)
+        return self.made
+
+    def record(self, event: int, stream: int) -> None:
+        assert event in self.live
+        if self.fail_record:
+            raise HostNodeError("cuEventRecord failed: CUDA_ERROR_INVALID_HANDLE (400) (injected)")
+
+    def done(self, event: int) -> bool:
+        return False  # the stream is still reading the outgrown buffers
+
+    def destroy(self, event: int) -> None:
+        self.live.remove(event)
+
+
+def _eager_buffers(capacity: int) -> cuda.PinnedBuffers:
+    """A stream's eager buffers of ``capacity`` ids as they stand after earlier lookups (what they
+    hold does not matter here; pinned memory needs a GPU)."""
+    bufs = cuda.PinnedBuffers.__new__(cuda.PinnedBuffers)
+    bufs.capacity = capacity
+    return bufs
+
+
+def test_buffers_a_failed_allocation_outgrew_stay_the_streams_alone():
+    """A lookup that outgrows its stream's eager buffers, whose pinned allocation fails (no GPU
+    here; a GPU cannot pin 128 TiB either): the old buffers stay the stream's, and are not retired
+    as well, however often it fails; no event is made for them, and those made are destroyed once."""
+    state, driver = StreamState(0), _EventsDriver()
+    old = state.buffers = _eager_buffers(1024)
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            state.buffers_for(1 << 44, False, (16,), driver)
+        assert state.buffers is old
+        assert all(b is not old for _, b in state.retired), "the stream's buffers are retired as well"
+    assert state.buffers_for(1000, False, (16,), driver) is old  # what fits takes them, as before
+    state.close(driver)
+    assert driver.live == set() and state.retired == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a GPU")
+def test_an_event_whose_record_fails_is_destroyed_and_the_buffers_stay():
+    """Where the event that guards the outgrown buffers cannot be recorded, it is destroyed, and
+    the old buffers stay the stream's (the new ones, never handed out, are let go)."""
+    state, driver = StreamState(0), _EventsDriver(fail_record=True)
+    old = state.buffers = _eager_buffers(4)
+    with pytest.raises(HostNodeError, match="injected"):
+        state.buffers_for(8, False, (16,), driver)
+    assert state.buffers is old and state.retired == [] and driver.live == set() and driver.made == 1
 
 
 class _SignalsDriver:

@@ -299,12 +299,23 @@ class StreamState:
         if self.buffers is None or self.buffers.capacity < n:
             self.retired = [(ev, b) for ev, b in self.retired if not _freed(driver, ev)]
             old = self.buffers
+            # Made before the old ones retire: where the pinned allocation (or the event) fails,
+            # the old buffers stay the stream's, and only the stream's (never retired as well).
+            new = PinnedBuffers(max(n, 2 * (old.capacity if old else 0), 1024), row_bytes)
             if old is not None:
-                event = driver.event()
-                driver.record(event, self.handle)
-                self.retired.append((event, old))
-            self.buffers = PinnedBuffers(max(n, 2 * (old.capacity if old else 0), 1024), row_bytes)
+                self.retired.append((self._recorded(driver), old))
+            self.buffers = new
         return self.buffers
+
+    def _recorded(self, driver) -> int:
+        """A new event recorded on the stream now (destroyed where the record fails)."""
+        event = driver.event()
+        try:
+            driver.record(event, self.handle)
+        except BaseException:
+            driver.destroy(event)
+            raise
+        return event
 
     def close(self, driver) -> None:
         """Wait for every job of the ring (the caller has waited for the streams its lookups
