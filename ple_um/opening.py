@@ -35,6 +35,7 @@ from ple_um.access.capabilities import DeviceCapabilities, resolve_device
 from ple_um.access.probe import ALL_MODES, ProbeReport, decide, pin_budget, requested_mode
 from ple_um.checkpoint import EngramGeometry, ShardLayout, read_engram_layout, read_layout
 from ple_um.errors import KnobError, ModeUnavailableError
+from ple_um.kernels.launch import current_stream
 from ple_um.lookup.build import build_paths
 from ple_um.lookup.host.cuda import StreamBlockedError
 from ple_um.lookup.paths import LookupPaths
@@ -60,10 +61,10 @@ def _select_mode(
     rows' and the block scales'; ``scale``: the dequantization scale on the device), its build and
     self-test: its report, access and lookup paths (a probe: the report, None, None). A mode that
     fails is rejected with its reason, what it built released, and the next one is tried; a forced
-    one raises ModeUnavailableError. ``StreamBlockedError`` passes through at once, nothing
-    released: nothing may synchronize the device after it; ``KnobError`` passes through once what
-    was built is released: a knob no mode can take is the caller's to fix, not a reason to serve
-    the table another way."""
+    one raises ModeUnavailableError. ``StreamBlockedError`` passes through at once, once what was
+    built is released without synchronizing the device (a stream of it waits for ever):
+    ``_release_blocked``; ``KnobError`` passes through once what was built is released: a knob no
+    mode can take is the caller's to fix, not a reason to serve the table another way."""
     budget = pin_budget()
     rejected: dict[str, str] = {}
     while True:
@@ -93,6 +94,10 @@ def _select_mode(
             if why is None:
                 return report, access, paths
         except StreamBlockedError:
+            try:
+                _release_blocked(device, access, paths, mappings)
+            except Exception as exc:  # noqa: BLE001 - the blocked stream is what the caller must hear of
+                logger.error("ple-um: releasing the %s mode (a stream blocked) failed: %s", access.mode, exc)
             raise
         except KnobError as exc:
             knob_error = exc
@@ -106,6 +111,20 @@ def _select_mode(
             raise ModeUnavailableError(report.mode, why)
         logger.warning("ple-um: %s mode rejected for %s: %s", report.mode, layout.directory, why)
         rejected[report.mode] = why
+
+
+def _release_blocked(device: torch.device, access, paths, mappings) -> None:
+    """Release what a mode built (its registrations, prefetch threads, host paths) where the open
+    found a stream of ``device`` blocked for good: no wait for the device, which would never end.
+    No lookup of this open is queued but its self-test's (the signals' check comes before any),
+    on the current stream, which is not the blocked one: that alone is waited for. Where the release
+    fails the mappings are kept, as ``release_mode`` says, and it raises."""
+    if access is None:
+        return
+    queued = set()
+    if paths is not None and device.type == "cuda":
+        queued.add(current_stream(device.index))
+    release_mode(device, access, paths, *mappings, streams=queued)
 
 
 def probe(

@@ -14,7 +14,6 @@ from ple_um.checkpoint import ShardLayout
 from ple_um.lookup import fit, fit_watch, open_tables, rowcopy
 from ple_um.lookup.gpu_gather import GpuGather
 from ple_um.lookup.host import misses
-from ple_um.lookup.host.cuda import StreamBlockedError
 from ple_um.lookup.host.gather import HostGather
 from ple_um.lookup.host.signal_check import prepare_device
 from ple_um.lookup.paths import LookupPaths
@@ -33,12 +32,10 @@ def build_paths(
     (``lookup.fit``). ``row_copy`` False: the cpu mode's synchronous host path even where the C row
     copy builds (its self-test failed). A build that fails releases what it made (the kernel, a host
     path, the fit checks) before it raises, not when its traceback is let go; StreamBlockedError
-    aside, after which nothing may synchronize the device."""
+    too: the release waits for nothing on the device (the build queued no lookup)."""
     made: list[LookupPaths] = []  # what the build made so far, released at once where it fails
     try:
         return _build(access, layout, rows, scale, row_copy, made)
-    except StreamBlockedError:  # nothing may synchronize the device after it: left as it is
-        raise
     except BaseException:
         for paths in made:
             paths.close()

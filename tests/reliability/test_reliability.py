@@ -657,24 +657,62 @@ def test_a_table_that_fails_to_finish_is_released_once(layout, monkeypatch, fail
 
 def test_a_blocked_stream_at_open_is_raised_without_a_release(layout, monkeypatch):
     """The dispatcher's check found a stream blocked for good (injected here): open_table raises
-    it at once and never releases through the device (its synchronize would wait for ever); the
-    files are unmapped (no host thread reads them)."""
+    it at once, no other mode tried, and never releases through the device (its synchronize would
+    wait for ever): the mode it built is released waiting for no stream (nothing of it is queued);
+    the files are unmapped (no host thread reads them)."""
     from ple_um import opening
-    from ple_um.access.build import ModeAccess
     from ple_um.lookup.host.cuda import StreamBlockedError
 
-    released = []
+    released, built = [], []
+
+    def blocked(access, *args, **kwargs):
+        built.append(access.mode)
+        raise StreamBlockedError("a stream ... stays blocked (injected)")
+
+    def release(device, access, paths, *mappings, streams=None):
+        released.append((access.mode, streams))
+        access.close()
+
+    monkeypatch.setattr(opening, "build_paths", blocked)  # where the host gather checks the signals
+    monkeypatch.setattr(opening, "release_mode", release)
+    for mode in ("auto", "cpu"):
+        with pytest.raises(StreamBlockedError, match="injected"):
+            ple_um.open_table(layout.directory, mode=mode, device="cpu")
+    assert len(built) == 2 and released == [(m, set()) for m in built]
+    assert not maps_of(layout.files)
+
+
+@pytest.mark.parametrize("mode", ["registered", "cpu"])
+def test_a_blocked_stream_at_open_leaves_nothing_the_mode_built(layout, machine, monkeypatch, mode):
+    """The signals' check finds a stream blocked for good (injected in the build where it comes on a
+    GPU: before the fit checks are made, the paths built): the open raises it once what the mode
+    built is released, with no wait for the device: the registrations undone before the files are
+    unmapped, the host path's reader of misses closed (no descriptor of the files, no reader
+    thread), the table counted in no fit; checked while the error, with the frames of the open, is
+    still held."""
+    from helpers.rowcopy_jobs import reader_threads
+
+    from ple_um.lookup import fit_watch
+    from ple_um.lookup.host.cuda import StreamBlockedError
+    from ple_um.lookup.open_tables import OPEN_TABLES
+
+    injected = machine(H200)
+    monkeypatch.setenv("PLE_UM_FILE_READS", "threads")  # the cpu mode's reader holds the files open
+    monkeypatch.setenv("PLE_UM_ROW_CACHE", "64KiB")
 
     def blocked(*args, **kwargs):
         raise StreamBlockedError("a stream ... stays blocked (injected)")
 
-    monkeypatch.setattr(opening, "build_paths", blocked)  # where the host gather checks the signals
-    monkeypatch.setattr(opening, "release_mode", lambda *args: released.append(args))
-    monkeypatch.setattr(ModeAccess, "close", lambda self: released.append(self))
-    for mode in ("auto", "cpu"):
-        with pytest.raises(StreamBlockedError, match="injected"):
-            ple_um.open_table(layout.directory, mode=mode, device="cpu")
-    assert released == [] and not maps_of(layout.files)
+    monkeypatch.setattr(fit_watch, "FitWatch", blocked)
+    before, counted = len(ops._TABLES), len(OPEN_TABLES._tables)
+    with pytest.raises(StreamBlockedError, match="injected") as caught:
+        ple_um.open_table(layout.directory, mode=mode, device="cpu")
+    assert caught.traceback  # held: what only its frames kept would be left still
+    assert bool(injected.registered) == (mode == "registered")
+    assert injected.unregistered == injected.registered[::-1], "a registration survived the failed open"
+    assert all(injected.mapping_open_at_unregister)
+    nothing_left(layout, before)
+    assert len(OPEN_TABLES._tables) == counted and reader_threads() == 0
 
 
 def test_a_rejected_mode_whose_release_fails_keeps_the_mappings(layout, monkeypatch):
