@@ -28,13 +28,20 @@ class PrewarmRefused(PleUmError, RuntimeError):
 
 
 # -- inspect -------------------------------------------------------------------------------------
+def file_name(directory: str, path: str) -> str:
+    """How the verbs name a table's file: its path in the checkpoint ``directory``, as the index
+    names it (``model-00001-of-00004.safetensors``, or ``a/model.safetensors``: an index may name
+    files in folders, two of one base name among them)."""
+    return os.path.relpath(path, directory)
+
+
 def describe_layout(layout: ShardLayout) -> dict:
     """A sound layer's table as plain data: shape, dtype, bytes, scale, every shard and file."""
     files: dict[str, dict] = {}
     shards = []
 
     def entry(path: str) -> dict:
-        name = os.path.basename(path)
+        name = file_name(layout.directory, path)
         return files.setdefault(name, {"file": name, "shards": [], "bytes": 0})
 
     for spec in layout.block_scales:  # each shard's block scales, in the file that holds them
@@ -44,7 +51,7 @@ def describe_layout(layout: ShardLayout) -> dict:
         shards.append(
             {
                 "index": spec.index,
-                "file": os.path.basename(spec.path),
+                "file": file_name(layout.directory, spec.path),
                 "tensor": spec.tensor,
                 "offset": spec.offset,
                 "rows": spec.rows,
@@ -185,14 +192,15 @@ def row_cache_plan(mapping: MappedShards, scale_mapping: MappedShards | None = N
 def _residency(mapping: MappedShards) -> dict:
     """Per owned shard (mincore over its rows, a window at a time), per mapped file and in total, the bytes of
     ``mapping`` in the page cache."""
-    rb = mapping.layout.row_bytes
+    rb, directory = mapping.layout.row_bytes, mapping.layout.directory
     shards = []
     for index, owned in sorted(mapping.owned.items()):
         path = mapping.regions[owned.region].path
         resident = resident_bytes(owned.addr, owned.rows * rb, path)
-        shards.append({"index": index, "file": os.path.basename(path), **_share(owned.rows * rb, resident)})
+        name = file_name(directory, path)
+        shards.append({"index": index, "file": name, **_share(owned.rows * rb, resident)})
     files = [
-        {"file": os.path.basename(path), "mapped_bytes": mapped, "resident_bytes": resident}
+        {"file": file_name(directory, path), "mapped_bytes": mapped, "resident_bytes": resident}
         for path, resident, mapped in mapping.residency()
     ]
     return {

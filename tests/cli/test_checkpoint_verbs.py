@@ -455,3 +455,35 @@ def test_prewarm_prints_no_zero_rate(capsys, table_dir):
     code, out, _ = run(capsys, "prewarm", path, "--quiet")
     assert code == 0
     assert "0.00 GB/s" not in out and re.search(r" s, [\d.]+ [KMGT]?i?B/s", out.splitlines()[0]), out
+
+
+def test_files_of_one_name_in_two_folders_stay_apart(capsys, tmp_path):
+    """An index may name files in folders of the checkpoint: two files both called
+    model.safetensors are two files to inspect (each with its own shards and bytes) and to
+    residency, named by their path in the checkpoint."""
+    from helpers.hand_checkpoints import indexed, ple
+
+    tensors = ple(rows=(3, 3, 3, 0))
+    names = sorted(tensors)
+    first = {name: tensors[name] for name in names[:2]}
+    second = {name: tensors[name] for name in names[2:]}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    path = indexed(tmp_path, {"a/model.safetensors": first, "b/model.safetensors": second})
+    code, data = run_json(capsys, "inspect", path)
+    assert code == 0, data
+    (table,) = data["tables"]
+    files = {f["file"]: f for f in table["files"]}
+    assert sorted(files) == ["a/model.safetensors", "b/model.safetensors"]
+    assert sum(f["bytes"] for f in files.values()) == table["bytes"]
+    by_file = {s["index"]: s["file"] for s in table["shards"]}
+    for name in files:
+        assert files[name]["shards"] == sorted(i for i, f in by_file.items() if f == name)
+    assert set(by_file.values()) == set(files)
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0 and "in 2 files" in out
+    code, residency = run_json(capsys, "residency", path)
+    assert code == 0
+    assert sorted(f["file"] for f in residency["files"]) == sorted(files)
+    mapped = {i: f for i, f in by_file.items() if i != 3}  # shard 3 holds no rows: nothing mapped
+    assert {s["index"]: s["file"] for s in residency["shards"]} == mapped
