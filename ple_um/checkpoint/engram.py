@@ -13,13 +13,12 @@ are read, never table data. Every problem raises a CheckpointError naming the fi
 
 from __future__ import annotations
 
-import operator
 import os
 
 from ple_um.checkpoint.engram_geometry import EngramGeometry
 from ple_um.checkpoint.naming import engram_match
 from ple_um.checkpoint.safetensors import TensorEntry
-from ple_um.checkpoint.scan import LayerTensors, Problems, refusal, scan
+from ple_um.checkpoint.scan import LayerTensors, Problems, layer_number, refusal, scan
 from ple_um.checkpoint.shard_layout import MXFP8, MXFP8_BLOCK, STORAGE_DTYPES, ShardLayout
 from ple_um.checkpoint.validation import shard_specs
 from ple_um.errors import CheckpointError
@@ -115,8 +114,7 @@ def read_engram_layout(
     only one there is), checked, and against ``geometry`` when given (its rows, its row width, the
     layer among the config's Engram layers)."""
     directory = os.path.abspath(os.fspath(directory))
-    if layer is not None:
-        layer = operator.index(layer)  # TypeError for a str or a float, as for any index
+    layer = layer_number(layer)
     # Every Engram tensor (of ``layer`` when given) the headers hold; the first problem raises.
     found = scan(directory, layer, Problems(strict=True), engram_match)
     assert found is not None  # a strict Problems raises instead of returning nothing

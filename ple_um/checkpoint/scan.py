@@ -11,6 +11,7 @@ stop the table; every index entry is still checked to stay inside the checkpoint
 from __future__ import annotations
 
 import glob
+import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,22 @@ class Scan:
         if match[1] == "shard":
             self.layers.add(match[0])
         return match if layer is None or match[0] == layer else None
+
+
+def layer_number(layer: object) -> int | None:
+    """``layer`` as a table's layer number (an int, or None: the only one there is), or TypeError
+    naming it: a bool is no layer (``True`` would read layer 1), nor a float or a str."""
+    if layer is None:
+        return None
+    try:
+        if isinstance(layer, bool):
+            raise TypeError
+        return operator.index(layer)
+    except TypeError:
+        raise TypeError(
+            f"layer={layer!r} ({type(layer).__name__}): expected a layer number (an int), or None for "
+            "the only layer"
+        ) from None
 
 
 def why_no_directory(path: str) -> str:

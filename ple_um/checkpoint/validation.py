@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 import struct
 from collections.abc import Container
 
 from ple_um.checkpoint.files import read_bytes
 from ple_um.checkpoint.naming import block_scale_name, global_scale_name, rows_name, scale_name
 from ple_um.checkpoint.safetensors import TensorEntry
-from ple_um.checkpoint.scan import LayerTensors, Problems, Scan, scan
+from ple_um.checkpoint.scan import LayerTensors, Problems, Scan, layer_number, scan
 from ple_um.checkpoint.shard_layout import (
     FP8_DTYPES,
     NVFP4,
@@ -48,8 +47,7 @@ _SUPPORTED = ", ".join(f"{d} ({NVFP4})" if d == NVFP4_STORAGE else d for d in ST
 
 def analyze(directory: str, layer: int | None, problems: Problems) -> ShardLayout | None:
     """Every check of read_layout and validate, reporting to ``problems``; the layout when sound."""
-    if layer is not None:
-        layer = operator.index(layer)  # TypeError for a str or a float, as for any index
+    layer = layer_number(layer)
     found = scan(directory, layer, problems)
     if found is None:
         return None

@@ -14,7 +14,7 @@ import torch
 from helpers.hand_checkpoints import UNRELATED, one_file, ple, raises, scalar, scale_name, shard
 from helpers.reference import reference_rows, write_raw, write_safetensors
 
-from ple_um.checkpoint import find_layers, read_layout, validate
+from ple_um.checkpoint import find_layers, read_engram_layout, read_layout, validate
 
 
 def test_layout_fields_and_offsets(tmp_path):
@@ -139,6 +139,17 @@ def test_layer_selection(tmp_path):
     raises(directory, r"no PLE shards of layer 7 ", layer=7)
     with pytest.raises(TypeError):
         read_layout(directory, "1")
+
+
+@pytest.mark.parametrize("layer", [True, False, 1.0, "1"])
+def test_a_layer_that_is_no_int_is_refused(tmp_path, layer):
+    """A bool is no layer (True would read layer 1, False layer 0): refused as the openers refuse it,
+    by read_layout, validate and read_engram_layout alike."""
+    write_safetensors(tmp_path / "a.safetensors", ple(layer=1, rows=(2, 2)))
+    directory = str(tmp_path)
+    for read in (read_layout, validate, read_engram_layout):
+        with pytest.raises(TypeError, match="layer"):
+            read(directory, layer)
 
 
 def test_several_layers_validate_checks_each(tmp_path):
