@@ -64,6 +64,17 @@ def add_parsers(sub) -> None:
     pw.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _runs(indices: list[int]) -> str:
+    """Shard indices in order as runs: ``0, 3-5`` (an index may send any shard to any file)."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _table_lines(t: dict, shards: bool) -> list[str]:
     scale = "none (16-bit table)" if t["scale"] is None else f"{t['scale']:.8g} ({t['scale_tensor']})"
     lines = [
@@ -76,9 +87,8 @@ def _table_lines(t: dict, shards: bool) -> list[str]:
         if not f["shards"]:  # an NVFP4 table's block scales in a file of their own
             lines.append(f"  {f['file']}: block scales, {format_bytes(f['bytes'])}")
             continue
-        first, last = f["shards"][0], f["shards"][-1]
-        span = f"shard {first}" if first == last else f"shards {first}-{last}"
-        lines.append(f"  {f['file']}: {span}, {format_bytes(f['bytes'])}")
+        held = "shards" if len(f["shards"]) > 1 else "shard"
+        lines.append(f"  {f['file']}: {held} {_runs(f['shards'])}, {format_bytes(f['bytes'])}")
     if shards:
         lines.append("  | shard | file | offset | rows | bytes |")
         lines += [

@@ -487,3 +487,20 @@ def test_files_of_one_name_in_two_folders_stay_apart(capsys, tmp_path):
     assert sorted(f["file"] for f in residency["files"]) == sorted(files)
     mapped = {i: f for i, f in by_file.items() if i != 3}  # shard 3 holds no rows: nothing mapped
     assert {s["index"]: s["file"] for s in residency["shards"]} == mapped
+
+
+def test_a_file_of_shards_apart_lists_them(capsys, tmp_path):
+    """A file that holds shards 0 and 3, another 1 and 2 (an index may send any shard to any
+    file): inspect's text names the shards each file holds, never a span over another's."""
+    from helpers.hand_checkpoints import indexed, ple, shard
+
+    tensors = ple(rows=(3, 3, 3, 3, 3, 0))
+    outer = {shard(0), shard(3), shard(4), shard(5)}
+    files = {
+        "model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if n in outer},
+        "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if n not in outer},
+    }
+    code, out, _ = run(capsys, "inspect", indexed(tmp_path, files))
+    assert code == 0, out
+    assert "  model-00001-of-00002.safetensors: shards 0, 3-5, 36 B" in out.splitlines(), out
+    assert "  model-00002-of-00002.safetensors: shards 1-2, 24 B" in out.splitlines(), out
