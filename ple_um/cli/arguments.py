@@ -29,10 +29,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are the CLI's: one line ``ple-um VERB: error: ...`` on stderr, or
-    ``{"error": ...}`` on stdout when --json was given; exit 2 either way."""
+    ``{"error": ...}`` on stdout when --json was given; exit 2 either way. Options are taken only
+    as spelled, never abbreviated: the CLI knows --json by its full name (``main``), so ``--jso``
+    taken for it would print answers as JSON and errors as text."""
 
     def __init__(self, *args, json_errors: bool = False, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.json_errors = json_errors
 

@@ -67,6 +67,23 @@ def test_bad_arguments_exit_2(capsys):
     )
 
 
+@pytest.mark.parametrize(
+    "argv, refused",
+    [
+        (["knobs", "--jso"], "--jso"),
+        (["inspect", "d", "--js"], "--js"),
+        (["prewarm", "d", "--max", "1"], "--max 1"),
+    ],
+)
+def test_an_option_is_taken_only_as_spelled(capsys, argv, refused):
+    """An abbreviated option is refused (exit 2, naming it), never taken for the option it begins:
+    ``--jso`` taken as --json printed answers as JSON but errors as text lines on stderr, since
+    the CLI knows --json by its full name."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "", (argv, out)
+    assert err.splitlines()[-1].startswith(f"ple-um {argv[0]}: error: unrecognized arguments: {refused} ")
+
+
 # -- the checkpoint directory, the same in every verb ---------------------------------------------
 @pytest.mark.parametrize("verb", DIR_VERBS)
 def test_a_missing_directory_is_one_line_and_exit_1_in_every_verb(capsys, tmp_path, verb):
