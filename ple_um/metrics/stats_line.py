@@ -2,7 +2,7 @@
 
 ``ple-um stats (last 30s, pid 4242): cpu: 1200 lookups, 19200 rows (640 rows/s, 0.10 MB/s),
 0 out-of-range, host 0.362 ms/lookup; phases ms: gather 310.5, stage 124.0, gpu-wait
-18.3; row cache: 96.2% hits, 730 file reads (2.1 ms), 6.10 M rows in 1.02 GiB; page cache:
+18.3; row cache: 96.2% hits, 6.10 M rows in 1.02 GiB; 730 file reads (2.1 ms); page cache:
 12.30 GiB of 47.68 GiB resident (25.8%)``
 
 A table with a row cache adds its window's hit rate and file reads, and what the cache holds.
