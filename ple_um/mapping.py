@@ -1,6 +1,7 @@
 """MappedShards: the read-only mmaps of the files that hold a table's owned rows.
 
-One mapping per file (the union of its owned shard ranges, widened to whole pages), opened
+One mapping per run of a file's owned shard ranges (ranges with no unowned rows between them,
+widened to whole pages; ``_runs`` says why), opened
 ``PROT_READ`` + ``MAP_SHARED``: the pages are the page cache's, shared by every process that maps
 the same file, and nobody can write them through us. The object owns the file descriptors and the
 address ranges and releases both in ``close()`` (the llama.cpp ``llama_mmap`` idea). Prefetch,
@@ -93,25 +94,56 @@ class MappedShards:
 
     # -- set-up ---------------------------------------------------------------------------
     def _map(self) -> None:
+        for path, runs in self._runs().items():
+            for run in runs:
+                begin = min(off + lo * self.layout.row_bytes for _, off, lo, _, _ in run)
+                end = max(off + hi * self.layout.row_bytes for _, off, _, hi, _ in run)
+                identity = self.layout.shards[run[0][0]].identity  # one header read per file
+                tensors = [(off + hi * self.layout.row_bytes, tensor) for _, off, _, hi, tensor in run]
+                region = self._map_file(path, begin, end, identity, tensors)
+                self.regions.append(region)
+                for index, off, lo, hi, _ in run:
+                    addr = region.addr + (off + lo * self.layout.row_bytes - region.file_offset)
+                    self.owned[index] = OwnedShard(index, lo, hi, addr, len(self.regions) - 1)
+
+    def _runs(self) -> dict[str, list[list[tuple[int, int, int, int, str]]]]:
+        """Per file, its owned shard ranges ``(index, offset, lo, hi, tensor)`` (local rows
+        ``[lo, hi)``) in runs to map one each, in file order: a run ends where the bytes up to the
+        next owned range hold rows this mapping does not own. A file's tensors lie in name order
+        (shard_1, shard_10, ..., shard_2), so a tensor-parallel rank's shards lie apart, other
+        ranks' rows between them: one mapping over them all would map, register, prewarm and count
+        those too. Other bytes between two ranges (unrelated tensors, an NVFP4 shard's block scales)
+        are mapped over, as they always were: they are never looked up."""
         rb = self.layout.row_bytes
-        by_file: dict[str, list[tuple[int, int, int, int]]] = {}
-        identity: dict[str, FileIdentity] = {}
-        tensors: dict[str, list[tuple[int, str]]] = {}  # per file: (owned end byte, tensor), in order
-        for spec in self.layout.shards:  # each shard's owned local rows [lo, hi)
+        owned: dict[str, list[tuple[int, int, int, int, str]]] = {}
+        foreign: dict[str, list[tuple[int, int]]] = {}  # per file: byte ranges of rows not owned
+        for spec in self.layout.shards:
             first = self.layout.shard_start(spec.index)
-            lo, hi = max(self.row_start - first, 0), min(self.row_end - first, spec.rows)
+            lo = min(max(self.row_start - first, 0), spec.rows)
+            hi = max(min(self.row_end - first, spec.rows), lo)
             if hi > lo:
-                by_file.setdefault(spec.path, []).append((spec.index, spec.offset, lo, hi))
-                identity.setdefault(spec.path, spec.identity)  # one header read per file
-                tensors.setdefault(spec.path, []).append((spec.offset + hi * rb, spec.tensor))
-        for path, shards in by_file.items():
-            begin = min(off + lo * rb for _, off, lo, _ in shards)
-            end = max(off + hi * rb for _, off, _, hi in shards)
-            region = self._map_file(path, begin, end, identity[path], tensors[path])
-            self.regions.append(region)
-            for index, off, lo, hi in shards:
-                addr = region.addr + (off + lo * rb - region.file_offset)
-                self.owned[index] = OwnedShard(index, lo, hi, addr, len(self.regions) - 1)
+                owned.setdefault(spec.path, []).append((spec.index, spec.offset, lo, hi, spec.tensor))
+            ranges = (
+                (spec.offset, spec.offset + lo * rb),
+                (spec.offset + hi * rb, spec.offset + spec.rows * rb),
+            )
+            foreign.setdefault(spec.path, []).extend((a, b) for a, b in ranges if b > a)
+        runs: dict[str, list[list[tuple[int, int, int, int, str]]]] = {}
+        for path, ranges in owned.items():
+            ranges.sort(key=lambda r: r[1] + r[2] * rb)
+            others = foreign[path]
+            split: list[list[tuple[int, int, int, int, str]]] = []
+            for item in ranges:
+                begin = item[1] + item[2] * rb
+                if split:
+                    _, off, _, hi, _ = split[-1][-1]
+                    gap = (off + hi * rb, begin)
+                    if not any(a < gap[1] and gap[0] < b for a, b in others):
+                        split[-1].append(item)
+                        continue
+                split.append([item])
+            runs[path] = split
+        return runs
 
     def _map_file(
         self, path: str, begin: int, end: int, identity: FileIdentity, tensors: list[tuple[int, str]]

@@ -20,9 +20,11 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 from helpers.hand_checkpoints import sparse_table
 from helpers.reference import drop_page_cache, maps_of, reference_rows
 
+import ple_um
 from ple_um import residency
 from ple_um.errors import CheckpointError, TableClosedError
 from ple_um.mapping import PAGE, MappedShards
@@ -87,6 +89,37 @@ def test_write_through_the_mapping_faults_and_leaves_the_file(fp8_layout):
     assert done.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (done.returncode, done.stderr[-2000:])
     assert "wrote" not in done.stdout and done.stdout.strip().isdigit()
     assert {p: digest(p) for p in fp8_layout.files} == before
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_a_rank_maps_its_own_rows_not_the_shards_between_them(make_checkpoint, ranks):
+    """A file's tensors lie in name order (shard_1, shard_10, ..., shard_19, shard_2, ...), as
+    safetensors writes them: a tensor-parallel rank's shards lie apart, other ranks' between them.
+    Each rank maps its own rows and no other rank's (one mapping per run of its shards), so that
+    what it maps, registers, prewarms and counts as its table is its own; every row it reads is
+    the file's."""
+    layout = make_checkpoint(num_rows=32 * 64, row_dim=256, dtype="fp8", shards=32, files=1)
+    offsets = [s.offset for s in layout.shards]
+    assert offsets != sorted(offsets)  # name order: the shards' rows lie out of index order
+    per = layout.num_rows // ranks
+    for rank in range(ranks):
+        rows = (rank * per, (rank + 1) * per)
+        with MappedShards(layout, rows) as m:
+            assert m.owned_bytes == per * layout.row_bytes
+            assert m.mapped_bytes <= m.owned_bytes + len(m.regions) * PAGE, (rank, len(m.regions))
+            assert len(m.regions) <= len(m.owned)
+            for index, owned in m.owned.items():
+                region = m.regions[owned.region]
+                assert region.addr <= owned.addr
+                assert owned.addr + owned.rows * layout.row_bytes <= region.addr + region.length
+                start = index * layout.rows_per_shard
+                expected = reference_rows(layout, range(start + owned.lo, start + owned.hi))
+                assert np.array_equal(m.shard_rows(index), expected)
+        if rank == 1:  # the table over those mappings: every id, through the host path
+            ids = torch.arange(-1, layout.num_rows + 1)
+            with ple_um.open_table(layout.directory, rows=rows, mode="cpu") as table:
+                got = table.lookup(ids).view(torch.uint8).numpy()
+            assert np.array_equal(got, reference_rows(layout, ids, rows))
 
 
 @pytest.mark.parametrize(

@@ -242,21 +242,33 @@ class FileTable:
         return table
 
     def pinned_span(self, start: int, end: int) -> tuple[int, list[int]]:
-        """Bytes a registration of rows [start, end) covers, from the headers alone: per file, the
-        bytes from the first owned row (rounded down to a page) to the end of the last one; and the
-        shards the range touches."""
-        spans: dict[str, list[int]] = {}
+        """Bytes a registration of rows [start, end) covers, from the headers alone: per file, per
+        run of owned row ranges with no other rank's rows between them (a file's shards lie in name
+        order, shard_1, shard_10, ..., so a rank's may lie apart), the bytes from the run's first
+        owned row (rounded down to a page) to the end of its last one; and the shards the range
+        touches."""
+        owned: dict[str, list[tuple[int, int]]] = {}
+        foreign: dict[str, list[tuple[int, int]]] = {}
         touched = []
         for i, (path, offset, rows, _) in enumerate(self.shards):
             first = i * self.rows_per_shard
-            lo, hi = max(start - first, 0), min(end - first, rows)
-            if hi <= lo:
-                continue
-            touched.append(i)
-            span = spans.setdefault(path, [offset + lo * self.row_bytes, offset + hi * self.row_bytes])
-            span[0] = min(span[0], offset + lo * self.row_bytes)
-            span[1] = max(span[1], offset + hi * self.row_bytes)
-        return sum(hi - lo // mmap.PAGESIZE * mmap.PAGESIZE for lo, hi in spans.values()), touched
+            lo = min(max(start - first, 0), rows)
+            hi = max(min(end - first, rows), lo)
+            a, b = offset + lo * self.row_bytes, offset + hi * self.row_bytes
+            foreign.setdefault(path, []).extend([(offset, a), (b, offset + rows * self.row_bytes)])
+            if hi > lo:
+                touched.append(i)
+                owned.setdefault(path, []).append((a, b))
+        total = 0
+        for path, ranges in owned.items():
+            runs: list[list[int]] = []
+            for a, b in sorted(ranges):
+                if runs and not any(x < a and runs[-1][1] < y for x, y in foreign[path] if y > x):
+                    runs[-1][1] = b
+                else:
+                    runs.append([a, b])
+            total += sum(hi - lo // mmap.PAGESIZE * mmap.PAGESIZE for lo, hi in runs)
+        return total, touched
 
     def drop_cache(self) -> None:
         """Write back and evict the files' pages (the pages no process maps)."""
