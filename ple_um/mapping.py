@@ -313,19 +313,20 @@ class MappedShards:
 
     def changed_files(self) -> list[str]:
         """Files whose size, inode or mtime on disk differ from what was mapped (replaced or
-        truncated since open): what can be detected without reading the data."""
-        changed = []
+        truncated since open): what can be detected without reading the data. Each file once,
+        however many runs of it are mapped."""
+        changed: dict[str, None] = {}
         for r in self.regions:
             try:
                 st = os.stat(r.path)
             except OSError:
-                changed.append(r.path)
+                changed[r.path] = None
                 continue
             if (st.st_size, st.st_ino, st.st_mtime_ns) != (r.st_size, r.st_ino, r.st_mtime_ns):
-                changed.append(r.path)
+                changed[r.path] = None
             elif os.fstat(r.fd).st_size < r.file_offset + r.length:
-                changed.append(r.path)
-        return changed
+                changed[r.path] = None
+        return list(changed)
 
     # -- life -----------------------------------------------------------------------------
     @property

@@ -277,6 +277,17 @@ def test_changed_files_detects_replace_truncate_and_delete(make_checkpoint):
         assert m.changed_files() == [a, b, c, d]
 
 
+def test_a_file_mapped_in_two_runs_is_one_changed_file(make_checkpoint):
+    """A rank whose shards lie apart in one file maps it in two runs; the file changed is one file."""
+    layout = make_checkpoint(num_rows=32 * 64, row_dim=256, dtype="fp8", shards=32, files=1)
+    (path,) = layout.files
+    with MappedShards(layout, (0, layout.num_rows // 2)) as m:
+        assert len(m.regions) >= 2 and {r.path for r in m.regions} == {path}
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert m.changed_files() == [path]
+
+
 def test_a_file_shorter_than_its_header_says_is_a_checkpoint_error(make_checkpoint):
     layout = make_checkpoint(num_rows=40, row_dim=8, dtype="fp8", shards=2, files=2)
     path = layout.shards[0].path
