@@ -127,6 +127,12 @@ def _residency_lines(r: dict) -> list[str]:
             f"| {s['index']} | {s['file']} | {format_bytes(s['bytes'])} | "
             f"{format_bytes(s['resident_bytes'])} | {100 * s['fraction']:.1f} |"
         )
+    if "block_scales" in r:  # NVFP4, MXFP8: counted in the total, read by every lookup
+        b = r["block_scales"]["total"]
+        lines.append(
+            f"block scales: {format_bytes(b['resident_bytes'])} of {format_bytes(b['bytes'])} resident "
+            f"({100 * b['fraction']:.1f}%)"
+        )
     t = r["total"]
     lines.append(
         f"total: {format_bytes(t['resident_bytes'])} of {format_bytes(t['bytes'])} resident "

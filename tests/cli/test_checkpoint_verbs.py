@@ -504,3 +504,20 @@ def test_a_file_of_shards_apart_lists_them(capsys, tmp_path):
     assert code == 0, out
     assert "  model-00001-of-00002.safetensors: shards 0, 3-5, 36 B" in out.splitlines(), out
     assert "  model-00002-of-00002.safetensors: shards 1-2, 24 B" in out.splitlines(), out
+
+
+def test_residency_text_says_the_block_scales_its_total_counts(capsys, make_checkpoint):
+    """An NVFP4 table's total counts its block scales (every lookup reads them): the text says how
+    much of them is resident, so that its lines add up to the total."""
+    layout = make_checkpoint(dtype="nvfp4", num_rows=4000, row_dim=64, shards=4)
+    code, data = run_json(capsys, "residency", layout.directory)
+    assert code == 0
+    scales = data["block_scales"]["total"]
+    assert sum(s["bytes"] for s in data["shards"]) + scales["bytes"] == data["total"]["bytes"]
+    code, out, _ = run(capsys, "residency", layout.directory)
+    assert code == 0
+    line = (
+        f"block scales: {units.format_bytes(scales['resident_bytes'])} of "
+        f"{units.format_bytes(scales['bytes'])} resident ({100 * scales['fraction']:.1f}%)"
+    )
+    assert line in out.splitlines(), out
