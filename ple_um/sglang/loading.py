@@ -10,7 +10,10 @@ Two hooks (registered by ``plugin``):
   that hold none of a table's tensors. Files that hold only table tensors are not opened; files that
   mix them with other tensors are read here, through the same ``safetensors.safe_open`` SGLang
   uses, every tensor but the table's. So neither SGLang's prefetch, its copies nor its page-cache
-  drops touch a table's bytes.
+  drops touch a table's bytes. Such a load reads each table the files hold from its files: when the
+  model's ``load_weights`` (below) reads the stream through, that table's layer is told
+  (``Deliveries.note_files``), so a table a weight update left staged with part of it sent is
+  completed by ``update_weights_from_disk`` (checked against the scale it loaded, then served).
 - ``load_weights`` wraps ``Qwen4ExpForConditionalGeneration.load_weights``: a table tensor that
   still arrives (a loader that does not go through the iterator above, ``update_weights_from_tensor``)
   goes to its layer's ``compare_delivered``, which compares it with the mapped files instead of copying
@@ -22,6 +25,7 @@ Two hooks (registered by ``plugin``):
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 from collections.abc import Iterable, Iterator
 
@@ -35,6 +39,12 @@ from ple_um.sglang.embedding import NOT_APPLIED, PleUmHostEmbedding, applied
 from ple_um.sglang.source import note_model_folder, table_directory, table_tensor
 
 MODEL_CLASS = "Qwen4ExpForConditionalGeneration"
+
+# The ple-um layers, by decoder layer, of the model whose ``load_weights`` is reading its weights
+# now: a stream of the checkpoint files (``weights_iterator``) read through by that load tells them.
+_loading: contextvars.ContextVar[dict[int, PleUmHostEmbedding] | None] = contextvars.ContextVar(
+    "ple_um_sglang_loading", default=None
+)
 
 
 def weights_iterator(original, loader, source, *, resolved_source=None, **kwargs):
@@ -59,18 +69,31 @@ def weights_iterator(original, loader, source, *, resolved_source=None, **kwargs
     directory = table_directory()
     for layer in find_layers(directory):
         read_layout(directory, layer)  # every table's headers, before SGLang opens a file
-    plain, mixed = [], []
+    plain, mixed, tables = [], [], set()
     for path in files:
         with safetensors.safe_open(path, framework="pt", device="cpu") as f:
             names = list(f.keys())
-        table = sum(table_tensor(name) is not None for name in names)
-        if table == 0:
+        found = [found[0] for name in names if (found := table_tensor(name)) is not None]
+        tables.update(found)
+        if not found:
             plain.append(path)
-        elif table < len(names):
+        elif len(found) < len(names):
             mixed.append(path)
     resolved = loader.ResolvedSource(source, folder, tuple(plain), True)
     rest = original(loader, source, resolved_source=resolved, **kwargs)
-    return itertools.chain(rest, _mixed_files(loader, source, mixed))
+    return _from_files(itertools.chain(rest, _mixed_files(loader, source, mixed)), tables)
+
+
+def _from_files(stream: Iterator[tuple[str, torch.Tensor]], tables: set[int]):
+    """``stream``; once read through by a model's ``load_weights`` (the weights of its load, or of
+    ``update_weights_from_disk``), each of that model's ple-um layers whose table the files hold
+    (decoder layers ``tables``) is told the load was from the files (``Deliveries.note_files``): the
+    whole table, which ple-um maps, though none of it was delivered in memory. A stream read outside
+    such a load (or not read through) tells no layer."""
+    yield from stream
+    for layer, embedding in (_loading.get() or {}).items():
+        if layer in tables:
+            embedding.deliveries().note_files()
 
 
 def _mixed_files(loader, source, paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,12 +136,15 @@ def load_weights(original, model, weights: Iterable[tuple[str, torch.Tensor]]):
             else:
                 layer[1].compare_delivered(found[1], tensor, found[2])
 
+    loading = _loading.set({layer: m for layer, (_, m) in served.items()})
     try:
         loaded = original(model, others())
     except BaseException:
         for _, layer in served.values():
             layer.abandon_load()  # a table the failed load staged: the old one serves on
         raise
+    finally:
+        _loading.reset(loading)
     for name, layer in served.values():
         if loaded is not None and f"{name}.weight_scale" in loaded:
             layer.deliveries().note_scale()

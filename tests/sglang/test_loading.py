@@ -455,3 +455,75 @@ def test_a_sync_in_parts_serves_the_old_table_with_its_scale_until_all_is_in(
     assert old.closed and embedding.served.staged is None
     assert float(embedding.weight_scale) == _bf16(other_layout.scale)
     assert torch.equal(embedding(ids).view(torch.uint8), rows_of[other].view(torch.uint8))
+
+
+def _weights_from_disk(model, directory):
+    """(loader, weights) as SGLang's ``update_weights_from_disk`` gets them for the model: its
+    default loader's weight iterator for ``directory`` (through the plugin's hook under PLE_UM=1)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
+
+    model_config = ModelConfig(directory, language_model_only=True)
+    loader = get_model_loader(load_config=LoadConfig(load_format="auto"), model_config=model_config)
+    assert isinstance(loader, DefaultModelLoader)
+    return loader, loader._get_weights_iterator(DefaultModelLoader.Source.init_new(model_config, model))
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "nvfp4"])
+def test_an_update_from_disk_after_part_of_a_sync_serves_the_new_table(
+    dtype, sglang_checkpoint, load_model, tiny, file_rows, monkeypatch, rng, caplog
+):
+    """A weight update that sends part of b's table (PLE_UM_DIR moved from a to b) leaves it staged,
+    a's serving. ``update_weights_from_disk`` from b then reads b's table from its files (none of it
+    in memory): b's staged table is checked against the scale that load brought and serves, the
+    rows b's files hold. A stream of b's files read outside a load tells the layer nothing."""
+    import logging
+
+    from helpers.reference import reference_nvfp4
+
+    from ple_um import synthetic
+
+    seed = int(rng.integers(1 << 30))
+    first, first_layout, _ = sglang_checkpoint(dtype, seed=seed)
+    if dtype == "fp8":
+        other, other_layout = _scale_apart(sglang_checkpoint, first_layout, seed + 1)
+    else:
+        other, other_layout, _ = sglang_checkpoint(dtype, seed=seed + 1)
+    model = load_model(first, ple_um=True)
+    embedding = tiny.ngram(model).ngram_embedding
+    old, scale = embedding.table, embedding.weight_scale.clone()
+    ids = torch.from_numpy(rng.permutation(tiny.rows)).view(-1, tiny.parts)  # every row, every edge
+    served = embedding.gather(ids).clone()
+
+    monkeypatch.setenv("PLE_UM", "1")  # as in the server, where the loader's hooks see it
+    monkeypatch.setenv("PLE_UM_DIR", other)
+    sync = [synthetic.shard_name(tiny.layer, 0)]
+    if dtype == "fp8":
+        sync.insert(0, synthetic.scale_name(tiny.layer))
+    if dtype == "nvfp4":
+        sync.append(synthetic.block_scale_name(tiny.layer, 0))
+    with caplog.at_level(logging.INFO, logger="ple_um.sglang"):
+        model.load_weights([(name, _tensor(other, name)) for name in sync])
+    assert any("stays staged" in r.message for r in caplog.records)
+    staged = embedding.served.staged[0]
+    assert embedding.table is old and torch.equal(embedding.weight_scale, scale)
+
+    _, unread = _weights_from_disk(model, other)  # a stream of b's files that no load reads
+    assert [name for name, _ in unread]
+    assert embedding.served.staged is not None and not embedding.deliveries().files
+
+    loader, weights = _weights_from_disk(model, other)  # update_weights_from_disk(b)
+    loader.load_weights_and_postprocess(model, weights, torch.device("cpu"))
+    assert embedding.served.staged is None and staged is embedding.table and not staged.closed
+    assert old.closed and embedding.table.layout.directory == os.path.realpath(other)
+    want = 1.0 if dtype != "fp8" else _bf16(other_layout.scale)
+    assert float(embedding.weight_scale) == want
+    out = torch.full((*ids.shape, embedding.embedding_dim), float("nan"), dtype=torch.bfloat16)
+    embedding.gather(ids, out=out)
+    if dtype == "nvfp4":  # SGLang's own layer cannot load NVFP4: the rows decoded from b's files
+        reference = reference_nvfp4(other_layout, ids.numpy())
+    else:
+        reference = tiny.ngram(load_model(other, ple_um=False)).ngram_embedding(ids)
+    assert torch.equal(out.view(torch.uint8), reference.view(torch.uint8))
+    assert not torch.equal(out.view(torch.uint8), served.view(torch.uint8))
