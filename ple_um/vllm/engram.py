@@ -13,7 +13,10 @@ E8M0 scales of the table have been handed over, opens this rank's rows from the 
 table (another directory, replaced files) is staged and serves only once checked, as a PLE layer's
 (``ServedLayer``, ``delivered.finish_load``): a sync that delivered its rows in memory but not yet
 its scales leaves it staged, said in the log and in ``stats()["staged"]``, the old table serving; a
-refusal closes it.
+refusal closes it. ``apply()`` also wraps the text model's ``load_weights``
+(``DeepseekV41LLMForCausalLM``): a model's load (or one call of a sync) finishes every Engram layer's
+load once, at its end (``delivered.finish_loads``), and one that fails anywhere in vLLM's loader
+abandons it (the staged table closed, what the load delivered forgotten).
 Its ``lookup`` is the one vLLM's layer calls, with vLLM's arguments, on the stream vLLM chose:
 inline, or on the Engram prefetch stream forked before layer 0 (``cpu_offload``, the default),
 captured in FULL graphs or run at the eager breaks of breakable ones as stock. The rows come back as
@@ -64,6 +67,9 @@ logger = init_logger("vllm.ple_um.engram")
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 # NVIDIA's DeepSeek-V4.1 model: with use_thp it releases the checkpoint's page cache, by this name.
 MODEL_MODULE, DROP = "vllm.models.deepseek_v41.nvidia.model", "drop_checkpoint_cache"
+ROCM_MODEL_MODULE = "vllm.models.deepseek_v41.amd.model"
+# The text model whose load_weights loads the Engram layers (the multimodal wrapper delegates to it).
+MODEL_CLASS = "DeepseekV41LLMForCausalLM"
 
 
 class EngramLayoutError(ValueError):
@@ -71,8 +77,8 @@ class EngramLayoutError(ValueError):
 
 
 def apply() -> list[str]:
-    """Patch ``Engram._create_embedding`` and the model's ``drop_checkpoint_cache``; returns what was
-    patched now (empty when it already was)."""
+    """Patch ``Engram._create_embedding``, the text model's ``load_weights`` and NVIDIA's
+    ``drop_checkpoint_cache``; returns what was patched now (empty when it already was)."""
     module = importlib.import_module(ENGRAM_MODULE)
     original = module.Engram.__dict__["_create_embedding"]
     patched = []
@@ -80,11 +86,46 @@ def apply() -> list[str]:
         patched.append(f"{ENGRAM_MODULE}.Engram._create_embedding")
     from vllm.platforms import current_platform
 
-    if not current_platform.is_rocm():  # ROCm's model releases no page cache
-        model = importlib.import_module(MODEL_MODULE)
+    rocm = current_platform.is_rocm()
+    model = importlib.import_module(ROCM_MODEL_MODULE if rocm else MODEL_MODULE)
+    cls = getattr(model, MODEL_CLASS)
+    if replace(cls, {"load_weights": _model_load_weights(cls.load_weights)}):
+        patched.append(f"{model.__name__}.{MODEL_CLASS}.load_weights")
+    if not rocm:  # ROCm's model releases no page cache
         if DROP in vars(model) and replace(model, {DROP: _kept_page_cache(getattr(model, DROP))}):
             patched.append(f"{MODEL_MODULE}.{DROP}")
     return patched
+
+
+def _model_load_weights(original):
+    """DeepSeek-V4.1's ``load_weights`` (one model load, or one call of a weight sync): its Engram
+    layers finish the load once, at its end (``delivered.finish_loads``: every new table checked
+    before any serves; one delivered only in part stays staged, the old one serving), not as each
+    tensor arrives. A load that fails, wherever in vLLM's loader, ends as a failed one for every
+    layer (``abandon_load``): a table it staged is closed and what it delivered forgotten, so that
+    a later load's tensors never complete a table with the failed load's."""
+
+    @functools.wraps(original)
+    def load_weights(self, weights):
+        layers = [m for m in self.modules() if isinstance(m, MappedEngramEmbedding)]
+        if not layers:
+            return original(self, weights)
+        for layer in layers:
+            layer.in_model_load = True
+            layer._received.clear()
+        try:
+            loaded = original(self, weights)
+        except BaseException:
+            for layer in layers:
+                layer.abandon_load()
+            raise
+        finally:
+            for layer in layers:
+                layer.in_model_load = False
+        delivered.finish_loads(layers)
+        return loaded
+
+    return load_weights
 
 
 def _kept_page_cache(original):
@@ -185,7 +226,9 @@ class MappedEngramEmbedding(ServedLayer, ParallelEngramEmbedding):
         self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         for param in (self.weight, self.weight_scale_inv):
             set_weight_attrs(param, {"weight_loader": self._receive})
-        self._received: set[str] = set()
+        self._received: set[str] = set()  # the tensors a load of this layer alone delivered so far
+        # Set while the model's load_weights runs (``_model_load_weights``): it finishes the load.
+        self.in_model_load = False
         self._vllm_config = get_current_vllm_config()
         self.source = TableSource(self._vllm_config)
         self.served = ServedTable(logger, "vLLM")
@@ -201,10 +244,12 @@ class MappedEngramEmbedding(ServedLayer, ParallelEngramEmbedding):
         nor one on the meta device (no data): the load brings the table's files
         (``Deliveries.note_files``). A tensor in memory (a weight sync, a reload from an iterator) is
         compared with this rank's mapped rows (ReloadMismatchError where it differs), the table opened
-        for it (a new one staged), and the load's end checked (``delivered.finish_load``): a new
-        table the load delivered only part of in memory stays staged, the old one serving. Once rows
-        and scales are both in, the load ends (a staged one serves). A refusal closes the staged
-        table, the old one serving on (``abandon_load``)."""
+        for it (a new one staged). Inside the model's load_weights, that load finishes at its end
+        (``_model_load_weights``). A layer loaded on its own checks the load's end here
+        (``delivered.finish_load``): after a tensor in memory (a new table the load delivered only
+        part of in memory stays staged, the old one serving) and once rows and scales are both in
+        (a staged one serves). A refusal closes the staged table, the old one serving on
+        (``abandon_load``)."""
         scales = param is self.weight_scale_inv
         expect = (self.num_embeddings, self.dim // MXFP8_BLOCK if scales else self.dim)
         dtypes = (torch.uint8, torch.float8_e8m0fnu) if scales else (torch.float8_e4m3fn,)
@@ -225,6 +270,8 @@ class MappedEngramEmbedding(ServedLayer, ParallelEngramEmbedding):
                 self.compare_delivered(0, given, "weight_scale" if scales else "weight")
             else:
                 self.deliveries().note_files()
+            if self.in_model_load:
+                return
             self._received.add(what)
             done = self._received == {"weight", "weight_scale_inv"}
             if done:

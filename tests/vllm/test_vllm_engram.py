@@ -61,9 +61,10 @@ def engram_world(module, world, monkeypatch, table_dir, checkpoint):
     with set_current_vllm_config(config):
         yield module
     restore(module.Engram)
-    model = sys.modules.get("vllm.models.deepseek_v41.nvidia.model")  # its drop_checkpoint_cache
+    model = sys.modules.get(engram.MODEL_MODULE)  # its drop_checkpoint_cache, its model's load_weights
     if model is not None:
         restore(model)
+        restore(getattr(model, engram.MODEL_CLASS))
 
 
 def _tensors(path, layer):
@@ -402,6 +403,7 @@ def test_use_thp_keeps_the_page_cache_the_tables_are_read_from(engram_world, mon
     before building them and after loading. With PLE_UM set there are no host tables and the
     Engram tables are read from those pages: they stay (they were dropped), and the log says why.
     With it unset the stock release runs."""
+    import inspect
     import logging
 
     from vllm.models.deepseek_v41.nvidia import model
@@ -411,7 +413,8 @@ def test_use_thp_keeps_the_page_cache_the_tables_are_read_from(engram_world, mon
     from ple_um.vllm import engram
 
     # vLLM calls it by the name its model module imported: the name the plugin replaces.
-    for method in (model.DeepseekV4Model.__init__, model.DeepseekV41LLMForCausalLM.load_weights):
+    load_weights = inspect.unwrap(model.DeepseekV41LLMForCausalLM.load_weights)  # the plugin wraps it
+    for method in (model.DeepseekV4Model.__init__, load_weights):
         assert "drop_checkpoint_cache" in method.__code__.co_names
     tables = dict(zip(LAYERS, _config().engram_num_embeddings, strict=True))
     write_engram_checkpoint(tmp_path, tables=tables, head_dim=DIM, write_back=True)
@@ -442,3 +445,86 @@ def test_use_thp_keeps_the_page_cache_the_tables_are_read_from(engram_world, mon
         "give its huge-page Engram host tables memory, and with PLE_UM there are none; the Engram "
         "tables are read from those pages"
     ]
+
+
+def _text_model(layer):
+    """vLLM's DeepSeek-V4.1 text model class (its ``load_weights``, as the plugin patched it, with
+    its checkpoint-name mapper) over a decoder stand-in that holds only the Engram layer ``layer``
+    of model layer ``LAYERS[0]``, where vLLM's decoder holds it (``layers.<L>.engram.embed_tokens``):
+    vLLM's ``AutoWeightsLoader`` hands its tensors to its parameters' weight loader. The decoder's
+    own building (attention, experts) needs a GPU."""
+    from torch import nn
+    from vllm.models.deepseek_v41.nvidia import model as models
+
+    class Decoder(nn.Module):  # what the text model's load_weights reads of DeepseekV4Model
+        def __init__(self):
+            super().__init__()
+            engram = nn.Module()
+            engram.embed_tokens = layer
+            holder = nn.Module()
+            holder.engram = engram
+            self.layers = nn.ModuleDict({str(LAYERS[0]): holder})
+            self.vllm_config = types.SimpleNamespace(engram_config=None)
+
+        def finalize_mhc_broadcast_weights(self):
+            pass
+
+    cls = models.DeepseekV41LLMForCausalLM
+    text = cls.__new__(cls)
+    nn.Module.__init__(text)
+    text.model = Decoder()
+    return text
+
+
+def test_a_failed_model_load_leaves_nothing_for_the_next_one(
+    engram_world, monkeypatch, table_dir, checkpoint, tmp_path, rng, caplog
+):
+    """A model load that fails in vLLM's loader after the Engram rows of another checkpoint (b,
+    PLE_UM_DIR moved) arrived in memory: b's table is closed, not left staged, and nothing of that
+    load carries over: the old table serves on. A next load that sends b's scales alone then stages
+    b's table, lacking its rows (the failed load's rows do not complete it); a load that sends them
+    makes it serve, returning the rows stock loaded from b returns."""
+    import logging
+
+    from ple_um.synthetic_engram import scale_name, weight_name
+
+    config = _config()
+    other = tmp_path / "other"
+    write_engram_checkpoint(
+        other, tables=dict(zip(LAYERS, config.engram_num_embeddings, strict=True)), head_dim=DIM, seed=7
+    )
+    ours, layout = _build(engram_world, monkeypatch, True, 0)
+    text = _text_model(ours)
+    names = [weight_name(LAYERS[0]), scale_name(LAYERS[0])]  # as the checkpoint names them
+    mapped = [name for name, _ in text.hf_to_vllm_mapper.apply((name, None) for name in names)]
+    embed = f"model.layers.{LAYERS[0]}.engram.embed_tokens"
+    assert mapped == [f"{embed}.weight", f"{embed}.weight_scale_inv"]  # vLLM's names of our parameters
+    text.load_weights(list(zip(names, (t.clone() for t in _tensors(checkpoint, LAYERS[0])), strict=True)))
+    old = ours.served.table
+    assert old is not None and ours.served.staged is None
+    hashes = _hashes(layout, 0, rng, 16)
+    served = _stock_rows(engram_world, monkeypatch, checkpoint, 0, hashes)
+    assert torch.equal(_looked_up(ours, hashes).view(torch.int16), served.view(torch.int16))
+
+    table_dir(other)
+    weight, scales = _tensors(other, LAYERS[0])
+    with pytest.raises(ValueError, match="no module or parameter named"):
+        text.load_weights([(names[0], weight.clone()), ("layers.9.ffn.gate.weight", torch.zeros(1))])
+    assert ours.served.table is old and not old.closed and ours.served.staged is None
+    assert ours.stats()["staged"] is None and not ours.deliveries().names and not ours._received
+    assert torch.equal(_looked_up(ours, hashes).view(torch.int16), served.view(torch.int16))
+
+    with caplog.at_level(logging.INFO, logger="vllm.ple_um"):
+        text.load_weights([(names[1], scales.clone())])
+    assert any("stays staged" in r.message for r in caplog.records)
+    staged = ours.served.staged[0]
+    assert ours.served.table is old and not old.closed
+    assert ours.stats()["staged"] == {"directory": os.path.realpath(other), "lacks": ["shard_0.weight"]}
+    assert torch.equal(_looked_up(ours, hashes).view(torch.int16), served.view(torch.int16))
+
+    text.load_weights([(names[0], weight.clone())])
+    assert old.closed and ours.served.table is staged and ours.served.staged is None
+    want = _stock_rows(engram_world, monkeypatch, other, 0, hashes)
+    assert not torch.equal(want.view(torch.int16), served.view(torch.int16))
+    assert torch.equal(_looked_up(ours, hashes).view(torch.int16), want.view(torch.int16))
+    ours.close_table()
