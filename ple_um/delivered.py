@@ -190,6 +190,29 @@ def finish_loads(layers) -> None:
         layer.served.commit(layer.prefix)
 
 
+def load_model(layers, load):
+    """``load()``: one model's load (or one call of a weight sync) that reaches ``layers`` (their
+    tensors in several calls, in any order), and returns what it returns. Meanwhile each layer's
+    ``in_model_load`` is set: the arrival of its tensors finishes nothing. At its end
+    ``finish_loads`` checks every layer's new table before any serves; a load that fails, wherever
+    in the engine's loader, ends as a failed one for every layer (``abandon_load``), so that nothing
+    it delivered carries over to the next load."""
+    layers = list(layers)
+    for layer in layers:
+        layer.in_model_load = True
+    try:
+        result = load()
+    except BaseException:
+        for layer in layers:
+            abandon_load(layer)
+        raise
+    finally:
+        for layer in layers:
+            layer.in_model_load = False
+    finish_loads(layers)
+    return result
+
+
 def check_load(layer) -> bool:
     """The checks of ``finish_load``: True when the table may serve (``commit``). A new table stays
     staged, the old one serving with its own global scale, while the load delivered only part of it

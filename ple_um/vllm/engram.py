@@ -15,7 +15,7 @@ table (another directory, replaced files) is staged and serves only once checked
 its scales leaves it staged, said in the log and in ``stats()["staged"]``, the old table serving; a
 refusal closes it. ``apply()`` also wraps the text model's ``load_weights``
 (``DeepseekV41LLMForCausalLM``): a model's load (or one call of a sync) finishes every Engram layer's
-load once, at its end (``delivered.finish_loads``), and one that fails anywhere in vLLM's loader
+load once, at its end (``delivered.load_model``), and one that fails anywhere in vLLM's loader
 abandons it (the staged table closed, what the load delivered forgotten).
 Its ``lookup`` is the one vLLM's layer calls, with vLLM's arguments, on the stream vLLM chose:
 inline, or on the Engram prefetch stream forked before layer 0 (``cpu_offload``, the default),
@@ -98,12 +98,12 @@ def apply() -> list[str]:
 
 
 def _model_load_weights(original):
-    """DeepSeek-V4.1's ``load_weights`` (one model load, or one call of a weight sync): its Engram
-    layers finish the load once, at its end (``delivered.finish_loads``: every new table checked
-    before any serves; one delivered only in part stays staged, the old one serving), not as each
-    tensor arrives. A load that fails, wherever in vLLM's loader, ends as a failed one for every
-    layer (``abandon_load``): a table it staged is closed and what it delivered forgotten, so that
-    a later load's tensors never complete a table with the failed load's."""
+    """DeepSeek-V4.1's ``load_weights`` (one model load, or one call of a weight sync), run by
+    ``delivered.load_model``: its Engram layers finish the load once, at its end (every new table
+    checked before any serves; one delivered only in part stays staged, the old one serving), not
+    as each tensor arrives. A load that fails, wherever in vLLM's loader, ends as a failed one for
+    every layer: a table it staged is closed and what it delivered forgotten, so that a later
+    load's tensors never complete a table with the failed load's."""
 
     @functools.wraps(original)
     def load_weights(self, weights):
@@ -111,19 +111,8 @@ def _model_load_weights(original):
         if not layers:
             return original(self, weights)
         for layer in layers:
-            layer.in_model_load = True
-            layer._received.clear()
-        try:
-            loaded = original(self, weights)
-        except BaseException:
-            for layer in layers:
-                layer.abandon_load()
-            raise
-        finally:
-            for layer in layers:
-                layer.in_model_load = False
-        delivered.finish_loads(layers)
-        return loaded
+            layer._received.clear()  # a model's load ends a load of the layer alone
+        return delivered.load_model(layers, lambda: original(self, weights))
 
     return load_weights
 

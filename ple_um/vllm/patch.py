@@ -19,8 +19,9 @@ puts them back):
   when the first ple-um layer is built inside one: ``is_unused_checkpoint_weight`` (vLLM then skips
   files that hold only shard tensors and NVFP4 block scales, even with loaders that read whole
   files) and ``load_weights`` (``check_headers`` on every ple-um layer before vLLM's loader opens
-  a file, ``delivered.finish_loads`` once the whole model is loaded: every layer's new table
-  checked before any serves; then ``early.link_model``).
+  a file; run by ``delivered.load_model``: ``finish_loads`` once the whole model is loaded, every
+  layer's new table checked before any serves, or every layer's load abandoned where it fails;
+  then ``early.link_model``).
 
 The patched constructor reads PLE_UM each time a layer is built: with it unset the layer is stock.
 """
@@ -216,18 +217,8 @@ def _model_load_weights(original):
         backends = _backends(self)
         for backend in backends:
             backend.check_headers()
-        for backend in backends:
-            backend.in_model_load = True
-        try:
-            loaded = original(self, weights)
-        except BaseException:
-            for backend in backends:
-                backend.abandon_load()
-            raise
-        finally:
-            for backend in backends:
-                backend.in_model_load = False
-        delivered.finish_loads(backends)  # every new table checked before any serves
+        # Every new table checked before any serves; a failed load abandons each layer's.
+        loaded = delivered.load_model(backends, lambda: original(self, weights))
         early.link_model(self)
         return loaded
 
