@@ -19,6 +19,7 @@ from ple_um.checkpoint.scan import INDEX_FILE
 from ple_um.errors import CheckpointError, PleUmError
 from ple_um.synthetic import write_checkpoint
 from ple_um.synthetic_engram import write_engram_checkpoint
+from ple_um.units import format_bytes
 
 DEFAULT_ROWS = (16, 1024, 16384, 131072)
 # The batch sizes under --memory-limit, and the seconds of lookups (of the serving loop's steps)
@@ -95,6 +96,7 @@ class Config:
             raise BenchUsageError("--warmup times the steady state of --memory-limit or --serving: give one")
         self._check_serving()
         self._check_side_by_side()
+        self._check_named_once()
         if self.directory is not None:
             self._check_directory()
         self.size = SIZE if self.size is None else self.size
@@ -125,6 +127,20 @@ class Config:
                     f"{flag} is not a --serving option: the serving loop's lookups are a decode step's and "
                     "a prefill chunk's, in one process (and a child per --memory-limit)"
                 )
+
+    def _check_named_once(self) -> None:
+        """Each batch size, memory limit and step time is one figure, keyed by its value in the
+        results: one named twice would be timed twice (a child each under a limit), the second
+        run's figures replacing the first's."""
+        for flag, given, key in (
+            ("--rows", self.rows, str),
+            ("--memory-limit", self.memory_limits, format_bytes),
+            ("--step-ms", self.step_ms, lambda ms: f"{ms:g}"),
+        ):
+            keys = [key(value) for value in given or ()]
+            twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+            if twice is not None:
+                raise BenchUsageError(f"{flag} names {twice} twice: each is timed once, give it once")
 
     def _check_side_by_side(self) -> None:
         """The side-by-side run's own options, refused for the other runs, which would drop them

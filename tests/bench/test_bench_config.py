@@ -88,3 +88,20 @@ def test_a_cached_table_damaged_since_it_was_written_is_written_again(tmp_path, 
     assert again.directory == first.directory == config.table_path(cfg)
     assert (again.num_rows, again.row_bytes, again.files) == (first.num_rows, first.row_bytes, first.files)
     assert [os.path.getsize(f) for f in again.files] == sizes
+
+
+@pytest.mark.parametrize(
+    "given,message",
+    [
+        ({"rows": (16, 1024, 16)}, "--rows names 16 twice"),
+        ({"memory_limits": (1 << 30, 2 << 30, 1 << 30)}, "--memory-limit names 1.00 GiB twice"),
+        ({"serving": True, "step_ms": (5.0, 20.0, 5.0)}, "--step-ms names 5 twice"),
+    ],
+)
+def test_a_figure_named_twice_is_refused(given, message):
+    """Each batch size, limit and step time is one figure, keyed by its value in the results: one
+    named twice would be timed twice (a child each under a limit) and the second run's figures would
+    replace the first's in the JSON and the report without a word."""
+    with pytest.raises(config.BenchUsageError) as info:
+        config.Config(**given)
+    assert message in str(info.value)
