@@ -123,19 +123,31 @@ def path_count(modes: tuple[str, ...], cuda: bool, nvfp4: bool, seeds: bool = Tr
 CHILD_BASE_BYTES = {False: 320 << 20, True: 512 << 20}
 
 
-def child_memory(rows: tuple[int, ...], row_bytes: int, repeats: int, cuda: bool) -> dict:
+def _batches(rows: tuple[int, ...], serving: bool, every: bool = False) -> str:
+    """How a refusal names the largest batch (``every``: all of them): by --rows, or, for the
+    serving loop, which takes no --rows, by what its lookups are."""
+    if not serving:
+        return f"--rows {','.join(map(str, rows)) if every else max(rows)}"
+    if every:
+        return f"the serving step's lookups of {' and '.join(map(str, rows))} ids"
+    return f"the serving step's lookup of {max(rows)} ids"
+
+
+def child_memory(
+    rows: tuple[int, ...], row_bytes: int, repeats: int, cuda: bool, serving: bool = False
+) -> dict:
     """Bytes the bench under a memory limit holds besides the table, by kind of memory: the parent
     (RUN_OVERHEAD_BYTES) and its child, whose lookups of every batch size are open at once (ids and
     an output each, on the device), one batch size's ids drawn ahead (``repeats`` sets, on the host)
-    and a call's rows gathered on the host."""
-    n = max(rows)
+    and a call's rows gathered on the host. ``serving``: ``rows`` are the serving step's lookups."""
+    n, largest = max(rows), _batches(rows, serving)
     host = {
         "the run itself": RUN_OVERHEAD_BYTES,
         "the child process itself": CHILD_BASE_BYTES[cuda],
-        f"--rows {n}: the ids drawn ahead ({repeats} calls)": repeats * n * 8,
-        f"--rows {n}: a call's rows gathered on the host": n * (row_bytes + 8) + 4 * n * 8,
+        f"{largest}: the ids drawn ahead ({repeats} calls)": repeats * n * 8,
+        f"{largest}: a call's rows gathered on the host": n * (row_bytes + 8) + 4 * n * 8,
     }
-    device = {f"--rows {','.join(map(str, rows))}: the ids and outputs": sum(rows) * (8 + row_bytes)}
+    device = {f"{_batches(rows, serving, every=True)}: the ids and outputs": sum(rows) * (8 + row_bytes)}
     if cuda:
         return {"host": host, "gpu": device}
     host.update(device)
@@ -158,11 +170,17 @@ def serving_memory(table_bytes: int, sizes: tuple[int, ...], row_bytes: int, lim
 
 
 def check_limits(
-    limits: tuple[int, ...], rows: tuple[int, ...], row_bytes: int, repeats: int, cuda: bool
+    limits: tuple[int, ...],
+    rows: tuple[int, ...],
+    row_bytes: int,
+    repeats: int,
+    cuda: bool,
+    serving: bool = False,
 ) -> None:
     """Refuse (BenchRefused) a memory limit that cannot hold the child process itself before it
-    holds a row of the table: its run would be killed, or measure nothing of the table."""
-    needed = child_memory(rows, row_bytes, repeats, cuda)["host"]
+    holds a row of the table: its run would be killed, or measure nothing of the table.
+    ``serving``: ``rows`` are the serving step's lookups, which --prefill-tokens sizes."""
+    needed = child_memory(rows, row_bytes, repeats, cuda, serving)["host"]
     needed.pop("the run itself")
     floor = sum(needed.values())
     small = [x for x in limits if x < floor]
@@ -171,7 +189,8 @@ def check_limits(
         raise BenchRefused(
             f"--memory-limit {','.join(format_bytes(x) for x in small)}: less than the child process "
             f"holds before it holds a row of the table ({format_bytes(floor)}: {held}): give at least "
-            f"{format_bytes(floor)} (and room for the table's rows), or smaller --rows"
+            f"{format_bytes(floor)} (and room for the table's rows), or "
+            + ("fewer --prefill-tokens" if serving else "smaller --rows")
         )
 
 
@@ -185,14 +204,20 @@ def check_fits(cfg: Config, layout: ShardLayout | None, cuda: bool, gpu_free: in
     row_bytes = layout.row_bytes if layout is not None else cfg.row_bytes
     if layout is None:
         check_disk(cfg)
+    # The options that shrink the peak, for a refusal to name: every contender of the side-by-side
+    # run is open at once; a child under a limit, and the serving loop, hold no copy of the table
+    # beside its own (the resident configuration's) and open their modes one after the other.
+    advice = "give a smaller --size or --rows (or fewer --modes)"
     if cfg.serving:
         sizes = tuple(cfg.serving_lookups.values())
         if limits:
-            check_limits(limits, sizes, row_bytes, POOL_STEPS, cuda)
+            check_limits(limits, sizes, row_bytes, POOL_STEPS, cuda, serving=True)
         needed = serving_memory(table_bytes, sizes, row_bytes, bool(limits))
+        advice = "give a smaller --size or --prefill-tokens"
     elif limits:  # the bench under a limit holds no copy of the table: its child's batches
         check_limits(limits, cfg.rows, row_bytes, cfg.repeats, cuda)
         needed = child_memory(cfg.rows, row_bytes, cfg.repeats, cuda)
+        advice = "give smaller --rows or --repeats"
     else:
         nvfp4, engram = layout is not None and layout.is_nvfp4, cfg.engram
         modes = cfg.run_modes(cuda)
@@ -201,11 +226,17 @@ def check_fits(cfg: Config, layout: ShardLayout | None, cuda: bool, gpu_free: in
         if engram:  # every contender decodes to bf16
             row_bytes = 2 * (layout.row_dim if layout is not None else ENGRAM_HEAD_DIM)
         add_batches(needed, cfg.rows, row_bytes, cfg.repeats + cfg.warmup, paths, cuda)
-    check_memory(needed, mem_available(), gpu_free)
+    check_memory(needed, mem_available(), gpu_free, advice)
 
 
-def check_memory(needed: dict, host_available: int, gpu_free: int | None) -> None:
-    """Refuse (BenchRefused) a run whose peak, from ``memory_needed``, is over the memory free."""
+def check_memory(
+    needed: dict,
+    host_available: int,
+    gpu_free: int | None,
+    advice: str = "give a smaller --size or --rows (or fewer --modes)",
+) -> None:
+    """Refuse (BenchRefused) a run whose peak, from ``memory_needed``, is over the memory free,
+    ending with ``advice``: the options that make it smaller."""
     for kind, available, what in (
         ("host", host_available, "MemAvailable"),
         ("gpu", gpu_free, "the GPU's free memory"),
@@ -217,5 +248,5 @@ def check_memory(needed: dict, host_available: int, gpu_free: int | None) -> Non
         held = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items())
         raise BenchRefused(
             f"the run would hold {format_bytes(total)} of {kind} memory ({held}), more than "
-            f"{what} ({format_bytes(available)}): give a smaller --size or --rows (or fewer --modes)"
+            f"{what} ({format_bytes(available)}): {advice}"
         )

@@ -65,3 +65,25 @@ def test_check_memory_refuses_with_the_figures():
         sizing.BenchRefused, match=r"of gpu memory .* more than the GPU's free memory \(4.00 GiB\)"
     ):
         sizing.check_memory(needed, host_available=1 << 40, gpu_free=T)
+
+
+def test_a_refusal_names_the_options_of_its_own_run(tmp_path, monkeypatch):
+    """--serving takes no --rows (its lookups are a decode step's and a prefill chunk's): a refusal
+    of it names its lookups by what they are and --prefill-tokens, the option that shrinks them; a
+    run under --memory-limit holds no copy of the table: --size is not what to shrink."""
+    monkeypatch.setenv("PLE_UM_CACHE_DIR", str(tmp_path))
+    limited = config.Config(serving=True, memory_limits=(1 << 20,), size=1 << 20)
+    with pytest.raises(sizing.BenchRefused) as info:
+        sizing.check_fits(limited, None, True, None)
+    prefill = 16 * config.PREFILL_TOKENS
+    assert f"the serving step's lookup of {prefill} ids: the ids drawn ahead" in str(info.value)
+    assert str(info.value).endswith("or fewer --prefill-tokens")
+    with pytest.raises(sizing.BenchRefused) as info:
+        sizing.check_fits(config.Config(serving=True, size=1 << 20), None, True, 1 << 20)
+    assert str(info.value).endswith("give a smaller --size or --prefill-tokens")
+    assert "--rows" not in str(info.value)
+    # Under --memory-limit the child holds no copy of the table: its batches are what to shrink.
+    huge = config.Config(memory_limits=(1 << 62,), rows=(1 << 40,), size=1 << 20)
+    with pytest.raises(sizing.BenchRefused) as info:
+        sizing.check_fits(huge, None, False, None)
+    assert str(info.value).endswith("give smaller --rows or --repeats")
