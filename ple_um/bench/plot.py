@@ -114,12 +114,11 @@ _LIMIT_CURVES = (
 )
 
 
-def plot_limits(result: dict, path: str) -> None:
-    """The bench for tables larger than memory: median lookup time against the memory limit, one
-    line per path, id distribution and batch size, steady state solid, cold dashed, and the steady
-    state without the row cache (the page cache alone) dotted."""
-    fig, ax = _pyplot().subplots(figsize=(11, 5))
-    limits = [e for e in result["limits"].values() if "modes" in e]
+def limit_curves(result: dict) -> dict[tuple[str, str, str], dict[str, list]]:
+    """The curves of ``plot_limits``, by (mode, id distribution, batch size): the limits in GiB
+    (``x``, smallest first, whatever order they ran in) and at each the median of the cold calls,
+    of the steady state and of the steady state without the row cache (NaN where not measured)."""
+    limits = sorted((e for e in result["limits"].values() if "modes" in e), key=lambda e: e["bytes"])
     lines: dict[tuple[str, str, str], dict[str, list]] = {}
     for entry in limits:
         for mode, runs in entry["modes"].items():
@@ -131,6 +130,15 @@ def plot_limits(result: dict, path: str) -> None:
                     # NaN: not measured (no row cache to go without, or a steady state that failed)
                     for key, got in (("steady", row.get("steady")), ("alone", row.get("steady_page_cache"))):
                         line[key].append(got["median_us"] if got else float("nan"))
+    return lines
+
+
+def plot_limits(result: dict, path: str) -> None:
+    """The bench for tables larger than memory: median lookup time against the memory limit, one
+    line per path, id distribution and batch size, steady state solid, cold dashed, and the steady
+    state without the row cache (the page cache alone) dotted."""
+    fig, ax = _pyplot().subplots(figsize=(11, 5))
+    lines = limit_curves(result)
     for (mode, dist, n), line in lines.items():
         color = None  # the first curve's, from the colour cycle, for the line's others
         for key, style, what in _LIMIT_CURVES:

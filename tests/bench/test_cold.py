@@ -353,3 +353,26 @@ def test_a_steady_state_that_fails_keeps_the_cold_figures_and_says_why(
 
     plot_limits(result | {"device": "cpu", "table": {"bytes": layout.nbytes}}, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_plot_draws_each_curve_in_the_order_of_its_limits(tmp_path):
+    """--memory-limit 4G,1G,2G runs the limits in the order given; each curve of the plot joins its
+    points from the smallest limit to the largest, each time at its own limit (a line drawn in the
+    order given would run 4 -> 1 -> 2 GiB, back over itself, and miss the 2 -> 4 segment)."""
+    pytest.importorskip("matplotlib")
+    from ple_um.bench import plot
+
+    def figures(us: float) -> dict:
+        return {"uniform": {"16": {"cold": {"median_us": us}, "steady": {"median_us": us / 10}}}}
+
+    given = (4, 1, 2)
+    limits = {str(g << 30): {"bytes": g << 30, "modes": {"cpu": figures(100.0 * g)}} for g in given}
+    result = {"ids": {"uniform": {}}, "limits": limits, "device": "cpu", "table": {"bytes": 1 << 20}}
+    curves = plot.limit_curves(result)
+    assert list(curves) == [("cpu", "uniform", "16")]
+    line = curves["cpu", "uniform", "16"]
+    assert line["x"] == [1.0, 2.0, 4.0]
+    assert line["cold"] == [100.0, 200.0, 400.0] and line["steady"] == [10.0, 20.0, 40.0]
+    assert all(v != v for v in line["alone"])  # no page-cache-only figure: NaN, not drawn
+    plot.plot_limits(result, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
