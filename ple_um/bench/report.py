@@ -127,13 +127,15 @@ def _decode_table(result: dict) -> list[str]:
     cells = []
     for name, d in result["decode_step"].items():
         absent = "not capture-safe" if not d["capture_safe"] else "no CUDA graphs on the CPU"
+        # Replays that compute other rows than the eager step: their time is no figure of the lookup.
+        wrong = d.get("graph_replay_equals_eager") is False
         row = [name]
         for dist in result["ids"]:
             runs = d.get(dist, {})
-            row += [
-                cell(runs.get("eager"), rate=False),
-                cell(runs["graph"], rate=False) if "graph" in runs else absent,
-            ]
+            graph = cell(runs["graph"], rate=False) if "graph" in runs else absent
+            if wrong and "graph" in runs:
+                graph += " (its replays differ from the eager step: graph_replay_equals_eager false)"
+            row += [cell(runs.get("eager"), rate=False), graph]
         cells.append(row)
     step = result["method"]["decode_step"]
     what = f"decode step ({step['tokens']} tokens x {step['heads']} rows -> dequant -> proj), us"

@@ -165,3 +165,20 @@ def _fails(tmp: str) -> None:
     with open(tmp, "w") as f:
         f.write("{half")
     raise TypeError("the writer failed half way")
+
+
+def test_a_graph_replay_that_differs_from_the_eager_step_is_marked():
+    """The bench checks that replays of each captured decode step equal the eager step
+    (``graph_replay_equals_eager``); a replay that does not computes other rows, and its time is
+    no figure of the lookup: the report says so beside it, as the JSON does."""
+    result = _result()
+    steps = result["decode_step"]
+    for name, equal in ((runner.ANCHOR, True), ("ple-um cpu", False)):
+        steps[name].update(capture_safe=True, graph_replay_equals_eager=equal)
+        for dist in result["ids"]:
+            steps[name][dist]["graph"] = _timing(30.0)
+    text = report.format_report(result)
+    assert f"| {runner.ANCHOR} | 50.0 [50.0-50.0] | 30.0 [30.0-30.0] |" in text
+    wrong = "30.0 [30.0-30.0] (its replays differ from the eager step: graph_replay_equals_eager false)"
+    assert f"| ple-um cpu | 500.0 [500.0-500.0] | {wrong} |" in text
+    assert text.count(wrong) == 2
