@@ -9,8 +9,8 @@ is all there is). And the JSON, written whole or not at all.
   limit and id distribution one row per path and batch size: cold and steady medians with their
   spread, the cold figure's ratio to the ceiling, and the share of rows found in the page cache and
   in the row cache (``-`` where the table has none), and where it has one the steady state again
-  without it, the page cache alone under the same limit; beside the cold figure, the reads a cold
-  call made from the files and, where one thread made them, how long it waited for them. The cold
+  without it, the page cache alone under the same limit; beside the cold figure, its rows' share in
+  the page cache (where any: not cold), its reads from the files and, on one thread, their wait. The cold
   calls' table has no row cache (``bench/cold.py``).
 - ``format_serving``: the serving loop: what each configuration is, one table of step times (a row
   per GPU work and id distribution, a column per configuration, every cell its median with the
@@ -127,13 +127,11 @@ def _decode_table(result: dict) -> list[str]:
     cells = []
     for name, d in result["decode_step"].items():
         absent = "not capture-safe" if not d["capture_safe"] else "no CUDA graphs on the CPU"
-        # Replays that compute other rows than the eager step: their time is no figure of the lookup.
-        wrong = d.get("graph_replay_equals_eager") is False
         row = [name]
         for dist in result["ids"]:
             runs = d.get(dist, {})
             graph = cell(runs["graph"], rate=False) if "graph" in runs else absent
-            if wrong and "graph" in runs:
+            if "graph" in runs and d.get("graph_replay_equals_eager") is False:  # other rows: no figure
                 graph += " (its replays differ from the eager step: graph_replay_equals_eager false)"
             row += [cell(runs.get("eager"), rate=False), graph]
         cells.append(row)
@@ -234,7 +232,7 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
             for n, row in runs.get(dist, {}).items():
                 cold, steady, alone = row["cold"], row.get("steady"), row.get("steady_page_cache")
                 cells.append(
-                    [f"ple-um {mode} ({runs['timing']})", n, cell(cold, rate=False)]
+                    [f"ple-um {mode} ({runs['timing']})", n, _cold_cell(cold)]
                     + [f"{cold['vs_ceiling']:.2f}x" if "vs_ceiling" in cold else "-", _reads_cell(cold)]
                     # ``-`` where the steady state failed (``steady_failed``): the cold figures stand.
                     + [cell(steady, rate=False), _share(steady and steady["page_cache_hits"])]
@@ -245,6 +243,14 @@ def _limit_lines(entry: dict, ids: dict) -> list[str]:
                 )
         lines += _table(head, cells)
     return lines
+
+
+def _cold_cell(cold: dict) -> str:
+    """A cold figure, and the share of its rows in the page cache where any was: pages the child
+    could not drop (another process maps them; tmpfs files are their page cache)."""
+    share = cold.get("page_cache_hits")
+    mark = f" ({_share(share)} of its rows in the page cache: not cold)" if share else ""
+    return cell(cold, rate=False) + mark
 
 
 def _reads_cell(cold: dict) -> str:

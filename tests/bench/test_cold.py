@@ -376,3 +376,30 @@ def test_the_plot_draws_each_curve_in_the_order_of_its_limits(tmp_path):
     assert all(v != v for v in line["alone"])  # no page-cache-only figure: NaN, not drawn
     plot.plot_limits(result, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_cold_calls_that_found_their_rows_in_the_page_cache_are_marked(make_checkpoint):
+    """A page another process maps stays in the page cache when the child drops the table's pages
+    (a server serving the same checkpoint; on tmpfs the files are their page cache): its cold calls
+    then find their rows in memory, and the report says so beside the figure (the share is the
+    JSON's ``page_cache_hits``), not a cold figure that is not one."""
+    import mmap
+
+    layout = make_checkpoint(num_rows=30000, row_dim=160, dtype="fp8", shards=8, files=4)
+    cfg = Config(directory=layout.directory, rows=(16,), ids=parse_ids("uniform"), repeats=3)
+    cfg.modes, cfg.device, cfg.memory_limits, cfg.warmup_s = ("cpu",), "cpu", (1 << 30,), 0.0
+    held = []
+    try:
+        for path in layout.files:  # every page mapped and touched here, as a server would hold them
+            with open(path, "rb") as f:
+                held.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+            sum(held[-1][i] for i in range(0, len(held[-1]), PAGE))
+        result = cold.run(cfg, log=lambda line: None, hierarchy=(None, "injected: no memory controller"))
+    finally:
+        for m in held:
+            m.close()
+    c = result["limits"][str(1 << 30)]["modes"]["cpu"]["uniform"]["16"]["cold"]
+    assert c["page_cache_hits"] == 1.0
+    text = report.format_report(result)
+    mark = f"{report.cell(c, rate=False)} (100.0% of its rows in the page cache: not cold)"
+    assert f"| ple-um cpu (eager) | 16 | {mark} |" in text
