@@ -320,6 +320,24 @@ def test_bench_of_an_engram_table_end_to_end(capsys, tmp_path, monkeypatch):
     assert code == cli.EXIT_USAGE and "several Engram tables in" in err and "1, 14; pass --layer" in err
 
 
+def test_a_table_of_the_other_model_names_the_model_to_give(capsys, tmp_path):
+    """DIR holding an Engram table benched as a PLE table (the default --model), or the other way
+    round, is not a broken checkpoint: exit 2 naming the --model that reads it, before any work."""
+    write_engram_checkpoint(tmp_path / "engram", tables={1: 500})
+    code, out, err = run(capsys, "bench", str(tmp_path / "engram"))
+    assert code == cli.EXIT_USAGE and not out, err
+    assert f"no PLE shards were found in {tmp_path / 'engram'}" in err
+    assert "it holds an Engram table (layer 1): give --model deepseek-v41" in err
+    from ple_um.synthetic import write_checkpoint
+
+    write_checkpoint(
+        str(tmp_path / "ple"), num_rows=64, row_dim=16, dtype="F8_E4M3", shards=2, progress=False
+    )
+    code, out, err = run(capsys, "bench", str(tmp_path / "ple"), "--model", "deepseek-v41")
+    assert code == cli.EXIT_USAGE and not out, err
+    assert "it holds a PLE table (layer 1): give --model qwen3.8-flash-next" in err
+
+
 def _console_script() -> str:
     script = shutil.which("ple-um") or os.path.join(os.path.dirname(sys.executable), "ple-um")
     if not os.path.exists(script):
