@@ -132,15 +132,16 @@ class Config:
         """Each batch size, memory limit and step time is one figure, keyed by its value in the
         results: one named twice would be timed twice (a child each under a limit), the second
         run's figures replacing the first's."""
-        for flag, given, key in (
-            ("--rows", self.rows, str),
-            ("--memory-limit", self.memory_limits, format_bytes),
-            ("--step-ms", self.step_ms, lambda ms: f"{ms:g}"),
+        for flag, given, key, show in (
+            ("--rows", self.rows, str, str),
+            ("--memory-limit", self.memory_limits, str, format_bytes),
+            ("--step-ms", self.step_ms, lambda ms: f"{ms:g}", lambda ms: f"{ms:g}"),
         ):
-            keys = [key(value) for value in given or ()]
-            twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+            values = list(given or ())
+            keys = [key(value) for value in values]
+            twice = next((v for i, v in enumerate(values) if keys[i] in keys[:i]), None)
             if twice is not None:
-                raise BenchUsageError(f"{flag} names {twice} twice: each is timed once, give it once")
+                raise BenchUsageError(f"{flag} names {show(twice)} twice: each is timed once, give it once")
 
     def _check_side_by_side(self) -> None:
         """The side-by-side run's own options, refused for the other runs, which would drop them

@@ -105,3 +105,8 @@ def test_a_figure_named_twice_is_refused(given, message):
     with pytest.raises(config.BenchUsageError) as info:
         config.Config(**given)
     assert message in str(info.value)
+
+
+def test_figures_that_differ_by_a_byte_are_not_named_twice():
+    limits = (1 << 30, (1 << 30) + 1)  # both print as 1.00 GiB, and are two limits
+    assert config.Config(memory_limits=limits).memory_limits == limits
