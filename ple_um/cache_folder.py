@@ -225,19 +225,23 @@ def locked(path: str, wait: float) -> Iterator[str | None]:
         yield f"cannot open {path}: {exc.strerror or exc}"
         return
     _OPEN_LOCKS.add(held)
-    fd = held.fd
     try:
-        deadline, why = time.monotonic() + wait, None
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    why = f"{path} still held by another process after {wait:.0f} s"
-                    break
-                time.sleep(POLL_S)
-        yield why
+        got = flock_within(held.fd, wait)
+        yield None if got else f"{path} still held by another process after {wait:.0f} s"
     finally:
         _OPEN_LOCKS.discard(held)
         held.close()  # releases the lock
+
+
+def flock_within(fd: int, wait: float) -> bool:
+    """An exclusive ``flock`` on ``fd`` (a file's or a folder's), waited for at most ``wait``
+    seconds: whether it is held now."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)

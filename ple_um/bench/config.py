@@ -6,12 +6,13 @@ Whether the run fits this machine: ``bench/sizing.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
 
 import ple_um
-from ple_um import envs
+from ple_um import cache_folder, envs
 from ple_um.access.probe import ALL_MODES
 from ple_um.bench.ids import IdDistribution, parse_ids
 from ple_um.checkpoint import MXFP8_BLOCK, ShardLayout, read_engram_layout, read_layout
@@ -51,6 +52,9 @@ SIZE, ROW_BYTES, SHARDS = 2 << 30, 160, 128
 ENGRAM_HEAD_DIM = 256
 ENGRAM_ROW_BYTES = ENGRAM_HEAD_DIM + ENGRAM_HEAD_DIM // MXFP8_BLOCK  # a row and its scales
 ENGRAM_LAYER = 1
+# How long a bench waits for another one writing the same synthetic table (a large table at the
+# disk's speed) before it writes its own without the lock.
+TABLE_LOCK_WAIT_S = 3600.0
 
 
 class BenchUsageError(PleUmError, ValueError):
@@ -241,15 +245,42 @@ def table_written(path: str) -> bool:
     return os.path.exists(os.path.join(path, INDEX_FILE))
 
 
+@contextlib.contextmanager
+def table_lock():
+    """Held while this process writes or removes a synthetic table: an ``flock`` on the cache
+    folder itself (no file of its own, so none is left behind), waited for at most
+    TABLE_LOCK_WAIT_S; past it, or where the folder cannot be locked, the block runs without it.
+    Two benches started at once on a cache without their table would each remove the other's
+    partial folder. The kernel releases the lock when its holder's descriptor closes."""
+    try:
+        fd = os.open(cache_folder.private_folder(envs.PLE_UM_CACHE_DIR), os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # UnsafeCacheError among them: the write reports it
+        yield
+        return
+    try:
+        cache_folder.flock_within(fd, TABLE_LOCK_WAIT_S)
+        yield
+    finally:
+        os.close(fd)
+
+
 def default_table(cfg: Config, progress: bool = True) -> str:
     """The synthetic table of ``cfg.model``, written once into the cache folder: FP8 shaped like
     Qwen3.8-Flash-Next's, or an Engram table of layer ENGRAM_LAYER shaped like DeepSeek-V4.1's.
 
     It is written into ``<path>.partial`` and renamed into place when complete; a failure (a full
-    disk, an interrupt) removes the partial folder, so no half-written table is ever left or used."""
+    disk, an interrupt) removes the partial folder, so no half-written table is ever left or used.
+    One process writes it at a time (``table_lock``); another waits for it and uses its table."""
     path = table_path(cfg)
     if table_written(path):
         return path
+    with table_lock():
+        if not table_written(path):  # another process wrote it while this one waited
+            _write_table(cfg, path, progress)
+    return path
+
+
+def _write_table(cfg: Config, path: str, progress: bool) -> None:
     tmp = path + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)  # a run killed while writing (nothing else removes it)
     try:
@@ -276,7 +307,6 @@ def default_table(cfg: Config, progress: bool = True) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return path
 
 
 def bench_layout(cfg: Config) -> ShardLayout:
@@ -289,7 +319,11 @@ def bench_layout(cfg: Config) -> ShardLayout:
     try:
         return read(default_table(cfg), cfg.layer)
     except CheckpointError:  # the bench's own table, a file removed or cut short since it was written
-        shutil.rmtree(table_path(cfg))
+        with table_lock():
+            try:  # another process found it damaged too, and wrote it again while this one waited
+                return read(table_path(cfg), cfg.layer)
+            except CheckpointError:
+                shutil.rmtree(table_path(cfg), ignore_errors=True)
         return read(default_table(cfg), cfg.layer)
 
 

@@ -110,3 +110,39 @@ def test_a_figure_named_twice_is_refused(given, message):
 def test_figures_that_differ_by_a_byte_are_not_named_twice():
     limits = (1 << 30, (1 << 30) + 1)  # both print as 1.00 GiB, and are two limits
     assert config.Config(memory_limits=limits).memory_limits == limits
+
+
+def test_two_runs_that_write_the_table_at_once_both_get_it_whole(tmp_path):
+    """Two benches started together on a cache without the table (two GPUs of one machine): each
+    removed the other's partial folder, and both failed on its vanished files. The writer holds a
+    lock on the cache folder; the other waits, finds the table written and uses it."""
+    import subprocess
+    import sys
+
+    size = 64 << 20
+    # Each process imports first, then starts on its line of stdin: the two writes overlap.
+    script = (
+        "import sys, time; from ple_um.bench import config; "
+        f"cfg = config.Config(size={size}, shards=8); print('ready', flush=True); "
+        "time.sleep(float(sys.stdin.readline())); print(config.bench_layout(cfg).num_rows)"
+    )
+    env = {**os.environ, "PLE_UM_CACHE_DIR": str(tmp_path)}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    run = [sys.executable, "-c", script]
+    procs = [
+        subprocess.Popen(
+            run, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    for p in procs:
+        assert p.stdout.readline() == "ready\n"
+    for p, delay in zip(procs, ("0\n", "0.3\n"), strict=True):
+        p.stdin.write(delay)
+        p.stdin.flush()
+    outs = [p.communicate(timeout=300) for p in procs]
+    cfg = config.Config(size=size, shards=8)
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and out.split() == [str(cfg.num_rows)], err
+    assert not os.path.exists(config.table_path(cfg) + ".partial")
