@@ -28,7 +28,7 @@ from ple_um.access.build import ModeAccess
 from ple_um.access.probe import ProbeReport
 from ple_um.errors import TableClosedError
 from ple_um.kernels.launch import current_stream
-from ple_um.lookup.paths import FLOAT_OUT, LookupPaths, check_args, check_ids, check_range
+from ple_um.lookup.paths import FLOAT_OUT, LookupPaths, PackedRows, check_args, check_ids, check_range
 from ple_um.lookup.streams import ids_to_device, wait_for_streams
 from ple_um.mapping import MappedShards
 
@@ -213,17 +213,19 @@ class MappedTable:
         finally:
             self._leave()
 
-    def lookup_packed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup_packed(self, ids: torch.Tensor, *, strict: bool | None = None) -> PackedRows:
         """NVFP4, MXFP8: the raw rows of ``ids`` for callers that decode themselves. NVFP4: packed
         bytes ``ids.shape + (row_dim // 2,)`` (uint8) and block scales ``(row_dim // 16,)`` (E4M3);
-        MXFP8: E4M3 bytes ``(row_dim,)`` and E8M0 exponents ``(row_dim // 32,)``, both uint8. Zeros
-        outside the owned range and the table."""
+        MXFP8: E4M3 bytes ``(row_dim,)`` and E8M0 exponents ``(row_dim // 32,)``, both uint8. Ids as in
+        ``lookup``: zeros outside the owned range and the table, or IndexError there when strict."""
         if self._closed:
             raise TableClosedError("the table is closed")
         if self.scale_mapping is None:
             raise TypeError("lookup_packed() is for NVFP4 and MXFP8 tables; use lookup()")
         check_ids(ids)
         flat = ids_to_device(ids, self.device).reshape(-1).contiguous()
+        if strict if strict is not None else self.strict:
+            check_range(flat, self.num_rows)
         with self._in_use():
             packed, scales = self.paths.packed(flat)
         if self.layout.is_nvfp4:
@@ -327,8 +329,7 @@ def release_mode(
 
 
 def mappings_kept(mapping: MappedShards) -> bool:
-    """Whether a failed ``release_mode`` left ``mapping`` (the rows' or the block scales') to the
-    process's end."""
+    """Whether a failed ``release_mode`` kept ``mapping`` (rows' or block scales') to the process's end."""
     return any(mapping is each for kept in _KEPT_AFTER_FAILED_CLOSE for each in kept[1:])
 
 

@@ -40,6 +40,7 @@ from ple_um.lookup.host.gather import HostGather, warm_row_cache
 from ple_um.lookup.sync_gather import SyncGather
 
 FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
+PackedRows = tuple[torch.Tensor, torch.Tensor]  # NVFP4, MXFP8: raw rows and their block scales
 _ID_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8))
 # The id dtypes in words: torch's wide unsigned ones (uint16, uint32, uint64) are integers too.
 _ID_WORDS = "an integer tensor of int64, int32, int16, int8 or uint8"
@@ -181,7 +182,7 @@ class LookupPaths:
         self.host.gather(ids.view(-1), out.view(n, out.shape[-1]))
         return out
 
-    def packed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def packed(self, ids: torch.Tensor) -> PackedRows:
         """NVFP4, MXFP8: the raw rows and block scales of flat ``ids`` (uint8 [n, row_bytes], [n, D/B])."""
         n, layout = ids.numel(), self.layout
         packed = torch.empty((n, layout.row_bytes), dtype=torch.uint8, device=self.device)

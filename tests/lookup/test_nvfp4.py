@@ -95,6 +95,28 @@ def test_lookup_packed_of_no_ids_and_of_a_list(nvfp4):
             table.lookup_packed([1])
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_strict_lookup_packed_raises_for_ids_outside_the_table(nvfp4, mode):
+    """A strict table's lookup_packed raises lookup's IndexError (nothing read or counted); strict=False
+    on the call gives zeros for those ids, counted, and the file's bytes for the others."""
+    ids = torch.tensor([0, 5, nvfp4.num_rows, -1, nvfp4.num_rows - 1])
+    with ple_um.open_table(nvfp4.directory, mode=mode, device="cpu", strict=True) as table:
+        for bad in (ids, ids.to(torch.int32).view(5, 1)):
+            with pytest.raises(IndexError, match=rf"2 ids outside \[0, {nvfp4.num_rows}\)"):
+                table.lookup_packed(bad)
+        stats = table.stats()
+        assert stats["rows"] == 0 and stats["out_of_range"] == 0
+        packed, scales = table.lookup_packed(ids, strict=False)
+        assert np.array_equal(packed.numpy(), reference_rows(nvfp4, ids.numpy()))
+        assert np.array_equal(
+            scales.view(torch.uint8).numpy(), reference_rows(nvfp4.scale_layout(), ids.numpy())
+        )
+        assert table.stats()["out_of_range"] == 2
+    with ple_um.open_table(nvfp4.directory, mode="cpu", device="cpu") as table:
+        with pytest.raises(IndexError, match="1 ids outside"):
+            table.lookup_packed(torch.tensor([3, nvfp4.num_rows]), strict=True)
+
+
 def test_raw_lookup_of_an_nvfp4_table_is_refused(nvfp4):
     with ple_um.open_table(nvfp4.directory, mode="cpu", device="cpu") as table:
         with pytest.raises(TypeError, match="NVFP4"):
