@@ -312,9 +312,9 @@ class MappedShards:
         return out
 
     def changed_files(self) -> list[str]:
-        """Files whose size, inode or mtime on disk differ from what was mapped (replaced or
-        truncated since open): what can be detected without reading the data. Each file once,
-        however many runs of it are mapped."""
+        """Files whose device, inode, size or mtime on disk differ from what was mapped (replaced or
+        truncated since open; ``FileIdentity``, as ``checkpoint.replaced_files`` compares them): what
+        can be detected without reading the data. Each file once, however many runs of it are mapped."""
         changed: dict[str, None] = {}
         for r in self.regions:
             try:
@@ -322,7 +322,8 @@ class MappedShards:
             except OSError:
                 changed[r.path] = None
                 continue
-            if (st.st_size, st.st_ino, st.st_mtime_ns) != (r.st_size, r.st_ino, r.st_mtime_ns):
+            mapped = FileIdentity(r.st_dev, r.st_ino, r.st_size, r.st_mtime_ns)
+            if mapped.differs(FileIdentity.of(st)):
                 changed[r.path] = None
             elif os.fstat(r.fd).st_size < r.file_offset + r.length:
                 changed[r.path] = None

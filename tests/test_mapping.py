@@ -277,6 +277,19 @@ def test_changed_files_detects_replace_truncate_and_delete(make_checkpoint):
         assert m.changed_files() == [a, b, c, d]
 
 
+def test_changed_files_compares_the_device_as_replaced_files_does(make_checkpoint):
+    """A path that now shows a file of another filesystem (the same inode number, size and mtime
+    there) is another file: changed_files names it, as replaced_files (``FileIdentity``) does."""
+    layout = make_checkpoint(num_rows=64, row_dim=16, dtype="bf16", shards=2, files=2)
+    a, _ = layout.files
+    with MappedShards(layout) as m:
+        assert m.changed_files() == []
+        # The record of what was mapped names another device, all else equal: as if another
+        # filesystem were mounted over the checkpoint's folder with a file alike in all but that.
+        next(r for r in m.regions if r.path == a).st_dev += 1
+        assert m.changed_files() == [a]
+
+
 def test_a_file_mapped_in_two_runs_is_one_changed_file(make_checkpoint):
     """A rank whose shards lie apart in one file maps it in two runs; the file changed is one file."""
     layout = make_checkpoint(num_rows=32 * 64, row_dim=256, dtype="fp8", shards=32, files=1)
