@@ -47,16 +47,16 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def table_directory(model_folder: Callable[[list[str]], str | None]) -> str:
     """The real path of the local directory that holds the PLE table: the one ``PLE_UM_DIR`` (alias
     ``VLLM_PLE_MMAP_DIR``) names, else the engine's local folder of the model, ``model_folder(tried)``
-    (None where there is none, having added to ``tried`` why not). CheckpointError naming the
-    variable where it names no directory, or saying what was tried. Nothing is downloaded here."""
+    (None where there is none, having added to ``tried`` why not; an empty variable counts as unset).
+    CheckpointError naming the variable where it names no directory, or saying what was tried. No download."""
     directory = envs.PLE_UM_DIR
+    found = envs.KNOBS["PLE_UM_DIR"].raw()
     if directory and not os.path.isdir(directory):
-        found = envs.KNOBS["PLE_UM_DIR"].raw()
         raise CheckpointError(
             f"{found[0] if found else 'PLE_UM_DIR'}={directory!r} is not a directory: point it at the "
             "directory holding the checkpoint's *.safetensors files with the PLE shard tensors"
         )
-    tried = ["PLE_UM_DIR (alias VLLM_PLE_MMAP_DIR): unset"]
+    tried = [f"{found[0]}: set but empty" if found else "PLE_UM_DIR (alias VLLM_PLE_MMAP_DIR): unset"]
     directory = directory or model_folder(tried)
     if not directory:
         raise CheckpointError(

@@ -196,3 +196,22 @@ def test_every_knob_is_typed_and_its_values_are_of_its_type(monkeypatch, tmp_pat
 def test_only_knobs_are_annotated_as_knobs():
     hints = {name for name in typing.get_type_hints(envs) if name.startswith("PLE_UM")}
     assert hints == set(envs.KNOBS)
+
+
+@pytest.mark.parametrize("var", ["PLE_UM_DIR", "VLLM_PLE_MMAP_DIR"])
+def test_an_empty_checkpoint_directory_is_said_to_be_empty(monkeypatch, tmp_path, var):
+    """PLE_UM_DIR (or its alias) set to an empty string is taken as unset, and the error says that
+    it is empty, naming the variable set, not that it is unset."""
+    from ple_um.errors import CheckpointError
+    from ple_um.served import table_directory
+
+    monkeypatch.delenv("PLE_UM_DIR", raising=False)
+    monkeypatch.delenv("VLLM_PLE_MMAP_DIR", raising=False)
+    monkeypatch.setenv(var, "")
+    with pytest.raises(CheckpointError, match=f"Tried: {var}: set but empty; no model folder") as info:
+        table_directory(lambda tried: tried.append("no model folder"))
+    assert "unset" not in str(info.value)
+    assert table_directory(lambda tried: str(tmp_path)) == str(tmp_path.resolve())
+    monkeypatch.delenv(var)
+    with pytest.raises(CheckpointError, match=r"Tried: PLE_UM_DIR \(alias VLLM_PLE_MMAP_DIR\): unset;"):
+        table_directory(lambda tried: tried.append("no model folder"))
