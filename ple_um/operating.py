@@ -234,7 +234,8 @@ def prewarm(
     progress: Callable[[int, str], object] | None = None,
     available: Callable[[], int] = mem_available,
 ) -> dict:
-    """Fill the page cache with the first ``fraction`` of each of the table's files.
+    """Fill the page cache with the first ``fraction`` of the table's mapped bytes in each of its
+    files (``MappedShards.populate``: each mapping's span, not the file's header or other tensors).
 
     Refuses (PrewarmRefused, nothing read) when that is more than ``limit`` bytes (default:
     ``available()``, MemAvailable): the cache would evict the table's own first pages, or other

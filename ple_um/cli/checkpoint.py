@@ -34,9 +34,10 @@ ROW_CACHE_KNOBS = (
 )
 
 PREWARM = """\
-Read the table into the page cache (the first --fraction of each file). Refused (exit 3, nothing
-read) when that is more than --max-bytes, or than MemAvailable without it: the cache would evict
-the table's own first pages, or other processes' memory, to hold the rest."""
+Read the table into the page cache (the first --fraction of the table's bytes in each file).
+Refused (exit 3, nothing read) when that is more than --max-bytes, or than MemAvailable without
+it: the cache would evict the table's own first pages, or other processes' memory, to hold the
+rest."""
 
 
 def add_parsers(sub) -> None:
@@ -51,7 +52,10 @@ def add_parsers(sub) -> None:
     pw = a.add_verb(sub, "prewarm", prewarm, "read the table into the page cache", PREWARM, knobs=())
     a.add_dir(pw)
     pw.add_argument(
-        "--fraction", type=a.fraction, default=1.0, help="prewarm the first F of each file (0 < F <= 1)"
+        "--fraction",
+        type=a.fraction,
+        default=1.0,
+        help="prewarm the first F of the table's bytes in each file (0 < F <= 1)",
     )
     pw.add_argument("--force", action="store_true", help="prewarm even when larger than the limit")
     pw.add_argument(
@@ -174,7 +178,8 @@ def prewarm(args: argparse.Namespace) -> int:
     before, after = result["before"], result["after"]
     rate = f", {format_bytes(result['read_bytes'] / result['seconds'])}/s" if result["seconds"] > 0 else ""
     emit(
-        f"prewarmed {format_bytes(result['read_bytes'])} ({100 * result['fraction']:.3g}% of each file) "
+        f"prewarmed {format_bytes(result['read_bytes'])} "
+        f"({100 * result['fraction']:.3g}% of the table's bytes in each file) "
         f"of layer {result['layer']} in {result['seconds']:.2f} s{rate}"
         + (" (forced past the limit)" if result["forced"] else ""),
         f"resident: {format_bytes(before['resident_bytes'])} -> {format_bytes(after['resident_bytes'])} of "
