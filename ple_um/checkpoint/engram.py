@@ -112,9 +112,14 @@ def read_engram_layout(
 ) -> ShardLayout:
     """One layer's Engram table (``layer``: the model layer id, as in the tensors' names; None: the
     only one there is), checked, and against ``geometry`` when given (its rows, its row width, the
-    layer among the config's Engram layers)."""
+    layer among the config's Engram layers). A ``geometry`` of another type is a TypeError naming
+    it, raised before anything is read."""
     directory = os.path.abspath(os.fspath(directory))
     layer = layer_number(layer)
+    if geometry is not None and not isinstance(geometry, EngramGeometry):
+        raise TypeError(
+            f"geometry={geometry!r} ({type(geometry).__name__}): expected an EngramGeometry, or None"
+        )
     # Every Engram tensor (of ``layer`` when given) the headers hold; the first problem raises.
     found = scan(directory, layer, Problems(strict=True), engram_match)
     assert found is not None  # a strict Problems raises instead of returning nothing

@@ -71,6 +71,16 @@ def test_geometry_matches_the_tables_and_maps_heads_to_rows(tmp_path):
     assert read_engram_layout(tmp_path, 3, geometry).num_rows == 3100
 
 
+def test_a_geometry_of_another_type_is_a_type_error_naming_it(tmp_path):
+    """read_engram_layout is public: a geometry that is no EngramGeometry (its config dict, a list)
+    is a TypeError naming the argument, as open_engram_table's is, not an error from deep inside."""
+    write_engram_checkpoint(tmp_path, tables={1: 2700, 3: 3100}, head_dim=64)
+    for wrong in (TINY, [2700, 3100], "tiny", 3):
+        with pytest.raises(TypeError, match=r"^geometry=.* \(\w+\): expected an EngramGeometry, or None$"):
+            read_engram_layout(tmp_path, 3, wrong)
+    assert read_engram_layout(tmp_path, 3, None).num_rows == 3100
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
