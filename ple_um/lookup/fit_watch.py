@@ -282,9 +282,14 @@ class FitWatch(Ticker):
         an engine captures its graphs once, right after its KV cache took the memory a table fit
         in (vLLM at start-up), sooner than the thread's next check. What it builds makes no CUDA
         call (``build_paths`` prepared the device at open), so the capture stays intact. A host
-        path the thread is building already is not waited for: the capture keeps what serves."""
+        path the thread is building already is not waited for: the capture keeps what serves. A
+        check that fails (a row cache that memory ran out for) is the thread's failed check: said,
+        and the capture's lookup served by what serves, never failed by it."""
         if self.interval > 0 and time.monotonic() - self.checked_at >= CAPTURE_CHECK_AGE:
-            self.check()
+            try:
+                self.check()
+            except Exception as exc:  # noqa: BLE001 - said by tick_failed; the lookup goes on
+                self.tick_failed(exc)
 
     def close(self) -> None:
         with self._lock:  # a check another thread runs has measured, chosen and switched

@@ -23,6 +23,7 @@ import pytest
 import torch
 from helpers.cgroup import run_limited
 from helpers.machines import GH200, H200, HMM
+from helpers.populate_fails import PopulateFails
 from helpers.reference import drop_page_cache, fds_of, reference_rows
 from helpers.rowcopy_jobs import boundary_ids, in_forked_child
 
@@ -1600,3 +1601,33 @@ def test_the_touch_keeps_its_hysteresis_where_every_page_is_counted():
     assert many_out.touch is True
     assert choose(many_out, _verdict(True, True, 0.999, exact=True), **kind).touch is True
     assert choose(many_out, _verdict(True, True, 1.0, exact=True), **kind).touch is False
+
+
+def test_a_capture_check_whose_row_cache_memory_ran_out_for_keeps_what_serves(
+    table_files, machine, memory_left, monkeypatch, rng, poison, caplog
+):
+    """A check made at a capture that would switch to a host path with a row cache, whose memory
+    then cannot be faulted in (MADV_POPULATE_WRITE: ENOMEM): the capture's lookup is not failed by
+    it; the check is said to have failed, the kernel goes on serving, and the next check, the
+    memory there, switches. Every lookup exact."""
+    import errno
+
+    from ple_um.lookup.host import row_cache
+
+    monkeypatch.setenv("PLE_UM_FIT_CHECK_SEC", "0")  # checked here, by the test
+    machine(GH200)
+    with ple_um.open_table(table_files.directory, mode="ats", rows=OWNED) as table:
+        watch = table.paths.fit
+        assert table.paths.serving.path == "kernel", table.paths.serving
+        memory_left.machine = 1 * MiB  # the table no longer fits: a check builds a host path
+        monkeypatch.setattr(row_cache, "_libc", PopulateFails(errno.ENOMEM))
+        watch.interval, watch.checked_at = 60.0, 0.0  # checks at captures, the last one long ago
+        with caplog.at_level(logging.WARNING, logger="ple_um"):
+            watch.check_at_capture()  # raises nothing
+        assert "fit check" in caplog.text and "MemoryError" in caplog.text and "ENOMEM" in caplog.text
+        assert table.paths.serving.path == "kernel", table.paths.serving
+        decode_lookups(table, table_files, rng, poison, 4)
+        monkeypatch.setattr(row_cache, "_libc", PopulateFails(errno.EINVAL))  # written page by page
+        assert watch.check() and table.paths.serving.path == "host", table.paths.serving
+        assert table.stats()["row_cache"]["bytes"] > 0
+        decode_lookups(table, table_files, rng, poison, 4)

@@ -16,6 +16,7 @@ its row copies). It is not pinned: only the CPU reads it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 
 import numpy as np
@@ -39,11 +40,19 @@ MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23
 
 
 def _populate(base: int, memory: mmap.mmap, nbytes: int) -> None:
-    """Fault every page of the cache in now (MADV_POPULATE_WRITE, Linux 5.14+; else a write to each
-    page): a page first touched by a lookup costs that lookup its zeroing (a 2 MiB page: a tenth of
-    a millisecond or more), and a lookup's rows fall on pages all over the cache."""
+    """Fault every page of the cache in now (MADV_POPULATE_WRITE, Linux 5.14+; where the kernel lacks
+    it, EINVAL, a write to each page): a page first touched by a lookup costs that lookup its zeroing
+    (a 2 MiB page: a tenth of a millisecond or more), and a lookup's rows fall on pages all over the
+    cache. Where the kernel has it but could not fault the pages in (ENOMEM, EFAULT: memory ran
+    out), MemoryError: writing each page would only bring the OOM killer instead."""
     if _libc.madvise(base, nbytes, MADV_POPULATE_WRITE) == 0:
         return
+    if ctypes.get_errno() != errno.EINVAL:
+        raise MemoryError(
+            f"the row cache's {nbytes} bytes could not be faulted in (madvise MADV_POPULATE_WRITE: "
+            f"{residency.errno_text()}): too little memory left; a smaller PLE_UM_ROW_CACHE (0: none) "
+            "leaves more"
+        )
     view = np.frombuffer(memory, dtype=np.uint8)
     view[:: mmap.PAGESIZE] = 0
 
@@ -127,7 +136,11 @@ class RowCache:
         self._memory = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
         _libc.madvise(base, self.nbytes, MADV_HUGEPAGE)  # a hint: fewer TLB misses where it is taken
-        _populate(base, self._memory, self.nbytes)
+        try:
+            _populate(base, self._memory, self.nbytes)
+        except BaseException:
+            self._memory.close()  # its pages back at once, not when the traceback is let go
+            raise
         at, self._base = {name: base + offset for name, offset in offsets.items()}, base
         if policy == "lru" and follows is None:  # every other starting state is zero (empty tags...)
             heads = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * sets)).from_address(at["heads"]))
