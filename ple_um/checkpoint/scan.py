@@ -147,6 +147,9 @@ def scan(directory: str, layer: int | None, problems: Problems, match: Match = p
             return None
     else:
         files = sorted(glob.glob(os.path.join(glob.escape(directory), "*.safetensors")))
+    files, aliases = _one_name_per_file(files)
+    for name, claimed in claims.items():
+        claims[name] = aliases.get(claimed, claimed)
 
     for path in files:
         try:
@@ -161,6 +164,26 @@ def scan(directory: str, layer: int | None, problems: Problems, match: Match = p
         _collect(header, layer, found)
         _check_claims(header, claims, problems, found)
     return found
+
+
+def _one_name_per_file(paths: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``paths`` with each file once, under the first of its names (a symlink beside its target, or
+    two hard links: one file, its tensors read once, never refused as their own duplicates), and
+    each other name's kept one. A name that cannot be stat'ed is kept: reading it reports it."""
+    kept: dict[tuple[int, int], str] = {}
+    out, aliases = [], {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(path)
+            continue
+        first = kept.setdefault((st.st_dev, st.st_ino), path)
+        if first == path:
+            out.append(path)
+        else:
+            aliases[path] = first
+    return out, aliases
 
 
 def _collect(header: SafetensorsHeader, layer: int | None, found: Scan) -> None:

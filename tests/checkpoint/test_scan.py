@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
+import torch
 from helpers.hand_checkpoints import (
     INDEX,
     UNRELATED,
@@ -19,6 +21,7 @@ from helpers.hand_checkpoints import (
     shard,
 )
 from helpers.reference import (
+    reference_rows,
     write_safetensors,
 )
 
@@ -226,3 +229,26 @@ def test_a_refused_file_without_index_hides_what_it_may_hold(tmp_path, held):
     for layer in (None, 1):
         (problem,) = validate(str(tmp_path), layer)
         assert "b.safetensors" in problem and "file truncated or offsets wrong" in problem, problem
+
+
+@pytest.mark.parametrize("indexed_files", [True, False])
+def test_one_file_under_two_names_is_read_once(tmp_path, indexed_files):
+    """An index naming one file under two names (a symlink beside its target): the file's tensors
+    are read once, from the first name, not refused as their own duplicates; so too without an
+    index, where both names match *.safetensors. A hard link is the same file too."""
+    tensors = ple(rows=(3, 3, 3, 0))
+    if indexed_files:
+        mapping = {name: ("a.safetensors" if i % 2 else "b.safetensors") for i, name in enumerate(tensors)}
+        directory = indexed(tmp_path, {}, weight_map=mapping)
+    else:
+        directory = str(tmp_path)
+    write_safetensors(tmp_path / "a.safetensors", tensors)
+    os.symlink("a.safetensors", tmp_path / "b.safetensors")
+    os.link(tmp_path / "a.safetensors", tmp_path / "c.safetensors")
+    layout = read_layout(directory)
+    assert {s.path for s in layout.shards} == {str(tmp_path / "a.safetensors")}
+    assert layout.num_rows == 9 and validate(directory) == []
+    with ple_um.open_table(directory, mode="cpu", device="cpu") as table:
+        got = table.lookup(torch.arange(-1, 10))
+        want = reference_rows(layout, np.arange(-1, 10))
+        assert np.array_equal(got.view(torch.uint8).numpy().reshape(want.shape), want)
