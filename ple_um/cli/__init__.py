@@ -22,7 +22,7 @@ from functools import partial
 
 from ple_um.bench.signals import Terminated
 from ple_um.cli import bench, checkpoint, machine
-from ple_um.cli.arguments import Parser, why_not
+from ple_um.cli.arguments import Parser, other_tables, why_not
 from ple_um.cli.output import (
     EXIT_BROKEN_PIPE,
     EXIT_INCOMPLETE,
@@ -89,6 +89,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     except KnobError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     except CheckpointError as exc:  # DIR's table (a synthetic one is written valid)
+        # A verb of PLE tables given a checkpoint of Engram tables alone: the wrong verb, not a
+        # broken checkpoint (bench, which reads either, says which --model reads it).
+        directory = getattr(args, "dir", None)
+        if directory is not None and args.verb != "bench":
+            held = other_tables(directory, engram=False)
+            if held is not None:
+                raise CliError(f"{exc}: {held}; `ple-um {args.verb}` reads PLE tables", EXIT_USAGE) from None
         raise CliError(str(exc), EXIT_INVALID) from None
     except ModeUnavailableError as exc:
         raise CliError(_forced_mode(args, exc), EXIT_USAGE) from None

@@ -237,6 +237,26 @@ def one_layer(path: str, layer: int | None, engram: bool = False, *, every: bool
         raise CliError(f"{several} {found}; pass --layer to pick one", EXIT_USAGE)
 
 
+def other_tables(path: str, engram: bool) -> str | None:
+    """Where the checkpoint at ``path`` holds no table of the kind a verb reads (``engram``: Engram
+    tables, else PLE shards) but holds the other kind, what it holds, for the verb's error; else
+    None (a checkpoint of the right kind, or one whose headers cannot be read)."""
+    from ple_um.checkpoint import find_layers
+    from ple_um.errors import CheckpointError
+
+    where = os.path.abspath(path)
+    try:
+        if find_layers(where, engram=engram):
+            return None
+        other = find_layers(where, engram=not engram)
+    except CheckpointError:
+        return None
+    if not other:
+        return None
+    kind = "a PLE table" if engram else "an Engram table"
+    return f"it holds {kind} (layer {', '.join(map(str, other))})"
+
+
 def output_file(flag: str, path: str) -> None:
     """CliError (exit 2) unless ``path`` can be created or replaced as a file."""
     parent = os.path.dirname(os.path.abspath(path))

@@ -232,7 +232,6 @@ def _layout(cfg: Config):
     """DIR's table checked and its layout read; None for the synthetic table (not written yet).
     A DIR that holds the other model's tables (an Engram table benched as a PLE one, or the other
     way round) is refused naming the --model that reads it (exit 2), not as a broken checkpoint."""
-    from ple_um.checkpoint import find_layers
     from ple_um.errors import CheckpointError
 
     if cfg.directory is None:
@@ -241,17 +240,11 @@ def _layout(cfg: Config):
     try:
         return config.bench_layout(cfg)
     except CheckpointError as exc:
-        try:
-            other = find_layers(os.path.abspath(cfg.directory), engram=not cfg.engram)
-        except CheckpointError:
-            other = []
-        if not other:
+        held = a.other_tables(cfg.directory, cfg.engram)
+        if held is None:
             raise
-        kind, model = (
-            ("a PLE table", config.PLE_MODEL) if cfg.engram else ("an Engram table", config.ENGRAM_MODEL)
-        )
-        layers = ", ".join(map(str, other))
-        raise CliError(f"{exc}: it holds {kind} (layer {layers}): give --model {model}", EXIT_USAGE) from None
+        model = config.PLE_MODEL if cfg.engram else config.ENGRAM_MODEL
+        raise CliError(f"{exc}: {held}: give --model {model}", EXIT_USAGE) from None
 
 
 def _check_modes(cfg: Config, device, table_bytes: int) -> None:

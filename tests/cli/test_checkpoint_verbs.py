@@ -521,3 +521,16 @@ def test_residency_text_says_the_block_scales_its_total_counts(capsys, make_chec
         f"{units.format_bytes(scales['bytes'])} resident ({100 * scales['fraction']:.1f}%)"
     )
     assert line in out.splitlines(), out
+
+
+@pytest.mark.parametrize("verb", ["residency", "prewarm", "probe"])
+def test_a_checkpoint_of_engram_tables_names_what_it_holds(capsys, tmp_path, verb):
+    """The verbs of one PLE table given a checkpoint of Engram tables alone: not a broken checkpoint
+    (exit 1) but the wrong verb for it (exit 2), naming the Engram table and its layer."""
+    from ple_um.synthetic_engram import write_engram_checkpoint
+
+    write_engram_checkpoint(tmp_path / "engram", tables={3: 500})
+    code, out, err = run(capsys, verb, str(tmp_path / "engram"))
+    assert code == cli.EXIT_USAGE and not out, err
+    assert "no PLE shards" in err
+    assert f"it holds an Engram table (layer 3); `ple-um {verb}` reads PLE tables" in err
