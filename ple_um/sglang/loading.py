@@ -136,19 +136,20 @@ def load_weights(original, model, weights: Iterable[tuple[str, torch.Tensor]]):
             else:
                 layer[1].compare_delivered(found[1], tensor, found[2])
 
+    def load():
+        loaded = original(model, others())
+        for name, layer in served.values():
+            if loaded is not None and f"{name}.weight_scale" in loaded:
+                layer.deliveries().note_scale()
+        return loaded
+
+    # Every new table checked before any serves; a failed load abandons each layer's (the old
+    # tables serve on).
     loading = _loading.set({layer: m for layer, (_, m) in served.items()})
     try:
-        loaded = original(model, others())
-    except BaseException:
-        for _, layer in served.values():
-            layer.abandon_load()  # a table the failed load staged: the old one serves on
-        raise
+        loaded = delivered.load_model((layer for _, layer in served.values()), load)
     finally:
         _loading.reset(loading)
-    for name, layer in served.values():
-        if loaded is not None and f"{name}.weight_scale" in loaded:
-            layer.deliveries().note_scale()
-    delivered.finish_loads(layer for _, layer in served.values())  # every new table checked first
     if loaded is not None:  # as stock reports a table it copied
         loaded.update(f"{name}.weight" for name, _ in served.values())
     return loaded
